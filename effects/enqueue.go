@@ -1,0 +1,188 @@
+package effects
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Limits on what Enqueue accepts.
+const (
+	// MaxKeyLen is the longest effect key, in bytes.
+	MaxKeyLen = 512
+	// MaxPayloadLen is the largest effect payload, in bytes.
+	MaxPayloadLen = 8 << 20
+	// DefaultMaxAttempts is how many times a sender tries an effect before it is dead.
+	DefaultMaxAttempts = 25
+	// DefaultSchema is the schema used when none is given.
+	DefaultSchema = "idem"
+)
+
+const kindPattern = `^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,254}$`
+
+var (
+	kindRe   = regexp.MustCompile(kindPattern)
+	schemaRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+)
+
+// Effect is a side effect to carry out after the transaction commits.
+type Effect struct {
+	// Kind names the sender that carries it out: "email", "ledger",
+	// "publish:orders".
+	Kind string
+	// Key is the effect's stable identity, such as "receipt:pay_789". Every attempt
+	// passes it to the sender, so a receiver that honours idempotency keys applies
+	// the effect once.
+	Key string
+	// Payload is what the sender needs. It is stored as it is.
+	Payload []byte
+	// MaxAttempts caps the attempts (DefaultMaxAttempts if 0).
+	MaxAttempts int
+	// Delay makes the effect due no earlier than commit time plus Delay.
+	Delay time.Duration
+}
+
+// Result says what Enqueue did.
+type Result struct {
+	// Duplicate: the same (kind, key) with the same payload was already there;
+	// nothing was written.
+	Duplicate bool
+}
+
+// Source names the message that made an effect.
+type Source struct {
+	Consumer string
+	Tenant   string
+	Key      string
+}
+
+// Scope is what the consumer middleware puts in a handler's context for Enqueue: the
+// schema, the message the effects come from, and optionally the kinds allowed.
+type Scope struct {
+	Schema string
+	Source Source
+	// Kinds, when not empty, are the only kinds Enqueue accepts (ErrUnknownKind).
+	Kinds []string
+}
+
+type scopeKey struct{}
+
+// WithScope returns a context that carries s for Enqueue.
+func WithScope(ctx context.Context, s Scope) context.Context {
+	return context.WithValue(ctx, scopeKey{}, s)
+}
+
+// ScopeFrom returns the Scope in ctx and whether there was one.
+func ScopeFrom(ctx context.Context) (Scope, bool) {
+	s, ok := ctx.Value(scopeKey{}).(Scope)
+	return s, ok
+}
+
+// Tx is what Enqueue writes through: the handler's pgx.Tx.
+type Tx interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Enqueue stores e in tx, the transaction that holds the business write, so the
+// effect commits with it or not at all. The schema and source come from the Scope
+// that the consumer middleware put in ctx (DefaultSchema without one).
+//
+// The insert is ON CONFLICT DO NOTHING: the same (kind, key) with the same payload is
+// a no-op reported as Result{Duplicate: true}; with a different payload it is
+// ErrFingerprintMismatch. A unique violation is never caught inside the transaction,
+// because in Postgres that would abort it.
+func Enqueue(ctx context.Context, tx Tx, e Effect) (Result, error) {
+	scope, _ := ScopeFrom(ctx)
+	return EnqueueScoped(ctx, tx, scope, e)
+}
+
+// EnqueueScoped is Enqueue with the scope given explicitly, for code that enqueues
+// outside a consumer handler (a plain transaction of its own).
+func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, error) {
+	if tx == nil {
+		return Result{}, ErrNoTx
+	}
+	schema := scope.Schema
+	if schema == "" {
+		schema = DefaultSchema
+	}
+	if !schemaRe.MatchString(schema) {
+		return Result{}, fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
+	}
+	if err := ValidateEffect(e); err != nil {
+		return Result{}, err
+	}
+	if len(scope.Kinds) > 0 && !slices.Contains(scope.Kinds, e.Kind) {
+		return Result{}, fmt.Errorf("%w: %q (allowed: %s)", ErrUnknownKind, e.Kind, strings.Join(scope.Kinds, ", "))
+	}
+	maxAttempts := e.MaxAttempts
+	if maxAttempts <= 0 {
+		maxAttempts = DefaultMaxAttempts
+	}
+	fp := sha256.Sum256(e.Payload)
+	table := pgx.Identifier{schema, "effects"}.Sanitize()
+	var src [3]*string
+	if scope.Source.Consumer != "" {
+		src = [3]*string{&scope.Source.Consumer, &scope.Source.Tenant, &scope.Source.Key}
+	}
+	for {
+		var inserted bool
+		err := tx.QueryRow(ctx, `INSERT INTO `+table+` (kind, key, payload, fingerprint, max_attempts,
+				next_attempt_at, source_consumer, source_tenant, source_key)
+			VALUES ($1, $2, $3, $4, $5, now() + $6::interval, $7, $8, $9)
+			ON CONFLICT (kind, key) DO NOTHING
+			RETURNING true`,
+			e.Kind, e.Key, e.Payload, fp[:], maxAttempts, e.Delay, src[0], src[1], src[2]).Scan(&inserted)
+		if err == nil {
+			return Result{}, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return Result{}, wrapSchema(err, schema)
+		}
+		// A conflict: the next statement sees the committed row (READ COMMITTED).
+		var have []byte
+		err = tx.QueryRow(ctx, `SELECT fingerprint FROM `+table+` WHERE kind = $1 AND key = $2`, e.Kind, e.Key).Scan(&have)
+		if errors.Is(err, pgx.ErrNoRows) {
+			continue // deleted in between by the janitor: insert again
+		}
+		if err != nil {
+			return Result{}, wrapSchema(err, schema)
+		}
+		if !bytes.Equal(have, fp[:]) {
+			return Result{}, fmt.Errorf("%w: kind %q key %q", ErrFingerprintMismatch, e.Kind, e.Key)
+		}
+		return Result{Duplicate: true}, nil
+	}
+}
+
+// ValidateEffect checks an effect's kind, key and payload size.
+func ValidateEffect(e Effect) error {
+	if !kindRe.MatchString(e.Kind) {
+		return fmt.Errorf("%w: got %q", ErrInvalidKind, e.Kind)
+	}
+	if e.Key == "" || len(e.Key) > MaxKeyLen || !utf8.ValidString(e.Key) || strings.IndexByte(e.Key, 0) >= 0 {
+		return fmt.Errorf("%w: %d bytes", ErrInvalidKey, len(e.Key))
+	}
+	if len(e.Payload) > MaxPayloadLen {
+		return fmt.Errorf("%w: %d bytes", ErrPayloadTooLarge, len(e.Payload))
+	}
+	return nil
+}
+
+func wrapSchema(err error, schema string) error {
+	if errIsUndefinedTable(err) {
+		return fmt.Errorf("%w (schema %q): %v", ErrSchemaMissing, schema, err)
+	}
+	return err
+}

@@ -1,0 +1,57 @@
+package inbox
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+	"unicode/utf8"
+)
+
+// MaxKeyLen is the longest key, tenant or consumer name the inbox accepts, in bytes.
+// It keeps primary-key entries well inside a B-tree page.
+const MaxKeyLen = 512
+
+// ValidateKey checks an idempotency key. Each failure is a permanent error: an empty
+// key (ErrEmptyKey), one over MaxKeyLen bytes (ErrKeyTooLong), or one that is not
+// UTF-8 or holds a NUL byte (ErrKeyInvalid). A key is never guessed or truncated.
+func ValidateKey(key string) error {
+	switch {
+	case key == "":
+		return ErrEmptyKey
+	case len(key) > MaxKeyLen:
+		return fmt.Errorf("%w: got %d bytes", ErrKeyTooLong, len(key))
+	case !utf8.ValidString(key) || strings.IndexByte(key, 0) >= 0:
+		return ErrKeyInvalid
+	}
+	return nil
+}
+
+// ValidateTenant checks a tenant scope. The empty tenant means "no tenant".
+func ValidateTenant(tenant string) error {
+	if len(tenant) > MaxKeyLen || !utf8.ValidString(tenant) || strings.IndexByte(tenant, 0) >= 0 {
+		return ErrTenantInvalid
+	}
+	return nil
+}
+
+// ValidateConsumer checks a consumer name.
+func ValidateConsumer(name string) error {
+	if name == "" || len(name) > MaxKeyLen || !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0 {
+		return ErrConsumerInvalid
+	}
+	return nil
+}
+
+// DefaultSchema is the Postgres schema idem uses unless told otherwise.
+const DefaultSchema = "idem"
+
+var schemaPattern = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+
+// ValidateSchema checks a schema name. idem quotes it in SQL as well, but a plain
+// identifier keeps the name the same in psql, in logs and in a user's own tools.
+func ValidateSchema(schema string) error {
+	if !schemaPattern.MatchString(schema) {
+		return fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
+	}
+	return nil
+}

@@ -1,0 +1,300 @@
+package inbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// DBTX is what the store runs statements on: a pgx.Tx, a *pgx.Conn or a pool.
+type DBTX interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// State is an inbox row's state.
+type State string
+
+const (
+	// StateCompleted: the handler's work committed.
+	StateCompleted State = "completed"
+	// StateFailed: the handler failed permanently; redeliveries replay the failure.
+	StateFailed State = "failed"
+	// StateProcessing: lease mode only; a delivery holds the key until LeaseUntil.
+	StateProcessing State = "processing"
+)
+
+// Record is one inbox row.
+type Record struct {
+	Consumer    string
+	Tenant      string
+	Key         string
+	Fingerprint []byte
+	State       State
+	ErrorCode   string
+	Error       string
+	Attempts    int
+	LeaseUntil  *time.Time
+	Fence       int64
+	ReceivedAt  time.Time
+	CompletedAt *time.Time
+	ExpiresAt   time.Time
+	// Now is the database's clock when the row was read, so that callers compare
+	// leases and ages with the server's time, never their own.
+	Now time.Time
+}
+
+// ID names one inbox row.
+type ID struct {
+	Consumer string
+	Tenant   string // "" means no tenant scope
+	Key      string
+}
+
+// Validate checks the consumer, tenant and key.
+func (id ID) Validate() error {
+	if err := ValidateConsumer(id.Consumer); err != nil {
+		return err
+	}
+	if err := ValidateTenant(id.Tenant); err != nil {
+		return err
+	}
+	return ValidateKey(id.Key)
+}
+
+// Claim asks for one key.
+type Claim struct {
+	ID
+	Fingerprint []byte
+	// Retention is how long the row lives after it settles (DefaultRetention if 0).
+	Retention time.Duration
+}
+
+// DefaultRetention is how long inbox rows live unless a consumer says otherwise.
+const DefaultRetention = 7 * 24 * time.Hour
+
+// ClaimResult is what a claim found.
+type ClaimResult struct {
+	// Claimed: this caller owns the key now.
+	Claimed bool
+	// Existing is the row that was already there when Claimed is false. Its
+	// fingerprint may differ from the claim's; see Mismatch.
+	Existing *Record
+	// Mismatch: the existing row has a different fingerprint (ErrFingerprintMismatch).
+	Mismatch bool
+	// Fence is the lease fence when Claimed in lease mode.
+	Fence int64
+}
+
+// Store runs the inbox's statements against the tables in one schema.
+type Store struct {
+	schema string
+	q      queries
+}
+
+// NewStore returns a Store for schema (DefaultSchema when empty).
+func NewStore(schema string) (*Store, error) {
+	if schema == "" {
+		schema = DefaultSchema
+	}
+	if err := ValidateSchema(schema); err != nil {
+		return nil, err
+	}
+	return &Store{schema: schema, q: newQueries(quoteIdent(schema))}, nil
+}
+
+// Schema is the store's schema name.
+func (s *Store) Schema() string { return s.schema }
+
+func retentionOf(d time.Duration) time.Duration {
+	if d <= 0 {
+		return DefaultRetention
+	}
+	return d
+}
+
+// ClaimTx claims c.Key for the transactional mode, inside the caller's transaction,
+// with one INSERT … ON CONFLICT DO NOTHING. The row is written as completed: it
+// becomes visible only if the transaction commits, together with the handler's work.
+//
+// When another transaction holds an uncommitted claim of the same key, Postgres makes
+// this insert wait for it (bounded by the caller's lock_timeout). If that transaction
+// commits, the claim is a duplicate; if it rolls back, the claim succeeds. At READ
+// COMMITTED the follow-up read sees the row that the wait ended on.
+func (s *Store) ClaimTx(ctx context.Context, tx DBTX, c Claim) (ClaimResult, error) {
+	if err := c.Validate(); err != nil {
+		return ClaimResult{}, err
+	}
+	for {
+		var inserted bool
+		err := tx.QueryRow(ctx, s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
+		if err == nil {
+			return ClaimResult{Claimed: true}, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return ClaimResult{}, s.wrap(err)
+		}
+		rec, err := s.Get(ctx, tx, c.ID)
+		if errors.Is(err, ErrNotFound) {
+			// The row that blocked us was deleted between the two statements (a
+			// janitor, or a lease released); claim again.
+			continue
+		}
+		if err != nil {
+			return ClaimResult{}, err
+		}
+		return s.existing(rec, c.Fingerprint), nil
+	}
+}
+
+func (s *Store) existing(rec *Record, fp []byte) ClaimResult {
+	return ClaimResult{Existing: rec, Mismatch: !bytesEqual(rec.Fingerprint, fp)}
+}
+
+// FailTx records a permanent failure for c.Key, unless the key already has a row. It
+// returns whether it wrote the row. Call it in a transaction of its own, after the
+// handler's transaction rolled back, so that nothing of the failed work is kept.
+func (s *Store) FailTx(ctx context.Context, tx DBTX, c Claim, code, msg string) (ClaimResult, error) {
+	if err := c.Validate(); err != nil {
+		return ClaimResult{}, err
+	}
+	for {
+		var inserted bool
+		err := tx.QueryRow(ctx, s.q.fail, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg).Scan(&inserted)
+		if err == nil {
+			return ClaimResult{Claimed: true}, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return ClaimResult{}, s.wrap(err)
+		}
+		rec, err := s.Get(ctx, tx, c.ID)
+		if errors.Is(err, ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			return ClaimResult{}, err
+		}
+		return s.existing(rec, c.Fingerprint), nil
+	}
+}
+
+// Get reads one inbox row, or returns ErrNotFound.
+func (s *Store) Get(ctx context.Context, db DBTX, id ID) (*Record, error) {
+	var r Record
+	var code, msg *string
+	err := db.QueryRow(ctx, s.q.get, id.Consumer, id.Tenant, id.Key).Scan(
+		&r.Consumer, &r.Tenant, &r.Key, &r.Fingerprint, &r.State, &code, &msg, &r.Attempts,
+		&r.LeaseUntil, &r.Fence, &r.ReceivedAt, &r.CompletedAt, &r.ExpiresAt, &r.Now)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, ErrNotFound
+	}
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	if code != nil {
+		r.ErrorCode = *code
+	}
+	if msg != nil {
+		r.Error = *msg
+	}
+	return &r, nil
+}
+
+// Lease claims c.Key for lease mode and commits at once (db should be a pool or a
+// connection outside a transaction). It inserts a processing row with a lease, or
+// atomically takes over a processing row whose lease has run out, bumping its fence.
+// A fresh lease held by someone else is returned as Existing with State processing.
+func (s *Store) Lease(ctx context.Context, db DBTX, c Claim, lease time.Duration) (ClaimResult, error) {
+	if err := c.Validate(); err != nil {
+		return ClaimResult{}, err
+	}
+	for {
+		var fence int64
+		err := db.QueryRow(ctx, s.q.lease, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), lease).Scan(&fence)
+		if err == nil {
+			return ClaimResult{Claimed: true, Fence: fence}, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return ClaimResult{}, s.wrap(err)
+		}
+		rec, err := s.Get(ctx, db, c.ID)
+		if errors.Is(err, ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			return ClaimResult{}, err
+		}
+		return s.existing(rec, c.Fingerprint), nil
+	}
+}
+
+// CompleteLeaseTx marks a leased key completed, in the caller's transaction (the one
+// that holds the handler's work), if the fence still matches. Otherwise it returns
+// ErrLeaseLost and the caller must roll back.
+func (s *Store) CompleteLeaseTx(ctx context.Context, tx DBTX, id ID, fence int64, retention time.Duration) error {
+	tag, err := tx.Exec(ctx, s.q.completeLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention))
+	if err != nil {
+		return s.wrap(err)
+	}
+	if tag.RowsAffected() == 0 {
+		return ErrLeaseLost
+	}
+	return nil
+}
+
+// FailLease records a permanent failure on a leased key if the fence still matches.
+func (s *Store) FailLease(ctx context.Context, db DBTX, id ID, fence int64, retention time.Duration, code, msg string) error {
+	tag, err := db.Exec(ctx, s.q.failLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention), code, msg)
+	if err != nil {
+		return s.wrap(err)
+	}
+	if tag.RowsAffected() == 0 {
+		return ErrLeaseLost
+	}
+	return nil
+}
+
+// ReleaseLease ends a lease early after a transient failure, so that the next
+// delivery takes the key over at once instead of waiting out the lease.
+func (s *Store) ReleaseLease(ctx context.Context, db DBTX, id ID, fence int64) error {
+	_, err := db.Exec(ctx, s.q.releaseLease, id.Consumer, id.Tenant, id.Key, fence)
+	return s.wrap(err)
+}
+
+// DeleteExpired deletes up to limit completed or failed rows whose expires_at has
+// passed, and returns how many it deleted. It never deletes processing rows.
+func (s *Store) DeleteExpired(ctx context.Context, db DBTX, limit int) (int64, error) {
+	tag, err := db.Exec(ctx, s.q.deleteExpired, limit)
+	if err != nil {
+		return 0, s.wrap(err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// wrap turns a missing table into ErrSchemaMissing, which says what to do.
+func (s *Store) wrap(err error) error {
+	if err == nil {
+		return nil
+	}
+	if errIsUndefinedTable(err) {
+		return fmt.Errorf("%w (schema %q): %v", ErrSchemaMissing, s.schema, err)
+	}
+	return err
+}
+
+func bytesEqual(a, b []byte) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}

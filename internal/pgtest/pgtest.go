@@ -1,0 +1,168 @@
+// Package pgtest gives each test its own schema on a real Postgres, migrated and
+// dropped afterwards, so tests run in parallel and leave nothing behind.
+//
+// The database is DATABASE_URL, or DefaultURL. Without a reachable Postgres the test
+// fails with a message that says how to start one; it is never skipped.
+package pgtest
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/inbox"
+)
+
+// DefaultURL is the test database when DATABASE_URL is unset.
+const DefaultURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// URL is the test database's URL.
+func URL() string { return cmp.Or(os.Getenv("DATABASE_URL"), DefaultURL) }
+
+// HowToStart says how to bring up a Postgres for the tests.
+const HowToStart = `start one with:
+    docker compose up -d postgres
+or, on a machine with a local cluster:
+    pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start
+or point DATABASE_URL at a server you have`
+
+var reachable struct {
+	once sync.Once
+	err  error
+}
+
+// Require fails the test at once, with instructions, if Postgres is unreachable.
+func Require(tb testing.TB) {
+	tb.Helper()
+	reachable.once.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, URL())
+		if err != nil {
+			reachable.err = err
+			return
+		}
+		reachable.err = conn.Ping(ctx)
+		conn.Close(ctx)
+	})
+	if reachable.err != nil {
+		tb.Fatalf("Postgres is not reachable at %s: %v\n%s", URL(), reachable.err, HowToStart)
+	}
+}
+
+// NewSchemaName returns a fresh schema name for a test.
+func NewSchemaName() string {
+	b := make([]byte, 6)
+	_, _ = rand.Read(b)
+	return "t_" + hex.EncodeToString(b)
+}
+
+// Options tune Setup.
+type Options struct {
+	// MaxConns caps the test's pool (default 8). Postgres allows 100 connections in
+	// all, and tests of several packages run at once.
+	MaxConns int32
+	// NoMigrate leaves the schema empty.
+	NoMigrate bool
+}
+
+// Setup creates a fresh schema with the idem tables and a pool whose search_path is
+// that schema. Both go away when the test ends.
+func Setup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
+	tb.Helper()
+	Require(tb)
+	var o Options
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	schema := NewSchemaName()
+	pool := NewPool(tb, schema, cmp.Or(o.MaxConns, 8))
+	ctx := context.Background()
+	if !o.NoMigrate {
+		m, err := inbox.NewMigrator(pool, schema)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		if _, err := m.Up(ctx); err != nil {
+			tb.Fatalf("migrate test schema: %v", err)
+		}
+	} else if _, err := pool.Exec(ctx, `CREATE SCHEMA `+schema); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { DropSchema(tb, schema) })
+	return pool, schema
+}
+
+// NewPool opens a pool on the test database with search_path set to schema.
+func NewPool(tb testing.TB, schema string, maxConns int32) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(URL())
+	if err != nil {
+		tb.Fatalf("parse DATABASE_URL: %v", err)
+	}
+	cfg.MaxConns = maxConns
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatalf("connect to Postgres: %v\n%s", err, HowToStart)
+	}
+	tb.Cleanup(pool.Close)
+	return pool
+}
+
+// DropSchema drops a test schema and everything in it.
+func DropSchema(tb testing.TB, schema string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, URL())
+	if err != nil {
+		tb.Errorf("drop schema %s: %v", schema, err)
+		return
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`); err != nil {
+		tb.Errorf("drop schema %s: %v", schema, err)
+	}
+}
+
+// TerminateBackends cuts every connection of the pool made for schema, as a crashed
+// network or a failover would (pg_terminate_backend). It returns how many it cut.
+func TerminateBackends(tb testing.TB, schema string) int {
+	tb.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, URL())
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var n int
+	err = conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+		WHERE application_name = $1 AND pid <> pg_backend_pid()`, "idem-test:"+schema).Scan(&n)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return n
+}
+
+// Count runs a count query and returns the number.
+func Count(tb testing.TB, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, sql string, args ...any) int {
+	tb.Helper()
+	var n int
+	if err := db.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		tb.Fatalf("%s: %v", strings.TrimSpace(sql), err)
+	}
+	return n
+}
