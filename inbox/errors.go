@@ -55,7 +55,8 @@ var (
 	// ErrInvalidSchema: the schema name is not a plain lower-case identifier.
 	ErrInvalidSchema = newError("invalid_schema", "schema must match ^[a-z_][a-z0-9_]{0,62}$", true)
 	// ErrSchemaMissing: the idem tables do not exist in the schema. Run the migrations.
-	ErrSchemaMissing = newError("schema_missing", "idem tables not found: run `idem migrate up` (or inbox.Migrator.Up) first", true)
+	// It is not permanent: the message is nacked, and works once the schema exists.
+	ErrSchemaMissing = newError("schema_missing", "idem tables not found: run `idem migrate up` (or inbox.Migrator.Up) first", false)
 )
 
 // Code returns the stable code of the first error in err's chain that has one, or ""

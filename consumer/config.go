@@ -1,0 +1,239 @@
+package consumer
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemkit/idem/inbox"
+)
+
+// Defaults.
+const (
+	DefaultRetention   = inbox.DefaultRetention
+	DefaultLockTimeout = 5 * time.Second
+	DefaultBusyDelay   = 250 * time.Millisecond
+	DefaultLease       = 30 * time.Second
+	DefaultMaxBatch    = 64
+	DefaultMaxWait     = 2 * time.Millisecond
+	DefaultWorkers     = 2
+	// MaxErrorLen caps the error text stored with a failed key.
+	MaxErrorLen = 4096
+)
+
+// Mode is how the consumer uses transactions.
+type Mode int
+
+const (
+	// Transactional (the default): one transaction per message. The inbox claim,
+	// the handler's writes and its effects commit together, then the message is
+	// acked.
+	Transactional Mode = iota
+	// GroupCommit: messages handled at the same moment share one transaction, each
+	// in its own savepoint, and all are acked after the one commit. A failed
+	// message rolls back to its savepoint alone. Handler code is the same as in
+	// Transactional mode.
+	GroupCommit
+	// Lease: the inbox row commits first as processing, with a lease and a fence,
+	// for handlers that must call the outside world themselves. See the README for
+	// what this mode cannot promise.
+	Lease
+)
+
+func (m Mode) String() string {
+	switch m {
+	case Transactional:
+		return "transactional"
+	case GroupCommit:
+		return "group-commit"
+	case Lease:
+		return "lease"
+	}
+	return fmt.Sprintf("Mode(%d)", int(m))
+}
+
+// PermanentPolicy says what happens to a message whose handling failed permanently,
+// after the failure is recorded in the inbox.
+type PermanentPolicy int
+
+const (
+	// AckOnPermanent (the default): record the failure and ack. Redeliveries are
+	// acked too, and the failure is replayed to OnFailure and the metrics.
+	AckOnPermanent PermanentPolicy = iota
+	// PoisonOnPermanent: record the failure and return a *FailedError, so that a
+	// middleware.PoisonQueue placed outside publishes the message to a poison topic
+	// (and acks it). Redeliveries of a recorded failure are acked, not poisoned
+	// again.
+	PoisonOnPermanent
+)
+
+// ExpiredRetryPolicy says what happens to a message older than the retention.
+type ExpiredRetryPolicy int
+
+const (
+	// ExpiredRetryWarn (the default): count it, log a warning, and process it. Its
+	// inbox row may already be gone, so a duplicate could commit twice.
+	ExpiredRetryWarn ExpiredRetryPolicy = iota
+	// ExpiredRetryFail: count it and fail it permanently (ErrExpiredRetry).
+	ExpiredRetryFail
+)
+
+// KeyFunc returns a message's idempotency key.
+type KeyFunc func(msg *message.Message) (string, error)
+
+// Beginner starts a transaction; *pgxpool.Pool does.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// Failure is a permanent failure, fresh or replayed, given to Config.OnFailure.
+type Failure struct {
+	Consumer, Tenant, Key string
+	Code                  string
+	Error                 string
+	// Replayed: recorded by an earlier delivery; this one was acked without running.
+	Replayed bool
+}
+
+// Config configures a Consumer.
+type Config struct {
+	// Name is the consumer, the first part of every inbox key. Default: the
+	// Watermill handler name from the message context. Two handlers that share a
+	// Name share their inbox.
+	Name string
+	// Pool runs the transactions. Required.
+	Pool Beginner
+	// Schema holds the idem tables (default "idem").
+	Schema string
+	// Key gives the idempotency key (default: the message UUID). See MetadataKey
+	// and BusinessKey.
+	Key KeyFunc
+	// Tenant, if set, gives a tenant scope that becomes part of the inbox key, so
+	// the same key from two tenants is two operations. See MetadataTenant.
+	Tenant KeyFunc
+	// Fingerprint turns the payload into the fingerprint compared on redelivery
+	// (default inbox.SHA256; see inbox.CanonicalJSON).
+	Fingerprint inbox.Fingerprinter
+	// Retention is how long inbox rows live; it must exceed the longest time the
+	// broker can redeliver (default 7 days).
+	Retention time.Duration
+	// LockTimeout bounds the wait for a concurrent delivery of the same key
+	// (default 5 s). Past it the message is nacked with ErrBusy.
+	LockTimeout time.Duration
+	// BusyDelay is how long the middleware waits before nacking a message whose
+	// key is busy, so that the redelivery comes after the other delivery settled
+	// (default 250 ms).
+	BusyDelay time.Duration
+	// IsoLevel is the transaction isolation (default READ COMMITTED, which the
+	// claim relies on to see a concurrent winner's row; stricter levels turn that
+	// case into a serialization failure, which is nacked).
+	IsoLevel pgx.TxIsoLevel
+	// OnPermanent chooses what a permanent failure does after it is recorded.
+	OnPermanent PermanentPolicy
+	// OnFailure, if set, is called for every permanent failure, including replays.
+	OnFailure func(ctx context.Context, f Failure)
+	// ExpiredRetry chooses what a message older than Retention does. The message's
+	// age comes from MessageTime.
+	ExpiredRetry ExpiredRetryPolicy
+	// MessageTime gives the broker timestamp of a message, for expired retries
+	// (default: none, so no message counts as expired).
+	MessageTime func(msg *message.Message) (time.Time, bool)
+	// EffectKinds, if set, are the only kinds effects.Enqueue accepts in handlers.
+	EffectKinds []string
+
+	// Mode: Transactional (default), GroupCommit or Lease.
+	Mode Mode
+	// MaxBatch and MaxWait bound a group-commit batch (defaults 64 and 2 ms).
+	MaxBatch int
+	MaxWait  time.Duration
+	// Workers is how many group-commit batches run at once (default 2).
+	Workers int
+	// Lease is the lease length in Lease mode (default 30 s).
+	LeaseDuration time.Duration
+
+	// Logger gets structured logs (nil: quiet). Payloads are never logged.
+	Logger *slog.Logger
+	// Registerer gets the Prometheus collectors (nil: not registered).
+	Registerer prometheus.Registerer
+}
+
+func (c *Config) setDefaults() {
+	c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
+	if c.Key == nil {
+		c.Key = MessageUUID
+	}
+	if c.Fingerprint == nil {
+		c.Fingerprint = inbox.SHA256
+	}
+	c.Retention = cmp.Or(c.Retention, DefaultRetention)
+	c.LockTimeout = cmp.Or(c.LockTimeout, DefaultLockTimeout)
+	c.BusyDelay = cmp.Or(c.BusyDelay, DefaultBusyDelay)
+	c.IsoLevel = cmp.Or(c.IsoLevel, pgx.ReadCommitted)
+	c.MaxBatch = cmp.Or(c.MaxBatch, DefaultMaxBatch)
+	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
+	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
+	c.LeaseDuration = cmp.Or(c.LeaseDuration, DefaultLease)
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+// Validate checks the config after defaults.
+func (c *Config) Validate() error {
+	if c.Pool == nil {
+		return errors.New("Pool is required")
+	}
+	if err := inbox.ValidateSchema(c.Schema); err != nil {
+		return err
+	}
+	if c.Name != "" {
+		if err := inbox.ValidateConsumer(c.Name); err != nil {
+			return err
+		}
+	}
+	if c.Retention < time.Minute {
+		return fmt.Errorf("Retention %s is under a minute; it must exceed the broker's redelivery window", c.Retention)
+	}
+	if c.LockTimeout < time.Millisecond {
+		return fmt.Errorf("LockTimeout %s is under a millisecond", c.LockTimeout)
+	}
+	if c.Mode < Transactional || c.Mode > Lease {
+		return fmt.Errorf("unknown Mode %d", c.Mode)
+	}
+	if c.MaxBatch < 1 || c.Workers < 1 {
+		return errors.New("MaxBatch and Workers must be at least 1")
+	}
+	return nil
+}
+
+// MessageUUID is the default KeyFunc: the message's UUID.
+func MessageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
+
+// MetadataKey returns a KeyFunc that reads the key from a metadata field. A missing
+// field is an empty key, which fails with ErrEmptyKey: the key is never guessed.
+func MetadataKey(field string) KeyFunc {
+	return func(msg *message.Message) (string, error) { return msg.Metadata.Get(field), nil }
+}
+
+// BusinessKey returns a KeyFunc that derives the key from the payload, for example
+// "payment:" + the decoded payment ID. An error from fn is permanent.
+func BusinessKey(fn func(payload []byte) (string, error)) KeyFunc {
+	return func(msg *message.Message) (string, error) {
+		k, err := fn(msg.Payload)
+		if err != nil {
+			return "", Permanent(fmt.Errorf("business key: %w", err))
+		}
+		return k, nil
+	}
+}
+
+// MetadataTenant returns a Tenant func that reads the tenant from a metadata field.
+func MetadataTenant(field string) KeyFunc { return MetadataKey(field) }

@@ -1,0 +1,441 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
+)
+
+// Consumer runs Watermill messages through the inbox. Use its Middleware on a
+// router handler. It is safe for concurrent use.
+type Consumer struct {
+	cfg     Config
+	store   *inbox.Store
+	metrics *metrics
+	log     *slog.Logger
+
+	// group-commit mode
+	groupOnce sync.Once
+	group     *groupCommitter
+}
+
+// New validates cfg and returns a Consumer.
+func New(cfg Config) (*Consumer, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	store, err := inbox.NewStore(cfg.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
+	return &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger}, nil
+}
+
+// Close stops the group-commit workers, after the batches in progress. It is a
+// no-op in the other modes. Close the router first.
+func (c *Consumer) Close() error {
+	if c.group != nil {
+		c.group.close()
+	}
+	return nil
+}
+
+type txKey struct{}
+
+// Tx returns the transaction the consumer opened for the message being handled, or
+// nil outside an idem handler. Business writes and effects.Enqueue go through it. In
+// group-commit mode it is a savepoint inside a shared transaction: do not assume it
+// is the whole transaction.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	return tx
+}
+
+// Middleware is the Watermill handler middleware.
+func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		req, err := c.prepare(msg)
+		if err != nil {
+			return nil, err
+		}
+		if req.invalid != nil {
+			return nil, c.finish(req, c.recordFailure(req, req.invalid))
+		}
+		switch c.cfg.Mode {
+		case GroupCommit:
+			c.groupOnce.Do(func() { c.group = newGroupCommitter(c) })
+			return nil, c.group.submit(req, h)
+		case Lease:
+			return nil, c.handleLease(req, h)
+		default:
+			return nil, c.handleOne(req, h)
+		}
+	}
+}
+
+// request is one delivery on its way through the inbox.
+type request struct {
+	msg   *message.Message
+	ctx   context.Context
+	claim inbox.Claim
+	topic string
+	// invalid: a permanent error found before any claim (bad key, bad payload).
+	invalid error
+	// recordable: invalid, but the key is good, so the failure can be recorded.
+	recordable bool
+}
+
+func (r *request) attrs() []any {
+	return []any{"consumer", r.claim.Consumer, "tenant", r.claim.Tenant, "key", r.claim.Key}
+}
+
+// prepare computes the key, tenant and fingerprint. A returned error is not about
+// the message (no consumer name); an invalid message is flagged in req.invalid.
+func (c *Consumer) prepare(msg *message.Message) (*request, error) {
+	ctx := msg.Context()
+	name := c.cfg.Name
+	if name == "" {
+		name = message.HandlerNameFromCtx(ctx)
+	}
+	if name == "" {
+		return nil, ErrNoName
+	}
+	req := &request{msg: msg, ctx: ctx, topic: message.PublishTopicFromCtx(ctx)}
+	req.claim.Consumer = name
+	req.claim.Retention = c.cfg.Retention
+
+	key, err := c.cfg.Key(msg)
+	if err == nil {
+		err = inbox.ValidateKey(key)
+	}
+	if err != nil {
+		req.claim.Key = key
+		req.invalid = err
+		return req, nil
+	}
+	req.claim.Key = key
+	if c.cfg.Tenant != nil {
+		tenant, err := c.cfg.Tenant(msg)
+		if err == nil {
+			err = inbox.ValidateTenant(tenant)
+		}
+		if err != nil {
+			req.invalid = err
+			return req, nil
+		}
+		req.claim.Tenant = tenant
+	}
+
+	if c.cfg.MessageTime != nil {
+		if at, ok := c.cfg.MessageTime(msg); ok && time.Since(at) > c.cfg.Retention {
+			c.metrics.expiredRetry.WithLabelValues(name).Inc()
+			if c.cfg.ExpiredRetry == ExpiredRetryFail {
+				req.invalid = fmt.Errorf("%w: sent %s ago, retention %s", ErrExpiredRetry, time.Since(at).Round(time.Second), c.cfg.Retention)
+				req.recordable = true
+				req.claim.Fingerprint, _ = inbox.SHA256(msg.Payload)
+				return req, nil
+			}
+			c.log.Warn("idem: message older than the inbox retention; processing it, but its inbox row may be gone",
+				append(req.attrs(), "age", time.Since(at).Round(time.Second), "retention", c.cfg.Retention)...)
+		}
+	}
+
+	fp, err := c.cfg.Fingerprint(msg.Payload)
+	if err != nil {
+		// The key is good, so the failure is recorded under it, with the raw
+		// payload's fingerprint.
+		req.invalid = err
+		req.recordable = true
+		req.claim.Fingerprint, _ = inbox.SHA256(msg.Payload)
+		return req, nil
+	}
+	req.claim.Fingerprint = fp
+	return req, nil
+}
+
+type outcomeKind int
+
+const (
+	outCommitted outcomeKind = iota // handler work is in the transaction; commit it
+	outDuplicate                    // key completed before: ack
+	outReplayed                     // key failed before: ack, replay to hooks
+	outMismatch                     // same key, other payload
+	outTransient                    // nack
+	outBusy                         // key busy: nack after BusyDelay
+	outPermanent                    // handler failed permanently: record it
+	outRecorded                     // the permanent failure is recorded
+	outRejected                     // invalid message that cannot be recorded
+)
+
+type outcome struct {
+	kind outcomeKind
+	err  error
+	rec  *inbox.Record
+}
+
+// handleOne is the transactional mode: one transaction per message.
+func (c *Consumer) handleOne(req *request, h message.HandlerFunc) error {
+	ctx := req.ctx
+	tx, err := c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel})
+	if err != nil {
+		return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)})
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if err := c.setLockTimeout(ctx, tx); err != nil {
+		return c.finish(req, classify(err))
+	}
+	o := c.runInTx(req, tx, h)
+	switch o.kind {
+	case outCommitted:
+		if err := tx.Commit(ctx); err != nil {
+			return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("%w: %v", ErrCommitUnknown, err)})
+		}
+	case outPermanent:
+		_ = tx.Rollback(ctx)
+		o = c.recordFailure(req, o.err)
+	}
+	return c.finish(req, o)
+}
+
+func (c *Consumer) setLockTimeout(ctx context.Context, tx pgx.Tx) error {
+	_, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(c.cfg.LockTimeout.Milliseconds(), 10))
+	return err
+}
+
+// runInTx claims the key in tx (a transaction or a savepoint) and, if it owns the
+// key, runs the handler and stores its output messages, all in tx. It never commits.
+func (c *Consumer) runInTx(req *request, tx pgx.Tx, h message.HandlerFunc) outcome {
+	ctx := req.ctx
+	start := time.Now()
+	res, err := c.store.ClaimTx(ctx, tx, req.claim)
+	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
+	if err != nil {
+		return classify(err)
+	}
+	if !res.Claimed {
+		return existingOutcome(res)
+	}
+	return c.runHandler(req, tx, h)
+}
+
+// runHandler runs h with tx in its context and stores what it returns.
+func (c *Consumer) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) outcome {
+	scope := effects.Scope{
+		Schema: c.cfg.Schema,
+		Source: effects.Source{Consumer: req.claim.Consumer, Tenant: req.claim.Tenant, Key: req.claim.Key},
+		Kinds:  c.cfg.EffectKinds,
+	}
+	hctx := effects.WithScope(context.WithValue(req.ctx, txKey{}, tx), scope)
+	req.msg.SetContext(hctx)
+	out, err := h(req.msg)
+	req.msg.SetContext(req.ctx)
+	if err == nil {
+		err = c.storeOutput(req, tx, scope, out)
+	}
+	if err != nil {
+		if IsPermanent(err) {
+			return outcome{kind: outPermanent, err: err}
+		}
+		return classify(err)
+	}
+	return outcome{kind: outCommitted}
+}
+
+// outputNamespace is the UUIDv5 namespace of output message IDs.
+var outputNamespace = uuid.MustParse("6f1b7a3e-8c44-4d39-9f0e-1d2c3b4a5e60")
+
+// OutputUUID is the UUID of the index-th message that consumer's handler returned for
+// key (and tenant). It is the same on every run, so a re-run stores nothing new.
+func OutputUUID(consumer, tenant, key string, index int) string {
+	name := consumer + "\x00" + tenant + "\x00" + key + "\x00" + strconv.Itoa(index)
+	return uuid.NewSHA1(outputNamespace, []byte(name)).String()
+}
+
+// storeOutput stores the handler's returned messages as publish effects, in tx.
+func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out []*message.Message) error {
+	if len(out) == 0 {
+		return nil
+	}
+	if req.topic == "" {
+		return ErrNoPublishTopic
+	}
+	scope.Kinds = nil // publish effects are the consumer's own, not the handler's
+	for i, m := range out {
+		m.UUID = OutputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
+		e, err := effects.PublishEffect(req.topic, m)
+		if err != nil {
+			return Permanent(err)
+		}
+		if _, err := effects.EnqueueScoped(req.ctx, tx, scope, e); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func existingOutcome(res inbox.ClaimResult) outcome {
+	rec := res.Existing
+	switch {
+	case res.Mismatch:
+		return outcome{kind: outMismatch, rec: rec, err: fmt.Errorf("%w: consumer %q key %q", ErrFingerprintMismatch, rec.Consumer, rec.Key)}
+	case rec.State == inbox.StateCompleted:
+		return outcome{kind: outDuplicate, rec: rec}
+	case rec.State == inbox.StateFailed:
+		return outcome{kind: outReplayed, rec: rec}
+	default: // a fresh lease held by another delivery
+		return outcome{kind: outBusy, rec: rec, err: inbox.ErrLeaseHeld}
+	}
+}
+
+// recordFailure records a permanent failure in a transaction of its own.
+func (c *Consumer) recordFailure(req *request, cause error) outcome {
+	if !req.recordable && req.invalid != nil {
+		return outcome{kind: outRejected, err: cause}
+	}
+	var res inbox.ClaimResult
+	err := pgx.BeginTxFunc(req.ctx, c.cfg.Pool, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel}, func(tx pgx.Tx) error {
+		if err := c.setLockTimeout(req.ctx, tx); err != nil {
+			return err
+		}
+		var err error
+		res, err = c.store.FailTx(req.ctx, tx, req.claim, failureCode(cause), truncate(cause.Error()))
+		return err
+	})
+	if err != nil {
+		return notRecorded(cause, err)
+	}
+	if !res.Claimed {
+		return existingOutcome(res)
+	}
+	return outcome{kind: outRecorded, err: cause}
+}
+
+// notRecorded is the outcome when recording a permanent failure failed: nothing is
+// recorded, so the message is nacked and the redelivery fails the same way again.
+func notRecorded(cause, err error) outcome {
+	o := classify(err)
+	if o.kind == outPermanent {
+		o.kind = outTransient
+	}
+	o.err = fmt.Errorf("record permanent failure (%v): %w", cause, o.err)
+	return o
+}
+
+func failureCode(err error) string {
+	if code := Code(err); code != "" {
+		return code
+	}
+	return "permanent"
+}
+
+func truncate(s string) string {
+	if len(s) <= MaxErrorLen {
+		return s
+	}
+	return s[:MaxErrorLen]
+}
+
+// classify turns an error from Postgres or a handler into a transient outcome.
+func classify(err error) outcome {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable {
+		return outcome{kind: outBusy, err: fmt.Errorf("%w: %v", ErrBusy, err)}
+	}
+	if IsPermanent(err) {
+		return outcome{kind: outPermanent, err: err}
+	}
+	return outcome{kind: outTransient, err: err}
+}
+
+// finish turns an outcome into the middleware's answer (nil acks, an error nacks or
+// poisons), with metrics, logs and hooks.
+func (c *Consumer) finish(req *request, o outcome) error {
+	name := req.claim.Consumer
+	switch o.kind {
+	case outCommitted:
+		c.metrics.processed.WithLabelValues(name).Inc()
+		return nil
+	case outDuplicate:
+		c.metrics.duplicates.WithLabelValues(name).Inc()
+		if o.rec.CompletedAt != nil {
+			c.metrics.duplicateAge.WithLabelValues(name).Observe(o.rec.Now.Sub(*o.rec.CompletedAt).Seconds())
+		}
+		c.log.Debug("idem: duplicate acked", req.attrs()...)
+		return nil
+	case outReplayed:
+		c.metrics.failed.WithLabelValues(name, o.rec.ErrorCode, "true").Inc()
+		c.log.Info("idem: redelivery of a failed key acked", append(req.attrs(), "code", o.rec.ErrorCode)...)
+		c.hook(req, Failure{Code: o.rec.ErrorCode, Error: o.rec.Error, Replayed: true})
+		return nil
+	case outMismatch:
+		c.metrics.mismatch.WithLabelValues(name).Inc()
+		c.log.Error("idem: key reused with a different payload", req.attrs()...)
+		return o.err
+	case outBusy:
+		c.metrics.transientNack.WithLabelValues(name, "busy").Inc()
+		c.log.Info("idem: key busy, nacking", append(req.attrs(), "err", o.err)...)
+		select {
+		case <-time.After(c.cfg.BusyDelay):
+		case <-req.ctx.Done():
+		}
+		if !errors.Is(o.err, ErrBusy) {
+			o.err = fmt.Errorf("%w: %v", ErrBusy, o.err)
+		}
+		return o.err
+	case outTransient:
+		code := cmpOr(Code(o.err), "transient")
+		c.metrics.transientNack.WithLabelValues(name, code).Inc()
+		c.log.Info("idem: transient failure, nacking", append(req.attrs(), "err", o.err)...)
+		return o.err
+	case outRejected:
+		code := failureCode(o.err)
+		c.metrics.failed.WithLabelValues(name, code, "false").Inc()
+		c.log.Error("idem: message rejected; it has no valid key, so the failure cannot be recorded and the message is returned as an error (nacked, or poisoned by a PoisonQueue)",
+			append(req.attrs(), "code", code, "err", o.err)...)
+		c.hook(req, Failure{Code: code, Error: o.err.Error()})
+		return o.err
+	case outRecorded, outPermanent:
+		code := failureCode(o.err)
+		c.metrics.failed.WithLabelValues(name, code, "false").Inc()
+		c.log.Warn("idem: permanent failure recorded", append(req.attrs(), "code", code, "err", o.err)...)
+		c.hook(req, Failure{Code: code, Error: o.err.Error()})
+		if c.cfg.OnPermanent == PoisonOnPermanent {
+			return &FailedError{Consumer: name, Tenant: req.claim.Tenant, Key: req.claim.Key, Err: o.err}
+		}
+		return nil
+	}
+	return fmt.Errorf("idem: unknown outcome %d", o.kind)
+}
+
+func (c *Consumer) hook(req *request, f Failure) {
+	if c.cfg.OnFailure == nil {
+		return
+	}
+	f.Consumer, f.Tenant, f.Key = req.claim.Consumer, req.claim.Tenant, req.claim.Key
+	c.cfg.OnFailure(req.ctx, f)
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}

@@ -1,0 +1,107 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/idemkit/idem/inbox"
+)
+
+// Re-exported inbox errors, so handler code needs one import.
+var (
+	ErrFingerprintMismatch = inbox.ErrFingerprintMismatch
+	ErrEmptyKey            = inbox.ErrEmptyKey
+	ErrKeyTooLong          = inbox.ErrKeyTooLong
+	ErrKeyInvalid          = inbox.ErrKeyInvalid
+	ErrNotJSON             = inbox.ErrNotJSON
+	ErrSchemaMissing       = inbox.ErrSchemaMissing
+)
+
+// Error is a consumer error with a stable code.
+type Error struct {
+	code      string
+	msg       string
+	permanent bool
+}
+
+func (e *Error) Error() string   { return "idem: " + e.msg }
+func (e *Error) Code() string    { return e.code }
+func (e *Error) Permanent() bool { return e.permanent }
+
+var (
+	// ErrBusy: another delivery of the same key is running right now and did not
+	// finish within LockTimeout (or holds a fresh lease). The message is nacked
+	// after BusyDelay; the redelivery finds the other delivery's result.
+	ErrBusy = &Error{code: "busy", msg: "another delivery of this key is in progress; nacked to retry later"}
+	// ErrCommitUnknown: COMMIT failed, so whether it happened is unknown (for
+	// example the connection was cut mid-commit). The message is nacked and the
+	// inbox settles it on redelivery: the row is there (a duplicate) or not (run
+	// again).
+	ErrCommitUnknown = &Error{code: "commit_unknown", msg: "commit outcome unknown; nacked so the redelivery settles it"}
+	// ErrNoPublishTopic: the handler returned messages but the Watermill handler has
+	// no publish topic to store them for.
+	ErrNoPublishTopic = &Error{code: "no_publish_topic", msg: "handler returned messages, but the router handler has no publish topic", permanent: true}
+	// ErrNoName: the consumer has no Name and the context has no handler name.
+	ErrNoName = &Error{code: "no_consumer_name", msg: "consumer has no Name and the message context names no Watermill handler"}
+	// ErrExpiredRetry: the message is older than the consumer's retention, so its
+	// inbox row may be gone. Returned only with ExpiredRetryFail.
+	ErrExpiredRetry = &Error{code: "expired_retry", msg: "message is older than the inbox retention", permanent: true}
+)
+
+// PermanentError marks a handler failure that retrying cannot fix: a validation
+// error, an undecodable payload, a business rule. The consumer rolls the work back,
+// records the key as failed, and acks (or poisons) instead of nacking.
+type PermanentError struct {
+	Err error
+}
+
+// Permanent wraps err as a permanent failure. A nil err stays nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &PermanentError{Err: err}
+}
+
+func (e *PermanentError) Error() string   { return "permanent: " + e.Err.Error() }
+func (e *PermanentError) Unwrap() error   { return e.Err }
+func (e *PermanentError) Permanent() bool { return true }
+
+// Code is the wrapped error's code, or "permanent".
+func (e *PermanentError) Code() string {
+	if c := Code(e.Err); c != "" {
+		return c
+	}
+	return "permanent"
+}
+
+// IsPermanent reports whether err is a permanent failure: marked with Permanent, or
+// an idem validation error (bad key, non-JSON payload, mismatch, bad effect).
+func IsPermanent(err error) bool {
+	var p interface{ Permanent() bool }
+	return errors.As(err, &p) && p.Permanent()
+}
+
+// Code returns the stable code of the first coded error in err's chain, or "".
+func Code(err error) string {
+	var c interface{ Code() string }
+	if errors.As(err, &c) {
+		return c.Code()
+	}
+	return ""
+}
+
+// FailedError is returned, under PoisonOnPermanent, for a permanent failure that
+// was recorded in the inbox, so that a PoisonQueue placed outside can route it.
+type FailedError struct {
+	Consumer, Tenant, Key string
+	// Replayed: the failure was recorded by an earlier delivery.
+	Replayed bool
+	Err      error
+}
+
+func (e *FailedError) Error() string {
+	return fmt.Sprintf("idem: consumer %q key %q failed permanently: %v", e.Consumer, e.Key, e.Err)
+}
+func (e *FailedError) Unwrap() error   { return e.Err }
+func (e *FailedError) Permanent() bool { return true }

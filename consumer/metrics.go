@@ -1,0 +1,85 @@
+package consumer
+
+import (
+	"errors"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the consumer's Prometheus collectors. Several consumers in one process
+// share them: the consumer label tells them apart.
+type metrics struct {
+	processed     *prometheus.CounterVec
+	duplicates    *prometheus.CounterVec
+	duplicateAge  *prometheus.HistogramVec
+	mismatch      *prometheus.CounterVec
+	failed        *prometheus.CounterVec
+	lockWait      *prometheus.HistogramVec
+	expiredRetry  *prometheus.CounterVec
+	transientNack *prometheus.CounterVec
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		processed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_inbox_processed_total", Help: "Messages whose handler work committed.",
+		}, []string{"consumer"}),
+		duplicates: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_inbox_duplicates_total", Help: "Deliveries acked as duplicates of a committed key.",
+		}, []string{"consumer"}),
+		duplicateAge: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idem_inbox_duplicate_age_seconds",
+			Help:    "How long after the first commit a duplicate came; compare with the retention.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 4, 14), // 10 ms .. ~28 days
+		}, []string{"consumer"}),
+		mismatch: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_inbox_fingerprint_mismatch_total", Help: "Keys seen again with a different payload fingerprint.",
+		}, []string{"consumer"}),
+		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_inbox_failed_total", Help: "Permanent failures, by code; replayed=true for redeliveries of a recorded failure.",
+		}, []string{"consumer", "code", "replayed"}),
+		lockWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idem_inbox_lock_wait_seconds",
+			Help:    "Time from the start of a claim until it returned, including waits for a concurrent delivery of the key.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10),
+		}, []string{"consumer"}),
+		expiredRetry: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_inbox_expired_retry_total", Help: "Messages older than the consumer's retention.",
+		}, []string{"consumer"}),
+		transientNack: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_inbox_nacked_total", Help: "Deliveries nacked for a transient reason, by code.",
+		}, []string{"consumer", "code"}),
+	}
+	var err error
+	for _, f := range []func() error{
+		func() (e error) { m.processed, e = registerAs(reg, m.processed); return },
+		func() (e error) { m.duplicates, e = registerAs(reg, m.duplicates); return },
+		func() (e error) { m.duplicateAge, e = registerAs(reg, m.duplicateAge); return },
+		func() (e error) { m.mismatch, e = registerAs(reg, m.mismatch); return },
+		func() (e error) { m.failed, e = registerAs(reg, m.failed); return },
+		func() (e error) { m.lockWait, e = registerAs(reg, m.lockWait); return },
+		func() (e error) { m.expiredRetry, e = registerAs(reg, m.expiredRetry); return },
+		func() (e error) { m.transientNack, e = registerAs(reg, m.transientNack); return },
+	} {
+		if err = f(); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// registerAs registers c, or returns the collector already registered under the
+// same name, so that two consumers on one registry share their metrics.
+func registerAs[T prometheus.Collector](reg prometheus.Registerer, c T) (T, error) {
+	if reg == nil {
+		return c, nil
+	}
+	err := reg.Register(c)
+	var are prometheus.AlreadyRegisteredError
+	if errors.As(err, &are) {
+		if existing, ok := are.ExistingCollector.(T); ok {
+			return existing, nil
+		}
+	}
+	return c, err
+}
