@@ -3,6 +3,7 @@ package consumer
 import (
 	"errors"
 	"fmt"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/idemkit/idem/inbox"
 )
@@ -105,3 +106,8 @@ func (e *FailedError) Error() string {
 }
 func (e *FailedError) Unwrap() error   { return e.Err }
 func (e *FailedError) Permanent() bool { return true }
+
+// ShouldRetry is for middleware.Retry's ShouldRetry field: it retries transient
+// errors only. A permanent failure is recorded already; retrying it would only
+// replay the record.
+func ShouldRetry(p middleware.RetryParams) bool { return !IsPermanent(p.Err) }
