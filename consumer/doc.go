@@ -1,0 +1,26 @@
+// Package consumer is idem's Watermill middleware: it runs every message through the
+// Postgres inbox inside the same transaction as the handler's business writes.
+//
+// What it guarantees, for a consumer C and key K, while the inbox row lives:
+//
+//   - Once per key. The handler's database work commits at most once, with
+//     redelivery, producer duplicates, reordering, concurrent delivery of one key to
+//     two instances, and a crash at any point. It commits at least once unless the
+//     message is judged a permanent failure.
+//   - Effects are durable before they run. effects.Enqueue in the handler, and every
+//     message the handler returns, become effect rows in the same transaction.
+//   - Same key, different payload, is loud: ErrFingerprintMismatch, never a duplicate.
+//   - Transient failures are never frozen: only success and permanent failures are
+//     recorded. Any other error rolls back and nacks.
+//
+// What it does not do: it does not make a handler's calls to the outside world
+// happen once (enqueue them as effects instead), and it cannot recognise a
+// duplicate that arrives after the retention deleted its row. Lease mode, for
+// handlers that must call out themselves, trades the first guarantee for "the
+// handler may run again after a lease runs out; its database work still commits
+// once".
+//
+// The handler reads its transaction with Tx(ctx). In GroupCommit mode that is a
+// savepoint inside a transaction shared with other messages, so handler code must
+// not assume it owns the whole transaction.
+package consumer

@@ -1,0 +1,127 @@
+package effects_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+func TestEnqueue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t)
+	scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "payments", Key: "pay_789"}}
+	enqueue := func(e effects.Effect) (res effects.Result, err error) {
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			res, err = effects.Enqueue(effects.WithScope(ctx, scope), tx, e)
+			return err
+		})
+		return res, err
+	}
+	e := effects.Effect{Kind: "email", Key: "receipt:pay_789", Payload: []byte(`{"to":"a@b.c"}`)}
+	res, err := enqueue(e)
+	require.NoError(t, err)
+	require.False(t, res.Duplicate)
+
+	res, err = enqueue(e)
+	require.NoError(t, err)
+	require.True(t, res.Duplicate, "same key, same payload: a no-op")
+
+	e2 := e
+	e2.Payload = []byte(`{"to":"x@y.z"}`)
+	_, err = enqueue(e2)
+	require.ErrorIs(t, err, effects.ErrFingerprintMismatch)
+	require.Equal(t, "effect_fingerprint_mismatch", effects.Code(err))
+
+	var state, src string
+	var maxAttempts int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT state, source_consumer, max_attempts FROM effects WHERE kind='email'`).Scan(&state, &src, &maxAttempts))
+	require.Equal(t, "pending", state)
+	require.Equal(t, "payments", src)
+	require.Equal(t, effects.DefaultMaxAttempts, maxAttempts)
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects`))
+}
+
+// A duplicate enqueue inside a transaction keeps the transaction usable: the insert
+// never raises a unique violation.
+func TestEnqueueDuplicateKeepsTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t)
+	scope := effects.Scope{Schema: schema}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		e := effects.Effect{Kind: "ledger", Key: "k", Payload: []byte("1")}
+		for range 3 {
+			if _, err := effects.EnqueueScoped(ctx, tx, scope, e); err != nil {
+				return err
+			}
+		}
+		_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "ledger", Key: "k2", Payload: []byte("2")})
+		return err
+	})
+	require.NoError(t, err)
+	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM effects`))
+}
+
+func TestEnqueueValidation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t)
+	cases := []struct {
+		e     effects.Effect
+		scope effects.Scope
+		want  error
+	}{
+		{effects.Effect{Kind: "", Key: "k"}, effects.Scope{}, effects.ErrInvalidKind},
+		{effects.Effect{Kind: "has space", Key: "k"}, effects.Scope{}, effects.ErrInvalidKind},
+		{effects.Effect{Kind: "email", Key: ""}, effects.Scope{}, effects.ErrInvalidKey},
+		{effects.Effect{Kind: "email", Key: strings.Repeat("k", 10*1024)}, effects.Scope{}, effects.ErrInvalidKey},
+		{effects.Effect{Kind: "email", Key: "bad\xff"}, effects.Scope{}, effects.ErrInvalidKey},
+		{effects.Effect{Kind: "email", Key: "k", Payload: make([]byte, effects.MaxPayloadLen+1)}, effects.Scope{}, effects.ErrPayloadTooLarge},
+		{effects.Effect{Kind: "sms", Key: "k"}, effects.Scope{Kinds: []string{"email"}}, effects.ErrUnknownKind},
+	}
+	for _, tc := range cases {
+		tc.scope.Schema = schema
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := effects.EnqueueScoped(ctx, tx, tc.scope, tc.e)
+			return err
+		})
+		require.ErrorIs(t, err, tc.want)
+		require.NotEmpty(t, effects.Code(err))
+	}
+	_, err := effects.Enqueue(ctx, nil, effects.Effect{Kind: "email", Key: "k"})
+	require.ErrorIs(t, err, effects.ErrNoTx)
+	require.Equal(t, 0, pgtest.Count(t, pool, `SELECT count(*) FROM effects`))
+}
+
+func TestEnqueueMissingSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "email", Key: "k"})
+		return err
+	})
+	require.ErrorIs(t, err, effects.ErrSchemaMissing)
+}
+
+func TestStoredMessageRoundTrip(t *testing.T) {
+	t.Parallel()
+	e, err := effects.PublishEffect("orders", newMsg())
+	require.NoError(t, err)
+	require.Equal(t, "publish:orders", e.Kind)
+	topic, ok := effects.TopicOf(e.Kind)
+	require.True(t, ok)
+	require.Equal(t, "orders", topic)
+	m, err := effects.DecodeMessage(e.Payload)
+	require.NoError(t, err)
+	require.Equal(t, e.Key, m.UUID)
+	require.Equal(t, "v", m.Metadata.Get("k"))
+	require.Equal(t, "body", string(m.Payload))
+}
