@@ -1,0 +1,353 @@
+// Package benchkit drives one workload under several setups side by side, for
+// `idem bench` and the `go test -bench` benchmarks: a bare handler with its own
+// transaction, idem per message, idem with group commit, and Watermill's in-memory
+// Deduplicator. The broker is Watermill's GoChannel with one topic per "partition";
+// a message and its duplicates go to the partition of their key, as in Kafka, and
+// partitions are handled concurrently.
+package benchkit
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math"
+	mrand "math/rand/v2"
+	"runtime"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/effects"
+)
+
+// Setup names a way of handling the workload.
+type Setup string
+
+// The setups.
+const (
+	Bare         Setup = "bare"         // (a) own transaction, no dedupe
+	PerMessage   Setup = "idem"         // (b) idem, one transaction per message
+	GroupCommit  Setup = "idem-group"   // (c) idem, group commit
+	Deduplicator Setup = "deduplicator" // (d) Watermill's middleware.Deduplicator + bare handler
+)
+
+// AllSetups is the order the setups run in.
+var AllSetups = []Setup{Bare, PerMessage, GroupCommit, Deduplicator}
+
+// Options describe the workload.
+type Options struct {
+	// DatabaseURL is the Postgres to run against. Each run opens its own pool, with
+	// a tracer that counts COMMITs exactly.
+	DatabaseURL string
+	Schema      string // migrated idem schema; the business table is made in it
+	MaxConns    int32  // pool size (default Concurrency + 4)
+	// N unique messages; DupRate of them are delivered twice.
+	N           int
+	DupRate     float64
+	Concurrency int // partitions handled at once (default 16)
+	PayloadSize int // bytes (default 128)
+	Seed        uint64
+	// Progress, if set, is called about every 1% with deliveries handled so far.
+	Progress func(done, total int)
+	// MaxBatch and MaxWait tune group commit (consumer defaults if 0).
+	MaxBatch int
+	MaxWait  time.Duration
+	Workers  int
+
+	pool *pgxpool.Pool
+}
+
+// Result is one setup's figures.
+type Result struct {
+	Setup         Setup         `json:"setup"`
+	Messages      int           `json:"messages"`
+	Deliveries    int           `json:"deliveries"`
+	Elapsed       time.Duration `json:"elapsed_ns"`
+	MsgsPerSec    float64       `json:"msgs_per_sec"` // deliveries per second
+	P50           time.Duration `json:"p50_ns"`
+	P99           time.Duration `json:"p99_ns"`
+	CommitsPerMsg float64       `json:"commits_per_msg"`
+	BusinessRows  int           `json:"business_rows"`
+	// CommittedTwice is business rows beyond one per message; Lost is messages
+	// with no business row.
+	CommittedTwice int    `json:"committed_twice"`
+	Lost           int    `json:"lost"`
+	PeakHeapBytes  uint64 `json:"peak_heap_bytes"`
+}
+
+func (o *Options) defaults() {
+	o.Concurrency = cmp.Or(o.Concurrency, 16)
+	o.PayloadSize = cmp.Or(o.PayloadSize, 128)
+}
+
+// Run drives the workload once under setup. It creates (and empties) the business
+// table and the idem tables' rows of its schema first.
+func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
+	o.defaults()
+	if o.N <= 0 {
+		return Result{}, errors.New("benchkit: N must be positive")
+	}
+	counter := &commitCounter{}
+	pool, err := openPool(ctx, o, counter)
+	if err != nil {
+		return Result{}, err
+	}
+	defer pool.Close()
+	o.pool = pool
+	if err := reset(ctx, pool, o.Schema); err != nil {
+		return Result{}, err
+	}
+	handler, closeFn, err := build(setup, o)
+	if err != nil {
+		return Result{}, err
+	}
+	defer closeFn()
+
+	commitsBefore := counter.n.Load()
+
+	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
+	defer pubsub.Close()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		return Result{}, err
+	}
+
+	hist := newHistogram()
+	var handled atomic.Int64
+	// The outermost middleware times every delivery and counts it once it is acked.
+	measure := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			start := time.Now()
+			out, err := h(msg)
+			if err == nil {
+				hist.observe(time.Since(start))
+				handled.Add(1)
+			}
+			return out, err
+		}
+	}
+	for p := range o.Concurrency {
+		name := fmt.Sprintf("bench-%d", p)
+		h := router.AddConsumerHandler(name, name, pubsub, handler)
+		h.AddMiddleware(measure)
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	routerDone := make(chan error, 1)
+	go func() { routerDone <- router.Run(runCtx) }()
+	select {
+	case <-router.Running():
+	case err := <-routerDone:
+		return Result{}, fmt.Errorf("router: %w", err)
+	}
+
+	// Produce lazily with a bound on messages in flight, so memory stays flat
+	// however large N is.
+	rng := mrand.New(mrand.NewPCG(o.Seed, 42))
+	payload := make([]byte, o.PayloadSize)
+	_, _ = rand.Read(payload)
+	const window = 4096
+	total := 0
+	var peak uint64
+	var ms runtime.MemStats
+	start := time.Now()
+	step := max(o.N/100, 1)
+	for i := range o.N {
+		copies := 1
+		if rng.Float64() < o.DupRate {
+			copies = 2
+		}
+		id := consumer.NewUUID()
+		topic := fmt.Sprintf("bench-%d", partition(id, o.Concurrency))
+		for range copies {
+			for int64(total)-handled.Load() >= window {
+				time.Sleep(50 * time.Microsecond)
+			}
+			if err := pubsub.Publish(topic, message.NewMessage(id, payload)); err != nil {
+				return Result{}, err
+			}
+			total++
+		}
+		if i%step == 0 {
+			if o.Progress != nil {
+				o.Progress(int(handled.Load()), o.N)
+			}
+			runtime.ReadMemStats(&ms)
+			peak = max(peak, ms.HeapInuse)
+		}
+	}
+	for handled.Load() < int64(total) {
+		select {
+		case err := <-routerDone:
+			return Result{}, fmt.Errorf("router stopped: %v", err)
+		case <-time.After(time.Millisecond):
+		}
+	}
+	elapsed := time.Since(start)
+	if o.Progress != nil {
+		o.Progress(o.N, o.N)
+	}
+	cancel()
+	<-routerDone
+
+	res := Result{Setup: setup, Messages: o.N, Deliveries: total, Elapsed: elapsed,
+		MsgsPerSec: float64(total) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),
+		PeakHeapBytes: peak}
+	res.CommitsPerMsg = float64(counter.n.Load()-commitsBefore) / float64(total)
+	t := pgx.Identifier{o.Schema, "bench_biz"}.Sanitize()
+	var distinct int
+	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT key) FROM `+t).Scan(&res.BusinessRows, &distinct); err != nil {
+		return Result{}, err
+	}
+	res.CommittedTwice = res.BusinessRows - distinct
+	res.Lost = o.N - distinct
+	return res, nil
+}
+
+func partition(key string, n int) int {
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(key))
+	return int(h.Sum32() % uint32(n))
+}
+
+func reset(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	s := pgx.Identifier{schema}.Sanitize()
+	_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+s+`.bench_biz (id bigserial PRIMARY KEY, key text NOT NULL, payload bytea);
+		TRUNCATE `+s+`.bench_biz, `+s+`.inbox, `+s+`.effects`)
+	return err
+}
+
+// commitCounter counts the COMMITs that succeed on the pool: exact, whatever else
+// runs on the database.
+type commitCounter struct{ n atomic.Int64 }
+
+type commitKey struct{}
+
+func (c *commitCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if len(d.SQL) == 6 && (d.SQL == "commit" || d.SQL == "COMMIT") {
+		return context.WithValue(ctx, commitKey{}, true)
+	}
+	return ctx
+}
+
+func (c *commitCounter) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryEndData) {
+	if ctx.Value(commitKey{}) != nil && d.Err == nil {
+		c.n.Add(1)
+	}
+}
+
+func openPool(ctx context.Context, o Options, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(o.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("database URL: %w", err)
+	}
+	cfg.MaxConns = cmp.Or(o.MaxConns, int32(o.Concurrency)+4)
+	cfg.ConnConfig.Tracer = tracer
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+// build returns the handler (with any middleware) for a setup.
+func build(setup Setup, o Options) (message.NoPublishHandlerFunc, func(), error) {
+	scope := effects.Scope{Schema: o.Schema}
+	biz := pgx.Identifier{o.Schema, "bench_biz"}.Sanitize()
+	work := func(ctx context.Context, tx pgx.Tx, msg *message.Message, sc effects.Scope) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+biz+` (key, payload) VALUES ($1, $2)`, msg.UUID, msg.Payload); err != nil {
+			return err
+		}
+		_, err := effects.EnqueueScoped(ctx, tx, sc, effects.Effect{Kind: "bench", Key: "fx:" + msg.UUID, Payload: msg.Payload})
+		return err
+	}
+	bare := func(msg *message.Message) error {
+		ctx := msg.Context()
+		return pgx.BeginFunc(ctx, o.pool, func(tx pgx.Tx) error { return work(ctx, tx, msg, scope) })
+	}
+	switch setup {
+	case Bare:
+		return bare, func() {}, nil
+	case Deduplicator:
+		repo, err := middleware.NewMapExpiringKeyRepository(time.Hour)
+		if err != nil {
+			return nil, nil, err
+		}
+		d := &middleware.Deduplicator{
+			KeyFactory: func(m *message.Message) (string, error) { return m.UUID, nil },
+			Repository: repo,
+		}
+		h := d.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, bare(msg) })
+		return func(msg *message.Message) error { _, err := h(msg); return err }, func() {}, nil
+	case PerMessage, GroupCommit:
+		cfg := consumer.Config{Name: "bench", Pool: o.pool, Schema: o.Schema,
+			MaxBatch: o.MaxBatch, MaxWait: o.MaxWait, Workers: o.Workers}
+		if setup == GroupCommit {
+			cfg.Mode = consumer.GroupCommit
+		}
+		c, err := consumer.New(cfg)
+		if err != nil {
+			return nil, nil, err
+		}
+		h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			sc, _ := effects.ScopeFrom(ctx)
+			return nil, work(ctx, consumer.Tx(ctx), msg, sc)
+		})
+		return func(msg *message.Message) error { _, err := h(msg); return err }, func() { _ = c.Close() }, nil
+	}
+	return nil, nil, fmt.Errorf("benchkit: unknown setup %q", setup)
+}
+
+// histogram keeps latencies in log-spaced buckets (about 2% wide), so memory is
+// flat however many messages run.
+type histogram struct {
+	mu      sync.Mutex
+	buckets [1200]int64
+	n       int64
+}
+
+func newHistogram() *histogram { return &histogram{} }
+
+const histBase = 1.02
+
+func (h *histogram) observe(d time.Duration) {
+	us := max(float64(d)/float64(time.Microsecond), 1)
+	i := min(int(math.Log(us)/math.Log(histBase)), len(h.buckets)-1)
+	h.mu.Lock()
+	h.buckets[i]++
+	h.n++
+	h.mu.Unlock()
+}
+
+func (h *histogram) quantile(q float64) time.Duration {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	target := int64(math.Ceil(q * float64(h.n)))
+	var seen int64
+	for i, c := range h.buckets {
+		seen += c
+		if seen >= target && c > 0 {
+			return time.Duration(math.Pow(histBase, float64(i)+0.5) * float64(time.Microsecond))
+		}
+	}
+	return 0
+}
+
+// Sorted returns results in AllSetups order.
+func Sorted(rs []Result) []Result {
+	order := map[Setup]int{}
+	for i, s := range AllSetups {
+		order[s] = i
+	}
+	sort.SliceStable(rs, func(i, j int) bool { return order[rs[i].Setup] < order[rs[j].Setup] })
+	return rs
+}

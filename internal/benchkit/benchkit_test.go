@@ -1,0 +1,55 @@
+package benchkit_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/benchkit"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// TestSetupsAgree runs a small workload with duplicates under every setup: each
+// must lose nothing, and every setup but the bare handler must write one business
+// row per message (the in-memory deduplicator too, within one process).
+func TestSetupsAgree(t *testing.T) {
+	t.Parallel()
+	_, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2})
+	for _, s := range benchkit.AllSetups {
+		res, err := benchkit.Run(context.Background(), s, benchkit.Options{
+			DatabaseURL: pgtest.URL(), Schema: schema, N: 500, DupRate: 0.3, Concurrency: 8,
+		})
+		require.NoError(t, err, s)
+		require.Zero(t, res.Lost, s)
+		if s == benchkit.Bare {
+			require.Equal(t, res.Deliveries-500, res.CommittedTwice, "the bare handler has no dedupe")
+		} else {
+			require.Zero(t, res.CommittedTwice, s)
+		}
+		require.Greater(t, res.Deliveries, 500, s)
+		require.Positive(t, res.MsgsPerSec)
+		t.Logf("%-13s %8.0f msgs/s p50 %v p99 %v commits/msg %.2f", s, res.MsgsPerSec, res.P50, res.P99, res.CommitsPerMsg)
+	}
+}
+
+func BenchmarkSetups(b *testing.B) {
+	_, schema := pgtest.Setup(b, pgtest.Options{MaxConns: 2})
+	ctx := context.Background()
+	results := map[benchkit.Setup]benchkit.Result{}
+	for _, s := range benchkit.AllSetups {
+		b.Run(string(s), func(b *testing.B) {
+			res, err := benchkit.Run(ctx, s, benchkit.Options{
+				DatabaseURL: pgtest.URL(), Schema: schema, N: max(b.N, 2000), DupRate: 0.1, Concurrency: 16,
+			})
+			require.NoError(b, err)
+			results[s] = res
+			b.ReportMetric(res.MsgsPerSec, "msgs/s")
+			b.ReportMetric(float64(res.P99.Microseconds()), "p99-µs")
+			b.ReportMetric(res.CommitsPerMsg, "commits/msg")
+			if bare, ok := results[benchkit.Bare]; ok && s != benchkit.Bare {
+				b.ReportMetric(res.MsgsPerSec/bare.MsgsPerSec, "x-bare")
+			}
+		})
+	}
+}
