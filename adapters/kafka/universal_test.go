@@ -1,0 +1,70 @@
+package kafka_test
+
+import (
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
+
+	"github.com/idemkit/idem/adapters/kafka"
+)
+
+// Order holds per partition, and the suite's publisher keys records by
+// payload, so messages of one payload type share a partition: that is what
+// the in-order test checks. Duplicates are possible (ExactlyOnceDelivery is
+// false): after a rebalance the new owner redelivers what was not committed.
+func universalFeatures() tests.Features {
+	return tests.Features{
+		ConsumerGroups:      true,
+		ExactlyOnceDelivery: false,
+		GuaranteedOrder:     true,
+		Persistent:          true,
+		// A new member of an existing group continues from the group's
+		// offsets; only a new group (or a groupless Subscriber) reads old
+		// messages, and the suite's constructor keeps one group per test.
+		NewSubscriberReceivesOldMessages: false,
+	}
+}
+
+const universalPartitions = 4
+
+func byPayload(_ string, msg *message.Message) ([]byte, error) { return msg.Payload, nil }
+
+func runUniversal(t *testing.T, brokers []string) {
+	tests.TestPubSub(t, universalFeatures(),
+		func(t *testing.T) (message.Publisher, message.Subscriber) {
+			// One group per suite test: the tests that re-create the
+			// subscriber expect it to continue where the last one stopped.
+			return newPublisher(t, brokers, byPayload),
+				newSubscriber(t, subscriberConfig(brokers, "universal-"+sanitize(t.Name()), universalPartitions))
+		},
+		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+			return newPublisher(t, brokers, byPayload),
+				newSubscriber(t, subscriberConfig(brokers, group, universalPartitions))
+		},
+	)
+}
+
+func TestUniversalKfake(t *testing.T) {
+	runUniversal(t, startCluster(t))
+}
+
+func TestUniversalExternal(t *testing.T) {
+	brokers := externalBrokers()
+	if brokers == nil {
+		t.Skip("KAFKA_BROKERS is not set; the kfake run covers the suite")
+	}
+	runUniversal(t, brokers)
+}
+
+var _ = kafka.UUIDHeader
+
+func sanitize(s string) string {
+	b := []byte(s)
+	for i, c := range b {
+		if c == '/' || c == ' ' {
+			b[i] = '_'
+		}
+	}
+	return string(b)
+}
