@@ -45,19 +45,20 @@ func runUniversal(t *testing.T, brokers []string) {
 	)
 }
 
-func TestUniversalKfake(t *testing.T) {
-	runUniversal(t, startCluster(t))
-}
-
-func TestUniversalExternal(t *testing.T) {
-	brokers := externalBrokers()
-	if brokers == nil {
-		t.Skip("KAFKA_BROKERS is not set; the kfake run covers the suite")
+// TestUniversal runs Watermill's suite against kfake, and also against the
+// brokers in KAFKA_BROKERS when that is set.
+func TestUniversal(t *testing.T) {
+	t.Run("kfake", func(t *testing.T) {
+		runUniversal(t, startCluster(t))
+	})
+	if brokers := externalBrokers(); brokers != nil {
+		t.Run("external", func(t *testing.T) {
+			runUniversal(t, brokers)
+		})
 	}
-	runUniversal(t, brokers)
 }
 
-var _ = kafka.UUIDHeader
+var _ kafka.PartitionKeyFunc = byPayload
 
 func sanitize(s string) string {
 	b := []byte(s)
