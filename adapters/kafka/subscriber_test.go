@@ -259,8 +259,11 @@ func TestWithoutGroupAndForeignRecords(t *testing.T) {
 	t.Parallel()
 	b := setup(t, 2)
 
+	transport := &kafkago.Transport{}
+	defer transport.CloseIdleConnections()
 	w := &kafkago.Writer{
 		Addr:         kafkago.TCP(b.brokers...),
+		Transport:    transport,
 		Balancer:     kafkago.BalancerFunc(func(_ kafkago.Message, _ ...int) int { return 1 }),
 		BatchTimeout: time.Millisecond,
 		RequiredAcks: kafkago.RequireAll,

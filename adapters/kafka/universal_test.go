@@ -1,6 +1,7 @@
 package kafka_test
 
 import (
+	"sync"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -31,16 +32,35 @@ const universalPartitions = 4
 func byPayload(_ string, msg *message.Message) ([]byte, error) { return msg.Payload, nil }
 
 func runUniversal(t *testing.T, brokers []string) {
+	// TestPublishSubscribeInOrder closes its multiplied subscriber before it
+	// subscribes (`defer require.NoError(t, sub.Close())` evaluates Close at
+	// once), so the suite never closes those. Close every subscriber the
+	// constructors made once the suite is done, so that goleak stays useful.
+	var mu sync.Mutex
+	var subs []*kafka.Subscriber
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, s := range subs {
+			_ = s.Close()
+		}
+	})
+	newSub := func(t *testing.T, group string) *kafka.Subscriber {
+		s := newSubscriber(t, subscriberConfig(brokers, group, universalPartitions))
+		mu.Lock()
+		subs = append(subs, s)
+		mu.Unlock()
+		return s
+	}
+
 	tests.TestPubSub(t, universalFeatures(),
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
 			// One group per suite test: the tests that re-create the
 			// subscriber expect it to continue where the last one stopped.
-			return newPublisher(t, brokers, byPayload),
-				newSubscriber(t, subscriberConfig(brokers, "universal-"+sanitize(t.Name()), universalPartitions))
+			return newPublisher(t, brokers, byPayload), newSub(t, "universal-"+sanitize(t.Name()))
 		},
 		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return newPublisher(t, brokers, byPayload),
-				newSubscriber(t, subscriberConfig(brokers, group, universalPartitions))
+			return newPublisher(t, brokers, byPayload), newSub(t, group)
 		},
 	)
 }
