@@ -48,8 +48,8 @@
 // either a business key taken from the payload, or the record's position
 // ([PartitionOffsetKey]) as its key. Received messages also carry
 // MetadataKey, MetadataTimestamp and MetadataDeliveryCount (how many times
-// this process has delivered the record; it starts again at 1 in another
-// process).
+// this Subscribe call, so this process, has delivered the record; it starts
+// again at 1 in another process).
 //
 // # Consumer groups and groupless reading
 //

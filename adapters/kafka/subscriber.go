@@ -53,6 +53,16 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 // Each message must be acked or nacked. The next message of its partition
 // is delivered only after that.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	// Look the partitions up before taking the lock, so that a slow broker
+	// does not hold up Close.
+	var partitions []int
+	if s.cfg.GroupID == "" {
+		var err error
+		if partitions, err = s.partitions(ctx, topic); err != nil {
+			return nil, err
+		}
+	}
+
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -79,11 +89,6 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		}
 		run = func(ctx context.Context) { sub.runGroup(ctx, group) }
 	} else {
-		partitions, err := s.partitions(ctx, topic)
-		if err != nil {
-			cancel()
-			return nil, err
-		}
 		run = func(ctx context.Context) { sub.runPartitions(ctx, partitions) }
 	}
 
