@@ -105,6 +105,9 @@ type PublisherConfig struct {
 	// after the broker has the message.
 	Async bool
 
+	// The fields below mean what the kafka.Writer fields of the same name
+	// mean. Zero takes this package's default where there is one
+	// (MaxAttempts, BatchSize, BatchTimeout), and kafka-go's otherwise.
 	MaxAttempts     int
 	WriteBackoffMin time.Duration
 	WriteBackoffMax time.Duration
