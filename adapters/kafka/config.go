@@ -1,0 +1,259 @@
+package kafka
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/segmentio/kafka-go"
+)
+
+// Publisher defaults. kafka-go's own defaults are tuned for throughput of
+// fire-and-forget producers; these are tuned for a synchronous Publish that
+// returns once the broker has the message.
+const (
+	// DefaultBatchTimeout bounds how long the Writer waits to fill a batch.
+	// kafka-go's default of 1 s would dominate every single-message Publish.
+	DefaultBatchTimeout = 2 * time.Millisecond
+	// DefaultBatchSize is the number of messages per partition batch.
+	DefaultBatchSize = 1000
+	// DefaultMetadataTTL is how long the publisher's transport caches topic
+	// metadata. kafka.DefaultTransport keeps it for 6 s, so a partition added
+	// to a topic stays unseen for that long.
+	DefaultMetadataTTL = time.Second
+	// DefaultRequiredAcks waits for every in-sync replica (acks=all).
+	DefaultRequiredAcks = kafka.RequireAll
+	// DefaultMaxAttempts is how many times a write is tried before Publish fails.
+	DefaultMaxAttempts = 10
+)
+
+// Subscriber defaults. They favour correctness (commit only what was acked)
+// and fast rebalances: kafka-go's MaxWait of 10 s and HeartbeatInterval of
+// 3 s make a rebalance and a Close take about 9 s.
+const (
+	// DefaultMaxWait is the longest a fetch waits for new data. It also bounds
+	// how long stopping a partition reader takes.
+	DefaultMaxWait = 250 * time.Millisecond
+	// DefaultHeartbeatInterval is how often a member tells the coordinator it
+	// is alive. A rebalance is noticed within one interval.
+	DefaultHeartbeatInterval = 500 * time.Millisecond
+	// DefaultSessionTimeout is how long the coordinator waits for a heartbeat
+	// before it declares a member dead and hands its partitions to others.
+	DefaultSessionTimeout = 10 * time.Second
+	// DefaultRebalanceTimeout is how long the coordinator waits for members
+	// to rejoin during a rebalance.
+	DefaultRebalanceTimeout = 10 * time.Second
+	// DefaultJoinGroupBackoff is the pause before rejoining after an error.
+	DefaultJoinGroupBackoff = 500 * time.Millisecond
+	// DefaultCommitInterval is how often acked offsets are committed.
+	// Commits are coalesced, never advanced past an unacked message, and
+	// flushed when a partition is released.
+	DefaultCommitInterval = 100 * time.Millisecond
+	// DefaultNackBackoff is the pause before a nacked message is delivered
+	// again.
+	DefaultNackBackoff = 100 * time.Millisecond
+	// DefaultMaxConcurrentPartitions is how many partitions may have a message
+	// in flight at the same time, per Subscribe call.
+	DefaultMaxConcurrentPartitions = 64
+	// DefaultTopicPartitions is the partition count SubscribeInitialize uses.
+	DefaultTopicPartitions = 1
+	// DefaultTopicReplicationFactor is the replication factor
+	// SubscribeInitialize uses; -1 asks the broker for its default
+	// (Kafka 2.4 and later).
+	DefaultTopicReplicationFactor = -1
+)
+
+// PartitionKeyFunc picks the Kafka record key of a message. Records with the
+// same key go to the same partition and are therefore delivered in order.
+// A nil key lets the balancer choose a partition.
+type PartitionKeyFunc func(topic string, msg *message.Message) ([]byte, error)
+
+// PartitionKeyFromMetadata keys records by the value of a metadata field.
+// A message without that field gets a nil key.
+func PartitionKeyFromMetadata(field string) PartitionKeyFunc {
+	return func(_ string, msg *message.Message) ([]byte, error) {
+		if v := msg.Metadata.Get(field); v != "" {
+			return []byte(v), nil
+		}
+		return nil, nil
+	}
+}
+
+// PublisherConfig configures a Publisher. The fields mirror kafka.Writer;
+// unset fields get this package's defaults, not kafka-go's.
+type PublisherConfig struct {
+	// Brokers are the bootstrap addresses. Required.
+	Brokers []string
+
+	// PartitionKey picks each record's key. Nil means no key (the balancer
+	// spreads records over partitions, so there is no order between them).
+	PartitionKey PartitionKeyFunc
+
+	// Balancer picks a partition from the key. Default: &kafka.Hash{} (the
+	// same key always lands on the same partition; records without a key
+	// are spread round robin).
+	Balancer kafka.Balancer
+
+	// RequiredAcks; default kafka.RequireAll. kafka.RequireNone cannot be
+	// chosen here: use Async if you do not want to wait.
+	RequiredAcks kafka.RequiredAcks
+	// Async makes Publish return before the broker acks. Failed writes are
+	// then only logged. Off by default: idem relies on Publish returning
+	// after the broker has the message.
+	Async bool
+
+	// The fields below mean what the kafka.Writer fields of the same name
+	// mean. Zero takes this package's default where there is one
+	// (MaxAttempts, BatchSize, BatchTimeout), and kafka-go's otherwise.
+	MaxAttempts     int
+	WriteBackoffMin time.Duration
+	WriteBackoffMax time.Duration
+	BatchSize       int
+	BatchBytes      int64
+	BatchTimeout    time.Duration
+	ReadTimeout     time.Duration
+	WriteTimeout    time.Duration
+	Compression     kafka.Compression
+
+	// AllowAutoTopicCreation lets the broker create unknown topics on
+	// publish, if the broker allows it.
+	AllowAutoTopicCreation bool
+
+	// Transport talks to the brokers. Default: a kafka.Transport with
+	// MetadataTTL = DefaultMetadataTTL, owned and closed by the Publisher.
+	Transport kafka.RoundTripper
+
+	// Logger; nil means quiet.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *PublisherConfig) setDefaults() {
+	c.Balancer = cmp.Or[kafka.Balancer](c.Balancer, &kafka.Hash{})
+	c.RequiredAcks = cmp.Or(c.RequiredAcks, DefaultRequiredAcks)
+	c.MaxAttempts = cmp.Or(c.MaxAttempts, DefaultMaxAttempts)
+	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
+	c.BatchTimeout = cmp.Or(c.BatchTimeout, DefaultBatchTimeout)
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports a config that cannot work.
+func (c *PublisherConfig) Validate() error {
+	var errs []error
+	if len(c.Brokers) == 0 {
+		errs = append(errs, errors.New("Brokers is empty"))
+	}
+	if c.MaxAttempts < 0 || c.BatchSize < 0 || c.BatchBytes < 0 {
+		errs = append(errs, errors.New("MaxAttempts, BatchSize and BatchBytes must not be negative"))
+	}
+	if c.BatchTimeout < 0 || c.ReadTimeout < 0 || c.WriteTimeout < 0 ||
+		c.WriteBackoffMin < 0 || c.WriteBackoffMax < 0 {
+		errs = append(errs, errors.New("durations must not be negative"))
+	}
+	switch c.RequiredAcks {
+	case kafka.RequireAll, kafka.RequireOne:
+	default:
+		errs = append(errs, fmt.Errorf("RequiredAcks %d is not RequireAll or RequireOne", c.RequiredAcks))
+	}
+	return errors.Join(errs...)
+}
+
+// SubscriberConfig configures a Subscriber.
+//
+// ReaderConfig carries kafka-go's knobs. The ones this package reads are
+// Brokers, GroupID, Dialer, GroupBalancers, HeartbeatInterval,
+// SessionTimeout, RebalanceTimeout, JoinGroupBackoff, RetentionTime,
+// WatchPartitionChanges, PartitionWatchInterval, StartOffset, CommitInterval,
+// MinBytes, MaxBytes, MaxWait, QueueCapacity, ReadBatchTimeout,
+// ReadBackoffMin, ReadBackoffMax, MaxAttempts, IsolationLevel, Logger and
+// ErrorLogger. Topic, GroupTopics and Partition must stay empty: the topic
+// comes from Subscribe, and partitions from the group or from Partitions.
+//
+// With GroupID set, the Subscriber joins that consumer group and commits
+// offsets after acks. Without it, it reads Partitions (all of the topic's
+// when empty) from StartOffset and commits nothing.
+type SubscriberConfig struct {
+	kafka.ReaderConfig
+
+	// Partitions are the partitions read without a group. Empty: all.
+	Partitions []int
+
+	// NackBackoff is the pause before a nacked message is delivered again.
+	NackBackoff time.Duration
+
+	// MaxConcurrentPartitions is how many partitions of one Subscribe call
+	// may each have a message in flight at once.
+	MaxConcurrentPartitions int
+
+	// TopicPartitions and TopicReplicationFactor are used by
+	// SubscribeInitialize when it creates a topic.
+	TopicPartitions        int
+	TopicReplicationFactor int
+
+	// Logger; nil means quiet.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *SubscriberConfig) setDefaults() {
+	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
+	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, DefaultHeartbeatInterval)
+	c.SessionTimeout = cmp.Or(c.SessionTimeout, DefaultSessionTimeout)
+	c.RebalanceTimeout = cmp.Or(c.RebalanceTimeout, DefaultRebalanceTimeout)
+	c.JoinGroupBackoff = cmp.Or(c.JoinGroupBackoff, DefaultJoinGroupBackoff)
+	c.CommitInterval = cmp.Or(c.CommitInterval, DefaultCommitInterval)
+	c.StartOffset = cmp.Or(c.StartOffset, kafka.FirstOffset)
+	c.NackBackoff = cmp.Or(c.NackBackoff, DefaultNackBackoff)
+	c.MaxConcurrentPartitions = cmp.Or(c.MaxConcurrentPartitions, DefaultMaxConcurrentPartitions)
+	c.TopicPartitions = cmp.Or(c.TopicPartitions, DefaultTopicPartitions)
+	c.TopicReplicationFactor = cmp.Or(c.TopicReplicationFactor, DefaultTopicReplicationFactor)
+	if c.Dialer == nil {
+		c.Dialer = kafka.DefaultDialer
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports a config that cannot work.
+func (c *SubscriberConfig) Validate() error {
+	var errs []error
+	if len(c.Brokers) == 0 {
+		errs = append(errs, errors.New("Brokers is empty"))
+	}
+	if c.Topic != "" || len(c.GroupTopics) > 0 || c.Partition != 0 {
+		errs = append(errs, errors.New("Topic, GroupTopics and Partition must be empty: the topic comes from Subscribe"))
+	}
+	if c.GroupID != "" && len(c.Partitions) > 0 {
+		errs = append(errs, errors.New("Partitions is only for reading without a GroupID"))
+	}
+	if c.GroupID != "" && c.StartOffset != kafka.FirstOffset && c.StartOffset != kafka.LastOffset {
+		errs = append(errs, errors.New("with a GroupID, StartOffset must be kafka.FirstOffset or kafka.LastOffset"))
+	}
+	if c.StartOffset < kafka.FirstOffset {
+		errs = append(errs, fmt.Errorf("StartOffset %d is not an offset", c.StartOffset))
+	}
+	for _, p := range c.Partitions {
+		if p < 0 {
+			errs = append(errs, fmt.Errorf("partition %d is negative", p))
+		}
+	}
+	if c.MaxConcurrentPartitions < 0 {
+		errs = append(errs, errors.New("MaxConcurrentPartitions must not be negative"))
+	}
+	if c.NackBackoff < 0 || c.CommitInterval < 0 || c.MaxWait < 0 ||
+		c.HeartbeatInterval < 0 || c.SessionTimeout < 0 || c.RebalanceTimeout < 0 {
+		errs = append(errs, errors.New("durations must not be negative"))
+	}
+	if c.HeartbeatInterval >= c.SessionTimeout {
+		errs = append(errs, fmt.Errorf("HeartbeatInterval %s must be shorter than SessionTimeout %s",
+			c.HeartbeatInterval, c.SessionTimeout))
+	}
+	if c.TopicPartitions < 1 {
+		errs = append(errs, errors.New("TopicPartitions must be at least 1"))
+	}
+	return errors.Join(errs...)
+}

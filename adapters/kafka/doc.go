@@ -1,0 +1,61 @@
+// Package kafka is a Watermill Publisher and Subscriber for Apache Kafka,
+// built on segmentio/kafka-go. It imports only Watermill and kafka-go and is
+// useful without the rest of idem.
+//
+// # What it guarantees
+//
+// Delivery is at least once:
+//
+//   - Records of one partition are delivered in offset order, one at a time:
+//     the next record of a partition is delivered only after the current one
+//     is acked. Up to SubscriberConfig.MaxConcurrentPartitions partitions of
+//     one Subscribe call have a message in flight at once.
+//   - An offset is committed only after its record, and every earlier record
+//     of that partition, has been acked. Commits are coalesced every
+//     CommitInterval and flushed when a partition is released, but never go
+//     past an unacked record.
+//   - A nack delivers the same record again after NackBackoff. The partition
+//     does not advance, and nothing past it is committed, until it is acked.
+//   - When a rebalance revokes a partition, or the Subscriber closes, its
+//     delivery stops at once. An ack that arrives afterwards is ignored.
+//     Acked offsets are committed one last time; the record in flight is not.
+//   - A Publish returns after the broker has acked every record (acks=all),
+//     unless PublisherConfig.Async is set. The messages of one Publish call
+//     are written in one batch.
+//
+// # What it does not guarantee
+//
+// Duplicates are expected, and the idem inbox is what absorbs them:
+//
+//   - After a rebalance, a crash or a kill -9, the partition's new owner
+//     starts at the last committed offset, so it gets again every record that
+//     was acked but not yet committed (up to CommitInterval's worth), and the
+//     one that was in flight.
+//   - A nacked record is delivered again, by design.
+//   - A Publish that fails may still have written some records. Publish again
+//     with the same message UUIDs.
+//   - Order holds within one partition only. Records with the same key go to
+//     the same partition; choose the key with PublisherConfig.PartitionKey.
+//   - Records deleted by the topic's retention before they were consumed are
+//     skipped (kafka-go resumes at the first offset still present).
+//
+// # Message identity
+//
+// The message UUID travels in the UUIDHeader header and each metadata entry
+// in a header of its own. A record from another producer, without that
+// header, arrives with an empty UUID. Its metadata still carries
+// MetadataTopic, MetadataPartition and MetadataOffset, so an inbox needs
+// either a business key taken from the payload, or the record's position
+// ([PartitionOffsetKey]) as its key. Received messages also carry
+// MetadataKey, MetadataTimestamp and MetadataDeliveryCount (how many times
+// this Subscribe call, so this process, has delivered the record; it starts
+// again at 1 in another process).
+//
+// # Consumer groups and groupless reading
+//
+// With SubscriberConfig.GroupID set, every Subscribe call joins the group as
+// one member, through kafka-go's ConsumerGroup and Generation API. Without a
+// GroupID, Subscribe reads SubscriberConfig.Partitions (all partitions when
+// empty) from StartOffset, commits nothing, and starts over on every
+// Subscribe: that mode is for tools and tests.
+package kafka

@@ -1,0 +1,73 @@
+package kafka
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/segmentio/kafka-go"
+)
+
+// UUIDHeader is the record header that carries the Watermill message UUID.
+// It is the header Watermill's own Kafka adapter uses, so the two interoperate.
+const UUIDHeader = "_watermill_message_uuid"
+
+// Metadata keys set on every received message. They describe where this
+// delivery came from; they are overwritten on receipt, so a header with the
+// same name sent by a producer does not survive. MetadataDeliveryCount counts
+// the deliveries of the record by one Subscribe call (so, by one process),
+// starting at 1; it survives a revoke and reassignment within that call.
+const (
+	MetadataTopic         = "kafka_topic"
+	MetadataPartition     = "kafka_partition"
+	MetadataOffset        = "kafka_offset"
+	MetadataKey           = "kafka_key"
+	MetadataTimestamp     = "kafka_timestamp" // RFC 3339 with nanoseconds, UTC
+	MetadataDeliveryCount = "kafka_delivery_count"
+)
+
+// PartitionOffsetKey returns "topic/partition/offset" for a message received
+// by a Subscriber, or "" if the metadata is missing. It names one record of
+// the log for good, so it can serve as an inbox key for messages from
+// producers that set no UUID header. It names the record, not the business
+// operation: the same command produced twice gets two keys.
+func PartitionOffsetKey(msg *message.Message) string {
+	t, p, o := msg.Metadata.Get(MetadataTopic), msg.Metadata.Get(MetadataPartition), msg.Metadata.Get(MetadataOffset)
+	if t == "" || p == "" || o == "" {
+		return ""
+	}
+	return t + "/" + p + "/" + o
+}
+
+func toRecord(topic string, key []byte, msg *message.Message) kafka.Message {
+	headers := make([]kafka.Header, 0, len(msg.Metadata)+1)
+	headers = append(headers, kafka.Header{Key: UUIDHeader, Value: []byte(msg.UUID)})
+	for k, v := range msg.Metadata {
+		if k == UUIDHeader {
+			continue
+		}
+		headers = append(headers, kafka.Header{Key: k, Value: []byte(v)})
+	}
+	return kafka.Message{Topic: topic, Key: key, Value: msg.Payload, Headers: headers}
+}
+
+func fromRecord(r kafka.Message, deliveries int) *message.Message {
+	var uuid string
+	md := make(message.Metadata, len(r.Headers)+6)
+	for _, h := range r.Headers {
+		if h.Key == UUIDHeader {
+			uuid = string(h.Value)
+			continue
+		}
+		md[h.Key] = string(h.Value)
+	}
+	md[MetadataTopic] = r.Topic
+	md[MetadataPartition] = strconv.Itoa(r.Partition)
+	md[MetadataOffset] = strconv.FormatInt(r.Offset, 10)
+	md[MetadataKey] = string(r.Key)
+	md[MetadataTimestamp] = r.Time.UTC().Format(time.RFC3339Nano)
+	md[MetadataDeliveryCount] = strconv.Itoa(deliveries)
+	msg := message.NewMessage(uuid, r.Value)
+	msg.Metadata = md
+	return msg
+}
