@@ -130,6 +130,16 @@ type Event struct {
 	Delay time.Duration
 }
 
+type kindKey struct{}
+
+// KindOf tells what kind of delivery a message handed on by a Subscriber is, from
+// its context (or a context derived from it, such as a handler's). It is for logs
+// and tests; a handler must never behave differently for injected copies.
+func KindOf(ctx context.Context) (EventKind, bool) {
+	k, ok := ctx.Value(kindKey{}).(EventKind)
+	return k, ok
+}
+
 // Stats counts what a Subscriber did.
 type Stats struct {
 	// Received is how many messages the upstream subscriber delivered.
@@ -481,15 +491,13 @@ func (sub *subscription) deliver(d *delivery) bool {
 		msg.Metadata.Set(k, v)
 	}
 	var cancel context.CancelFunc = func() {}
-	if d.kind == EventOriginal {
-		msg.SetContext(d.up.Context())
-	} else {
+	ctx := d.up.Context()
+	if d.kind != EventOriginal {
 		// The upstream message's context may be cancelled once it is acked (the
 		// GoChannel does that), and a copy outlives it.
-		ctx, c := context.WithCancel(context.WithoutCancel(d.up.Context()))
-		msg.SetContext(ctx)
-		cancel = c
+		ctx, cancel = context.WithCancel(context.WithoutCancel(ctx))
 	}
+	msg.SetContext(context.WithValue(ctx, kindKey{}, d.kind))
 	select {
 	case sub.out <- msg:
 	case <-s.closing:
