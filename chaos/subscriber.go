@@ -555,8 +555,28 @@ func (sub *subscription) watch(d *delivery, msg *message.Message, cancel context
 	defer sub.watchers.Done()
 	defer cancel()
 	s := sub.s
+	var acked, nacked bool
 	select {
 	case <-msg.Acked():
+		acked = true
+	case <-msg.Nacked():
+		nacked = true
+	case <-s.closing:
+	case <-sub.ctx.Done():
+	}
+	if !acked && !nacked {
+		// Closing: an answer given just before still counts.
+		select {
+		case <-msg.Acked():
+			acked = true
+		case <-msg.Nacked():
+			nacked = true
+		default:
+			return
+		}
+	}
+	switch {
+	case acked:
 		s.stats.acked.Add(1)
 		if d.kind != EventOriginal {
 			return
@@ -566,7 +586,7 @@ func (sub *subscription) watch(d *delivery, msg *message.Message, cancel context
 		if d.redeliver {
 			sub.scheduleAfter(d, EventRedelivery, s.cfg.RedeliverDelay)
 		}
-	case <-msg.Nacked():
+	case nacked:
 		s.stats.nacked.Add(1)
 		if d.kind == EventOriginal {
 			// The upstream subscriber redelivers it; a later delivery gets the
@@ -576,7 +596,5 @@ func (sub *subscription) watch(d *delivery, msg *message.Message, cancel context
 			return
 		}
 		sub.scheduleAfter(d, EventNackRedelivery, s.cfg.NackDelay)
-	case <-s.closing:
-	case <-sub.ctx.Done():
 	}
 }
