@@ -7,7 +7,6 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -80,7 +79,8 @@ type AuditQuery struct {
 	// Deliveries is how many deliveries the consumer saw (for example
 	// Subscriber.Stats().Delivered) and DuplicatesSuppressed how many of them it
 	// turned into duplicates (idem_inbox_duplicates_total). The Auditor cannot
-	// read either from Postgres; they are printed as given.
+	// read either from Postgres; they are printed as given, and a negative value
+	// prints as "-" (not measured).
 	Deliveries           int64
 	DuplicatesSuppressed int64
 }
@@ -359,68 +359,92 @@ func sameFigures(a, b Report) bool {
 func (r Report) String() string { return FormatReports([]string{r.Consumer}, r) }
 
 // FormatReports prints reports side by side, one column each, under the given
-// titles: for example idem next to a peer in the same chaos run.
+// titles: for example idem next to a peer in the same chaos run. Rows marked "!"
+// are failures when not zero; "-" means the figure was not measured.
 func FormatReports(titles []string, reports ...Report) string {
-	var b strings.Builder
-	w := tabwriter.NewWriter(&b, 0, 0, 2, ' ', tabwriter.AlignRight)
-	row := func(label string, cell func(Report) string) {
-		fmt.Fprintf(w, "%s\t", label)
-		for _, r := range reports {
-			fmt.Fprintf(w, "%s\t", cell(r))
+	type row struct {
+		label string
+		cells []string
+	}
+	var rows []row
+	add := func(label string, cell func(Report) string) {
+		r := row{label: label}
+		for _, rep := range reports {
+			r.cells = append(r.cells, cell(rep))
 		}
-		fmt.Fprintln(w, "")
+		rows = append(rows, r)
 	}
 	num := func(f func(Report) int) func(Report) string {
 		return func(r Report) string { return fmt.Sprint(f(r)) }
 	}
-	fmt.Fprintf(w, "%s\t", "")
-	for i := range reports {
-		t := ""
-		if i < len(titles) {
-			t = titles[i]
-		}
-		fmt.Fprintf(w, "%s\t", t)
-	}
-	fmt.Fprintln(w, "")
-	row("messages", num(func(r Report) int { return r.Messages }))
-	row("deliveries", func(r Report) string { return fmt.Sprint(r.Deliveries) })
-	row("duplicates suppressed", func(r Report) string { return fmt.Sprint(r.DuplicatesSuppressed) })
-	row("committed once", num(func(r Report) int { return r.CommittedOnce }))
-	row("committed twice (duplicated) !", num(func(r Report) int { return r.CommittedTwice }))
-	row("failed (recorded)", num(func(r Report) int { return r.Failed }))
-	row("lost !", num(func(r Report) int { return r.Lost }))
-	row("unexpected keys", num(func(r Report) int { return r.Unexpected }))
-	row("inbox completed/failed/processing", func(r Report) string {
-		return fmt.Sprintf("%d/%d/%d", r.InboxCompleted, r.InboxFailed, r.InboxProcessing)
-	})
-	row("effects done", num(func(r Report) int { return r.EffectsDone }))
-	row("effects dead", num(func(r Report) int { return r.EffectsDead }))
-	row("effects pending", num(func(r Report) int { return r.EffectsPending }))
-	row("effects missing (lost) !", func(r Report) string {
-		if !r.effectsKnown {
-			return "-"
-		}
-		return fmt.Sprint(r.EffectsMissing)
-	})
-	sends := func(f func(Report) int) func(Report) string {
+	given := func(f func(Report) int64) func(Report) string {
 		return func(r Report) string {
-			if !r.sendsKnown {
+			if f(r) < 0 {
 				return "-"
 			}
 			return fmt.Sprint(f(r))
 		}
 	}
-	row("sends total", sends(func(r Report) int { return r.SendsTotal }))
-	row("keys sent once", sends(func(r Report) int { return r.SendsOnce }))
-	row("keys sent more than once", sends(func(r Report) int { return r.SendsRepeated }))
-	row("keys never sent (lost) !", sends(func(r Report) int { return r.SendsMissing }))
-	row("verdict", func(r Report) string {
+	known := func(ok func(Report) bool, f func(Report) int) func(Report) string {
+		return func(r Report) string {
+			if !ok(r) {
+				return "-"
+			}
+			return fmt.Sprint(f(r))
+		}
+	}
+	head := row{}
+	for i := range reports {
+		t := ""
+		if i < len(titles) {
+			t = titles[i]
+		}
+		head.cells = append(head.cells, t)
+	}
+	rows = append(rows, head)
+	add("messages", num(func(r Report) int { return r.Messages }))
+	add("deliveries", given(func(r Report) int64 { return r.Deliveries }))
+	add("duplicates suppressed", given(func(r Report) int64 { return r.DuplicatesSuppressed }))
+	add("committed once", num(func(r Report) int { return r.CommittedOnce }))
+	add("committed twice (duplicated) !", num(func(r Report) int { return r.CommittedTwice }))
+	add("failed (recorded)", num(func(r Report) int { return r.Failed }))
+	add("lost !", num(func(r Report) int { return r.Lost }))
+	add("unexpected keys", num(func(r Report) int { return r.Unexpected }))
+	add("inbox completed/failed/processing", func(r Report) string {
+		return fmt.Sprintf("%d/%d/%d", r.InboxCompleted, r.InboxFailed, r.InboxProcessing)
+	})
+	add("effects done", num(func(r Report) int { return r.EffectsDone }))
+	add("effects dead", num(func(r Report) int { return r.EffectsDead }))
+	add("effects pending", num(func(r Report) int { return r.EffectsPending }))
+	effects := func(r Report) bool { return r.effectsKnown }
+	sends := func(r Report) bool { return r.sendsKnown }
+	add("effects missing (lost) !", known(effects, func(r Report) int { return r.EffectsMissing }))
+	add("sends total", known(sends, func(r Report) int { return r.SendsTotal }))
+	add("keys sent once", known(sends, func(r Report) int { return r.SendsOnce }))
+	add("keys sent more than once", known(sends, func(r Report) int { return r.SendsRepeated }))
+	add("keys never sent (lost) !", known(sends, func(r Report) int { return r.SendsMissing }))
+	add("verdict", func(r Report) string {
 		if r.OK() {
 			return "OK"
 		}
 		return "FAIL"
 	})
-	_ = w.Flush()
+	labelW := 0
+	cellW := make([]int, len(reports))
+	for _, r := range rows {
+		labelW = max(labelW, len(r.label))
+		for i, c := range r.cells {
+			cellW[i] = max(cellW[i], len(c))
+		}
+	}
+	var b strings.Builder
+	for _, r := range rows {
+		fmt.Fprintf(&b, "%-*s", labelW, r.label)
+		for i, c := range r.cells {
+			fmt.Fprintf(&b, "  %*s", cellW[i], c)
+		}
+		b.WriteString("\n")
+	}
 	return b.String()
 }
 
