@@ -70,7 +70,7 @@ func fail(err error) int {
 }
 
 func runConsumerChild(pool *pgxpool.Pool, schema string, f flavour) int {
-	st := newStack(nil, f, pool, schema, nil, nil)
+	st := newStack(f, pool, schema, nil, nil)
 	defer st.close()
 	keys := make(chan string)
 	var out sync.Mutex

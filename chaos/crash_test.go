@@ -73,7 +73,7 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 	t.Run("mid-send", func(t *testing.T) {
 		t.Parallel()
 		pool, schema := setupPayments(t, 2)
-		st := newStack(t, idemTransactional, pool, schema, nil, nil)
+		st := newStack(idemTransactional, pool, schema, nil, nil)
 		defer st.close()
 		_, err := st.handler(message.NewMessage(key, paymentPayload(key)))
 		require.NoError(t, err)
@@ -93,7 +93,7 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 
 		a, err := chaos.NewAuditor(pool, schema)
 		require.NoError(t, err)
-		q := withSends(auditQuery(idemTransactional, []string{key}, -1, -1), a, pool)
+		q := withSends(auditQuery(idemTransactional, []string{key}, -1, -1), pool)
 		rep, err := a.Report(context.Background(), q)
 		require.NoError(t, err)
 		require.True(t, rep.OK(), "\n%s", rep)

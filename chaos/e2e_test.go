@@ -51,7 +51,7 @@ func runGoChannelChaos(t *testing.T, f flavour, n int, seed int64) e2eResult {
 		failed[msg.UUID] = true
 		return true
 	}
-	st := newStack(t, f, pool, schema, flaky, nil)
+	st := newStack(f, pool, schema, flaky, nil)
 	defer st.close()
 
 	gc := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
@@ -117,7 +117,7 @@ func runGoChannelChaos(t *testing.T, f flavour, n int, seed int64) e2eResult {
 		suppressed = -1 // the Deduplicator counts nothing
 	}
 	q := auditQuery(f, keys, stats.Delivered, suppressed)
-	q = withSends(q, a, pool)
+	q = withSends(q, pool)
 	rep, err := a.Settled(ctx, q, chaos.SettleOptions{Quiet: 200 * time.Millisecond})
 	require.NoError(t, err)
 	return e2eResult{report: rep, stats: stats, pubDup: pub.Duplicates()}

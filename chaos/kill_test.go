@@ -160,7 +160,7 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 	}
 	a, err := chaos.NewAuditor(pool, schema)
 	require.NoError(t, err)
-	q := withSends(auditQuery(f, keys, int64(run.deliveries), -1), a, pool)
+	q := withSends(auditQuery(f, keys, int64(run.deliveries), -1), pool)
 	run.report, err = a.Settled(ctx, q, chaos.SettleOptions{Quiet: 200 * time.Millisecond})
 	require.NoError(t, err)
 	return run
