@@ -1,0 +1,521 @@
+package chaos
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Querier runs the Auditor's queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx do.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+// Auditor reads idem's inbox and effects tables, and the counts a test supplies,
+// and says whether every message committed once and every effect was carried out.
+type Auditor struct {
+	db      Querier
+	schema  string
+	queries auditQueries
+}
+
+var schemaRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+
+// NewAuditor returns an Auditor of the idem tables in schema ("" means "idem").
+func NewAuditor(db Querier, schema string) (*Auditor, error) {
+	if db == nil {
+		return nil, errors.New("invalid config: nil database")
+	}
+	if schema == "" {
+		schema = "idem"
+	}
+	if !schemaRe.MatchString(schema) {
+		return nil, fmt.Errorf("invalid config: schema %q is not a plain lower-case identifier", schema)
+	}
+	return &Auditor{db: db, schema: schema, queries: newAuditQueries(schema)}, nil
+}
+
+// AuditQuery says what to audit.
+type AuditQuery struct {
+	// Consumer is the inbox consumer name; Tenant its tenant scope ("" for none).
+	Consumer string
+	Tenant   string
+	// ExpectedKeys are the keys that must each commit once: the message UUIDs, or
+	// the business keys if the consumer uses those. Without them the Auditor can
+	// only count what is there, not what is missing.
+	ExpectedKeys []string
+
+	// BusinessCount returns, per key, how many times the business operation
+	// committed (for example, ledger rows per payment). It is the ground truth for
+	// "committed once". BusinessSQL is the same as a query returning (key text,
+	// count bigint); it is your own SQL, run as it is. Set at most one. Without
+	// either, the inbox's completed rows stand in for business commits.
+	BusinessCount func(ctx context.Context) (map[string]int, error)
+	BusinessSQL   string
+
+	// EffectKind and EffectKey name the effect each expected key must have made:
+	// kind EffectKind with key EffectKey(key), for example "email" and
+	// "receipt:"+key. Unset: effects are counted but not matched to keys.
+	EffectKind string
+	EffectKey  func(key string) string
+
+	// SendKey gives the key under which Sends counts an expected key's effect
+	// (default EffectKey). Set it without EffectKind to audit sends of a consumer
+	// that makes no effect rows, such as a peer without idem.
+	SendKey func(key string) string
+
+	// Sends returns, per effect key, how many times the outside world received
+	// the effect (for example, emails per Message-ID at an SMTP receiver). More
+	// than one is possible when a sender was killed mid-send; none, for a done
+	// effect, is a lost effect.
+	Sends func(ctx context.Context) (map[string]int, error)
+
+	// Deliveries is how many deliveries the consumer saw (for example
+	// Subscriber.Stats().Delivered) and DuplicatesSuppressed how many of them it
+	// turned into duplicates (idem_inbox_duplicates_total). The Auditor cannot
+	// read either from Postgres; they are printed as given, and a negative value
+	// prints as "-" (not measured).
+	Deliveries           int64
+	DuplicatesSuppressed int64
+}
+
+// Report is what the Auditor found. Lost, CommittedTwice, EffectsMissing and
+// SendsMissing are failures; the rest describe the run.
+type Report struct {
+	Consumer string
+	// Messages is the number of expected keys (or of inbox keys, without them).
+	Messages             int
+	Deliveries           int64
+	DuplicatesSuppressed int64
+
+	// The inbox rows of the consumer, by state.
+	InboxCompleted, InboxFailed, InboxProcessing int
+
+	// CommittedOnce and CommittedTwice count expected keys whose business
+	// operation committed once, and more than once (duplicated).
+	CommittedOnce, CommittedTwice int
+	// Failed counts expected keys recorded as permanent failures and not
+	// committed.
+	Failed int
+	// Lost counts expected keys with no commit and no recorded failure.
+	Lost int
+	// Unexpected counts keys that committed but were not expected.
+	Unexpected int
+
+	// The consumer's effects, by state.
+	EffectsDone, EffectsDead, EffectsPending int
+	// EffectsMissing counts expected effects with no row: lost effects.
+	EffectsMissing int
+
+	// With AuditQuery.Sends: effects received once, more than once, and never
+	// (though the effect is not dead and its message not failed).
+	SendsOnce, SendsRepeated, SendsMissing int
+	// SendsTotal is every send counted.
+	SendsTotal int
+
+	// Up to ten keys of each failure, for the error message.
+	LostKeys, DuplicatedKeys, MissingEffectKeys, MissingSendKeys []string
+
+	businessKnown, effectsKnown, sendsKnown bool
+}
+
+// OK reports whether nothing was lost and nothing committed twice.
+func (r Report) OK() bool { return r.Err() == nil }
+
+// Err describes every failure in the report, or returns nil.
+func (r Report) Err() error {
+	var errs []error
+	if r.Lost > 0 {
+		errs = append(errs, fmt.Errorf("%d lost (e.g. %s)", r.Lost, strings.Join(r.LostKeys, ", ")))
+	}
+	if r.CommittedTwice > 0 {
+		errs = append(errs, fmt.Errorf("%d committed more than once (e.g. %s)", r.CommittedTwice, strings.Join(r.DuplicatedKeys, ", ")))
+	}
+	if r.EffectsMissing > 0 {
+		errs = append(errs, fmt.Errorf("%d effects missing (e.g. %s)", r.EffectsMissing, strings.Join(r.MissingEffectKeys, ", ")))
+	}
+	if r.SendsMissing > 0 {
+		errs = append(errs, fmt.Errorf("%d effects never received (e.g. %s)", r.SendsMissing, strings.Join(r.MissingSendKeys, ", ")))
+	}
+	if len(errs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("chaos audit of %s: %w", r.Consumer, errors.Join(errs...))
+}
+
+// Settled reports whether nothing is in flight: no pending effect and no inbox row
+// still processing.
+func (r Report) Settled() bool { return r.EffectsPending == 0 && r.InboxProcessing == 0 }
+
+// Report audits once.
+func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
+	if q.BusinessCount != nil && q.BusinessSQL != "" {
+		return Report{}, errors.New("chaos: set BusinessCount or BusinessSQL, not both")
+	}
+	if (q.EffectKind == "") != (q.EffectKey == nil) {
+		return Report{}, errors.New("chaos: EffectKind and EffectKey go together")
+	}
+	r := Report{Consumer: q.Consumer, Deliveries: q.Deliveries, DuplicatesSuppressed: q.DuplicatesSuppressed}
+
+	inbox, err := a.inboxStates(ctx, q)
+	if err != nil {
+		return r, err
+	}
+	for _, st := range inbox {
+		switch st {
+		case "completed":
+			r.InboxCompleted++
+		case "failed":
+			r.InboxFailed++
+		case "processing":
+			r.InboxProcessing++
+		}
+	}
+
+	var business map[string]int
+	switch {
+	case q.BusinessCount != nil:
+		business, err = q.BusinessCount(ctx)
+	case q.BusinessSQL != "":
+		business, err = a.keyCounts(ctx, q.BusinessSQL)
+	}
+	if err != nil {
+		return r, fmt.Errorf("chaos: business count: %w", err)
+	}
+	r.businessKnown = business != nil
+	if !r.businessKnown {
+		business = map[string]int{}
+		for k, st := range inbox {
+			if st == "completed" {
+				business[k] = 1
+			}
+		}
+	}
+
+	expected := q.ExpectedKeys
+	if expected == nil {
+		for k := range inbox {
+			expected = append(expected, k)
+		}
+		slices.Sort(expected)
+	}
+	r.Messages = len(expected)
+	want := make(map[string]bool, len(expected))
+	for _, k := range expected {
+		if want[k] {
+			continue
+		}
+		want[k] = true
+		switch n := business[k]; {
+		case n == 1:
+			r.CommittedOnce++
+		case n > 1:
+			r.CommittedTwice++
+			r.DuplicatedKeys = sample(r.DuplicatedKeys, k)
+		case inbox[k] == "failed":
+			r.Failed++
+		default:
+			r.Lost++
+			r.LostKeys = sample(r.LostKeys, k)
+		}
+	}
+	for k, n := range business {
+		if n > 0 && !want[k] {
+			r.Unexpected++
+		}
+	}
+
+	effects, err := a.effectStates(ctx, q)
+	if err != nil {
+		return r, err
+	}
+	for _, e := range effects.bySource {
+		switch e {
+		case "done":
+			r.EffectsDone++
+		case "dead":
+			r.EffectsDead++
+		case "pending":
+			r.EffectsPending++
+		}
+	}
+
+	var sends map[string]int
+	if q.Sends != nil {
+		if sends, err = q.Sends(ctx); err != nil {
+			return r, fmt.Errorf("chaos: sends: %w", err)
+		}
+		r.sendsKnown = true
+		for _, n := range sends {
+			r.SendsTotal += n
+		}
+	}
+	sendKey := q.SendKey
+	if sendKey == nil {
+		sendKey = q.EffectKey
+	}
+	r.effectsKnown = q.EffectKey != nil
+	seen := make(map[string]bool, len(expected))
+	for _, k := range expected {
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		if inbox[k] == "failed" && business[k] == 0 {
+			continue // a recorded permanent failure makes no effect
+		}
+		st := ""
+		if q.EffectKey != nil {
+			ek := q.EffectKey(k)
+			var ok bool
+			if st, ok = effects.byKey[ek]; !ok {
+				r.EffectsMissing++
+				r.MissingEffectKeys = sample(r.MissingEffectKeys, ek)
+			}
+		}
+		if sends == nil || sendKey == nil {
+			continue
+		}
+		switch n := sends[sendKey(k)]; {
+		case n == 1:
+			r.SendsOnce++
+		case n > 1:
+			r.SendsRepeated++
+		case st != "dead" && st != "pending":
+			r.SendsMissing++
+			r.MissingSendKeys = sample(r.MissingSendKeys, sendKey(k))
+		}
+	}
+	return r, nil
+}
+
+func sample(keys []string, k string) []string {
+	if len(keys) < 10 {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
+// SettleOptions tune Settled.
+type SettleOptions struct {
+	// Poll is the time between audits (default 50 ms).
+	Poll time.Duration
+	// Quiet: if the figures stop changing for this long, the run is taken as
+	// settled even with failures in it (default 2 s), so a run that lost messages
+	// ends with a report instead of waiting for its deadline.
+	Quiet time.Duration
+}
+
+// Settled audits until the run is settled (nothing pending or processing, and
+// nothing lost or missing), or its figures stop changing for opts.Quiet, or ctx
+// ends. It returns the last report, and ctx's error in the last case.
+func (a *Auditor) Settled(ctx context.Context, q AuditQuery, opts SettleOptions) (Report, error) {
+	poll := opts.Poll
+	if poll <= 0 {
+		poll = 50 * time.Millisecond
+	}
+	quiet := opts.Quiet
+	if quiet <= 0 {
+		quiet = 2 * time.Second
+	}
+	var last Report
+	var since time.Time
+	for {
+		r, err := a.Report(ctx, q)
+		if err != nil && ctx.Err() == nil {
+			return r, err
+		}
+		if err == nil {
+			if r.Settled() && r.OK() {
+				return r, nil
+			}
+			if !sameFigures(r, last) {
+				last, since = r, time.Now()
+			} else if time.Since(since) >= quiet && r.Settled() {
+				return r, nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return last, fmt.Errorf("chaos: not settled: %w", ctx.Err())
+		case <-time.After(poll):
+		}
+	}
+}
+
+func sameFigures(a, b Report) bool {
+	a.LostKeys, a.DuplicatedKeys, a.MissingEffectKeys, a.MissingSendKeys = nil, nil, nil, nil
+	b.LostKeys, b.DuplicatedKeys, b.MissingEffectKeys, b.MissingSendKeys = nil, nil, nil, nil
+	return fmt.Sprint(a) == fmt.Sprint(b)
+}
+
+// String prints the report as an aligned table.
+func (r Report) String() string { return FormatReports([]string{r.Consumer}, r) }
+
+// FormatReports prints reports side by side, one column each, under the given
+// titles: for example idem next to a peer in the same chaos run. Rows marked "!"
+// are failures when not zero; "-" means the figure was not measured.
+func FormatReports(titles []string, reports ...Report) string {
+	type row struct {
+		label string
+		cells []string
+	}
+	var rows []row
+	add := func(label string, cell func(Report) string) {
+		r := row{label: label}
+		for _, rep := range reports {
+			r.cells = append(r.cells, cell(rep))
+		}
+		rows = append(rows, r)
+	}
+	num := func(f func(Report) int) func(Report) string {
+		return func(r Report) string { return fmt.Sprint(f(r)) }
+	}
+	given := func(f func(Report) int64) func(Report) string {
+		return func(r Report) string {
+			if f(r) < 0 {
+				return "-"
+			}
+			return fmt.Sprint(f(r))
+		}
+	}
+	known := func(ok func(Report) bool, f func(Report) int) func(Report) string {
+		return func(r Report) string {
+			if !ok(r) {
+				return "-"
+			}
+			return fmt.Sprint(f(r))
+		}
+	}
+	head := row{}
+	for i := range reports {
+		t := ""
+		if i < len(titles) {
+			t = titles[i]
+		}
+		head.cells = append(head.cells, t)
+	}
+	rows = append(rows, head)
+	add("messages", num(func(r Report) int { return r.Messages }))
+	add("deliveries", given(func(r Report) int64 { return r.Deliveries }))
+	add("duplicates suppressed", given(func(r Report) int64 { return r.DuplicatesSuppressed }))
+	add("committed once", num(func(r Report) int { return r.CommittedOnce }))
+	add("committed twice (duplicated) !", num(func(r Report) int { return r.CommittedTwice }))
+	add("failed (recorded)", num(func(r Report) int { return r.Failed }))
+	add("lost !", num(func(r Report) int { return r.Lost }))
+	add("unexpected keys", num(func(r Report) int { return r.Unexpected }))
+	add("inbox completed/failed/processing", func(r Report) string {
+		return fmt.Sprintf("%d/%d/%d", r.InboxCompleted, r.InboxFailed, r.InboxProcessing)
+	})
+	add("effects done", num(func(r Report) int { return r.EffectsDone }))
+	add("effects dead", num(func(r Report) int { return r.EffectsDead }))
+	add("effects pending", num(func(r Report) int { return r.EffectsPending }))
+	effects := func(r Report) bool { return r.effectsKnown }
+	sends := func(r Report) bool { return r.sendsKnown }
+	add("effects missing (lost) !", known(effects, func(r Report) int { return r.EffectsMissing }))
+	add("sends total", known(sends, func(r Report) int { return r.SendsTotal }))
+	add("keys sent once", known(sends, func(r Report) int { return r.SendsOnce }))
+	add("keys sent more than once", known(sends, func(r Report) int { return r.SendsRepeated }))
+	add("keys never sent (lost) !", known(sends, func(r Report) int { return r.SendsMissing }))
+	add("verdict", func(r Report) string {
+		if r.OK() {
+			return "OK"
+		}
+		return "FAIL"
+	})
+	labelW := 0
+	cellW := make([]int, len(reports))
+	for _, r := range rows {
+		labelW = max(labelW, len(r.label))
+		for i, c := range r.cells {
+			cellW[i] = max(cellW[i], len(c))
+		}
+	}
+	var b strings.Builder
+	for _, r := range rows {
+		fmt.Fprintf(&b, "%-*s", labelW, r.label)
+		for i, c := range r.cells {
+			fmt.Fprintf(&b, "  %*s", cellW[i], c)
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+// auditQueries is the Auditor's SQL, with the schema quoted in once.
+type auditQueries struct {
+	inbox, effectsBySource, effectsByKind string
+}
+
+func newAuditQueries(schema string) auditQueries {
+	s := pgx.Identifier{schema}.Sanitize()
+	return auditQueries{
+		inbox: `SELECT key, state FROM ` + s + `.inbox WHERE consumer = $1 AND tenant = $2`,
+		effectsBySource: `SELECT kind, key, state FROM ` + s + `.effects
+			WHERE source_consumer = $1 AND coalesce(source_tenant, '') = $2`,
+		effectsByKind: `SELECT kind, key, state FROM ` + s + `.effects WHERE kind = $1`,
+	}
+}
+
+func (a *Auditor) inboxStates(ctx context.Context, q AuditQuery) (map[string]string, error) {
+	rows, err := a.db.Query(ctx, a.queries.inbox, q.Consumer, q.Tenant)
+	if err != nil {
+		return nil, fmt.Errorf("chaos: read inbox: %w", err)
+	}
+	m := map[string]string{}
+	var k, st string
+	_, err = pgx.ForEachRow(rows, []any{&k, &st}, func() error { m[k] = st; return nil })
+	if err != nil {
+		return nil, fmt.Errorf("chaos: read inbox: %w", err)
+	}
+	return m, nil
+}
+
+type effectStates struct {
+	bySource map[[2]string]string // (kind, key) -> state, of the consumer's effects
+	byKey    map[string]string    // key -> state, of the expected kind
+}
+
+func (a *Auditor) effectStates(ctx context.Context, q AuditQuery) (effectStates, error) {
+	es := effectStates{bySource: map[[2]string]string{}, byKey: map[string]string{}}
+	var kind, key, st string
+	rows, err := a.db.Query(ctx, a.queries.effectsBySource, q.Consumer, q.Tenant)
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, []any{&kind, &key, &st}, func() error {
+			es.bySource[[2]string{kind, key}] = st
+			return nil
+		})
+	}
+	if err == nil && q.EffectKind != "" {
+		rows, err = a.db.Query(ctx, a.queries.effectsByKind, q.EffectKind)
+		if err == nil {
+			_, err = pgx.ForEachRow(rows, []any{&kind, &key, &st}, func() error {
+				es.byKey[key] = st
+				return nil
+			})
+		}
+	}
+	if err != nil {
+		return es, fmt.Errorf("chaos: read effects: %w", err)
+	}
+	return es, nil
+}
+
+// keyCounts runs a query returning (key, count).
+func (a *Auditor) keyCounts(ctx context.Context, sql string) (map[string]int, error) {
+	rows, err := a.db.Query(ctx, sql)
+	if err != nil {
+		return nil, err
+	}
+	m := map[string]int{}
+	var k string
+	var n int64
+	_, err = pgx.ForEachRow(rows, []any{&k, &n}, func() error { m[k] += int(n); return nil })
+	return m, err
+}

@@ -1,0 +1,84 @@
+package chaos_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/chaos"
+)
+
+func TestAuditorRejectsBadSchema(t *testing.T) {
+	for _, s := range []string{`x"; DROP TABLE inbox; --`, "Upper", "1abc"} {
+		_, err := chaos.NewAuditor(nil, s)
+		require.Error(t, err, s)
+	}
+	pool, _ := setupPayments(t, 2)
+	for _, s := range []string{`x"; DROP TABLE inbox; --`, "Upper", "1abc"} {
+		_, err := chaos.NewAuditor(pool, s)
+		require.ErrorContains(t, err, "invalid config", s)
+	}
+}
+
+// TestAuditorJudgesEachKey builds a database by hand: one key committed once, one
+// twice, one recorded as failed, one lost, one whose effect row is missing, one
+// never sent, and one unexpected.
+func TestAuditorJudgesEachKey(t *testing.T) {
+	t.Parallel()
+	pool, schema := setupPayments(t, 2)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `
+INSERT INTO inbox (consumer, key, fingerprint, state, expires_at) VALUES
+  ('payments', 'once', '\x00', 'completed', now() + interval '1 day'),
+  ('payments', 'twice', '\x00', 'completed', now() + interval '1 day'),
+  ('payments', 'failed', '\x00', 'failed', now() + interval '1 day'),
+  ('payments', 'noeffect', '\x00', 'completed', now() + interval '1 day'),
+  ('payments', 'unsent', '\x00', 'completed', now() + interval '1 day'),
+  ('other', 'lost', '\x00', 'completed', now() + interval '1 day');
+INSERT INTO ledger (key, payload) VALUES ('once', ''), ('twice', ''), ('twice', ''), ('noeffect', ''), ('unsent', ''), ('stray', '');
+INSERT INTO effects (kind, key, fingerprint, state, source_consumer, source_tenant, source_key) VALUES
+  ('email', 'receipt:once', '\x00', 'done', 'payments', '', 'once'),
+  ('email', 'receipt:twice', '\x00', 'done', 'payments', '', 'twice'),
+  ('email', 'receipt:unsent', '\x00', 'done', 'payments', '', 'unsent'),
+  ('email', 'receipt:pending', '\x00', 'pending', 'payments', '', 'pending');
+INSERT INTO emails (effect_key) VALUES ('receipt:once'), ('receipt:twice'), ('receipt:twice');`)
+	require.NoError(t, err)
+
+	a, err := chaos.NewAuditor(pool, schema)
+	require.NoError(t, err)
+	q := withSends(auditQuery(idemTransactional, []string{"once", "twice", "failed", "lost", "noeffect", "unsent"}, 10, 4), pool)
+	rep, err := a.Report(ctx, q)
+	require.NoError(t, err)
+	t.Logf("\n%s", rep)
+	require.Equal(t, 6, rep.Messages)
+	require.Equal(t, 3, rep.CommittedOnce) // once, noeffect, unsent
+	require.Equal(t, 1, rep.CommittedTwice)
+	require.Equal(t, []string{"twice"}, rep.DuplicatedKeys)
+	require.Equal(t, 1, rep.Failed)
+	require.Equal(t, 1, rep.Lost)
+	require.Equal(t, []string{"lost"}, rep.LostKeys)
+	require.Equal(t, 1, rep.Unexpected)
+	require.Equal(t, [3]int{4, 1, 0}, [3]int{rep.InboxCompleted, rep.InboxFailed, rep.InboxProcessing})
+	require.Equal(t, [3]int{3, 0, 1}, [3]int{rep.EffectsDone, rep.EffectsDead, rep.EffectsPending})
+	require.Equal(t, 2, rep.EffectsMissing) // lost, noeffect
+	require.Equal(t, 1, rep.SendsOnce)
+	require.Equal(t, 1, rep.SendsRepeated)
+	require.Equal(t, 3, rep.SendsMissing) // lost, noeffect (no row) and unsent (done, never received)
+	require.False(t, rep.OK())
+	require.False(t, rep.Settled())
+	for _, want := range []string{"1 lost", "1 committed more than once", "2 effects missing", "3 effects never received"} {
+		require.ErrorContains(t, rep.Err(), want)
+	}
+	require.Contains(t, rep.String(), "FAIL")
+
+	// Without a business count the inbox stands in for it.
+	q.BusinessSQL = ""
+	rep, err = a.Report(ctx, q)
+	require.NoError(t, err)
+	require.Equal(t, 4, rep.CommittedOnce)
+	require.Zero(t, rep.CommittedTwice)
+
+	_, err = a.Report(ctx, chaos.AuditQuery{Consumer: "payments", BusinessSQL: "x", BusinessCount: func(context.Context) (map[string]int, error) { return nil, nil }})
+	require.Error(t, err)
+}
