@@ -21,7 +21,7 @@ const (
 	DefaultLockTimeout = 5 * time.Second
 	DefaultBusyDelay   = 250 * time.Millisecond
 	DefaultLease       = 30 * time.Second
-	DefaultMaxBatch    = 64
+	DefaultMaxBatch    = 32
 	DefaultMaxWait     = 2 * time.Millisecond
 	DefaultWorkers     = 2
 	// MaxErrorLen caps the error text stored with a failed key.
@@ -151,7 +151,9 @@ type Config struct {
 
 	// Mode: Transactional (default), GroupCommit or Lease.
 	Mode Mode
-	// MaxBatch and MaxWait bound a group-commit batch (defaults 64 and 2 ms).
+	// MaxBatch and MaxWait bound a group-commit batch (defaults 32 and 2 ms). Each
+	// message is a subtransaction; keep MaxBatch under 64, the subtransaction IDs
+	// Postgres caches per backend, past which every snapshot gets slower.
 	MaxBatch int
 	MaxWait  time.Duration
 	// Workers is how many group-commit batches run at once (default 2).

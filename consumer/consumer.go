@@ -27,6 +27,8 @@ type Consumer struct {
 	metrics *metrics
 	log     *slog.Logger
 
+	lockTimeoutSQL string
+
 	// group-commit mode
 	groupOnce sync.Once
 	group     *groupCommitter
@@ -46,7 +48,10 @@ func New(cfg Config) (*Consumer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	return &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger}, nil
+	return &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger,
+		// SET LOCAL takes no bind parameters; the value is an integer we format.
+		lockTimeoutSQL: "SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.LockTimeout.Milliseconds(), 1), 10),
+	}, nil
 }
 
 // Close stops the group-commit workers, after the batches in progress. It is a
@@ -59,6 +64,15 @@ func (c *Consumer) Close() error {
 }
 
 type txKey struct{}
+
+// ownedTx is the transaction a handler sees. idem owns it: Commit and Rollback are
+// refused, because in group-commit mode the handler's work is one savepoint of a
+// transaction shared with other messages, and in every mode the commit must cover
+// the inbox row too. Return an error instead to roll back.
+type ownedTx struct{ pgx.Tx }
+
+func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
+func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 
 // Tx returns the transaction the consumer opened for the message being handled, or
 // nil outside an idem handler. Business writes and effects.Enqueue go through it. In
@@ -199,10 +213,7 @@ func (c *Consumer) handleOne(req *request, h message.HandlerFunc) error {
 		return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)})
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	if err := c.setLockTimeout(ctx, tx); err != nil {
-		return c.finish(req, classify(err))
-	}
-	o := c.runInTx(req, tx, h)
+	o := c.runInTx(req, tx, []string{c.lockTimeoutSQL}, h)
 	switch o.kind {
 	case outCommitted:
 		if err := tx.Commit(ctx); err != nil {
@@ -216,16 +227,17 @@ func (c *Consumer) handleOne(req *request, h message.HandlerFunc) error {
 }
 
 func (c *Consumer) setLockTimeout(ctx context.Context, tx pgx.Tx) error {
-	_, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(c.cfg.LockTimeout.Milliseconds(), 10))
+	_, err := tx.Exec(ctx, c.lockTimeoutSQL)
 	return err
 }
 
-// runInTx claims the key in tx (a transaction or a savepoint) and, if it owns the
-// key, runs the handler and stores its output messages, all in tx. It never commits.
-func (c *Consumer) runInTx(req *request, tx pgx.Tx, h message.HandlerFunc) outcome {
+// runInTx claims the key in tx and, if it owns the key, runs the handler and stores
+// its output messages, all in tx. It never commits. The prelude statements (SET
+// LOCAL, SAVEPOINT) go to the server in the claim's round trip.
+func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.HandlerFunc) outcome {
 	ctx := req.ctx
 	start := time.Now()
-	res, err := c.store.ClaimTx(ctx, tx, req.claim)
+	res, err := c.store.ClaimAfterTx(ctx, tx, prelude, req.claim)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err != nil {
 		return classify(err)
@@ -243,7 +255,7 @@ func (c *Consumer) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) ou
 		Source: effects.Source{Consumer: req.claim.Consumer, Tenant: req.claim.Tenant, Key: req.claim.Key},
 		Kinds:  c.cfg.EffectKinds,
 	}
-	hctx := effects.WithScope(context.WithValue(req.ctx, txKey{}, tx), scope)
+	hctx := effects.WithScope(context.WithValue(req.ctx, txKey{}, ownedTx{tx}), scope)
 	req.msg.SetContext(hctx)
 	out, err := h(req.msg)
 	req.msg.SetContext(req.ctx)

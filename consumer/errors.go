@@ -44,6 +44,9 @@ var (
 	ErrNoPublishTopic = &Error{code: "no_publish_topic", msg: "handler returned messages, but the router handler has no publish topic", permanent: true}
 	// ErrNoName: the consumer has no Name and the context has no handler name.
 	ErrNoName = &Error{code: "no_consumer_name", msg: "consumer has no Name and the message context names no Watermill handler"}
+	// ErrTxOwned: the handler called Commit or Rollback on the transaction idem
+	// gave it. Return nil to commit and an error to roll back.
+	ErrTxOwned = &Error{code: "tx_owned", msg: "the handler's transaction belongs to idem: return nil to commit, an error to roll back"}
 	// ErrExpiredRetry: the message is older than the consumer's retention, so its
 	// inbox row may be gone. Returned only with ExpiredRetryFail.
 	ErrExpiredRetry = &Error{code: "expired_retry", msg: "message is older than the inbox retention", permanent: true}

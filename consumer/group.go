@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -107,19 +108,21 @@ func (g *groupCommitter) run(batch []*groupReq) {
 		return
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if err := c.setLockTimeout(ctx, tx); err != nil {
-		fillTransient(results, 0, err)
-		return
-	}
+	// Each message runs in savepoint idem_<i>. The SET LOCAL, the release of the
+	// previous savepoint, the new SAVEPOINT and the claim travel in one round trip.
+	prelude := []string{c.lockTimeoutSQL}
 	for i, r := range batch {
-		o, err := g.runOne(ctx, tx, r)
+		sp := "idem_" + strconv.Itoa(i)
+		prelude = append(prelude, "SAVEPOINT "+sp)
+		o, err := g.runOne(ctx, tx, sp, prelude, r)
 		results[i] = o
 		if err != nil {
-			// The savepoint could not be set or rolled back: the transaction is
+			// A savepoint could not be set or rolled back: the transaction is
 			// broken, so nothing of this batch can commit.
 			fillTransient(results, 0, err)
 			return
 		}
+		prelude = []string{"RELEASE SAVEPOINT " + sp}
 	}
 	if err := tx.Commit(ctx); err != nil {
 		for i, o := range results {
@@ -131,46 +134,38 @@ func (g *groupCommitter) run(batch []*groupReq) {
 	}
 }
 
-// runOne runs one message in its own savepoint of tx. A returned error means tx is
-// broken.
-func (g *groupCommitter) runOne(ctx context.Context, tx pgx.Tx, r *groupReq) (o outcome, broken error) {
+// runOne runs one message in savepoint sp of tx, which the prelude opens. A
+// returned error means tx is broken.
+func (g *groupCommitter) runOne(ctx context.Context, tx pgx.Tx, sp string, prelude []string, r *groupReq) (o outcome, broken error) {
 	c := g.c
-	sp, err := tx.Begin(ctx)
-	if err != nil {
-		return outcome{kind: outTransient, err: err}, err
+	rollback := func() error {
+		_, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+sp)
+		return err
 	}
-	o = g.guarded(r, sp)
+	o = g.guarded(r, tx, prelude)
+	// A failed prelude (the SAVEPOINT never ran) shows up below: ROLLBACK TO
+	// SAVEPOINT then fails too, and the batch is reported broken.
 	switch o.kind {
 	case outCommitted:
-		if err := sp.Commit(ctx); err != nil {
-			return outcome{kind: outTransient, err: err}, err
-		}
 		return o, nil
 	case outPermanent:
-		if err := sp.Rollback(ctx); err != nil {
+		if err := rollback(); err != nil {
 			return outcome{kind: outTransient, err: err}, err
 		}
-		// Record the failure in the same transaction, in a savepoint of its own.
-		sp2, err := tx.Begin(ctx)
+		// Record the failure in the same transaction, where the work was.
+		res, err := c.store.FailTx(ctx, tx, r.req.claim, failureCode(o.err), truncate(o.err.Error()))
 		if err != nil {
-			return outcome{kind: outTransient, err: err}, err
-		}
-		res, err := c.store.FailTx(ctx, sp2, r.req.claim, failureCode(o.err), truncate(o.err.Error()))
-		if err != nil {
-			if rbErr := sp2.Rollback(ctx); rbErr != nil {
+			if rbErr := rollback(); rbErr != nil {
 				return outcome{kind: outTransient, err: rbErr}, rbErr
 			}
 			return notRecorded(o.err, err), nil
-		}
-		if err := sp2.Commit(ctx); err != nil {
-			return outcome{kind: outTransient, err: err}, err
 		}
 		if !res.Claimed {
 			return existingOutcome(res), nil
 		}
 		return outcome{kind: outRecorded, err: o.err}, nil
 	default:
-		if err := sp.Rollback(ctx); err != nil {
+		if err := rollback(); err != nil {
 			return outcome{kind: outTransient, err: err}, err
 		}
 		return o, nil
@@ -179,13 +174,13 @@ func (g *groupCommitter) runOne(ctx context.Context, tx pgx.Tx, r *groupReq) (o 
 
 // guarded runs the claim and handler, turning a panic into a transient failure of
 // this message alone (the worker goroutine must survive it).
-func (g *groupCommitter) guarded(r *groupReq, sp pgx.Tx) (o outcome) {
+func (g *groupCommitter) guarded(r *groupReq, tx pgx.Tx, prelude []string) (o outcome) {
 	defer func() {
 		if p := recover(); p != nil {
 			o = outcome{kind: outTransient, err: fmt.Errorf("handler panicked: %v", p)}
 		}
 	}()
-	return g.c.runInTx(r.req, sp, r.h)
+	return g.c.runInTx(r.req, tx, prelude, r.h)
 }
 
 func fillTransient(results []outcome, from int, err error) {

@@ -152,6 +152,55 @@ func (s *Store) ClaimTx(ctx context.Context, tx DBTX, c Claim) (ClaimResult, err
 	}
 }
 
+// BatchSender pipelines statements; pgx.Tx and *pgx.Conn do.
+type BatchSender interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// ClaimAfterTx is ClaimTx with statements sent ahead of the claim in the same round
+// trip (a pgx pipeline), such as a SAVEPOINT or a SET LOCAL. Each statement must
+// return no rows the caller needs. The conflict path reads the existing row with a
+// second statement, as ClaimTx does.
+func (s *Store) ClaimAfterTx(ctx context.Context, tx interface {
+	DBTX
+	BatchSender
+}, prelude []string, c Claim) (ClaimResult, error) {
+	if err := c.Validate(); err != nil {
+		return ClaimResult{}, err
+	}
+	b := &pgx.Batch{}
+	for _, sql := range prelude {
+		b.Queue(sql)
+	}
+	b.Queue(s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+	br := tx.SendBatch(ctx, b)
+	for range prelude {
+		if _, err := br.Exec(); err != nil {
+			_ = br.Close()
+			return ClaimResult{}, s.wrap(err)
+		}
+	}
+	var inserted bool
+	err := br.QueryRow().Scan(&inserted)
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = cerr
+	}
+	if err == nil {
+		return ClaimResult{Claimed: true}, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return ClaimResult{}, s.wrap(err)
+	}
+	rec, err := s.Get(ctx, tx, c.ID)
+	if errors.Is(err, ErrNotFound) {
+		return s.ClaimTx(ctx, tx, c) // deleted in between: claim again
+	}
+	if err != nil {
+		return ClaimResult{}, err
+	}
+	return s.existing(rec, c.Fingerprint), nil
+}
+
 func (s *Store) existing(rec *Record, fp []byte) ClaimResult {
 	return ClaimResult{Existing: rec, Mismatch: !bytesEqual(rec.Fingerprint, fp)}
 }
