@@ -28,12 +28,12 @@ const maxErrorLen = 2000
 // claims skip rows that another holds, and fencing keeps a stale attempt from
 // recording over a newer one. See the package documentation for the guarantees.
 type Dispatcher struct {
-	cfg   Config
-	pool  *pgxpool.Pool
-	q     queries
-	log   *slog.Logger
-	m     *metrics
-	lanes []*lane // sorted by kind
+	cfg    Config
+	pool   *pgxpool.Pool
+	q      queries
+	log    *slog.Logger
+	m      *metrics
+	lanes  []*lane // sorted by kind
 	byKind map[string]*lane
 
 	running  atomic.Bool
@@ -313,6 +313,7 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 		// overlap another dispatcher's claim of the same effect once the lease ends.
 		return d.release(c)
 	}
+	shutdown := ctx
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	log := d.log.With("kind", c.Kind, "effect_key", c.Key, "attempt", c.Attempt)
@@ -352,6 +353,13 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 		// Cut off by the lease deadline or a forced shutdown: the receiver may have
 		// the effect already.
 		err = Indefinite(err)
+		if shutdown.Err() != nil {
+			// A forced shutdown, not the effect's fault: due again at once, and the
+			// attempt still counts, since it may have happened.
+			o := d.failed(c, err, log)
+			o.delay = 0
+			return o
+		}
 	}
 	return d.failed(c, err, log)
 }

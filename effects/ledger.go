@@ -2,8 +2,8 @@ package effects
 
 import (
 	"cmp"
-	"errors"
 	"context"
+	"errors"
 	"fmt"
 	"regexp"
 	"strings"

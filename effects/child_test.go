@@ -1,0 +1,5 @@
+package effects_test
+
+const childRoleEnv = "IDEM_EFFECTS_TEST_CHILD"
+
+func runChild(role string) int { return 2 }
