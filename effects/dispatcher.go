@@ -87,7 +87,7 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	d := &Dispatcher{
 		cfg:      cfg,
 		pool:     cfg.Pool,
-		q:        newQueries(cfg.Schema),
+		q:        newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders)),
 		log:      cfg.Logger,
 		m:        m,
 		byKind:   map[string]*lane{},
@@ -470,13 +470,22 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 	}
 	applied := map[[2]string]bool{}
 	err := retry(func(ctx context.Context) error {
-		rows, err := d.pool.Query(ctx, d.q.record, kinds, keys, fences, states, delays, inFlight, undo, errs)
-		if err != nil {
+		clear(applied)
+		// One round trip: the outcome commits without waiting for its WAL flush.
+		// That is safe here, and only here: if the server crashes and loses this
+		// commit, each row goes back to the claim before it, which is durable and
+		// in_flight, so the effect is reconciled or sent again after its lease. The
+		// claim itself always commits synchronously.
+		b := &pgx.Batch{}
+		b.Queue(`BEGIN`)
+		b.Queue(`SET LOCAL synchronous_commit = off`)
+		b.Queue(d.q.record, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
+			var k [2]string
+			_, err := pgx.ForEachRow(rows, []any{&k[0], &k[1]}, func() error { applied[k] = true; return nil })
 			return err
-		}
-		var k [2]string
-		_, err = pgx.ForEachRow(rows, []any{&k[0], &k[1]}, func() error { applied[k] = true; return nil })
-		return err
+		})
+		b.Queue(`COMMIT`)
+		return d.pool.SendBatch(ctx, b).Close()
 	})
 	if err != nil {
 		// The leases will run out and the effects will be claimed again: nothing is

@@ -3,6 +3,7 @@ package effects_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"sync"
 	"testing"
@@ -67,6 +68,7 @@ func fastConfig(pool *pgxpool.Pool, schema string, senders map[string]effects.Se
 		PollInterval: 50 * time.Millisecond,
 		Lease:        10 * time.Second,
 		Backoff:      effects.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		Logger:       slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
 	}
 }
 

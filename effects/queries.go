@@ -1,6 +1,10 @@
 package effects
 
-import "github.com/jackc/pgx/v5"
+import (
+	"strconv"
+
+	"github.com/jackc/pgx/v5"
+)
 
 // notifyChannel is the channel the effects trigger notifies, with the schema name
 // as payload.
@@ -12,7 +16,10 @@ type queries struct {
 	claim, record, notify, pending, requeue string
 }
 
-func newQueries(schema string) queries {
+// newQueries renders the statements for schema. claimLimit is the most one claim can
+// return (the batch size times the number of kinds); it is written into the SQL as
+// a literal on purpose, see claim.
+func newQueries(schema string, claimLimit int) queries {
 	t := pgx.Identifier{schema, "effects"}.Sanitize()
 	return queries{
 		// One statement claims up to n[i] due effects of each kind[i]. SKIP LOCKED
@@ -21,7 +28,13 @@ func newQueries(schema string) queries {
 		// bumps fence and attempts, and sets in_flight. It commits on its own, before
 		// any send. The old in_flight tells whether the previous attempt's outcome is
 		// unknown; the old next_attempt_at is when the effect became due (for lag).
-		// Times are the database's now(), never the application's clock.
+		// Times are the database's now(), never the application's clock. The outer
+		// LIMIT is redundant for the result but tells the planner how few rows come
+		// out of the LATERAL, so it updates them through the primary key instead of
+		// hashing the whole table. It is a literal, not a parameter: pgx prepares
+		// statements, and after five runs Postgres may switch to a generic plan that
+		// cannot see a parameter's value (and then picks the hash join and a
+		// sequential scan of the whole table).
 		claim: `WITH want AS (
 				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
 			), due AS (
@@ -33,6 +46,7 @@ func newQueries(schema string) queries {
 					LIMIT want.n
 					FOR UPDATE SKIP LOCKED
 				) c
+				LIMIT ` + strconv.Itoa(max(claimLimit, 1)) + `
 			)
 			UPDATE ` + t + ` e
 			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,

@@ -39,7 +39,7 @@ func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter
 		return 0, errors.New("idem: requeue needs a kind, a key, or All")
 	}
 	var n int64
-	err := db.QueryRow(ctx, newQueries(schema).requeue, f.Kind, f.Key, schema).Scan(&n, nil)
+	err := db.QueryRow(ctx, newQueries(schema, 0).requeue, f.Kind, f.Key, schema).Scan(&n, nil)
 	if err != nil {
 		return 0, wrapSchema(err, schema)
 	}
