@@ -39,7 +39,7 @@ type Dispatcher struct {
 	running  atomic.Bool
 	wake     chan struct{} // a notification or a requeue: look for work now
 	freed    chan struct{} // outcomes were recorded: capacity is free again
-	outcomes chan outcome
+	outcomes chan outcome  // made by each Run, closed when it ends
 }
 
 // lane is one kind's sender, its workers' queue and its count of claims held.
@@ -85,15 +85,14 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	d := &Dispatcher{
-		cfg:      cfg,
-		pool:     cfg.Pool,
-		q:        newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders)),
-		log:      cfg.Logger,
-		m:        m,
-		byKind:   map[string]*lane{},
-		wake:     make(chan struct{}, 1),
-		freed:    make(chan struct{}, 1),
-		outcomes: make(chan outcome, 4*cfg.BatchSize),
+		cfg:    cfg,
+		pool:   cfg.Pool,
+		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders)),
+		log:    cfg.Logger,
+		m:      m,
+		byKind: map[string]*lane{},
+		wake:   make(chan struct{}, 1),
+		freed:  make(chan struct{}, 1),
 	}
 	for kind, s := range cfg.Senders {
 		n := cmp.Or(cfg.Concurrency[kind], DefaultConcurrency)
@@ -118,6 +117,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	defer d.running.Store(false)
 
 	// Sends outlive ctx by up to ShutdownTimeout, so they get a context of their own.
+	d.outcomes = make(chan outcome, 4*d.cfg.BatchSize)
 	sendCtx, cancelSends := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelSends()
 
@@ -278,9 +278,11 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		out = append(out, c)
 	}
 	if err := rows.Err(); err != nil {
-		// Rows scanned so far are claimed and held; hand them out anyway.
-		if len(out) > 0 {
-			return out, nil
+		// Whether the claim committed is unknown. Sending what was scanned could
+		// overlap another dispatcher if it did not; if it did, those effects come due
+		// again after the lease, in_flight, and are reconciled or resent then.
+		for _, c := range out {
+			c.lane.held.Add(-1)
 		}
 		return nil, err
 	}
@@ -336,7 +338,9 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 			}
 		} else {
 			d.m.unknown.WithLabelValues(c.Kind).Inc()
-			log.Warn("effect outcome of the previous attempt unknown (lease expired or indefinite error); sending again with the same key")
+			if c.Attempt <= c.maxAttempts {
+				log.Warn("effect outcome of the previous attempt unknown (lease expired or indefinite error); sending again with the same key")
+			}
 		}
 	}
 	if c.Attempt > c.maxAttempts {

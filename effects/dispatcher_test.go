@@ -546,3 +546,29 @@ func TestDispatcherPendingGauge(t *testing.T) {
 		return metricValue(t, reg, "idem_effects_pending", "unsent") == 7
 	})
 }
+
+// TestDispatcherRunAgain: Run refuses to run twice at once, and runs again after it
+// returned.
+func TestDispatcherRunAgain(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	rec := newRecorder(nil)
+	d, err := effects.NewDispatcher(fastConfig(pool, schema, map[string]effects.Sender{"a": rec}))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	waitFor(t, 5*time.Second, "running", func() bool {
+		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN idem_effects' AND application_name = $1`, "idem-test:"+schema) == 1
+	})
+	require.ErrorIs(t, d.Run(ctx), effects.ErrDispatcherRunning)
+	cancel()
+	require.NoError(t, <-done)
+
+	enqueue(t, pool, schema, effects.Effect{Kind: "a", Key: "after-restart"})
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	go func() { done <- d.Run(ctx2) }()
+	waitState(t, pool, "a", "after-restart", "done", 10*time.Second)
+	cancel2()
+	require.NoError(t, <-done)
+}
