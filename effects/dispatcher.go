@@ -184,8 +184,11 @@ func (d *Dispatcher) claimLoop(ctx context.Context) {
 		limits := make([]int32, 0, len(d.lanes))
 		full := false
 		for _, l := range d.lanes {
-			n := min(l.capacity-int(l.held.Load()), d.cfg.BatchSize)
-			if n <= 0 {
+			held := int(l.held.Load())
+			n := min(l.capacity-held, d.cfg.BatchSize)
+			// A claim costs about the same for 10 rows as for 100, so a busy kind
+			// waits until it has room for a good batch; an idle one claims at once.
+			if n <= 0 || held > 0 && n < min(d.cfg.BatchSize, l.capacity/2) {
 				full = true
 				continue
 			}
