@@ -1,0 +1,48 @@
+// Package effects stores side effects as uniquely keyed rows in the handler's
+// transaction, and carries them out afterwards with Senders run by a Dispatcher.
+//
+// # What it guarantees
+//
+//   - An effect is durable before it runs. Enqueue writes it in the same
+//     transaction as the business write, so it commits with it or not at all.
+//   - Every attempt carries the same identity. Delivery.Kind and Delivery.Key are
+//     the same on each attempt, so a receiver that honours idempotency keys (an
+//     Idempotency-Key header, a Message-ID, a unique column) applies it once.
+//   - No effect is lost. Each one ends done or dead, never silently gone. A dead
+//     effect keeps its last_error and comes back with RequeueDead.
+//   - One attempt at a time. A claim holds an effect for a lease; a Send's context
+//     ends before the lease does, and a claim that waited too long in the queue is
+//     handed back unsent. Every state change after a claim checks the claim's fence,
+//     so an attempt whose lease ran out cannot overwrite a newer one.
+//   - Unknown outcomes are settled, not guessed. When an attempt's outcome is
+//     unknown (its process died mid-send, or Send returned an Indefinite error), a
+//     Sender that is also a Reconciler is asked whether the effect took place before
+//     anything is sent again. What Reconcile cannot settle is counted in
+//     idem_effects_unknown_total.
+//
+// # What it does not guarantee
+//
+//   - Exactly-once delivery. An effect may run more than once: a crash after the
+//     send and before its outcome is recorded is always possible. Exactly-once
+//     *effect* needs the receiver's help (the key) or a Reconciler.
+//   - Order. Effects are claimed roughly by due time, many at once, by many
+//     dispatchers; retries come back later. Do not rely on one effect running
+//     before another.
+//   - A Sender that ignores its context. Such a sender can outlive its lease, and
+//     then run at the same moment as another dispatcher's retry.
+//
+// # Running effects
+//
+// A Dispatcher claims due effects of the kinds it has Senders for, in batches, with
+// one UPDATE … FOR UPDATE SKIP LOCKED statement that commits before any send; any
+// number of dispatchers in any number of processes share the work. It wakes on
+// LISTEN/NOTIFY when effects are enqueued, and polls as a fallback. A transient
+// error is retried with exponential backoff and jitter; Permanent errors and
+// exhausted attempts make the effect dead. Run(ctx) shuts down gracefully: sends in
+// flight finish (up to ShutdownTimeout) and claims not yet started are handed back
+// at once.
+//
+// Built-in senders: PublishSender forwards stored Watermill messages with their
+// UUID and metadata (kinds "publish:<topic>"); LedgerSender writes one uniquely
+// keyed row per effect into a user table.
+package effects
