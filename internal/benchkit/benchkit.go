@@ -41,10 +41,11 @@ const (
 	PerMessage   Setup = "idem"         // (b) idem, one transaction per message
 	GroupCommit  Setup = "idem-group"   // (c) idem, group commit
 	Deduplicator Setup = "deduplicator" // (d) Watermill's middleware.Deduplicator + bare handler
+	Drain        Setup = "dispatcher"   // (e) the effects Dispatcher draining what (a)-(d) enqueued
 )
 
 // AllSetups is the order the setups run in.
-var AllSetups = []Setup{Bare, PerMessage, GroupCommit, Deduplicator}
+var AllSetups = []Setup{Bare, PerMessage, GroupCommit, Deduplicator, Drain}
 
 // Options describe the workload.
 type Options struct {
@@ -59,7 +60,8 @@ type Options struct {
 	Concurrency int // partitions handled at once (default 16)
 	PayloadSize int // bytes (default 128)
 	Seed        uint64
-	// Progress, if set, is called about every 1% with deliveries handled so far.
+	// Progress, if set, is called about every 1% with deliveries handled so far and
+	// deliveries produced so far.
 	Progress func(done, total int)
 	// MaxBatch and MaxWait tune group commit (consumer defaults if 0).
 	MaxBatch int
@@ -92,10 +94,29 @@ func (o *Options) defaults() {
 	o.PayloadSize = cmp.Or(o.PayloadSize, 128)
 }
 
-// Run drives the workload once under setup. It creates (and empties) the business
-// table and the idem tables' rows of its schema first.
+// Prepare empties the schema's idem tables and the business table, before a series
+// of runs.
+func Prepare(ctx context.Context, o Options) error {
+	o.defaults()
+	pool, err := openPool(ctx, o, &commitCounter{})
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := reset(ctx, pool, o.Schema); err != nil {
+		return err
+	}
+	_, err = pool.Exec(ctx, `TRUNCATE `+pgx.Identifier{o.Schema, "effects"}.Sanitize())
+	return err
+}
+
+// Run drives the workload once under setup. It empties the business table and the
+// inbox first; effects stay, for the Drain setup.
 func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 	o.defaults()
+	if setup == Drain {
+		return runDrain(ctx, o)
+	}
 	if o.N <= 0 {
 		return Result{}, errors.New("benchkit: N must be positive")
 	}
@@ -117,7 +138,10 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 
 	commitsBefore := counter.n.Load()
 
-	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
+	// Publish blocks until the subscriber acks, and each partition has one
+	// publishing goroutine: so each partition has one message in flight, as a Kafka
+	// partition does, and concurrency is exactly the number of partitions.
+	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
 	defer pubsub.Close()
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {
@@ -153,12 +177,25 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 		return Result{}, fmt.Errorf("router: %w", err)
 	}
 
-	// Produce lazily with a bound on messages in flight, so memory stays flat
-	// however large N is.
+	// Produce lazily, so memory stays flat however large N is.
 	rng := mrand.New(mrand.NewPCG(o.Seed, 42))
 	payload := make([]byte, o.PayloadSize)
 	_, _ = rand.Read(payload)
-	const window = 4096
+	parts := make([]chan *message.Message, o.Concurrency)
+	var pubErr error
+	var pubErrOnce sync.Once
+	var pubs sync.WaitGroup
+	for p := range parts {
+		parts[p] = make(chan *message.Message, 64)
+		topic := fmt.Sprintf("bench-%d", p)
+		pubs.Go(func() {
+			for m := range parts[p] {
+				if err := pubsub.Publish(topic, m); err != nil {
+					pubErrOnce.Do(func() { pubErr = err })
+				}
+			}
+		})
+	}
 	total := 0
 	var peak uint64
 	var ms runtime.MemStats
@@ -170,34 +207,38 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 			copies = 2
 		}
 		id := consumer.NewUUID()
-		topic := fmt.Sprintf("bench-%d", partition(id, o.Concurrency))
+		part := parts[partition(id, o.Concurrency)]
 		for range copies {
-			for int64(total)-handled.Load() >= window {
-				time.Sleep(50 * time.Microsecond)
-			}
-			if err := pubsub.Publish(topic, message.NewMessage(id, payload)); err != nil {
-				return Result{}, err
-			}
+			part <- message.NewMessage(id, payload)
 			total++
 		}
 		if i%step == 0 {
 			if o.Progress != nil {
-				o.Progress(int(handled.Load()), o.N)
+				o.Progress(int(handled.Load()), total)
 			}
 			runtime.ReadMemStats(&ms)
 			peak = max(peak, ms.HeapInuse)
 		}
 	}
+	for _, p := range parts {
+		close(p)
+	}
+	waitPubs := make(chan struct{})
+	go func() { pubs.Wait(); close(waitPubs) }()
+	select {
+	case <-waitPubs:
+	case err := <-routerDone:
+		return Result{}, fmt.Errorf("router stopped: %v", err)
+	}
+	if pubErr != nil {
+		return Result{}, pubErr
+	}
 	for handled.Load() < int64(total) {
-		select {
-		case err := <-routerDone:
-			return Result{}, fmt.Errorf("router stopped: %v", err)
-		case <-time.After(time.Millisecond):
-		}
+		time.Sleep(time.Millisecond)
 	}
 	elapsed := time.Since(start)
 	if o.Progress != nil {
-		o.Progress(o.N, o.N)
+		o.Progress(total, total)
 	}
 	cancel()
 	<-routerDone
@@ -225,7 +266,7 @@ func partition(key string, n int) int {
 func reset(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 	s := pgx.Identifier{schema}.Sanitize()
 	_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+s+`.bench_biz (id bigserial PRIMARY KEY, key text NOT NULL, payload bytea);
-		TRUNCATE `+s+`.bench_biz, `+s+`.inbox, `+s+`.effects`)
+		TRUNCATE `+s+`.bench_biz, `+s+`.inbox`)
 	return err
 }
 
@@ -305,6 +346,70 @@ func build(setup Setup, o Options) (message.NoPublishHandlerFunc, func(), error)
 		return func(msg *message.Message) error { _, err := h(msg); return err }, func() { _ = c.Close() }, nil
 	}
 	return nil, nil, fmt.Errorf("benchkit: unknown setup %q", setup)
+}
+
+// runDrain runs a Dispatcher with a no-op sender until every pending "bench" effect
+// is done. Latency is from the effect's commit to its send.
+func runDrain(ctx context.Context, o Options) (Result, error) {
+	counter := &commitCounter{}
+	pool, err := openPool(ctx, o, counter)
+	if err != nil {
+		return Result{}, err
+	}
+	defer pool.Close()
+	table := pgx.Identifier{o.Schema, "effects"}.Sanitize()
+	var pending int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE state = 'pending'`).Scan(&pending); err != nil {
+		return Result{}, err
+	}
+	if pending == 0 {
+		return Result{}, errors.New("benchkit: no pending effects to drain; run the other setups first")
+	}
+	hist := newHistogram()
+	var sent atomic.Int64
+	d, err := effects.NewDispatcher(effects.Config{
+		Pool: pool, Schema: o.Schema, BatchSize: 100,
+		Concurrency: map[string]int{"bench": 64},
+		Senders: map[string]effects.Sender{"bench": effects.SenderFunc(func(_ context.Context, dl effects.Delivery) error {
+			hist.observe(time.Since(dl.CreatedAt))
+			sent.Add(1)
+			return nil
+		})},
+	})
+	if err != nil {
+		return Result{}, err
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	start := time.Now()
+	before := counter.n.Load()
+	go func() { done <- d.Run(runCtx) }()
+	for {
+		var left int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE state = 'pending'`).Scan(&left); err != nil {
+			return Result{}, err
+		}
+		if o.Progress != nil {
+			o.Progress(pending-left, pending)
+		}
+		if left == 0 {
+			break
+		}
+		select {
+		case err := <-done:
+			return Result{}, fmt.Errorf("dispatcher stopped: %v", err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	elapsed := time.Since(start)
+	cancel()
+	<-done
+	n := int(sent.Load())
+	return Result{Setup: Drain, Messages: pending, Deliveries: n, Elapsed: elapsed,
+		MsgsPerSec: float64(pending) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),
+		CommitsPerMsg:  float64(counter.n.Load()-before) / float64(pending),
+		CommittedTwice: n - pending}, nil
 }
 
 // histogram keeps latencies in log-spaced buckets (about 2% wide), so memory is
