@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -271,7 +273,14 @@ func BenchmarkJanitor(b *testing.B) {
 	store, err := inbox.NewStore(schema)
 	require.NoError(b, err)
 	ctx := context.Background()
-	j, err := inbox.NewJanitor(inbox.JanitorConfig{Pool: pool, Schema: schema})
+	cfg := inbox.JanitorConfig{Pool: pool, Schema: schema}
+	if v := os.Getenv("IDEM_BENCH_BATCH"); v != "" {
+		cfg.BatchSize, _ = strconv.Atoi(v)
+	}
+	if v := os.Getenv("IDEM_BENCH_PAUSE"); v != "" {
+		cfg.Pause, _ = time.ParseDuration(v)
+	}
+	j, err := inbox.NewJanitor(cfg)
 	require.NoError(b, err)
 
 	var worst time.Duration
