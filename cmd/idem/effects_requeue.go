@@ -7,7 +7,6 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/effects"
 )
@@ -47,7 +46,7 @@ func runEffectsRequeue(ctx context.Context, e *env, args []string, kind, key str
 	if err != nil {
 		return err
 	}
-	n, err := requeueDead(ctx, pool, e.schema, kind, key)
+	n, err := effects.RequeueDead(ctx, pool, e.schema, effects.RequeueFilter{Kind: kind, Key: key, All: all})
 	if err != nil {
 		return err
 	}
@@ -72,13 +71,4 @@ func runEffectsRequeue(ctx context.Context, e *env, args []string, kind, key str
 	}
 	fmt.Fprintf(e.stdout, "requeued %d dead %s effect(s); dispatchers were notified and will send them now\n", n, kind)
 	return nil
-}
-
-// requeueDead moves dead effects of kind (one key, or all when key is "") back to
-// pending and notifies the dispatchers. It is the CLI's own statement until the
-// effects package's requeue API is merged; see NOTES.md.
-func requeueDead(ctx context.Context, pool *pgxpool.Pool, schema, kind, key string) (int64, error) {
-	var n int64
-	err := pool.QueryRow(ctx, newQueries(schema).requeue, kind, key, schema).Scan(&n, nil)
-	return n, err
 }

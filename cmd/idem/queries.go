@@ -5,7 +5,7 @@ import "github.com/jackc/pgx/v5"
 // The CLI's read-only statements, for one schema. Every value is a bind parameter;
 // the schema is validated before it gets here and quoted.
 type queries struct {
-	effectsBySource, consumerStats, effectStats, effectsList, effectState, requeue string
+	effectsBySource, consumerStats, effectStats, effectsList, effectState string
 }
 
 func newQueries(schema string) queries {
@@ -38,14 +38,5 @@ func newQueries(schema string) queries {
 			ORDER BY created_at, kind, key
 			LIMIT $3`,
 		effectState: `SELECT state FROM ` + t("effects") + ` WHERE kind = $1 AND key = $2`,
-		// Fallback for `idem effects requeue` until the effects package's requeue
-		// API is merged: the same statement semantics (see NOTES.md).
-		requeue: `WITH r AS (
-				UPDATE ` + t("effects") + `
-				SET state = 'pending', attempts = 0, next_attempt_at = now(), done_at = NULL
-				WHERE state = 'dead' AND kind = $1 AND ($2 = '' OR key = $2)
-				RETURNING 1
-			)
-			SELECT count(*), pg_notify('idem_effects', $3) FROM r`,
 	}
 }

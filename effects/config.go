@@ -1,0 +1,193 @@
+package effects
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Defaults of Config.
+const (
+	// DefaultBatchSize is how many effects of one kind a claim takes at most.
+	DefaultBatchSize = 100
+	// DefaultConcurrency is how many sends of one kind run at once.
+	DefaultConcurrency = 10
+	// DefaultLease is how long a claim is held before another dispatcher may take
+	// the effect over. A Send gets a deadline a tenth of it earlier.
+	DefaultLease = time.Minute
+	// DefaultPollInterval is how often the Dispatcher looks for due effects when no
+	// notification wakes it (retries coming due, a lost LISTEN connection).
+	DefaultPollInterval = time.Second
+	// DefaultShutdownTimeout is how long Run waits, once its context ends, for
+	// sends in flight to finish before it cancels them.
+	DefaultShutdownTimeout = 30 * time.Second
+	// DefaultBackoffInitial is the delay after the first failure.
+	DefaultBackoffInitial = time.Second
+	// DefaultBackoffMax caps the delay between attempts.
+	DefaultBackoffMax = time.Hour
+	// DefaultBackoffMultiplier is how much the delay grows per failure.
+	DefaultBackoffMultiplier = 2.0
+	// DefaultBackoffJitter spreads each delay by up to ±20%, so effects that failed
+	// together do not all come back together.
+	DefaultBackoffJitter = 0.2
+)
+
+// Config configures a Dispatcher.
+type Config struct {
+	// Pool is the database. Each Dispatcher also opens one connection of its own,
+	// outside the pool, to LISTEN for new effects; budget for it.
+	Pool *pgxpool.Pool
+	// Schema holds the idem tables (DefaultSchema if empty).
+	Schema string
+	// Senders maps each kind to its Sender. Effects of kinds without one are left
+	// alone for a dispatcher that has it; they are never failed. PublishSenders
+	// builds the entries for "publish:<topic>" kinds.
+	Senders map[string]Sender
+	// BatchSize caps how many effects of one kind one claim takes
+	// (DefaultBatchSize).
+	BatchSize int
+	// Concurrency is the number of sends of each kind that run at once, by kind;
+	// a kind not in the map gets DefaultConcurrency. The Dispatcher holds at most
+	// Concurrency + min(Concurrency, BatchSize) claims of a kind: the ones being sent
+	// and one round waiting.
+	Concurrency map[string]int
+	// Lease is how long a claim lasts (DefaultLease). A Send's context ends a tenth
+	// of the lease before the lease does.
+	Lease time.Duration
+	// Backoff spaces retries after transient failures.
+	Backoff Backoff
+	// MaxAttempts, when above 0, caps every effect's attempts on top of the
+	// max_attempts it was enqueued with (DefaultMaxAttempts unless Effect.MaxAttempts
+	// said otherwise). 0 leaves each effect's own limit.
+	MaxAttempts int
+	// PollInterval is how often to look for due effects without a notification
+	// (DefaultPollInterval).
+	PollInterval time.Duration
+	// ShutdownTimeout bounds the wait for sends in flight when Run's context ends
+	// (DefaultShutdownTimeout). Past it their contexts are cancelled.
+	ShutdownTimeout time.Duration
+	// Logger receives the Dispatcher's logs; nil is quiet. Payloads are never
+	// logged.
+	Logger *slog.Logger
+	// Registerer receives the Prometheus metrics; nil registers none. Several
+	// Dispatchers may share one registry.
+	Registerer prometheus.Registerer
+}
+
+// Backoff is exponential backoff with jitter: the n-th failure waits
+// min(Max, Initial·Multiplier^(n-1)), spread by ±Jitter.
+type Backoff struct {
+	Initial    time.Duration // DefaultBackoffInitial
+	Max        time.Duration // DefaultBackoffMax
+	Multiplier float64       // DefaultBackoffMultiplier
+	Jitter     float64       // DefaultBackoffJitter; in [0, 1]
+}
+
+// withDefaults fills unset fields. Jitter 0 means the default; a negative Jitter
+// means none.
+func (b Backoff) withDefaults() Backoff {
+	b.Initial = cmp.Or(b.Initial, DefaultBackoffInitial)
+	b.Max = cmp.Or(b.Max, DefaultBackoffMax)
+	b.Multiplier = cmp.Or(b.Multiplier, DefaultBackoffMultiplier)
+	switch {
+	case b.Jitter == 0:
+		b.Jitter = DefaultBackoffJitter
+	case b.Jitter < 0:
+		b.Jitter = 0
+	}
+	return b
+}
+
+// Validate checks the backoff's values.
+func (b Backoff) Validate() error {
+	switch {
+	case b.Initial <= 0:
+		return errors.New("backoff initial must be positive")
+	case b.Max < b.Initial:
+		return errors.New("backoff max must be at least initial")
+	case b.Multiplier < 1:
+		return errors.New("backoff multiplier must be at least 1")
+	case b.Jitter < 0 || b.Jitter > 1:
+		return errors.New("backoff jitter must be in [0, 1]")
+	}
+	return nil
+}
+
+// Delay is the wait after the failure of attempt n (counting from 1).
+func (b Backoff) Delay(n int) time.Duration {
+	d := float64(b.Initial) * math.Pow(b.Multiplier, float64(max(n-1, 0)))
+	d = min(d, float64(b.Max))
+	if b.Jitter > 0 {
+		d *= 1 + b.Jitter*(2*rand.Float64()-1)
+	}
+	return time.Duration(min(d, float64(b.Max)))
+}
+
+// WithDefaults returns c with every unset field at its default.
+func (c Config) WithDefaults() Config {
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
+	c.Lease = cmp.Or(c.Lease, DefaultLease)
+	c.Backoff = c.Backoff.withDefaults()
+	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
+	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, DefaultShutdownTimeout)
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+// Validate checks a Config after WithDefaults.
+func (c Config) Validate() error {
+	if c.Pool == nil {
+		return errors.New("pool is nil")
+	}
+	if !schemaRe.MatchString(c.Schema) {
+		return fmt.Errorf("%w: got %q", ErrInvalidSchema, c.Schema)
+	}
+	if len(c.Senders) == 0 {
+		return errors.New("no senders registered")
+	}
+	for kind, s := range c.Senders {
+		if !kindRe.MatchString(kind) {
+			return fmt.Errorf("sender for %q: %w", kind, ErrInvalidKind)
+		}
+		if s == nil {
+			return fmt.Errorf("sender for %q is nil", kind)
+		}
+	}
+	for kind, n := range c.Concurrency {
+		if _, ok := c.Senders[kind]; !ok {
+			return fmt.Errorf("concurrency for %q, which has no sender", kind)
+		}
+		if n <= 0 {
+			return fmt.Errorf("concurrency for %q must be positive, got %d", kind, n)
+		}
+	}
+	if c.BatchSize <= 0 {
+		return fmt.Errorf("batch size must be positive, got %d", c.BatchSize)
+	}
+	if c.Lease < 10*time.Millisecond {
+		return fmt.Errorf("lease must be at least 10ms, got %s", c.Lease)
+	}
+	if c.MaxAttempts < 0 {
+		return fmt.Errorf("max attempts must not be negative, got %d", c.MaxAttempts)
+	}
+	if c.PollInterval <= 0 {
+		return fmt.Errorf("poll interval must be positive, got %s", c.PollInterval)
+	}
+	if c.ShutdownTimeout <= 0 {
+		return fmt.Errorf("shutdown timeout must be positive, got %s", c.ShutdownTimeout)
+	}
+	if err := c.Backoff.Validate(); err != nil {
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,80 @@
+package effects
+
+import (
+	"errors"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the Dispatcher's Prometheus collectors. Without a Registerer they
+// exist but are registered nowhere, which keeps the code free of nil checks.
+type metrics struct {
+	pending   *prometheus.GaugeVec
+	attempts  *prometheus.CounterVec
+	dead      *prometheus.CounterVec
+	lag       *prometheus.HistogramVec
+	unknown   *prometheus.CounterVec
+	lostLease *prometheus.CounterVec
+	reconcile *prometheus.CounterVec
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		pending: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "idem_effects_pending",
+			Help: "Effects waiting to be sent (state pending), by kind; refreshed periodically.",
+		}, []string{"kind"}),
+		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_effects_attempts_total",
+			Help: "Attempts at effects, by kind and outcome (done, retry, dead, reconciled, released).",
+		}, []string{"kind", "outcome"}),
+		dead: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_effects_dead_total",
+			Help: "Effects that became dead (permanent failure or attempts exhausted), by kind.",
+		}, []string{"kind"}),
+		lag: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idem_effects_lag_seconds",
+			Help:    "Time from an effect becoming due (its commit, or its retry time) to its Send call, by kind.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
+		}, []string{"kind"}),
+		unknown: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_effects_unknown_total",
+			Help: "Attempts whose outcome was unknown (lease expired, or an indefinite error) and that Reconcile could not settle, by kind.",
+		}, []string{"kind"}),
+		lostLease: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_effects_lost_lease_total",
+			Help: "Outcomes not recorded because the claim's lease had run out and the effect was claimed again (fence mismatch), by kind.",
+		}, []string{"kind"}),
+		reconcile: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_effects_reconcile_total",
+			Help: "Reconcile calls, by kind and result (done, not_done, error).",
+		}, []string{"kind", "result"}),
+	}
+	if reg == nil {
+		return m, nil
+	}
+	var err error
+	m.pending = register(reg, m.pending, &err)
+	m.attempts = register(reg, m.attempts, &err)
+	m.dead = register(reg, m.dead, &err)
+	m.lag = register(reg, m.lag, &err)
+	m.unknown = register(reg, m.unknown, &err)
+	m.lostLease = register(reg, m.lostLease, &err)
+	m.reconcile = register(reg, m.reconcile, &err)
+	return m, err
+}
+
+// register registers c, or returns the collector already registered under its
+// name, so that several Dispatchers can share one registry.
+func register[C prometheus.Collector](reg prometheus.Registerer, c C, errp *error) C {
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(C); ok {
+				return existing
+			}
+		}
+		*errp = errors.Join(*errp, err)
+	}
+	return c
+}

@@ -1,0 +1,45 @@
+package effects
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// PublishSender forwards stored Watermill messages to pub. It serves kinds
+// "publish:<topic>" and publishes to <topic>; the message keeps the UUID and
+// metadata it was stored with, so the broker and the next consumer's inbox see one
+// ID on every attempt. Register it with PublishSenders, once per topic.
+//
+// A payload that does not decode, or a kind that is not a publish kind, is a
+// permanent failure. A publish error is transient and retried. Publishers that
+// de-duplicate by ID (NATS JetStream's Nats-Msg-Id) drop the repeats of a retry;
+// for the others the next consumer's inbox does.
+func PublishSender(pub message.Publisher) Sender {
+	return SenderFunc(func(ctx context.Context, d Delivery) error {
+		topic, ok := TopicOf(d.Kind)
+		if !ok || topic == "" {
+			return Permanent(fmt.Errorf("kind %q is not %s<topic>", d.Kind, PublishKindPrefix))
+		}
+		msg, err := DecodeMessage(d.Payload)
+		if err != nil {
+			return Permanent(err)
+		}
+		msg.SetContext(ctx)
+		return pub.Publish(topic, msg)
+	})
+}
+
+// PublishSenders returns Config.Senders entries that publish to pub for each topic:
+// {"publish:<topic>": PublishSender(pub)}. Topics are listed explicitly, not matched
+// by prefix, so a dispatcher claims exactly the kinds it can send; merge the map
+// with your other senders.
+func PublishSenders(pub message.Publisher, topics ...string) map[string]Sender {
+	s := PublishSender(pub)
+	m := make(map[string]Sender, len(topics))
+	for _, t := range topics {
+		m[PublishKind(t)] = s
+	}
+	return m
+}

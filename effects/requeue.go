@@ -1,0 +1,47 @@
+package effects
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Querier is what the requeue functions run on: a *pgxpool.Pool, a *pgx.Conn or a
+// pgx.Tx.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// RequeueFilter picks the dead effects to bring back. Set Kind, Key or both; or All
+// to take every dead effect. An empty filter is refused, so that a forgotten field
+// cannot requeue everything.
+type RequeueFilter struct {
+	Kind string
+	Key  string
+	All  bool
+}
+
+// RequeueDead brings dead effects back to pending: attempts start again from 0,
+// they are due now, and dispatchers are notified. It returns how many it
+// requeued. An effect whose last outcome was unknown keeps that mark, so its
+// Reconciler is asked before it is sent again. Run it on a pool, or inside a
+// transaction of your own (the notification is delivered when it commits).
+func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter) (int64, error) {
+	if schema == "" {
+		schema = DefaultSchema
+	}
+	if !schemaRe.MatchString(schema) {
+		return 0, fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
+	}
+	if f.Kind == "" && f.Key == "" && !f.All {
+		return 0, errors.New("idem: requeue needs a kind, a key, or All")
+	}
+	var n int64
+	err := db.QueryRow(ctx, newQueries(schema).requeue, f.Kind, f.Key, schema).Scan(&n, nil)
+	if err != nil {
+		return 0, wrapSchema(err, schema)
+	}
+	return n, nil
+}
