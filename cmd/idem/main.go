@@ -47,8 +47,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		printOverview(stderr)
 		return exitUsage
 	}
-	switch args[0] {
-	case "-h", "-help", "--help", "help":
+	if isHelp(args[0]) || args[0] == "help" {
 		if len(args) > 1 && args[0] == "help" {
 			return run(ctx, append(args[1:], "--help"), stdout, stderr)
 		}
@@ -58,6 +57,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cmd, rest := lookup(args)
 	if cmd == nil {
 		if sub := subcommandsOf(args[0]); len(sub) > 0 {
+			if len(args) > 1 && isHelp(args[1]) {
+				fmt.Fprintf(stdout, "idem %s has subcommands: %s\nRun 'idem %s <subcommand> --help' for an example.\n", args[0], joinNames(sub), args[0])
+				return exitOK
+			}
 			fmt.Fprintf(stderr, "idem %s: needs a subcommand: %s\nRun 'idem %s <subcommand> --help' for an example.\n", args[0], joinNames(sub), args[0])
 			return exitUsage
 		}
@@ -66,6 +69,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	return cmd.execute(ctx, rest, stdout, stderr)
 }
+
+func isHelp(arg string) bool { return arg == "-h" || arg == "-help" || arg == "--help" }
 
 // lookup finds the command named by the first one or two words of args.
 func lookup(args []string) (*command, []string) {

@@ -79,6 +79,8 @@ func TestHelpOnEveryCommandShowsAnExample(t *testing.T) {
 		require.Contains(t, r.stdout, c.name)
 	}
 	require.Contains(t, runCLI(t, "help", "gc").ok(t).stdout, "Example:\n  idem gc")
+	require.Contains(t, runCLI(t, "effects", "--help").ok(t).stdout, "list, requeue")
+	require.Contains(t, runCLI(t, "help", "effects", "requeue").ok(t).stdout, "Example:\n  idem effects requeue")
 }
 
 func TestBadUsageExitsTwo(t *testing.T) {
