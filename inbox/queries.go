@@ -5,11 +5,13 @@ package inbox
 type queries struct {
 	claim, fail, get                              string
 	lease, completeLease, failLease, releaseLease string
-	deleteExpired                                 string
+	deleteExpired, deleteDoneEffects              string
+	janitorTryLock, janitorUnlock                 string
 }
 
 func newQueries(schema string) queries {
 	t := schema + ".inbox"
+	e := schema + ".effects"
 	return queries{
 		// Times come from the database (now()), never the application's clock.
 		claim: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
@@ -40,9 +42,28 @@ func newQueries(schema string) queries {
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		releaseLease: `UPDATE ` + t + ` SET lease_until = now()
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+		// The janitor's deletes pick a batch in expiry order through the partial
+		// indexes (inbox_expires_at_idx, effects_done_at_idx), so no batch rescans
+		// the rows that earlier batches left dead, and delete by ctid, which the
+		// row lock of the same statement pins. SKIP LOCKED: a row someone holds is
+		// left for the next pass rather than waited for. The state filters keep
+		// processing inbox rows and pending or dead effects out, always.
 		deleteExpired: `DELETE FROM ` + t + ` WHERE ctid = ANY (ARRAY(
 				SELECT ctid FROM ` + t + `
-				WHERE expires_at < now() AND state IN ('completed', 'failed')
-				LIMIT $1))`,
+				WHERE state IN ('completed', 'failed') AND expires_at < now()
+				ORDER BY expires_at
+				LIMIT $1
+				FOR UPDATE SKIP LOCKED))
+			AND state IN ('completed', 'failed')`,
+		deleteDoneEffects: `DELETE FROM ` + e + ` WHERE ctid = ANY (ARRAY(
+				SELECT ctid FROM ` + e + `
+				WHERE state = 'done' AND done_at < now() - $2::interval
+				ORDER BY done_at
+				LIMIT $1
+				FOR UPDATE SKIP LOCKED))
+			AND state = 'done'`,
+		// One lock per schema, in the same key space as the migrator's lock.
+		janitorTryLock: `SELECT pg_try_advisory_lock(hashtextextended('idem.janitor:' || $1, 0))`,
+		janitorUnlock:  `SELECT pg_advisory_unlock(hashtextextended('idem.janitor:' || $1, 0))`,
 	}
 }

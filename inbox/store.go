@@ -316,7 +316,9 @@ func (s *Store) ReleaseLease(ctx context.Context, db DBTX, id ID, fence int64) e
 }
 
 // DeleteExpired deletes up to limit completed or failed rows whose expires_at has
-// passed, and returns how many it deleted. It never deletes processing rows.
+// passed, oldest expiry first, and returns how many it deleted. It never deletes
+// processing rows, and skips rows that another transaction has locked. Janitor
+// runs it in batches; call it yourself only to build a cleanup of your own.
 func (s *Store) DeleteExpired(ctx context.Context, db DBTX, limit int) (int64, error) {
 	tag, err := db.Exec(ctx, s.q.deleteExpired, limit)
 	if err != nil {

@@ -1,0 +1,79 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"time"
+
+	"github.com/idemkit/idem/inbox"
+)
+
+var gcCmd = &command{
+	name: "gc",
+	args: "[flags]",
+	summary: "Run the janitor once, to completion: delete expired inbox rows and done effects " +
+		"past their retention",
+	example: `idem gc
+idem gc --batch-size 5000 --pause 0s --effects-retention 72h --json`,
+	setup: func(fs *flag.FlagSet) runFunc {
+		var cfg inbox.JanitorConfig
+		fs.IntVar(&cfg.BatchSize, "batch-size", inbox.DefaultJanitorBatchSize, "rows per DELETE")
+		fs.DurationVar(&cfg.Pause, "pause", inbox.DefaultJanitorPause, "pause between batches (0s for none)")
+		fs.DurationVar(&cfg.EffectsRetention, "effects-retention", inbox.DefaultEffectsRetention, "how long done effects are kept after done_at")
+		return func(ctx context.Context, e *env, args []string) error {
+			return runGC(ctx, e, args, cfg)
+		}
+	},
+}
+
+type gcJSON struct {
+	Schema         string  `json:"schema"`
+	InboxDeleted   int64   `json:"inbox_deleted"`
+	EffectsDeleted int64   `json:"effects_deleted"`
+	Batches        int     `json:"batches"`
+	ElapsedSeconds float64 `json:"elapsed_seconds"`
+}
+
+func runGC(ctx context.Context, e *env, args []string, cfg inbox.JanitorConfig) error {
+	if len(args) > 0 {
+		return usagef("takes no arguments, got %q", args)
+	}
+	if cfg.BatchSize < 1 {
+		return usagef("--batch-size must be at least 1")
+	}
+	if cfg.Pause == 0 {
+		cfg.Pause = -1 // the janitor reads 0 as "default"
+	}
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return err
+	}
+	cfg.Pool, cfg.Schema = pool, e.schema
+	// Progress goes to stderr, at most once a second, so that stdout holds only
+	// the result (and stays valid JSON with --json).
+	var last time.Time
+	cfg.OnBatch = func(s inbox.Stats) {
+		if time.Since(last) < time.Second {
+			return
+		}
+		last = time.Now()
+		fmt.Fprintf(e.stderr, "  deleted %d inbox rows, %d effects so far (%.0f rows/s)\n",
+			s.InboxDeleted, s.EffectsDeleted, float64(s.Deleted())/s.Elapsed.Seconds())
+	}
+	j, err := inbox.NewJanitor(cfg)
+	if err != nil {
+		return usagef("%v", err)
+	}
+	st, err := j.RunOnce(ctx)
+	if err != nil {
+		return err
+	}
+	if e.json {
+		return e.writeJSON(gcJSON{Schema: e.schema, InboxDeleted: st.InboxDeleted, EffectsDeleted: st.EffectsDeleted,
+			Batches: st.Batches, ElapsedSeconds: st.Elapsed.Seconds()})
+	}
+	fmt.Fprintf(e.stdout, "deleted %d expired inbox rows and %d done effects from schema %s in %s\n",
+		st.InboxDeleted, st.EffectsDeleted, e.schema, st.Elapsed.Round(time.Millisecond))
+	return nil
+}
