@@ -53,8 +53,8 @@ const (
 
 	// DefaultPullExpiry is how long one pull request waits on the server for
 	// messages. It is also about how long Close can take: Close lets the
-	// outstanding pull end, so that no message is sent to a client that has
-	// stopped listening.
+	// outstanding pull run out, so that no message is sent into an inbox that
+	// nobody reads any more (where it would wait out its AckWait).
 	DefaultPullExpiry = time.Second
 
 	// DefaultAckTimeout bounds a double ack (AckSync) and each API call the

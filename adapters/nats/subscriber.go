@@ -15,7 +15,7 @@ import (
 )
 
 var (
-	_ message.Subscriber          = (*Subscriber)(nil)
+	_ message.Subscriber           = (*Subscriber)(nil)
 	_ message.SubscribeInitializer = (*Subscriber)(nil)
 )
 
@@ -262,16 +262,25 @@ func (sub *subscription) run() {
 		if n == 0 {
 			return
 		}
-		batch, err := sub.cons.Fetch(n, jetstream.FetchMaxWait(sub.s.cfg.PullExpiry))
+		// A pull is never cancelled, on Close either: it runs out (PullExpiry
+		// at most), and whatever it brings after Close is nacked below. A
+		// cancelled pull leaves its request on the server, which can still send
+		// a message into it (nats-server 2.9 always does, later versions in a
+		// race with the unsubscribe), and that message waits out its AckWait.
+		fetchCtx, cancelFetch := context.WithTimeout(context.WithoutCancel(sub.ctx), sub.s.cfg.PullExpiry)
+		batch, err := sub.cons.Fetch(n, jetstream.FetchContext(fetchCtx))
 		if err != nil {
+			cancelFetch()
 			sub.release(n)
+			if sub.ctx.Err() != nil {
+				return
+			}
 			sub.s.logger.Error("Pull failed", err, sub.logFields())
 			sub.pause()
 			continue
 		}
 		got := 0
-		// The pull is never cancelled: a message the server sends after
-		// Close is nacked here rather than left to its AckWait.
+		// A message that arrived as Close began is released at once.
 		for jm := range batch.Messages() {
 			got++
 			if sub.ctx.Err() != nil {
@@ -282,8 +291,10 @@ func (sub *subscription) run() {
 			sub.handlers.Add(1)
 			go sub.handle(jm)
 		}
+		cancelFetch()
 		sub.release(n - got)
-		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, natsgo.ErrTimeout) {
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) &&
+			!errors.Is(err, natsgo.ErrTimeout) && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
 			sub.s.logger.Error("Pull ended with an error", err, sub.logFields())
 			sub.pause()
 		}
@@ -480,3 +491,4 @@ func (sub *subscription) lastDeliveryFailed(jm jetstream.Msg, msg *message.Messa
 		sub.s.logger.Error("Term after MaxDeliver failed; the server will raise a MAX_DELIVERIES advisory", err, sub.msgFields(msg, md))
 	}
 }
+
