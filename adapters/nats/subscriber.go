@@ -491,4 +491,3 @@ func (sub *subscription) lastDeliveryFailed(jm jetstream.Msg, msg *message.Messa
 		sub.s.logger.Error("Term after MaxDeliver failed; the server will raise a MAX_DELIVERIES advisory", err, sub.msgFields(msg, md))
 	}
 }
-
