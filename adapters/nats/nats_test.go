@@ -61,11 +61,16 @@ func cmpOr[T comparable](v, d T) T {
 
 func (b *testBundle) publish(t *testing.T, n int) []*message.Message {
 	t.Helper()
+	return publishN(t, b.pub, b.topic, n)
+}
+
+func publishN(t *testing.T, pub message.Publisher, topic string, n int) []*message.Message {
+	t.Helper()
 	var msgs []*message.Message
 	for i := range n {
-		msgs = append(msgs, message.NewMessage(fmt.Sprintf("%s-%d", b.topic, i), []byte(strconv.Itoa(i))))
+		msgs = append(msgs, message.NewMessage(fmt.Sprintf("%s-%d", topic, i), []byte(strconv.Itoa(i))))
 	}
-	require.NoError(t, b.pub.Publish(b.topic, msgs...))
+	require.NoError(t, pub.Publish(topic, msgs...))
 	return msgs
 }
 
