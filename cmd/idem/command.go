@@ -99,6 +99,10 @@ func (c *command) execute(ctx context.Context, args []string, stdout, stderr io.
 	if hint := explain(err, e); hint != "" {
 		fmt.Fprintln(stderr, hint)
 	}
+	var ee *exitError
+	if errors.As(err, &ee) {
+		return ee.code
+	}
 	return exitFailure
 }
 

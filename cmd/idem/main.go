@@ -25,6 +25,7 @@ var commands = []*command{
 	gcCmd,
 	effectsListCmd,
 	effectsRequeueCmd,
+	demoCmd,
 }
 
 func main() {

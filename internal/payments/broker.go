@@ -1,0 +1,144 @@
+package payments
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats-server/v2/server"
+	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/adapters/nats"
+)
+
+// Broker names.
+const (
+	NATS  = "nats"
+	Kafka = "kafka"
+)
+
+// Partitions is the payments topic's partition count on Kafka: enough for three
+// consumer processes to share.
+const Partitions = 6
+
+// StartNATS starts an embedded JetStream server on 127.0.0.1:port (-1: any free
+// port) storing under dir, and returns it; ClientURL says where it is.
+func StartNATS(dir string, port int) (*server.Server, error) {
+	s, err := server.NewServer(&server.Options{
+		Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true,
+	})
+	if err != nil {
+		return nil, err
+	}
+	go s.Start()
+	if !s.ReadyForConnections(10 * time.Second) {
+		s.Shutdown()
+		return nil, errors.New("embedded nats-server did not start within 10s")
+	}
+	return s, nil
+}
+
+// StartKafka starts an in-process Kafka-protocol broker (franz-go's kfake) and
+// returns it; ListenAddrs says where it is.
+func StartKafka() (*kfake.Cluster, error) {
+	return kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(100*time.Millisecond),
+		kfake.SeedTopics(Partitions, Topic))
+}
+
+// Endpoint is a broker a process connects to: Broker is NATS or Kafka, Addr a NATS
+// URL or comma-separated Kafka brokers, Group the consumer group or durable.
+type Endpoint struct {
+	Broker, Addr, Group string
+}
+
+// String is "broker|addr|group", for an environment variable.
+func (e Endpoint) String() string { return e.Broker + "|" + e.Addr + "|" + e.Group }
+
+// ParseEndpoint reverses String.
+func ParseEndpoint(s string) (Endpoint, error) {
+	p := strings.Split(s, "|")
+	if len(p) != 3 {
+		return Endpoint{}, fmt.Errorf("endpoint %q: want broker|addr|group", s)
+	}
+	return Endpoint{p[0], p[1], p[2]}, nil
+}
+
+// Conn is the publisher and subscriber of one process on an Endpoint.
+type Conn struct {
+	Publisher  message.Publisher
+	Subscriber message.Subscriber
+	close      func()
+}
+
+// Close closes the subscriber, publisher and connection.
+func (c *Conn) Close() {
+	_ = c.Subscriber.Close()
+	_ = c.Publisher.Close()
+	if c.close != nil {
+		c.close()
+	}
+}
+
+// Tuning of the consumers for a chaos run: a killed member's messages must come
+// back in seconds, not the production defaults' tens of seconds.
+const (
+	natsAckWait      = 2 * time.Second
+	kafkaHeartbeat   = 200 * time.Millisecond
+	kafkaSession     = 1500 * time.Millisecond
+	kafkaRebalance   = 2 * time.Second
+	nackBackoffChaos = 20 * time.Millisecond
+)
+
+// Connect opens a publisher and a subscriber on e.
+func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
+	switch e.Broker {
+	case NATS:
+		nc, err := natsgo.Connect(e.Addr, natsgo.MaxReconnects(-1), natsgo.ReconnectWait(50*time.Millisecond))
+		if err != nil {
+			return nil, fmt.Errorf("connect to nats-server at %s: %w", e.Addr, err)
+		}
+		topo := nats.Topology{AutoProvision: true, Stream: jetstream.StreamConfig{Storage: jetstream.FileStorage}}
+		pub, err := nats.NewPublisher(nc, nats.PublisherConfig{Topology: topo, Logger: logger})
+		if err != nil {
+			nc.Close()
+			return nil, err
+		}
+		sub, err := nats.NewSubscriber(nc, nats.SubscriberConfig{
+			Topology: topo, Durable: e.Group, Concurrency: 8,
+			Consumer: jetstream.ConsumerConfig{AckWait: natsAckWait, MaxDeliver: -1},
+			NakDelay: nats.ExponentialBackoff(nackBackoffChaos, time.Second),
+			Logger:   logger,
+		})
+		if err != nil {
+			_ = pub.Close()
+			nc.Close()
+			return nil, err
+		}
+		return &Conn{Publisher: pub, Subscriber: sub, close: nc.Close}, nil
+	case Kafka:
+		brokers := strings.Split(e.Addr, ",")
+		pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Logger: logger})
+		if err != nil {
+			return nil, err
+		}
+		cfg := kafka.SubscriberConfig{TopicPartitions: Partitions, TopicReplicationFactor: 1, NackBackoff: nackBackoffChaos, Logger: logger}
+		cfg.Brokers = brokers
+		cfg.GroupID = e.Group
+		cfg.HeartbeatInterval = kafkaHeartbeat
+		cfg.SessionTimeout = kafkaSession
+		cfg.RebalanceTimeout = kafkaRebalance
+		sub, err := kafka.NewSubscriber(cfg)
+		if err != nil {
+			_ = pub.Close()
+			return nil, err
+		}
+		return &Conn{Publisher: pub, Subscriber: sub}, nil
+	}
+	return nil, fmt.Errorf("unknown broker %q (want nats or kafka)", e.Broker)
+}

@@ -1,0 +1,86 @@
+package payments
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/effects"
+)
+
+// ConsumerConfig is one consumer instance of the scenario.
+type ConsumerConfig struct {
+	Pool       *pgxpool.Pool
+	Schema     string
+	Subscriber message.Subscriber
+	// Peer replaces idem with Watermill's in-memory middleware.Deduplicator, and
+	// effects with a direct send through PeerSender.
+	Peer       bool
+	PeerSender effects.Sender
+	// Registerer gets idem's metrics (nil: none).
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// RunConsumer handles payments from cfg.Subscriber until ctx ends. The chaos
+// crash middleware sits outermost, so an armed after-commit-before-ack point kills
+// the process between idem's commit and the ack.
+func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NewSlogLogger(logger))
+	if err != nil {
+		return err
+	}
+	var h message.HandlerFunc
+	if cfg.Peer {
+		repo, err := middleware.NewMapExpiringKeyRepository(time.Hour)
+		if err != nil {
+			return err
+		}
+		d := &middleware.Deduplicator{
+			KeyFactory: func(m *message.Message) (string, error) { return m.UUID, nil },
+			Repository: repo,
+		}
+		h = d.Middleware(PeerHandler(cfg.Pool, cfg.Schema, cfg.PeerSender))
+	} else {
+		c, err := consumer.New(consumer.Config{
+			Name: Consumer, Pool: cfg.Pool, Schema: cfg.Schema,
+			LockTimeout: 2 * time.Second, BusyDelay: 20 * time.Millisecond,
+			Registerer: cfg.Registerer, Logger: cfg.Logger,
+		})
+		if err != nil {
+			return err
+		}
+		defer func() { _ = c.Close() }()
+		h = c.Middleware(Handler(cfg.Schema))
+	}
+	router.AddConsumerHandler(Consumer, Topic, cfg.Subscriber, message.NoPublishHandlerFunc(func(msg *message.Message) error {
+		_, err := chaos.CrashMiddleware(h)(msg)
+		return err
+	}))
+	return router.Run(ctx)
+}
+
+// NewDispatcher makes the email Dispatcher of the scenario. lease is short in a
+// chaos run, so a send cut by a kill is retried soon.
+func NewDispatcher(pool *pgxpool.Pool, schema, smtpAddr string, lease time.Duration, reg prometheus.Registerer, logger *slog.Logger) (*effects.Dispatcher, error) {
+	return effects.NewDispatcher(effects.Config{
+		Pool: pool, Schema: schema, Lease: lease,
+		Senders:      map[string]effects.Sender{EmailKind: &SMTPSender{Addr: smtpAddr}},
+		Concurrency:  map[string]int{EmailKind: 4},
+		Backoff:      effects.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
+		PollInterval: 500 * time.Millisecond,
+		Registerer:   reg, Logger: logger,
+	})
+}
