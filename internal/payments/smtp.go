@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"net"
 	"net/mail"
 	"strings"
@@ -41,6 +42,7 @@ func StartMailbox(addr string) (*Mailbox, error) {
 	m.srv.Domain = "localhost"
 	m.srv.ReadTimeout = 10 * time.Second
 	m.srv.WriteTimeout = 10 * time.Second
+	m.srv.ErrorLog = log.New(io.Discard, "", 0) // senders killed mid-session are expected
 	go func() { _ = m.srv.Serve(l) }()
 	return m, nil
 }

@@ -1,0 +1,400 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/internal/payments"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// Environment of a re-executed test binary playing a worker process.
+const (
+	envRole     = "IDEM_E2E_ROLE" // consumer | dispatcher
+	envEndpoint = "IDEM_E2E_ENDPOINT"
+	envSchema   = "IDEM_E2E_SCHEMA"
+	envSMTP     = "IDEM_E2E_SMTP"
+	envPeer     = "IDEM_E2E_PEER"
+)
+
+// consumerGrace is how long a consumer process lives before the killer may pick it.
+const consumerGrace = 3 * time.Second
+
+// N is the number of payments per run: -e2e.n, else IDEM_E2E_N, else 300 (a size
+// that keeps `go test -race ./...` on a 2-core machine well inside its budget).
+var flagN = flag.Int("e2e.n", envInt("IDEM_E2E_N", 300), "payments per end-to-end run (env IDEM_E2E_N)")
+
+// Seed of the killer and the producer: -e2e.seed, else IDEM_E2E_SEED, else the clock.
+var flagSeed = flag.Int64("e2e.seed", int64(envInt("IDEM_E2E_SEED", 0)), "seed (env IDEM_E2E_SEED; 0: from the clock)")
+
+func envInt(name string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v != 0 {
+		return v
+	}
+	return def
+}
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv(envRole); role != "" {
+		os.Exit(runChild(role))
+	}
+	os.Exit(m.Run())
+}
+
+// runChild is a worker process. It runs until it is killed (SIGKILL, by the parent
+// or by an armed crash point) or told to stop (SIGTERM), then exits 0.
+func runChild(role string) int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	schema := os.Getenv(envSchema)
+	fail := func(err error) int { fmt.Fprintf(os.Stderr, "%s: %v\n", role, err); return 2 }
+	pool, err := payments.NewPool(ctx, pgtest.URL(), payments.ApplicationName(schema), 4)
+	if err != nil {
+		return fail(err)
+	}
+	defer pool.Close()
+	switch role {
+	case "consumer":
+		ep, err := payments.ParseEndpoint(os.Getenv(envEndpoint))
+		if err != nil {
+			return fail(err)
+		}
+		c, err := payments.Connect(ep, nil)
+		if err != nil {
+			return fail(err)
+		}
+		defer c.Close()
+		err = payments.RunConsumer(ctx, payments.ConsumerConfig{
+			Pool: pool, Schema: schema, Subscriber: c.Subscriber,
+			Peer: os.Getenv(envPeer) == "1", PeerSender: &payments.SMTPSender{Addr: os.Getenv(envSMTP)},
+		})
+		if err != nil && ctx.Err() == nil {
+			return fail(err)
+		}
+	case "dispatcher":
+		d, err := payments.NewDispatcher(pool, schema, os.Getenv(envSMTP), 2*time.Second, nil, nil)
+		if err != nil {
+			return fail(err)
+		}
+		if err := d.Run(ctx); err != nil && ctx.Err() == nil {
+			return fail(err)
+		}
+	default:
+		return fail(fmt.Errorf("unknown role"))
+	}
+	return 0
+}
+
+// proc is a worker process seen from the parent.
+type proc struct {
+	role    string
+	started time.Time
+	cmd     *exec.Cmd
+	done    chan struct{}
+	mu      sync.Mutex
+	stderr  []string
+}
+
+func (p *proc) stderrTail() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return strings.Join(p.stderr, "\n")
+}
+
+func (p *proc) sigkilled() bool {
+	ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
+
+func startProc(t *testing.T, role string, env []string, exits chan<- *proc) *proc {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), append([]string{envRole + "=" + role}, env...)...)
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	p := &proc{role: role, cmd: cmd, done: make(chan struct{}), started: time.Now()}
+	require.NoError(t, cmd.Start())
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			p.mu.Lock()
+			p.stderr = append(p.stderr, sc.Text())
+			if len(p.stderr) > 40 {
+				p.stderr = p.stderr[1:]
+			}
+			p.mu.Unlock()
+		}
+		_ = cmd.Wait()
+		close(p.done)
+		exits <- p
+	}()
+	return p
+}
+
+// run is what one end-to-end run did.
+type run struct {
+	report                 chaos.Report
+	elapsed                time.Duration
+	kills, selfKills       map[string]int // SIGKILLs by the killer, and by armed crash points, per role
+	restarts, cuts, pubDup int
+	ledgerRows             int
+	emailsPerKey           map[int]int // how many keys got k emails
+}
+
+func (r run) summary() string {
+	ks := slices.Sorted(func(yield func(int) bool) {
+		for k := range r.emailsPerKey {
+			if !yield(k) {
+				return
+			}
+		}
+	})
+	var per []string
+	for _, k := range ks {
+		per = append(per, fmt.Sprintf("%d key(s) × %d", r.emailsPerKey[k], k))
+	}
+	return fmt.Sprintf("%s; SIGKILLs by the killer %v, by crash points %v, restarts %d, backend cuts %d, producer duplicates %d, ledger rows %d, raw emails per key: %s",
+		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts, r.pubDup, r.ledgerRows, strings.Join(per, ", "))
+}
+
+// runE2E runs one broker's chaos run, through idem or (peer) the Deduplicator.
+func runE2E(t *testing.T, broker string, peer bool, n int, seed int64) run {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(150+n/20)*time.Second)
+	defer cancel()
+	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 3})
+	require.NoError(t, payments.CreateTables(ctx, pool, schema))
+	box, err := payments.StartMailbox("127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = box.Close() })
+
+	ep := payments.Endpoint{Broker: broker, Group: "payments-e2e"}
+	switch broker {
+	case payments.NATS:
+		srv, err := payments.StartNATS(t.TempDir(), -1)
+		require.NoError(t, err)
+		t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+		ep.Addr = srv.ClientURL()
+	case payments.Kafka:
+		c, err := payments.StartKafka()
+		require.NoError(t, err)
+		t.Cleanup(c.Close)
+		ep.Addr = strings.Join(c.ListenAddrs(), ",")
+	}
+
+	// The producer: n payments, 30% of them sent twice, before any consumer runs
+	// (the stream or topic holds them; consumers join while the killer runs).
+	conn, err := payments.Connect(ep, nil)
+	require.NoError(t, err)
+	pub, err := chaos.NewPublisher(conn.Publisher, chaos.PublisherConfig{Seed: seed, DuplicateProbability: 0.3})
+	require.NoError(t, err)
+	keys := make([]string, 0, n)
+	for len(keys) < n {
+		batch := make([]*message.Message, 0, 100)
+		for len(batch) < cap(batch) && len(keys)+len(batch) < n {
+			batch = append(batch, payments.NewMessage(int64(100+len(keys)+len(batch))))
+		}
+		require.NoError(t, pub.Publish(payments.Topic, batch...))
+		for _, m := range batch {
+			keys = append(keys, m.UUID)
+		}
+	}
+	r := run{pubDup: int(pub.Duplicates()), kills: map[string]int{}, selfKills: map[string]int{}}
+	conn.Close()
+
+	peerFlag := "0"
+	if peer {
+		peerFlag = "1"
+	}
+	rng := rand.New(rand.NewPCG(uint64(seed), 2))
+	envOf := func(role string) []string {
+		crash := "after-commit-before-ack:0.01,before-commit:0.005"
+		if role == "dispatcher" {
+			crash = "mid-send:0.01"
+		}
+		return []string{
+			envEndpoint + "=" + ep.String(), envSchema + "=" + schema, envSMTP + "=" + box.Addr(), envPeer + "=" + peerFlag,
+			chaos.EnvCrash + "=" + crash, chaos.EnvCrashSeed + "=" + strconv.FormatInt(rng.Int64(), 10),
+		}
+	}
+	exits := make(chan *proc, 16)
+	roles := []string{"consumer", "consumer", "consumer", "dispatcher", "dispatcher"}
+	if peer {
+		roles = roles[:3] // the peer sends its emails from the handler
+	}
+	live := make([]*proc, len(roles))
+	for i, role := range roles {
+		live[i] = startProc(t, role, envOf(role), exits)
+	}
+	killed := map[*proc]bool{}
+	stopping := false
+	t.Cleanup(func() {
+		for _, p := range live {
+			_ = p.cmd.Process.Kill()
+			<-p.done
+		}
+	})
+
+	a, err := chaos.NewAuditor(pool, schema)
+	require.NoError(t, err)
+	q := payments.AuditQuery(schema, keys, box.Counts, peer)
+	start := time.Now()
+	cutAt := []int{n / 3, 2 * n / 3}
+	killer := time.NewTimer(500 * time.Millisecond)
+	audit := time.NewTicker(250 * time.Millisecond)
+	defer audit.Stop()
+	var last chaos.Report
+	lastChange, lastLog := time.Now(), time.Now()
+loop:
+	for {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s run did not settle in time; last report:\n%s", broker, last)
+		case p := <-exits:
+			if stopping {
+				continue
+			}
+			switch {
+			case killed[p]:
+				r.kills[p.role]++
+			case p.sigkilled():
+				r.selfKills[p.role]++
+			default:
+				t.Fatalf("%s process exited on its own (%v):\n%s", p.role, p.cmd.ProcessState, p.stderrTail())
+			}
+			i := slices.Index(live, p)
+			live[i] = startProc(t, p.role, envOf(p.role), exits)
+			r.restarts++
+		case <-killer.C:
+			// A consumer is a target once it has lived consumerGrace: a Kafka group
+			// whose members die faster than it can rebalance never moves (each death
+			// costs a session timeout and a rebalance), which is a fact about Kafka,
+			// not a finding about idem. Dispatchers are targets at any age.
+			var targets []*proc
+			for _, p := range live {
+				if p.role != "consumer" || time.Since(p.started) >= consumerGrace {
+					targets = append(targets, p)
+				}
+			}
+			if len(targets) > 0 {
+				p := targets[rng.IntN(len(targets))]
+				killed[p] = true
+				_ = p.cmd.Process.Kill() // SIGKILL
+			}
+			killer.Reset(time.Duration(350+rng.IntN(300)) * time.Millisecond)
+		case <-audit.C:
+			rep, err := a.Report(ctx, q)
+			if err != nil {
+				continue // a backend cut can hit the audit too
+			}
+			done := rep.CommittedOnce + rep.CommittedTwice
+			for len(cutAt) > 0 && done >= cutAt[0] {
+				cutAt = cutAt[1:]
+				_, err := payments.TerminateBackends(ctx, pool, schema)
+				require.NoError(t, err)
+				r.cuts++
+			}
+			if time.Since(lastLog) > 5*time.Second {
+				lastLog = time.Now()
+				t.Logf("%s: committed %d/%d, effects done %d, sends %d, kills %v/%v", time.Since(start).Round(time.Second), rep.CommittedOnce+rep.CommittedTwice, n, rep.EffectsDone, rep.SendsTotal, r.kills, r.selfKills)
+			}
+			if !sameFigures(rep, last) {
+				last, lastChange = rep, time.Now()
+			}
+			if !peer && rep.OK() && rep.Settled() && rep.CommittedOnce == n && len(cutAt) == 0 {
+				break loop
+			}
+			// The peer can lose messages for good, so it ends when nothing moves.
+			if peer && len(cutAt) == 0 && time.Since(lastChange) > 8*time.Second {
+				break loop
+			}
+		}
+	}
+	r.elapsed = time.Since(start)
+	stopping = true
+	killer.Stop()
+	for _, p := range live {
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	for _, p := range live {
+		select {
+		case <-p.done:
+		case <-time.After(20 * time.Second):
+			_ = p.cmd.Process.Kill()
+			<-p.done
+		}
+	}
+	r.report, err = a.Report(context.Background(), q)
+	require.NoError(t, err)
+	r.ledgerRows = pgtest.Count(t, pool, payments.LedgerRowsSQL(schema))
+	counts, _ := box.Counts(ctx)
+	r.emailsPerKey = map[int]int{}
+	for _, k := range keys {
+		r.emailsPerKey[counts[payments.EmailKey(k)]]++
+	}
+	return r
+}
+
+func sameFigures(a, b chaos.Report) bool {
+	return a.CommittedOnce == b.CommittedOnce && a.CommittedTwice == b.CommittedTwice && a.Lost == b.Lost &&
+		a.EffectsDone == b.EffectsDone && a.SendsTotal == b.SendsTotal && a.EffectsPending == b.EffectsPending
+}
+
+// TestSIGKILLEndToEnd runs the suite on each broker through idem, then through
+// the peer, and prints the reports side by side.
+func TestSIGKILLEndToEnd(t *testing.T) {
+	n := *flagN
+	seed := *flagSeed
+	if seed == 0 {
+		seed = time.Now().UnixNano() % 1_000_000
+	}
+	t.Logf("N=%d seed=%d (rerun with IDEM_E2E_N=%d IDEM_E2E_SEED=%d)", n, seed, n, seed)
+	for _, broker := range []string{payments.Kafka, payments.NATS} {
+		t.Run(broker, func(t *testing.T) {
+			var idem, peer run
+			t.Run("idem", func(t *testing.T) {
+				idem = runE2E(t, broker, false, n, seed)
+				t.Logf("idem on %s: %s", broker, idem.summary())
+				rep := idem.report
+				require.NoError(t, rep.Err(), "\n%s", rep)
+				require.Equal(t, n, idem.ledgerRows, "ledger rows")
+				require.Zero(t, rep.Lost)
+				require.Zero(t, rep.CommittedTwice)
+				require.Equal(t, n, rep.EffectsDone)
+				require.Equal(t, n, rep.SendsOnce+rep.SendsRepeated, "every key received by email")
+				require.Zero(t, idem.emailsPerKey[0], "keys never emailed")
+				require.GreaterOrEqual(t, idem.cuts, 2)
+				require.Positive(t, idem.kills["consumer"]+idem.kills["dispatcher"])
+				// A key is emailed more than once only when a send was cut by a kill:
+				// each dead dispatcher had at most 8 claims (4 sending, 4 waiting).
+				dispatcherDeaths := idem.kills["dispatcher"] + idem.selfKills["dispatcher"]
+				require.LessOrEqual(t, rep.SendsRepeated, 8*dispatcherDeaths, "repeated sends without a dispatcher death to explain them")
+			})
+			t.Run("deduplicator", func(t *testing.T) {
+				peer = runE2E(t, broker, true, n, seed)
+				t.Logf("Watermill Deduplicator on %s: %s", broker, peer.summary())
+			})
+			if idem.report.Messages > 0 && peer.report.Messages > 0 {
+				t.Logf("SIGKILL end-to-end run on %s, N=%d, seed %d:\n%s", broker, n, seed,
+					chaos.FormatReports([]string{"idem", "watermill-deduplicator"}, idem.report, peer.report))
+			}
+		})
+	}
+}
