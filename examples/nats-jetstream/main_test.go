@@ -1,0 +1,53 @@
+package main
+
+import (
+	"context"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// TestSmoke runs the example against an embedded JetStream server and the test
+// Postgres: 20 orders, 4 of them published twice, make 20 ledger rows and 20 email
+// effects.
+func TestSmoke(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2, NoMigrate: true})
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
+	require.NoError(t, err)
+	go srv.Start()
+	require.True(t, srv.ReadyForConnections(10*time.Second))
+	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, Config{DatabaseURL: pgtest.URL() + "&pool_max_conns=3", NATSURL: srv.ClientURL(),
+			Durable: "orders-ledger", Schema: schema, Publish: 20, Logger: slog.New(slog.DiscardHandler)})
+	}()
+	var early error
+	ended := false
+	require.Eventually(t, func() bool {
+		select {
+		case early = <-done:
+			ended = true
+			return true
+		default:
+		}
+		var n int
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE kind = 'email' AND key LIKE 'order-confirmation:%'`).Scan(&n)
+		return err == nil && n == 20 // the tables appear once run has migrated
+	}, 30*time.Second, 50*time.Millisecond)
+	require.False(t, ended, "run ended early: %v", early)
+	time.Sleep(300 * time.Millisecond) // let the duplicates arrive
+	cancel()
+	require.NoError(t, <-done)
+	require.Equal(t, 20, pgtest.Count(t, pool, `SELECT count(*) FROM order_ledger`))
+	require.Equal(t, 20, pgtest.Count(t, pool, `SELECT count(DISTINCT order_id) FROM order_ledger`))
+	require.Equal(t, 20, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE consumer = 'orders-ledger' AND state = 'completed'`))
+}
