@@ -127,6 +127,7 @@ func startProc(t *testing.T, role string, env []string, exits chan<- *proc) *pro
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), append([]string{envRole + "=" + role}, env...)...)
+	dieWithParent(cmd)
 	stderr, err := cmd.StderrPipe()
 	require.NoError(t, err)
 	p := &proc{role: role, cmd: cmd, done: make(chan struct{}), started: time.Now()}
@@ -225,9 +226,13 @@ func runE2E(t *testing.T, broker string, peer bool, n int, seed int64) run {
 	}
 	rng := rand.New(rand.NewPCG(uint64(seed), 2))
 	envOf := func(role string) []string {
-		crash := "after-commit-before-ack:0.01,before-commit:0.005"
+		// Armed crash points: about 1% of commits and sends at the CI size, fewer
+		// at large N (about 30 deaths of each kind per run), so that restarts do
+		// not dominate a long run; the killer adds its own kills at a fixed rate.
+		p := min(0.01, 30/float64(n))
+		crash := fmt.Sprintf("after-commit-before-ack:%g,before-commit:%g", p, p/2)
 		if role == "dispatcher" {
-			crash = "mid-send:0.01"
+			crash = fmt.Sprintf("mid-send:%g", p)
 		}
 		return []string{
 			envEndpoint + "=" + ep.String(), envSchema + "=" + schema, envSMTP + "=" + box.Addr(), envPeer + "=" + peerFlag,
