@@ -267,10 +267,10 @@ func (sub *subscription) run() {
 		// cancelled pull leaves its request on the server, which can still send
 		// a message into it (nats-server 2.9 always does, later versions in a
 		// race with the unsubscribe), and that message waits out its AckWait.
-		fetchCtx, cancelFetch := context.WithTimeout(context.WithoutCancel(sub.ctx), sub.s.cfg.PullExpiry)
-		batch, err := sub.cons.Fetch(n, jetstream.FetchContext(fetchCtx))
+		// No FetchContext either: its deadline ends the client side only just
+		// after the server's expiry, and drops what is still queued then.
+		batch, err := sub.cons.Fetch(n, jetstream.FetchMaxWait(sub.s.cfg.PullExpiry))
 		if err != nil {
-			cancelFetch()
 			sub.release(n)
 			if sub.ctx.Err() != nil {
 				return
@@ -291,10 +291,9 @@ func (sub *subscription) run() {
 			sub.handlers.Add(1)
 			go sub.handle(jm)
 		}
-		cancelFetch()
 		sub.release(n - got)
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) &&
-			!errors.Is(err, natsgo.ErrTimeout) && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+			!errors.Is(err, natsgo.ErrTimeout) {
 			sub.s.logger.Error("Pull ended with an error", err, sub.logFields())
 			sub.pause()
 		}
