@@ -182,6 +182,7 @@ type subscription struct {
 	slots    chan struct{} // one per message held
 	handlers sync.WaitGroup
 
+	failing       bool   // the last pull failed; owned by run
 	maxDeliver    uint64 // 0: unlimited
 	progressEvery time.Duration
 
@@ -275,8 +276,7 @@ func (sub *subscription) run() {
 			if sub.ctx.Err() != nil {
 				return
 			}
-			sub.s.logger.Error("Pull failed", err, sub.logFields())
-			sub.pause()
+			sub.pullFailed("Pull failed", err)
 			continue
 		}
 		got := 0
@@ -294,8 +294,12 @@ func (sub *subscription) run() {
 		sub.release(n - got)
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) &&
 			!errors.Is(err, natsgo.ErrTimeout) {
-			sub.s.logger.Error("Pull ended with an error", err, sub.logFields())
-			sub.pause()
+			sub.pullFailed("Pull ended with an error", err)
+			continue
+		}
+		if sub.failing {
+			sub.s.logger.Info("Pulling again", sub.logFields())
+			sub.failing = false
 		}
 	}
 }
@@ -324,6 +328,19 @@ func (sub *subscription) release(n int) {
 	for range n {
 		<-sub.slots
 	}
+}
+
+// pullFailed logs a failed pull and pauses before the next. During an outage
+// the first failure is an error and the rest, until a pull works again, are
+// debug lines, so a reconnecting client does not flood the log.
+func (sub *subscription) pullFailed(msg string, err error) {
+	if sub.failing {
+		sub.s.logger.Debug(msg, sub.logFields().Add(watermill.LogFields{"err": err.Error()}))
+	} else {
+		sub.s.logger.Error(msg+"; retrying", err, sub.logFields())
+	}
+	sub.failing = true
+	sub.pause()
 }
 
 func (sub *subscription) pause() {
