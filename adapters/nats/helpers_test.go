@@ -1,0 +1,110 @@
+package nats_test
+
+import (
+	"context"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats-server/v2/server"
+	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	idemnats "github.com/idemkit/idem/adapters/nats"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// externalURL is NATS_URL: when set, tests run against that server (for
+// example Debian's nats-server 2.9 at nats://127.0.0.1:4222) instead of an
+// embedded one. The restart test always runs embedded, since it stops the server.
+func externalURL() string { return os.Getenv("NATS_URL") }
+
+// startEmbedded starts a JetStream server in the process, storing under dir.
+func startEmbedded(t testing.TB, dir string, port int) *server.Server {
+	t.Helper()
+	s, err := server.NewServer(&server.Options{
+		Host:      "127.0.0.1",
+		Port:      port,
+		JetStream: true,
+		StoreDir:  dir,
+		NoLog:     true,
+		NoSigs:    true,
+	})
+	require.NoError(t, err)
+	go s.Start()
+	require.True(t, s.ReadyForConnections(10*time.Second), "embedded nats-server did not start")
+	return s
+}
+
+// serverURL is the server a test talks to: NATS_URL, or a fresh embedded server.
+func serverURL(t testing.TB) string {
+	t.Helper()
+	if u := externalURL(); u != "" {
+		return u
+	}
+	s := startEmbedded(t, t.TempDir(), -1)
+	t.Cleanup(func() {
+		s.Shutdown()
+		s.WaitForShutdown()
+	})
+	return s.ClientURL()
+}
+
+func connect(t testing.TB, url string) *natsgo.Conn {
+	t.Helper()
+	nc, err := natsgo.Connect(url, natsgo.MaxReconnects(-1), natsgo.ReconnectWait(50*time.Millisecond))
+	require.NoError(t, err, "cannot reach nats-server at %s; unset NATS_URL to use an embedded server", url)
+	t.Cleanup(nc.Close)
+	return nc
+}
+
+// namespace gives a test its own stream and subject prefix, so that runs and
+// parallel tests on a shared server never meet, and deletes the test's streams
+// at the end.
+func namespace(t testing.TB, url string) (prefix string) {
+	t.Helper()
+	prefix = "idemtest_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:12] + "_"
+	t.Cleanup(func() {
+		nc, err := natsgo.Connect(url)
+		if err != nil {
+			t.Errorf("cleanup: connect: %v", err)
+			return
+		}
+		defer nc.Close()
+		js, err := jetstream.New(nc)
+		require.NoError(t, err)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		names := js.StreamNames(ctx)
+		var mine []string
+		for n := range names.Name() {
+			if strings.HasPrefix(n, prefix) {
+				mine = append(mine, n)
+			}
+		}
+		for _, n := range mine {
+			if err := js.DeleteStream(ctx, n); err != nil {
+				t.Errorf("cleanup: delete stream %s: %v", n, err)
+			}
+		}
+	})
+	return prefix
+}
+
+// topology provisions one stream per topic, named and subjected under prefix.
+func topology(prefix string) idemnats.Topology {
+	return idemnats.Topology{
+		StreamName:    func(topic string) string { return prefix + idemnats.DefaultStreamName(topic) },
+		Subject:       func(topic string) string { return prefix + "." + topic },
+		AutoProvision: true,
+	}
+}
+
+func newTopic() string { return "t_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:16] }
