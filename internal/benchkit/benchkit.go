@@ -61,7 +61,7 @@ type Options struct {
 	PayloadSize int // bytes (default 128)
 	Seed        uint64
 	// Progress, if set, is called about every 1% with deliveries handled so far and
-	// deliveries produced so far.
+	// the deliveries expected in all.
 	Progress func(done, total int)
 	// MaxBatch and MaxWait tune group commit (consumer defaults if 0).
 	MaxBatch int
@@ -197,6 +197,8 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 		})
 	}
 	total := 0
+	// The expected deliveries, for progress; the exact count is known at the end.
+	expected := int(float64(o.N) * (1 + o.DupRate))
 	var peak uint64
 	var ms runtime.MemStats
 	start := time.Now()
@@ -214,7 +216,7 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 		}
 		if i%step == 0 {
 			if o.Progress != nil {
-				o.Progress(int(handled.Load()), total)
+				o.Progress(int(handled.Load()), max(expected, total))
 			}
 			runtime.ReadMemStats(&ms)
 			peak = max(peak, ms.HeapInuse)
