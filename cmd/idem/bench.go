@@ -134,14 +134,14 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 		}
 		return e.writeJSON(out)
 	}
-	tw := e.table("SETUP", "MSGS/S", "× BARE", "P50", "P99", "COMMITS/MSG", "COMMITTED TWICE", "LOST", "PEAK HEAP")
+	tw := e.table("SETUP", "MSGS/S", "× BARE", "P50", "P99", "COMMITS/MSG", "ROUND TRIPS/MSG", "COMMITTED TWICE", "LOST", "PEAK HEAP")
 	for _, r := range results {
 		ratio := "-"
 		if bare > 0 && r.Setup != benchkit.Drain {
 			ratio = fmt.Sprintf("%.2f", r.MsgsPerSec/bare)
 		}
-		fmt.Fprintf(tw, "%s\t%.0f\t%s\t%s\t%s\t%.2f\t%d\t%d\t%s\n", label(r.Setup), r.MsgsPerSec, ratio,
-			roundDur(r.P50), roundDur(r.P99), r.CommitsPerMsg, r.CommittedTwice, r.Lost, mib(r.PeakHeapBytes))
+		fmt.Fprintf(tw, "%s\t%.0f\t%s\t%s\t%s\t%.2f\t%.2f\t%d\t%d\t%s\n", label(r.Setup), r.MsgsPerSec, ratio,
+			roundDur(r.P50), roundDur(r.P99), r.CommitsPerMsg, r.TripsPerMsg, r.CommittedTwice, r.Lost, mib(r.PeakHeapBytes))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
