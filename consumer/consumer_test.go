@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -431,3 +432,43 @@ func TestInvalidConfig(t *testing.T) {
 
 var _ = fmt.Sprintf
 var _ = pgx.ErrNoRows
+
+// Under REPEATABLE READ a claim that waited for a concurrent winner gets a
+// serialization failure (40001) instead of seeing the winner's row. It must be a
+// nack, never a permanent failure, and the redelivery is a duplicate.
+func TestRepeatableReadConflictIsTransient(t *testing.T) {
+	t.Parallel()
+	forModes(t, func(t *testing.T, mode consumer.Mode) {
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.IsoLevel = pgx.RepeatableRead })
+		h := c.Middleware(b.bizHandler(func(*message.Message) error {
+			time.Sleep(100 * time.Millisecond)
+			return nil
+		}))
+		var wg sync.WaitGroup
+		errs := make([]error, 4)
+		for i := range errs {
+			wg.Go(func() { _, errs[i] = h(newMsg("rr", `{}`)) })
+		}
+		wg.Wait()
+		serialization := 0
+		for _, err := range errs {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "40001" {
+				serialization++
+			}
+		}
+		if mode == consumer.Transactional {
+			require.Positive(t, serialization, "the waiters saw 40001: %v", errs)
+		}
+		for _, err := range errs {
+			if err != nil {
+				require.False(t, consumer.IsPermanent(err), "a serialization failure is transient: %v", err)
+				// The broker redelivers; now the committed row is visible.
+				_, err = h(newMsg("rr", `{}`))
+				require.NoError(t, err)
+			}
+		}
+		require.Equal(t, 1, b.bizRows(t, "rr"))
+		require.Equal(t, 0, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox WHERE state = 'failed'`))
+	})
+}

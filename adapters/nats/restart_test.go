@@ -2,9 +2,11 @@ package nats_test
 
 import (
 	"context"
+	"net"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -86,4 +88,45 @@ func TestServerRestartKeepsAcksAndUnackedMessages(t *testing.T) {
 			assert.True(t, got[m.UUID], "unacked message %s lost", m.UUID)
 		}
 	}
+}
+
+// TestSubscriberSurvivesServerRestart keeps one connection, Publisher and
+// Subscriber across a restart of the server on the same port and store: the
+// client reconnects, the pull loop resumes, and messages published after the
+// restart arrive.
+func TestSubscriberSurvivesServerRestart(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	srv := startEmbedded(t, dir, -1)
+	port := srv.Addr().(*net.TCPAddr).Port
+	topo := topology("idemtest_reconnect_")
+	topic := newTopic()
+
+	nc := connect(t, srv.ClientURL())
+	pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
+	require.NoError(t, err)
+	defer pub.Close()
+	sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{Topology: topo, Durable: "reconnect", PullExpiry: 200 * time.Millisecond})
+	require.NoError(t, err)
+	defer sub.Close()
+	msgs, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+
+	publishN(t, pub, topic, 1)
+	receive(t, msgs, 5*time.Second).Ack()
+
+	srv.Shutdown()
+	srv.WaitForShutdown()
+	srv = startEmbedded(t, dir, port)
+	t.Cleanup(func() {
+		srv.Shutdown()
+		srv.WaitForShutdown()
+	})
+	require.Eventually(t, nc.IsConnected, 10*time.Second, 20*time.Millisecond)
+
+	after := message.NewMessage("after-restart", nil)
+	require.Eventually(t, func() bool { return pub.Publish(topic, after) == nil }, 10*time.Second, 100*time.Millisecond)
+	got := receive(t, msgs, 10*time.Second)
+	assert.Equal(t, "after-restart", got.UUID)
+	got.Ack()
 }

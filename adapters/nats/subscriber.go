@@ -182,6 +182,7 @@ type subscription struct {
 	slots    chan struct{} // one per message held
 	handlers sync.WaitGroup
 
+	failing       bool   // the last pull failed; owned by run
 	maxDeliver    uint64 // 0: unlimited
 	progressEvery time.Duration
 
@@ -267,16 +268,15 @@ func (sub *subscription) run() {
 		// cancelled pull leaves its request on the server, which can still send
 		// a message into it (nats-server 2.9 always does, later versions in a
 		// race with the unsubscribe), and that message waits out its AckWait.
-		fetchCtx, cancelFetch := context.WithTimeout(context.WithoutCancel(sub.ctx), sub.s.cfg.PullExpiry)
-		batch, err := sub.cons.Fetch(n, jetstream.FetchContext(fetchCtx))
+		// No FetchContext either: its deadline ends the client side only just
+		// after the server's expiry, and drops what is still queued then.
+		batch, err := sub.cons.Fetch(n, jetstream.FetchMaxWait(sub.s.cfg.PullExpiry))
 		if err != nil {
-			cancelFetch()
 			sub.release(n)
 			if sub.ctx.Err() != nil {
 				return
 			}
-			sub.s.logger.Error("Pull failed", err, sub.logFields())
-			sub.pause()
+			sub.pullFailed("Pull failed", err)
 			continue
 		}
 		got := 0
@@ -291,12 +291,15 @@ func (sub *subscription) run() {
 			sub.handlers.Add(1)
 			go sub.handle(jm)
 		}
-		cancelFetch()
 		sub.release(n - got)
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) &&
-			!errors.Is(err, natsgo.ErrTimeout) && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
-			sub.s.logger.Error("Pull ended with an error", err, sub.logFields())
-			sub.pause()
+			!errors.Is(err, natsgo.ErrTimeout) {
+			sub.pullFailed("Pull ended with an error", err)
+			continue
+		}
+		if sub.failing {
+			sub.s.logger.Info("Pulling again", sub.logFields())
+			sub.failing = false
 		}
 	}
 }
@@ -325,6 +328,19 @@ func (sub *subscription) release(n int) {
 	for range n {
 		<-sub.slots
 	}
+}
+
+// pullFailed logs a failed pull and pauses before the next. During an outage
+// the first failure is an error and the rest, until a pull works again, are
+// debug lines, so a reconnecting client does not flood the log.
+func (sub *subscription) pullFailed(msg string, err error) {
+	if sub.failing {
+		sub.s.logger.Debug(msg, sub.logFields().Add(watermill.LogFields{"err": err.Error()}))
+	} else {
+		sub.s.logger.Error(msg+"; retrying", err, sub.logFields())
+	}
+	sub.failing = true
+	sub.pause()
 }
 
 func (sub *subscription) pause() {

@@ -23,6 +23,7 @@ var commands = []*command{
 	inspectCmd,
 	statsCmd,
 	gcCmd,
+	benchCmd,
 	effectsListCmd,
 	effectsRequeueCmd,
 	demoCmd,

@@ -61,7 +61,7 @@ type Options struct {
 	PayloadSize int // bytes (default 128)
 	Seed        uint64
 	// Progress, if set, is called about every 1% with deliveries handled so far and
-	// deliveries produced so far.
+	// the deliveries expected in all.
 	Progress func(done, total int)
 	// MaxBatch and MaxWait tune group commit (consumer defaults if 0).
 	MaxBatch int
@@ -81,6 +81,7 @@ type Result struct {
 	P50           time.Duration `json:"p50_ns"`
 	P99           time.Duration `json:"p99_ns"`
 	CommitsPerMsg float64       `json:"commits_per_msg"`
+	TripsPerMsg   float64       `json:"round_trips_per_msg"`
 	BusinessRows  int           `json:"business_rows"`
 	// CommittedTwice is business rows beyond one per message; Lost is messages
 	// with no business row.
@@ -136,7 +137,7 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 	}
 	defer closeFn()
 
-	commitsBefore := counter.n.Load()
+	commitsBefore, tripsBefore := counter.n.Load(), counter.trips.Load()
 
 	// Publish blocks until the subscriber acks, and each partition has one
 	// publishing goroutine: so each partition has one message in flight, as a Kafka
@@ -197,6 +198,8 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 		})
 	}
 	total := 0
+	// The expected deliveries, for progress; the exact count is known at the end.
+	expected := int(float64(o.N) * (1 + o.DupRate))
 	var peak uint64
 	var ms runtime.MemStats
 	start := time.Now()
@@ -214,7 +217,7 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 		}
 		if i%step == 0 {
 			if o.Progress != nil {
-				o.Progress(int(handled.Load()), total)
+				o.Progress(int(handled.Load()), max(expected, total))
 			}
 			runtime.ReadMemStats(&ms)
 			peak = max(peak, ms.HeapInuse)
@@ -247,6 +250,7 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 		MsgsPerSec: float64(total) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),
 		PeakHeapBytes: peak}
 	res.CommitsPerMsg = float64(counter.n.Load()-commitsBefore) / float64(total)
+	res.TripsPerMsg = float64(counter.trips.Load()-tripsBefore) / float64(total)
 	t := pgx.Identifier{o.Schema, "bench_biz"}.Sanitize()
 	var distinct int
 	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT key) FROM `+t).Scan(&res.BusinessRows, &distinct); err != nil {
@@ -270,13 +274,22 @@ func reset(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 	return err
 }
 
-// commitCounter counts the COMMITs that succeed on the pool: exact, whatever else
-// runs on the database.
-type commitCounter struct{ n atomic.Int64 }
+// commitCounter counts the COMMITs that succeed on the pool, and the round trips
+// (each query, and each pipelined batch, is one): exact, whatever else runs on the
+// database, so they compare setups even on a noisy machine.
+type commitCounter struct{ n, trips atomic.Int64 }
+
+func (c *commitCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	c.trips.Add(1)
+	return ctx
+}
+func (c *commitCounter) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (c *commitCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
 type commitKey struct{}
 
 func (c *commitCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	c.trips.Add(1)
 	if len(d.SQL) == 6 && (d.SQL == "commit" || d.SQL == "COMMIT") {
 		return context.WithValue(ctx, commitKey{}, true)
 	}
@@ -383,7 +396,7 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 	defer cancel()
 	done := make(chan error, 1)
 	start := time.Now()
-	before := counter.n.Load()
+	before, tripsBefore := counter.n.Load(), counter.trips.Load()
 	go func() { done <- d.Run(runCtx) }()
 	for {
 		var left int
@@ -409,6 +422,7 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 	return Result{Setup: Drain, Messages: pending, Deliveries: n, Elapsed: elapsed,
 		MsgsPerSec: float64(pending) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),
 		CommitsPerMsg:  float64(counter.n.Load()-before) / float64(pending),
+		TripsPerMsg:    float64(counter.trips.Load()-tripsBefore) / float64(pending),
 		CommittedTwice: n - pending}, nil
 }
 

@@ -1,0 +1,200 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/benchkit"
+)
+
+var benchCmd = &command{
+	name: "bench",
+	args: "[flags]",
+	summary: "Drive one workload under five setups side by side: (a) a bare handler with its own " +
+		"transaction, (b) idem per message, (c) idem group commit, (d) Watermill's Deduplicator, " +
+		"(e) the effect Dispatcher draining what the others enqueued. Each handler does one business " +
+		"insert and emits one effect. It uses (and empties) its own schema, --bench-schema.",
+	example: `idem bench
+idem bench -n 1000000 --concurrency 32 --dup-rate 0.1 --payload 256
+idem bench --setups bare,idem,idem-group --json`,
+	setup: func(fs *flag.FlagSet) runFunc {
+		var o benchkit.Options
+		var setups, schema string
+		fs.IntVar(&o.N, "n", 20000, "unique messages per setup")
+		fs.IntVar(&o.Concurrency, "concurrency", 16, "partitions handled at once (one message in flight each)")
+		fs.IntVar(&o.PayloadSize, "payload", 128, "payload size in bytes")
+		fs.Float64Var(&o.DupRate, "dup-rate", 0.1, "fraction of messages delivered twice")
+		fs.IntVar(&o.MaxBatch, "max-batch", 0, "group-commit batch size (consumer default if 0)")
+		fs.DurationVar(&o.MaxWait, "max-wait", 0, "group-commit wait for a fuller batch (consumer default if 0)")
+		fs.IntVar(&o.Workers, "workers", 0, "group-commit batches at once (consumer default if 0)")
+		fs.StringVar(&setups, "setups", joinSetups(benchkit.AllSetups), "setups to run, comma-separated")
+		fs.StringVar(&schema, "bench-schema", "idem_bench", "schema the benchmark creates and EMPTIES (never your idem schema)")
+		return func(ctx context.Context, e *env, args []string) error {
+			return runBench(ctx, e, args, o, setups, schema)
+		}
+	},
+}
+
+func joinSetups(ss []benchkit.Setup) string {
+	out := make([]string, len(ss))
+	for i, s := range ss {
+		out[i] = string(s)
+	}
+	return strings.Join(out, ",")
+}
+
+type benchJSON struct {
+	N           int               `json:"n"`
+	Concurrency int               `json:"concurrency"`
+	PayloadSize int               `json:"payload_bytes"`
+	DupRate     float64           `json:"dup_rate"`
+	MaxRSSBytes int64             `json:"max_rss_bytes"`
+	Results     []benchResultJSON `json:"results"`
+}
+
+type benchResultJSON struct {
+	benchkit.Result
+	RatioToBare float64 `json:"ratio_to_bare,omitempty"`
+}
+
+func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, setupList, schema string) error {
+	if len(args) > 0 {
+		return usagef("takes no arguments, got %q", args)
+	}
+	if o.N < 1 || o.Concurrency < 1 || o.PayloadSize < 0 || o.DupRate < 0 || o.DupRate > 1 {
+		return usagef("-n and --concurrency must be at least 1, --payload not negative, --dup-rate within [0, 1]")
+	}
+	if err := inbox.ValidateSchema(schema); err != nil {
+		return usagef("--bench-schema: %v", err)
+	}
+	if schema == e.schema && e.schema == inbox.DefaultSchema {
+		return usagef("--bench-schema must not be %q: the benchmark empties its schema", schema)
+	}
+	var setups []benchkit.Setup
+	for _, s := range strings.Split(setupList, ",") {
+		s = strings.TrimSpace(s)
+		if !slices.Contains(benchkit.AllSetups, benchkit.Setup(s)) {
+			return usagef("unknown setup %q (known: %s)", s, joinSetups(benchkit.AllSetups))
+		}
+		setups = append(setups, benchkit.Setup(s))
+	}
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return err
+	}
+	m, err := inbox.NewMigrator(pool, schema)
+	if err != nil {
+		return err
+	}
+	if _, err := m.Up(ctx); err != nil {
+		return err
+	}
+	o.DatabaseURL, o.Schema = e.databaseURL, schema
+	if err := benchkit.Prepare(ctx, o); err != nil {
+		return err
+	}
+	fmt.Fprintf(e.stderr, "idem bench: %d messages per setup, %d partitions, %d-byte payloads, %.0f%% duplicates, schema %s\n",
+		o.N, o.Concurrency, o.PayloadSize, o.DupRate*100, schema)
+
+	var results []benchkit.Result
+	for _, s := range setups {
+		bar := newProgressBar(e, string(s))
+		o.Progress = bar.update
+		res, err := benchkit.Run(ctx, s, o)
+		bar.done()
+		if err != nil {
+			return fmt.Errorf("setup %s: %w", s, err)
+		}
+		results = append(results, res)
+	}
+	var bare float64
+	for _, r := range results {
+		if r.Setup == benchkit.Bare {
+			bare = r.MsgsPerSec
+		}
+	}
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	maxRSS := ru.Maxrss * 1024 // kilobytes on Linux
+
+	if e.json {
+		out := benchJSON{N: o.N, Concurrency: o.Concurrency, PayloadSize: o.PayloadSize, DupRate: o.DupRate, MaxRSSBytes: maxRSS}
+		for _, r := range results {
+			j := benchResultJSON{Result: r}
+			if bare > 0 && r.Setup != benchkit.Bare && r.Setup != benchkit.Drain {
+				j.RatioToBare = r.MsgsPerSec / bare
+			}
+			out.Results = append(out.Results, j)
+		}
+		return e.writeJSON(out)
+	}
+	tw := e.table("SETUP", "MSGS/S", "× BARE", "P50", "P99", "COMMITS/MSG", "ROUND TRIPS/MSG", "COMMITTED TWICE", "LOST", "PEAK HEAP")
+	for _, r := range results {
+		ratio := "-"
+		if bare > 0 && r.Setup != benchkit.Drain {
+			ratio = fmt.Sprintf("%.2f", r.MsgsPerSec/bare)
+		}
+		fmt.Fprintf(tw, "%s\t%.0f\t%s\t%s\t%s\t%.2f\t%.2f\t%d\t%d\t%s\n", label(r.Setup), r.MsgsPerSec, ratio,
+			roundDur(r.P50), roundDur(r.P99), r.CommitsPerMsg, r.TripsPerMsg, r.CommittedTwice, r.Lost, mib(r.PeakHeapBytes))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(e.stdout, "\nmsgs/s counts deliveries (duplicates included); the dispatcher row counts effects and its\n"+
+		"latency is from the effect's commit to its send. Committed twice is expected only for the bare\n"+
+		"handler, which has no dedupe. Process max RSS: %s.\n", mib(uint64(maxRSS)))
+	return nil
+}
+
+func label(s benchkit.Setup) string {
+	return map[benchkit.Setup]string{
+		benchkit.Bare: "(a) bare", benchkit.PerMessage: "(b) idem", benchkit.GroupCommit: "(c) idem group commit",
+		benchkit.Deduplicator: "(d) deduplicator", benchkit.Drain: "(e) dispatcher",
+	}[s]
+}
+
+func roundDur(d time.Duration) string {
+	switch {
+	case d >= time.Second:
+		return d.Round(10 * time.Millisecond).String()
+	case d >= time.Millisecond:
+		return d.Round(10 * time.Microsecond).String()
+	}
+	return d.Round(time.Microsecond).String()
+}
+
+func mib(b uint64) string { return fmt.Sprintf("%.0f MiB", float64(b)/(1<<20)) }
+
+// progressBar draws one line on stderr, at most five times a second.
+type progressBar struct {
+	e     *env
+	name  string
+	start time.Time
+	last  time.Time
+}
+
+func newProgressBar(e *env, name string) *progressBar {
+	return &progressBar{e: e, name: name, start: time.Now()}
+}
+
+func (p *progressBar) update(done, total int) {
+	if time.Since(p.last) < 200*time.Millisecond || total == 0 {
+		return
+	}
+	p.last = time.Now()
+	const width = 30
+	frac := min(float64(done)/float64(total), 1)
+	n := int(frac * width)
+	fmt.Fprintf(p.e.stderr, "\r  %-12s [%s%s] %3.0f%% %d/%d %s ", p.name, strings.Repeat("#", n), strings.Repeat(" ", width-n),
+		frac*100, done, total, time.Since(p.start).Round(time.Second))
+}
+
+func (p *progressBar) done() {
+	fmt.Fprintf(p.e.stderr, "\r  %-12s done in %s%s\n", p.name, time.Since(p.start).Round(100*time.Millisecond), strings.Repeat(" ", 50))
+}
