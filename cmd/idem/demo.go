@@ -134,6 +134,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 
 	// The broker.
 	ep := payments.Endpoint{Broker: o.broker, Group: "payments-demo"}
+	topic := payments.Topic
 	var brokerDesc string
 	switch o.broker {
 	case payments.NATS:
@@ -152,8 +153,10 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	case payments.Kafka:
 		if b := os.Getenv("KAFKA_BROKERS"); b != "" {
 			ep.Addr = b
-			ep.Group += fmt.Sprintf("-%d", o.seed)
-			brokerDesc = "Kafka at " + b + " (KAFKA_BROKERS)"
+			// A topic of its own per run: an earlier run's payments stay in a
+			// real broker's topic and are not this run's.
+			topic = fmt.Sprintf("idem-demo-payments-%d", time.Now().Unix())
+			brokerDesc = "Kafka at " + b + " (KAFKA_BROKERS), topic " + topic
 		} else {
 			c, err := payments.StartKafka()
 			if err != nil {
@@ -213,7 +216,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 				reg := prometheus.NewRegistry()
 				ictx, cancel := context.WithCancel(runCtx)
 				stops[i].Store(&cancel)
-				err = payments.RunConsumer(ictx, payments.ConsumerConfig{Pool: workers, Schema: schema, Subscriber: sub, Registerer: reg})
+				err = payments.RunConsumer(ictx, payments.ConsumerConfig{Pool: workers, Schema: schema, Subscriber: sub, Topic: topic, Registerer: reg})
 				cancel()
 				_ = sub.Close()
 				c.Close()
@@ -299,7 +302,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 			for len(batch) < cap(batch) && len(keys)+len(batch) < o.n {
 				batch = append(batch, payments.NewMessage(int64(100+len(keys)+len(batch))))
 			}
-			if err := publishRetry(runCtx, pub, batch); err != nil {
+			if err := publishRetry(runCtx, pub, topic, batch); err != nil {
 				c.Close()
 				fail(err)
 				break
@@ -362,10 +365,10 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 
 // publishRetry publishes a batch until it goes through: a producer keeps the
 // messages' IDs on every retry, so a retry that doubles a message is a duplicate.
-func publishRetry(ctx context.Context, pub message.Publisher, batch []*message.Message) error {
+func publishRetry(ctx context.Context, pub message.Publisher, topic string, batch []*message.Message) error {
 	var err error
 	for attempt := 0; attempt < 50; attempt++ {
-		if err = pub.Publish(payments.Topic, batch...); err == nil {
+		if err = pub.Publish(topic, batch...); err == nil {
 			return nil
 		}
 		select {

@@ -1,6 +1,7 @@
 package payments
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"time"
@@ -21,6 +22,8 @@ type ConsumerConfig struct {
 	Pool       *pgxpool.Pool
 	Schema     string
 	Subscriber message.Subscriber
+	// Topic to consume (default Topic).
+	Topic string
 	// Peer replaces idem with Watermill's in-memory middleware.Deduplicator, and
 	// effects with a direct send through PeerSender.
 	Peer       bool
@@ -65,7 +68,7 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 		defer func() { _ = c.Close() }()
 		h = c.Middleware(Handler(cfg.Schema))
 	}
-	router.AddConsumerHandler(Consumer, Topic, cfg.Subscriber, message.NoPublishHandlerFunc(func(msg *message.Message) error {
+	router.AddConsumerHandler(Consumer, cmp.Or(cfg.Topic, Topic), cfg.Subscriber, message.NoPublishHandlerFunc(func(msg *message.Message) error {
 		_, err := chaos.CrashMiddleware(h)(msg)
 		return err
 	}))
