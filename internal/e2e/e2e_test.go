@@ -337,9 +337,13 @@ loop:
 					break loop
 				}
 			}
-			// The peer can lose messages for good, so it ends when nothing moves.
-			if peer && time.Since(lastChange) > 8*time.Second {
-				break loop
+			// The peer can lose messages for good, so it ends when the broker has
+			// nothing left for the group (every message acked and committed) and
+			// the figures have stopped moving.
+			if peer && time.Since(lastChange) > 3*time.Second {
+				if backlog, err := payments.Backlog(ctx, ep, payments.Topic); err == nil && backlog == 0 {
+					break loop
+				}
 			}
 		}
 	}
@@ -385,7 +389,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 			var idem, peer run
 			t.Run("idem", func(t *testing.T) {
 				idem = runE2E(t, broker, false, n, seed)
-				t.Logf("idem on %s: %s", broker, idem.summary())
+				t.Logf("idem on %s: %s\n%s", broker, idem.summary(), idem.report)
 				rep := idem.report
 				require.NoError(t, rep.Err(), "\n%s", rep)
 				require.Equal(t, n, idem.ledgerRows, "ledger rows")
@@ -403,7 +407,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 			})
 			t.Run("deduplicator", func(t *testing.T) {
 				peer = runE2E(t, broker, true, n, seed)
-				t.Logf("Watermill Deduplicator on %s: %s", broker, peer.summary())
+				t.Logf("Watermill Deduplicator on %s: %s\n%s", broker, peer.summary(), peer.report)
 			})
 			if idem.report.Messages > 0 && peer.report.Messages > 0 {
 				t.Logf("SIGKILL end-to-end run on %s, N=%d, seed %d:\n%s", broker, n, seed,

@@ -1,6 +1,7 @@
 package payments
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	kafkago "github.com/segmentio/kafka-go"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/idemkit/idem/adapters/kafka"
@@ -141,4 +143,71 @@ func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
 		return &Conn{Publisher: pub, Subscriber: sub}, nil
 	}
 	return nil, fmt.Errorf("unknown broker %q (want nats or kafka)", e.Broker)
+}
+
+// Backlog is how many messages of the topic e's group or durable has not yet
+// consumed for good: on Kafka, the sum over partitions of the end offset minus
+// the group's committed offset; on JetStream, the durable's pending plus
+// delivered-but-unacked messages. Zero means the broker will deliver nothing more.
+func Backlog(ctx context.Context, e Endpoint, topic string) (int64, error) {
+	switch e.Broker {
+	case NATS:
+		nc, err := natsgo.Connect(e.Addr)
+		if err != nil {
+			return 0, err
+		}
+		defer nc.Close()
+		js, err := jetstream.New(nc)
+		if err != nil {
+			return 0, err
+		}
+		c, err := js.Consumer(ctx, nats.DefaultStreamName(topic), e.Group)
+		if err != nil {
+			return 0, err
+		}
+		info, err := c.Info(ctx)
+		if err != nil {
+			return 0, err
+		}
+		return int64(info.NumPending) + int64(info.NumAckPending), nil
+	case Kafka:
+		client := &kafkago.Client{Addr: kafkago.TCP(strings.Split(e.Addr, ",")...), Timeout: 5 * time.Second}
+		meta, err := client.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{topic}})
+		if err != nil {
+			return 0, err
+		}
+		if len(meta.Topics) != 1 || meta.Topics[0].Error != nil {
+			return 0, fmt.Errorf("metadata of %s: %v", topic, meta.Topics)
+		}
+		var parts []int
+		var reqs []kafkago.OffsetRequest
+		for _, p := range meta.Topics[0].Partitions {
+			parts = append(parts, p.ID)
+			reqs = append(reqs, kafkago.LastOffsetOf(p.ID))
+		}
+		ends, err := client.ListOffsets(ctx, &kafkago.ListOffsetsRequest{Topics: map[string][]kafkago.OffsetRequest{topic: reqs}})
+		if err != nil {
+			return 0, err
+		}
+		committed, err := client.OffsetFetch(ctx, &kafkago.OffsetFetchRequest{GroupID: e.Group, Topics: map[string][]int{topic: parts}})
+		if err != nil {
+			return 0, err
+		}
+		done := map[int]int64{}
+		for _, p := range committed.Topics[topic] {
+			if p.Error != nil {
+				return 0, p.Error
+			}
+			done[p.Partition] = max(p.CommittedOffset, 0)
+		}
+		var backlog int64
+		for _, p := range ends.Topics[topic] {
+			if p.Error != nil {
+				return 0, p.Error
+			}
+			backlog += max(p.LastOffset-done[p.Partition], 0)
+		}
+		return backlog, nil
+	}
+	return 0, fmt.Errorf("unknown broker %q", e.Broker)
 }
