@@ -322,6 +322,10 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	stopRun()
 	wg.Wait()
 	<-progressDone
+	var rows int
+	if err := admin.QueryRow(ctx, payments.LedgerRowsSQL(schema)).Scan(&rows); err == nil {
+		progress(e, rows, box.Total(), o.n, restarts.Load(), cuts.Load(), time.Since(start)) // the final state
+	}
 	fmt.Fprintln(e.stderr)
 	if p := runErr.Load(); p != nil {
 		return *p
