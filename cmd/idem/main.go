@@ -1,6 +1,7 @@
 // Command idem operates the idem tables: it migrates the schema, answers "was this
 // message processed?" (inspect), shows the backlog (stats), runs the janitor once
-// (gc), and lists and requeues dead effects.
+// (gc), and lists and requeues dead effects. "idem demo" shows the guarantee under
+// chaos on the user's own machine.
 //
 // Every command takes --database-url (default $DATABASE_URL), --schema (default
 // idem) and --json. Errors go to stderr; the exit code is 0 on success, 1 on a
