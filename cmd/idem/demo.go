@@ -197,6 +197,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	stops := make([]atomic.Pointer[context.CancelFunc], instances)
 	for i := range instances {
 		wg.Go(func() {
+			failures := 0
 			for gen := 0; runCtx.Err() == nil; gen++ {
 				c, err := payments.Connect(ep, nil)
 				if err != nil {
@@ -217,12 +218,21 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 				ictx, cancel := context.WithCancel(runCtx)
 				stops[i].Store(&cancel)
 				err = payments.RunConsumer(ictx, payments.ConsumerConfig{Pool: workers, Schema: schema, Subscriber: sub, Topic: topic, Registerer: reg})
+				restarted := ictx.Err() != nil // stopped on purpose, perhaps mid-subscribe
 				cancel()
 				_ = sub.Close()
 				c.Close()
 				deliveries.Add(sub.Stats().Delivered)
 				suppressed.Add(counterSum(reg, "idem_inbox_duplicates_total"))
-				if err != nil {
+				// An instance that fails on its own is restarted, as a supervisor
+				// would; one that keeps failing ends the demo.
+				switch {
+				case err == nil || restarted:
+					failures = 0
+				case failures < 10:
+					failures++
+					time.Sleep(100 * time.Millisecond)
+				default:
 					fail(err)
 					return
 				}

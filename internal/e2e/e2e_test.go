@@ -5,6 +5,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -76,30 +77,45 @@ func runChild(role string) int {
 		if err != nil {
 			return fail(err)
 		}
-		c, err := payments.Connect(ep, nil)
-		if err != nil {
-			return fail(err)
-		}
-		defer c.Close()
-		err = payments.RunConsumer(ctx, payments.ConsumerConfig{
-			Pool: pool, Schema: schema, Subscriber: c.Subscriber,
-			Peer: os.Getenv(envPeer) == "1", PeerSender: &payments.SMTPSender{Addr: os.Getenv(envSMTP)},
+		return retry(ctx, role, func() error {
+			c, err := payments.Connect(ep, nil)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			return payments.RunConsumer(ctx, payments.ConsumerConfig{
+				Pool: pool, Schema: schema, Subscriber: c.Subscriber,
+				Peer: os.Getenv(envPeer) == "1", PeerSender: &payments.SMTPSender{Addr: os.Getenv(envSMTP)},
+			})
 		})
-		if err != nil && ctx.Err() == nil {
-			return fail(err)
-		}
 	case "dispatcher":
-		d, err := payments.NewDispatcher(pool, schema, os.Getenv(envSMTP), 2*time.Second, nil, nil)
-		if err != nil {
-			return fail(err)
-		}
-		if err := d.Run(ctx); err != nil && ctx.Err() == nil {
-			return fail(err)
-		}
-	default:
-		return fail(fmt.Errorf("unknown role"))
+		return retry(ctx, role, func() error {
+			d, err := payments.NewDispatcher(pool, schema, os.Getenv(envSMTP), 2*time.Second, nil, nil)
+			if err != nil {
+				return err
+			}
+			return d.Run(ctx)
+		})
 	}
-	return 0
+	return fail(fmt.Errorf("unknown role"))
+}
+
+// retry runs a worker until ctx ends. A worker that fails on its own (a subscribe
+// that timed out on a loaded machine, a connection cut at start) runs again, as
+// under a supervisor; ten failures in a row end the process with exit code 2,
+// which fails the test.
+func retry(ctx context.Context, role string, work func() error) int {
+	for failures := 0; ; failures++ {
+		err := work()
+		if ctx.Err() != nil {
+			return 0
+		}
+		fmt.Fprintf(os.Stderr, "%s: %v\n", role, err)
+		if failures == 9 {
+			return 2
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 }
 
 // proc is a worker process seen from the parent.
@@ -160,15 +176,8 @@ type run struct {
 }
 
 func (r run) summary() string {
-	ks := slices.Sorted(func(yield func(int) bool) {
-		for k := range r.emailsPerKey {
-			if !yield(k) {
-				return
-			}
-		}
-	})
 	var per []string
-	for _, k := range ks {
+	for _, k := range slices.Sorted(maps.Keys(r.emailsPerKey)) {
 		per = append(per, fmt.Sprintf("%d key(s) × %d", r.emailsPerKey[k], k))
 	}
 	return fmt.Sprintf("%s; SIGKILLs by the killer %v, by crash points %v, restarts %d, backend cuts %d, producer duplicates %d, ledger rows %d, raw emails per key: %s",
