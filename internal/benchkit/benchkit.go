@@ -398,21 +398,26 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 	start := time.Now()
 	before, tripsBefore := counter.n.Load(), counter.trips.Load()
 	go func() { done <- d.Run(runCtx) }()
+	// Watch the sender's own counter (a count(*) every few milliseconds would
+	// compete with the dispatcher), and confirm the end with one query.
 	for {
-		var left int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE state = 'pending'`).Scan(&left); err != nil {
-			return Result{}, err
-		}
+		n := int(sent.Load())
 		if o.Progress != nil {
-			o.Progress(pending-left, pending)
+			o.Progress(min(n, pending), pending)
 		}
-		if left == 0 {
-			break
+		if n >= pending {
+			var left int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE state = 'pending'`).Scan(&left); err != nil {
+				return Result{}, err
+			}
+			if left == 0 {
+				break
+			}
 		}
 		select {
 		case err := <-done:
 			return Result{}, fmt.Errorf("dispatcher stopped: %v", err)
-		case <-time.After(20 * time.Millisecond):
+		case <-time.After(10 * time.Millisecond):
 		}
 	}
 	elapsed := time.Since(start)
