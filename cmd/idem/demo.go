@@ -28,6 +28,10 @@ import (
 // demo never touches the idem schema of a real deployment.
 const demoSchema = "idem_demo"
 
+// demoWaitForPostgres is how long the demo waits for Postgres to accept
+// connections before it says how to start one.
+const demoWaitForPostgres = 15 * time.Second
+
 var demoCmd = &command{
 	name: "demo",
 	args: "[-n N] [--broker nats|kafka] [--seed S] [--json]",
@@ -102,15 +106,24 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	if o.seed == 0 {
 		o.seed = time.Now().UnixNano() % 1_000_000
 	}
+	say := func(format string, args ...any) { fmt.Fprintf(e.stderr, format+"\n", args...) }
+	// Right after "docker compose up -d" the server may still be starting: wait
+	// for it a little, so the quick start's two commands can follow each other.
 	admin, err := e.connect(ctx)
+	var ce *connectError
+	for waited := time.Duration(0); err != nil && errors.As(err, &ce) && waited < demoWaitForPostgres && ctx.Err() == nil; waited += 500 * time.Millisecond {
+		if waited == 0 {
+			say("idem demo: waiting up to %s for Postgres at %s ...", demoWaitForPostgres, ce.host)
+		}
+		time.Sleep(500 * time.Millisecond)
+		admin, err = e.connect(ctx)
+	}
 	if err != nil {
-		var ce *connectError
 		if errors.As(err, &ce) {
 			return &exitError{code: exitUsage, err: err}
 		}
 		return err
 	}
-	say := func(format string, args ...any) { fmt.Fprintf(e.stderr, format+"\n", args...) }
 
 	// A fresh schema each run.
 	if _, err := admin.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`); err != nil {
