@@ -258,7 +258,25 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
 	start := time.Now()
-	rows, err := d.pool.Query(qctx, d.q.claim, kinds, limits, d.cfg.Lease)
+	// The claim runs in a transaction of its own that forbids sequential scans and
+	// hash joins, sent as one pipelined round trip. Without that, statistics taken
+	// while the table was small (before a burst of effects, until autovacuum
+	// analyzes it again) make the planner scan the whole table on every claim:
+	// measured here, 5k effects/s instead of 25k with 40,000 pending.
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	b.Queue("SET LOCAL enable_seqscan = off")
+	b.Queue("SET LOCAL enable_hashjoin = off")
+	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
+	b.Queue("COMMIT")
+	br := d.pool.SendBatch(qctx, b)
+	defer br.Close()
+	for range 3 {
+		if _, err := br.Exec(); err != nil {
+			return nil, err
+		}
+	}
+	rows, err := br.Query()
 	if err != nil {
 		return nil, err
 	}
@@ -280,7 +298,12 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		c.lane.held.Add(1)
 		out = append(out, c)
 	}
-	if err := rows.Err(); err != nil {
+	rows.Close()
+	err = rows.Err()
+	if err == nil {
+		_, err = br.Exec() // COMMIT
+	}
+	if err != nil {
 		// Whether the claim committed is unknown. Sending what was scanned could
 		// overlap another dispatcher if it did not; if it did, those effects come due
 		// again after the lease, in_flight, and are reconciled or resent then.
