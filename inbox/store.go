@@ -130,19 +130,29 @@ func (s *Store) ClaimTx(ctx context.Context, tx DBTX, c Claim) (ClaimResult, err
 	if err := c.Validate(); err != nil {
 		return ClaimResult{}, err
 	}
-	for {
+	return s.insertOr(ctx, tx, c, func() (int64, error) {
 		var inserted bool
 		err := tx.QueryRow(ctx, s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
+		return 0, err
+	})
+}
+
+// insertOr runs insert, an INSERT … ON CONFLICT … RETURNING of c's row. A row back
+// means the caller owns the key (with the fence insert returns). No row means a
+// conflict: the next statement reads the row that was there, which at READ
+// COMMITTED is the one a wait ended on. If that row was deleted between the two
+// statements (a janitor, or a released lease), it inserts again.
+func (s *Store) insertOr(ctx context.Context, db DBTX, c Claim, insert func() (int64, error)) (ClaimResult, error) {
+	for {
+		fence, err := insert()
 		if err == nil {
-			return ClaimResult{Claimed: true}, nil
+			return ClaimResult{Claimed: true, Fence: fence}, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
 			return ClaimResult{}, s.wrap(err)
 		}
-		rec, err := s.Get(ctx, tx, c.ID)
+		rec, err := s.Get(ctx, db, c.ID)
 		if errors.Is(err, ErrNotFound) {
-			// The row that blocked us was deleted between the two statements (a
-			// janitor, or a lease released); claim again.
 			continue
 		}
 		if err != nil {
@@ -168,37 +178,31 @@ func (s *Store) ClaimAfterTx(ctx context.Context, tx interface {
 	if err := c.Validate(); err != nil {
 		return ClaimResult{}, err
 	}
-	b := &pgx.Batch{}
-	for _, sql := range prelude {
-		b.Queue(sql)
-	}
-	b.Queue(s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
-	br := tx.SendBatch(ctx, b)
-	for range prelude {
-		if _, err := br.Exec(); err != nil {
-			_ = br.Close()
-			return ClaimResult{}, s.wrap(err)
+	pipelined := false
+	return s.insertOr(ctx, tx, c, func() (int64, error) {
+		var inserted bool
+		if pipelined { // a retry after the conflicting row vanished
+			return 0, tx.QueryRow(ctx, s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
 		}
-	}
-	var inserted bool
-	err := br.QueryRow().Scan(&inserted)
-	if cerr := br.Close(); err == nil && cerr != nil {
-		err = cerr
-	}
-	if err == nil {
-		return ClaimResult{Claimed: true}, nil
-	}
-	if !errors.Is(err, pgx.ErrNoRows) {
-		return ClaimResult{}, s.wrap(err)
-	}
-	rec, err := s.Get(ctx, tx, c.ID)
-	if errors.Is(err, ErrNotFound) {
-		return s.ClaimTx(ctx, tx, c) // deleted in between: claim again
-	}
-	if err != nil {
-		return ClaimResult{}, err
-	}
-	return s.existing(rec, c.Fingerprint), nil
+		pipelined = true
+		b := &pgx.Batch{}
+		for _, sql := range prelude {
+			b.Queue(sql)
+		}
+		b.Queue(s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+		br := tx.SendBatch(ctx, b)
+		for range prelude {
+			if _, err := br.Exec(); err != nil {
+				_ = br.Close()
+				return 0, err
+			}
+		}
+		err := br.QueryRow().Scan(&inserted)
+		if cerr := br.Close(); err == nil && cerr != nil {
+			err = cerr
+		}
+		return 0, err
+	})
 }
 
 func (s *Store) existing(rec *Record, fp []byte) ClaimResult {
@@ -212,24 +216,11 @@ func (s *Store) FailTx(ctx context.Context, tx DBTX, c Claim, code, msg string) 
 	if err := c.Validate(); err != nil {
 		return ClaimResult{}, err
 	}
-	for {
+	return s.insertOr(ctx, tx, c, func() (int64, error) {
 		var inserted bool
 		err := tx.QueryRow(ctx, s.q.fail, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg).Scan(&inserted)
-		if err == nil {
-			return ClaimResult{Claimed: true}, nil
-		}
-		if !errors.Is(err, pgx.ErrNoRows) {
-			return ClaimResult{}, s.wrap(err)
-		}
-		rec, err := s.Get(ctx, tx, c.ID)
-		if errors.Is(err, ErrNotFound) {
-			continue
-		}
-		if err != nil {
-			return ClaimResult{}, err
-		}
-		return s.existing(rec, c.Fingerprint), nil
-	}
+		return 0, err
+	})
 }
 
 // Get reads one inbox row, or returns ErrNotFound.
@@ -262,24 +253,11 @@ func (s *Store) Lease(ctx context.Context, db DBTX, c Claim, lease time.Duration
 	if err := c.Validate(); err != nil {
 		return ClaimResult{}, err
 	}
-	for {
+	return s.insertOr(ctx, db, c, func() (int64, error) {
 		var fence int64
 		err := db.QueryRow(ctx, s.q.lease, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), lease).Scan(&fence)
-		if err == nil {
-			return ClaimResult{Claimed: true, Fence: fence}, nil
-		}
-		if !errors.Is(err, pgx.ErrNoRows) {
-			return ClaimResult{}, s.wrap(err)
-		}
-		rec, err := s.Get(ctx, db, c.ID)
-		if errors.Is(err, ErrNotFound) {
-			continue
-		}
-		if err != nil {
-			return ClaimResult{}, err
-		}
-		return s.existing(rec, c.Fingerprint), nil
-	}
+		return fence, err
+	})
 }
 
 // CompleteLeaseTx marks a leased key completed, in the caller's transaction (the one
