@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -198,21 +197,6 @@ func sendEmails(ctx context.Context, pool *pgxpool.Pool, lease time.Duration) (i
 		}
 		sent++
 	}
-}
-
-// runSender sends emails until ctx ends.
-func runSender(ctx context.Context, pool *pgxpool.Pool, wg *sync.WaitGroup) {
-	wg.Go(func() {
-		for ctx.Err() == nil {
-			if _, err := sendEmails(ctx, pool, 300*time.Millisecond); err != nil && ctx.Err() == nil {
-				time.Sleep(10 * time.Millisecond)
-			}
-			select {
-			case <-ctx.Done():
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
-	})
 }
 
 // auditQuery is the payments audit for a flavour.

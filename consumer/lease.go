@@ -26,7 +26,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	}
 	start := time.Now()
 	res, err := c.store.Lease(ctx, db, req.claim, c.cfg.LeaseDuration)
-	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Now().Sub(start).Seconds())
+	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err != nil {
 		return c.finish(req, classify(err))
 	}
