@@ -24,6 +24,9 @@ const (
 	DefaultMaxBatch    = 32
 	DefaultMaxWait     = 2 * time.Millisecond
 	DefaultWorkers     = 2
+	// DefaultCommitTimeout bounds a COMMIT that idem has sent. The message's own
+	// context never cuts a COMMIT in flight (its outcome would become unknown).
+	DefaultCommitTimeout = 30 * time.Second
 	// MaxErrorLen caps the error text stored with a failed key.
 	MaxErrorLen = 4096
 )
@@ -88,7 +91,10 @@ const (
 // KeyFunc returns a message's idempotency key.
 type KeyFunc func(msg *message.Message) (string, error)
 
-// Beginner starts a transaction; *pgxpool.Pool does.
+// Beginner starts a transaction; *pgxpool.Pool and *pgx.Conn do. BeginTx must honour
+// pgx.TxOptions.CommitQuery, as pgx's own implementations do: idem marks every
+// transaction it begins and checks the mark in its COMMIT, to know that the
+// transaction it commits is still its own (see ErrTxEnded).
 type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
@@ -136,6 +142,11 @@ type Config struct {
 	// claim relies on to see a concurrent winner's row; stricter levels turn that
 	// case into a serialization failure, which is nacked).
 	IsoLevel pgx.TxIsoLevel
+	// CommitTimeout bounds a COMMIT once idem has sent it (default 30 s). The
+	// COMMIT runs under a context detached from the message's, so a cancellation
+	// that comes while it is in flight does not cut it; a cancellation that comes
+	// before it is sent rolls back and nacks with ErrCanceled.
+	CommitTimeout time.Duration
 	// OnPermanent chooses what a permanent failure does after it is recorded.
 	OnPermanent PermanentPolicy
 	// OnFailure, if set, is called for every permanent failure, including replays.
@@ -179,6 +190,7 @@ func (c *Config) setDefaults() {
 	c.LockTimeout = cmp.Or(c.LockTimeout, DefaultLockTimeout)
 	c.BusyDelay = cmp.Or(c.BusyDelay, DefaultBusyDelay)
 	c.IsoLevel = cmp.Or(c.IsoLevel, pgx.ReadCommitted)
+	c.CommitTimeout = cmp.Or(c.CommitTimeout, DefaultCommitTimeout)
 	c.MaxBatch = cmp.Or(c.MaxBatch, DefaultMaxBatch)
 	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
 	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
@@ -206,6 +218,14 @@ func (c *Config) Validate() error {
 	}
 	if c.LockTimeout < time.Millisecond {
 		return fmt.Errorf("LockTimeout %s is under a millisecond", c.LockTimeout)
+	}
+	switch c.IsoLevel {
+	case pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable, pgx.ReadUncommitted:
+	default:
+		return fmt.Errorf("unknown IsoLevel %q", c.IsoLevel)
+	}
+	if c.CommitTimeout < time.Millisecond {
+		return fmt.Errorf("CommitTimeout %s is under a millisecond", c.CommitTimeout)
 	}
 	if c.Mode < Transactional || c.Mode > Lease {
 		return fmt.Errorf("unknown Mode %d", c.Mode)

@@ -27,7 +27,8 @@ type Consumer struct {
 	metrics *metrics
 	log     *slog.Logger
 
-	lockTimeoutSQL string
+	// prelude goes ahead of the first claim of a transaction, in its round trip.
+	prelude []string
 
 	// group-commit mode
 	groupOnce sync.Once
@@ -48,10 +49,14 @@ func New(cfg Config) (*Consumer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	return &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger,
-		// SET LOCAL takes no bind parameters; the value is an integer we format.
-		lockTimeoutSQL: "SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.LockTimeout.Milliseconds(), 1), 10),
-	}, nil
+	c := &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger,
+		prelude: []string{
+			// SET LOCAL takes no bind parameters; the value is an integer we format.
+			"SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.LockTimeout.Milliseconds(), 1), 10),
+			txMark,
+		},
+	}
+	return c, nil
 }
 
 // Close stops the group-commit workers, after the batches in progress. It is a
@@ -68,7 +73,9 @@ type txKey struct{}
 // ownedTx is the transaction a handler sees. idem owns it: Commit and Rollback are
 // refused, because in group-commit mode the handler's work is one savepoint of a
 // transaction shared with other messages, and in every mode the commit must cover
-// the inbox row too. Return an error instead to roll back.
+// the inbox row too. Return an error instead to roll back. Raw SQL that ends the
+// transaction (Exec "COMMIT" or "ROLLBACK") cannot be refused; idem detects it
+// before committing and nacks with ErrTxEnded (see tx.go).
 type ownedTx struct{ pgx.Tx }
 
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
@@ -77,7 +84,9 @@ func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 // Tx returns the transaction the consumer opened for the message being handled, or
 // nil outside an idem handler. Business writes and effects.Enqueue go through it. In
 // group-commit mode it is a savepoint inside a shared transaction: do not assume it
-// is the whole transaction.
+// is the whole transaction. Never end it yourself, with its methods or with raw SQL
+// (COMMIT, ROLLBACK): return nil to commit and an error to roll back. A handler
+// that ends it gets ErrTxEnded.
 func Tx(ctx context.Context) pgx.Tx {
 	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
 	return tx
@@ -203,31 +212,44 @@ type outcome struct {
 	kind outcomeKind
 	err  error
 	rec  *inbox.Record
+	// claimFailed: err came from the claim's round trip, before the handler ran.
+	claimFailed bool
 }
 
 // handleOne is the transactional mode: one transaction per message.
 func (c *Consumer) handleOne(req *request, h message.HandlerFunc) error {
 	ctx := req.ctx
-	tx, err := c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel})
+	tx, err := c.begin(ctx)
 	if err != nil {
-		return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)})
+		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	o := c.runInTx(req, tx, []string{c.lockTimeoutSQL}, h)
+	o := c.runInTx(req, tx, c.prelude, h)
 	switch o.kind {
 	case outCommitted:
-		if err := tx.Commit(ctx); err != nil {
-			return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("%w: %v", ErrCommitUnknown, err)})
+		if err := c.commit(ctx, tx); err != nil {
+			o = outcome{kind: outTransient, err: err}
 		}
 	case outPermanent:
-		_ = tx.Rollback(ctx)
+		_ = tx.Rollback(context.WithoutCancel(ctx))
 		o = c.recordFailure(req, o.err)
 	}
-	return c.finish(req, o)
+	return c.finish(req, canceled(ctx, o))
+}
+
+// canceled reports a transient failure that a cancelled message context caused
+// (pgx refuses to send, or cuts, a statement under it) as ErrCanceled: nothing of
+// the message was committed.
+func canceled(ctx context.Context, o outcome) outcome {
+	if o.kind == outTransient && ctx.Err() != nil && Code(o.err) == "" &&
+		(errors.Is(o.err, context.Canceled) || errors.Is(o.err, context.DeadlineExceeded)) {
+		o.err = fmt.Errorf("%w (%v)", ErrCanceled, o.err)
+	}
+	return o
 }
 
 func (c *Consumer) setLockTimeout(ctx context.Context, tx pgx.Tx) error {
-	_, err := tx.Exec(ctx, c.lockTimeoutSQL)
+	_, err := tx.Exec(ctx, c.prelude[0])
 	return err
 }
 
@@ -240,7 +262,9 @@ func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.
 	res, err := c.store.ClaimAfterTx(ctx, tx, prelude, req.claim)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err != nil {
-		return classify(err)
+		o := classify(err)
+		o.claimFailed = true
+		return o
 	}
 	if !res.Claimed {
 		return existingOutcome(res)
@@ -259,6 +283,14 @@ func (c *Consumer) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) ou
 	req.msg.SetContext(hctx)
 	out, err := h(req.msg)
 	req.msg.SetContext(req.ctx)
+	// Before idem sends anything more: a transaction the handler ended would run
+	// idem's statements outside any transaction, each committing on its own.
+	if serr := txState(tx); serr != nil && (err == nil || errors.Is(serr, ErrTxEnded)) {
+		if err != nil {
+			serr = fmt.Errorf("%w (the handler returned: %v)", serr, err)
+		}
+		return outcome{kind: outTransient, err: serr}
+	}
 	if err == nil {
 		err = c.storeOutput(req, tx, scope, out)
 	}
