@@ -246,12 +246,21 @@ func MetadataKey(field string) KeyFunc {
 }
 
 // BusinessKey returns a KeyFunc that derives the key from the payload, for example
-// "payment:" + the decoded payment ID. An error from fn is permanent.
+// "payment:" + the decoded payment ID.
+//
+// An error from fn is permanent (IsPermanent reports true, so ShouldRetry does not
+// retry it), but it cannot be recorded in the inbox: without a key there is no row
+// to record it under. So the middleware returns it as an error that wraps
+// ErrBusinessKey (code "business_key") and fn's error, whatever OnPermanent says.
+// Without a middleware.PoisonQueue outside idem the message is nacked and
+// redelivered forever; on Kafka it stalls its partition. Put a PoisonQueue filtered
+// on IsPermanent outside idem (see the README's middleware order), so a malformed
+// message goes to the poison topic and is acked.
 func BusinessKey(fn func(payload []byte) (string, error)) KeyFunc {
 	return func(msg *message.Message) (string, error) {
 		k, err := fn(msg.Payload)
 		if err != nil {
-			return "", Permanent(fmt.Errorf("business key: %w", err))
+			return "", fmt.Errorf("%w: %w", ErrBusinessKey, err)
 		}
 		return k, nil
 	}

@@ -30,9 +30,14 @@ type Consumer struct {
 	// prelude goes ahead of the first claim of a transaction, in its round trip.
 	prelude []string
 
-	// group-commit mode
-	groupOnce sync.Once
-	group     *groupCommitter
+	// seen holds the consumer names whose metric series exist (Name unset).
+	seen sync.Map
+
+	mu       sync.Mutex
+	closed   bool
+	inflight sync.WaitGroup
+	group    *groupCommitter // GroupCommit mode, started by the first message
+	stop     sync.Once
 }
 
 // New validates cfg and returns a Consumer.
@@ -56,16 +61,45 @@ func New(cfg Config) (*Consumer, error) {
 			txMark,
 		},
 	}
+	if cfg.Name != "" {
+		m.init(cfg.Name)
+		c.seen.Store(cfg.Name, struct{}{})
+	}
 	return c, nil
 }
 
-// Close stops the group-commit workers, after the batches in progress. It is a
-// no-op in the other modes. Close the router first.
+// Close makes the consumer refuse new messages (they get ErrClosed and are nacked),
+// waits for the messages in progress to finish, and stops the group-commit workers.
+// It is safe to call at any time, from any goroutine, and more than once; it is
+// final. Close the router first, so that no message is refused needlessly.
 func (c *Consumer) Close() error {
-	if c.group != nil {
-		c.group.close()
-	}
+	c.stop.Do(func() {
+		c.mu.Lock()
+		c.closed = true
+		g := c.group
+		c.mu.Unlock()
+		// No delivery enters after closed is set, so Wait cannot race an Add.
+		c.inflight.Wait()
+		if g != nil {
+			g.close()
+		}
+	})
 	return nil
+}
+
+// enter admits one delivery, starting the group-commit workers on first use. It
+// reports false after Close. Every admitted delivery calls c.inflight.Done.
+func (c *Consumer) enter() (*groupCommitter, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, false
+	}
+	c.inflight.Add(1)
+	if c.cfg.Mode == GroupCommit && c.group == nil {
+		c.group = newGroupCommitter(c)
+	}
+	return c.group, true
 }
 
 type txKey struct{}
@@ -99,13 +133,17 @@ func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			return nil, err
 		}
+		group, ok := c.enter()
+		if !ok {
+			return nil, c.finish(req, outcome{kind: outTransient, err: ErrClosed})
+		}
+		defer c.inflight.Done()
 		if req.invalid != nil {
 			return nil, c.finish(req, c.recordFailure(req, req.invalid))
 		}
 		switch c.cfg.Mode {
 		case GroupCommit:
-			c.groupOnce.Do(func() { c.group = newGroupCommitter(c) })
-			return nil, c.group.submit(req, h)
+			return nil, group.submit(req, h)
 		case Lease:
 			return nil, c.handleLease(req, h)
 		default:
@@ -140,6 +178,11 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 	}
 	if name == "" {
 		return nil, ErrNoName
+	}
+	if c.cfg.Name == "" {
+		if _, seen := c.seen.LoadOrStore(name, struct{}{}); !seen {
+			c.metrics.init(name)
+		}
 	}
 	req := &request{msg: msg, ctx: ctx, topic: message.PublishTopicFromCtx(ctx)}
 	req.claim.Consumer = name
@@ -280,9 +323,11 @@ func (c *Consumer) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) ou
 		Kinds:  c.cfg.EffectKinds,
 	}
 	hctx := effects.WithScope(context.WithValue(req.ctx, txKey{}, ownedTx{tx}), scope)
-	req.msg.SetContext(hctx)
-	out, err := h(req.msg)
-	req.msg.SetContext(req.ctx)
+	out, err := func() ([]*message.Message, error) {
+		req.msg.SetContext(hctx)
+		defer req.msg.SetContext(req.ctx) // even if h panics: the message is not ours
+		return h(req.msg)
+	}()
 	// Before idem sends anything more: a transaction the handler ended would run
 	// idem's statements outside any transaction, each committing on its own.
 	if serr := txState(tx); serr != nil && (err == nil || errors.Is(serr, ErrTxEnded)) {
@@ -313,7 +358,12 @@ func OutputUUID(consumer, tenant, key string, index int) string {
 	return uuid.NewSHA1(outputNamespace, []byte(name)).String()
 }
 
-// storeOutput stores the handler's returned messages as publish effects, in tx.
+// storeOutput stores the handler's returned messages as publish effects, in tx. It
+// stores copies with the derived UUIDs and never changes the messages themselves:
+// a handler may return a message it did not create, such as the one it received
+// (forwarding), and the output's identity must not leak into it. If it did, a retry
+// of that message (middleware.Retry outside idem) would claim the output UUID as its
+// key and commit the work a second time under a second key.
 func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out []*message.Message) error {
 	if len(out) == 0 {
 		return nil
@@ -323,6 +373,10 @@ func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out
 	}
 	scope.Kinds = nil // publish effects are the consumer's own, not the handler's
 	for i, m := range out {
+		if m == nil {
+			return Permanent(fmt.Errorf("the handler returned a nil message at index %d", i))
+		}
+		m = m.Copy()
 		m.UUID = OutputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
 		e, err := effects.PublishEffect(req.topic, m)
 		if err != nil {

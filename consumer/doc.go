@@ -30,4 +30,7 @@
 // began, and otherwise nacks with ErrTxEnded: it never acks a message whose inbox
 // row is not committed. What the handler committed itself stays committed, and
 // what ran after its own COMMIT or ROLLBACK ran outside any transaction.
+//
+// The messages a handler returns are stored as copies with derived IDs; the
+// handler's messages, including a forwarded input, are never changed.
 package consumer

@@ -74,6 +74,15 @@ var (
 	// router shutting down) before idem sent COMMIT, so nothing was committed and the
 	// message is nacked. A COMMIT already sent is never cancelled.
 	ErrCanceled = &Error{code: "canceled", msg: "the message's context was cancelled before COMMIT was sent; nothing was committed; nacked"}
+	// ErrClosed: the consumer was closed, so it takes no more messages; they are
+	// nacked. Close the router before the consumer.
+	ErrClosed = &Error{code: "closed", msg: "consumer closed; nacked"}
+	// ErrBusinessKey: the BusinessKey function failed, so the message has no key.
+	// It is permanent (retrying cannot help) but cannot be recorded in the inbox,
+	// because there is no key to record it under: the message is returned as an
+	// error, and is redelivered forever unless a middleware.PoisonQueue outside idem
+	// takes it. On Kafka a message redelivered forever stalls its partition.
+	ErrBusinessKey = &Error{code: "business_key", msg: "the business key function failed: no key, so the failure cannot be recorded; poison the message", permanent: true}
 )
 
 // PermanentError marks a handler failure that retrying cannot fix: a validation

@@ -14,9 +14,6 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// ErrClosed: the consumer was closed while a message waited for its batch.
-var ErrClosed = &Error{code: "closed", msg: "consumer closed"}
-
 // groupCommitter runs group-commit mode: workers take the messages that arrive
 // together (up to MaxBatch, waiting at most MaxWait for more) and run them in one
 // transaction, each in its own savepoint, then answer them all after the commit.

@@ -7,15 +7,24 @@ package consumer_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -64,6 +73,79 @@ func requireAnswerMatchesInbox(t *testing.T, b *bundle, key string, err error) {
 		return
 	}
 	require.NotEmpty(t, consumer.Code(err), "%s: every nack has a stable code: %v", key, err)
+}
+
+// Issue 12, item 1. A handler that forwards the message it received must not have
+// that message's UUID rewritten: under the README's stack (Retry outside idem), a
+// commit that fails once is retried with the same key, and a later redelivery of
+// the message is a duplicate. Rewritten, the retry claimed the output UUID and the
+// redelivery ran the work a second time under the original key.
+func TestForwardingHandlerKeepsItsInputsIdentity(t *testing.T) {
+	t.Parallel()
+	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Name = "" })
+		ctx := context.Background()
+		// The first COMMIT that carries a business row fails: a deferred trigger
+		// raises at commit time, once (a sequence does not roll back).
+		_, err := b.pool.Exec(ctx, `
+			CREATE SEQUENCE commit_failures;
+			CREATE FUNCTION fail_first_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+			BEGIN
+				IF nextval('commit_failures') = 1 THEN
+					RAISE EXCEPTION 'injected commit failure';
+				END IF;
+				RETURN NULL;
+			END $$;
+			CREATE CONSTRAINT TRIGGER fail_first_commit AFTER INSERT ON biz
+				DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fail_first_commit();`)
+		require.NoError(t, err)
+
+		var mu sync.Mutex
+		var seen []string
+		other := message.NewMessage("made-elsewhere", []byte("x")) // not the handler's either
+		forward := func(msg *message.Message) ([]*message.Message, error) {
+			mu.Lock()
+			seen = append(seen, msg.UUID)
+			mu.Unlock()
+			ctx := msg.Context()
+			if _, err := consumer.Tx(ctx).Exec(ctx, `INSERT INTO biz (key) VALUES ($1)`, msg.UUID); err != nil {
+				return nil, err
+			}
+			return []*message.Message{msg, other}, nil // forward the input as it is
+		}
+		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
+		defer pubsub.Close()
+		retry := middleware.Retry{MaxRetries: 5, InitialInterval: time.Millisecond, ShouldRetry: consumer.ShouldRetry}
+		runRouter(t, pubsub, forward, retry.Middleware, c.Middleware)
+
+		require.NoError(t, pubsub.Publish("in", message.NewMessage("fwd-1", []byte(`{"n":1}`))))
+		eventually(t, "the retried commit", func() bool { return b.counter("idem_inbox_processed_total") == 1 })
+		// The broker delivers the same message again (a lost ack, a rebalance).
+		require.NoError(t, pubsub.Publish("in", message.NewMessage("fwd-1", []byte(`{"n":1}`))))
+		eventually(t, "the redelivery", func() bool {
+			return b.counter("idem_inbox_processed_total")+b.counter("idem_inbox_duplicates_total") >= 2
+		})
+
+		require.EqualValues(t, 1, b.counter("idem_inbox_processed_total"))
+		require.EqualValues(t, 1, b.counter("idem_inbox_duplicates_total"))
+		require.Equal(t, 1, pgtest.Count(t, b.pool, `SELECT count(*) FROM biz`), "the work committed once")
+		require.Equal(t, 1, b.bizRows(t, "fwd-1"))
+		require.Equal(t, 1, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`))
+		state, _ := inboxState(t, b, "fwd-1")
+		require.Equal(t, "completed", state)
+		mu.Lock()
+		require.Equal(t, []string{"fwd-1", "fwd-1"}, seen, "every attempt saw the input's own UUID")
+		require.Equal(t, "made-elsewhere", other.UUID)
+		mu.Unlock()
+
+		var stored []byte
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT payload FROM effects WHERE kind = 'publish:out' AND key = $1`,
+			consumer.OutputUUID("payments", "", "fwd-1", 0)).Scan(&stored))
+		out, err := effects.DecodeMessage(stored)
+		require.NoError(t, err)
+		require.Equal(t, consumer.OutputUUID("payments", "", "fwd-1", 0), out.UUID, "the stored copy has the derived UUID")
+		require.Equal(t, `{"n":1}`, string(out.Payload))
+	})
 }
 
 // Issue 12, item 2. A handler that ends idem's transaction with raw SQL must never
@@ -236,6 +318,71 @@ func TestMissingSchemaSurfacesInEveryMode(t *testing.T) {
 	})
 }
 
+// Issue 12, item 5. Close races the first message without a data race (run with
+// -race), is final (a message after it gets ErrClosed, nacked), and can be called
+// twice.
+func TestCloseIsSafeAtAnyTimeAndFinal(t *testing.T) {
+	t.Parallel()
+	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
+		pool, schema := pgtest.Setup(t)
+		for i := range 20 {
+			c, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: schema, Mode: mode})
+			require.NoError(t, err)
+			h := c.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+			racing := make(chan error, 1)
+			go func() {
+				_, err := h(newMsg(fmt.Sprintf("race-%d", i), `{}`))
+				racing <- err
+			}()
+			require.NoError(t, c.Close())
+			if err := <-racing; err != nil {
+				require.ErrorIs(t, err, consumer.ErrClosed, "the racing message is handled or refused")
+			}
+			_, err = h(newMsg(fmt.Sprintf("after-%d", i), `{}`))
+			require.ErrorIs(t, err, consumer.ErrClosed)
+			require.Equal(t, "closed", consumer.Code(err))
+			require.False(t, consumer.IsPermanent(err), "nacked, not poisoned")
+			require.NoError(t, c.Close(), "a second Close is a no-op")
+		}
+		require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key LIKE 'after-%'`))
+	})
+}
+
+// Issue 12, item 6. A handler that panics leaves its key free in every mode: the
+// redelivery runs at once (in Lease mode it used to wait out the lease).
+// Transactional and Lease mode panic on, for a Recoverer outside; GroupCommit
+// recovers on its worker and returns an error.
+func TestPanickingHandlerLeavesTheKeyFree(t *testing.T) {
+	t.Parallel()
+	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.LeaseDuration = time.Hour })
+		var n atomic.Int64
+		h := c.Middleware(b.bizHandler(func(*message.Message) error {
+			if n.Add(1) == 1 {
+				panic("boom")
+			}
+			return nil
+		}))
+		var recovered any
+		err := func() (err error) {
+			defer func() { recovered = recover() }()
+			_, err = h(newMsg("p-1", `{}`))
+			return err
+		}()
+		if mode == consumer.GroupCommit {
+			require.ErrorContains(t, err, "boom")
+		} else {
+			require.Equal(t, "boom", recovered, "the panic goes on to a Recoverer outside")
+		}
+		require.Equal(t, 0, b.bizRows(t, "p-1"))
+
+		_, err = h(newMsg("p-1", `{}`))
+		require.NoError(t, err, "the redelivery runs at once")
+		require.Equal(t, 1, b.bizRows(t, "p-1"))
+		require.EqualValues(t, 2, n.Load())
+	})
+}
+
 // Issue 12, item 7. A message whose context is cancelled after its handler
 // succeeded and before COMMIT was sent is reported as what happened: nothing
 // committed, ErrCanceled (transient, code "canceled"), never commit_unknown. In
@@ -349,5 +496,116 @@ func TestCommitInFlightIsNotCancelled(t *testing.T) {
 		}
 		require.NoError(t, err, "the COMMIT finished, so the answer is an ack")
 		requireAnswerMatchesInbox(t, b, "f-1", err)
+	})
+}
+
+// Issue 12, item 17. A BusinessKey error has its own code and is permanent but never
+// recorded (there is no key). Without a PoisonQueue the message is returned as an
+// error, so it is nacked; with a PoisonQueue outside idem it goes to the poison topic.
+func TestBusinessKeyErrorIsCodedAndPoisonable(t *testing.T) {
+	t.Parallel()
+	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
+		errNoID := errors.New("payload has no payment_id")
+		key := consumer.BusinessKey(func(payload []byte) (string, error) {
+			if !strings.HasPrefix(string(payload), "pay:") {
+				return "", errNoID
+			}
+			return string(payload), nil
+		})
+		c, b := setup(t, mode, func(cfg *consumer.Config) {
+			cfg.Key = key
+			cfg.OnPermanent = consumer.PoisonOnPermanent // it must not matter
+		})
+		// Without a PoisonQueue: the error comes back, so the message is nacked.
+		h := c.Middleware(b.bizHandler(nil))
+		_, err := h(newMsg("m-1", `{"amount":1}`))
+		require.ErrorIs(t, err, consumer.ErrBusinessKey)
+		require.ErrorIs(t, err, errNoID, "the key function's own error is kept")
+		require.Equal(t, "business_key", consumer.Code(err))
+		require.True(t, consumer.IsPermanent(err), "so a PoisonQueue filtered on IsPermanent takes it")
+		require.Zero(t, b.calls.Load())
+		require.Zero(t, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`), "nothing to record it under")
+		require.Equal(t, 1.0, series(t, b.reg, "idem_inbox_failed_total", map[string]string{"code": "business_key"}))
+
+		// With the README's stack, the poison topic takes it and the rest flows.
+		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
+		defer pubsub.Close()
+		poisoned, err := pubsub.Subscribe(context.Background(), "poison")
+		require.NoError(t, err)
+		poison, err := middleware.PoisonQueueWithFilter(pubsub, "poison", consumer.IsPermanent)
+		require.NoError(t, err)
+		retry := middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, ShouldRetry: consumer.ShouldRetry}
+		runRouter(t, pubsub, b.bizHandler(nil), poison, retry.Middleware, c.Middleware)
+		require.NoError(t, pubsub.Publish("in",
+			message.NewMessage("m-2", []byte(`{"amount":2}`)),
+			message.NewMessage("m-3", []byte(`pay:3`))))
+		select {
+		case m := <-poisoned:
+			require.Equal(t, "m-2", m.UUID)
+			require.Contains(t, m.Metadata.Get(middleware.ReasonForPoisonedKey), "business key")
+			m.Ack()
+		case <-time.After(30 * time.Second):
+			t.Fatal("the malformed message was not poisoned")
+		}
+		eventually(t, "the good message", func() bool { return b.bizRows(t, "m-3") == 1 })
+		require.EqualValues(t, 1, b.calls.Load(), "the key function failed before any claim, so the handler never ran for it")
+	})
+}
+
+// Issue 12, item 13 (consumer part). Every series a dashboard needs exists at zero
+// before the first message: at New when Config.Name is set, and at a name's first
+// message when the name comes from the Watermill handler.
+func TestMetricSeriesExistFromTheStart(t *testing.T) {
+	t.Parallel()
+	want := []struct {
+		name   string
+		labels map[string]string
+	}{
+		{"idem_inbox_processed_total", nil},
+		{"idem_inbox_duplicates_total", nil},
+		{"idem_inbox_duplicate_age_seconds", nil},
+		{"idem_inbox_fingerprint_mismatch_total", nil},
+		{"idem_inbox_lock_wait_seconds", nil},
+		{"idem_inbox_expired_retry_total", nil},
+		{"idem_inbox_failed_total", map[string]string{"code": "permanent", "replayed": "false"}},
+		{"idem_inbox_failed_total", map[string]string{"code": "permanent", "replayed": "true"}},
+		{"idem_inbox_failed_total", map[string]string{"code": "business_key", "replayed": "false"}},
+		{"idem_inbox_nacked_total", map[string]string{"code": "transient"}},
+		{"idem_inbox_nacked_total", map[string]string{"code": "busy"}},
+		{"idem_inbox_nacked_total", map[string]string{"code": "commit_unknown"}},
+		{"idem_inbox_nacked_total", map[string]string{"code": "tx_ended"}},
+		{"idem_inbox_nacked_total", map[string]string{"code": "schema_missing"}},
+	}
+	check := func(t *testing.T, b *bundle, consumerName string) {
+		t.Helper()
+		mfs, err := b.reg.Gather()
+		require.NoError(t, err)
+		for _, w := range want {
+			labels := map[string]string{"consumer": consumerName}
+			for k, v := range w.labels {
+				labels[k] = v
+			}
+			found := slices.ContainsFunc(mfs, func(mf *dto.MetricFamily) bool {
+				return mf.GetName() == w.name && slices.ContainsFunc(mf.GetMetric(), func(m *dto.Metric) bool { return hasLabels(m, labels) })
+			})
+			require.True(t, found, "series %s%v missing", w.name, labels)
+		}
+	}
+	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
+		t.Run("Name set", func(t *testing.T) {
+			_, b := setup(t, mode)
+			check(t, b, "payments") // before any message
+			require.Zero(t, series(t, b.reg, "idem_inbox_processed_total", nil))
+		})
+		t.Run("Name from the handler", func(t *testing.T) {
+			c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Name = "" })
+			pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
+			defer pubsub.Close()
+			runRouter(t, pubsub, b.bizHandler(nil), c.Middleware)
+			require.NoError(t, pubsub.Publish("in", message.NewMessage("first", []byte(`{}`))))
+			eventually(t, "the first message", func() bool { return b.counter("idem_inbox_processed_total") == 1 })
+			check(t, b, "payments") // the router's handler name
+			require.Zero(t, series(t, b.reg, "idem_inbox_duplicates_total", nil))
+		})
 	})
 }

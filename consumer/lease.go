@@ -48,6 +48,16 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 		release()
 		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
 	}
+	defer func() {
+		// A panicking handler gives its lease back like a failing one, then panics
+		// on, as in Transactional mode, for a middleware.Recoverer outside to turn
+		// into an error.
+		if p := recover(); p != nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+			release()
+			panic(p)
+		}
+	}()
 	o := c.runHandler(req, tx, h)
 	switch o.kind {
 	case outCommitted:
