@@ -219,11 +219,6 @@ func (c *Config) Validate() error {
 	if c.LockTimeout < time.Millisecond {
 		return fmt.Errorf("LockTimeout %s is under a millisecond", c.LockTimeout)
 	}
-	switch c.IsoLevel {
-	case pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable, pgx.ReadUncommitted:
-	default:
-		return fmt.Errorf("unknown IsoLevel %q", c.IsoLevel)
-	}
 	if c.CommitTimeout < time.Millisecond {
 		return fmt.Errorf("CommitTimeout %s is under a millisecond", c.CommitTimeout)
 	}
