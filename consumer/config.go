@@ -24,6 +24,9 @@ const (
 	DefaultMaxBatch    = 32
 	DefaultMaxWait     = 2 * time.Millisecond
 	DefaultWorkers     = 2
+	// DefaultCommitTimeout bounds a COMMIT that idem has sent. The message's own
+	// context never cuts a COMMIT in flight (its outcome would become unknown).
+	DefaultCommitTimeout = 30 * time.Second
 	// MaxErrorLen caps the error text stored with a failed key.
 	MaxErrorLen = 4096
 )
@@ -88,7 +91,10 @@ const (
 // KeyFunc returns a message's idempotency key.
 type KeyFunc func(msg *message.Message) (string, error)
 
-// Beginner starts a transaction; *pgxpool.Pool does.
+// Beginner starts a transaction; *pgxpool.Pool and *pgx.Conn do. BeginTx must honour
+// pgx.TxOptions.CommitQuery, as pgx's own implementations do: idem marks every
+// transaction it begins and checks the mark in its COMMIT, to know that the
+// transaction it commits is still its own (see ErrTxEnded).
 type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
@@ -136,6 +142,11 @@ type Config struct {
 	// claim relies on to see a concurrent winner's row; stricter levels turn that
 	// case into a serialization failure, which is nacked).
 	IsoLevel pgx.TxIsoLevel
+	// CommitTimeout bounds a COMMIT once idem has sent it (default 30 s). The
+	// COMMIT runs under a context detached from the message's, so a cancellation
+	// that comes while it is in flight does not cut it; a cancellation that comes
+	// before it is sent rolls back and nacks with ErrCanceled.
+	CommitTimeout time.Duration
 	// OnPermanent chooses what a permanent failure does after it is recorded.
 	OnPermanent PermanentPolicy
 	// OnFailure, if set, is called for every permanent failure, including replays.
@@ -179,6 +190,7 @@ func (c *Config) setDefaults() {
 	c.LockTimeout = cmp.Or(c.LockTimeout, DefaultLockTimeout)
 	c.BusyDelay = cmp.Or(c.BusyDelay, DefaultBusyDelay)
 	c.IsoLevel = cmp.Or(c.IsoLevel, pgx.ReadCommitted)
+	c.CommitTimeout = cmp.Or(c.CommitTimeout, DefaultCommitTimeout)
 	c.MaxBatch = cmp.Or(c.MaxBatch, DefaultMaxBatch)
 	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
 	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
@@ -207,6 +219,9 @@ func (c *Config) Validate() error {
 	if c.LockTimeout < time.Millisecond {
 		return fmt.Errorf("LockTimeout %s is under a millisecond", c.LockTimeout)
 	}
+	if c.CommitTimeout < time.Millisecond {
+		return fmt.Errorf("CommitTimeout %s is under a millisecond", c.CommitTimeout)
+	}
 	if c.Mode < Transactional || c.Mode > Lease {
 		return fmt.Errorf("unknown Mode %d", c.Mode)
 	}
@@ -226,12 +241,21 @@ func MetadataKey(field string) KeyFunc {
 }
 
 // BusinessKey returns a KeyFunc that derives the key from the payload, for example
-// "payment:" + the decoded payment ID. An error from fn is permanent.
+// "payment:" + the decoded payment ID.
+//
+// An error from fn is permanent (IsPermanent reports true, so ShouldRetry does not
+// retry it), but it cannot be recorded in the inbox: without a key there is no row
+// to record it under. So the middleware returns it as an error that wraps
+// ErrBusinessKey (code "business_key") and fn's error, whatever OnPermanent says.
+// Without a middleware.PoisonQueue outside idem the message is nacked and
+// redelivered forever; on Kafka it stalls its partition. Put a PoisonQueue filtered
+// on IsPermanent outside idem (see the README's middleware order), so a malformed
+// message goes to the poison topic and is acked.
 func BusinessKey(fn func(payload []byte) (string, error)) KeyFunc {
 	return func(msg *message.Message) (string, error) {
 		k, err := fn(msg.Payload)
 		if err != nil {
-			return "", Permanent(fmt.Errorf("business key: %w", err))
+			return "", fmt.Errorf("%w: %w", ErrBusinessKey, err)
 		}
 		return k, nil
 	}

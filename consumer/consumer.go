@@ -27,11 +27,17 @@ type Consumer struct {
 	metrics *metrics
 	log     *slog.Logger
 
-	lockTimeoutSQL string
+	// prelude goes ahead of the first claim of a transaction, in its round trip.
+	prelude []string
 
-	// group-commit mode
-	groupOnce sync.Once
-	group     *groupCommitter
+	// seen holds the consumer names whose metric series exist (Name unset).
+	seen sync.Map
+
+	mu       sync.Mutex
+	closed   bool
+	inflight sync.WaitGroup
+	group    *groupCommitter // GroupCommit mode, started by the first message
+	stop     sync.Once
 }
 
 // New validates cfg and returns a Consumer.
@@ -48,19 +54,52 @@ func New(cfg Config) (*Consumer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	return &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger,
-		// SET LOCAL takes no bind parameters; the value is an integer we format.
-		lockTimeoutSQL: "SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.LockTimeout.Milliseconds(), 1), 10),
-	}, nil
+	c := &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger,
+		prelude: []string{
+			// SET LOCAL takes no bind parameters; the value is an integer we format.
+			"SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.LockTimeout.Milliseconds(), 1), 10),
+			txMark,
+		},
+	}
+	if cfg.Name != "" {
+		m.init(cfg.Name)
+		c.seen.Store(cfg.Name, struct{}{})
+	}
+	return c, nil
 }
 
-// Close stops the group-commit workers, after the batches in progress. It is a
-// no-op in the other modes. Close the router first.
+// Close makes the consumer refuse new messages (they get ErrClosed and are nacked),
+// waits for the messages in progress to finish, and stops the group-commit workers.
+// It is safe to call at any time, from any goroutine, and more than once; it is
+// final. Close the router first, so that no message is refused needlessly.
 func (c *Consumer) Close() error {
-	if c.group != nil {
-		c.group.close()
-	}
+	c.stop.Do(func() {
+		c.mu.Lock()
+		c.closed = true
+		g := c.group
+		c.mu.Unlock()
+		// No delivery enters after closed is set, so Wait cannot race an Add.
+		c.inflight.Wait()
+		if g != nil {
+			g.close()
+		}
+	})
 	return nil
+}
+
+// enter admits one delivery, starting the group-commit workers on first use. It
+// reports false after Close. Every admitted delivery calls c.inflight.Done.
+func (c *Consumer) enter() (*groupCommitter, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, false
+	}
+	c.inflight.Add(1)
+	if c.cfg.Mode == GroupCommit && c.group == nil {
+		c.group = newGroupCommitter(c)
+	}
+	return c.group, true
 }
 
 type txKey struct{}
@@ -68,7 +107,9 @@ type txKey struct{}
 // ownedTx is the transaction a handler sees. idem owns it: Commit and Rollback are
 // refused, because in group-commit mode the handler's work is one savepoint of a
 // transaction shared with other messages, and in every mode the commit must cover
-// the inbox row too. Return an error instead to roll back.
+// the inbox row too. Return an error instead to roll back. Raw SQL that ends the
+// transaction (Exec "COMMIT" or "ROLLBACK") cannot be refused; idem detects it
+// before committing and nacks with ErrTxEnded (see tx.go).
 type ownedTx struct{ pgx.Tx }
 
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
@@ -77,7 +118,9 @@ func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 // Tx returns the transaction the consumer opened for the message being handled, or
 // nil outside an idem handler. Business writes and effects.Enqueue go through it. In
 // group-commit mode it is a savepoint inside a shared transaction: do not assume it
-// is the whole transaction.
+// is the whole transaction. Never end it yourself, with its methods or with raw SQL
+// (COMMIT, ROLLBACK): return nil to commit and an error to roll back. A handler
+// that ends it gets ErrTxEnded.
 func Tx(ctx context.Context) pgx.Tx {
 	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
 	return tx
@@ -90,13 +133,17 @@ func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			return nil, err
 		}
+		group, ok := c.enter()
+		if !ok {
+			return nil, c.finish(req, outcome{kind: outTransient, err: ErrClosed})
+		}
+		defer c.inflight.Done()
 		if req.invalid != nil {
 			return nil, c.finish(req, c.recordFailure(req, req.invalid))
 		}
 		switch c.cfg.Mode {
 		case GroupCommit:
-			c.groupOnce.Do(func() { c.group = newGroupCommitter(c) })
-			return nil, c.group.submit(req, h)
+			return nil, group.submit(req, h)
 		case Lease:
 			return nil, c.handleLease(req, h)
 		default:
@@ -131,6 +178,11 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 	}
 	if name == "" {
 		return nil, ErrNoName
+	}
+	if c.cfg.Name == "" {
+		if _, seen := c.seen.LoadOrStore(name, struct{}{}); !seen {
+			c.metrics.init(name)
+		}
 	}
 	req := &request{msg: msg, ctx: ctx, topic: message.PublishTopicFromCtx(ctx)}
 	req.claim.Consumer = name
@@ -203,31 +255,44 @@ type outcome struct {
 	kind outcomeKind
 	err  error
 	rec  *inbox.Record
+	// claimFailed: err came from the claim's round trip, before the handler ran.
+	claimFailed bool
 }
 
 // handleOne is the transactional mode: one transaction per message.
 func (c *Consumer) handleOne(req *request, h message.HandlerFunc) error {
 	ctx := req.ctx
-	tx, err := c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel})
+	tx, err := c.begin(ctx)
 	if err != nil {
-		return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)})
+		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	o := c.runInTx(req, tx, []string{c.lockTimeoutSQL}, h)
+	o := c.runInTx(req, tx, c.prelude, h)
 	switch o.kind {
 	case outCommitted:
-		if err := tx.Commit(ctx); err != nil {
-			return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("%w: %v", ErrCommitUnknown, err)})
+		if err := c.commit(ctx, tx); err != nil {
+			o = outcome{kind: outTransient, err: err}
 		}
 	case outPermanent:
-		_ = tx.Rollback(ctx)
+		_ = tx.Rollback(context.WithoutCancel(ctx))
 		o = c.recordFailure(req, o.err)
 	}
-	return c.finish(req, o)
+	return c.finish(req, canceled(ctx, o))
+}
+
+// canceled reports a transient failure that a cancelled message context caused
+// (pgx refuses to send, or cuts, a statement under it) as ErrCanceled: nothing of
+// the message was committed.
+func canceled(ctx context.Context, o outcome) outcome {
+	if o.kind == outTransient && ctx.Err() != nil && Code(o.err) == "" &&
+		(errors.Is(o.err, context.Canceled) || errors.Is(o.err, context.DeadlineExceeded)) {
+		o.err = fmt.Errorf("%w (%v)", ErrCanceled, o.err)
+	}
+	return o
 }
 
 func (c *Consumer) setLockTimeout(ctx context.Context, tx pgx.Tx) error {
-	_, err := tx.Exec(ctx, c.lockTimeoutSQL)
+	_, err := tx.Exec(ctx, c.prelude[0])
 	return err
 }
 
@@ -240,7 +305,9 @@ func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.
 	res, err := c.store.ClaimAfterTx(ctx, tx, prelude, req.claim)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err != nil {
-		return classify(err)
+		o := classify(err)
+		o.claimFailed = true
+		return o
 	}
 	if !res.Claimed {
 		return existingOutcome(res)
@@ -256,9 +323,19 @@ func (c *Consumer) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) ou
 		Kinds:  c.cfg.EffectKinds,
 	}
 	hctx := effects.WithScope(context.WithValue(req.ctx, txKey{}, ownedTx{tx}), scope)
-	req.msg.SetContext(hctx)
-	out, err := h(req.msg)
-	req.msg.SetContext(req.ctx)
+	out, err := func() ([]*message.Message, error) {
+		req.msg.SetContext(hctx)
+		defer req.msg.SetContext(req.ctx) // even if h panics: the message is not ours
+		return h(req.msg)
+	}()
+	// Before idem sends anything more: a transaction the handler ended would run
+	// idem's statements outside any transaction, each committing on its own.
+	if serr := txState(tx); serr != nil && (err == nil || errors.Is(serr, ErrTxEnded)) {
+		if err != nil {
+			serr = fmt.Errorf("%w (the handler returned: %v)", serr, err)
+		}
+		return outcome{kind: outTransient, err: serr}
+	}
 	if err == nil {
 		err = c.storeOutput(req, tx, scope, out)
 	}
@@ -281,7 +358,12 @@ func OutputUUID(consumer, tenant, key string, index int) string {
 	return uuid.NewSHA1(outputNamespace, []byte(name)).String()
 }
 
-// storeOutput stores the handler's returned messages as publish effects, in tx.
+// storeOutput stores the handler's returned messages as publish effects, in tx. It
+// stores copies with the derived UUIDs and never changes the messages themselves:
+// a handler may return a message it did not create, such as the one it received
+// (forwarding), and the output's identity must not leak into it. If it did, a retry
+// of that message (middleware.Retry outside idem) would claim the output UUID as its
+// key and commit the work a second time under a second key.
 func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out []*message.Message) error {
 	if len(out) == 0 {
 		return nil
@@ -291,6 +373,10 @@ func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out
 	}
 	scope.Kinds = nil // publish effects are the consumer's own, not the handler's
 	for i, m := range out {
+		if m == nil {
+			return Permanent(fmt.Errorf("the handler returned a nil message at index %d", i))
+		}
+		m = m.Copy()
 		m.UUID = OutputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
 		e, err := effects.PublishEffect(req.topic, m)
 		if err != nil {

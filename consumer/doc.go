@@ -23,4 +23,14 @@
 // The handler reads its transaction with Tx(ctx). In GroupCommit mode that is a
 // savepoint inside a transaction shared with other messages, so handler code must
 // not assume it owns the whole transaction.
+//
+// The guarantees assume the handler leaves the transaction open. idem cannot stop a
+// handler from ending it with raw SQL (Exec "COMMIT" or "ROLLBACK"), but it checks,
+// before every commit, that the transaction is still open and still the one it
+// began, and otherwise nacks with ErrTxEnded: it never acks a message whose inbox
+// row is not committed. What the handler committed itself stays committed, and
+// what ran after its own COMMIT or ROLLBACK ran outside any transaction.
+//
+// The messages a handler returns are stored as copies with derived IDs; the
+// handler's messages, including a forwarded input, are never changed.
 package consumer

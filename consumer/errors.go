@@ -50,6 +50,39 @@ var (
 	// ErrExpiredRetry: the message is older than the consumer's retention, so its
 	// inbox row may be gone. Returned only with ExpiredRetryFail.
 	ErrExpiredRetry = &Error{code: "expired_retry", msg: "message is older than the inbox retention", permanent: true}
+	// ErrTxEnded: the handler ended idem's transaction itself, with raw SQL such as
+	// tx.Exec(ctx, "COMMIT") or "ROLLBACK" (perhaps followed by a BEGIN). idem
+	// commits nothing after that and nacks. In Transactional and GroupCommit mode the
+	// inbox row went wherever the handler sent it, together with the work before its
+	// COMMIT or ROLLBACK, so the redelivery is a duplicate (committed) or runs again
+	// (rolled back): never twice, never lost. Statements after it ran outside idem's
+	// transaction. In Lease mode the key is recorded as failed with this code,
+	// because whether the work committed is unknown. Return an error to roll back;
+	// never end idem's transaction yourself.
+	ErrTxEnded = &Error{code: "tx_ended", msg: "the handler ended idem's transaction itself (raw COMMIT or ROLLBACK); return an error to roll back instead"}
+	// ErrTxAborted: a statement of the handler's transaction failed, but the handler
+	// returned nil (did it swallow an error, such as a unique violation?). Postgres
+	// rolls such a transaction back, so the message is nacked. Catch expected errors
+	// inside a savepoint (tx.Begin), or use ON CONFLICT.
+	ErrTxAborted = &Error{code: "tx_aborted", msg: "a statement in the handler's transaction failed but the handler returned nil; rolled back and nacked"}
+	// ErrBatchAborted: in GroupCommit mode, another message of the same batch broke
+	// the shared transaction (its error is in this one's text), so nothing of the
+	// batch is committed by idem and this message is nacked. Its redelivery finds its
+	// inbox row or runs it again.
+	ErrBatchAborted = &Error{code: "batch_aborted", msg: "another message of this group-commit batch broke the shared transaction; nacked"}
+	// ErrCanceled: the message's context was cancelled (a Kafka partition revoked, a
+	// router shutting down) before idem sent COMMIT, so nothing was committed and the
+	// message is nacked. A COMMIT already sent is never cancelled.
+	ErrCanceled = &Error{code: "canceled", msg: "the message's context was cancelled before COMMIT was sent; nothing was committed; nacked"}
+	// ErrClosed: the consumer was closed, so it takes no more messages; they are
+	// nacked. Close the router before the consumer.
+	ErrClosed = &Error{code: "closed", msg: "consumer closed; nacked"}
+	// ErrBusinessKey: the BusinessKey function failed, so the message has no key.
+	// It is permanent (retrying cannot help) but cannot be recorded in the inbox,
+	// because there is no key to record it under: the message is returned as an
+	// error, and is redelivered forever unless a middleware.PoisonQueue outside idem
+	// takes it. On Kafka a message redelivered forever stalls its partition.
+	ErrBusinessKey = &Error{code: "business_key", msg: "the business key function failed: no key, so the failure cannot be recorded; poison the message", permanent: true}
 )
 
 // PermanentError marks a handler failure that retrying cannot fix: a validation

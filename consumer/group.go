@@ -3,6 +3,7 @@ package consumer
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -12,9 +13,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 )
-
-// ErrClosed: the consumer was closed while a message waited for its batch.
-var ErrClosed = &Error{code: "closed", msg: "consumer closed"}
 
 // groupCommitter runs group-commit mode: workers take the messages that arrive
 // together (up to MaxBatch, waiting at most MaxWait for more) and run them in one
@@ -95,80 +93,121 @@ func (g *groupCommitter) run(batch []*groupReq) {
 		return cmp.Or(cmp.Compare(a.req.claim.Tenant, b.req.claim.Tenant), cmp.Compare(a.req.claim.Key, b.req.claim.Key))
 	})
 	results := make([]outcome, len(batch))
-	answer := func() {
+	defer func() {
 		for i, r := range batch {
 			r.done <- results[i]
 		}
-	}
-	defer answer()
+	}()
 	ctx := context.Background()
-	tx, err := c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel})
+	tx, err := c.begin(ctx)
 	if err != nil {
-		fillTransient(results, 0, fmt.Errorf("begin: %w", err))
+		for i := range results {
+			results[i] = outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}
+		}
 		return
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	// Each message runs in savepoint idem_<i>. The SET LOCAL, the release of the
+	// Each message runs in savepoint idem_<i>. The SET LOCALs, the release of the
 	// previous savepoint, the new SAVEPOINT and the claim travel in one round trip.
-	prelude := []string{c.lockTimeoutSQL}
+	prelude := slices.Clone(c.prelude)
 	for i, r := range batch {
 		sp := "idem_" + strconv.Itoa(i)
 		prelude = append(prelude, "SAVEPOINT "+sp)
-		o, err := g.runOne(ctx, tx, sp, prelude, r)
+		o, broken := g.runOne(ctx, tx, sp, prelude, r)
 		results[i] = o
-		if err != nil {
-			// A savepoint could not be set or rolled back: the transaction is
-			// broken, so nothing of this batch can commit.
-			fillTransient(results, 0, err)
+		if broken {
+			culprit := i
+			if i > 0 && o.claimFailed && savepointGone(o.err) {
+				// The RELEASE of the previous savepoint failed: the previous
+				// handler ended the transaction and began another.
+				culprit = i - 1
+				results[culprit] = outcome{kind: outTransient, err: errTxReplaced}
+				results[i] = outcome{} // an innocent neighbour, answered by abortBatch
+			}
+			abortBatch(results, culprit)
 			return
 		}
 		prelude = []string{"RELEASE SAVEPOINT " + sp}
 	}
-	if err := tx.Commit(ctx); err != nil {
+	if err := c.commit(ctx, tx); err != nil {
+		if errors.Is(err, ErrTxEnded) || errors.Is(err, ErrTxAborted) {
+			// Every message before the last one was checked by the next one's
+			// RELEASE SAVEPOINT; the commit's own check speaks of the last.
+			last := len(batch) - 1
+			results[last] = outcome{kind: outTransient, err: err}
+			abortBatch(results, last)
+			return
+		}
 		for i, o := range results {
 			switch o.kind {
 			case outCommitted, outRecorded, outDuplicate, outReplayed:
-				results[i] = outcome{kind: outTransient, err: fmt.Errorf("%w: %v", ErrCommitUnknown, err)}
+				results[i] = outcome{kind: outTransient, err: err}
 			}
 		}
 	}
 }
 
-// runOne runs one message in savepoint sp of tx, which the prelude opens. A
-// returned error means tx is broken.
-func (g *groupCommitter) runOne(ctx context.Context, tx pgx.Tx, sp string, prelude []string, r *groupReq) (o outcome, broken error) {
+// runOne runs one message in savepoint sp of tx, which the prelude opens. broken
+// means tx can commit nothing more; the outcome then carries this message's own
+// cause (never the error of a rollback that followed it).
+func (g *groupCommitter) runOne(ctx context.Context, tx pgx.Tx, sp string, prelude []string, r *groupReq) (o outcome, broken bool) {
 	c := g.c
 	rollback := func() error {
 		_, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+sp)
 		return err
 	}
+	// breaks is the outcome of a message whose failure left tx broken, rbErr being
+	// the error of the rollback to its savepoint.
+	breaks := func(o outcome, rbErr error) (outcome, bool) {
+		switch {
+		case o.claimFailed:
+			// The claim's round trip failed before its SAVEPOINT ran (a statement
+			// that could not even be prepared, such as one on a missing table, or
+			// the RELEASE of the previous savepoint): its own error is the cause.
+			if o.kind != outBusy {
+				o.kind = outTransient
+			}
+		case savepointGone(rbErr):
+			// The handler ended the transaction and began another.
+			o = outcome{kind: outTransient, err: errTxReplaced}
+		case o.kind != outTransient && o.kind != outBusy:
+			o = outcome{kind: outTransient, err: fmt.Errorf("roll back to savepoint: %w", rbErr)}
+		}
+		return o, true
+	}
 	o = g.guarded(r, tx, prelude)
-	// A failed prelude (the SAVEPOINT never ran) shows up below: ROLLBACK TO
-	// SAVEPOINT then fails too, and the batch is reported broken.
+	if errors.Is(o.err, ErrTxEnded) {
+		// Nothing may be sent into a transaction the handler ended: it would run,
+		// and commit, outside any transaction.
+		return o, true
+	}
 	switch o.kind {
 	case outCommitted:
-		return o, nil
+		return o, false
 	case outPermanent:
 		if err := rollback(); err != nil {
-			return outcome{kind: outTransient, err: err}, err
+			// Not recorded, so not permanent: a nack, whose redelivery fails again.
+			return breaks(outcome{kind: outTransient, err: fmt.Errorf(
+				"roll back after a permanent failure (%v): %w", o.err, err)}, err)
 		}
 		// Record the failure in the same transaction, where the work was.
 		res, err := c.store.FailTx(ctx, tx, r.req.claim, failureCode(o.err), truncate(o.err.Error()))
 		if err != nil {
+			nr := notRecorded(o.err, err)
 			if rbErr := rollback(); rbErr != nil {
-				return outcome{kind: outTransient, err: rbErr}, rbErr
+				return breaks(nr, rbErr)
 			}
-			return notRecorded(o.err, err), nil
+			return nr, false
 		}
 		if !res.Claimed {
-			return existingOutcome(res), nil
+			return existingOutcome(res), false
 		}
-		return outcome{kind: outRecorded, err: o.err}, nil
+		return outcome{kind: outRecorded, err: o.err}, false
 	default:
 		if err := rollback(); err != nil {
-			return outcome{kind: outTransient, err: err}, err
+			return breaks(o, err)
 		}
-		return o, nil
+		return o, false
 	}
 }
 
@@ -183,11 +222,25 @@ func (g *groupCommitter) guarded(r *groupReq, tx pgx.Tx, prelude []string) (o ou
 	return g.c.runInTx(r.req, tx, prelude, r.h)
 }
 
-func fillTransient(results []outcome, from int, err error) {
-	for i := from; i < len(results); i++ {
-		if results[i].kind == outMismatch || results[i].kind == outRejected {
+// abortBatch answers a batch whose transaction broke, so that nothing of it commits.
+// results[culprit] already holds the culprit's own error. Every other message gets
+// ErrBatchAborted, naming the culprit's error, unless its answer was already a nack
+// of its own (or a mismatch, which does not depend on this transaction): one broken
+// message costs its neighbours a nack, and their redelivery finds their rows (if
+// the culprit committed them early) or runs them again.
+func abortBatch(results []outcome, culprit int) {
+	cause := results[culprit].err
+	for i, o := range results {
+		if i == culprit {
 			continue
 		}
-		results[i] = outcome{kind: outTransient, err: err}
+		switch o.kind {
+		case outTransient, outBusy, outMismatch:
+			if o.err != nil {
+				continue
+			}
+		}
+		// The culprit's key is left out: it may belong to another tenant.
+		results[i] = outcome{kind: outTransient, err: fmt.Errorf("%w (the other message's error: %v)", ErrBatchAborted, cause)}
 	}
 }

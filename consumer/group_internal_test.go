@@ -63,3 +63,43 @@ func TestGroupBatchesClaimKeysInSortedOrder(t *testing.T) {
 	require.Equal(t, 2, kinds[outDuplicate])
 	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM biz`))
 }
+
+// Issue 12, item 5: a message racing Close may start the group-commit workers, but
+// Close still stops them, and no message after Close starts new ones.
+func TestCloseStopsWorkersARacingMessageStarted(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.Setup(t)
+	for range 20 {
+		c, err := New(Config{Name: "payments", Pool: pool, Schema: schema, Mode: GroupCommit})
+		require.NoError(t, err)
+		h := c.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			_, _ = h(message.NewMessage("race", []byte(`{}`)))
+		}()
+		require.NoError(t, c.Close())
+		<-done
+		_, err = h(message.NewMessage("after", []byte(`{}`)))
+		require.ErrorIs(t, err, ErrClosed)
+
+		c.mu.Lock()
+		g := c.group
+		c.mu.Unlock()
+		if g == nil {
+			continue // the racing message came after Close: no worker ever started
+		}
+		select {
+		case <-g.stop:
+		default:
+			t.Fatal("Close left the workers of a racing message running")
+		}
+		stopped := make(chan struct{})
+		go func() { g.wg.Wait(); close(stopped) }()
+		select {
+		case <-stopped:
+		case <-time.After(30 * time.Second):
+			t.Fatal("the workers did not stop")
+		}
+	}
+}

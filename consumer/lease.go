@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/inbox"
 )
@@ -34,34 +32,76 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 		return c.finish(req, existingOutcome(res))
 	}
 	id, fence := req.claim.ID, res.Fence
+	// release gives the key back at once, so the redelivery need not wait out the
+	// lease. It is fenced and only touches a processing row, so it never undoes a
+	// completion, not even one whose COMMIT is still in flight (it waits for that
+	// row lock).
+	release := func() { _ = c.store.ReleaseLease(context.WithoutCancel(ctx), db, id, fence) }
 
-	tx, err := c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel})
+	tx, err := c.begin(ctx)
 	if err != nil {
-		_ = c.store.ReleaseLease(context.WithoutCancel(ctx), db, id, fence)
-		return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)})
+		release()
+		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := tx.Exec(ctx, txMark); err != nil {
+		release()
+		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
+	}
+	defer func() {
+		// A panicking handler gives its lease back like a failing one, then panics
+		// on, as in Transactional mode, for a middleware.Recoverer outside to turn
+		// into an error.
+		if p := recover(); p != nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+			release()
+			panic(p)
+		}
+	}()
 	o := c.runHandler(req, tx, h)
 	switch o.kind {
 	case outCommitted:
 		if err := c.store.CompleteLeaseTx(ctx, tx, id, fence, c.cfg.Retention); err != nil {
-			// ErrLeaseLost: a newer holder owns the key; our work must not commit.
-			return c.finish(req, outcome{kind: outTransient, err: err})
+			// ErrLeaseLost: a newer holder owns the key; our work must not commit
+			// (and the fenced release is a no-op). Any other error rolls back.
+			release()
+			return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: err}))
 		}
-		if err := tx.Commit(ctx); err != nil {
-			return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("%w: %v", ErrCommitUnknown, err)})
+		if err := c.commit(ctx, tx); err != nil {
+			if errors.Is(err, ErrTxEnded) {
+				return c.finish(req, c.failLease(req, db, fence, err))
+			}
+			release()
+			return c.finish(req, outcome{kind: outTransient, err: err})
 		}
 		return c.finish(req, o)
 	case outPermanent:
-		_ = tx.Rollback(ctx)
+		_ = tx.Rollback(context.WithoutCancel(ctx))
 		if err := c.store.FailLease(ctx, db, id, fence, c.cfg.Retention, failureCode(o.err), truncate(o.err.Error())); err != nil {
 			return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("record permanent failure (%v): %w", o.err, err)})
 		}
 		return c.finish(req, outcome{kind: outRecorded, err: o.err})
 	default:
-		_ = tx.Rollback(ctx)
-		// Give the key back at once, so the redelivery need not wait out the lease.
-		_ = c.store.ReleaseLease(context.WithoutCancel(ctx), db, id, fence)
-		return c.finish(req, o)
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		if errors.Is(o.err, ErrTxEnded) {
+			return c.finish(req, c.failLease(req, db, fence, o.err))
+		}
+		release()
+		return c.finish(req, canceled(ctx, o))
 	}
+}
+
+// failLease settles a key whose handler ended its transaction itself. The lease row
+// was not completed with the handler's work, and whether that work committed is
+// unknown, so running the handler again could commit it twice. The key is recorded
+// as failed with ErrTxEnded's code instead: it is never run again and never
+// silently dropped (OnFailure, the failed metric, and PoisonOnPermanent see it).
+func (c *Consumer) failLease(req *request, db inbox.DBTX, fence int64, cause error) outcome {
+	err := c.store.FailLease(context.WithoutCancel(req.ctx), db, req.claim.ID, fence, c.cfg.Retention,
+		ErrTxEnded.code, truncate(cause.Error()))
+	if err != nil {
+		// The lease stays; when it runs out the next delivery runs the handler again.
+		return outcome{kind: outTransient, err: fmt.Errorf("record the ended transaction (%v): %w", cause, err)}
+	}
+	return outcome{kind: outRecorded, err: cause}
 }

@@ -4,6 +4,8 @@ import (
 	"errors"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemkit/idem/inbox"
 )
 
 // metrics are the consumer's Prometheus collectors. Several consumers in one process
@@ -66,6 +68,47 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}
 	}
 	return m, nil
+}
+
+// nackCodes are the codes idem itself nacks with (idem_inbox_nacked_total).
+var nackCodes = []string{
+	"transient", ErrBusy.code, ErrCommitUnknown.code, ErrCanceled.code, ErrClosed.code,
+	ErrTxEnded.code, ErrTxAborted.code, ErrBatchAborted.code,
+	inbox.ErrSchemaMissing.Code(), inbox.ErrLeaseLost.Code(),
+}
+
+// failCodes are the codes of idem's own permanent failures (idem_inbox_failed_total);
+// replayable ones can also come back as replays of a recorded failure.
+var (
+	failCodes = []string{
+		ErrBusinessKey.code, inbox.ErrEmptyKey.Code(), inbox.ErrKeyTooLong.Code(),
+		inbox.ErrKeyInvalid.Code(), inbox.ErrTenantInvalid.Code(),
+	}
+	replayableFailCodes = []string{
+		"permanent", inbox.ErrNotJSON.Code(), ErrExpiredRetry.code, ErrNoPublishTopic.code, ErrTxEnded.code,
+	}
+)
+
+// init makes every series of one consumer exist at zero, so that a dashboard's
+// rate() and an alert on increase() see them from the start, not from the first
+// increment. Codes a handler invents still appear at their first use.
+func (m *metrics) init(name string) {
+	m.processed.WithLabelValues(name)
+	m.duplicates.WithLabelValues(name)
+	m.duplicateAge.WithLabelValues(name)
+	m.mismatch.WithLabelValues(name)
+	m.lockWait.WithLabelValues(name)
+	m.expiredRetry.WithLabelValues(name)
+	for _, code := range nackCodes {
+		m.transientNack.WithLabelValues(name, code)
+	}
+	for _, code := range failCodes {
+		m.failed.WithLabelValues(name, code, "false")
+	}
+	for _, code := range replayableFailCodes {
+		m.failed.WithLabelValues(name, code, "false")
+		m.failed.WithLabelValues(name, code, "true")
+	}
 }
 
 // registerAs registers c, or returns the collector already registered under the

@@ -286,18 +286,16 @@ func (c *commitCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.
 func (c *commitCounter) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
 func (c *commitCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
-type commitKey struct{}
-
-func (c *commitCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+func (c *commitCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
 	c.trips.Add(1)
-	if len(d.SQL) == 6 && (d.SQL == "commit" || d.SQL == "COMMIT") {
-		return context.WithValue(ctx, commitKey{}, true)
-	}
 	return ctx
 }
 
-func (c *commitCounter) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryEndData) {
-	if ctx.Value(commitKey{}) != nil && d.Err == nil {
+// TraceQueryEnd counts by the command tag, not the SQL text: idem's COMMIT travels
+// with the check that its transaction is still its own ("SELECT …; COMMIT"), and a
+// multi-statement query reports the tag of its last statement.
+func (c *commitCounter) TraceQueryEnd(_ context.Context, _ *pgx.Conn, d pgx.TraceQueryEndData) {
+	if d.Err == nil && d.CommandTag.String() == "COMMIT" {
 		c.n.Add(1)
 	}
 }

@@ -1,0 +1,113 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// A handler holds idem's transaction and can end it with raw SQL
+// (tx.Exec(ctx, "COMMIT"), "ROLLBACK", even "COMMIT; BEGIN"). pgx's Tx cannot see
+// that, and a COMMIT sent afterwards would report success for a transaction that is
+// gone or is the handler's own. So every transaction idem begins carries a mark, a
+// transaction-local setting, and idem checks two things before a commit:
+//
+//   - after the handler returns, the connection's transaction status (pgconn's
+//     TxStatus, from the last ReadyForQuery, free to read) must be 'T'. 'I' means
+//     the handler ended the transaction; 'E' that a statement failed and the handler
+//     returned nil anyway.
+//   - COMMIT is sent as "SELECT <mark check>; COMMIT" in one simple query. If the
+//     mark is gone (the handler ended the transaction and began another), the check
+//     raises an error, Postgres skips the COMMIT of the same query string, and the
+//     handler's new transaction is rolled back.
+//
+// The mark is set in the claim's round trip (with SET LOCAL lock_timeout, pipelined)
+// and checked in the COMMIT round trip (pgx's TxOptions.CommitQuery), so it costs no
+// round trip of its own in Transactional and GroupCommit mode. In GroupCommit mode
+// each message's savepoint is a second mark: the next statement idem sends, RELEASE
+// SAVEPOINT, fails if the handler's transaction is not the one that savepoint was
+// made in.
+const (
+	txMark        = "SET LOCAL idem.tx = 'on'"
+	txMarkMissing = "idem: the transaction idem began has ended"
+	// The CASE is not constant (current_setting is stable), so the cast runs, and
+	// fails, only when the mark is missing.
+	commitSQL = "SELECT (CASE WHEN coalesce(current_setting('idem.tx', true), '') = 'on' THEN '0' ELSE '" +
+		txMarkMissing + "' END)::int; COMMIT"
+)
+
+// begin starts a transaction whose COMMIT checks the mark. The caller sets the mark
+// (txMark) before anything else.
+func (c *Consumer) begin(ctx context.Context) (pgx.Tx, error) {
+	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: commitSQL})
+}
+
+// txState reports whether tx is still open and usable, from the status of the last
+// ReadyForQuery: nil while in a transaction, ErrTxEnded when idle (the handler ended
+// it), ErrTxAborted when a statement failed. A closed connection reports nil: the
+// next statement fails with the real error.
+func txState(tx pgx.Tx) error {
+	pc := tx.Conn().PgConn()
+	if pc.IsClosed() {
+		return nil
+	}
+	switch pc.TxStatus() {
+	case 'T':
+		return nil
+	case 'E':
+		return ErrTxAborted
+	default:
+		return fmt.Errorf("%w (no transaction was open when the handler returned)", ErrTxEnded)
+	}
+}
+
+// commit commits tx, the transaction of one message or one batch, only if it is still
+// the transaction idem began, and never after ctx was cancelled. Once COMMIT is sent it
+// runs under a context the message's cancellation cannot cut, bounded by
+// CommitTimeout, because a COMMIT cut in flight has an unknown outcome. The errors:
+// ErrTxEnded or ErrTxAborted (nothing committed by idem), ErrCanceled (nothing
+// committed), ErrCommitUnknown (COMMIT was sent and failed: it may have happened).
+func (c *Consumer) commit(ctx context.Context, tx pgx.Tx) error {
+	if err := txState(tx); err != nil {
+		return err
+	}
+	if ctx.Err() != nil {
+		// pgx would refuse to send COMMIT on a cancelled context; say what happened.
+		return fmt.Errorf("%w (%v)", ErrCanceled, context.Cause(ctx))
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.CommitTimeout)
+	defer cancel()
+	err := tx.Commit(cctx)
+	switch {
+	case err == nil:
+		return nil
+	case markMissing(err):
+		return errTxReplaced
+	default:
+		return fmt.Errorf("%w: %v", ErrCommitUnknown, err)
+	}
+}
+
+// errTxReplaced: the handler ended idem's transaction and began another; idem found
+// out from its mark or its savepoint, and rolls the handler's one back.
+var errTxReplaced = fmt.Errorf("%w (a transaction the handler began was open in its place; it is rolled back)", ErrTxEnded)
+
+// markMissing reports whether err is the mark check of commitSQL failing.
+func markMissing(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InvalidTextRepresentation &&
+		strings.Contains(pgErr.Message, txMarkMissing)
+}
+
+// savepointGone reports whether err says a savepoint idem made, or the transaction
+// it was made in, no longer exists.
+func savepointGone(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) &&
+		(pgErr.Code == pgerrcode.InvalidSavepointSpecification || pgErr.Code == pgerrcode.NoActiveSQLTransaction)
+}
