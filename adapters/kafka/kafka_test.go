@@ -79,6 +79,10 @@ func newPublisher(t testing.TB, brokers []string, key kafka.PartitionKeyFunc) *k
 		Brokers:      brokers,
 		PartitionKey: key,
 		Logger:       testLogger(),
+		// kafka-go's 10 s are short for a JVM broker sharing two loaded
+		// cores with the tests: a write that times out fails Publish.
+		ReadTimeout:  30 * time.Second,
+		WriteTimeout: 30 * time.Second,
 	})
 	require.NoError(t, err)
 	return pub
