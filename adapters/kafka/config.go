@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -52,6 +53,11 @@ const (
 	// Commits are coalesced, never advanced past an unacked message, and
 	// flushed when a partition is released.
 	DefaultCommitInterval = 100 * time.Millisecond
+	// DefaultReadBackoffMin and DefaultReadBackoffMax bound the pause after a
+	// failed fetch; it doubles from the first to the second while fetches
+	// keep failing. They are kafka-go's defaults.
+	DefaultReadBackoffMin = 100 * time.Millisecond
+	DefaultReadBackoffMax = time.Second
 	// DefaultNackBackoff is the pause before a nacked message is delivered
 	// again.
 	DefaultNackBackoff = 100 * time.Millisecond
@@ -168,10 +174,17 @@ func (c *PublisherConfig) Validate() error {
 // Brokers, GroupID, Dialer, GroupBalancers, HeartbeatInterval,
 // SessionTimeout, RebalanceTimeout, JoinGroupBackoff, RetentionTime,
 // WatchPartitionChanges, PartitionWatchInterval, StartOffset, CommitInterval,
-// MinBytes, MaxBytes, MaxWait, QueueCapacity, ReadBatchTimeout,
-// ReadBackoffMin, ReadBackoffMax, MaxAttempts, IsolationLevel, Logger and
-// ErrorLogger. Topic, GroupTopics and Partition must stay empty: the topic
-// comes from Subscribe, and partitions from the group or from Partitions.
+// MinBytes, MaxBytes, MaxWait, ReadBackoffMin, ReadBackoffMax,
+// IsolationLevel, Logger and ErrorLogger. Topic, GroupTopics and Partition
+// must stay empty: the topic comes from Subscribe, and partitions from the
+// group or from Partitions.
+//
+// Records are read with Fetch requests through kafka-go's protocol API, not
+// with kafka.Reader (which hands out transaction markers and, under
+// ReadCommitted, records of aborted transactions). So QueueCapacity,
+// ReadBatchTimeout, ReadLagInterval and MaxAttempts have no effect, and of
+// the Dialer the fetches use DialFunc, ClientID, TLS and SASLMechanism (the
+// consumer group uses all of it).
 //
 // With GroupID set, the Subscriber joins that consumer group and commits
 // offsets after acks. Without it, it reads Partitions (all of the topic's
@@ -204,6 +217,8 @@ func (c *SubscriberConfig) setDefaults() {
 	c.SessionTimeout = cmp.Or(c.SessionTimeout, DefaultSessionTimeout)
 	c.RebalanceTimeout = cmp.Or(c.RebalanceTimeout, DefaultRebalanceTimeout)
 	c.JoinGroupBackoff = cmp.Or(c.JoinGroupBackoff, DefaultJoinGroupBackoff)
+	c.ReadBackoffMin = cmp.Or(c.ReadBackoffMin, DefaultReadBackoffMin)
+	c.ReadBackoffMax = cmp.Or(c.ReadBackoffMax, max(DefaultReadBackoffMax, c.ReadBackoffMin))
 	c.CommitInterval = cmp.Or(c.CommitInterval, DefaultCommitInterval)
 	c.StartOffset = cmp.Or(c.StartOffset, kafka.FirstOffset)
 	c.NackBackoff = cmp.Or(c.NackBackoff, DefaultNackBackoff)
@@ -216,6 +231,40 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
+}
+
+// maxGroupTimeout is the longest duration the group protocol can carry: an
+// int32 of milliseconds.
+const maxGroupTimeout = time.Duration(math.MaxInt32) * time.Millisecond
+
+// validateGroupTimings checks what the group protocol and Kafka's own
+// guidance need. The broker's bounds (group.min.session.timeout.ms, 6 s by
+// default, and group.max.session.timeout.ms, 30 min) cannot be known here;
+// a SessionTimeout outside them fails Subscribe with a GroupRefusedError
+// that names them.
+func (c *SubscriberConfig) validateGroupTimings() []error {
+	var errs []error
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"SessionTimeout", c.SessionTimeout},
+		{"HeartbeatInterval", c.HeartbeatInterval},
+		{"RebalanceTimeout", c.RebalanceTimeout},
+	} {
+		if d.v < time.Millisecond || d.v > maxGroupTimeout {
+			errs = append(errs, fmt.Errorf("%s %s must be between 1ms and %s: the group protocol carries it in whole milliseconds",
+				d.name, d.v, maxGroupTimeout))
+		}
+	}
+	// Kafka's guidance: heartbeats at most a third of the session, so that
+	// one late or lost heartbeat does not cost the membership (and every
+	// member a rebalance).
+	if c.HeartbeatInterval > c.SessionTimeout/3 {
+		errs = append(errs, fmt.Errorf("HeartbeatInterval %s must be at most a third of SessionTimeout %s (that is, <= %s), "+
+			"so that one late heartbeat does not end the membership", c.HeartbeatInterval, c.SessionTimeout, c.SessionTimeout/3))
+	}
+	return errs
 }
 
 // Validate reports a config that cannot work.
@@ -248,9 +297,8 @@ func (c *SubscriberConfig) Validate() error {
 		c.HeartbeatInterval < 0 || c.SessionTimeout < 0 || c.RebalanceTimeout < 0 {
 		errs = append(errs, errors.New("durations must not be negative"))
 	}
-	if c.HeartbeatInterval >= c.SessionTimeout {
-		errs = append(errs, fmt.Errorf("HeartbeatInterval %s must be shorter than SessionTimeout %s",
-			c.HeartbeatInterval, c.SessionTimeout))
+	if c.GroupID != "" {
+		errs = append(errs, c.validateGroupTimings()...)
 	}
 	if c.TopicPartitions < 1 {
 		errs = append(errs, errors.New("TopicPartitions must be at least 1"))

@@ -22,6 +22,19 @@
 //   - A Publish returns after the broker has acked every record (acks=all),
 //     unless PublisherConfig.Async is set. The messages of one Publish call
 //     are written in one batch.
+//   - Records of transactional producers: a transaction marker (control
+//     record) is never delivered, and with IsolationLevel kafka.ReadCommitted
+//     neither is a record of an aborted transaction; records after an open
+//     transaction wait for its end (Kafka's last stable offset). The offsets
+//     passed over are committed like acked ones, so a partition that ends in a
+//     marker shows no lag. Partitions are read with Fetch requests through
+//     kafka-go's protocol API, because kafka.Reader cannot tell markers and
+//     aborted records apart from data.
+//   - A consumer group that refuses the member for a reason retrying cannot
+//     fix (a SessionTimeout outside the broker's group.min/max.session.timeout.ms,
+//     a missing ACL, a full group, ...) is never retried in silence: Subscribe
+//     returns a *GroupRefusedError that says what to change, and a refusal
+//     after the first join is logged at error level and closes the channel.
 //
 // # What it does not guarantee
 //
@@ -54,7 +67,9 @@
 // # Consumer groups and groupless reading
 //
 // With SubscriberConfig.GroupID set, every Subscribe call joins the group as
-// one member, through kafka-go's ConsumerGroup and Generation API. Without a
+// one member, through kafka-go's ConsumerGroup and Generation API, and
+// returns once it has joined (or was refused, or could not reach the
+// coordinator at the first attempt, after which it keeps trying). Without a
 // GroupID, Subscribe reads SubscriberConfig.Partitions (all partitions when
 // empty) from StartOffset, commits nothing, and starts over on every
 // Subscribe: that mode is for tools and tests.

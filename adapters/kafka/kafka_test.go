@@ -20,12 +20,37 @@ const (
 	testSessionTimeout = 2 * time.Second
 )
 
+// forEachBroker runs fn as a subtest against an in-process kfake cluster,
+// always, and against the brokers in KAFKA_BROKERS when that is set. The
+// subtests are named after the broker ("kfake", "external=host:port"), and
+// each logs which broker it uses, so a run shows where every test ran.
+func forEachBroker(t *testing.T, fn func(t *testing.T, brokers []string)) {
+	t.Helper()
+	t.Run("kfake", func(t *testing.T) {
+		t.Parallel()
+		brokers := startCluster(t)
+		t.Logf("Kafka broker: kfake, in process, at %s", strings.Join(brokers, ","))
+		fn(t, brokers)
+	})
+	if ext := externalBrokers(); ext != nil {
+		t.Run(externalName(ext), func(t *testing.T) {
+			t.Parallel()
+			t.Logf("Kafka broker: external, KAFKA_BROKERS=%s", strings.Join(ext, ","))
+			fn(t, ext)
+		})
+	}
+}
+
+func externalName(brokers []string) string { return "external=" + strings.Join(brokers, ",") }
+
 // startCluster runs an in-process kfake cluster and returns its addresses.
 func startCluster(t testing.TB) []string {
 	t.Helper()
 	c, err := kfake.NewCluster(
 		kfake.NumBrokers(1),
-		kfake.GroupMinSessionTimeout(100*time.Millisecond),
+		// As a broker config, not kfake.GroupMinSessionTimeout: that option
+		// is enforced, but DescribeConfigs still reports the 6 s default.
+		kfake.BrokerConfigs(map[string]string{"group.min.session.timeout.ms": "100"}),
 	)
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
@@ -54,6 +79,10 @@ func newPublisher(t testing.TB, brokers []string, key kafka.PartitionKeyFunc) *k
 		Brokers:      brokers,
 		PartitionKey: key,
 		Logger:       testLogger(),
+		// kafka-go's 10 s are short for a JVM broker sharing two loaded
+		// cores with the tests: a write that times out fails Publish.
+		ReadTimeout:  30 * time.Second,
+		WriteTimeout: 30 * time.Second,
 	})
 	require.NoError(t, err)
 	return pub
@@ -69,9 +98,7 @@ func subscriberConfig(brokers []string, group string, partitions int) kafka.Subs
 	cfg.HeartbeatInterval = testHeartbeat
 	cfg.SessionTimeout = testSessionTimeout
 	cfg.NackBackoff = 10 * time.Millisecond
-	if externalBrokers() != nil {
-		cfg.TopicReplicationFactor = 1
-	}
+	cfg.TopicReplicationFactor = 1
 	return cfg
 }
 

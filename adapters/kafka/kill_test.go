@@ -46,77 +46,79 @@ func TestKillChild(t *testing.T) {
 // dead one had not acked and committed.
 func TestSubscriberKilled(t *testing.T) {
 	t.Parallel()
-	const partitions = 2
-	b := setup(t, partitions)
-	sent := b.publish(t, 300)
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		const partitions = 2
+		b := setup(t, brokers, partitions)
+		sent := b.publish(t, 300)
 
-	cmd := exec.Command(os.Args[0], "-test.run=^TestKillChild$", "-test.count=1")
-	cmd.Env = append(os.Environ(), childEnv+"="+strings.Join(b.brokers, ",")+"|"+b.topic+"|"+b.group)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	require.NoError(t, cmd.Start())
+		cmd := exec.Command(os.Args[0], "-test.run=^TestKillChild$", "-test.count=1")
+		cmd.Env = append(os.Environ(), childEnv+"="+strings.Join(b.brokers, ",")+"|"+b.topic+"|"+b.group)
+		stdout, err := cmd.StdoutPipe()
+		require.NoError(t, err)
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		require.NoError(t, cmd.Start())
 
-	var mu sync.Mutex
-	seenByChild := map[string]bool{}
-	enough := make(chan struct{})
-	scanDone := make(chan struct{})
-	go func() {
-		defer close(scanDone)
-		s := bufio.NewScanner(stdout)
-		for s.Scan() {
-			id, ok := strings.CutPrefix(s.Text(), "GOT ")
-			if !ok {
-				continue
+		var mu sync.Mutex
+		seenByChild := map[string]bool{}
+		enough := make(chan struct{})
+		scanDone := make(chan struct{})
+		go func() {
+			defer close(scanDone)
+			s := bufio.NewScanner(stdout)
+			for s.Scan() {
+				id, ok := strings.CutPrefix(s.Text(), "GOT ")
+				if !ok {
+					continue
+				}
+				mu.Lock()
+				seenByChild[id] = true
+				if len(seenByChild) == 60 {
+					close(enough)
+				}
+				mu.Unlock()
 			}
-			mu.Lock()
-			seenByChild[id] = true
-			if len(seenByChild) == 60 {
-				close(enough)
-			}
-			mu.Unlock()
+		}()
+
+		select {
+		case <-enough:
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			t.Fatalf("child consumed too little; stderr:\n%s", stderr.String())
 		}
-	}()
-
-	select {
-	case <-enough:
-	case <-time.After(30 * time.Second):
-		_ = cmd.Process.Kill()
+		require.NoError(t, cmd.Process.Kill()) // SIGKILL
 		_ = cmd.Wait()
-		t.Fatalf("child consumed too little; stderr:\n%s", stderr.String())
-	}
-	require.NoError(t, cmd.Process.Kill()) // SIGKILL
-	_ = cmd.Wait()
-	<-scanDone
+		<-scanDone
 
-	mu.Lock()
-	childCount := len(seenByChild)
-	mu.Unlock()
-	require.Less(t, childCount, len(sent), "the child must die mid-partition")
+		mu.Lock()
+		childCount := len(seenByChild)
+		mu.Unlock()
+		require.Less(t, childCount, len(sent), "the child must die mid-partition")
 
-	c := newCollector()
-	_, ch := b.subscribe(t, subscriberConfig(b.brokers, b.group, partitions))
-	go c.consume(ch, 0)
+		c := newCollector()
+		_, ch := b.subscribe(t, subscriberConfig(b.brokers, b.group, partitions))
+		go c.consume(ch, 0)
 
-	require.Eventually(t, func() bool {
+		require.Eventually(t, func() bool {
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			for _, m := range sent {
+				if !seenByChild[m.UUID] && c.seen[m.UUID] == 0 {
+					return false
+				}
+			}
+			return true
+		}, 30*time.Second, 20*time.Millisecond)
+
 		c.mu.Lock()
-		defer c.mu.Unlock()
-		for _, m := range sent {
-			if !seenByChild[m.UUID] && c.seen[m.UUID] == 0 {
-				return false
+		redelivered := 0
+		for id := range c.seen {
+			if seenByChild[id] {
+				redelivered++
 			}
 		}
-		return true
-	}, 30*time.Second, 20*time.Millisecond)
-
-	c.mu.Lock()
-	redelivered := 0
-	for id := range c.seen {
-		if seenByChild[id] {
-			redelivered++
-		}
-	}
-	c.mu.Unlock()
-	t.Logf("child saw %d of %d before SIGKILL; survivor redelivered %d of those", childCount, len(sent), redelivered)
+		c.mu.Unlock()
+		t.Logf("child saw %d of %d before SIGKILL; survivor redelivered %d of those", childCount, len(sent), redelivered)
+	})
 }

@@ -50,6 +50,14 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 // group as one member; without, it reads the configured partitions. The
 // channel is closed when ctx ends or the Subscriber closes.
 //
+// With a GroupID, Subscribe returns once this member has joined the group
+// for the first time, or the group has refused it for a reason retrying
+// cannot fix (a *GroupRefusedError, for example a SessionTimeout outside the
+// broker's bounds), or a first attempt failed for a reason that may pass (a
+// broker that cannot be reached: the member keeps trying, and logs). A
+// refusal after that ends the subscription: it is logged at error level,
+// and the channel closes.
+//
 // Each message must be acked or nacked. The next message of its partition
 // is delivered only after that.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
@@ -64,8 +72,8 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.closed {
+		s.mu.Unlock()
 		return nil, ErrSubscriberClosed
 	}
 	ctx, cancel := context.WithCancel(ctx)
@@ -76,26 +84,40 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		out:    out,
 		slots:  make(chan struct{}, s.cfg.MaxConcurrentPartitions),
 		logger: s.logger.With(watermill.LogFields{"topic": topic, "group": s.cfg.GroupID}),
+		// One transport per Subscribe call: it pools a connection per
+		// concurrent fetch, so partitions do not queue behind each other's
+		// long polls (a broker answers one request per connection at a time).
+		transport: s.transport(topic),
 
 		deliveries: deliveryCounter{m: map[topicPartition]delivery{}},
 	}
 
+	// joined learns the outcome of the first join: nil, a refusal, or why
+	// the subscription stopped before it.
+	joined := make(chan error, 1)
 	var run func(context.Context)
 	if s.cfg.GroupID != "" {
 		group, err := kafka.NewConsumerGroup(s.groupConfig(topic))
 		if err != nil {
+			s.mu.Unlock()
 			cancel()
 			return nil, fmt.Errorf("kafka: consumer group: %w", err)
 		}
-		run = func(ctx context.Context) { sub.runGroup(ctx, group) }
+		var once sync.Once
+		report := func(err error) { once.Do(func() { joined <- err }) }
+		run = func(ctx context.Context) { sub.runGroup(ctx, group, report) }
 	} else {
+		joined <- nil
 		run = func(ctx context.Context) { sub.runPartitions(ctx, partitions) }
 	}
 
+	done := make(chan struct{})
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
+		defer close(done)
 		defer close(out)
+		defer sub.transport.CloseIdleConnections()
 		defer cancel()
 		go func() {
 			select {
@@ -106,6 +128,12 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		}()
 		run(ctx)
 	}()
+	s.mu.Unlock()
+
+	if err := <-joined; err != nil {
+		<-done
+		return nil, err
+	}
 	return out, nil
 }
 
@@ -114,8 +142,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 func (s *Subscriber) SubscribeInitialize(topic string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	client := &kafka.Client{Addr: kafka.TCP(s.cfg.Brokers...), Transport: s.transport()}
-	defer client.Transport.(*kafka.Transport).CloseIdleConnections()
+	transport := s.transport(topic)
+	defer transport.CloseIdleConnections()
+	client := &kafka.Client{Addr: kafka.TCP(s.cfg.Brokers...), Transport: transport}
 	res, err := client.CreateTopics(ctx, &kafka.CreateTopicsRequest{
 		Topics: []kafka.TopicConfig{{
 			Topic:             topic,
@@ -148,13 +177,17 @@ func (s *Subscriber) Close() error {
 	return nil
 }
 
-func (s *Subscriber) transport() *kafka.Transport {
+// transport talks to the brokers as the Dialer would (TLS, SASL, client
+// ID), caching the metadata of topic only.
+func (s *Subscriber) transport(topic string) *kafka.Transport {
 	d := s.cfg.Dialer
 	return &kafka.Transport{
-		Dial:     d.DialFunc,
-		ClientID: d.ClientID,
-		TLS:      d.TLS,
-		SASL:     d.SASLMechanism,
+		Dial:           d.DialFunc,
+		ClientID:       d.ClientID,
+		TLS:            d.TLS,
+		SASL:           d.SASLMechanism,
+		MetadataTTL:    DefaultMetadataTTL,
+		MetadataTopics: []string{topic},
 	}
 }
 
@@ -210,25 +243,51 @@ type subscription struct {
 	slots  chan struct{} // bounds partitions with a message in flight
 	logger watermill.LoggerAdapter
 
+	transport *kafka.Transport
+
 	deliveries deliveryCounter
 }
 
-func (sub *subscription) runGroup(ctx context.Context, group *kafka.ConsumerGroup) {
+func (sub *subscription) runGroup(ctx context.Context, group *kafka.ConsumerGroup, joined func(error)) {
+	defer func() {
+		// Ends the current generation, waits for its goroutines and leaves.
+		if err := group.Close(); err != nil {
+			sub.logger.Error("Closing consumer group failed", err, nil)
+		}
+	}()
+	var failures failureLog
 	for {
 		gen, err := group.Next(ctx)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, kafka.ErrGroupClosed) {
-				break
+				joined(sub.stopped())
+				return
+			}
+			if refused := sub.s.refusal(ctx, sub.transport, err); refused != nil {
+				sub.logger.Error("Consumer group refused this member; the subscription ends", refused,
+					watermill.LogFields{"code": CodeGroupRefused})
+				joined(refused)
+				return
 			}
 			// The group retries by itself after JoinGroupBackoff.
-			sub.logger.Error("Consumer group error", err, nil)
+			failures.failed(sub.logger, "Consumer group error; retrying", err,
+				watermill.LogFields{"retry_in": sub.s.cfg.JoinGroupBackoff})
+			joined(nil)
 			continue
 		}
+		failures.recovered(sub.logger, "Joined the consumer group again", watermill.LogFields{"generation": gen.ID})
+		joined(nil)
 		sub.startGeneration(ctx, gen)
 	}
-	// Ends the current generation, waits for its goroutines and leaves.
-	if err := group.Close(); err != nil {
-		sub.logger.Error("Closing consumer group failed", err, nil)
+}
+
+// stopped says why a subscription ended before its first join.
+func (sub *subscription) stopped() error {
+	select {
+	case <-sub.s.closing:
+		return ErrSubscriberClosed
+	default:
+		return fmt.Errorf("kafka: subscribe to %s: %w", sub.topic, context.Canceled)
 	}
 }
 
@@ -281,52 +340,46 @@ func (sub *subscription) runPartitions(ctx context.Context, partitions []int) {
 
 // consumePartition delivers one partition's records in order, one at a time,
 // until ctx ends. onAck, if not nil, learns the next offset to commit after
-// each ack.
+// each ack, and after each run of records that are passed over without being
+// delivered (transaction markers, aborted records): those are committed as
+// they are passed, so a partition whose tail is a marker shows no lag.
 func (sub *subscription) consumePartition(ctx context.Context, partition int, offset int64, onAck func(partition int, next int64)) {
-	cfg := sub.s.cfg.ReaderConfig
-	r := kafka.NewReader(kafka.ReaderConfig{
-		Brokers:          cfg.Brokers,
-		Topic:            sub.topic,
-		Partition:        partition,
-		Dialer:           cfg.Dialer,
-		QueueCapacity:    cfg.QueueCapacity,
-		MinBytes:         cfg.MinBytes,
-		MaxBytes:         cfg.MaxBytes,
-		MaxWait:          cfg.MaxWait,
-		ReadBatchTimeout: cfg.ReadBatchTimeout,
-		ReadBackoffMin:   cfg.ReadBackoffMin,
-		ReadBackoffMax:   cfg.ReadBackoffMax,
-		MaxAttempts:      cfg.MaxAttempts,
-		IsolationLevel:   cfg.IsolationLevel,
-		Logger:           cfg.Logger,
-		ErrorLogger:      cfg.ErrorLogger,
-	})
-	defer func() {
-		if err := r.Close(); err != nil {
-			sub.logger.Debug("Closing partition reader failed", watermill.LogFields{"partition": partition, "err": err})
-		}
-	}()
-	if err := r.SetOffset(offset); err != nil {
-		sub.logger.Error("Setting partition offset failed", err, watermill.LogFields{"partition": partition})
-		return
+	f := newPartitionFetcher(sub.transport, sub.s.cfg.ReaderConfig, sub.topic, partition, offset)
+	fields := watermill.LogFields{"partition": partition}
+	f.onReset = func(from, to int64, why string) {
+		sub.logger.Error("Fetch position moved", nil, fields.Add(watermill.LogFields{
+			"from": from, "to": to, "why": why,
+		}))
 	}
+	backoff := sub.s.cfg.ReadBackoffMin
+	var failures failureLog
 	for {
-		rec, err := r.FetchMessage(ctx)
+		step, err := f.next(ctx)
 		if err != nil {
 			if ctx.Err() != nil {
 				return
 			}
-			sub.logger.Error("Fetching failed", err, watermill.LogFields{"partition": partition})
-			if !sleep(ctx, sub.s.cfg.NackBackoff) {
+			failures.failed(sub.logger, "Fetching failed; retrying", err, fields.Add(watermill.LogFields{"retry_in": backoff}))
+			if !sleep(ctx, backoff) {
 				return
 			}
+			backoff = min(2*backoff, sub.s.cfg.ReadBackoffMax)
 			continue
 		}
-		if !sub.deliver(ctx, rec) {
-			return
-		}
-		if onAck != nil {
-			onAck(partition, rec.Offset+1)
+		failures.recovered(sub.logger, "Fetching again", fields)
+		backoff = sub.s.cfg.ReadBackoffMin
+		switch {
+		case step.rec != nil:
+			if !sub.deliver(ctx, *step.rec) {
+				return
+			}
+			if onAck != nil {
+				onAck(partition, step.next)
+			}
+		case step.next > 0:
+			if onAck != nil {
+				onAck(partition, step.next)
+			}
 		}
 	}
 }
@@ -490,6 +543,40 @@ func (d *deliveryCounter) forget(tp topicPartition, offset int64) {
 	if d.m[tp].offset == offset {
 		delete(d.m, tp)
 	}
+}
+
+// failureLog keeps a run of failures (a broker outage) from being either
+// silent or a flood: the first failure is logged at error level, the retries
+// that follow at debug level, and again at error level every
+// failureRelogInterval while the run lasts.
+type failureLog struct {
+	count     int
+	since     time.Time
+	lastError time.Time
+}
+
+const failureRelogInterval = 30 * time.Second
+
+func (l *failureLog) failed(logger watermill.LoggerAdapter, msg string, err error, fields watermill.LogFields) {
+	now := time.Now()
+	if l.count == 0 {
+		l.since = now
+	}
+	l.count++
+	if l.count == 1 || now.Sub(l.lastError) >= failureRelogInterval {
+		l.lastError = now
+		logger.Error(msg, err, fields.Add(watermill.LogFields{"failures": l.count, "failing_for": now.Sub(l.since).Round(time.Millisecond)}))
+		return
+	}
+	logger.Debug(msg, fields.Add(watermill.LogFields{"err": err, "failures": l.count}))
+}
+
+func (l *failureLog) recovered(logger watermill.LoggerAdapter, msg string, fields watermill.LogFields) {
+	if l.count == 0 {
+		return
+	}
+	logger.Info(msg, fields.Add(watermill.LogFields{"failures": l.count, "failed_for": time.Since(l.since).Round(time.Millisecond)}))
+	*l = failureLog{}
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {

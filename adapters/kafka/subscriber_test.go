@@ -27,14 +27,10 @@ type testBundle struct {
 	pub     *kafka.Publisher
 }
 
-// setup gives each test its own topic and group on a shared kfake cluster
-// (or on KAFKA_BROKERS), created with the given number of partitions.
-func setup(t *testing.T, partitions int) *testBundle {
+// setup gives a test its own topic, created with the given number of
+// partitions, and its own group on brokers.
+func setup(t *testing.T, brokers []string, partitions int) *testBundle {
 	t.Helper()
-	brokers := externalBrokers()
-	if brokers == nil {
-		brokers = startCluster(t)
-	}
 	b := &testBundle{
 		brokers: brokers,
 		topic:   "t-" + uuid.NewString(),
@@ -95,28 +91,30 @@ func requireNothing(t *testing.T, ch <-chan *message.Message, d time.Duration) {
 // continues at the first unacked message.
 func TestCommitAfterAckAcrossRestart(t *testing.T) {
 	t.Parallel()
-	b := setup(t, 1)
-	sent := b.publish(t, 10)
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		b := setup(t, brokers, 1)
+		sent := b.publish(t, 10)
 
-	sub1, ch1 := b.subscribe(t, subscriberConfig(b.brokers, b.group, 1))
-	for i := range 5 {
-		msg := receive(t, ch1)
-		require.Equal(t, sent[i].UUID, msg.UUID)
-		msg.Ack()
-	}
-	held := receive(t, ch1) // delivered, never acked before the close
-	require.Equal(t, sent[5].UUID, held.UUID)
-	require.NoError(t, sub1.Close())
-	held.Ack() // too late: the partition is released, this must not commit
+		sub1, ch1 := b.subscribe(t, subscriberConfig(b.brokers, b.group, 1))
+		for i := range 5 {
+			msg := receive(t, ch1)
+			require.Equal(t, sent[i].UUID, msg.UUID)
+			msg.Ack()
+		}
+		held := receive(t, ch1) // delivered, never acked before the close
+		require.Equal(t, sent[5].UUID, held.UUID)
+		require.NoError(t, sub1.Close())
+		held.Ack() // too late: the partition is released, this must not commit
 
-	_, ch2 := b.subscribe(t, subscriberConfig(b.brokers, b.group, 1))
-	for i := 5; i < 10; i++ {
-		msg := receive(t, ch2)
-		require.Equal(t, sent[i].UUID, msg.UUID, "message %d", i)
-		require.Equal(t, strconv.Itoa(i), msg.Metadata.Get(kafka.MetadataOffset))
-		msg.Ack()
-	}
-	requireNothing(t, ch2, 300*time.Millisecond)
+		_, ch2 := b.subscribe(t, subscriberConfig(b.brokers, b.group, 1))
+		for i := 5; i < 10; i++ {
+			msg := receive(t, ch2)
+			require.Equal(t, sent[i].UUID, msg.UUID, "message %d", i)
+			require.Equal(t, strconv.Itoa(i), msg.Metadata.Get(kafka.MetadataOffset))
+			msg.Ack()
+		}
+		requireNothing(t, ch2, 300*time.Millisecond)
+	})
 }
 
 // A nack redelivers the same record after the backoff, with a higher
@@ -124,40 +122,42 @@ func TestCommitAfterAckAcrossRestart(t *testing.T) {
 // in delivery nor in the committed offset.
 func TestNackRedeliversWithoutAdvancing(t *testing.T) {
 	t.Parallel()
-	b := setup(t, 1)
-	sent := b.publish(t, 3)
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		b := setup(t, brokers, 1)
+		sent := b.publish(t, 3)
 
-	cfg := subscriberConfig(b.brokers, b.group, 1)
-	cfg.NackBackoff = 200 * time.Millisecond
-	sub1, ch := b.subscribe(t, cfg)
+		cfg := subscriberConfig(b.brokers, b.group, 1)
+		cfg.NackBackoff = 200 * time.Millisecond
+		sub1, ch := b.subscribe(t, cfg)
 
-	first := receive(t, ch)
-	require.Equal(t, sent[0].UUID, first.UUID)
-	require.Equal(t, "1", first.Metadata.Get(kafka.MetadataDeliveryCount))
-	nackedAt := time.Now()
-	first.Nack()
+		first := receive(t, ch)
+		require.Equal(t, sent[0].UUID, first.UUID)
+		require.Equal(t, "1", first.Metadata.Get(kafka.MetadataDeliveryCount))
+		nackedAt := time.Now()
+		first.Nack()
 
-	again := receive(t, ch)
-	assert.GreaterOrEqual(t, time.Since(nackedAt), cfg.NackBackoff)
-	require.Equal(t, sent[0].UUID, again.UUID)
-	require.Equal(t, "0", again.Metadata.Get(kafka.MetadataOffset))
-	require.Equal(t, "2", again.Metadata.Get(kafka.MetadataDeliveryCount))
-	again.Nack()
+		again := receive(t, ch)
+		assert.GreaterOrEqual(t, time.Since(nackedAt), cfg.NackBackoff)
+		require.Equal(t, sent[0].UUID, again.UUID)
+		require.Equal(t, "0", again.Metadata.Get(kafka.MetadataOffset))
+		require.Equal(t, "2", again.Metadata.Get(kafka.MetadataDeliveryCount))
+		again.Nack()
 
-	third := receive(t, ch)
-	require.Equal(t, sent[0].UUID, third.UUID)
-	require.Equal(t, "3", third.Metadata.Get(kafka.MetadataDeliveryCount))
-	// Wait past a few commit intervals: nothing may be committed.
-	time.Sleep(3 * kafka.DefaultCommitInterval)
-	require.NoError(t, sub1.Close())
+		third := receive(t, ch)
+		require.Equal(t, sent[0].UUID, third.UUID)
+		require.Equal(t, "3", third.Metadata.Get(kafka.MetadataDeliveryCount))
+		// Wait past a few commit intervals: nothing may be committed.
+		time.Sleep(3 * kafka.DefaultCommitInterval)
+		require.NoError(t, sub1.Close())
 
-	_, ch2 := b.subscribe(t, subscriberConfig(b.brokers, b.group, 1))
-	for i := range 3 {
-		msg := receive(t, ch2)
-		require.Equal(t, sent[i].UUID, msg.UUID, "message %d", i)
-		require.Equal(t, "1", msg.Metadata.Get(kafka.MetadataDeliveryCount))
-		msg.Ack()
-	}
+		_, ch2 := b.subscribe(t, subscriberConfig(b.brokers, b.group, 1))
+		for i := range 3 {
+			msg := receive(t, ch2)
+			require.Equal(t, sent[i].UUID, msg.UUID, "message %d", i)
+			require.Equal(t, "1", msg.Metadata.Get(kafka.MetadataDeliveryCount))
+			msg.Ack()
+		}
+	})
 }
 
 // collector acks everything it receives and remembers who got what.
@@ -216,40 +216,42 @@ func waitAll(t *testing.T, c *collector, sent []*message.Message) {
 // and the first one leaving move partitions around, and no message is lost.
 func TestRebalanceLosesNothing(t *testing.T) {
 	t.Parallel()
-	const partitions = 4
-	b := setup(t, partitions)
-	c := newCollector()
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		const partitions = 4
+		b := setup(t, brokers, partitions)
+		c := newCollector()
 
-	sub1, ch1 := b.subscribe(t, subscriberConfig(b.brokers, b.group, partitions))
-	go c.consume(ch1, time.Millisecond)
-	sent := b.publish(t, 100)
+		sub1, ch1 := b.subscribe(t, subscriberConfig(b.brokers, b.group, partitions))
+		go c.consume(ch1, time.Millisecond)
+		sent := b.publish(t, 100)
 
-	_, ch2 := b.subscribe(t, subscriberConfig(b.brokers, b.group, partitions))
-	go c.consume(ch2, time.Millisecond)
-	sent = append(sent, b.publish(t, 100)...)
+		_, ch2 := b.subscribe(t, subscriberConfig(b.brokers, b.group, partitions))
+		go c.consume(ch2, time.Millisecond)
+		sent = append(sent, b.publish(t, 100)...)
 
-	// Let the join finish and both members work, then take one away.
-	time.Sleep(time.Second)
-	sent = append(sent, b.publish(t, 100)...)
-	require.NoError(t, sub1.Close())
-	sent = append(sent, b.publish(t, 100)...)
+		// Let the join finish and both members work, then take one away.
+		time.Sleep(time.Second)
+		sent = append(sent, b.publish(t, 100)...)
+		require.NoError(t, sub1.Close())
+		sent = append(sent, b.publish(t, 100)...)
 
-	waitAll(t, c, sent)
-	t.Logf("%d messages, %d duplicates", len(sent), c.duplicates())
+		waitAll(t, c, sent)
+		t.Logf("%d messages, %d duplicates", len(sent), c.duplicates())
 
-	// Within each partition the first deliveries come in offset order: a
-	// partition is never read by two members at once.
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for p, offs := range c.order {
-		high := -1
-		for _, o := range offs {
-			if o > high+1 {
-				t.Fatalf("partition %s skipped from %d to %d", p, high, o)
+		// Within each partition the first deliveries come in offset order: a
+		// partition is never read by two members at once.
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		for p, offs := range c.order {
+			high := -1
+			for _, o := range offs {
+				if o > high+1 {
+					t.Fatalf("partition %s skipped from %d to %d", p, high, o)
+				}
+				high = max(high, o)
 			}
-			high = max(high, o)
 		}
-	}
+	})
 }
 
 // Without a group the Subscriber reads the chosen partitions from the given
@@ -257,70 +259,74 @@ func TestRebalanceLosesNothing(t *testing.T) {
 // header, arrive with an empty UUID and full Kafka metadata.
 func TestWithoutGroupAndForeignRecords(t *testing.T) {
 	t.Parallel()
-	b := setup(t, 2)
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		b := setup(t, brokers, 2)
 
-	transport := &kafkago.Transport{}
-	defer transport.CloseIdleConnections()
-	w := &kafkago.Writer{
-		Addr:         kafkago.TCP(b.brokers...),
-		Transport:    transport,
-		Balancer:     kafkago.BalancerFunc(func(_ kafkago.Message, _ ...int) int { return 1 }),
-		BatchTimeout: time.Millisecond,
-		RequiredAcks: kafkago.RequireAll,
-	}
-	defer w.Close()
-	var records []kafkago.Message
-	for i := range 5 {
-		records = append(records, kafkago.Message{
-			Topic:   b.topic,
-			Key:     []byte("order-" + strconv.Itoa(i)),
-			Value:   []byte(fmt.Sprintf(`{"n":%d}`, i)),
-			Headers: []kafkago.Header{{Key: "trace", Value: []byte("abc")}},
-		})
-	}
-	require.Eventually(t, func() bool {
-		return w.WriteMessages(context.Background(), records...) == nil
-	}, 10*time.Second, 100*time.Millisecond)
+		transport := &kafkago.Transport{}
+		defer transport.CloseIdleConnections()
+		w := &kafkago.Writer{
+			Addr:         kafkago.TCP(b.brokers...),
+			Transport:    transport,
+			Balancer:     kafkago.BalancerFunc(func(_ kafkago.Message, _ ...int) int { return 1 }),
+			BatchTimeout: time.Millisecond,
+			RequiredAcks: kafkago.RequireAll,
+		}
+		defer w.Close()
+		var records []kafkago.Message
+		for i := range 5 {
+			records = append(records, kafkago.Message{
+				Topic:   b.topic,
+				Key:     []byte("order-" + strconv.Itoa(i)),
+				Value:   []byte(fmt.Sprintf(`{"n":%d}`, i)),
+				Headers: []kafkago.Header{{Key: "trace", Value: []byte("abc")}},
+			})
+		}
+		require.Eventually(t, func() bool {
+			return w.WriteMessages(context.Background(), records...) == nil
+		}, 10*time.Second, 100*time.Millisecond)
 
-	cfg := subscriberConfig(b.brokers, "", 0)
-	cfg.Partitions = []int{1}
-	cfg.StartOffset = 2
-	sub, ch := b.subscribe(t, cfg)
-	for i := 2; i < 5; i++ {
-		msg := receive(t, ch)
-		assert.Empty(t, msg.UUID)
-		assert.Equal(t, fmt.Sprintf(`{"n":%d}`, i), string(msg.Payload))
-		assert.Equal(t, b.topic, msg.Metadata.Get(kafka.MetadataTopic))
-		assert.Equal(t, "1", msg.Metadata.Get(kafka.MetadataPartition))
-		assert.Equal(t, strconv.Itoa(i), msg.Metadata.Get(kafka.MetadataOffset))
-		assert.Equal(t, "order-"+strconv.Itoa(i), msg.Metadata.Get(kafka.MetadataKey))
-		assert.Equal(t, "abc", msg.Metadata.Get("trace"))
-		assert.NotEmpty(t, msg.Metadata.Get(kafka.MetadataTimestamp))
-		assert.Equal(t, fmt.Sprintf("%s/1/%d", b.topic, i), kafka.PartitionOffsetKey(msg))
-		msg.Ack()
-	}
-	requireNothing(t, ch, 200*time.Millisecond)
-	require.NoError(t, sub.Close())
-	_, open := <-ch
-	require.False(t, open, "Close closes the channel")
+		cfg := subscriberConfig(b.brokers, "", 0)
+		cfg.Partitions = []int{1}
+		cfg.StartOffset = 2
+		sub, ch := b.subscribe(t, cfg)
+		for i := 2; i < 5; i++ {
+			msg := receive(t, ch)
+			assert.Empty(t, msg.UUID)
+			assert.Equal(t, fmt.Sprintf(`{"n":%d}`, i), string(msg.Payload))
+			assert.Equal(t, b.topic, msg.Metadata.Get(kafka.MetadataTopic))
+			assert.Equal(t, "1", msg.Metadata.Get(kafka.MetadataPartition))
+			assert.Equal(t, strconv.Itoa(i), msg.Metadata.Get(kafka.MetadataOffset))
+			assert.Equal(t, "order-"+strconv.Itoa(i), msg.Metadata.Get(kafka.MetadataKey))
+			assert.Equal(t, "abc", msg.Metadata.Get("trace"))
+			assert.NotEmpty(t, msg.Metadata.Get(kafka.MetadataTimestamp))
+			assert.Equal(t, fmt.Sprintf("%s/1/%d", b.topic, i), kafka.PartitionOffsetKey(msg))
+			msg.Ack()
+		}
+		requireNothing(t, ch, 200*time.Millisecond)
+		require.NoError(t, sub.Close())
+		_, open := <-ch
+		require.False(t, open, "Close closes the channel")
+	})
 }
 
 // Our own messages keep UUID and metadata end to end.
 func TestUUIDAndMetadataRoundTrip(t *testing.T) {
 	t.Parallel()
-	b := setup(t, 1)
-	msg := message.NewMessage(watermill.NewUUID(), []byte("hello"))
-	msg.Metadata.Set("tenant", "acme")
-	msg.Metadata.Set("key", "k1")
-	require.NoError(t, b.pub.Publish(b.topic, msg))
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		b := setup(t, brokers, 1)
+		msg := message.NewMessage(watermill.NewUUID(), []byte("hello"))
+		msg.Metadata.Set("tenant", "acme")
+		msg.Metadata.Set("key", "k1")
+		require.NoError(t, b.pub.Publish(b.topic, msg))
 
-	_, ch := b.subscribe(t, subscriberConfig(b.brokers, b.group, 1))
-	got := receive(t, ch)
-	assert.Equal(t, msg.UUID, got.UUID)
-	assert.Equal(t, "acme", got.Metadata.Get("tenant"))
-	assert.Equal(t, "k1", got.Metadata.Get(kafka.MetadataKey))
-	assert.Empty(t, got.Metadata.Get(kafka.UUIDHeader))
-	got.Ack()
+		_, ch := b.subscribe(t, subscriberConfig(b.brokers, b.group, 1))
+		got := receive(t, ch)
+		assert.Equal(t, msg.UUID, got.UUID)
+		assert.Equal(t, "acme", got.Metadata.Get("tenant"))
+		assert.Equal(t, "k1", got.Metadata.Get(kafka.MetadataKey))
+		assert.Empty(t, got.Metadata.Get(kafka.UUIDHeader))
+		got.Ack()
+	})
 }
 
 func TestConfigValidation(t *testing.T) {
@@ -345,4 +351,29 @@ func TestConfigValidation(t *testing.T) {
 	cfg.HeartbeatInterval = time.Minute
 	_, err = kafka.NewSubscriber(cfg)
 	require.ErrorContains(t, err, "HeartbeatInterval")
+
+	// Kafka's guidance: heartbeats at most a third of the session.
+	cfg = subscriberConfig([]string{"localhost:9092"}, "g", 1)
+	cfg.SessionTimeout, cfg.HeartbeatInterval = 6*time.Second, 2001*time.Millisecond
+	_, err = kafka.NewSubscriber(cfg)
+	require.ErrorContains(t, err, "HeartbeatInterval 2.001s must be at most a third of SessionTimeout 6s")
+	cfg.HeartbeatInterval = 2 * time.Second
+	_, err = kafka.NewSubscriber(cfg)
+	require.NoError(t, err)
+
+	// The group protocol carries whole milliseconds in an int32.
+	cfg = subscriberConfig([]string{"localhost:9092"}, "g", 1)
+	cfg.SessionTimeout, cfg.HeartbeatInterval = 900*time.Microsecond, 100*time.Microsecond
+	_, err = kafka.NewSubscriber(cfg)
+	require.ErrorContains(t, err, "SessionTimeout 900µs must be between 1ms")
+	cfg = subscriberConfig([]string{"localhost:9092"}, "g", 1)
+	cfg.SessionTimeout = 1000 * time.Hour
+	_, err = kafka.NewSubscriber(cfg)
+	require.ErrorContains(t, err, "SessionTimeout 1000h0m0s must be between 1ms")
+
+	// Without a group the timings are not used.
+	cfg = subscriberConfig([]string{"localhost:9092"}, "", 1)
+	cfg.HeartbeatInterval = time.Minute
+	_, err = kafka.NewSubscriber(cfg)
+	require.NoError(t, err)
 }

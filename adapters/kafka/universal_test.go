@@ -66,16 +66,9 @@ func runUniversal(t *testing.T, brokers []string) {
 }
 
 // TestUniversal runs Watermill's suite against kfake, and also against the
-// brokers in KAFKA_BROKERS when that is set.
+// brokers in KAFKA_BROKERS when that is set (subtest "external=host:port").
 func TestUniversal(t *testing.T) {
-	t.Run("kfake", func(t *testing.T) {
-		runUniversal(t, startCluster(t))
-	})
-	if brokers := externalBrokers(); brokers != nil {
-		t.Run("external", func(t *testing.T) {
-			runUniversal(t, brokers)
-		})
-	}
+	forEachBroker(t, runUniversal)
 }
 
 var _ kafka.PartitionKeyFunc = byPayload

@@ -18,6 +18,13 @@
 //     logged with its stream sequence, counted, and handed to OnMaxDeliver.
 //   - Each delivery carries the stream, consumer, stream sequence, delivery
 //     count and store time in its metadata (the Metadata* keys).
+//   - The UUID survives between this package and Watermill's own NATS adapter
+//     (watermill-nats) both ways: it is written as Nats-Msg-Id and as
+//     WatermillUUIDHeader, and read from the first, else the second.
+//   - Headers that instruct JetStream about the publish that carried them
+//     (Nats-Expected-*, Nats-Batch-*, Nats-Rollup, Nats-TTL, Nats-Incr, the
+//     Nats-Schedule directives) are dropped on receipt, so forwarding a message
+//     or dead-lettering it never repeats them on another stream.
 //
 // # What it does not guarantee
 //

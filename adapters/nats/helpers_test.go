@@ -21,9 +21,9 @@ func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
-// externalURL is NATS_URL: when set, tests run against that server (for
-// example Debian's nats-server 2.9 at nats://127.0.0.1:4222) instead of an
-// embedded one. The restart test always runs embedded, since it stops the server.
+// externalURL is NATS_URL: when set, tests also run against that server (for
+// example Debian's nats-server 2.9 at nats://127.0.0.1:4222), besides an
+// embedded one. The restart tests run embedded only, since they stop the server.
 func externalURL() string { return os.Getenv("NATS_URL") }
 
 // startEmbedded starts a JetStream server in the process, storing under dir.
@@ -43,18 +43,45 @@ func startEmbedded(t testing.TB, dir string, port int) *server.Server {
 	return s
 }
 
-// serverURL is the server a test talks to: NATS_URL, or a fresh embedded server.
-func serverURL(t testing.TB) string {
+// forEachServer runs fn as a subtest against a fresh embedded server, always,
+// and against NATS_URL when that is set. The subtests are named after the
+// server ("embedded", "external=nats://host:port") and log which one they use.
+func forEachServer(t *testing.T, fn func(t *testing.T, url string)) {
 	t.Helper()
+	t.Run("embedded", func(t *testing.T) {
+		t.Parallel()
+		url := embeddedURL(t)
+		t.Logf("NATS server: embedded nats-server %s, in process, at %s", server.VERSION, url)
+		fn(t, url)
+	})
 	if u := externalURL(); u != "" {
-		return u
+		t.Run("external="+u, func(t *testing.T) {
+			t.Parallel()
+			t.Logf("NATS server: external, NATS_URL=%s", u)
+			fn(t, u)
+		})
 	}
+}
+
+// embeddedURL starts a fresh embedded server for the test.
+func embeddedURL(t testing.TB) string {
+	t.Helper()
 	s := startEmbedded(t, t.TempDir(), -1)
 	t.Cleanup(func() {
 		s.Shutdown()
 		s.WaitForShutdown()
 	})
 	return s.ClientURL()
+}
+
+// serverURL is the one server a benchmark talks to: NATS_URL, or a fresh
+// embedded server.
+func serverURL(t testing.TB) string {
+	t.Helper()
+	if u := externalURL(); u != "" {
+		return u
+	}
+	return embeddedURL(t)
 }
 
 func connect(t testing.TB, url string) *natsgo.Conn {

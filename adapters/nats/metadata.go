@@ -1,7 +1,9 @@
 package nats
 
 import (
+	"net/textproto"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -30,29 +32,81 @@ var deliveryKeys = map[string]bool{
 	MetadataConsumerSeq: true, MetadataNumDelivered: true, MetadataTimestamp: true,
 }
 
+// WatermillUUIDHeader is the header in which Watermill's own NATS adapter
+// (watermill-nats, its NATSMarshaler) carries the message UUID. The publisher
+// writes it besides Nats-Msg-Id, and the subscriber reads it when Nats-Msg-Id
+// is missing, so messages keep their UUID between idem and watermill-nats in
+// both directions.
+const WatermillUUIDHeader = "_watermill_message_uuid"
+
+// publishDirective reports whether a header is an instruction to JetStream
+// for the publish that carried it, rather than part of the message: the
+// publish expectations (Nats-Expected-Stream, -Last-Sequence,
+// -Last-Subject-Sequence, -Last-Subject-Sequence-Subject, -Last-Msg-Id),
+// rollups, per-message TTLs, atomic batches, counters and schedules. They
+// are dropped on receipt. Kept, they would be sent again when a handler
+// forwards the message or a hook dead-letters it, and refused there
+// ("expected stream does not match", "wrong last sequence") or, worse,
+// obeyed on the wrong stream (a rollup purges the target's subject).
+func publishDirective(key string) bool {
+	for _, p := range publishDirectivePrefixes {
+		if len(key) >= len(p) && strings.EqualFold(key[:len(p)], p) {
+			return true
+		}
+	}
+	return publishDirectives[textproto.CanonicalMIMEHeaderKey(key)]
+}
+
+var publishDirectivePrefixes = []string{"Nats-Expected-", "Nats-Batch-"}
+
+// publishDirectives are kept in canonical form (as textproto writes them).
+var publishDirectives = map[string]bool{
+	"Nats-Rollup":             true,
+	"Nats-Ttl":                true,
+	"Nats-Incr":               true,
+	"Nats-Schedule":           true,
+	"Nats-Schedule-Target":    true,
+	"Nats-Schedule-Source":    true,
+	"Nats-Schedule-Ttl":       true,
+	"Nats-Schedule-Time-Zone": true,
+	"Nats-Schedule-Rollup":    true,
+}
+
+// isUUIDHeader reports whether a header carries the message UUID.
+func isUUIDHeader(key string) bool {
+	return strings.EqualFold(key, jetstream.MsgIDHeader) || key == WatermillUUIDHeader
+}
+
 // toNatsMsg turns a Watermill message into a NATS message on subject. The UUID
 // travels as Nats-Msg-Id, so the stream's duplicate window drops a second
-// publish of the same message; metadata travels as headers, key for key.
+// publish of the same message, and as WatermillUUIDHeader for watermill-nats;
+// metadata travels as headers, key for key.
 func toNatsMsg(subject string, msg *message.Message) *natsgo.Msg {
-	h := make(natsgo.Header, len(msg.Metadata)+1)
+	h := make(natsgo.Header, len(msg.Metadata)+2)
 	for k, v := range msg.Metadata {
-		if deliveryKeys[k] {
+		if deliveryKeys[k] || isUUIDHeader(k) {
 			continue
 		}
 		h[k] = []string{v}
 	}
 	h[jetstream.MsgIDHeader] = []string{msg.UUID}
+	h[WatermillUUIDHeader] = []string{msg.UUID}
 	return &natsgo.Msg{Subject: subject, Header: h, Data: msg.Payload}
 }
 
 // fromNatsMsg turns a stored or delivered NATS message back into a Watermill
-// message. A message that was published without Nats-Msg-Id gets an empty UUID:
-// the consumer must then take its key from elsewhere (a business key, or
-// MetadataStreamSeq), never from a guess.
+// message. The UUID is Nats-Msg-Id, or else WatermillUUIDHeader. A message
+// published with neither gets an empty UUID: the consumer must then take its
+// key from elsewhere (a business key, or MetadataStreamSeq), never from a
+// guess. Publish directives (see publishDirective) are dropped.
 func fromNatsMsg(subject string, h natsgo.Header, data []byte) *message.Message {
-	msg := message.NewMessage(h.Get(jetstream.MsgIDHeader), data)
+	id := h.Get(jetstream.MsgIDHeader)
+	if id == "" {
+		id = h.Get(WatermillUUIDHeader)
+	}
+	msg := message.NewMessage(id, data)
 	for k, v := range h {
-		if k == jetstream.MsgIDHeader || len(v) == 0 || deliveryKeys[k] {
+		if len(v) == 0 || isUUIDHeader(k) || deliveryKeys[k] || publishDirective(k) {
 			continue
 		}
 		msg.Metadata[k] = v[0]

@@ -1,0 +1,657 @@
+package kafkagroup
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	kafkago "github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+const (
+	// envMember selects the member role of TestMember and carries its spec,
+	// "name|brokers|topic|group|schema".
+	envMember = "IDEM_KAFKAGROUP_MEMBER"
+
+	partitions = 6
+	batch      = 200 // messages published at each of three points
+	messages   = 3 * batch
+
+	// Real session timeouts: a SIGKILLed member's partitions stay where they
+	// are until the coordinator has not heard from it for this long. Kafka's
+	// default floor is 6 s; the test brokers allow 1 s (scripts/kafka) and
+	// 100 ms (kfake here).
+	sessionTimeout = 2 * time.Second
+	heartbeat      = 200 * time.Millisecond
+	handlerDelay   = 5 * time.Millisecond
+
+	deadline = 3 * time.Minute
+)
+
+// TestMember is one group member, run as a child process by
+// TestConsumerGroupOfThree. Run on its own it returns at once.
+//
+// It prints, for the parent:
+//
+//	READY                       after Subscribe has joined the group
+//	IN p o uuid                 when the handler starts on partition p, offset o
+//	HELD p o uuid               after the business row is written, uncommitted,
+//	                            in a handler that then blocks (after HOLD on stdin)
+//	ACK p o unixnano uuid       after idem committed, just before the ack
+//
+// SIGTERM makes it leave the group (Close) and exit.
+func TestMember(t *testing.T) {
+	spec := os.Getenv(envMember)
+	if spec == "" {
+		return
+	}
+	f := strings.Split(spec, "|")
+	name, brokers, topic, group, schema := f[0], strings.Split(f[1], ","), f[2], f[3], f[4]
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+
+	pcfg, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	pcfg.MaxConns = 4
+	pcfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	idem, err := consumer.New(consumer.Config{Name: "kafkagroup", Pool: pool, Schema: schema})
+	require.NoError(t, err)
+
+	var hold sync.Mutex
+	holdNext := false
+	go func() {
+		s := bufio.NewScanner(os.Stdin)
+		for s.Scan() {
+			if s.Text() == "HOLD" {
+				hold.Lock()
+				holdNext = true
+				hold.Unlock()
+			}
+		}
+	}()
+
+	handler := idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		p, o := msg.Metadata.Get(kafka.MetadataPartition), msg.Metadata.Get(kafka.MetadataOffset)
+		fmt.Printf("IN %s %s %s\n", p, o, msg.UUID)
+		if _, err := consumer.Tx(ctx).Exec(ctx,
+			`INSERT INTO biz (msg_id, member, kafka_partition, kafka_offset) VALUES ($1, $2, $3, $4)`,
+			msg.UUID, name, p, o); err != nil {
+			return nil, err
+		}
+		hold.Lock()
+		held := holdNext
+		holdNext = false
+		hold.Unlock()
+		if held {
+			fmt.Printf("HELD %s %s %s\n", p, o, msg.UUID)
+			select {} // until SIGKILL: the row is written, not committed
+		}
+		time.Sleep(handlerDelay)
+		return nil, nil
+	})
+
+	cfg := memberConfig(brokers, group)
+	if os.Getenv("KAFKA_TEST_DEBUG") != "" {
+		cfg.Logger = watermill.NewStdLoggerWithOut(os.Stderr, true, false)
+	}
+	sub, err := kafka.NewSubscriber(cfg)
+	require.NoError(t, err)
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	fmt.Println("READY")
+	for msg := range ch {
+		if _, err := handler(msg); err != nil {
+			fmt.Fprintf(os.Stderr, "member %s: nack %s: %v\n", name, msg.UUID, err)
+			msg.Nack()
+			continue
+		}
+		fmt.Printf("ACK %s %s %d %s\n", msg.Metadata.Get(kafka.MetadataPartition),
+			msg.Metadata.Get(kafka.MetadataOffset), time.Now().UnixNano(), msg.UUID)
+		msg.Ack()
+	}
+	require.NoError(t, sub.Close())
+}
+
+func memberConfig(brokers []string, group string) kafka.SubscriberConfig {
+	cfg := kafka.SubscriberConfig{}
+	cfg.Brokers = brokers
+	cfg.GroupID = group
+	cfg.SessionTimeout = sessionTimeout
+	cfg.HeartbeatInterval = heartbeat
+	cfg.RebalanceTimeout = 3 * time.Second
+	cfg.NackBackoff = 50 * time.Millisecond
+	return cfg
+}
+
+// TestConsumerGroupOfThree runs a group of three member processes behind
+// idem's consumer middleware, while members join, leave and are SIGKILLed
+// mid-handler, under real session timeouts and rebalances:
+//
+//   - A, B and C join; A is SIGKILLed holding an uncommitted business row;
+//     D joins; B leaves (Close); C is SIGKILLed the same way; E and F join.
+//   - Throughout, the group's committed offsets are read (OffsetFetch) every
+//     few milliseconds. No offset is ever committed past a message that had
+//     not been acked by then: every offset below a committed one has an ACK
+//     line written before the commit was seen.
+//   - In the end every message has exactly one row in the business table,
+//     and the group's offsets stand at each partition's end.
+func TestConsumerGroupOfThree(t *testing.T) {
+	t.Parallel()
+	t.Run("kfake", func(t *testing.T) {
+		t.Parallel()
+		c, err := kfake.NewCluster(kfake.NumBrokers(1),
+			kfake.BrokerConfigs(map[string]string{"group.min.session.timeout.ms": "100"}))
+		require.NoError(t, err)
+		t.Cleanup(c.Close)
+		t.Logf("Kafka broker: kfake, in process, at %s", strings.Join(c.ListenAddrs(), ","))
+		runGroup(t, "kfake", c.ListenAddrs())
+	})
+	if v := os.Getenv("KAFKA_BROKERS"); v != "" {
+		t.Run("external="+v, func(t *testing.T) {
+			t.Parallel()
+			t.Logf("Kafka broker: external, KAFKA_BROKERS=%s", v)
+			runGroup(t, "external "+v, strings.Split(v, ","))
+		})
+	}
+}
+
+func runGroup(t *testing.T, broker string, brokers []string) {
+	start := time.Now()
+	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 4})
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE biz (msg_id text NOT NULL, member text NOT NULL,
+		kafka_partition int NOT NULL, kafka_offset bigint NOT NULL)`)
+	require.NoError(t, err)
+
+	topic, group := "kafkagroup-"+uuid.NewString(), "kafkagroup-"+uuid.NewString()
+	transport := &kafkago.Transport{MetadataTTL: time.Second}
+	t.Cleanup(transport.CloseIdleConnections)
+	admin := &kafkago.Client{Addr: kafkago.TCP(brokers...), Transport: transport, Timeout: 10 * time.Second}
+	res, err := admin.CreateTopics(ctx, &kafkago.CreateTopicsRequest{Topics: []kafkago.TopicConfig{{
+		Topic: topic, NumPartitions: partitions, ReplicationFactor: 1,
+	}}})
+	require.NoError(t, err)
+	require.NoError(t, res.Errors[topic])
+
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
+		Brokers:      brokers,
+		PartitionKey: kafka.PartitionKeyFromMetadata("key"),
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	var sent []string
+	publish := func() {
+		msgs := make([]*message.Message, batch)
+		for i := range msgs {
+			msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+			msgs[i].Metadata.Set("key", strconv.Itoa(len(sent)+i))
+			sent = append(sent, msgs[i].UUID)
+		}
+		require.NoError(t, pub.Publish(topic, msgs...))
+	}
+
+	rec := newRecorder()
+	run := &groupRun{t: t, brokers: brokers, topic: topic, group: group, schema: schema, rec: rec}
+	t.Cleanup(run.killAll)
+
+	// Committed offsets, read while the members work, and checked against
+	// the acks as they come (a reading is checked once the acks written
+	// before it have surely arrived through the pipes).
+	sampling, stopSampling := context.WithCancel(ctx)
+	samples := &samples{}
+	samplerDone := make(chan struct{})
+	go func() {
+		defer close(samplerDone)
+		sampleCommits(sampling, admin, group, topic, samples)
+	}()
+	defer func() {
+		stopSampling()
+		<-samplerDone
+	}()
+	checkCommits := func() error { return verifyCommits(rec, samples.before(time.Now().Add(-2*time.Second))) }
+
+	publish()
+	a, b, c := run.start("A"), run.start("B"), run.start("C")
+	run.waitAcked(100)
+	publish() // so that A has work when it is told to hold
+	killedA := run.killMidHandler(a)
+	run.start("D")
+	run.waitAcked(300)
+	run.leave(b)
+	publish()
+	killedC := run.killMidHandler(c)
+	run.start("E")
+	run.start("F")
+
+	// Done when every message has its business row and every partition's
+	// committed offset is at its end.
+	ends := partitionEnds(t, admin, topic)
+	waitFor(t, deadline, "every message committed in biz and every offset committed", func() bool {
+		require.NoError(t, checkCommits())
+		return pgtest.Count(t, pool, `SELECT count(DISTINCT msg_id) FROM biz`) == messages &&
+			committedAtEnd(admin, group, topic, ends)
+	})
+	run.stopAll()
+	stopSampling()
+	<-samplerDone
+
+	// Once in the business table.
+	rows := map[string]int{}
+	r, err := pool.Query(ctx, `SELECT msg_id, count(*) FROM biz GROUP BY msg_id`)
+	require.NoError(t, err)
+	for r.Next() {
+		var id string
+		var n int
+		require.NoError(t, r.Scan(&id, &n))
+		rows[id] = n
+	}
+	require.NoError(t, r.Err())
+	for _, id := range sent {
+		assert.Equal(t, 1, rows[id], "message %s commits once in biz", id)
+	}
+	assert.Len(t, rows, messages)
+
+	// The killed members held their rows uncommitted; the business table has
+	// each from another member.
+	for _, k := range []held{killedA, killedC} {
+		var member string
+		require.NoError(t, pool.QueryRow(ctx, `SELECT member FROM biz WHERE msg_id = $1`, k.uuid).Scan(&member))
+		assert.NotEqual(t, k.member, member, "the SIGKILLed member's row for %s was never committed", k.uuid)
+		assert.False(t, rec.ackedBy(k.member, k.partition, k.offset), "member %s never acked its held message", k.member)
+	}
+
+	// No offset is ever committed past a message not yet acked.
+	all := samples.before(time.Now())
+	require.NoError(t, verifyCommits(rec, all))
+	require.NotEmpty(t, all)
+	ins, acks := rec.counts()
+	t.Logf("%s: %d messages on %d partitions, members A..F; %d handler runs, %d acks, %d readings of a committed "+
+		"offset that moved, each checked against the acks; killed A (partition %d) and C (partition %d) mid-handler; "+
+		"A's held message was acked by another member %s after the kill; took %s",
+		broker, messages, partitions, ins, acks, len(all), killedA.partition, killedC.partition,
+		rec.firstAckAfter(killedA).Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// groupRun starts and stops member processes and feeds their output to rec.
+type groupRun struct {
+	t                    *testing.T
+	brokers              []string
+	topic, group, schema string
+	rec                  *recorder
+	mu                   sync.Mutex
+	members              []*member
+}
+
+type member struct {
+	name    string
+	cmd     *exec.Cmd
+	stdin   io.WriteCloser
+	scanned chan struct{} // closed when its stdout is drained
+	ready   chan struct{}
+	stderr  *lockedWriter
+	gone    bool
+}
+
+func (r *groupRun) start(name string) *member {
+	r.t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestMember$", "-test.count=1")
+	cmd.Env = append(os.Environ(), envMember+"="+strings.Join([]string{
+		name, strings.Join(r.brokers, ","), r.topic, r.group, r.schema}, "|"))
+	dieWithParent(cmd)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(r.t, err)
+	stdin, err := cmd.StdinPipe()
+	require.NoError(r.t, err)
+	m := &member{name: name, cmd: cmd, stdin: stdin, scanned: make(chan struct{}),
+		ready: make(chan struct{}), stderr: &lockedWriter{}}
+	cmd.Stderr = m.stderr
+	require.NoError(r.t, cmd.Start())
+	r.mu.Lock()
+	r.members = append(r.members, m)
+	r.mu.Unlock()
+	go func() {
+		defer close(m.scanned)
+		s := bufio.NewScanner(stdout)
+		for s.Scan() {
+			if s.Text() == "READY" {
+				close(m.ready)
+				continue
+			}
+			r.rec.line(name, s.Text())
+		}
+	}()
+	select {
+	case <-m.ready:
+	case <-m.scanned:
+		r.t.Fatalf("member %s exited before it joined: %s", name, m.stderr)
+	case <-time.After(deadline):
+		r.t.Fatalf("member %s did not join within %s", name, deadline)
+	}
+	return m
+}
+
+// held is the message a member held, uncommitted, when it was killed.
+type held struct {
+	member    string
+	partition int
+	offset    int64
+	uuid      string
+	at        time.Time
+}
+
+// killMidHandler asks m to hold its next message after writing its business
+// row, waits until it does, and SIGKILLs it there.
+func (r *groupRun) killMidHandler(m *member) held {
+	r.t.Helper()
+	_, err := io.WriteString(m.stdin, "HOLD\n")
+	require.NoError(r.t, err)
+	var h held
+	waitFor(r.t, deadline, "member "+m.name+" holds a message", func() bool {
+		var ok bool
+		h, ok = r.rec.heldBy(m.name)
+		return ok
+	})
+	require.NoError(r.t, m.cmd.Process.Signal(syscall.SIGKILL))
+	h.at = time.Now()
+	_ = m.cmd.Wait()
+	<-m.scanned
+	r.mu.Lock()
+	m.gone = true
+	r.mu.Unlock()
+	ws := m.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	require.True(r.t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "member %s died by SIGKILL", m.name)
+	return h
+}
+
+// leave stops m gracefully: it closes its subscriber, so it leaves the group.
+func (r *groupRun) leave(m *member) {
+	r.t.Helper()
+	require.NoError(r.t, m.cmd.Process.Signal(syscall.SIGTERM))
+	err := m.cmd.Wait()
+	<-m.scanned
+	r.mu.Lock()
+	m.gone = true
+	r.mu.Unlock()
+	require.NoError(r.t, err, "member %s leaves cleanly: %s", m.name, m.stderr)
+}
+
+func (r *groupRun) stopAll() {
+	r.mu.Lock()
+	var live []*member
+	for _, m := range r.members {
+		if !m.gone {
+			live = append(live, m)
+		}
+	}
+	r.mu.Unlock()
+	for _, m := range live {
+		r.leave(m)
+	}
+}
+
+// killAll is the cleanup of a failed run: no member outlives the test.
+func (r *groupRun) killAll() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, m := range r.members {
+		if !m.gone {
+			_ = m.cmd.Process.Kill()
+			_ = m.cmd.Wait()
+			m.gone = true
+		}
+	}
+}
+
+func (r *groupRun) waitAcked(n int) {
+	r.t.Helper()
+	waitFor(r.t, deadline, fmt.Sprintf("%d acks", n), func() bool {
+		_, acks := r.rec.counts()
+		return acks >= n
+	})
+}
+
+type partOff struct {
+	partition int
+	offset    int64
+}
+
+// recorder collects what the members printed.
+type recorder struct {
+	mu    sync.Mutex
+	acks  map[partOff]time.Time // the earliest ack of each record
+	by    map[string]map[partOff]bool
+	holds map[string]held
+	ins   int
+	nAcks int
+}
+
+func newRecorder() *recorder {
+	return &recorder{acks: map[partOff]time.Time{}, by: map[string]map[partOff]bool{}, holds: map[string]held{}}
+}
+
+func (r *recorder) line(member, line string) {
+	f := strings.Fields(line)
+	if len(f) < 4 {
+		return
+	}
+	p, err1 := strconv.Atoi(f[1])
+	o, err2 := strconv.ParseInt(f[2], 10, 64)
+	if err1 != nil || err2 != nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch f[0] {
+	case "IN":
+		r.ins++
+	case "HELD":
+		r.holds[member] = held{member: member, partition: p, offset: o, uuid: f[3]}
+	case "ACK":
+		if len(f) < 5 {
+			return
+		}
+		ns, err := strconv.ParseInt(f[3], 10, 64)
+		if err != nil {
+			return
+		}
+		r.nAcks++
+		k := partOff{p, o}
+		at := time.Unix(0, ns)
+		if prev, ok := r.acks[k]; !ok || at.Before(prev) {
+			r.acks[k] = at
+		}
+		if r.by[member] == nil {
+			r.by[member] = map[partOff]bool{}
+		}
+		r.by[member][k] = true
+	}
+}
+
+func (r *recorder) heldBy(member string) (held, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	h, ok := r.holds[member]
+	return h, ok
+}
+
+func (r *recorder) ackedBy(member string, p int, o int64) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.by[member][partOff{p, o}]
+}
+
+func (r *recorder) counts() (ins, acks int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.ins, r.nAcks
+}
+
+// firstAckAfter is how long after the kill the held message was acked.
+func (r *recorder) firstAckAfter(h held) time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.acks[partOff{h.partition, h.offset}].Sub(h.at)
+}
+
+// sample is one reading of a partition's committed offset.
+type sample struct {
+	partition int
+	committed int64
+	seen      time.Time // when the reading came back: the commit is older
+}
+
+// samples are the readings that moved, in the order they were taken.
+type samples struct {
+	mu   sync.Mutex
+	list []sample
+}
+
+func (s *samples) add(x sample) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.list = append(s.list, x)
+}
+
+func (s *samples) before(t time.Time) []sample {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	i, _ := slices.BinarySearchFunc(s.list, t, func(x sample, t time.Time) int { return x.seen.Compare(t) })
+	return slices.Clone(s.list[:i])
+}
+
+func sampleCommits(ctx context.Context, admin *kafkago.Client, group, topic string, out *samples) {
+	ps := make([]int, partitions)
+	for i := range ps {
+		ps[i] = i
+	}
+	last := map[int]int64{}
+	for ctx.Err() == nil {
+		res, err := admin.OffsetFetch(ctx, &kafkago.OffsetFetchRequest{GroupID: group, Topics: map[string][]int{topic: ps}})
+		seen := time.Now()
+		if err == nil {
+			for _, p := range res.Topics[topic] {
+				if p.Error == nil && p.CommittedOffset > 0 && p.CommittedOffset != last[p.Partition] {
+					out.add(sample{p.Partition, p.CommittedOffset, seen})
+					last[p.Partition] = p.CommittedOffset
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// verifyCommits checks each reading: every offset below the committed one
+// was acked before the reading came back.
+func verifyCommits(rec *recorder, samples []sample) error {
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, s := range samples {
+		for o := int64(0); o < s.committed; o++ {
+			at, ok := rec.acks[partOff{s.partition, o}]
+			if !ok || !at.Before(s.seen) {
+				return fmt.Errorf("partition %d: offset %d was committed (read at %s) but offset %d had not been acked by then (acked later: %v, at %s)",
+					s.partition, s.committed, s.seen.Format(time.RFC3339Nano), o, ok, at.Format(time.RFC3339Nano))
+			}
+		}
+	}
+	return nil
+}
+
+func partitionEnds(t *testing.T, admin *kafkago.Client, topic string) map[int]int64 {
+	t.Helper()
+	var reqs []kafkago.OffsetRequest
+	for p := range partitions {
+		reqs = append(reqs, kafkago.LastOffsetOf(p))
+	}
+	res, err := admin.ListOffsets(context.Background(), &kafkago.ListOffsetsRequest{Topics: map[string][]kafkago.OffsetRequest{topic: reqs}})
+	require.NoError(t, err)
+	ends := map[int]int64{}
+	var total int64
+	for _, p := range res.Topics[topic] {
+		require.NoError(t, p.Error)
+		ends[p.Partition] = p.LastOffset
+		total += p.LastOffset
+	}
+	require.Len(t, ends, partitions)
+	require.EqualValues(t, messages, total)
+	return ends
+}
+
+func committedAtEnd(admin *kafkago.Client, group, topic string, ends map[int]int64) bool {
+	ps := slices.Collect(func(yield func(int) bool) {
+		for p := range ends {
+			if !yield(p) {
+				return
+			}
+		}
+	})
+	res, err := admin.OffsetFetch(context.Background(), &kafkago.OffsetFetchRequest{GroupID: group, Topics: map[string][]int{topic: ps}})
+	if err != nil {
+		return false
+	}
+	for _, p := range res.Topics[topic] {
+		if p.Error != nil || p.CommittedOffset != ends[p.Partition] {
+			return false
+		}
+	}
+	return len(res.Topics[topic]) == len(ends)
+}
+
+func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	end := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(end) {
+			t.Fatalf("timed out after %s waiting for %s", within, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// lockedWriter keeps a member's stderr for failure messages.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  strings.Builder
+}
+
+func (l *lockedWriter) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.String()
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
