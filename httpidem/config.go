@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/inbox"
@@ -59,12 +59,6 @@ func DefaultFinalStatus(status int) bool {
 	return false
 }
 
-// DB is what the middleware runs its transactions on; *pgxpool.Pool is one.
-type DB interface {
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-	inbox.DBTX
-}
-
 // Response is an HTTP response as idem stores and replays it.
 type Response struct {
 	Status int
@@ -103,8 +97,10 @@ type Stale struct {
 
 // Config configures a Middleware.
 type Config struct {
-	// Pool runs the transactions. Required.
-	Pool DB
+	// Pool runs the transactions. Required. Each request holds one connection from
+	// its claim to its commit (and while it waits for a concurrent request with the
+	// same key), so size it for the requests in flight.
+	Pool *pgxpool.Pool
 	// Schema holds the idem tables (default "idem"), migrated to 003 or later.
 	Schema string
 

@@ -7,8 +7,6 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/idemkit/idem/inbox"
 )
 
@@ -70,16 +68,16 @@ func (m *Middleware) serveLease(q *request) {
 		m.log.Info("idem: running a stale key again", append(q.attrs(), "fence", fence)...)
 	}
 
-	tx, err := m.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	tx, err := m.begin(ctx)
 	if err != nil {
 		release()
 		m.dbFailed(q, "begin", err)
 		return
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer tx.release(ctx)
 	resp := m.run(q, tx, release)
 	if resp == nil {
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		tx.release(ctx)
 		release()
 		return
 	}
@@ -89,61 +87,52 @@ func (m *Middleware) serveLease(q *request) {
 // settleLease settles a leased key with resp: a success commits it in tx (a new
 // transaction when tx is nil) with the handler's work, a final client error is
 // recorded after tx rolls back, anything else gives the key back.
-func (m *Middleware) settleLease(q *request, fence int64, tx pgx.Tx, resp *Response, release func(), outcome string) {
+func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Response, release func(), outcome string) {
 	ctx := q.r.Context()
 	id := q.claim.ID
 	switch {
 	case m.success(resp.Status):
 		if tx == nil {
 			var err error
-			if tx, err = m.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}); err != nil {
+			if tx, err = m.begin(ctx); err != nil {
 				release()
 				m.dbFailed(q, "begin", err)
 				return
 			}
-			defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+			defer tx.release(ctx)
 		}
 		stored, err := m.toStored(q, tx, resp)
-		if err == nil {
-			err = m.store.CompleteLeaseResponseTx(ctx, tx, id, fence, m.cfg.Retention, stored)
-		}
-		if errors.Is(err, inbox.ErrLeaseLost) {
-			// A newer holder took the key over; our work must not commit, and its
-			// answer is the key's answer.
-			_ = tx.Rollback(context.WithoutCancel(ctx))
-			m.log.Warn("idem: lease lost before the commit (the handler outlived LeaseDuration); rolled back", q.attrs()...)
-			m.inProgress(q)
-			return
-		}
 		if err != nil {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
+			tx.release(ctx)
 			release()
 			m.saveFailed(q, err)
 			return
 		}
 		if err := ctx.Err(); err != nil {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
+			tx.release(ctx)
 			release()
 			m.ended(q, err)
 			return
 		}
-		if err := tx.Commit(context.WithoutCancel(ctx)); err != nil {
-			// The release is fenced and needs state processing: if the commit did
-			// happen it changes nothing, and if it did not the key is free at once.
-			release()
-			m.count(id.Consumer, OutcomeError)
-			m.log.Warn("idem: COMMIT failed; whether the request took effect is unknown until a retry", append(q.attrs(), "err", err)...)
-			writeProblem(q.w, CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
+		err = m.store.CompleteLeaseResponseCommit(context.WithoutCancel(ctx), tx.conn, id, fence, m.cfg.Retention, stored)
+		switch {
+		case errors.Is(err, inbox.ErrLeaseLost):
+			// A newer holder took the key over; our work did not commit, and its
+			// answer is the key's answer.
+			tx.release(ctx)
+			m.log.Warn("idem: lease lost before the commit (the handler outlived LeaseDuration); rolled back", q.attrs()...)
+			m.inProgress(q)
 			return
+		case err != nil:
+			// The release is fenced and needs state processing: if the commit did
+			// happen it changes nothing, and if not the key is free at once.
+			tx.release(ctx)
+			release()
 		}
-		if m.afterCommit != nil {
-			m.afterCommit(q.r)
-		}
-		m.count(id.Consumer, outcome)
-		writeResponse(q.w, resp, false)
+		m.committed(q, resp, err, outcome)
 	case m.final(resp.Status):
 		if tx != nil {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
+			tx.release(ctx)
 		}
 		stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
 		err := m.store.FailLeaseResponse(ctx, m.cfg.Pool, id, fence, m.cfg.Retention, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
@@ -163,7 +152,7 @@ func (m *Middleware) settleLease(q *request, fence int64, tx pgx.Tx, resp *Respo
 		writeResponse(q.w, resp, false)
 	default:
 		if tx != nil {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
+			tx.release(ctx)
 		}
 		release()
 		m.notFinal(q, resp)

@@ -197,17 +197,19 @@ func (m *Middleware) reject(w http.ResponseWriter, op, code, detail string) {
 }
 
 // serveTx is the transactional mode: claim, handler, stored response and commit in
-// one transaction; the answer goes out after the commit.
+// one transaction, in as many round trips as a bare handler's BEGIN, write and
+// COMMIT: BEGIN goes with the claim, COMMIT with the stored response. The answer
+// goes out after the commit.
 func (m *Middleware) serveTx(q *request) {
 	ctx := q.r.Context()
-	tx, err := m.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	tx, err := acquireTx(ctx, m.cfg.Pool)
 	if err != nil {
-		m.dbFailed(q, "begin", err)
+		m.dbFailed(q, "acquire a connection", err)
 		return
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer tx.release(ctx)
 	start := time.Now()
-	res, err := m.store.ClaimResponseTx(ctx, tx, []string{m.lockTimeoutSQL}, q.claim)
+	res, err := m.store.ClaimResponseTx(ctx, tx, []string{beginSQL, m.lockTimeoutSQL}, q.claim)
 	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err != nil {
 		m.dbFailed(q, "claim", err)
@@ -215,7 +217,7 @@ func (m *Middleware) serveTx(q *request) {
 	}
 	m.noteExpired(q, res)
 	if !res.Claimed {
-		_ = tx.Rollback(ctx)
+		tx.release(ctx)
 		m.answerExisting(q, res)
 		return
 	}
@@ -227,20 +229,44 @@ func (m *Middleware) serveTx(q *request) {
 	switch {
 	case m.success(resp.Status):
 		stored, err := m.toStored(q, tx, resp)
-		if err == nil {
-			err = m.store.SaveResponseTx(ctx, tx, q.claim.ID, stored)
-		}
 		if err != nil {
 			m.saveFailed(q, err)
 			return
 		}
-		m.commitAndAnswer(q, tx, resp)
+		if err := ctx.Err(); err != nil {
+			m.ended(q, err)
+			return
+		}
+		// Never cancelled once sent: a client leaving mid-commit must not turn a
+		// commit into an unknown.
+		err = m.store.SaveResponseCommit(context.WithoutCancel(ctx), tx.conn, q.claim.ID, stored)
+		m.committed(q, resp, err, OutcomeCommitted)
 	case m.final(resp.Status):
-		_ = tx.Rollback(ctx)
+		tx.release(ctx)
 		m.storeFailure(q, resp)
 	default:
-		_ = tx.Rollback(ctx)
+		tx.release(ctx)
 		m.notFinal(q, resp)
+	}
+}
+
+// committed answers after a commit attempt: the response if it committed, 503 if
+// the outcome is unknown, 500 if the response was not saved (nothing committed).
+func (m *Middleware) committed(q *request, resp *Response, err error, outcome string) {
+	switch {
+	case err == nil:
+		if m.afterCommit != nil {
+			m.afterCommit(q.r)
+		}
+		m.count(q.claim.Consumer, outcome)
+		writeResponse(q.w, resp, false)
+	case errors.Is(err, inbox.ErrCommitUnknown):
+		m.count(q.claim.Consumer, OutcomeError)
+		m.log.Warn("idem: COMMIT failed; whether the request took effect is unknown until a retry with the same key",
+			append(q.attrs(), "err", err)...)
+		writeProblem(q.w, CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
+	default:
+		m.saveFailed(q, err)
 	}
 }
 
@@ -353,29 +379,6 @@ func (m *Middleware) saveFailed(q *request, err error) {
 	m.count(q.claim.Consumer, OutcomeError)
 	m.log.Error("idem: the response could not be stored; the request is rolled back", append(q.attrs(), "err", err)...)
 	writeProblem(q.w, CodeHandlerFailed, "the response could not be stored; the request was rolled back", 0)
-}
-
-// commitAndAnswer commits tx and then sends resp. COMMIT is never cancelled once
-// sent: a client leaving mid-commit must not turn a commit into an unknown.
-func (m *Middleware) commitAndAnswer(q *request, tx pgx.Tx, resp *Response) {
-	ctx := q.r.Context()
-	if err := ctx.Err(); err != nil {
-		_ = tx.Rollback(context.WithoutCancel(ctx))
-		m.ended(q, err)
-		return
-	}
-	if err := tx.Commit(context.WithoutCancel(ctx)); err != nil {
-		m.count(q.claim.Consumer, OutcomeError)
-		m.log.Warn("idem: COMMIT failed; whether the request took effect is unknown until a retry with the same key",
-			append(q.attrs(), "err", err)...)
-		writeProblem(q.w, CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
-		return
-	}
-	if m.afterCommit != nil {
-		m.afterCommit(q.r)
-	}
-	m.count(q.claim.Consumer, OutcomeCommitted)
-	writeResponse(q.w, resp, false)
 }
 
 // storeFailure records a final client error with its response, in a transaction of
@@ -491,18 +494,18 @@ func (m *Middleware) dbFailed(q *request, what string, err error) {
 func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseWriter, r *http.Request) {
 	q := &request{w: w, r: r, next: next, claim: inbox.Claim{ID: inbox.ID{Consumer: op}}}
 	ctx := r.Context()
-	tx, err := m.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	tx, err := m.begin(ctx)
 	if err != nil {
 		m.dbFailed(q, "begin", err)
 		return
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer tx.release(ctx)
 	resp := m.run(q, tx, nil)
 	if resp == nil {
 		return
 	}
 	if !m.success(resp.Status) {
-		_ = tx.Rollback(ctx)
+		tx.release(ctx)
 		m.notFinal(q, resp)
 		return
 	}
@@ -518,4 +521,17 @@ func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseW
 	}
 	m.count(op, OutcomeUnkeyed)
 	writeResponse(w, resp, false)
+}
+
+// begin acquires a connection and begins a transaction on it.
+func (m *Middleware) begin(ctx context.Context) (*connTx, error) {
+	tx, err := acquireTx(ctx, m.cfg.Pool)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.conn.Exec(ctx, beginSQL); err != nil {
+		tx.release(ctx)
+		return nil, err
+	}
+	return tx, nil
 }

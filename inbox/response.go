@@ -45,6 +45,7 @@ type ResponseClaim struct {
 // to the code that encodes them, rather than in queries.go.
 type responseQueries struct {
 	get, save, fail, completeLease, failLease, deleteExpiredKey string
+	saveOrFail, completeLeaseOrFail                            string
 }
 
 func newResponseQueries(schema string) responseQueries {
@@ -69,6 +70,18 @@ func newResponseQueries(schema string) responseQueries {
 				expires_at = now() + $5::interval, error_code = $6, error = $7,
 				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+		// The "OrFail" forms go to the server in one round trip with COMMIT: an
+		// update that matched no row must stop that COMMIT, so it fails the
+		// statement (division by zero; a constant error would be raised at plan
+		// time), which leaves the transaction failed and the COMMIT unexecuted.
+		saveOrFail: `WITH saved AS (UPDATE ` + t + ` SET response_status = $4, response_headers = $5, response_body = $6, response_ref = $7
+				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed' RETURNING 1)
+			SELECT 1 / count(*) FROM saved`,
+		completeLeaseOrFail: `WITH saved AS (UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval,
+				response_status = $6, response_headers = $7, response_body = $8, response_ref = $9
+				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing' RETURNING 1)
+			SELECT 1 / count(*) FROM saved`,
 		// Only a settled row past its expiry goes; a processing row is never touched.
 		deleteExpiredKey: `DELETE FROM ` + t + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3
@@ -254,6 +267,64 @@ func (s *Store) SaveResponseTx(ctx context.Context, tx DBTX, id ID, resp *Respon
 	}
 	if tag.RowsAffected() != 1 {
 		return fmt.Errorf("idem: no completed inbox row for consumer %q key %q to store the response on (was it claimed in this transaction?)", id.Consumer, id.Key)
+	}
+	return nil
+}
+
+// ErrCommitUnknown: COMMIT was sent and failed, so whether the transaction
+// committed is unknown (a connection cut mid-commit). The key settles it: a retry
+// finds the row, or runs again.
+var ErrCommitUnknown = newError("commit_unknown", "COMMIT failed; whether the transaction committed is unknown", false)
+
+// SaveResponseCommit stores resp on id's row and commits, in one round trip. conn
+// must be running a transaction that claimed id with ClaimResponseTx, begun with
+// plain SQL ("begin") rather than through pgx's Tx, which would not know that it
+// ended. If no completed row takes the response, nothing commits: the COMMIT behind
+// the failed statement is never executed and the transaction is left failed, for
+// the caller to roll back. A failed COMMIT returns ErrCommitUnknown.
+func (s *Store) SaveResponseCommit(ctx context.Context, conn BatchSender, id ID, resp *Response) error {
+	if err := ValidateResponse(resp); err != nil {
+		return err
+	}
+	args := append([]any{id.Consumer, id.Tenant, id.Key}, responseArgs(resp)...)
+	return s.commitAfter(ctx, conn, s.rq().saveOrFail, args, fmt.Errorf("idem: no completed inbox row for consumer %q key %q to store the response on", id.Consumer, id.Key))
+}
+
+// CompleteLeaseResponseCommit is CompleteLeaseResponseTx and COMMIT in one round
+// trip; a fence that no longer matches returns ErrLeaseLost and commits nothing.
+func (s *Store) CompleteLeaseResponseCommit(ctx context.Context, conn BatchSender, id ID, fence int64, retention time.Duration, resp *Response) error {
+	if err := ValidateResponse(resp); err != nil {
+		return err
+	}
+	args := append([]any{id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention)}, responseArgs(resp)...)
+	return s.commitAfter(ctx, conn, s.rq().completeLeaseOrFail, args, ErrLeaseLost)
+}
+
+// commitAfter sends an "OrFail" statement and COMMIT in one batch. A division by
+// zero from the statement is noRow.
+func (s *Store) commitAfter(ctx context.Context, conn BatchSender, sql string, args []any, noRow error) error {
+	b := &pgx.Batch{}
+	b.Queue(sql, args...)
+	b.Queue("commit")
+	br := conn.SendBatch(ctx, b)
+	var one int
+	if err := br.QueryRow().Scan(&one); err != nil {
+		_ = br.Close()
+		var pgErr interface{ SQLState() string }
+		if errors.As(err, &pgErr) && pgErr.SQLState() == "22012" {
+			return noRow
+		}
+		return s.wrapResponse(err)
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrCommitUnknown, err)
+	}
+	if tag.String() != "COMMIT" {
+		return fmt.Errorf("idem: COMMIT answered %q: the transaction had failed and nothing committed", tag.String())
 	}
 	return nil
 }
