@@ -45,7 +45,7 @@ type ResponseClaim struct {
 // to the code that encodes them, rather than in queries.go.
 type responseQueries struct {
 	get, save, fail, completeLease, failLease, deleteExpiredKey string
-	saveOrFail, completeLeaseOrFail                            string
+	saveOrFail, completeLeaseOrFail                             string
 }
 
 func newResponseQueries(schema string) responseQueries {
