@@ -235,3 +235,61 @@ func TestResponseColumnsMissing(t *testing.T) {
 	require.ErrorIs(t, err, inbox.ErrSchemaMissing)
 	require.ErrorContains(t, err, "migration 003")
 }
+
+// TestSaveResponseCommit: the response and COMMIT go in one round trip; when the
+// response finds no row, the COMMIT behind it does not run and the work of the
+// transaction stays uncommitted.
+func TestSaveResponseCommit(t *testing.T) {
+	store, b := setup(t)
+	ctx := context.Background()
+	pool := b.pool.(*pgxpool.Pool)
+	_, err := pool.Exec(ctx, `CREATE TABLE work (n int)`)
+	require.NoError(t, err)
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	c := conn.Conn()
+
+	res, err := store.ClaimResponseTx(ctx, c, []string{"begin"}, httpClaim("k", "fp"))
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	_, err = c.Exec(ctx, `INSERT INTO work VALUES (1)`)
+	require.NoError(t, err)
+	require.NoError(t, store.SaveResponseCommit(ctx, c, httpClaim("k", "").ID, &inbox.Response{Status: 201, Body: []byte("ok")}))
+	require.Equal(t, byte('I'), c.PgConn().TxStatus())
+	_, resp, err := store.GetResponse(ctx, pool, httpClaim("k", "").ID)
+	require.NoError(t, err)
+	require.Equal(t, "ok", string(resp.Body))
+
+	// No claimed row: an error, and nothing of the transaction commits.
+	_, err = c.Exec(ctx, `begin`)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, `INSERT INTO work VALUES (2)`)
+	require.NoError(t, err)
+	err = store.SaveResponseCommit(ctx, c, httpClaim("unclaimed", "").ID, &inbox.Response{Status: 201})
+	require.ErrorContains(t, err, "no completed inbox row")
+	require.NotErrorIs(t, err, inbox.ErrCommitUnknown)
+	require.Equal(t, byte('E'), c.PgConn().TxStatus(), "the transaction is failed, not committed")
+	_, err = c.Exec(ctx, `rollback`)
+	require.NoError(t, err)
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
+
+	// Lease: a stale fence commits nothing.
+	lres, err := store.LeaseResponse(ctx, pool, httpClaim("l", "fp"), time.Minute)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, `begin`)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, `INSERT INTO work VALUES (3)`)
+	require.NoError(t, err)
+	err = store.CompleteLeaseResponseCommit(ctx, c, httpClaim("l", "").ID, lres.Fence+1, 0, &inbox.Response{Status: 201})
+	require.ErrorIs(t, err, inbox.ErrLeaseLost)
+	_, err = c.Exec(ctx, `rollback`)
+	require.NoError(t, err)
+	require.NoError(t, func() error {
+		_, err := c.Exec(ctx, `begin`)
+		return err
+	}())
+	require.NoError(t, store.CompleteLeaseResponseCommit(ctx, c, httpClaim("l", "").ID, lres.Fence, 0, &inbox.Response{Status: 201}))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key = 'l' AND state = 'completed'`))
+}
