@@ -450,6 +450,18 @@ func TestBodyNotJSON(t *testing.T) {
 	requireSameAnswer(t, a, b.post(t, "/payments", "k", `amount=1`, "Content-Type", "application/x-www-form-urlencoded"))
 	problem(t, b.post(t, "/payments", "k", `amount=2`, "Content-Type", "application/x-www-form-urlencoded"),
 		http.StatusUnprocessableEntity, httpidem.CodeFingerprintMismatch)
+	// A form counts by its fields, in any order.
+	form := "application/x-www-form-urlencoded"
+	a = b.post(t, "/payments", "f", `a=1&b=2`, "Content-Type", form)
+	requireSameAnswer(t, a, b.post(t, "/payments", "f", `b=2&a=1`, "Content-Type", form))
+	// JSON counts as JSON whatever the Content-Type says: curl -d sends it as a form.
+	a = b.post(t, "/payments", "j", `{"amount": 1, "email": "e"}`, "Content-Type", form)
+	require.Equal(t, http.StatusCreated, a.Status)
+	requireSameAnswer(t, a, b.post(t, "/payments", "j", `{"email":"e","amount":1.0}`, "Content-Type", "text/plain"))
+	// Other media types count byte for byte.
+	a = b.post(t, "/payments", "x", `<p amount="1"/>`, "Content-Type", "application/xml")
+	problem(t, b.post(t, "/payments", "x", `<p  amount="1"/>`, "Content-Type", "application/xml"),
+		http.StatusUnprocessableEntity, httpidem.CodeFingerprintMismatch)
 }
 
 // TestFingerprintIgnoresHeaders: Authorization, cookies, trace IDs and the key are

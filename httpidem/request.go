@@ -82,11 +82,13 @@ func readBody(r *http.Request, limit int64) ([]byte, error) {
 var ErrBodyNotJSON = inbox.ErrNotJSON
 
 // DefaultFingerprint returns the default fingerprint: sha256 over the method, the
-// escaped path, the query (its parameters sorted by name) and the body. A JSON body
-// (a JSON media type, or none with a body that parses) counts by its canonical form
-// with exact numbers (inbox.Canonicalize, with fields chosen by opts); any other
-// body counts byte for byte, with its media type. Headers never count: not
-// Authorization, not the key, not a trace ID.
+// escaped path, the query (its parameters sorted by name) and the body. A body that
+// is JSON counts by its canonical form with exact numbers (inbox.Canonicalize, with
+// the fields chosen by opts), whatever its Content-Type says (curl -d sends JSON as
+// a form); a body that declares a JSON media type and is not JSON is an error
+// (ErrBodyNotJSON); a form (application/x-www-form-urlencoded) counts by its fields
+// sorted by name; any other body counts byte for byte, with its media type.
+// Headers never count: not Authorization, not the key, not a trace ID.
 //
 // The path is there because the operation is the route template: POST
 // /accounts/1/payments and POST /accounts/2/payments are one operation, and the
@@ -100,11 +102,7 @@ func DefaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byt
 		field("idem-http-1")
 		field(r.Method)
 		field(r.URL.EscapedPath())
-		query := r.URL.RawQuery
-		if q, err := url.ParseQuery(query); err == nil {
-			query = q.Encode() // sorted by name; values keep their order
-		}
-		field(query)
+		field(sortedQuery(r.URL.RawQuery))
 		mediaType := ""
 		if ct := r.Header.Get("Content-Type"); ct != "" {
 			mt, _, err := mime.ParseMediaType(ct)
@@ -113,21 +111,20 @@ func DefaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byt
 			}
 			mediaType = mt
 		}
-		isJSON := mediaType == "application/json" || strings.HasSuffix(mediaType, "+json")
-		switch {
-		case len(body) == 0:
+		if len(body) == 0 {
 			field("empty")
-		case isJSON || mediaType == "":
-			canon, err := inbox.Canonicalize(body, opts)
-			if err == nil {
-				field("json")
-				field(string(canon))
-				break
-			}
-			if isJSON {
-				return nil, err
-			}
-			fallthrough // no media type and not JSON: the bytes count
+			return h.Sum(nil), nil
+		}
+		canon, err := inbox.Canonicalize(body, opts)
+		switch {
+		case err == nil:
+			field("json")
+			field(string(canon))
+		case mediaType == "application/json" || strings.HasSuffix(mediaType, "+json"):
+			return nil, err
+		case mediaType == "application/x-www-form-urlencoded":
+			field("form")
+			field(sortedQuery(string(body)))
 		default:
 			field("raw")
 			field(mediaType)
@@ -135,6 +132,16 @@ func DefaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byt
 		}
 		return h.Sum(nil), nil
 	}
+}
+
+// sortedQuery is a query or form with its parameters sorted by name (values keep
+// their order), or the text as it is if it does not parse.
+func sortedQuery(raw string) string {
+	q, err := url.ParseQuery(raw)
+	if err != nil {
+		return raw
+	}
+	return q.Encode()
 }
 
 // fingerprintView is the request a custom fingerprint sees: a clone without the
