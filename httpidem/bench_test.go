@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/internal/pgtest"
 )
@@ -27,8 +28,17 @@ import (
 // (idem/bare). Each idem request has a new key: the cost measured is a first run
 // (claim, write, stored response, commit), not a cheap replay.
 //
+// Two writes: one row ("row"), and what examples/http-payments does, a payment row
+// and two effects ("payment+effects"). idem's cost per request is fixed (claim,
+// stored response), so the heavier the write, the closer the ratio comes to 1.
+//
 //	go test -run '^$' -bench IdempotencyKey -benchtime 20000x ./httpidem
 func BenchmarkIdempotencyKey(b *testing.B) {
+	b.Run("write=row", func(b *testing.B) { benchIdempotencyKey(b, 0) })
+	b.Run("write=payment+effects", func(b *testing.B) { benchIdempotencyKey(b, 2) })
+}
+
+func benchIdempotencyKey(b *testing.B, nEffects int) {
 	const clients = 16
 	pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: clients + 2})
 	ctx := context.Background()
@@ -47,6 +57,16 @@ func BenchmarkIdempotencyKey(b *testing.B) {
 		amount := strings.TrimSuffix(strings.TrimPrefix(string(body), `{"amount":`), `}`)
 		var id int64
 		err = tx.QueryRow(r.Context(), `INSERT INTO payments (tenant, amount) VALUES ('', $1::numeric) RETURNING id`, amount).Scan(&id)
+		scope := effects.Scope{Schema: schema} // the middleware's scope, when there is one
+		if s, ok := effects.ScopeFrom(r.Context()); ok {
+			scope = s
+		}
+		for i := range nEffects {
+			if err != nil {
+				break
+			}
+			_, err = effects.EnqueueScoped(r.Context(), tx, scope, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:%d:%d", id, i), Payload: body})
+		}
 		return id, amount, err
 	}
 	answer := func(w http.ResponseWriter, id int64, amount string) {

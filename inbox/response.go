@@ -132,6 +132,8 @@ func ValidateResponse(r *Response) error {
 	return nil
 }
 
+var headerNewlines = strings.NewReplacer("\r", " ", "\n", " ")
+
 // EncodeHeader writes h as HTTP/1.1 header lines, "Name: value\r\n", sorted by
 // name, values in their order: the response_headers column. CR and LF in a value
 // become spaces, as net/http does when it writes a header.
@@ -146,7 +148,7 @@ func EncodeHeader(h map[string][]string) []byte {
 		for _, v := range h[name] {
 			b.WriteString(name)
 			b.WriteString(": ")
-			b.WriteString(strings.NewReplacer("\r", " ", "\n", " ").Replace(v))
+			b.WriteString(headerNewlines.Replace(v))
 			b.WriteString("\r\n")
 		}
 	}
@@ -287,7 +289,9 @@ func (s *Store) SaveResponseCommit(ctx context.Context, conn BatchSender, id ID,
 		return err
 	}
 	args := append([]any{id.Consumer, id.Tenant, id.Key}, responseArgs(resp)...)
-	return s.commitAfter(ctx, conn, s.rq().saveOrFail, args, fmt.Errorf("idem: no completed inbox row for consumer %q key %q to store the response on", id.Consumer, id.Key))
+	return s.commitAfter(ctx, conn, s.rq().saveOrFail, args, func() error {
+		return fmt.Errorf("idem: no completed inbox row for consumer %q key %q to store the response on", id.Consumer, id.Key)
+	})
 }
 
 // CompleteLeaseResponseCommit is CompleteLeaseResponseTx and COMMIT in one round
@@ -297,12 +301,12 @@ func (s *Store) CompleteLeaseResponseCommit(ctx context.Context, conn BatchSende
 		return err
 	}
 	args := append([]any{id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention)}, responseArgs(resp)...)
-	return s.commitAfter(ctx, conn, s.rq().completeLeaseOrFail, args, ErrLeaseLost)
+	return s.commitAfter(ctx, conn, s.rq().completeLeaseOrFail, args, func() error { return ErrLeaseLost })
 }
 
 // commitAfter sends an "OrFail" statement and COMMIT in one batch. A division by
 // zero from the statement is noRow.
-func (s *Store) commitAfter(ctx context.Context, conn BatchSender, sql string, args []any, noRow error) error {
+func (s *Store) commitAfter(ctx context.Context, conn BatchSender, sql string, args []any, noRow func() error) error {
 	b := &pgx.Batch{}
 	b.Queue(sql, args...)
 	b.Queue("commit")
@@ -312,7 +316,7 @@ func (s *Store) commitAfter(ctx context.Context, conn BatchSender, sql string, a
 		_ = br.Close()
 		var pgErr interface{ SQLState() string }
 		if errors.As(err, &pgErr) && pgErr.SQLState() == "22012" {
-			return noRow
+			return noRow()
 		}
 		return s.wrapResponse(err)
 	}
