@@ -110,7 +110,7 @@ func writeResponse(w http.ResponseWriter, resp *Response, replayed bool) {
 		h.Set("Content-Length", strconv.Itoa(len(resp.Body)))
 	}
 	if replayed {
-		h.Set(DefaultReplayedHeader, "true")
+		h.Set(ReplayedHeader, "true")
 	}
 	w.WriteHeader(resp.Status)
 	if bodyAllowed(resp.Status) {

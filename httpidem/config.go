@@ -230,7 +230,7 @@ func (c *Config) Validate() error {
 	}
 	for _, h := range c.StoredHeaders {
 		switch http.CanonicalHeaderKey(h) {
-		case "Content-Length", "Transfer-Encoding", "Connection", DefaultReplayedHeader:
+		case "Content-Length", "Transfer-Encoding", "Connection", ReplayedHeader:
 			return fmt.Errorf("StoredHeaders: %q is computed on every answer, never stored", h)
 		}
 	}

@@ -9,8 +9,8 @@ import (
 	"time"
 )
 
-// DefaultReplayedHeader marks a replayed response: "Idempotent-Replayed: true".
-const DefaultReplayedHeader = "Idempotent-Replayed"
+// ReplayedHeader marks a replayed response: "Idempotent-Replayed: true".
+const ReplayedHeader = "Idempotent-Replayed"
 
 // ProblemTypePrefix starts the "type" of every problem idem answers with; the code
 // follows it ("urn:idem:problem:fingerprint_mismatch").
@@ -123,7 +123,7 @@ func writeProblem(w http.ResponseWriter, code, detail string, retryAfter time.Du
 	h := w.Header()
 	h.Set("Content-Type", "application/problem+json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
-	h.Del(DefaultReplayedHeader)
+	h.Del(ReplayedHeader)
 	if retryAfterCodes[code] {
 		h.Set("Retry-After", strconv.Itoa(int(math.Ceil(max(retryAfter, time.Second).Seconds()))))
 	}
