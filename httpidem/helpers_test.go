@@ -1,7 +1,6 @@
 package httpidem_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -238,14 +237,6 @@ func problem(t *testing.T, a answer, status int, code string) httpidem.Problem {
 	require.NotEmpty(t, p.Title)
 	require.False(t, a.Replayed)
 	return p
-}
-
-func jsonEqual(t *testing.T, want string, got []byte) {
-	t.Helper()
-	var a, b any
-	require.NoError(t, json.Unmarshal([]byte(want), &a))
-	require.NoError(t, json.Unmarshal(bytes.TrimSpace(got), &b))
-	require.Equal(t, a, b)
 }
 
 // waitFor polls cond until it holds or the timeout passes.

@@ -2,7 +2,6 @@ package httpidem
 
 import (
 	"context"
-	"errors"
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
@@ -181,7 +180,3 @@ func (s *savepointTx) QueryRow(ctx context.Context, sql string, args ...any) pgx
 }
 
 func (s *savepointTx) Conn() *pgx.Conn { return s.parent.conn }
-
-// errNoRowSaved: the stored-response UPDATE matched no row, so the COMMIT that
-// came with it must not have committed anything.
-var errNoRowSaved = errors.New("idem: the response found no completed inbox row to be stored on")
