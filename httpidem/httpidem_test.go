@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/httpidem"
@@ -629,4 +630,89 @@ func TestMetricsFromStart(t *testing.T) {
 	require.Equal(t, float64(1), counter(t, b.reg, "idem_http_requests_total", "POST /payments", "rejected"))
 	require.Zero(t, counter(t, b.reg, "idem_http_requests_total", "POST /payments", "committed"))
 	require.Zero(t, counter(t, b.reg, "idem_http_expired_keys_total", "POST /payments", ""))
+}
+
+// TestBinaryAnswer: a body with NUL and invalid UTF-8, and a stored header that is
+// not UTF-8, come back byte for byte.
+func TestBinaryAnswer(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *httpidem.Config) { c.StoredHeaders = append(c.StoredHeaders, "X-Bin") })
+	b.setHook(func(w http.ResponseWriter, r *http.Request) bool {
+		w.Header().Set("Content-Type", "application/octet-stream")
+		w.Header().Set("X-Bin", "\xff\xfe é")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write([]byte("\x00\xff\xfe{\"a\":1}\r\n\x00"))
+		return true
+	})
+	first := b.post(t, "/payments", "bin", `{"amount": 1}`)
+	require.Equal(t, []byte("\x00\xff\xfe{\"a\":1}\r\n\x00"), first.Body)
+	replay := b.post(t, "/payments", "bin", `{"amount": 1}`)
+	requireSameAnswer(t, first, replay)
+	require.Equal(t, "\xff\xfe é", replay.Header.Get("X-Bin"))
+}
+
+// TestHandlerTxIsAPgxTx: the transaction a handler gets behaves as pgx's does:
+// nested Begin makes savepoints, batches and COPY run in it, and large objects
+// work; everything commits with the answer.
+func TestHandlerTxIsAPgxTx(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.setHook(func(w http.ResponseWriter, r *http.Request) bool {
+		ctx := r.Context()
+		tx := httpidem.Tx(ctx)
+		fail := func(err error) bool {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return true
+		}
+		inner, err := tx.Begin(ctx)
+		if err != nil {
+			return fail(err)
+		}
+		if _, err := inner.Exec(ctx, `INSERT INTO audit (note) VALUES ('rolled back')`); err != nil {
+			return fail(err)
+		}
+		if err := inner.Rollback(ctx); err != nil {
+			return fail(err)
+		}
+		inner, err = tx.Begin(ctx)
+		if err != nil {
+			return fail(err)
+		}
+		deeper, err := inner.Begin(ctx)
+		if err != nil {
+			return fail(err)
+		}
+		if _, err := deeper.Exec(ctx, `INSERT INTO audit (note) VALUES ('kept')`); err != nil {
+			return fail(err)
+		}
+		if err := deeper.Commit(ctx); err != nil {
+			return fail(err)
+		}
+		if err := inner.Commit(ctx); err != nil {
+			return fail(err)
+		}
+		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"audit"}, []string{"note"}, pgx.CopyFromRows([][]any{{"copied"}})); err != nil {
+			return fail(err)
+		}
+		batch := &pgx.Batch{}
+		batch.Queue(`INSERT INTO audit (note) VALUES ('batched')`)
+		if err := tx.SendBatch(ctx, batch).Close(); err != nil {
+			return fail(err)
+		}
+		lo := tx.LargeObjects()
+		oid, err := lo.Create(ctx, 0)
+		if err != nil {
+			return fail(err)
+		}
+		if err := lo.Unlink(ctx, oid); err != nil { // large objects outlive the test's schema
+			return fail(err)
+		}
+		return false
+	})
+	a := b.post(t, "/payments", "k", `{"amount": 1}`)
+	require.Equal(t, http.StatusCreated, a.Status, "%s", a)
+	require.Equal(t, 1, b.payments(t))
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM audit`))
+	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM audit WHERE note = 'rolled back'`))
+	requireSameAnswer(t, a, b.post(t, "/payments", "k", `{"amount": 1}`))
 }
