@@ -130,7 +130,11 @@ func TestSIGKILL(t *testing.T) {
 
 			// The retry reaches a live server. Postgres may take a moment to notice
 			// the dead backend of the mid-handler child; the claim waits for it.
-			a := b.post(t, "/payments", "crash-key", `{"amount": 42}`, "X-Tenant", "acme")
+			var a answer
+			waitFor(t, 60*time.Second, "the retry to be answered", func() bool {
+				a = b.post(t, "/payments", "crash-key", `{"amount": 42}`, "X-Tenant", "acme")
+				return a.Status != http.StatusConflict // 409: the dead backend still holds the key; retry, as a client does
+			})
 			require.Equal(t, 1, b.payments(t))
 			require.Equal(t, "/payments/"+map[string]string{afterCommit: "1", midHandler: "2"}[point], a.Header.Get("Location"))
 			require.Equal(t, http.StatusCreated, a.Status)
