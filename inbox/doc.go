@@ -14,6 +14,10 @@
 // in lease mode; the consumer package does that. Rows live for their retention, and
 // a duplicate that arrives after its row expired is not recognised.
 //
+// For package httpidem, a row may also hold the HTTP response given for its key
+// (inbox/response.go, migration 003): stored in the transaction that claims the key,
+// read back on a retry, and deleted by the janitor with the key.
+//
 // The package also holds the schema: numbered SQL migrations (MigrationsFS) and the
 // Migrator that applies them, for the inbox and the effects tables alike. inbox and
 // effects import pgx and nothing else of idem.

@@ -6,6 +6,9 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"maps"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -17,9 +20,10 @@ import (
 var inspectCmd = &command{
 	name:    "inspect",
 	args:    "--consumer C --key K [--tenant T] [flags]",
-	summary: "Show one inbox record (state, fingerprint, times, error) and the effects it made",
+	summary: "Show one inbox record (state, fingerprint, times, error, stored HTTP response) and the effects it made",
 	example: `idem inspect --consumer payments --key pay_789
-idem inspect --consumer payments --tenant acme --key pay_789 --json`,
+idem inspect --consumer payments --tenant acme --key pay_789 --json
+idem inspect --consumer 'POST /payments' --tenant acct_42 --key 0b6f3c52-7a4e-4d8e-9d0c-4f6a1f7e2b11`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var id inbox.ID
 		fs.StringVar(&id.Consumer, "consumer", "", "consumer name (required)")
@@ -58,20 +62,31 @@ func scanEffects(rows pgx.Rows) ([]effectJSON, error) {
 }
 
 type recordJSON struct {
-	Consumer    string       `json:"consumer"`
-	Tenant      string       `json:"tenant"`
-	Key         string       `json:"key"`
-	State       string       `json:"state"`
-	Fingerprint string       `json:"fingerprint"`
-	Attempts    int          `json:"attempts"`
-	ErrorCode   string       `json:"error_code,omitempty"`
-	Error       string       `json:"error,omitempty"`
-	LeaseUntil  *time.Time   `json:"lease_until,omitempty"`
-	Fence       int64        `json:"fence,omitempty"`
-	ReceivedAt  time.Time    `json:"received_at"`
-	CompletedAt *time.Time   `json:"completed_at,omitempty"`
-	ExpiresAt   time.Time    `json:"expires_at"`
-	Effects     []effectJSON `json:"effects"`
+	Consumer    string     `json:"consumer"`
+	Tenant      string     `json:"tenant"`
+	Key         string     `json:"key"`
+	State       string     `json:"state"`
+	Fingerprint string     `json:"fingerprint"`
+	Attempts    int        `json:"attempts"`
+	ErrorCode   string     `json:"error_code,omitempty"`
+	Error       string     `json:"error,omitempty"`
+	LeaseUntil  *time.Time `json:"lease_until,omitempty"`
+	Fence       int64      `json:"fence,omitempty"`
+	ReceivedAt  time.Time  `json:"received_at"`
+	CompletedAt *time.Time `json:"completed_at,omitempty"`
+	ExpiresAt   time.Time  `json:"expires_at"`
+	// Response is the stored answer of an HTTP key (package httpidem).
+	Response *responseJSON `json:"response,omitempty"`
+	Effects  []effectJSON  `json:"effects"`
+}
+
+// responseJSON describes a stored HTTP response; the body itself is not shown (it
+// may hold personal data), only its size or its reference.
+type responseJSON struct {
+	Status    int                 `json:"status"`
+	Headers   map[string][]string `json:"headers"`
+	BodyBytes int                 `json:"body_bytes"`
+	BodyRef   string              `json:"body_ref,omitempty"`
 }
 
 func runInspect(ctx context.Context, e *env, args []string, id inbox.ID) error {
@@ -88,7 +103,7 @@ func runInspect(ctx context.Context, e *env, args []string, id inbox.ID) error {
 	if err != nil {
 		return err
 	}
-	rec, effs, err := inspect(ctx, pool, e.schema, id)
+	rec, resp, effs, err := inspect(ctx, pool, e.schema, id)
 	if errors.Is(err, inbox.ErrNotFound) {
 		tenant := ""
 		if id.Tenant != "" {
@@ -107,6 +122,9 @@ func runInspect(ctx context.Context, e *env, args []string, id inbox.ID) error {
 		ErrorCode: rec.ErrorCode, Error: rec.Error, LeaseUntil: rec.LeaseUntil, Fence: rec.Fence,
 		ReceivedAt: rec.ReceivedAt, CompletedAt: rec.CompletedAt, ExpiresAt: rec.ExpiresAt,
 		Effects: nonNil(effs),
+	}
+	if resp != nil {
+		out.Response = &responseJSON{Status: resp.Status, Headers: resp.Header, BodyBytes: len(resp.Body), BodyRef: resp.BodyRef}
 	}
 	if e.json {
 		return e.writeJSON(out)
@@ -129,6 +147,14 @@ func runInspect(ctx context.Context, e *env, args []string, id inbox.ID) error {
 		row(tw, "lease_until", ts(rec.LeaseUntil))
 		row(tw, "fence", rec.Fence)
 	}
+	if resp != nil {
+		body := fmt.Sprintf("%d bytes", len(resp.Body))
+		if resp.BodyRef != "" {
+			body = "by reference " + resp.BodyRef
+		}
+		names := slices.Sorted(maps.Keys(resp.Header))
+		row(tw, "response", fmt.Sprintf("%d, body %s, headers %s", resp.Status, body, dash(strings.Join(names, ", "))))
+	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
@@ -139,23 +165,26 @@ func runInspect(ctx context.Context, e *env, args []string, id inbox.ID) error {
 	return e.effectsTable(effs)
 }
 
-// inspect reads one inbox row, through inbox.Store.Get, and the effects that its
-// message made.
-func inspect(ctx context.Context, pool *pgxpool.Pool, schema string, id inbox.ID) (*inbox.Record, []effectJSON, error) {
+// inspect reads one inbox row and its stored HTTP response (nil for a message's
+// key), through inbox.Store, and the effects that its message or request made.
+func inspect(ctx context.Context, pool *pgxpool.Pool, schema string, id inbox.ID) (*inbox.Record, *inbox.Response, []effectJSON, error) {
 	store, err := inbox.NewStore(schema)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	rec, err := store.Get(ctx, pool, id)
+	rec, resp, err := store.GetResponse(ctx, pool, id)
+	if errors.Is(err, inbox.ErrSchemaMissing) {
+		rec, err = store.Get(ctx, pool, id) // a schema from before migration 003: no responses
+	}
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	rows, err := pool.Query(ctx, newQueries(schema).effectsBySource, id.Consumer, id.Tenant, id.Key)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	effs, err := scanEffects(rows)
-	return rec, effs, err
+	return rec, resp, effs, err
 }
 
 // effectsTable prints effects as a table: inspect and effects list share it.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -143,25 +145,34 @@ func TestMigrate(t *testing.T) {
 	r := b.idem("migrate", "list").ok(t)
 	require.Regexp(t, `001\s+core\s+no\s+-`, r.stdout)
 
+	all := inbox.Migrations()
+	var applied string
+	var versions []any
+	for _, m := range all {
+		applied += fmt.Sprintf("applied %03d_%s to schema %s\n", m.Version, m.Name, b.schema)
+		versions = append(versions, float64(m.Version))
+	}
 	r = b.idem("migrate", "up").ok(t)
-	require.Equal(t, "applied 001_core to schema "+b.schema+"\n", r.stdout)
+	require.Equal(t, applied, r.stdout)
 	require.Equal(t, "schema "+b.schema+" is up to date\n", b.idem("migrate").ok(t).stdout)
 
 	var list []migrationJSON
 	b.idem("migrate", "list", "--json").ok(t).decode(t, &list)
-	require.Len(t, list, 1)
+	require.Len(t, list, len(all))
 	require.True(t, list[0].Applied)
 	require.NotNil(t, list[0].AppliedAt)
 
-	var down map[string]any
-	b.idem("migrate", "down", "--json").ok(t).decode(t, &down)
-	require.EqualValues(t, 1, down["reverted"])
+	for v := len(all); v >= 1; v-- {
+		var down map[string]any
+		b.idem("migrate", "down", "--json").ok(t).decode(t, &down)
+		require.EqualValues(t, v, down["reverted"])
+	}
 	require.Zero(t, pgtest.Count(t, b.pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'inbox'`, b.schema))
 	require.Contains(t, b.idem("migrate", "down").ok(t).stdout, "no migration to revert")
 
 	var up map[string]any
 	b.idem("migrate", "up", "--json").ok(t).decode(t, &up)
-	require.Equal(t, []any{1.0}, up["applied"])
+	require.Equal(t, versions, up["applied"])
 }
 
 // process runs one message through a real consumer with a tenant scope; the

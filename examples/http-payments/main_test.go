@@ -1,0 +1,121 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// TestHTTPPayments runs the program against the test Postgres: a payment posted
+// three times with one key is one payment, one answer (replayed byte for byte),
+// one receipt email and one ledger row; the same key with another amount is 422;
+// a missing key is 400.
+func TestHTTPPayments(t *testing.T) {
+	t.Parallel()
+	pgtest.Require(t)
+	schema := pgtest.NewSchemaName()
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var mu sync.Mutex
+	mails := map[string]int{}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, Config{DatabaseURL: pgtest.URL() + "&pool_max_conns=6", Schema: schema, Logger: slog.New(slog.DiscardHandler),
+			OnMail: func(to, id string) { mu.Lock(); mails[id]++; mu.Unlock() }}, ln)
+	}()
+	defer func() {
+		cancel()
+		require.NoError(t, <-done)
+	}()
+	base := "http://" + ln.Addr().String()
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+
+	post := func(key, body string) (*http.Response, []byte) {
+		req, err := http.NewRequest(http.MethodPost, base+"/payments", strings.NewReader(body))
+		require.NoError(t, err)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("X-Account", "acct_1")
+		if key != "" {
+			req.Header.Set("Idempotency-Key", key)
+		}
+		var resp *http.Response
+		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			if resp, err = client.Do(req); err == nil || time.Now().After(deadline) {
+				break
+			}
+			req.Body = io.NopCloser(strings.NewReader(body)) // the server is still starting
+		}
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp, b
+	}
+
+	body := `{"amount": "12.50", "currency": "EUR", "email": "ann@example.com"}`
+	first, firstBody := post("9b2f0c1e-1111-4c1a-9a57-1c0ffee00001", body)
+	require.Equal(t, http.StatusCreated, first.StatusCode, string(firstBody))
+	var p Payment
+	require.NoError(t, json.Unmarshal(firstBody, &p))
+	require.True(t, strings.HasPrefix(p.ID, "pay_"))
+	for range 2 {
+		again, againBody := post("9b2f0c1e-1111-4c1a-9a57-1c0ffee00001", `{"email":"ann@example.com","currency":"EUR","amount":"12.50"}`)
+		require.Equal(t, http.StatusCreated, again.StatusCode)
+		require.Equal(t, "true", again.Header.Get("Idempotent-Replayed"))
+		require.Equal(t, firstBody, againBody)
+		require.Equal(t, first.Header.Get("Location"), again.Header.Get("Location"))
+	}
+	mismatch, mismatchBody := post("9b2f0c1e-1111-4c1a-9a57-1c0ffee00001", `{"amount": "12.51", "currency": "EUR", "email": "ann@example.com"}`)
+	require.Equal(t, http.StatusUnprocessableEntity, mismatch.StatusCode)
+	require.Contains(t, string(mismatchBody), `"code":"fingerprint_mismatch"`)
+	missing, _ := post("", body)
+	require.Equal(t, http.StatusBadRequest, missing.StatusCode)
+	invalid, invalidBody := post("9b2f0c1e-2222-4c1a-9a57-1c0ffee00002", `{"amount": "-1", "currency": "EUR", "email": "ann@example.com"}`)
+	require.Equal(t, http.StatusUnprocessableEntity, invalid.StatusCode)
+	require.Contains(t, string(invalidBody), "positive")
+
+	// The Dispatcher sends the receipt once and publishes payments.created, which
+	// the consumer books once.
+	pool := pgtest.NewPool(t, schema, 2)
+	require.Eventually(t, func() bool {
+		var booked bool
+		err := pool.QueryRow(context.Background(), `SELECT count(*) = 1 FROM ledger WHERE payment_id = $1`, p.ID).Scan(&booked)
+		mu.Lock()
+		defer mu.Unlock()
+		return err == nil && booked && len(mails) == 1
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM payments`))
+	require.Equal(t, 2, count(t, pool, `SELECT count(*) FROM effects WHERE state = 'done'`))
+	mu.Lock()
+	require.Equal(t, map[string]int{"<receipt." + p.ID + "@payments.example.com>": 1}, mails)
+	mu.Unlock()
+
+	resp, err := client.Get(base + "/payments/" + p.ID)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	var shown Payment
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&shown))
+	require.True(t, *shown.Booked)
+	require.Equal(t, "12.50", shown.Amount)
+}
+
+func count(t *testing.T, pool *pgxpool.Pool, sql string) int {
+	var n int
+	require.NoError(t, pool.QueryRow(context.Background(), sql).Scan(&n))
+	return n
+}

@@ -1,0 +1,268 @@
+package httpidem
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemkit/idem/inbox"
+)
+
+// Defaults.
+const (
+	// DefaultKeyHeader is the request header that carries the key
+	// (draft-ietf-httpapi-idempotency-key-header).
+	DefaultKeyHeader = "Idempotency-Key"
+	// DefaultRetention is how long a key and its stored response live: a day, as
+	// payment APIs commonly keep theirs. A retry after it runs as a new request.
+	DefaultRetention = 24 * time.Hour
+	// DefaultWait bounds how long a request waits for another request with the same
+	// key to finish before it answers 409.
+	DefaultWait = 2 * time.Second
+	// DefaultRetryAfter is the Retry-After of 409 and 503 answers.
+	DefaultRetryAfter = time.Second
+	// DefaultMaxRequestBody is the largest request body read (and fingerprinted).
+	DefaultMaxRequestBody = 1 << 20
+	// DefaultMaxResponseBody is the largest response body stored.
+	DefaultMaxResponseBody = 1 << 20
+	// DefaultLease is the lease of a key in lease mode.
+	DefaultLease = 30 * time.Second
+	// MaxStoredBody caps MaxResponseBody: stored responses are rows, not blobs.
+	MaxStoredBody = 64 << 20
+)
+
+// DefaultStoredHeaders are the response headers stored and replayed unless
+// Config.StoredHeaders says otherwise: those that describe the body or the created
+// resource. Set-Cookie and the like are never stored by default.
+var DefaultStoredHeaders = []string{"Content-Type", "Content-Encoding", "Content-Language", "Content-Location", "Location", "ETag", "Last-Modified", "Link"}
+
+// DefaultFinalStatus reports whether a status is final, and so stored and replayed:
+// 2xx and 3xx (except 304), 400 Bad Request and 422 Unprocessable Content, the
+// answers to a request that is itself wrong, which a retry can only repeat. Any
+// other status (5xx, 408, 409, 429, 401, 403, 404, …) is passed to the client, not
+// stored, and the handler's work is rolled back, so a retry runs again.
+func DefaultFinalStatus(status int) bool {
+	switch {
+	case status >= 200 && status < 300, status >= 300 && status < 400 && status != http.StatusNotModified:
+		return true
+	case status == http.StatusBadRequest, status == http.StatusUnprocessableEntity:
+		return true
+	}
+	return false
+}
+
+// Response is an HTTP response as idem stores and replays it.
+type Response struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+// A BodyReferencer keeps response bodies that hold personal data out of the inbox:
+// a reference is stored instead, and resolved again on a replay.
+//
+// A replay then sends what Body returns at that moment, which is the stored
+// response byte for byte only if Body renders the same bytes (the resource did not
+// change since).
+type BodyReferencer interface {
+	// Reference returns what to store instead of resp's body, or "" to store the
+	// body itself. It runs for 2xx and 3xx responses, in the request's transaction
+	// (Tx(ctx)), after the handler and before the commit; an error rolls the
+	// request back (500). The reference is at most 512 bytes of UTF-8.
+	Reference(ctx context.Context, r *http.Request, resp *Response) (string, error)
+	// Body returns the body for a replay of the response stored with ref. An error
+	// answers the replay with 500 (replay_failed).
+	Body(ctx context.Context, ref string) ([]byte, error)
+}
+
+// Stale describes a key whose lease ran out (lease mode): an earlier attempt began
+// and did not settle. It crashed, outlived its lease, or answered with a status that
+// is not final; it may have called the provider.
+type Stale struct {
+	Request   *http.Request
+	Operation string
+	Tenant    string
+	Key       string
+	// Fence is this attempt's fence (the lease was taken over with fence + 1).
+	Fence int64
+}
+
+// Config configures a Middleware.
+type Config struct {
+	// Pool runs the transactions. Required. Each request holds one connection from
+	// its claim to its commit (and while it waits for a concurrent request with the
+	// same key), so size it for the requests in flight.
+	Pool *pgxpool.Pool
+	// Schema holds the idem tables (default "idem"), migrated to 003 or later.
+	Schema string
+
+	// KeyHeader names the key's header (default "Idempotency-Key"). A value in
+	// quotes is read as a Structured Field string, as the IETF draft writes it;
+	// otherwise the value is the key. Keys follow the inbox rules: 1..512 bytes of
+	// UTF-8.
+	KeyHeader string
+	// KeyOptional lets a request without the key through: it runs once per request,
+	// in a transaction, with nothing stored. By default a missing key is a 400.
+	// Route.KeyOptional sets it per route.
+	KeyOptional bool
+	// Operation names a request's operation, the inbox consumer its key lives
+	// under, so keys never collide across operations. Default: DefaultOperation,
+	// the method and the http.ServeMux pattern (r.Pattern). For another router,
+	// return its route template (chi: chi.RouteContext(r.Context()).RoutePattern()),
+	// never the raw path.
+	Operation func(r *http.Request) (string, error)
+	// Tenant, if set, scopes keys: it returns the authenticated principal's tenant,
+	// and two tenants' equal keys are two requests. An error answers 400
+	// (tenant_invalid); authenticate before this middleware.
+	Tenant func(r *http.Request) (string, error)
+	// Fingerprint, if set, replaces the default fingerprint (DefaultFingerprint over
+	// Fields). It gets a clone of the request without the Authorization, Cookie and
+	// key headers, and the body. An error answers 400 (fingerprint_failed).
+	Fingerprint func(r *http.Request, body []byte) ([]byte, error)
+	// Fields chooses the JSON fields the default fingerprint covers.
+	Fields inbox.JSONOptions
+
+	// FinalStatus reports whether a status is stored and replayed (default
+	// DefaultFinalStatus). 5xx statuses are never final, whatever it says.
+	FinalStatus func(status int) bool
+	// StoredHeaders are the response headers stored and replayed (default
+	// DefaultStoredHeaders). Content-Length is always computed.
+	StoredHeaders []string
+	// MaxRequestBody is the largest request body (default 1 MiB); a larger one is
+	// answered 413 before anything runs.
+	MaxRequestBody int64
+	// MaxResponseBody is the largest response body (default 1 MiB, at most 64 MiB).
+	// A handler that writes more is rolled back and answered 500
+	// (response_too_large): an answer that cannot be stored cannot be promised.
+	// Use a BodyReferencer for large bodies.
+	MaxResponseBody int
+	// BodyReference, if set, stores references instead of 2xx and 3xx bodies.
+	BodyReference BodyReferencer
+
+	// Wait bounds the wait for a concurrent request with the same key (default
+	// 2 s); past it the answer is 409 with Retry-After.
+	Wait time.Duration
+	// RetryAfter is the Retry-After of 409 and 503 answers (default 1 s).
+	RetryAfter time.Duration
+	// Retention is how long keys and responses live (default 24 h).
+	Retention time.Duration
+
+	// LeaseDuration is the lease of a key in lease mode (default 30 s). It must
+	// exceed the handler's longest run.
+	LeaseDuration time.Duration
+	// Recover decides, in lease mode, what to do with a key whose lease ran out
+	// (see Stale). Return a Response to settle the key with it (you asked the
+	// provider and it had done the work), or nil to run the handler again. An error
+	// answers 503 and leaves the key to a later retry. Default: run again.
+	Recover func(ctx context.Context, s Stale) (*Response, error)
+
+	// EffectKinds, if set, are the only kinds effects.Enqueue accepts in handlers.
+	EffectKinds []string
+	// Logger gets structured logs (nil: quiet). Bodies are never logged.
+	Logger *slog.Logger
+	// Registerer gets the idem_http_* collectors (nil: not registered).
+	Registerer prometheus.Registerer
+}
+
+func (c *Config) setDefaults() {
+	c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
+	c.KeyHeader = http.CanonicalHeaderKey(cmp.Or(c.KeyHeader, DefaultKeyHeader))
+	if c.Operation == nil {
+		c.Operation = DefaultOperation
+	}
+	if c.FinalStatus == nil {
+		c.FinalStatus = DefaultFinalStatus
+	}
+	if c.StoredHeaders == nil {
+		c.StoredHeaders = DefaultStoredHeaders
+	}
+	c.MaxRequestBody = cmp.Or(c.MaxRequestBody, DefaultMaxRequestBody)
+	c.MaxResponseBody = cmp.Or(c.MaxResponseBody, DefaultMaxResponseBody)
+	c.Wait = cmp.Or(c.Wait, DefaultWait)
+	c.RetryAfter = cmp.Or(c.RetryAfter, DefaultRetryAfter)
+	c.Retention = cmp.Or(c.Retention, DefaultRetention)
+	c.LeaseDuration = cmp.Or(c.LeaseDuration, DefaultLease)
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+// Validate checks the config after defaults.
+func (c *Config) Validate() error {
+	if c.Pool == nil {
+		return errors.New("Pool is required")
+	}
+	if err := inbox.ValidateSchema(c.Schema); err != nil {
+		return err
+	}
+	if c.KeyHeader == "" || strings.ContainsAny(c.KeyHeader, " \t\r\n:") {
+		return fmt.Errorf("KeyHeader %q is not a header name", c.KeyHeader)
+	}
+	switch c.KeyHeader {
+	case "Authorization", "Cookie", "Content-Type", "Content-Length":
+		return fmt.Errorf("KeyHeader %q is not a key header", c.KeyHeader)
+	}
+	if c.MaxRequestBody < 0 {
+		return fmt.Errorf("MaxRequestBody %d is negative", c.MaxRequestBody)
+	}
+	if c.MaxResponseBody < 0 || c.MaxResponseBody > MaxStoredBody {
+		return fmt.Errorf("MaxResponseBody %d is outside 0..%d", c.MaxResponseBody, MaxStoredBody)
+	}
+	if c.Wait < time.Millisecond {
+		return fmt.Errorf("Wait %s is under a millisecond", c.Wait)
+	}
+	if c.RetryAfter < 0 {
+		return fmt.Errorf("RetryAfter %s is negative", c.RetryAfter)
+	}
+	if c.Retention < time.Minute {
+		return fmt.Errorf("Retention %s is under a minute; it must exceed the longest time a client retries", c.Retention)
+	}
+	if c.LeaseDuration < 10*time.Millisecond {
+		return fmt.Errorf("LeaseDuration %s is under 10 ms", c.LeaseDuration)
+	}
+	for _, h := range c.StoredHeaders {
+		switch http.CanonicalHeaderKey(h) {
+		case "Content-Length", "Transfer-Encoding", "Connection", ReplayedHeader:
+			return fmt.Errorf("StoredHeaders: %q is computed on every answer, never stored", h)
+		}
+	}
+	return nil
+}
+
+// Route overrides the Config for one route.
+type Route struct {
+	// Operation names this route's operation (instead of Config.Operation). With it
+	// set, the route's metrics exist from the start.
+	Operation string
+	// KeyOptional lets requests without the key through (see Config.KeyOptional).
+	KeyOptional bool
+	// Lease runs this route in lease mode: the key commits first as in progress,
+	// with a lease and a fence, for handlers that call a provider themselves. See
+	// the package documentation for what it cannot promise.
+	Lease bool
+}
+
+// DefaultOperation is the method and the http.ServeMux route pattern
+// ("POST /payments/{id}/refunds"); a pattern that names its method is used as it
+// is. Without a pattern (the middleware wraps the whole mux, or another router) it
+// fails with ErrNoOperation: wrap each route's handler, or set Config.Operation.
+func DefaultOperation(r *http.Request) (string, error) {
+	if r.Pattern == "" {
+		return "", ErrNoOperation
+	}
+	if strings.HasPrefix(r.Pattern, r.Method+" ") {
+		return r.Pattern, nil
+	}
+	if i := strings.IndexByte(r.Pattern, ' '); i > 0 && !strings.Contains(r.Pattern[:i], "/") {
+		return r.Pattern, nil // "GET /items" also serves HEAD
+	}
+	return r.Method + " " + r.Pattern, nil
+}

@@ -1,0 +1,11 @@
+package httpidem
+
+import "net/http"
+
+// SetAfterCommit sets a function that runs after each commit and before the answer
+// is written: the crash test kills the server there.
+func SetAfterCommit(m *Middleware, f func(r *http.Request)) { m.afterCommit = f }
+
+// SetOnLeaseWait sets a function that runs when a lease-mode request finds the key
+// held and starts to wait.
+func SetOnLeaseWait(m *Middleware, f func(r *http.Request)) { m.onLeaseWait = f }

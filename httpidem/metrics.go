@@ -1,0 +1,136 @@
+package httpidem
+
+import (
+	"errors"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Outcomes: the outcome label of idem_http_requests_total.
+const (
+	// OutcomeCommitted: the handler's work and its final success response committed.
+	OutcomeCommitted = "committed"
+	// OutcomeFailed: a final client error (400, 422) was stored; the work rolled back.
+	OutcomeFailed = "failed"
+	// OutcomeReplayed: a stored response was sent again.
+	OutcomeReplayed = "replayed"
+	// OutcomeMismatch: the key came with a different request (422).
+	OutcomeMismatch = "mismatch"
+	// OutcomeInProgress: the key was busy past the wait (409).
+	OutcomeInProgress = "in_progress"
+	// OutcomeNotFinal: the handler answered a status that is not final (5xx, 409,
+	// 429, …); its work rolled back and nothing was stored.
+	OutcomeNotFinal = "not_final"
+	// OutcomePanic: the handler panicked; its work rolled back.
+	OutcomePanic = "panic"
+	// OutcomeDisconnected: the client went away before the commit; rolled back.
+	OutcomeDisconnected = "disconnected"
+	// OutcomeTimeout: the request's deadline passed before the commit; rolled back.
+	OutcomeTimeout = "timeout"
+	// OutcomeRejected: the request was refused before anything ran (missing or
+	// invalid key, tenant, body not JSON, body too large).
+	OutcomeRejected = "rejected"
+	// OutcomeError: the database or the configuration failed (5xx problem).
+	OutcomeError = "error"
+	// OutcomeUnkeyed: a request without a key on a route where the key is optional.
+	OutcomeUnkeyed = "unkeyed"
+	// OutcomeRecovered: Config.Recover settled a stale key without running the
+	// handler.
+	OutcomeRecovered = "recovered"
+)
+
+var allOutcomes = []string{OutcomeCommitted, OutcomeFailed, OutcomeReplayed, OutcomeMismatch, OutcomeInProgress,
+	OutcomeNotFinal, OutcomePanic, OutcomeDisconnected, OutcomeTimeout, OutcomeRejected, OutcomeError,
+	OutcomeUnkeyed, OutcomeRecovered}
+
+// Stale-lease decisions: the decision label of idem_http_stale_leases_total.
+var staleDecisions = []string{"rerun", "recovered", "error"}
+
+// metrics are the middleware's Prometheus collectors. Middlewares on one registry
+// share them; the operation label tells routes apart.
+type metrics struct {
+	requests  *prometheus.CounterVec
+	replayAge *prometheus.HistogramVec
+	lockWait  *prometheus.HistogramVec
+	expired   *prometheus.CounterVec
+	stale     *prometheus.CounterVec
+	seen      sync.Map // operations whose series exist
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_http_requests_total",
+			Help: "HTTP requests through the idempotency-key middleware, by operation and outcome.",
+		}, []string{"operation", "outcome"}),
+		replayAge: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idem_http_replay_age_seconds",
+			Help:    "How long after the first answer a replay came; compare with the retention.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 4, 14),
+		}, []string{"operation"}),
+		lockWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "idem_http_lock_wait_seconds",
+			Help:    "Time to claim a key, including the wait for a concurrent request with the same key.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10),
+		}, []string{"operation"}),
+		expired: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_http_expired_keys_total",
+			Help: "Keys reused after their retention; the request ran as new.",
+		}, []string{"operation"}),
+		stale: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_http_stale_leases_total",
+			Help: "Lease-mode keys taken over after their lease ran out, by what Recover decided.",
+		}, []string{"operation", "decision"}),
+	}
+	var err error
+	if m.requests, err = registerAs(reg, m.requests); err != nil {
+		return nil, err
+	}
+	if m.replayAge, err = registerAs(reg, m.replayAge); err != nil {
+		return nil, err
+	}
+	if m.lockWait, err = registerAs(reg, m.lockWait); err != nil {
+		return nil, err
+	}
+	if m.expired, err = registerAs(reg, m.expired); err != nil {
+		return nil, err
+	}
+	if m.stale, err = registerAs(reg, m.stale); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// init creates every series of an operation at 0, so that dashboards and rate()
+// see them before the first event.
+func (m *metrics) init(op string) {
+	if _, seen := m.seen.LoadOrStore(op, true); seen {
+		return
+	}
+	for _, o := range allOutcomes {
+		m.requests.WithLabelValues(op, o)
+	}
+	for _, d := range staleDecisions {
+		m.stale.WithLabelValues(op, d)
+	}
+	m.replayAge.WithLabelValues(op)
+	m.lockWait.WithLabelValues(op)
+	m.expired.WithLabelValues(op)
+}
+
+// registerAs registers c, or returns the collector already registered under the
+// same name, so that two middlewares on one registry share their metrics.
+func registerAs[T prometheus.Collector](reg prometheus.Registerer, c T) (T, error) {
+	if reg == nil {
+		return c, nil
+	}
+	err := reg.Register(c)
+	var are prometheus.AlreadyRegisteredError
+	if errors.As(err, &are) {
+		if existing, ok := are.ExistingCollector.(T); ok {
+			return existing, nil
+		}
+	}
+	return c, err
+}

@@ -1,0 +1,537 @@
+package httpidem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"runtime/debug"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
+)
+
+// Middleware is the Idempotency-Key middleware. Wrap each route's handler with
+// Middleware (or Route, for per-route options). It is safe for concurrent use.
+type Middleware struct {
+	cfg            Config
+	store          *inbox.Store
+	metrics        *metrics
+	log            *slog.Logger
+	lockTimeoutSQL string
+
+	// afterCommit, if set, runs after a commit and before the answer is written
+	// (tests kill the process there).
+	afterCommit func(r *http.Request)
+	// onLeaseWait, if set, runs when a lease-mode request starts to wait for a held
+	// key (tests).
+	onLeaseWait func(r *http.Request)
+}
+
+// New validates cfg and returns a Middleware.
+func New(cfg Config) (*Middleware, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	store, err := inbox.NewStore(cfg.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	met, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
+	return &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
+		// SET LOCAL takes no bind parameters; the value is an integer we format.
+		lockTimeoutSQL: "SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.Wait.Milliseconds(), 1), 10),
+	}, nil
+}
+
+// Middleware wraps one route's handler with the Config's defaults. It is a
+// func(http.Handler) http.Handler, for http.ServeMux, chi's With and the like.
+func (m *Middleware) Middleware(next http.Handler) http.Handler { return m.Route(Route{})(next) }
+
+// Route returns the middleware with rt's options for one route. It panics if
+// rt.Operation is not a valid inbox consumer name, as http.ServeMux panics on a bad
+// pattern: it is a programming error, found at start-up.
+func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
+	if rt.Operation != "" {
+		if err := inbox.ValidateConsumer(rt.Operation); err != nil {
+			panic(fmt.Sprintf("httpidem: Route.Operation %q: %v", rt.Operation, err))
+		}
+		m.metrics.init(rt.Operation)
+	}
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(rt, next, w, r) })
+	}
+}
+
+type txKey struct{}
+
+type keyKey struct{}
+
+// ownedTx is the transaction a handler sees: idem commits it after the response is
+// stored in it, so Commit and Rollback are refused. Answer with a status that is
+// not final (or panic) to roll back.
+type ownedTx struct{ pgx.Tx }
+
+// ErrTxOwned: the handler called Commit or Rollback on the transaction idem gave it.
+var ErrTxOwned = errors.New("idem: the request's transaction belongs to httpidem: answer with a final status to commit, with any other status to roll back")
+
+func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
+func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
+
+// Tx returns the transaction idem opened for the request being handled, or nil
+// outside idem. Business writes and effects.Enqueue go through it; it commits with
+// the stored response.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	return tx
+}
+
+// KeyFrom returns the request's inbox identity (operation, tenant, key), for a
+// handler to pass on as the idempotency key of a provider it calls. The second
+// result is false for a request without a key.
+func KeyFrom(ctx context.Context) (inbox.ID, bool) {
+	id, ok := ctx.Value(keyKey{}).(inbox.ID)
+	return id, ok
+}
+
+// request is one keyed request on its way through the inbox.
+type request struct {
+	w     http.ResponseWriter
+	r     *http.Request
+	next  http.Handler
+	body  []byte
+	claim inbox.Claim
+}
+
+func (q *request) attrs() []any {
+	return []any{"operation", q.claim.Consumer, "tenant", q.claim.Tenant, "key", q.claim.Key}
+}
+
+func (m *Middleware) count(op, outcome string) {
+	m.metrics.requests.WithLabelValues(op, outcome).Inc()
+}
+
+func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r *http.Request) {
+	op := rt.Operation
+	if op == "" {
+		var err error
+		if op, err = m.cfg.Operation(r); err == nil {
+			err = inbox.ValidateConsumer(op)
+		}
+		if err != nil {
+			m.log.Error("idem: request without an operation; set Route.Operation or Config.Operation", "err", err, "method", r.Method, "path", r.URL.Path)
+			writeProblem(w, CodeNoOperation, "the server cannot name this request's operation", 0)
+			return
+		}
+	}
+	m.metrics.init(op)
+
+	key, err := parseKey(r.Header.Values(m.cfg.KeyHeader))
+	switch {
+	case errors.Is(err, errKeyAbsent):
+		if rt.KeyOptional || m.cfg.KeyOptional {
+			m.serveUnkeyed(op, next, w, r)
+			return
+		}
+		m.reject(w, op, CodeKeyMissing, "send an "+m.cfg.KeyHeader+" header: a unique value (a UUID) per operation, the same on every retry of it")
+		return
+	case err != nil:
+		m.reject(w, op, CodeKeyInvalid, err.Error())
+		return
+	}
+	q := &request{w: w, r: r, next: next, claim: inbox.Claim{ID: inbox.ID{Consumer: op, Key: key}, Retention: m.cfg.Retention}}
+	if m.cfg.Tenant != nil {
+		tenant, err := m.cfg.Tenant(r)
+		if err == nil {
+			err = inbox.ValidateTenant(tenant)
+		}
+		if err != nil {
+			m.log.Info("idem: tenant refused", append(q.attrs(), "err", err)...)
+			m.reject(w, op, CodeTenantInvalid, "the request's tenant could not be determined")
+			return
+		}
+		q.claim.Tenant = tenant
+	}
+	if q.body, err = readBody(r, m.cfg.MaxRequestBody); err != nil {
+		if errors.Is(err, errBodyTooLarge) {
+			m.reject(w, op, CodeRequestTooLarge, fmt.Sprintf("the body is over %d bytes; nothing was run", m.cfg.MaxRequestBody))
+		} else {
+			m.reject(w, op, CodeBodyUnreadable, "the request body could not be read")
+		}
+		return
+	}
+	if m.cfg.Fingerprint != nil {
+		q.claim.Fingerprint, err = m.cfg.Fingerprint(fingerprintView(r, m.cfg.KeyHeader), q.body)
+		if err != nil {
+			m.log.Info("idem: fingerprint failed", append(q.attrs(), "err", err)...)
+			m.reject(w, op, CodeFingerprintFailed, "the request cannot be fingerprinted")
+			return
+		}
+	} else if q.claim.Fingerprint, err = DefaultFingerprint(m.cfg.Fields)(r, q.body); err != nil {
+		m.reject(w, op, CodeBodyNotJSON, err.Error())
+		return
+	}
+	if rt.Lease {
+		m.serveLease(q)
+		return
+	}
+	m.serveTx(q)
+}
+
+func (m *Middleware) reject(w http.ResponseWriter, op, code, detail string) {
+	m.count(op, OutcomeRejected)
+	writeProblem(w, code, detail, 0)
+}
+
+// serveTx is the transactional mode: claim, handler, stored response and commit in
+// one transaction, in as many round trips as a bare handler's BEGIN, write and
+// COMMIT: BEGIN goes with the claim, COMMIT with the stored response. The answer
+// goes out after the commit.
+func (m *Middleware) serveTx(q *request) {
+	ctx := q.r.Context()
+	tx, err := acquireTx(ctx, m.cfg.Pool)
+	if err != nil {
+		m.dbFailed(q, "acquire a connection", err)
+		return
+	}
+	defer tx.release(ctx)
+	start := time.Now()
+	res, err := m.store.ClaimResponseTx(ctx, tx, []string{beginSQL, m.lockTimeoutSQL}, q.claim)
+	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
+	if err != nil {
+		m.dbFailed(q, "claim", err)
+		return
+	}
+	m.noteExpired(q, res)
+	if !res.Claimed {
+		tx.release(ctx)
+		m.answerExisting(q, res)
+		return
+	}
+
+	resp := m.run(q, tx, nil)
+	if resp == nil {
+		return
+	}
+	switch {
+	case m.success(resp.Status):
+		stored, err := m.toStored(q, tx, resp)
+		if err != nil {
+			m.saveFailed(q, err)
+			return
+		}
+		if err := ctx.Err(); err != nil {
+			m.ended(q, err)
+			return
+		}
+		// Never cancelled once sent: a client leaving mid-commit must not turn a
+		// commit into an unknown.
+		err = m.store.SaveResponseCommit(context.WithoutCancel(ctx), tx.conn, q.claim.ID, stored)
+		m.committed(q, resp, err, OutcomeCommitted)
+	case m.final(resp.Status):
+		tx.release(ctx)
+		m.storeFailure(q, resp)
+	default:
+		tx.release(ctx)
+		m.notFinal(q, resp)
+	}
+}
+
+// committed answers after a commit attempt: the response if it committed, 503 if
+// the outcome is unknown, 500 if the response was not saved (nothing committed).
+func (m *Middleware) committed(q *request, resp *Response, err error, outcome string) {
+	switch {
+	case err == nil:
+		if m.afterCommit != nil {
+			m.afterCommit(q.r)
+		}
+		m.count(q.claim.Consumer, outcome)
+		writeResponse(q.w, resp, false)
+	case errors.Is(err, inbox.ErrCommitUnknown):
+		m.count(q.claim.Consumer, OutcomeError)
+		m.log.Warn("idem: COMMIT failed; whether the request took effect is unknown until a retry with the same key",
+			append(q.attrs(), "err", err)...)
+		writeProblem(q.w, CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
+	default:
+		m.saveFailed(q, err)
+	}
+}
+
+// final reports whether a status is stored; 5xx never is.
+func (m *Middleware) final(status int) bool { return status < 500 && m.cfg.FinalStatus(status) }
+
+// success reports whether a status commits the handler's work.
+func (m *Middleware) success(status int) bool { return status < 400 && m.final(status) }
+
+// run runs the handler with tx in its context and returns its response. It returns
+// nil when the response must not be kept, after answering if there is anyone to
+// answer: the request's context ended, the response is too large, or the handler
+// ended or broke the transaction. A panic rolls back, calls abort, and panics on.
+func (m *Middleware) run(q *request, tx pgx.Tx, abort func()) *Response {
+	ctx := q.r.Context()
+	scope := effects.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
+	hctx := context.WithValue(ctx, txKey{}, ownedTx{tx})
+	if q.claim.Key != "" {
+		scope.Source = effects.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
+		hctx = context.WithValue(hctx, keyKey{}, q.claim.ID)
+	}
+	hr := q.r.WithContext(effects.WithScope(hctx, scope))
+	if q.body != nil {
+		hr.Body = io.NopCloser(bytes.NewReader(q.body))
+	}
+	rec := newRecorder(q.w, m.cfg.MaxResponseBody)
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				_ = tx.Rollback(context.WithoutCancel(ctx))
+				if abort != nil {
+					abort()
+				}
+				m.count(q.claim.Consumer, OutcomePanic)
+				if v != http.ErrAbortHandler {
+					m.log.Error("idem: handler panicked; its work is rolled back and nothing is stored",
+						append(q.attrs(), "panic", fmt.Sprint(v), "stack", string(debug.Stack()))...)
+				}
+				panic(v)
+			}
+		}()
+		q.next.ServeHTTP(rec, hr)
+	}()
+
+	switch {
+	case ctx.Err() != nil:
+		m.ended(q, ctx.Err())
+		return nil
+	case rec.overflow:
+		m.count(q.claim.Consumer, OutcomeError)
+		m.log.Error("idem: response over MaxResponseBody; the request is rolled back", append(q.attrs(), "limit", m.cfg.MaxResponseBody)...)
+		writeProblem(q.w, CodeResponseTooLarge, fmt.Sprintf("the response is over %d bytes and cannot be stored; the request was rolled back", m.cfg.MaxResponseBody), 0)
+		return nil
+	}
+	resp := rec.response()
+	if m.final(resp.Status) {
+		// Only a transaction that is still open and healthy can commit what the
+		// handler meant: one it committed, rolled back (raw SQL) or broke with a
+		// failed statement cannot.
+		if st := tx.Conn().PgConn().TxStatus(); st != 'T' {
+			m.count(q.claim.Consumer, OutcomeError)
+			m.log.Error("idem: the handler ended or broke its transaction (raw COMMIT/ROLLBACK, or a failed statement it ignored); nothing is stored",
+				append(q.attrs(), "tx_status", string(st), "status", resp.Status)...)
+			writeProblem(q.w, CodeTransactionEnded, "the request's transaction was ended by the handler; nothing was stored", 0)
+			return nil
+		}
+	}
+	return resp
+}
+
+// ended answers a request whose context ended before the commit: a client that
+// went away gets nothing; a deadline gets a 503 it may still read.
+func (m *Middleware) ended(q *request, err error) {
+	if errors.Is(err, context.DeadlineExceeded) {
+		m.count(q.claim.Consumer, OutcomeTimeout)
+		m.log.Info("idem: request deadline passed before the commit; rolled back", q.attrs()...)
+		writeProblem(q.w, CodeTimeout, "the request took too long and was rolled back; retry with the same key", m.cfg.RetryAfter)
+		return
+	}
+	m.count(q.claim.Consumer, OutcomeDisconnected)
+	m.log.Info("idem: client went away before the commit; rolled back", q.attrs()...)
+}
+
+// toStored is what is stored of resp: the allow-listed headers and the body, or a
+// reference to it.
+func (m *Middleware) toStored(q *request, tx pgx.Tx, resp *Response) (*inbox.Response, error) {
+	stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+	if m.cfg.BodyReference != nil && resp.Status < 400 {
+		ctx := context.WithValue(q.r.Context(), txKey{}, ownedTx{tx})
+		ref, err := m.cfg.BodyReference.Reference(ctx, q.r, resp)
+		if err != nil {
+			return nil, fmt.Errorf("body reference: %w", err)
+		}
+		if ref != "" {
+			if err := inbox.ValidateKey(ref); err != nil {
+				return nil, fmt.Errorf("body reference: %w", err)
+			}
+			stored.BodyRef = ref
+		}
+	}
+	return stored, nil
+}
+
+// saveFailed answers a request whose response could not be stored; tx rolls back.
+func (m *Middleware) saveFailed(q *request, err error) {
+	if q.r.Context().Err() != nil {
+		m.ended(q, q.r.Context().Err())
+		return
+	}
+	m.count(q.claim.Consumer, OutcomeError)
+	m.log.Error("idem: the response could not be stored; the request is rolled back", append(q.attrs(), "err", err)...)
+	writeProblem(q.w, CodeHandlerFailed, "the response could not be stored; the request was rolled back", 0)
+}
+
+// storeFailure records a final client error with its response, in a transaction of
+// its own after the handler's rolled back; if another request settled the key
+// meanwhile, that outcome is the answer.
+func (m *Middleware) storeFailure(q *request, resp *Response) {
+	ctx := q.r.Context()
+	stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+	var res inbox.ResponseClaim
+	err := pgx.BeginTxFunc(ctx, m.cfg.Pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, m.lockTimeoutSQL); err != nil {
+			return err
+		}
+		var err error
+		res, err = m.store.FailResponseTx(ctx, tx, q.claim, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
+		return err
+	})
+	if err != nil {
+		m.dbFailed(q, "record the final client error", err)
+		return
+	}
+	if !res.Claimed {
+		m.answerExisting(q, res)
+		return
+	}
+	m.count(q.claim.Consumer, OutcomeFailed)
+	writeResponse(q.w, resp, false)
+}
+
+// notFinal sends a response that is not stored; its work was rolled back.
+func (m *Middleware) notFinal(q *request, resp *Response) {
+	m.count(q.claim.Consumer, OutcomeNotFinal)
+	m.log.Info("idem: status is not final; the work is rolled back and a retry runs again", append(q.attrs(), "status", resp.Status)...)
+	writeResponse(q.w, resp, false)
+}
+
+// answerExisting answers a request whose key has a row already.
+func (m *Middleware) answerExisting(q *request, res inbox.ResponseClaim) {
+	rec := res.Existing
+	switch {
+	case res.Mismatch:
+		m.count(q.claim.Consumer, OutcomeMismatch)
+		m.log.Warn("idem: key reused with a different request", q.attrs()...)
+		writeProblem(q.w, CodeFingerprintMismatch, "this key was first used with a different request (method, path, query or body); use a new key for a new request", 0)
+	case rec.State == inbox.StateProcessing:
+		m.inProgress(q)
+	case res.Response == nil:
+		m.count(q.claim.Consumer, OutcomeError)
+		m.log.Error("idem: the key has an inbox row without a stored response; does a message consumer use this operation's name?", q.attrs()...)
+		writeProblem(q.w, CodeResponseNotStored, "this key was settled without a stored response", 0)
+	default:
+		m.replay(q, rec, res.Response)
+	}
+}
+
+func (m *Middleware) replay(q *request, rec *inbox.Record, stored *inbox.Response) {
+	body := stored.Body
+	if stored.BodyRef != "" {
+		var err error
+		if m.cfg.BodyReference == nil {
+			err = errors.New("a body reference is stored, but Config.BodyReference is not set")
+		} else {
+			body, err = m.cfg.BodyReference.Body(q.r.Context(), stored.BodyRef)
+		}
+		if err != nil {
+			m.count(q.claim.Consumer, OutcomeError)
+			m.log.Error("idem: stored body reference could not be resolved", append(q.attrs(), "ref", stored.BodyRef, "err", err)...)
+			writeProblem(q.w, CodeReplayFailed, "the stored response cannot be replayed", 0)
+			return
+		}
+	}
+	if rec.CompletedAt != nil {
+		m.metrics.replayAge.WithLabelValues(q.claim.Consumer).Observe(rec.Now.Sub(*rec.CompletedAt).Seconds())
+	}
+	m.count(q.claim.Consumer, OutcomeReplayed)
+	writeResponse(q.w, &Response{Status: stored.Status, Header: http.Header(stored.Header), Body: body}, true)
+}
+
+func (m *Middleware) inProgress(q *request) {
+	m.count(q.claim.Consumer, OutcomeInProgress)
+	writeProblem(q.w, CodeInProgress, "a request with this key is still running; retry after Retry-After", m.cfg.RetryAfter)
+}
+
+func (m *Middleware) noteExpired(q *request, res inbox.ResponseClaim) {
+	if res.ReplacedExpired {
+		m.metrics.expired.WithLabelValues(q.claim.Consumer).Inc()
+		m.log.Info("idem: key reused after its retention; running it as a new request", q.attrs()...)
+	}
+}
+
+// dbFailed answers a request that Postgres failed before anything committed.
+func (m *Middleware) dbFailed(q *request, what string, err error) {
+	if q.r.Context().Err() != nil {
+		m.ended(q, q.r.Context().Err())
+		return
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable {
+		m.inProgress(q) // the wait for a concurrent request with the key ran out
+		return
+	}
+	m.count(q.claim.Consumer, OutcomeError)
+	if errors.Is(err, inbox.ErrSchemaMissing) {
+		m.log.Error("idem: "+what+" failed: the idem tables are missing; run `idem migrate up`", append(q.attrs(), "err", err)...)
+	} else {
+		m.log.Warn("idem: "+what+" failed; nothing ran", append(q.attrs(), "err", err)...)
+	}
+	writeProblem(q.w, CodeDatabaseUnavailable, "the request could not be run now; retry with the same key", m.cfg.RetryAfter)
+}
+
+// serveUnkeyed runs a request without a key on a route where the key is optional:
+// in a transaction, committed before the answer, with nothing stored.
+func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseWriter, r *http.Request) {
+	q := &request{w: w, r: r, next: next, claim: inbox.Claim{ID: inbox.ID{Consumer: op}}}
+	ctx := r.Context()
+	tx, err := m.begin(ctx)
+	if err != nil {
+		m.dbFailed(q, "begin", err)
+		return
+	}
+	defer tx.release(ctx)
+	resp := m.run(q, tx, nil)
+	if resp == nil {
+		return
+	}
+	if !m.success(resp.Status) {
+		tx.release(ctx)
+		m.notFinal(q, resp)
+		return
+	}
+	if err := ctx.Err(); err != nil {
+		m.ended(q, err)
+		return
+	}
+	if err := tx.Commit(context.WithoutCancel(ctx)); err != nil {
+		m.count(op, OutcomeError)
+		m.log.Warn("idem: COMMIT failed for a request without a key; its outcome is unknown", "operation", op, "err", err)
+		writeProblem(w, CodeCommitUnknown, "the outcome is unknown", m.cfg.RetryAfter)
+		return
+	}
+	m.count(op, OutcomeUnkeyed)
+	writeResponse(w, resp, false)
+}
+
+// begin acquires a connection and begins a transaction on it.
+func (m *Middleware) begin(ctx context.Context) (*connTx, error) {
+	tx, err := acquireTx(ctx, m.cfg.Pool)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.conn.Exec(ctx, beginSQL); err != nil {
+		tx.release(ctx)
+		return nil, err
+	}
+	return tx, nil
+}

@@ -1,0 +1,132 @@
+package httpidem
+
+import (
+	"encoding/json"
+	"errors"
+	"math"
+	"net/http"
+	"strconv"
+	"time"
+)
+
+// ReplayedHeader marks a replayed response: "Idempotent-Replayed: true".
+const ReplayedHeader = "Idempotent-Replayed"
+
+// ProblemTypePrefix starts the "type" of every problem idem answers with; the code
+// follows it ("urn:idem:problem:fingerprint_mismatch").
+const ProblemTypePrefix = "urn:idem:problem:"
+
+// Problem codes: the stable "code" member of idem's RFC 9457 answers (and the type's
+// last part). Clients and dashboards match on these, never on the text.
+const (
+	// CodeKeyMissing (400): the route requires the key header and it is absent.
+	CodeKeyMissing = "idempotency_key_missing"
+	// CodeKeyInvalid (400): the key is empty, over 512 bytes, not UTF-8, sent
+	// twice, or a malformed quoted string.
+	CodeKeyInvalid = "idempotency_key_invalid"
+	// CodeTenantInvalid (400): Config.Tenant failed or gave an invalid tenant.
+	CodeTenantInvalid = "tenant_invalid"
+	// CodeBodyNotJSON (400): the body says it is JSON and is not (duplicate member
+	// names included), so it cannot be fingerprinted.
+	CodeBodyNotJSON = "body_not_json"
+	// CodeFingerprintFailed (400): Config.Fingerprint returned an error.
+	CodeFingerprintFailed = "fingerprint_failed"
+	// CodeBodyUnreadable (400): reading the request body failed.
+	CodeBodyUnreadable = "request_body_unreadable"
+	// CodeRequestTooLarge (413): the body is over Config.MaxRequestBody; nothing ran.
+	CodeRequestTooLarge = "request_too_large"
+	// CodeFingerprintMismatch (422): the key was used with a different request.
+	CodeFingerprintMismatch = "fingerprint_mismatch"
+	// CodeInProgress (409, Retry-After): a request with the same key is running.
+	CodeInProgress = "request_in_progress"
+	// CodeResponseTooLarge (500): the handler wrote more than MaxResponseBody; its
+	// work was rolled back.
+	CodeResponseTooLarge = "response_too_large"
+	// CodeTransactionEnded (500): the handler committed, rolled back or broke the
+	// transaction idem gave it; nothing was stored.
+	CodeTransactionEnded = "transaction_ended"
+	// CodeNoOperation (500): the request has no operation (see ErrNoOperation).
+	CodeNoOperation = "operation_unknown"
+	// CodeResponseNotStored (500): the key has a row without a stored response
+	// (a message consumer shares the operation's name, or migration 003 came
+	// after the row).
+	CodeResponseNotStored = "response_not_stored"
+	// CodeReplayFailed (500): the BodyReferencer could not resolve a stored
+	// reference.
+	CodeReplayFailed = "replay_failed"
+	// CodeHandlerFailed (500): storing the response or the body reference failed.
+	CodeHandlerFailed = "response_not_saved"
+	// CodeCommitUnknown (503, Retry-After): COMMIT failed, so whether the request
+	// took effect is unknown; a retry with the same key settles it.
+	CodeCommitUnknown = "commit_unknown"
+	// CodeDatabaseUnavailable (503, Retry-After): Postgres could not be reached or
+	// the idem tables are missing; nothing ran.
+	CodeDatabaseUnavailable = "database_unavailable"
+	// CodeTimeout (503, Retry-After): the request's context ended (a deadline)
+	// before the commit; its work was rolled back.
+	CodeTimeout = "request_timeout"
+	// CodeRecoveryFailed (503, Retry-After): Config.Recover failed on a stale key.
+	CodeRecoveryFailed = "recovery_failed"
+)
+
+// ErrNoOperation: the request has no route pattern to name its operation by.
+var ErrNoOperation = errors.New("idem: no operation: the request has no http.ServeMux pattern (wrap each route's handler, not the mux) and Config.Operation is not set")
+
+// Problem is an RFC 9457 problem details object, as idem writes it.
+type Problem struct {
+	Type   string `json:"type"`
+	Title  string `json:"title"`
+	Status int    `json:"status"`
+	Detail string `json:"detail,omitempty"`
+	// Code is the stable code (the Code* constants).
+	Code string `json:"code"`
+}
+
+var problemStatus = map[string]int{
+	CodeKeyMissing: 400, CodeKeyInvalid: 400, CodeTenantInvalid: 400, CodeBodyNotJSON: 400,
+	CodeFingerprintFailed: 400, CodeBodyUnreadable: 400, CodeRequestTooLarge: 413,
+	CodeFingerprintMismatch: 422, CodeInProgress: 409, CodeResponseTooLarge: 500,
+	CodeTransactionEnded: 500, CodeNoOperation: 500, CodeResponseNotStored: 500, CodeReplayFailed: 500,
+	CodeHandlerFailed: 500, CodeCommitUnknown: 503, CodeDatabaseUnavailable: 503, CodeTimeout: 503,
+	CodeRecoveryFailed: 503,
+}
+
+var problemTitle = map[string]string{
+	CodeKeyMissing:          "Idempotency-Key header required",
+	CodeKeyInvalid:          "Idempotency-Key header invalid",
+	CodeTenantInvalid:       "Tenant invalid",
+	CodeBodyNotJSON:         "Request body is not valid JSON",
+	CodeFingerprintFailed:   "Request cannot be fingerprinted",
+	CodeBodyUnreadable:      "Request body unreadable",
+	CodeRequestTooLarge:     "Request body too large",
+	CodeFingerprintMismatch: "Idempotency key reused with a different request",
+	CodeInProgress:          "A request with this idempotency key is in progress",
+	CodeResponseTooLarge:    "Response too large to store",
+	CodeTransactionEnded:    "Handler ended the request's transaction",
+	CodeNoOperation:         "Operation unknown",
+	CodeResponseNotStored:   "No stored response for this idempotency key",
+	CodeReplayFailed:        "Stored response cannot be replayed",
+	CodeHandlerFailed:       "Response not saved",
+	CodeCommitUnknown:       "Outcome unknown",
+	CodeDatabaseUnavailable: "Service unavailable",
+	CodeTimeout:             "Request timed out",
+	CodeRecoveryFailed:      "Recovery of an interrupted request failed",
+}
+
+// retryAfterCodes get a Retry-After header.
+var retryAfterCodes = map[string]bool{CodeInProgress: true, CodeCommitUnknown: true, CodeDatabaseUnavailable: true, CodeTimeout: true, CodeRecoveryFailed: true}
+
+// writeProblem answers with the problem for code.
+func writeProblem(w http.ResponseWriter, code, detail string, retryAfter time.Duration) {
+	p := Problem{Type: ProblemTypePrefix + code, Title: problemTitle[code], Status: problemStatus[code], Detail: detail, Code: code}
+	body, _ := json.Marshal(p)
+	h := w.Header()
+	h.Set("Content-Type", "application/problem+json")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	h.Del(ReplayedHeader)
+	if retryAfterCodes[code] {
+		h.Set("Retry-After", strconv.Itoa(int(math.Ceil(max(retryAfter, time.Second).Seconds()))))
+	}
+	w.WriteHeader(p.Status)
+	_, _ = w.Write(body)
+}

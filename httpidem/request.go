@@ -1,0 +1,157 @@
+package httpidem
+
+import (
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"net/url"
+	"strings"
+
+	"github.com/idemkit/idem/inbox"
+)
+
+// errKeyAbsent: the request has no key header.
+var errKeyAbsent = errors.New("no key header")
+
+// parseKey reads the key from the request's header values. One value is allowed. A
+// value in double quotes is an RFC 8941 sf-string (the draft's form): the quotes
+// go, `\"` and `\\` are unescaped, and only printable ASCII may appear. Anything
+// else is the key as it is.
+func parseKey(values []string) (string, error) {
+	switch len(values) {
+	case 0:
+		return "", errKeyAbsent
+	case 1:
+	default:
+		return "", fmt.Errorf("%d key headers; send one", len(values))
+	}
+	v := strings.Trim(values[0], " \t")
+	if strings.HasPrefix(v, `"`) {
+		var b strings.Builder
+		for i := 1; i < len(v); i++ {
+			c := v[i]
+			switch {
+			case c == '"':
+				if i != len(v)-1 {
+					return "", errors.New("data after the closing quote")
+				}
+				return b.String(), inbox.ValidateKey(b.String())
+			case c == '\\':
+				i++
+				if i >= len(v) || v[i] != '"' && v[i] != '\\' {
+					return "", errors.New(`a quoted key may escape only " and \`)
+				}
+				b.WriteByte(v[i])
+			case c < 0x20 || c > 0x7e:
+				return "", errors.New("a quoted key holds only printable ASCII")
+			default:
+				b.WriteByte(c)
+			}
+		}
+		return "", errors.New("no closing quote")
+	}
+	return v, inbox.ValidateKey(v)
+}
+
+// errBodyTooLarge: the body is over the limit.
+var errBodyTooLarge = errors.New("request body too large")
+
+// readBody reads the whole body, up to limit bytes.
+func readBody(r *http.Request, limit int64) ([]byte, error) {
+	if r.ContentLength > limit {
+		return nil, errBodyTooLarge
+	}
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, nil
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(body)) > limit {
+		return nil, errBodyTooLarge
+	}
+	return body, nil
+}
+
+// ErrBodyNotJSON is what the default fingerprint returns for a body that declares
+// a JSON media type and is not JSON; it wraps inbox.ErrNotJSON.
+var ErrBodyNotJSON = inbox.ErrNotJSON
+
+// DefaultFingerprint returns the default fingerprint: sha256 over the method, the
+// escaped path, the query (its parameters sorted by name) and the body. A body that
+// is JSON counts by its canonical form with exact numbers (inbox.Canonicalize, with
+// the fields chosen by opts), whatever its Content-Type says (curl -d sends JSON as
+// a form); a body that declares a JSON media type and is not JSON is an error
+// (ErrBodyNotJSON); a form (application/x-www-form-urlencoded) counts by its fields
+// sorted by name; any other body counts byte for byte, with its media type.
+// Headers never count: not Authorization, not the key, not a trace ID.
+//
+// The path is there because the operation is the route template: POST
+// /accounts/1/payments and POST /accounts/2/payments are one operation, and the
+// same key and body on both are two different commands.
+func DefaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byte) ([]byte, error) {
+	return func(r *http.Request, body []byte) ([]byte, error) {
+		h := sha256.New()
+		field := func(s string) {
+			fmt.Fprintf(h, "%d:%s\x00", len(s), s)
+		}
+		field("idem-http-1")
+		field(r.Method)
+		field(r.URL.EscapedPath())
+		field(sortedQuery(r.URL.RawQuery))
+		mediaType := ""
+		if ct := r.Header.Get("Content-Type"); ct != "" {
+			mt, _, err := mime.ParseMediaType(ct)
+			if err != nil {
+				mt = strings.ToLower(strings.TrimSpace(ct))
+			}
+			mediaType = mt
+		}
+		if len(body) == 0 {
+			field("empty")
+			return h.Sum(nil), nil
+		}
+		canon, err := inbox.Canonicalize(body, opts)
+		switch {
+		case err == nil:
+			field("json")
+			field(string(canon))
+		case mediaType == "application/json" || strings.HasSuffix(mediaType, "+json"):
+			return nil, err
+		case mediaType == "application/x-www-form-urlencoded":
+			field("form")
+			field(sortedQuery(string(body)))
+		default:
+			field("raw")
+			field(mediaType)
+			field(string(body))
+		}
+		return h.Sum(nil), nil
+	}
+}
+
+// sortedQuery is a query or form with its parameters sorted by name (values keep
+// their order), or the text as it is if it does not parse.
+func sortedQuery(raw string) string {
+	q, err := url.ParseQuery(raw)
+	if err != nil {
+		return raw
+	}
+	return q.Encode()
+}
+
+// fingerprintView is the request a custom fingerprint sees: a clone without the
+// headers that never belong in a fingerprint.
+func fingerprintView(r *http.Request, keyHeader string) *http.Request {
+	c := r.Clone(r.Context())
+	c.Header.Del("Authorization")
+	c.Header.Del("Proxy-Authorization")
+	c.Header.Del("Cookie")
+	c.Header.Del(keyHeader)
+	c.Body = http.NoBody
+	return c
+}

@@ -1,0 +1,182 @@
+package httpidem
+
+import (
+	"context"
+	"strconv"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// connTx is a transaction on one connection of the pool, which idem begins and
+// ends in the round trips of its own statements: BEGIN goes with the claim, and
+// COMMIT with the stored response. pgx's Tx sends BEGIN and COMMIT each on a
+// round trip of its own, which made a request cost two more round trips than a
+// bare handler's. The handler sees it as a pgx.Tx.
+type connTx struct {
+	pc   *pgxpool.Conn
+	conn *pgx.Conn
+	sp   int64 // savepoints made so far, for nested Begin
+}
+
+var _ pgx.Tx = (*connTx)(nil)
+
+// beginSQL starts every transaction idem opens: READ COMMITTED, which the claim
+// relies on to see a concurrent winner's row after waiting for it.
+const beginSQL = "begin isolation level read committed"
+
+func acquireTx(ctx context.Context, pool *pgxpool.Pool) (*connTx, error) {
+	pc, err := pool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &connTx{pc: pc, conn: pc.Conn()}, nil
+}
+
+// inTx reports whether the connection is in a transaction (open or failed).
+func (t *connTx) inTx() bool { return t.conn.PgConn().TxStatus() != 'I' }
+
+// release rolls back whatever is still open and gives the connection back. A
+// rollback that fails closes the connection, so it can never go back to the pool
+// inside a transaction.
+func (t *connTx) release(ctx context.Context) {
+	if t.pc == nil {
+		return
+	}
+	if !t.conn.IsClosed() && t.inTx() {
+		if _, err := t.conn.Exec(context.WithoutCancel(ctx), "rollback"); err != nil {
+			_ = t.conn.Close(context.WithoutCancel(ctx))
+		}
+	}
+	t.pc.Release()
+	t.pc = nil
+}
+
+// Begin starts a savepoint, as pgx's nested transactions do.
+func (t *connTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	t.sp++
+	name := "sp_" + strconv.FormatInt(t.sp, 10)
+	if _, err := t.conn.Exec(ctx, "savepoint "+name); err != nil {
+		return nil, err
+	}
+	return &savepointTx{parent: t, name: name}, nil
+}
+
+// Commit commits. A transaction that had failed comes back as
+// pgx.ErrTxCommitRollback; an error from COMMIT closes the connection, since the
+// outcome is unknown.
+func (t *connTx) Commit(ctx context.Context) error {
+	tag, err := t.conn.Exec(ctx, "commit")
+	if err != nil {
+		if !t.conn.IsClosed() && t.inTx() {
+			_ = t.conn.Close(ctx)
+		}
+		return err
+	}
+	if tag.String() == "ROLLBACK" {
+		return pgx.ErrTxCommitRollback
+	}
+	return nil
+}
+
+// Rollback rolls back.
+func (t *connTx) Rollback(ctx context.Context) error {
+	if !t.inTx() {
+		return pgx.ErrTxClosed
+	}
+	_, err := t.conn.Exec(ctx, "rollback")
+	return err
+}
+
+func (t *connTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	return t.conn.CopyFrom(ctx, table, cols, src)
+}
+
+func (t *connTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return t.conn.SendBatch(ctx, b)
+}
+
+// LargeObjects needs a pgx transaction value, which only pgx can make: Begin on a
+// connection already in a transaction only draws a warning from Postgres, so it
+// gives one without ending anything. Its Commit and Rollback must not be used.
+func (t *connTx) LargeObjects() pgx.LargeObjects {
+	inner, err := t.conn.Begin(context.Background())
+	if err != nil {
+		return pgx.LargeObjects{}
+	}
+	return inner.LargeObjects()
+}
+
+func (t *connTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	return t.conn.Prepare(ctx, name, sql)
+}
+
+func (t *connTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return t.conn.Exec(ctx, sql, args...)
+}
+
+func (t *connTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return t.conn.Query(ctx, sql, args...)
+}
+
+func (t *connTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return t.conn.QueryRow(ctx, sql, args...)
+}
+
+func (t *connTx) Conn() *pgx.Conn { return t.conn }
+
+// savepointTx is a nested transaction: a savepoint of its parent.
+type savepointTx struct {
+	parent *connTx
+	name   string
+	closed bool
+}
+
+func (s *savepointTx) Begin(ctx context.Context) (pgx.Tx, error) { return s.parent.Begin(ctx) }
+
+func (s *savepointTx) Commit(ctx context.Context) error {
+	if s.closed {
+		return pgx.ErrTxClosed
+	}
+	s.closed = true
+	_, err := s.parent.conn.Exec(ctx, "release savepoint "+s.name)
+	return err
+}
+
+func (s *savepointTx) Rollback(ctx context.Context) error {
+	if s.closed {
+		return pgx.ErrTxClosed
+	}
+	s.closed = true
+	_, err := s.parent.conn.Exec(ctx, "rollback to savepoint "+s.name)
+	return err
+}
+
+func (s *savepointTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	return s.parent.CopyFrom(ctx, table, cols, src)
+}
+
+func (s *savepointTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return s.parent.SendBatch(ctx, b)
+}
+
+func (s *savepointTx) LargeObjects() pgx.LargeObjects { return s.parent.LargeObjects() }
+
+func (s *savepointTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	return s.parent.Prepare(ctx, name, sql)
+}
+
+func (s *savepointTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return s.parent.Exec(ctx, sql, args...)
+}
+
+func (s *savepointTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return s.parent.Query(ctx, sql, args...)
+}
+
+func (s *savepointTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return s.parent.QueryRow(ctx, sql, args...)
+}
+
+func (s *savepointTx) Conn() *pgx.Conn { return s.parent.conn }

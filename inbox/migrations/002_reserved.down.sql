@@ -1,0 +1,2 @@
+-- Placeholder for version 2; see 002_reserved.up.sql.
+SELECT 1;
