@@ -73,8 +73,15 @@ func (c *claimed) logAttrs() []any {
 	return []any{"kind", c.Kind, "effect_key", c.Key, "attempt", c.Attempt}
 }
 
-// id is the effect's identity, (tenant, kind, key).
-func (c *claimed) id() [3]string { return [3]string{c.Tenant, c.Kind, c.Key} }
+// claimID names one claim of one effect: the effect's identity, (tenant, kind,
+// key), and the claim's fence. One outcome batch may hold two claims of the same
+// effect (the older one's lease ran out and this Dispatcher claimed it again).
+type claimID struct {
+	tenant, kind, key string
+	fence             int64
+}
+
+func (c *claimed) id() claimID { return claimID{c.Tenant, c.Kind, c.Key, c.fence} }
 
 // outcome is what to record for a claim.
 type outcome struct {
@@ -565,7 +572,7 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 // cut after COMMIT was sent): the record statement is idempotent (see queries.go),
 // so the retry changes nothing that the first run changed, and still reports those
 // rows as recorded.
-func (d *Dispatcher) writeOutcomes(batch []outcome) (map[[3]string]bool, error) {
+func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
 	n := len(batch)
 	tenants, kinds, keys, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
 	fences, delays := make([]int64, n), make([]int64, n)
@@ -577,7 +584,7 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[[3]string]bool, error) 
 			errs[i] = &o.err
 		}
 	}
-	applied := make(map[[3]string]bool, n)
+	applied := make(map[claimID]bool, n)
 	err := retryUnless(isDataError, func(ctx context.Context) error {
 		for _, o := range batch {
 			applied[o.c.id()] = false
@@ -591,8 +598,8 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[[3]string]bool, error) 
 		b.Queue(`BEGIN`)
 		b.Queue(`SET LOCAL synchronous_commit = off`)
 		b.Queue(d.q.record, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
-			var k [3]string
-			_, err := pgx.ForEachRow(rows, []any{&k[0], &k[1], &k[2]}, func() error { applied[k] = true; return nil })
+			var k claimID
+			_, err := pgx.ForEachRow(rows, []any{&k.tenant, &k.kind, &k.key, &k.fence}, func() error { applied[k] = true; return nil })
 			return err
 		})
 		b.Queue(`COMMIT`)
@@ -607,8 +614,8 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[[3]string]bool, error) 
 // writeOneByOne records each outcome in a transaction of its own. An outcome whose
 // row is still rejected for its data is written once more without its error text;
 // if even that fails, it is left to its lease (logged), and the others are kept.
-func (d *Dispatcher) writeOneByOne(batch []outcome) map[[3]string]bool {
-	applied := make(map[[3]string]bool, len(batch))
+func (d *Dispatcher) writeOneByOne(batch []outcome) map[claimID]bool {
+	applied := make(map[claimID]bool, len(batch))
 	for _, o := range batch {
 		one, err := d.writeOutcomes([]outcome{o})
 		if err != nil && isDataError(err) && o.err != "" {

@@ -87,8 +87,9 @@ func newQueries(schema string, claimLimit int) queries {
 		// and may already have committed. A row that applies stores its claim's fence
 		// in recorded_fence, and a row whose recorded_fence already holds that fence
 		// is left alone (its attempt is not given back twice) but still reported. The
-		// rows that come back are the ones whose outcome is recorded: the update's
-		// own, and those that an earlier run of the same write recorded. Both halves
+		// rows that come back, with the fence of their claim, are the ones whose
+		// outcome is recorded: the update's own, and those that an earlier run of the
+		// same write recorded. Both halves
 		// read the same snapshot, so a row updated here is not reported twice.
 		record: `WITH d AS (
 				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
@@ -107,11 +108,11 @@ func newQueries(schema string, claimLimit int) queries {
 				FROM d
 				WHERE e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
 					AND e.fence = d.fence AND e.state = 'pending' AND e.recorded_fence <> d.fence
-				RETURNING e.tenant, e.kind, e.key
+				RETURNING e.tenant, e.kind, e.key, d.fence
 			)
-			SELECT tenant, kind, key FROM applied
+			SELECT tenant, kind, key, fence FROM applied
 			UNION ALL
-			SELECT e.tenant, e.kind, e.key FROM ` + t + ` e JOIN d
+			SELECT e.tenant, e.kind, e.key, d.fence FROM ` + t + ` e JOIN d
 				ON e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
 			WHERE e.recorded_fence = d.fence`,
 		notify:  `SELECT pg_notify('` + notifyChannel + `', $1)`,
