@@ -348,6 +348,17 @@ var claimSettings = []string{
 	"SET LOCAL enable_hashjoin = off",
 }
 
+// recordSettings run before an outcome write, in its transaction. With statistics
+// that say the table is small, or an estimate of the outcome rows that is too
+// high, the planner would hash or merge the whole table against a few hundred
+// outcomes; the write must probe the primary key once per outcome.
+var recordSettings = []string{
+	"SET LOCAL enable_seqscan = off",
+	"SET LOCAL enable_bitmapscan = off",
+	"SET LOCAL enable_hashjoin = off",
+	"SET LOCAL enable_mergejoin = off",
+}
+
 // work sends the effects of one lane until ctx ends. A claim taken from the queue
 // after that is released unsent.
 func (d *Dispatcher) work(ctx, sendCtx context.Context, l *lane) {
@@ -585,6 +596,7 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
 		}
 	}
 	applied := make(map[claimID]bool, n)
+	record := d.q.record
 	err := retryUnless(isDataError, func(ctx context.Context) error {
 		for _, o := range batch {
 			applied[o.c.id()] = false
@@ -593,11 +605,17 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
 		// That is safe here, and only here: if the server crashes and loses this
 		// commit, each row goes back to the claim before it, which is durable and
 		// in_flight, so the effect is reconciled or sent again after its lease. The
-		// claim itself always commits synchronously.
+		// claim itself always commits synchronously. The planner settings keep
+		// the plan on the primary key whatever the statistics, as for the claim.
 		b := &pgx.Batch{}
 		b.Queue(`BEGIN`)
 		b.Queue(`SET LOCAL synchronous_commit = off`)
-		b.Queue(d.q.record, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
+		for _, set := range recordSettings {
+			b.Queue(set)
+		}
+		q := record
+		record = d.q.recordAgain // a retry may find this run committed
+		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
 			var k claimID
 			_, err := pgx.ForEachRow(rows, []any{&k.tenant, &k.kind, &k.key, &k.fence}, func() error { applied[k] = true; return nil })
 			return err
