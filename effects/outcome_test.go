@@ -174,9 +174,15 @@ func TestReleasedClaimGivenBackOnceWhenCommitReplyIsLost(t *testing.T) {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE in_flight`) == 2
 	})
 	proxy.arm(waiting, 1) // cut the write that releases the waiting claim
+	admin := pgtest.NewPool(t, "public", 1)
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
-	time.Sleep(50 * time.Millisecond)
+	// Run's context has ended once its LISTEN connection is gone; only then may the
+	// send in hand finish, so that the waiting claim is released, not sent.
+	waitFor(t, 20*time.Second, "Run's context ended", func() bool {
+		return pgtest.Count(t, admin, `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND query = 'LISTEN idem_effects'`, "idem-test:"+schema) == 0
+	})
 	close(unblock)
 	<-stopped
 
