@@ -444,12 +444,11 @@ func failureCode(err error) string {
 	return "permanent"
 }
 
-func truncate(s string) string {
-	if len(s) <= MaxErrorLen {
-		return s
-	}
-	return s[:MaxErrorLen]
-}
+// truncate makes an error's text the inbox row's stored error: valid text for
+// Postgres (a NUL byte or invalid UTF-8 in a handler's error would make the insert
+// fail, and the permanent failure would never be recorded) and at most MaxErrorLen
+// bytes. See inbox.SanitizeText.
+func truncate(s string) string { return inbox.SanitizeText(s, MaxErrorLen) }
 
 // classify turns an error from Postgres or a handler into a transient outcome.
 func classify(err error) outcome {

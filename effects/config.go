@@ -34,6 +34,8 @@ const (
 	DefaultBackoffMax = time.Hour
 	// DefaultBackoffMultiplier is how much the delay grows per failure.
 	DefaultBackoffMultiplier = 2.0
+	// DefaultPendingRefresh is how often idem_effects_pending is counted.
+	DefaultPendingRefresh = 10 * time.Second
 	// DefaultBackoffJitter spreads each delay by up to ±20%, so effects that failed
 	// together do not all come back together.
 	DefaultBackoffJitter = 0.2
@@ -77,8 +79,13 @@ type Config struct {
 	// logged.
 	Logger *slog.Logger
 	// Registerer receives the Prometheus metrics; nil registers none. Several
-	// Dispatchers may share one registry.
+	// Dispatchers may share one registry. Every series of the Senders' kinds exists
+	// from NewDispatcher on, at 0.
 	Registerer prometheus.Registerer
+	// PendingRefresh is how often idem_effects_pending is counted
+	// (DefaultPendingRefresh), with one count(*) … GROUP BY kind over the pending
+	// rows. Only with a Registerer.
+	PendingRefresh time.Duration
 }
 
 // Backoff is exponential backoff with jitter: the n-th failure waits
@@ -138,6 +145,7 @@ func (c Config) WithDefaults() Config {
 	c.Backoff = c.Backoff.withDefaults()
 	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
 	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, DefaultShutdownTimeout)
+	c.PendingRefresh = cmp.Or(c.PendingRefresh, DefaultPendingRefresh)
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -182,6 +190,9 @@ func (c Config) Validate() error {
 	}
 	if c.PollInterval <= 0 {
 		return fmt.Errorf("poll interval must be positive, got %s", c.PollInterval)
+	}
+	if c.PendingRefresh <= 0 {
+		return fmt.Errorf("pending refresh must be positive, got %s", c.PendingRefresh)
 	}
 	if c.ShutdownTimeout <= 0 {
 		return fmt.Errorf("shutdown timeout must be positive, got %s", c.ShutdownTimeout)

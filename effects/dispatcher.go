@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"runtime/debug"
 	"slices"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -63,6 +65,24 @@ type claimed struct {
 	lane         *lane
 }
 
+// logAttrs name the effect and the attempt in logs.
+func (c *claimed) logAttrs() []any {
+	if c.Tenant != "" {
+		return []any{"tenant", c.Tenant, "kind", c.Kind, "effect_key", c.Key, "attempt", c.Attempt}
+	}
+	return []any{"kind", c.Kind, "effect_key", c.Key, "attempt", c.Attempt}
+}
+
+// claimID names one claim of one effect: the effect's identity, (tenant, kind,
+// key), and the claim's fence. One outcome batch may hold two claims of the same
+// effect (the older one's lease ran out and this Dispatcher claimed it again).
+type claimID struct {
+	tenant, kind, key string
+	fence             int64
+}
+
+func (c *claimed) id() claimID { return claimID{c.Tenant, c.Kind, c.Key, c.fence} }
+
 // outcome is what to record for a claim.
 type outcome struct {
 	c        *claimed
@@ -100,6 +120,7 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 		l := &lane{kind: kind, sender: s, concurrency: n, capacity: capacity, queue: make(chan *claimed, capacity)}
 		d.lanes = append(d.lanes, l)
 		d.byKind[kind] = l
+		m.precreate(kind)
 	}
 	slices.SortFunc(d.lanes, func(a, b *lane) int { return strings.Compare(a.kind, b.kind) })
 	return d, nil
@@ -258,20 +279,25 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
 	start := time.Now()
-	// The claim runs in a transaction of its own that forbids sequential scans and
-	// hash joins, sent as one pipelined round trip. Without that, statistics taken
-	// while the table was small (before a burst of effects, until autovacuum
-	// analyzes it again) make the planner scan the whole table on every claim:
-	// measured here, 5k effects/s instead of 25k with 40,000 pending.
+	// The claim runs in a transaction of its own that forbids sequential scans,
+	// bitmap scans and hash joins, sent as one pipelined round trip, so that its
+	// plan is the same whatever the table's statistics: an ordered range scan of
+	// effects_due_idx (kind, next_attempt_at) per kind, and the primary key for the
+	// update. Without that, statistics taken while the table was small (before a
+	// burst of effects, until autovacuum analyzes it again) make the planner read
+	// every due row and sort them on every claim: measured here, 5k effects/s
+	// instead of 25k with 40,000 pending, and 28 ms instead of 1.5 ms for one claim
+	// of 100 among 80,000 due rows before the first ANALYZE.
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
-	b.Queue("SET LOCAL enable_seqscan = off")
-	b.Queue("SET LOCAL enable_hashjoin = off")
+	for _, set := range claimSettings {
+		b.Queue(set)
+	}
 	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
 	defer br.Close()
-	for range 3 {
+	for range 1 + len(claimSettings) {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
 		}
@@ -284,7 +310,7 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	for rows.Next() {
 		c := &claimed{claimedAt: start}
 		var lag float64
-		err := rows.Scan(&c.Kind, &c.Key, &c.Payload, &c.Attempt, &c.maxAttempts, &c.fence,
+		err := rows.Scan(&c.Tenant, &c.Kind, &c.Key, &c.Payload, &c.Attempt, &c.maxAttempts, &c.fence,
 			&c.prevInFlight, &c.CreatedAt, &lag, &c.Source.Consumer, &c.Source.Tenant, &c.Source.Key)
 		if err != nil {
 			rows.Close()
@@ -313,6 +339,24 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		return nil, err
 	}
 	return out, nil
+}
+
+// claimSettings run before the claim, in its transaction: see claim.
+var claimSettings = []string{
+	"SET LOCAL enable_seqscan = off",
+	"SET LOCAL enable_bitmapscan = off",
+	"SET LOCAL enable_hashjoin = off",
+}
+
+// recordSettings run before an outcome write, in its transaction. With statistics
+// that say the table is small, or an estimate of the outcome rows that is too
+// high, the planner would hash or merge the whole table against a few hundred
+// outcomes; the write must probe the primary key once per outcome.
+var recordSettings = []string{
+	"SET LOCAL enable_seqscan = off",
+	"SET LOCAL enable_bitmapscan = off",
+	"SET LOCAL enable_hashjoin = off",
+	"SET LOCAL enable_mergejoin = off",
 }
 
 // work sends the effects of one lane until ctx ends. A claim taken from the queue
@@ -344,7 +388,7 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 	shutdown := ctx
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	log := d.log.With("kind", c.Kind, "effect_key", c.Key, "attempt", c.Attempt)
+	log := d.log.With(c.logAttrs()...)
 
 	if c.prevInFlight {
 		if r, ok := c.lane.sender.(Reconciler); ok {
@@ -405,12 +449,12 @@ func (d *Dispatcher) failed(c *claimed, err error, log *slog.Logger) outcome {
 	}
 	delay := d.cfg.Backoff.Delay(c.Attempt)
 	log.Warn("effect attempt failed; will retry", "error", err, "retry_in", delay, "outcome_unknown", indefinite)
-	return outcome{c: c, state: "pending", delay: delay, inFlight: indefinite, err: truncate(err.Error()), label: "retry"}
+	return outcome{c: c, state: "pending", delay: delay, inFlight: indefinite, err: storedError(err), label: "retry"}
 }
 
 func (d *Dispatcher) dead(c *claimed, err error, inFlight bool, log *slog.Logger) outcome {
 	log.Error("effect dead", "error", err)
-	return outcome{c: c, state: "dead", inFlight: inFlight, err: truncate(err.Error()), label: "dead"}
+	return outcome{c: c, state: "dead", inFlight: inFlight, err: storedError(err), label: "dead"}
 }
 
 // release gives a claim back unsent: due now, the attempt returned, and in_flight
@@ -437,12 +481,11 @@ func reconcileSafely(ctx context.Context, r Reconciler, dl Delivery) (done bool,
 	return r.Reconcile(ctx, dl)
 }
 
-func truncate(s string) string {
-	if len(s) <= maxErrorLen {
-		return s
-	}
-	return strings.ToValidUTF8(s[:maxErrorLen], "") + "…"
-}
+// storedError is err as last_error: this is the one place where an error becomes
+// stored text. A sender's error may quote a binary response body or a panic value;
+// one NUL byte or invalid UTF-8 sequence in it would make Postgres reject the whole
+// outcome batch, so the text is sanitized and capped at maxErrorLen bytes.
+func storedError(err error) string { return sanitizeText(err.Error(), maxErrorLen) }
 
 // record writes outcomes in batches until the outcomes channel is closed: it takes
 // what is waiting, up to a limit, and records it in one statement.
@@ -476,20 +519,11 @@ func (d *Dispatcher) record() {
 
 func (d *Dispatcher) recordBatch(batch []outcome) {
 	slices.SortFunc(batch, func(a, b outcome) int {
-		return cmp.Or(strings.Compare(a.c.Kind, b.c.Kind), strings.Compare(a.c.Key, b.c.Key))
+		return cmp.Or(strings.Compare(a.c.Tenant, b.c.Tenant), strings.Compare(a.c.Kind, b.c.Kind), strings.Compare(a.c.Key, b.c.Key))
 	})
-	n := len(batch)
-	kinds, keys, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
-	fences, delays := make([]int64, n), make([]int64, n)
-	inFlight, undo := make([]bool, n), make([]int32, n)
 	notify := false
 	var soonest time.Duration = -1
-	for i, o := range batch {
-		kinds[i], keys[i], fences[i], states[i] = o.c.Kind, o.c.Key, o.c.fence, o.state
-		delays[i], inFlight[i], undo[i] = o.delay.Milliseconds(), o.inFlight, int32(o.undo)
-		if o.err != "" {
-			errs[i] = &o.err
-		}
+	for _, o := range batch {
 		if o.state == "pending" {
 			if o.delay == 0 {
 				notify = true
@@ -498,36 +532,29 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 			}
 		}
 	}
-	applied := map[[2]string]bool{}
-	err := retry(func(ctx context.Context) error {
-		clear(applied)
-		// One round trip: the outcome commits without waiting for its WAL flush.
-		// That is safe here, and only here: if the server crashes and loses this
-		// commit, each row goes back to the claim before it, which is durable and
-		// in_flight, so the effect is reconciled or sent again after its lease. The
-		// claim itself always commits synchronously.
-		b := &pgx.Batch{}
-		b.Queue(`BEGIN`)
-		b.Queue(`SET LOCAL synchronous_commit = off`)
-		b.Queue(d.q.record, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
-			var k [2]string
-			_, err := pgx.ForEachRow(rows, []any{&k[0], &k[1]}, func() error { applied[k] = true; return nil })
-			return err
-		})
-		b.Queue(`COMMIT`)
-		return d.pool.SendBatch(ctx, b).Close()
-	})
+	applied, err := d.writeOutcomes(batch)
+	if err != nil && isDataError(err) {
+		// One row's data broke the statement (a constraint of the user's, an
+		// encoding the server cannot take). The batch is all or nothing, so write
+		// each outcome on its own: one bad outcome must not cost the others theirs.
+		d.log.Warn("effects dispatcher: an outcome batch was rejected for its data; writing each outcome on its own", "error", err, "outcomes", len(batch))
+		applied, err = d.writeOneByOne(batch), nil
+	}
 	if err != nil {
 		// The leases will run out and the effects will be claimed again: nothing is
 		// lost, though a sent effect will be sent once more.
-		d.log.Error("effects dispatcher: recording outcomes failed; the effects will be retried after their lease", "error", err, "outcomes", n)
+		d.log.Error("effects dispatcher: recording outcomes failed; the effects will be retried after their lease", "error", err, "outcomes", len(batch))
 		return
 	}
 	for _, o := range batch {
-		if !applied[[2]string{o.c.Kind, o.c.Key}] {
+		rec, ok := applied[o.c.id()]
+		if !ok {
+			continue // not written at all (logged where it failed)
+		}
+		if !rec {
 			d.m.lostLease.WithLabelValues(o.c.Kind).Inc()
 			d.log.Warn("effect lease lost: it was claimed again before this attempt's outcome was recorded",
-				"kind", o.c.Kind, "effect_key", o.c.Key, "attempt", o.c.Attempt, "outcome", o.label)
+				append(o.c.logAttrs(), "outcome", o.label)...)
 			continue
 		}
 		d.m.attempts.WithLabelValues(o.c.Kind, o.label).Inc()
@@ -547,6 +574,93 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 	}
 }
 
+// writeOutcomes records batch in one transaction, retried on errors that may pass
+// (a cut connection, a failover) but not on a data error, which the same rows would
+// hit again. It returns, for every outcome of the batch, whether it is recorded
+// (false: the lease was lost to a newer claim).
+//
+// The write is retried even when its COMMIT may have gone through (a connection
+// cut after COMMIT was sent): the record statement is idempotent (see queries.go),
+// so the retry changes nothing that the first run changed, and still reports those
+// rows as recorded.
+func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
+	n := len(batch)
+	tenants, kinds, keys, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
+	fences, delays := make([]int64, n), make([]int64, n)
+	inFlight, undo := make([]bool, n), make([]int32, n)
+	for i, o := range batch {
+		tenants[i], kinds[i], keys[i], fences[i], states[i] = o.c.Tenant, o.c.Kind, o.c.Key, o.c.fence, o.state
+		delays[i], inFlight[i], undo[i] = o.delay.Milliseconds(), o.inFlight, int32(o.undo)
+		if o.err != "" {
+			errs[i] = &o.err
+		}
+	}
+	applied := make(map[claimID]bool, n)
+	record := d.q.record
+	err := retryUnless(isDataError, func(ctx context.Context) error {
+		for _, o := range batch {
+			applied[o.c.id()] = false
+		}
+		// One round trip: the outcome commits without waiting for its WAL flush.
+		// That is safe here, and only here: if the server crashes and loses this
+		// commit, each row goes back to the claim before it, which is durable and
+		// in_flight, so the effect is reconciled or sent again after its lease. The
+		// claim itself always commits synchronously. The planner settings keep
+		// the plan on the primary key whatever the statistics, as for the claim.
+		b := &pgx.Batch{}
+		b.Queue(`BEGIN`)
+		b.Queue(`SET LOCAL synchronous_commit = off`)
+		for _, set := range recordSettings {
+			b.Queue(set)
+		}
+		q := record
+		record = d.q.recordAgain // a retry may find this run committed
+		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
+			var k claimID
+			_, err := pgx.ForEachRow(rows, []any{&k.tenant, &k.kind, &k.key, &k.fence}, func() error { applied[k] = true; return nil })
+			return err
+		})
+		b.Queue(`COMMIT`)
+		return d.pool.SendBatch(ctx, b).Close()
+	})
+	if err != nil {
+		return nil, err
+	}
+	return applied, nil
+}
+
+// writeOneByOne records each outcome in a transaction of its own. An outcome whose
+// row is still rejected for its data is written once more without its error text;
+// if even that fails, it is left to its lease (logged), and the others are kept.
+func (d *Dispatcher) writeOneByOne(batch []outcome) map[claimID]bool {
+	applied := make(map[claimID]bool, len(batch))
+	for _, o := range batch {
+		one, err := d.writeOutcomes([]outcome{o})
+		if err != nil && isDataError(err) && o.err != "" {
+			o.err = "idem: this attempt's error text could not be stored (" + sanitizeText(err.Error(), 200) + ")"
+			one, err = d.writeOutcomes([]outcome{o})
+		}
+		if err != nil {
+			d.log.Error("effects dispatcher: recording an outcome failed; the effect will be retried after its lease",
+				append(o.c.logAttrs(), "error", err, "outcome", o.label)...)
+			continue
+		}
+		maps.Copy(applied, one)
+	}
+	return applied
+}
+
+// isDataError reports an error that the same rows will hit again: a data exception
+// (class 22, such as 22021 invalid text) or an integrity violation (class 23, such
+// as a CHECK constraint).
+func isDataError(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	return strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "23")
+}
+
 func (d *Dispatcher) signalWake() {
 	select {
 	case d.wake <- struct{}{}:
@@ -557,6 +671,11 @@ func (d *Dispatcher) signalWake() {
 // retry runs f up to three times, each with its own timeout, for writes that must
 // happen even while Run's context is ending.
 func retry(f func(ctx context.Context) error) error {
+	return retryUnless(func(error) bool { return false }, f)
+}
+
+// retryUnless is retry that gives up at once on an error for which final is true.
+func retryUnless(final func(error) bool, f func(ctx context.Context) error) error {
 	var err error
 	for i := range 3 {
 		if i > 0 {
@@ -565,8 +684,8 @@ func retry(f func(ctx context.Context) error) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		err = f(ctx)
 		cancel()
-		if err == nil {
-			return nil
+		if err == nil || final(err) {
+			return err
 		}
 	}
 	return err
@@ -575,12 +694,21 @@ func retry(f func(ctx context.Context) error) error {
 // listen wakes the claim loop on each notification for this schema. It holds one
 // connection of its own, outside the pool, and reconnects when it drops; after a
 // reconnect it wakes the loop once, for notifications missed meanwhile.
+//
+// The wait before a reconnect doubles, from listenBackoffInitial up to
+// listenBackoffMax, while attempts keep failing, and starts again from the initial
+// wait once a connection got as far as LISTEN: a cut of a connection that worked is
+// a new incident, and every moment without LISTEN delays wake-ups (up to the poll
+// interval).
 func (d *Dispatcher) listen(ctx context.Context) {
-	wait := 100 * time.Millisecond
+	wait := listenBackoffInitial
 	for ctx.Err() == nil {
-		err := d.listenOnce(ctx)
+		listened, err := d.listenOnce(ctx)
 		if ctx.Err() != nil {
 			return
+		}
+		if listened {
+			wait = listenBackoffInitial
 		}
 		d.log.Warn("effects dispatcher: LISTEN connection lost; polling until it is back", "error", err, "retry_in", wait)
 		select {
@@ -588,14 +716,22 @@ func (d *Dispatcher) listen(ctx context.Context) {
 			return
 		case <-time.After(wait):
 		}
-		wait = min(2*wait, 5*time.Second)
+		wait = min(2*wait, listenBackoffMax)
 	}
 }
 
-func (d *Dispatcher) listenOnce(ctx context.Context) error {
+// The LISTEN connection's reconnect backoff.
+const (
+	listenBackoffInitial = 100 * time.Millisecond
+	listenBackoffMax     = 5 * time.Second
+)
+
+// listenOnce connects, listens and wakes the claim loop on notifications until the
+// connection fails. listened reports whether it got as far as LISTEN.
+func (d *Dispatcher) listenOnce(ctx context.Context) (listened bool, err error) {
 	conn, err := pgx.ConnectConfig(ctx, d.pool.Config().ConnConfig)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
@@ -603,13 +739,13 @@ func (d *Dispatcher) listenOnce(ctx context.Context) error {
 		_ = conn.Close(cctx)
 	}()
 	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
-		return err
+		return false, err
 	}
 	d.signalWake()
 	for {
 		n, err := conn.WaitForNotification(ctx)
 		if err != nil {
-			return err
+			return true, err
 		}
 		if n.Payload == d.cfg.Schema {
 			d.signalWake()
@@ -617,14 +753,17 @@ func (d *Dispatcher) listenOnce(ctx context.Context) error {
 	}
 }
 
-// pendingRefresh is how often idem_effects_pending is counted.
-const pendingRefresh = 10 * time.Second
-
 func (d *Dispatcher) refreshPendingLoop(ctx context.Context) {
-	t := time.NewTicker(pendingRefresh)
+	t := time.NewTicker(d.cfg.PendingRefresh)
 	defer t.Stop()
+	// Kinds whose gauge this loop has set: each is set on every refresh, to 0 once it
+	// has no pending effects, so that no kind's gauge is left at a stale count.
+	seen := map[string]bool{}
+	for _, l := range d.lanes {
+		seen[l.kind] = true
+	}
 	for {
-		d.refreshPending(ctx)
+		d.refreshPending(ctx, seen)
 		select {
 		case <-ctx.Done():
 			return
@@ -633,9 +772,11 @@ func (d *Dispatcher) refreshPendingLoop(ctx context.Context) {
 	}
 }
 
-// refreshPending sets idem_effects_pending for every kind that has pending
-// effects, and for this Dispatcher's kinds (0 when none).
-func (d *Dispatcher) refreshPending(ctx context.Context) {
+// refreshPending sets idem_effects_pending for every kind that has pending effects,
+// whether or not this Dispatcher sends it, and to 0 for every kind in seen that has
+// none (this Dispatcher's kinds, and kinds counted before). It adds the counted kinds
+// to seen.
+func (d *Dispatcher) refreshPending(ctx context.Context, seen map[string]bool) {
 	rows, err := d.pool.Query(ctx, d.q.pending)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -650,10 +791,10 @@ func (d *Dispatcher) refreshPending(ctx context.Context) {
 	if err != nil {
 		return
 	}
-	for _, l := range d.lanes {
-		d.m.pending.WithLabelValues(l.kind).Set(counts[l.kind])
+	for k := range counts {
+		seen[k] = true
 	}
-	for k, v := range counts {
-		d.m.pending.WithLabelValues(k).Set(v)
+	for k := range seen {
+		d.m.pending.WithLabelValues(k).Set(counts[k])
 	}
 }

@@ -5,15 +5,24 @@
 //
 //   - An effect is durable before it runs. Enqueue writes it in the same
 //     transaction as the business write, so it commits with it or not at all.
-//   - Every attempt carries the same identity. Delivery.Kind and Delivery.Key are
-//     the same on each attempt, so a receiver that honours idempotency keys (an
-//     Idempotency-Key header, a Message-ID, a unique column) applies it once.
+//   - Every attempt carries the same identity. Delivery.Tenant, Delivery.Kind and
+//     Delivery.Key are the same on each attempt, so a receiver that honours
+//     idempotency keys (an Idempotency-Key header, a Message-ID, a unique column)
+//     applies it once.
+//   - Tenants are apart. An effect's identity is (tenant, kind, key): an effect
+//     enqueued by a tenant-scoped consumer belongs to the message's tenant ("" when
+//     unscoped), so two tenants' "receipt:123" are two effects.
 //   - No effect is lost. Each one ends done or dead, never silently gone. A dead
 //     effect keeps its last_error and comes back with RequeueDead.
 //   - One attempt at a time. A claim holds an effect for a lease; a Send's context
 //     ends before the lease does, and a claim that waited too long in the queue is
 //     handed back unsent. Every state change after a claim checks the claim's fence,
 //     so an attempt whose lease ran out cannot overwrite a newer one.
+//   - Outcomes are recorded once. An outcome write whose COMMIT reply is lost is
+//     retried, and the retry changes nothing that the first write changed; one
+//     outcome that the database refuses for its data costs no other outcome its
+//     record (the batch is then written row by row). Error text is stored as valid
+//     text whatever bytes the error held.
 //   - Unknown outcomes are settled, not guessed. When an attempt's outcome is
 //     unknown (its process died mid-send, or Send returned an Indefinite error), a
 //     Sender that is also a Reconciler is asked whether the effect took place before
@@ -30,6 +39,8 @@
 //     before another.
 //   - A Sender that ignores its context. Such a sender can outlive its lease, and
 //     then run at the same moment as another dispatcher's retry.
+//   - That a receiver shared by tenants tells their effects apart. A Sender must pass
+//     Delivery.Tenant on with the key; the built-in ones do.
 //
 // # Running effects
 //
@@ -42,7 +53,12 @@
 // flight finish (up to ShutdownTimeout) and claims not yet started are handed back
 // at once.
 //
+// Effect.Delay holds an effect back: it is due Delay after the Enqueue call (the
+// database's clock_timestamp() at the INSERT), not after the start of the
+// transaction, and never before the transaction commits.
+//
 // Built-in senders: PublishSender forwards stored Watermill messages with their
-// UUID and metadata (kinds "publish:<topic>"); LedgerSender writes one uniquely
-// keyed row per effect into a user table.
+// UUID and metadata, and the tenant in TenantMetadataKey (kinds "publish:<topic>");
+// LedgerSender writes one uniquely keyed row per effect into a user table, keyed by
+// (tenant, key) with LedgerConfig.TenantColumn.
 package effects

@@ -48,18 +48,29 @@ type Effect struct {
 	Payload []byte
 	// MaxAttempts caps the attempts (DefaultMaxAttempts if 0).
 	MaxAttempts int
-	// Delay makes the effect due no earlier than commit time plus Delay.
+	// Delay holds the effect back: it is due at the database's clock_timestamp()
+	// when Enqueue's INSERT runs, plus Delay, so never earlier than Delay after the
+	// Enqueue call. The wait counts from the call, not from the commit: an effect
+	// can never be sent before its transaction commits, so when the transaction
+	// runs on for longer than Delay after the call, the effect is due as soon as it
+	// commits. 0 means due at once.
 	Delay time.Duration
 }
 
 // Result says what Enqueue did.
 type Result struct {
-	// Duplicate: the same (kind, key) with the same payload was already there;
-	// nothing was written.
+	// Duplicate: the same (tenant, kind, key) with the same payload was already
+	// there; nothing was written.
 	Duplicate bool
 }
 
-// Source names the message that made an effect.
+// Source names the message that made an effect: its consumer, tenant and inbox key.
+//
+// Source.Tenant is also the effect's tenant. An effect's identity is (tenant, kind,
+// key), with tenant "" when unscoped, so two tenants' "receipt:123" are two
+// effects. The consumer middleware fills Source from the message. To enqueue for a
+// tenant outside a consumer, set Tenant alone: without a Consumer no source is
+// recorded, but the tenant still scopes the effect.
 type Source struct {
 	Consumer string
 	Tenant   string
@@ -98,10 +109,11 @@ type Tx interface {
 // effect commits with it or not at all. The schema and source come from the Scope
 // that the consumer middleware put in ctx (DefaultSchema without one).
 //
-// The insert is ON CONFLICT DO NOTHING: the same (kind, key) with the same payload is
-// a no-op reported as Result{Duplicate: true}; with a different payload it is
-// ErrFingerprintMismatch. A unique violation is never caught inside the transaction,
-// because in Postgres that would abort it.
+// The effect belongs to the scope's tenant (Scope.Source.Tenant, "" when unscoped);
+// its identity is (tenant, kind, key). The insert is ON CONFLICT DO NOTHING: the same
+// identity with the same payload is a no-op reported as Result{Duplicate: true};
+// with a different payload it is ErrFingerprintMismatch. A unique violation is never
+// caught inside the transaction, because in Postgres that would abort it.
 func Enqueue(ctx context.Context, tx Tx, e Effect) (Result, error) {
 	scope, _ := ScopeFrom(ctx)
 	return EnqueueScoped(ctx, tx, scope, e)
@@ -130,20 +142,20 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 	if maxAttempts <= 0 {
 		maxAttempts = DefaultMaxAttempts
 	}
+	tenant := scope.Source.Tenant
+	if len(tenant) > MaxKeyLen || !utf8.ValidString(tenant) || strings.IndexByte(tenant, 0) >= 0 {
+		return Result{}, fmt.Errorf("%w: %d bytes", ErrInvalidTenant, len(tenant))
+	}
 	fp := sha256.Sum256(e.Payload)
-	table := pgx.Identifier{schema, "effects"}.Sanitize()
+	q := newEnqueueQueries(schema)
 	var src [3]*string
 	if scope.Source.Consumer != "" {
 		src = [3]*string{&scope.Source.Consumer, &scope.Source.Tenant, &scope.Source.Key}
 	}
 	for {
 		var inserted bool
-		err := tx.QueryRow(ctx, `INSERT INTO `+table+` (kind, key, payload, fingerprint, max_attempts,
-				next_attempt_at, source_consumer, source_tenant, source_key)
-			VALUES ($1, $2, $3, $4, $5, now() + $6::interval, $7, $8, $9)
-			ON CONFLICT (kind, key) DO NOTHING
-			RETURNING true`,
-			e.Kind, e.Key, e.Payload, fp[:], maxAttempts, e.Delay, src[0], src[1], src[2]).Scan(&inserted)
+		err := tx.QueryRow(ctx, q.insert, tenant, e.Kind, e.Key, e.Payload, fp[:], maxAttempts, e.Delay,
+			src[0], src[1], src[2]).Scan(&inserted)
 		if err == nil {
 			return Result{}, nil
 		}
@@ -152,7 +164,7 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 		}
 		// A conflict: the next statement sees the committed row (READ COMMITTED).
 		var have []byte
-		err = tx.QueryRow(ctx, `SELECT fingerprint FROM `+table+` WHERE kind = $1 AND key = $2`, e.Kind, e.Key).Scan(&have)
+		err = tx.QueryRow(ctx, q.fingerprint, tenant, e.Kind, e.Key).Scan(&have)
 		if errors.Is(err, pgx.ErrNoRows) {
 			continue // deleted in between by the janitor: insert again
 		}
@@ -160,6 +172,9 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 			return Result{}, wrapSchema(err, schema)
 		}
 		if !bytes.Equal(have, fp[:]) {
+			if tenant != "" {
+				return Result{}, fmt.Errorf("%w: tenant %q kind %q key %q", ErrFingerprintMismatch, tenant, e.Kind, e.Key)
+			}
 			return Result{}, fmt.Errorf("%w: kind %q key %q", ErrFingerprintMismatch, e.Kind, e.Key)
 		}
 		return Result{Duplicate: true}, nil

@@ -27,7 +27,7 @@ func (e *Error) Permanent() bool { return e.permanent }
 
 // Sentinel errors of Enqueue. All are permanent: the same input fails the same way.
 var (
-	// ErrFingerprintMismatch: the (kind, key) exists with a different payload.
+	// ErrFingerprintMismatch: the (tenant, kind, key) exists with a different payload.
 	ErrFingerprintMismatch = newError("effect_fingerprint_mismatch", "effect key reused with a different payload", true)
 	// ErrInvalidKind: the kind is empty, too long or has characters outside
 	// [A-Za-z0-9_.:/@+-].
@@ -37,6 +37,9 @@ var (
 	// ErrInvalidKey: the effect key is empty, longer than MaxKeyLen, not UTF-8, or
 	// holds a NUL byte.
 	ErrInvalidKey = newError("effect_key_invalid", fmt.Sprintf("effect key must be non-empty UTF-8 text without NUL bytes, at most %d bytes", MaxKeyLen), true)
+	// ErrInvalidTenant: the scope's tenant (Source.Tenant) is longer than MaxKeyLen,
+	// not UTF-8, or holds a NUL byte.
+	ErrInvalidTenant = newError("effect_tenant_invalid", fmt.Sprintf("effect tenant must be UTF-8 text without NUL bytes, at most %d bytes", MaxKeyLen), true)
 	// ErrPayloadTooLarge: the payload is over MaxPayloadLen bytes.
 	ErrPayloadTooLarge = newError("effect_payload_too_large", fmt.Sprintf("effect payload larger than %d bytes", MaxPayloadLen), true)
 	// ErrNoTx: Enqueue was called without a transaction.

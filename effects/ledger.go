@@ -29,14 +29,22 @@ type LedgerConfig struct {
 	PayloadColumn string
 	// KindColumn, when set, receives the effect kind too.
 	KindColumn string
+	// TenantColumn, when set, receives the effect's tenant ("" when unscoped), and
+	// the row is keyed by (TenantColumn, KeyColumn): the unique constraint must be
+	// on those two columns. Set it when tenant-scoped effects write to the table:
+	// without it, an effect that has a tenant is refused (a permanent error), since
+	// keyed by its key alone it would be taken for another tenant's effect with the
+	// same key and silently dropped.
+	TenantColumn string
 }
 
 var identRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 
 // LedgerSender writes each effect as one row of a user table, keyed by the effect
-// key: INSERT … ON CONFLICT (key) DO NOTHING. It is idempotent by construction, so
-// a repeated attempt changes nothing. Use it for local effects, such as ledger
-// entries kept in another database or schema than the business write.
+// key (and its tenant, with a TenantColumn): INSERT … ON CONFLICT (key) DO NOTHING.
+// It is idempotent by construction, so a repeated attempt changes nothing. Use it
+// for local effects, such as ledger entries kept in another database or schema than
+// the business write.
 func LedgerSender(db Execer, cfg LedgerConfig) (Sender, error) {
 	if db == nil {
 		return nil, fmt.Errorf("invalid config: ledger db is nil")
@@ -48,6 +56,9 @@ func LedgerSender(db Execer, cfg LedgerConfig) (Sender, error) {
 	if cfg.KindColumn != "" {
 		idents = append(idents, cfg.KindColumn)
 	}
+	if cfg.TenantColumn != "" {
+		idents = append(idents, cfg.TenantColumn)
+	}
 	if len(parts) > 2 {
 		return nil, fmt.Errorf("invalid config: ledger table %q: want table or schema.table", cfg.Table)
 	}
@@ -56,18 +67,31 @@ func LedgerSender(db Execer, cfg LedgerConfig) (Sender, error) {
 			return nil, fmt.Errorf("invalid config: ledger identifier %q must match %s", id, identRe)
 		}
 	}
+	q := func(id string) string { return pgx.Identifier{id}.Sanitize() }
 	table := pgx.Identifier(parts).Sanitize()
-	cols := pgx.Identifier{cfg.KeyColumn}.Sanitize() + ", " + pgx.Identifier{cfg.PayloadColumn}.Sanitize()
+	cols := q(cfg.KeyColumn) + ", " + q(cfg.PayloadColumn)
 	vals := "$1, $2"
-	if cfg.KindColumn != "" {
-		cols += ", " + pgx.Identifier{cfg.KindColumn}.Sanitize()
+	conflict := q(cfg.KeyColumn)
+	if cfg.TenantColumn != "" {
+		cols += ", " + q(cfg.TenantColumn)
 		vals += ", $3"
+		conflict = q(cfg.TenantColumn) + ", " + conflict
 	}
-	sql := `INSERT INTO ` + table + ` (` + cols + `) VALUES (` + vals + `) ON CONFLICT (` +
-		pgx.Identifier{cfg.KeyColumn}.Sanitize() + `) DO NOTHING`
-	withKind := cfg.KindColumn != ""
+	if cfg.KindColumn != "" {
+		cols += ", " + q(cfg.KindColumn)
+		vals += fmt.Sprintf(", $%d", strings.Count(vals, "$")+1)
+	}
+	sql := `INSERT INTO ` + table + ` (` + cols + `) VALUES (` + vals + `) ON CONFLICT (` + conflict + `) DO NOTHING`
+	withKind, withTenant := cfg.KindColumn != "", cfg.TenantColumn != ""
 	return SenderFunc(func(ctx context.Context, d Delivery) error {
 		args := []any{d.Key, d.Payload}
+		if withTenant {
+			args = append(args, d.Tenant)
+		} else if d.Tenant != "" {
+			return Permanent(fmt.Errorf("effect of tenant %q: the ledger table %s has no tenant column, and keyed by %q alone "+
+				"it would collide with other tenants' effects; add a tenant column to the unique key and set LedgerConfig.TenantColumn",
+				d.Tenant, cfg.Table, cfg.KeyColumn))
+		}
 		if withKind {
 			args = append(args, d.Kind)
 		}

@@ -64,6 +64,29 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	return m, err
 }
 
+// Label values that a dashboard expects for every kind, created at 0 up front.
+var (
+	attemptOutcomes  = []string{"done", "retry", "dead", "reconciled", "released"}
+	reconcileResults = []string{"done", "not_done", "error"}
+)
+
+// precreate makes every series of kind exist at 0, so that a dashboard or an alert
+// (rate(idem_effects_dead_total[5m]) > 0) sees the kind before its first event
+// instead of no data.
+func (m *metrics) precreate(kind string) {
+	m.pending.WithLabelValues(kind)
+	for _, o := range attemptOutcomes {
+		m.attempts.WithLabelValues(kind, o)
+	}
+	m.dead.WithLabelValues(kind)
+	m.lag.WithLabelValues(kind)
+	m.unknown.WithLabelValues(kind)
+	m.lostLease.WithLabelValues(kind)
+	for _, r := range reconcileResults {
+		m.reconcile.WithLabelValues(kind, r)
+	}
+}
+
 // register registers c, or returns the collector already registered under its
 // name, so that several Dispatchers can share one registry.
 func register[C prometheus.Collector](reg prometheus.Registerer, c C, errp *error) C {

@@ -7,10 +7,18 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
+// TenantMetadataKey is the metadata field in which PublishSender passes on the
+// tenant of a tenant-scoped publish effect. A consumer downstream scopes its inbox by
+// it with consumer.MetadataTenant(effects.TenantMetadataKey).
+const TenantMetadataKey = "idem_tenant"
+
 // PublishSender forwards stored Watermill messages to pub. It serves kinds
 // "publish:<topic>" and publishes to <topic>; the message keeps the UUID and
 // metadata it was stored with, so the broker and the next consumer's inbox see one
 // ID on every attempt. Register it with PublishSenders, once per topic.
+//
+// The effect's tenant, when it has one, goes into the TenantMetadataKey metadata
+// field, unless the message already sets that field itself.
 //
 // A payload that does not decode, or a kind that is not a publish kind, is a
 // permanent failure. A publish error is transient and retried. Publishers that
@@ -25,6 +33,9 @@ func PublishSender(pub message.Publisher) Sender {
 		msg, err := DecodeMessage(d.Payload)
 		if err != nil {
 			return Permanent(err)
+		}
+		if d.Tenant != "" && msg.Metadata.Get(TenantMetadataKey) == "" {
+			msg.Metadata.Set(TenantMetadataKey, d.Tenant)
 		}
 		msg.SetContext(ctx)
 		return pub.Publish(topic, msg)

@@ -13,7 +13,42 @@ const notifyChannel = "idem_effects"
 // queries holds the Dispatcher's and requeue's statements, rendered once for one
 // schema. Every value is a bind parameter; the schema is validated and quoted.
 type queries struct {
-	claim, record, notify, pending, requeue string
+	claim, record, recordAgain, notify, pending, requeue string
+}
+
+// recordSet and recordWhere are the outcome update's SET and WHERE, shared by
+// record and recordAgain; d is the outcome row.
+const (
+	recordSet = `state = d.state,
+				done_at = CASE WHEN d.state = 'done' THEN now() END,
+				next_attempt_at = CASE WHEN d.state = 'pending'
+					THEN now() + d.delay_ms * interval '1 millisecond' ELSE e.next_attempt_at END,
+				in_flight = d.in_flight,
+				attempts = e.attempts - d.undo,
+				last_error = coalesce(d.err, e.last_error),
+				recorded_fence = d.fence`
+	recordWhere = `e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
+				AND e.fence = d.fence AND e.state = 'pending' AND e.recorded_fence <> d.fence`
+)
+
+// enqueueQueries are Enqueue's statements for one schema.
+type enqueueQueries struct {
+	insert, fingerprint string
+}
+
+func newEnqueueQueries(schema string) enqueueQueries {
+	t := pgx.Identifier{schema, "effects"}.Sanitize()
+	return enqueueQueries{
+		// The due time is clock_timestamp() + delay: the database's time when this
+		// statement runs, not now(), which is the start of the transaction and would
+		// make a delay count from before the Enqueue call.
+		insert: `INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
+				next_attempt_at, source_consumer, source_tenant, source_key)
+			VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval, $8, $9, $10)
+			ON CONFLICT (tenant, kind, key) DO NOTHING
+			RETURNING true`,
+		fingerprint: `SELECT fingerprint FROM ` + t + ` WHERE tenant = $1 AND kind = $2 AND key = $3`,
+	}
 }
 
 // newQueries renders the statements for schema. claimLimit is the most one claim can
@@ -39,7 +74,7 @@ func newQueries(schema string, claimLimit int) queries {
 				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
 			), due AS (
 				SELECT c.* FROM want CROSS JOIN LATERAL (
-					SELECT e.kind, e.key, e.in_flight, e.next_attempt_at
+					SELECT e.tenant, e.kind, e.key, e.in_flight, e.next_attempt_at
 					FROM ` + t + ` e
 					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()
 					ORDER BY e.next_attempt_at
@@ -52,28 +87,53 @@ func newQueries(schema string, claimLimit int) queries {
 			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
 				attempts = e.attempts + 1, in_flight = true
 			FROM due
-			WHERE e.kind = due.kind AND e.key = due.key
-			RETURNING e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
+			WHERE e.tenant = due.tenant AND e.kind = due.kind AND e.key = due.key
+			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
 				due.in_flight, e.created_at, extract(epoch FROM now() - due.next_attempt_at)::float8,
 				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, '')`,
 		// Records a batch of outcomes in one statement. Each row applies only if the
 		// fence still matches: an attempt whose lease ran out and was claimed again
-		// cannot overwrite the newer attempt. The rows that come back are the ones
-		// that applied. undo is 1 for a claim released without an attempt, which
-		// gives the attempt back and restores the in_flight it found. Rows are sorted
-		// by (kind, key) by the caller, so two recorders cannot deadlock.
+		// cannot overwrite the newer attempt. undo is 1 for a claim released without
+		// an attempt, which gives the attempt back and restores the in_flight it
+		// found. Rows are sorted by (tenant, kind, key) by the caller, so two
+		// recorders cannot deadlock. The rows that come back, with their claim's
+		// fence, are the ones recorded.
+		//
+		// A row that applies stores its claim's fence in recorded_fence, and a row
+		// whose recorded_fence already holds that fence is left alone: see
+		// recordAgain.
 		record: `UPDATE ` + t + ` e
-			SET state = d.state,
-				done_at = CASE WHEN d.state = 'done' THEN now() END,
-				next_attempt_at = CASE WHEN d.state = 'pending'
-					THEN now() + d.delay_ms * interval '1 millisecond' ELSE e.next_attempt_at END,
-				in_flight = d.in_flight,
-				attempts = e.attempts - d.undo,
-				last_error = coalesce(d.err, e.last_error)
-			FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::bigint[], $6::bool[], $7::int[], $8::text[])
-				AS d(kind, key, fence, state, delay_ms, in_flight, undo, err)
-			WHERE e.kind = d.kind AND e.key = d.key AND e.fence = d.fence AND e.state = 'pending'
-			RETURNING e.kind, e.key`,
+			SET ` + recordSet + `
+			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
+					$6::bigint[], $7::bool[], $8::int[], $9::text[])
+				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err)
+			WHERE ` + recordWhere + `
+			RETURNING e.tenant, e.kind, e.key, d.fence`,
+		// recordAgain is record for a retry of the same write, whose first run may
+		// have committed although its COMMIT reply was lost. Rows that run recorded
+		// keep their recorded_fence, so the update leaves them alone (an attempt is
+		// not given back twice, a done effect stays as it was), and the second SELECT
+		// reports them as recorded all the same. Both halves read the same snapshot,
+		// so a row updated here is not reported twice. The first run of a write does
+		// not need the second half (no row can hold its claim's fence before its
+		// outcome is written), so it runs record, which costs one index probe per row
+		// less.
+		recordAgain: `WITH d AS (
+				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
+						$6::bigint[], $7::bool[], $8::int[], $9::text[])
+					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err)
+			), applied AS (
+				UPDATE ` + t + ` e
+				SET ` + recordSet + `
+				FROM d
+				WHERE ` + recordWhere + `
+				RETURNING e.tenant, e.kind, e.key, d.fence
+			)
+			SELECT tenant, kind, key, fence FROM applied
+			UNION ALL
+			SELECT e.tenant, e.kind, e.key, d.fence FROM ` + t + ` e JOIN d
+				ON e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
+			WHERE e.recorded_fence = d.fence`,
 		notify:  `SELECT pg_notify('` + notifyChannel + `', $1)`,
 		pending: `SELECT kind, count(*) FROM ` + t + ` WHERE state = 'pending' GROUP BY kind`,
 		// Requeue notifies in the same statement, so the wake-up is delivered when the
@@ -82,6 +142,7 @@ func newQueries(schema string, claimLimit int) queries {
 				UPDATE ` + t + `
 				SET state = 'pending', attempts = 0, next_attempt_at = now(), done_at = NULL
 				WHERE state = 'dead' AND ($1 = '' OR kind = $1) AND ($2 = '' OR key = $2)
+					AND ($4 = '' OR tenant = $4)
 				RETURNING 1
 			)
 			SELECT count(*), pg_notify('` + notifyChannel + `', $3) FROM r`,

@@ -14,13 +14,16 @@ type Querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// RequeueFilter picks the dead effects to bring back. Set Kind, Key or both; or All
-// to take every dead effect. An empty filter is refused, so that a forgotten field
-// cannot requeue everything.
+// RequeueFilter picks the dead effects to bring back. Set Kind, Key, Tenant or any
+// of them together; or All to take every dead effect. An empty filter is refused, so
+// that a forgotten field cannot requeue everything.
 type RequeueFilter struct {
 	Kind string
 	Key  string
-	All  bool
+	// Tenant, when set, takes only that tenant's effects. Empty means every tenant
+	// (the unscoped effects included): a Key alone may name one effect per tenant.
+	Tenant string
+	All    bool
 }
 
 // RequeueDead brings dead effects back to pending: attempts start again from 0,
@@ -35,11 +38,11 @@ func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter
 	if !schemaRe.MatchString(schema) {
 		return 0, fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
 	}
-	if f.Kind == "" && f.Key == "" && !f.All {
-		return 0, errors.New("idem: requeue needs a kind, a key, or All")
+	if f.Kind == "" && f.Key == "" && f.Tenant == "" && !f.All {
+		return 0, errors.New("idem: requeue needs a kind, a key, a tenant, or All")
 	}
 	var n int64
-	err := db.QueryRow(ctx, newQueries(schema, 0).requeue, f.Kind, f.Key, schema).Scan(&n, nil)
+	err := db.QueryRow(ctx, newQueries(schema, 0).requeue, f.Kind, f.Key, schema, f.Tenant).Scan(&n, nil)
 	if err != nil {
 		return 0, wrapSchema(err, schema)
 	}

@@ -6,14 +6,21 @@ import (
 	"time"
 )
 
-// Delivery is one attempt at an effect, as a Sender sees it. Kind and Key are the
-// same on every attempt: a receiver that honours idempotency keys applies the effect
-// once however often it is sent.
+// Delivery is one attempt at an effect, as a Sender sees it. Tenant, Kind and Key are
+// the same on every attempt: a receiver that honours idempotency keys applies the
+// effect once however often it is sent.
 type Delivery struct {
+	// Tenant is the tenant the effect belongs to, "" when unscoped. The effect's
+	// identity is (Tenant, Kind, Key): two tenants may each have an effect with the
+	// same Key. A Sender whose receiver is shared by tenants must pass the tenant on
+	// with the key (a tenant column next to the key column, a tenant header), or
+	// tenant B's effect would be taken for a repeat of tenant A's.
+	Tenant string
 	// Kind names the sender ("email", "publish:orders").
 	Kind string
-	// Key is the effect's stable identity. Pass it to the receiver as its
-	// idempotency key (an Idempotency-Key header, a Message-ID, a unique column).
+	// Key is the effect's stable identity within its tenant. Pass it to the
+	// receiver as its idempotency key (an Idempotency-Key header, a Message-ID, a
+	// unique column), with Tenant when the receiver serves several tenants.
 	Key string
 	// Payload is what Enqueue stored.
 	Payload []byte

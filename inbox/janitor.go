@@ -157,6 +157,17 @@ func NewJanitor(cfg JanitorConfig) (*Janitor, error) {
 	if j.lastOK, err = registerAs(cfg.Registerer, j.lastOK); err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
+	// Every series exists from the start, at 0, so that a dashboard sees the schema
+	// before the first deletion and an alert on a janitor that never succeeded
+	// (time() - idem_janitor_last_success_timestamp_seconds > 3600) fires instead
+	// of finding no data.
+	for _, table := range []string{"inbox", "effects"} {
+		j.deleted.WithLabelValues(cfg.Schema, table)
+	}
+	for _, result := range []string{"ok", "busy", "error"} {
+		j.passes.WithLabelValues(cfg.Schema, result)
+	}
+	j.lastOK.WithLabelValues(cfg.Schema)
 	return j, nil
 }
 

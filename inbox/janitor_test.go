@@ -364,3 +364,43 @@ func BenchmarkJanitor(b *testing.B) {
 	b.ReportMetric(ms(maxOf(baseline)), "base-max-claim-ms")
 	b.ReportMetric(float64(len(withJanitor)), "claims")
 }
+
+// TestJanitorMetricsExistFromStart: right after NewJanitor, before any pass, a scrape
+// has every janitor series of the schema at 0: deletions per table, passes per
+// result, and the last success (0: never, so an alert on a janitor that never
+// succeeds fires). (Before, each series appeared at its first increment.)
+func TestJanitorMetricsExistFromStart(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2})
+	reg := prometheus.NewRegistry()
+	_, err := inbox.NewJanitor(inbox.JanitorConfig{Pool: pool, Schema: schema, Registerer: reg})
+	require.NoError(t, err)
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	have := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.Metric {
+			key := mf.GetName()
+			for _, l := range m.Label {
+				key += "," + l.GetName() + "=" + l.GetValue()
+			}
+			if m.Counter != nil {
+				have[key] = m.GetCounter().GetValue()
+			} else {
+				have[key] = m.GetGauge().GetValue()
+			}
+		}
+	}
+	for _, want := range []string{
+		"idem_janitor_deleted_total,schema=" + schema + ",table=inbox",
+		"idem_janitor_deleted_total,schema=" + schema + ",table=effects",
+		"idem_janitor_passes_total,result=ok,schema=" + schema,
+		"idem_janitor_passes_total,result=busy,schema=" + schema,
+		"idem_janitor_passes_total,result=error,schema=" + schema,
+		"idem_janitor_last_success_timestamp_seconds,schema=" + schema,
+	} {
+		v, ok := have[want]
+		require.True(t, ok, "%s missing before any pass; have %v", want, have)
+		require.Zero(t, v, want)
+	}
+}

@@ -212,10 +212,12 @@ func (s *Store) existing(rec *Record, fp []byte) ClaimResult {
 // FailTx records a permanent failure for c.Key, unless the key already has a row. It
 // returns whether it wrote the row. Call it in a transaction of its own, after the
 // handler's transaction rolled back, so that nothing of the failed work is kept.
+// code and msg are stored through SanitizeText, so any bytes are accepted.
 func (s *Store) FailTx(ctx context.Context, tx DBTX, c Claim, code, msg string) (ClaimResult, error) {
 	if err := c.Validate(); err != nil {
 		return ClaimResult{}, err
 	}
+	code, msg = SanitizeText(code, 0), SanitizeText(msg, 0)
 	return s.insertOr(ctx, tx, c, func() (int64, error) {
 		var inserted bool
 		err := tx.QueryRow(ctx, s.q.fail, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg).Scan(&inserted)
@@ -275,7 +277,9 @@ func (s *Store) CompleteLeaseTx(ctx context.Context, tx DBTX, id ID, fence int64
 }
 
 // FailLease records a permanent failure on a leased key if the fence still matches.
+// code and msg are stored through SanitizeText, so any bytes are accepted.
 func (s *Store) FailLease(ctx context.Context, db DBTX, id ID, fence int64, retention time.Duration, code, msg string) error {
+	code, msg = SanitizeText(code, 0), SanitizeText(msg, 0)
 	tag, err := db.Exec(ctx, s.q.failLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention), code, msg)
 	if err != nil {
 		return s.wrap(err)

@@ -1,0 +1,178 @@
+package effects_test
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// TestDispatcherMetricsExistFromStart: a scrape right after NewDispatcher, before
+// any work, already has every series of each configured kind, at 0, so that a
+// dashboard shows the kind and rate() or increase() alerts work from the first
+// event. (Before, each series appeared at its first increment.)
+func TestDispatcherMetricsExistFromStart(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	reg := prometheus.NewRegistry()
+	noop := effects.SenderFunc(func(context.Context, effects.Delivery) error { return nil })
+	_, err := effects.NewDispatcher(effects.Config{Pool: pool, Schema: schema, Registerer: reg,
+		Senders: map[string]effects.Sender{"mail": noop, "publish:orders": noop}})
+	require.NoError(t, err)
+
+	series := scrape(t, reg)
+	for _, kind := range []string{"mail", "publish:orders"} {
+		for _, want := range []string{
+			"idem_effects_pending{kind=" + kind + "}",
+			"idem_effects_dead_total{kind=" + kind + "}",
+			"idem_effects_unknown_total{kind=" + kind + "}",
+			"idem_effects_lost_lease_total{kind=" + kind + "}",
+			"idem_effects_lag_seconds{kind=" + kind + "}",
+			"idem_effects_attempts_total{kind=" + kind + ",outcome=done}",
+			"idem_effects_attempts_total{kind=" + kind + ",outcome=retry}",
+			"idem_effects_attempts_total{kind=" + kind + ",outcome=dead}",
+			"idem_effects_attempts_total{kind=" + kind + ",outcome=reconciled}",
+			"idem_effects_attempts_total{kind=" + kind + ",outcome=released}",
+			"idem_effects_reconcile_total{kind=" + kind + ",result=done}",
+			"idem_effects_reconcile_total{kind=" + kind + ",result=not_done}",
+			"idem_effects_reconcile_total{kind=" + kind + ",result=error}",
+		} {
+			v, ok := series[want]
+			require.True(t, ok, "series %s missing before any work; have %v", want, series)
+			require.Zero(t, v, want)
+		}
+	}
+}
+
+// scrape gathers reg into "name{label=value,…}" → value (a histogram's count).
+func scrape(t testing.TB, reg *prometheus.Registry) map[string]float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.Metric {
+			name := mf.GetName() + "{"
+			for i, l := range m.Label {
+				if i > 0 {
+					name += ","
+				}
+				name += l.GetName() + "=" + l.GetValue()
+			}
+			name += "}"
+			switch {
+			case m.Counter != nil:
+				out[name] = m.GetCounter().GetValue()
+			case m.Gauge != nil:
+				out[name] = m.GetGauge().GetValue()
+			case m.Histogram != nil:
+				out[name] = float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return out
+}
+
+// TestDispatcherPendingGaugeFallsToZero: idem_effects_pending of a kind this
+// dispatcher has no sender for goes to 0 once that kind has nothing pending, instead
+// of keeping its last count. (Before, it showed 5 pending long after all were sent.)
+func TestDispatcherPendingGaugeFallsToZero(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	reg := prometheus.NewRegistry()
+	enqueueMany(t, pool, "elsewhere", "e", 5)
+	cfg := fastConfig(pool, schema, map[string]effects.Sender{"mine": newRecorder(nil)})
+	cfg.Registerer = reg
+	cfg.PendingRefresh = 50 * time.Millisecond
+	start(t, cfg)
+	waitFor(t, 10*time.Second, "pending 5", func() bool { return metricValue(t, reg, "idem_effects_pending", "elsewhere") == 5 })
+	// Another dispatcher sends them.
+	_, err := pool.Exec(context.Background(), `UPDATE effects SET state = 'done', done_at = now() WHERE kind = 'elsewhere'`)
+	require.NoError(t, err)
+	waitFor(t, 10*time.Second, "pending 0", func() bool { return metricValue(t, reg, "idem_effects_pending", "elsewhere") == 0 })
+	require.Zero(t, metricValue(t, reg, "idem_effects_pending", "mine"))
+}
+
+// logCapture is a slog handler that keeps the records it gets.
+type logCapture struct {
+	mu      sync.Mutex
+	records []slog.Record
+}
+
+func (h *logCapture) Enabled(context.Context, slog.Level) bool { return true }
+func (h *logCapture) Handle(_ context.Context, r slog.Record) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.records = append(h.records, r.Clone())
+	return nil
+}
+func (h *logCapture) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *logCapture) WithGroup(string) slog.Handler      { return h }
+
+// retryWaits returns the retry_in of every "LISTEN connection lost" record so far.
+func (h *logCapture) retryWaits() []time.Duration {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []time.Duration
+	for _, r := range h.records {
+		if r.Message != "effects dispatcher: LISTEN connection lost; polling until it is back" {
+			continue
+		}
+		r.Attrs(func(a slog.Attr) bool {
+			if a.Key == "retry_in" {
+				out = append(out, a.Value.Duration())
+			}
+			return true
+		})
+	}
+	return out
+}
+
+// TestListenBackoffResetsAfterReconnect: each cut of a LISTEN connection that was
+// working is followed by the shortest wait, however many cuts came before, so an
+// effect enqueued right after a cut is not left waiting for a long backoff. (Before,
+// the wait doubled on every cut and stayed at 5 s: an effect committed right after
+// the sixth cut waited 5 s for its wake-up.)
+func TestListenBackoffResetsAfterReconnect(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	logs := &logCapture{}
+	rec := newRecorder(nil)
+	cfg := fastConfig(pool, schema, map[string]effects.Sender{"n": rec})
+	cfg.PollInterval = time.Hour // only LISTEN/NOTIFY wakes it
+	cfg.Logger = slog.New(logs)
+	start(t, cfg)
+	admin := pgtest.NewPool(t, "public", 1)
+	const cuts = 7
+	for i := range cuts {
+		// Cut only a connection that got as far as LISTEN (idle after it).
+		waitFor(t, 30*time.Second, "LISTEN connection up", func() bool { return cutListener(t, admin, schema) })
+		waitFor(t, 30*time.Second, "the cut noticed", func() bool { return len(logs.retryWaits()) == i+1 })
+	}
+	for i, w := range logs.retryWaits() {
+		require.Equal(t, 100*time.Millisecond, w, "wait after cut %d of a working connection", i+1)
+	}
+	// And the dispatcher is woken again after the last cut.
+	waitFor(t, 30*time.Second, "LISTEN connection up again", func() bool { return listenerUp(t, admin, schema) })
+	enqueue(t, pool, schema, effects.Effect{Kind: "n", Key: "after-cuts"})
+	waitState(t, pool, "n", "after-cuts", "done", 30*time.Second)
+}
+
+const listenerQuery = `FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN idem_effects' AND state = 'idle'`
+
+func listenerUp(t testing.TB, admin *pgxpool.Pool, schema string) bool {
+	return pgtest.Count(t, admin, `SELECT count(*) `+listenerQuery, "idem-test:"+schema) == 1
+}
+
+// cutListener terminates the dispatcher's LISTEN connection, if it is up.
+func cutListener(t testing.TB, admin *pgxpool.Pool, schema string) bool {
+	return pgtest.Count(t, admin, `SELECT count(pg_terminate_backend(pid)) `+listenerQuery, "idem-test:"+schema) == 1
+}

@@ -1,0 +1,186 @@
+package effects_test
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+func enqueueIn(t testing.TB, pool *pgxpool.Pool, scope effects.Scope, e effects.Effect) (effects.Result, error) {
+	t.Helper()
+	ctx := context.Background()
+	var res effects.Result
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var err error
+		res, err = effects.EnqueueScoped(ctx, tx, scope, e)
+		return err
+	})
+	return res, err
+}
+
+// TestEnqueueTenantScope: an effect's identity is (tenant, kind, key). Two tenants'
+// receipt:123 are two effects, neither a duplicate nor a mismatch of the other, and
+// each Delivery carries its tenant. (Before, tenant B's Enqueue returned Duplicate,
+// or ErrFingerprintMismatch with another payload, because tenant A had the key.)
+func TestEnqueueTenantScope(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	scope := func(tenant string) effects.Scope {
+		return effects.Scope{Schema: schema, Source: effects.Source{Consumer: "payments", Tenant: tenant, Key: "pay_123"}}
+	}
+	e := func(payload string) effects.Effect {
+		return effects.Effect{Kind: "mail", Key: "receipt:123", Payload: []byte(payload)}
+	}
+	for _, tc := range []struct{ tenant, payload string }{{"acme", `{"to":"a"}`}, {"globex", `{"to":"g"}`}, {"", `{"to":"u"}`}} {
+		res, err := enqueueIn(t, pool, scope(tc.tenant), e(tc.payload))
+		require.NoError(t, err, tc.tenant)
+		require.False(t, res.Duplicate, "tenant %q: not another tenant's duplicate", tc.tenant)
+	}
+	res, err := enqueueIn(t, pool, scope("globex"), e(`{"to":"g"}`))
+	require.NoError(t, err)
+	require.True(t, res.Duplicate, "the same tenant's same effect is a duplicate")
+	_, err = enqueueIn(t, pool, scope("globex"), e(`{"to":"changed"}`))
+	require.ErrorIs(t, err, effects.ErrFingerprintMismatch)
+	require.ErrorContains(t, err, `tenant "globex"`)
+	// A tenant without a source (enqueued outside a consumer) scopes the effect too.
+	res, err = enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: "initech"}}, e(`{"to":"i"}`))
+	require.NoError(t, err)
+	require.False(t, res.Duplicate)
+	require.Equal(t, 4, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE kind = 'mail' AND key = 'receipt:123'`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'initech' AND source_consumer IS NULL`))
+
+	_, err = enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: "bad\x00"}}, e(`{}`))
+	require.ErrorIs(t, err, effects.ErrInvalidTenant)
+
+	rec := newRecorder(nil)
+	start(t, fastConfig(pool, schema, map[string]effects.Sender{"mail": rec}))
+	waitFor(t, 20*time.Second, "all four sent", func() bool { return countState(t, pool, "done") == 4 })
+	rec.mu.Lock()
+	sends := slices.Clone(rec.sends["receipt:123"])
+	rec.mu.Unlock()
+	got := map[string]string{}
+	for _, d := range sends {
+		require.Equal(t, 1, d.Attempt)
+		got[d.Tenant] = string(d.Payload)
+		if d.Source.Consumer != "" {
+			require.Equal(t, d.Tenant, d.Source.Tenant, "a consumer's effect has its message's tenant")
+		}
+	}
+	require.Equal(t, map[string]string{"acme": `{"to":"a"}`, "globex": `{"to":"g"}`, "": `{"to":"u"}`, "initech": `{"to":"i"}`}, got)
+}
+
+// TestRequeueDeadByTenant: a requeue can be narrowed to one tenant; without a tenant
+// it takes the key in every tenant.
+func TestRequeueDeadByTenant(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	ctx := context.Background()
+	for _, tenant := range []string{"acme", "globex", ""} {
+		_, err := enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: tenant}}, effects.Effect{Kind: "mail", Key: "k"})
+		require.NoError(t, err)
+	}
+	_, err := pool.Exec(ctx, `UPDATE effects SET state = 'dead'`)
+	require.NoError(t, err)
+	n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail", Key: "k", Tenant: "acme"})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	require.Equal(t, "pending", stateOf(t, pool, "acme", "mail", "k"))
+	require.Equal(t, "dead", stateOf(t, pool, "globex", "mail", "k"))
+	n, err = effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Key: "k"})
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n, "no tenant: every tenant's k")
+}
+
+func stateOf(t testing.TB, pool *pgxpool.Pool, tenant, kind, key string) string {
+	t.Helper()
+	var s string
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT state FROM effects WHERE tenant = $1 AND kind = $2 AND key = $3`,
+		tenant, kind, key).Scan(&s))
+	return s
+}
+
+// TestLedgerSenderTenantScope: with a TenantColumn, two tenants' same key are two
+// ledger rows; without one, a tenant's effect is refused (permanent) instead of
+// being dropped as a repeat of another tenant's row.
+func TestLedgerSenderTenantScope(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE ledger (tenant text NOT NULL, effect_key text NOT NULL, payload jsonb NOT NULL,
+		PRIMARY KEY (tenant, effect_key))`)
+	require.NoError(t, err)
+	scoped, err := effects.LedgerSender(pool, effects.LedgerConfig{Table: schema + ".ledger", TenantColumn: "tenant"})
+	require.NoError(t, err)
+	for _, tenant := range []string{"acme", "globex", "acme"} {
+		require.NoError(t, scoped.Send(ctx, effects.Delivery{Tenant: tenant, Kind: "ledger", Key: "credit:1", Payload: []byte(`{"amount":1}`)}))
+	}
+	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM ledger WHERE effect_key = 'credit:1'`))
+
+	_, err = pool.Exec(ctx, `CREATE TABLE plain (effect_key text PRIMARY KEY, payload jsonb NOT NULL)`)
+	require.NoError(t, err)
+	plain, err := effects.LedgerSender(pool, effects.LedgerConfig{Table: schema + ".plain"})
+	require.NoError(t, err)
+	require.NoError(t, plain.Send(ctx, effects.Delivery{Kind: "ledger", Key: "credit:1", Payload: []byte(`{}`)}))
+	err = plain.Send(ctx, effects.Delivery{Tenant: "acme", Kind: "ledger", Key: "credit:2", Payload: []byte(`{}`)})
+	require.True(t, effects.IsPermanent(err), "%v", err)
+	require.ErrorContains(t, err, "TenantColumn")
+}
+
+// TestPublishSenderPassesTenant: a tenant-scoped publish effect's message carries the
+// tenant in TenantMetadataKey, so a scoped consumer downstream keeps the scope.
+func TestPublishSenderPassesTenant(t *testing.T) {
+	t.Parallel()
+	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10}, watermill.NopLogger{})
+	defer pubsub.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := pubsub.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	send := effects.PublishSender(pubsub)
+	for _, tenant := range []string{"acme", ""} {
+		e, err := effects.PublishEffect("orders", message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
+		require.NoError(t, err)
+		require.NoError(t, send.Send(ctx, effects.Delivery{Tenant: tenant, Kind: e.Kind, Key: e.Key, Payload: e.Payload}))
+		got := <-msgs
+		got.Ack()
+		require.Equal(t, tenant, got.Metadata.Get(effects.TenantMetadataKey))
+	}
+}
+
+// TestEnqueueDelayCountsFromTheCall: the due time is at least Delay after the Enqueue
+// call, even in a transaction that started long before it. (Before, Delay counted
+// from the start of the transaction: a 2 s delay in a transaction that had run 3 s
+// was due before the commit.)
+func TestEnqueueDelayCountsFromTheCall(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	ctx := context.Background()
+	const delay = 2 * time.Second
+	var called, due time.Time
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_sleep(1.5)`); err != nil {
+			return err
+		}
+		if err := tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&called); err != nil {
+			return err
+		}
+		if _, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "mail", Key: "later", Delay: delay}); err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, `SELECT next_attempt_at FROM effects WHERE key = 'later'`).Scan(&due)
+	})
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, due.Sub(called), delay, "due %s after the call", due.Sub(called))
+	require.Less(t, due.Sub(called), delay+time.Minute)
+}

@@ -1,2 +1,0 @@
--- Placeholder for version 2; see 002_reserved.up.sql.
-SELECT 1;
