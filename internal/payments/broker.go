@@ -54,21 +54,70 @@ func StartKafka() (*kfake.Cluster, error) {
 }
 
 // Endpoint is a broker a process connects to: Broker is NATS or Kafka, Addr a NATS
-// URL or comma-separated Kafka brokers, Group the consumer group or durable.
+// URL or comma-separated Kafka brokers, Group the consumer group or durable, and
+// Topic the topic or subject (Topic when empty).
 type Endpoint struct {
-	Broker, Addr, Group string
+	Broker, Addr, Group, Topic string
 }
 
-// String is "broker|addr|group", for an environment variable.
-func (e Endpoint) String() string { return e.Broker + "|" + e.Addr + "|" + e.Group }
+// TopicName is e.Topic, or Topic when that is empty.
+func (e Endpoint) TopicName() string {
+	if e.Topic == "" {
+		return Topic
+	}
+	return e.Topic
+}
+
+// String is "broker|addr|group|topic", for an environment variable.
+func (e Endpoint) String() string {
+	return e.Broker + "|" + e.Addr + "|" + e.Group + "|" + e.Topic
+}
 
 // ParseEndpoint reverses String.
 func ParseEndpoint(s string) (Endpoint, error) {
 	p := strings.Split(s, "|")
-	if len(p) != 3 {
-		return Endpoint{}, fmt.Errorf("endpoint %q: want broker|addr|group", s)
+	if len(p) != 4 {
+		return Endpoint{}, fmt.Errorf("endpoint %q: want broker|addr|group|topic", s)
 	}
-	return Endpoint{p[0], p[1], p[2]}, nil
+	return Endpoint{p[0], p[1], p[2], p[3]}, nil
+}
+
+// CreateTopic makes topic on a Kafka endpoint with Partitions partitions (one
+// replica), unless it exists, so that a producer can publish before any consumer
+// has joined, whatever the broker's num.partitions. A NATS stream is made by
+// its publisher, so it does nothing there.
+func CreateTopic(ctx context.Context, e Endpoint, topic string) error {
+	if e.Broker != Kafka {
+		return nil
+	}
+	client := &kafkago.Client{Addr: kafkago.TCP(strings.Split(e.Addr, ",")...), Timeout: 30 * time.Second}
+	res, err := client.CreateTopics(ctx, &kafkago.CreateTopicsRequest{Topics: []kafkago.TopicConfig{{
+		Topic: topic, NumPartitions: Partitions, ReplicationFactor: 1,
+	}}})
+	if err != nil {
+		return fmt.Errorf("create topic %s on %s: %w", topic, e.Addr, err)
+	}
+	if err := res.Errors[topic]; err != nil && !errors.Is(err, kafkago.TopicAlreadyExists) {
+		return fmt.Errorf("create topic %s on %s: %w", topic, e.Addr, err)
+	}
+	return nil
+}
+
+// DeleteTopic deletes a run's topic from a Kafka endpoint, so that runs against a
+// shared broker leave nothing behind. It does nothing on NATS.
+func DeleteTopic(ctx context.Context, e Endpoint, topic string) error {
+	if e.Broker != Kafka {
+		return nil
+	}
+	client := &kafkago.Client{Addr: kafkago.TCP(strings.Split(e.Addr, ",")...), Timeout: 30 * time.Second}
+	res, err := client.DeleteTopics(ctx, &kafkago.DeleteTopicsRequest{Topics: []string{topic}})
+	if err != nil {
+		return err
+	}
+	if err := res.Errors[topic]; err != nil && !errors.Is(err, kafkago.UnknownTopicOrPartition) {
+		return err
+	}
+	return nil
 }
 
 // Conn is the publisher and subscriber of one process on an Endpoint.
