@@ -209,7 +209,11 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	defer box.Close()
 
 	say("idem demo: %d payments through %s", o.n, brokerDesc)
-	say("  Postgres %s, schema %s (reset); SMTP receiver at %s; seed %d", redact.DSN(e.databaseURL), schema, box.Addr(), o.seed)
+	fresh := "new"
+	if claimed.Reset {
+		fresh = "reset"
+	}
+	say("  Postgres %s, schema %s (%s); SMTP receiver at %s; seed %d", redact.DSN(e.databaseURL), schema, fresh, box.Addr(), o.seed)
 	say("  chaos: the producer sends 30%% twice; consumers get extra copies and redeliveries after ack,")
 	say("  3 consumers restart at random, database connections are cut twice; 2 email dispatchers.")
 
@@ -401,7 +405,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	} else {
 		fmt.Fprintf(e.stdout, "%d payments through %s in %s: producer duplicates %d, consumer restarts %d, backend cuts %d\n\n",
 			o.n, brokerDesc, elapsed.Round(100*time.Millisecond), pubDups.Load(), restarts.Load(), cuts.Load())
-		fmt.Fprint(e.stdout, chaos.FormatReports([]string{"idem on " + o.broker + " at " + ep.Addr}, rep))
+		fmt.Fprint(e.stdout, chaos.FormatReports([]string{"idem on " + o.broker}, rep))
 	}
 	if !rep.OK() {
 		return rep.Err()
