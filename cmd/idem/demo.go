@@ -202,6 +202,13 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	if err := payments.CreateTopic(ctx, ep, topic); err != nil {
 		return err
 	}
+	var sessionNote string
+	if o.broker == payments.Kafka {
+		if floor, err := payments.SessionFloor(ctx, strings.Split(ep.Addr, ","), topic); err == nil && floor > time.Second {
+			sessionNote = fmt.Sprintf("  The broker's group.min.session.timeout.ms is %s, so consumers use %s sessions and a restart moves\n"+
+				"  partitions slowly; a test broker may allow 1000 ms (scripts/services and docker-compose.yml do).", floor, floor)
+		}
+	}
 	box, err := payments.StartMailbox("127.0.0.1:0")
 	if err != nil {
 		return err
@@ -216,6 +223,9 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	say("  Postgres %s, schema %s (%s); SMTP receiver at %s; seed %d", redact.DSN(e.databaseURL), schema, fresh, box.Addr(), o.seed)
 	say("  chaos: the producer sends 30%% twice; consumers get extra copies and redeliveries after ack,")
 	say("  3 consumers restart at random, database connections are cut twice; 2 email dispatchers.")
+	if sessionNote != "" {
+		say("%s", sessionNote)
+	}
 
 	start := time.Now()
 	runCtx, stopRun := context.WithCancel(ctx)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -187,8 +188,7 @@ func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
 		cfg := kafka.SubscriberConfig{TopicPartitions: Partitions, TopicReplicationFactor: 1, NackBackoff: nackBackoffChaos, Logger: logger}
 		cfg.Brokers = brokers
 		cfg.GroupID = e.Group
-		cfg.HeartbeatInterval = kafkaHeartbeat
-		cfg.SessionTimeout = kafkaSession
+		cfg.SessionTimeout, cfg.HeartbeatInterval = sessionFor(brokers, e.TopicName())
 		cfg.RebalanceTimeout = kafkaRebalance
 		sub, err := kafka.NewSubscriber(cfg)
 		if err != nil {
@@ -198,6 +198,58 @@ func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
 		return &Conn{Publisher: pub, Subscriber: sub}, nil
 	}
 	return nil, fmt.Errorf("unknown broker %q (want nats or kafka)", e.Broker)
+}
+
+// sessionFor is the session timeout and heartbeat interval of a chaos run's
+// consumers on brokers: kafkaSession, or the broker's own floor
+// (group.min.session.timeout.ms) when that is longer. A stock broker's floor is
+// 6 s and it refuses a member that asks for less (INVALID_SESSION_TIMEOUT), which
+// would leave the demo waiting for a group that never forms. If the broker cannot
+// say, kafkaSession is tried.
+func sessionFor(brokers []string, topic string) (session, heartbeat time.Duration) {
+	session = kafkaSession
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if floor, err := SessionFloor(ctx, brokers, topic); err == nil && floor > session {
+		session = floor
+	}
+	return session, max(kafkaHeartbeat, session/10)
+}
+
+// SessionFloor asks a Kafka broker for group.min.session.timeout.ms, the
+// shortest session timeout it lets a group member ask for. topic narrows the
+// metadata request that finds a broker to ask.
+func SessionFloor(ctx context.Context, brokers []string, topic string) (time.Duration, error) {
+	client := &kafkago.Client{Addr: kafkago.TCP(brokers...), Timeout: 10 * time.Second}
+	meta, err := client.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{topic}})
+	if err != nil {
+		return 0, err
+	}
+	if len(meta.Brokers) == 0 {
+		return 0, errors.New("metadata names no broker")
+	}
+	const name = "group.min.session.timeout.ms"
+	res, err := client.DescribeConfigs(ctx, &kafkago.DescribeConfigsRequest{Resources: []kafkago.DescribeConfigRequestResource{{
+		ResourceType: kafkago.ResourceTypeBroker, ResourceName: strconv.Itoa(meta.Brokers[0].ID), ConfigNames: []string{name},
+	}}})
+	if err != nil {
+		return 0, err
+	}
+	for _, r := range res.Resources {
+		if r.Error != nil {
+			return 0, r.Error
+		}
+		for _, c := range r.ConfigEntries {
+			if c.ConfigName == name {
+				ms, err := strconv.Atoi(c.ConfigValue)
+				if err != nil {
+					return 0, fmt.Errorf("%s = %q: %w", name, c.ConfigValue, err)
+				}
+				return time.Duration(ms) * time.Millisecond, nil
+			}
+		}
+	}
+	return 0, fmt.Errorf("the broker did not return %s", name)
 }
 
 // Backlog is how many messages of the topic e's group or durable has not yet
