@@ -48,9 +48,13 @@ func StartNATS(dir string, port int) (*server.Server, error) {
 }
 
 // StartKafka starts an in-process Kafka-protocol broker (franz-go's kfake) and
-// returns it; ListenAddrs says where it is.
+// returns it; ListenAddrs says where it is. Its group.min.session.timeout.ms is
+// set as a broker config, not only with kfake.GroupMinSessionTimeout: kfake
+// enforces that option but reports its static default (6 s) to DescribeConfigs,
+// which would make Connect ask for 6 s sessions.
 func StartKafka() (*kfake.Cluster, error) {
-	return kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(100*time.Millisecond),
+	return kfake.NewCluster(kfake.NumBrokers(1),
+		kfake.BrokerConfigs(map[string]string{"group.min.session.timeout.ms": "100"}),
 		kfake.SeedTopics(Partitions, Topic))
 }
 

@@ -69,3 +69,21 @@ func TestSessionFloorOfTheTestBroker(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, time.Second, floor)
 }
+
+// The in-process broker reports the floor it enforces, so the chaos runs on it
+// keep their 1 s sessions.
+func TestStartKafkaReportsItsSessionFloor(t *testing.T) {
+	t.Parallel()
+	c, err := StartKafka()
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	t.Logf("broker: in-process kfake")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	floor, err := SessionFloor(ctx, c.ListenAddrs(), Topic)
+	require.NoError(t, err)
+	require.Equal(t, 100*time.Millisecond, floor)
+	session, heartbeat := sessionFor(c.ListenAddrs(), Topic)
+	require.Equal(t, kafkaSession, session)
+	require.Equal(t, kafkaHeartbeat, heartbeat)
+}
