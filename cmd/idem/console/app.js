@@ -36,6 +36,9 @@ function el(tag, attrs, ...children) {
 
 function td(text, cls) { return el("td", { class: cls || "", text: text }); }
 
+// present drops the null children (replaceChildren would write them as "null").
+function present(...nodes) { return nodes.filter((n) => n !== null && n !== undefined); }
+
 function fmtTime(iso) {
   if (!iso) return "-";
   const d = new Date(iso);
@@ -118,7 +121,7 @@ function effectRow(e, opts) {
 function fillEffectRow(tr, e, opts) {
   tr.replaceChildren(
     td(show(e.tenant)), td(show(e.kind)), td(show(e.key), "mono"), stateCell(e.state),
-    td(e.attempts + "/" + e.max_attempts, "num"), td(fmtTime(e.created_at)),
+    td(e.attempts + "/" + e.max_attempts, "num"), td(fmtTime(e.created_at), "time"),
     td(show(e.last_error), "err"));
   if (opts.why) tr.append(td(show(e.stuck)));
   if (opts.requeue) {
@@ -222,8 +225,8 @@ async function openInboxKey(k, into) {
     el("thead", {}, el("tr", {}, ...["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error", ""].map((h) => el("th", { text: h })))),
     el("tbody"));
   for (const e of rec.effects) effects.tBodies[0].append(effectRow(e, { requeue: true }));
-  into.replaceChildren(el("h3", { text: "Inbox key" }), detailList(pairs),
-    el("h3", { text: "Effects made by it: " + rec.effects.length }), rec.effects.length ? effects : null);
+  into.replaceChildren(...present(el("h3", { text: "Inbox key" }), detailList(pairs),
+    el("h3", { text: "Effects made by it: " + rec.effects.length }), rec.effects.length ? effects : null));
 }
 
 async function inspect(key, tenant) {
@@ -239,17 +242,17 @@ async function inspect(key, tenant) {
     const extra = k.response ? responseText(k.response) : (k.state === "failed" ? show(k.error_code + ": " + k.error) : "-");
     inboxTable.tBodies[0].append(el("tr", {},
       td(show(k.consumer)), td(show(k.tenant)), td(show(k.key), "mono"), stateCell(k.state),
-      td(fmtTime(k.received_at)), td(fmtTime(k.expires_at)), td(extra, "err"),
+      td(fmtTime(k.received_at), "time"), td(fmtTime(k.expires_at), "time"), td(extra, "err"),
       el("td", {}, el("button", { type: "button", text: "Open", onclick: () => openInboxKey(k, detail).catch(showError) }))));
   }
   const effectsTable = el("table", { id: "found-effects", class: "effects" },
     el("thead", {}, el("tr", {}, ...["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error", ""].map((h) => el("th", { text: h })))),
     el("tbody"));
   for (const e of found.effects) effectsTable.tBodies[0].append(effectRow(e, { requeue: true }));
-  out.replaceChildren(
+  out.replaceChildren(...present(
     el("h3", { text: "Inbox keys: " + found.inbox.length }), found.inbox.length ? inboxTable : null,
     el("h3", { text: "Effects: " + found.effects.length }), found.effects.length ? effectsTable : null,
-    detail);
+    detail));
 }
 
 // --- start ---
