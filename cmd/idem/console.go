@@ -188,7 +188,7 @@ func (c *console) guard(next http.Handler) http.Handler {
 		h.Set("Cache-Control", "no-store")
 		if c.cfg.Hosts != nil && !hostAllowed(c.cfg.Hosts, r.Host) {
 			writeError(w, http.StatusMisdirectedRequest, "bad_host",
-				fmt.Sprintf("this console answers on %s only", strings.Join(c.cfg.Hosts[:2], " and ")))
+				fmt.Sprintf("this console answers to Host %s only", strings.Join(c.cfg.Hosts, ", ")))
 			return
 		}
 		next.ServeHTTP(w, r)
