@@ -16,14 +16,36 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
+// The up and down files are the single source of the schema. The goose files are
+// generated from them (internal/goosegen); a test fails when they are stale.
+//go:generate go run ../internal/goosegen -src migrations -dst migrations/goose
+
 //go:embed migrations/*.sql
 var migrationFiles embed.FS
 
-// MigrationsFS holds the numbered SQL files (NNN_name.up.sql and NNN_name.down.sql)
-// for a migration tool of your own. Each "/* schema */" marker is a comment, so the
-// files apply as they are, into the first schema of search_path.
+//go:embed migrations/goose/*.sql
+var gooseFiles embed.FS
+
+// MigrationsFS holds the numbered SQL files (NNN_name.up.sql and NNN_name.down.sql),
+// named as golang-migrate reads them, for a migration tool of your own. Each
+// "/* schema */" marker is a comment, so the files apply as they are, into the
+// first schema of search_path. Each file applies as one multi-statement query.
 func MigrationsFS() fs.FS {
 	sub, _ := fs.Sub(migrationFiles, "migrations")
+	return sub
+}
+
+// GooseMigrationsFS holds the same migrations in goose's form: one NNN_name.sql per
+// version, the up file under "-- +goose Up" and the down file under
+// "-- +goose Down", with StatementBegin/StatementEnd around the statements that
+// hold semicolons of their own (function bodies, DO blocks). Apply them with the
+// target schema first in search_path, for example:
+//
+//	provider, err := goose.NewProvider(goose.DialectPostgres, db, inbox.GooseMigrationsFS())
+//
+// where db's connections have search_path set to the schema (it must exist).
+func GooseMigrationsFS() fs.FS {
+	sub, _ := fs.Sub(gooseFiles, "migrations/goose")
 	return sub
 }
 

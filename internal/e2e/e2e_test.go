@@ -208,15 +208,17 @@ func (r run) summary() string {
 
 // target is a broker a run goes through.
 type target struct {
-	name   string // the subtest's name: kafka-kfake, kafka-external, nats-embedded
+	name   string // the subtest's name: kafka-kfake, kafka-external, nats-embedded, nats-external
 	broker string // payments.Kafka or payments.NATS
 	addr   string // an external broker's address; "" for an in-process one
 }
 
 func (tg target) String() string {
 	switch {
-	case tg.addr != "":
+	case tg.addr != "" && tg.broker == payments.Kafka:
 		return "Kafka at " + tg.addr + " (KAFKA_BROKERS)"
+	case tg.addr != "":
+		return "NATS JetStream at " + tg.addr + " (NATS_URL)"
 	case tg.broker == payments.Kafka:
 		return "Kafka (in-process kfake)"
 	}
@@ -224,13 +226,17 @@ func (tg target) String() string {
 }
 
 // targets are kfake and embedded NATS always, and the real Kafka broker of
-// KAFKA_BROKERS when that is set.
+// KAFKA_BROKERS and the NATS server of NATS_URL when those are set.
 func targets() []target {
 	out := []target{{name: "kafka-kfake", broker: payments.Kafka}}
 	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
 		out = append(out, target{name: "kafka-external", broker: payments.Kafka, addr: b})
 	}
-	return append(out, target{name: "nats-embedded", broker: payments.NATS})
+	out = append(out, target{name: "nats-embedded", broker: payments.NATS})
+	if u := os.Getenv("NATS_URL"); u != "" {
+		out = append(out, target{name: "nats-external", broker: payments.NATS, addr: u})
+	}
+	return out
 }
 
 // runE2E runs one chaos run through tg, through idem or (peer) the Deduplicator.
@@ -247,6 +253,15 @@ func runE2E(t *testing.T, tg target, peer bool, n int, seed int64) run {
 
 	ep := payments.Endpoint{Broker: broker, Group: "payments-e2e"}
 	switch {
+	case broker == payments.NATS && tg.addr != "":
+		// A shared server: a subject, stream and durable of this run's own; the
+		// stream (and its consumers) is deleted when the test ends.
+		ep.Addr, ep.Topic, ep.Group = tg.addr, "idem-e2e-"+schema, "idem-e2e-"+schema
+		t.Cleanup(func() {
+			if err := payments.DeleteTopic(context.Background(), ep, ep.Topic); err != nil {
+				t.Logf("delete the stream of %s on %s: %v", ep.Topic, ep.Addr, err)
+			}
+		})
 	case broker == payments.NATS:
 		srv, err := payments.StartNATS(t.TempDir(), -1)
 		require.NoError(t, err)
@@ -466,8 +481,8 @@ type figures struct{ ledger, pending, sends int }
 
 // TestSIGKILLEndToEnd runs the suite on each broker through idem, then through
 // the peer, and prints the reports side by side. The subtests name the broker:
-// kafka-kfake (in-process), kafka-external (KAFKA_BROKERS, when set) and
-// nats-embedded.
+// kafka-kfake (in-process), kafka-external (KAFKA_BROKERS, when set),
+// nats-embedded and nats-external (NATS_URL, when set).
 func TestSIGKILLEndToEnd(t *testing.T) {
 	n := *flagN
 	seed := *flagSeed

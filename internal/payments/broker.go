@@ -108,9 +108,25 @@ func CreateTopic(ctx context.Context, e Endpoint, topic string) error {
 	return nil
 }
 
-// DeleteTopic deletes a run's topic from a Kafka endpoint, so that runs against a
-// shared broker leave nothing behind. It does nothing on NATS.
+// DeleteTopic deletes a run's topic from a Kafka endpoint, or the stream that holds
+// it (with its consumers) from a NATS endpoint, so that runs against a shared
+// broker leave nothing behind.
 func DeleteTopic(ctx context.Context, e Endpoint, topic string) error {
+	if e.Broker == NATS {
+		nc, err := natsgo.Connect(e.Addr)
+		if err != nil {
+			return err
+		}
+		defer nc.Close()
+		js, err := jetstream.New(nc)
+		if err != nil {
+			return err
+		}
+		if err := js.DeleteStream(ctx, nats.DefaultStreamName(topic)); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return err
+		}
+		return nil
+	}
 	if e.Broker != Kafka {
 		return nil
 	}

@@ -1,0 +1,15 @@
+// Package metricsaudit holds tests, and nothing else, that keep idem's Prometheus
+// metrics, their documentation and the Grafana dashboard in step:
+//
+//   - every component (consumer, effects Dispatcher, janitor, httpidem), built on
+//     one registry, makes every series a dashboard needs at 0 before any work, and
+//     every metric family named in DESIGN.md's Observability section and in the
+//     README's Metrics section is among them, and the other way round;
+//   - docs/grafana/idem-dashboard.json decodes strictly into the Grafana Foundation
+//     SDK's dashboard types (unknown fields refused), and every PromQL expression in
+//     it names only metric families, labels and label values that those components
+//     register, and uses every family at least once.
+//
+// It guarantees nothing at run time: it is the tripwire that fails a build when a
+// metric is renamed, added or dropped without the docs and the dashboard.
+package metricsaudit

@@ -1,0 +1,238 @@
+package metricsaudit
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// The names the components are built with. The dashboard's variables select
+// them, and its literal label values must match series they create.
+const (
+	consumerName = "payments"
+	operation    = "POST /payments"
+)
+
+var kinds = []string{"email", "webhook"}
+
+// world is every idem component, built on one registry, before any work.
+type world struct {
+	schema   string
+	families map[string]*dto.MetricFamily
+}
+
+// build makes a consumer (with a Name), a Dispatcher (with two kinds), a janitor
+// and an httpidem middleware (with a route that names its operation) on one
+// registry, and gathers it without sending, consuming or deleting anything.
+func build(t *testing.T) world {
+	t.Helper()
+	pool, schema := pgtest.Setup(t)
+	reg := prometheus.NewRegistry()
+
+	c, err := consumer.New(consumer.Config{Pool: pool, Schema: schema, Name: consumerName, Registerer: reg})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+
+	senders := map[string]effects.Sender{}
+	for _, k := range kinds {
+		senders[k] = effects.SenderFunc(func(context.Context, effects.Delivery) error {
+			return errors.New("the audit sends nothing")
+		})
+	}
+	_, err = effects.NewDispatcher(effects.Config{Pool: pool, Schema: schema, Senders: senders, Registerer: reg})
+	require.NoError(t, err)
+
+	_, err = inbox.NewJanitor(inbox.JanitorConfig{Pool: pool, Schema: schema, Registerer: reg})
+	require.NoError(t, err)
+
+	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Registerer: reg})
+	require.NoError(t, err)
+	mw.Route(httpidem.Route{Operation: operation})(http.NotFoundHandler())
+
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	w := world{schema: schema, families: map[string]*dto.MetricFamily{}}
+	for _, mf := range mfs {
+		w.families[mf.GetName()] = mf
+	}
+	return w
+}
+
+// ownerLabel is the label that tells one component's series from another's, by
+// family prefix, and the values the components above were built with.
+func (w world) ownerLabel(family string) (string, []string) {
+	switch {
+	case strings.HasPrefix(family, "idem_inbox_"):
+		return "consumer", []string{consumerName}
+	case strings.HasPrefix(family, "idem_effects_"):
+		return "kind", kinds
+	case strings.HasPrefix(family, "idem_janitor_"):
+		return "schema", []string{w.schema}
+	case strings.HasPrefix(family, "idem_http_"):
+		return "operation", []string{operation}
+	}
+	return "", nil
+}
+
+func TestEverySeriesExistsAtZeroBeforeAnyWork(t *testing.T) {
+	t.Parallel()
+	w := build(t)
+	readme := readmeMetricNames(t)
+	design := designMetricNames(t)
+
+	for _, name := range design {
+		_, ok := w.families[name]
+		require.True(t, ok, "DESIGN.md's Observability section names %s, but no component registers it before any work", name)
+	}
+	for _, name := range readme {
+		_, ok := w.families[name]
+		require.True(t, ok, "the README's Metrics table names %s, but no component registers it before any work", name)
+	}
+	require.NotEmpty(t, w.families)
+	for name, mf := range w.families {
+		require.True(t, strings.HasPrefix(name, "idem_"), "%s: only idem's families are on this registry", name)
+		require.Contains(t, readme, name, "%s is registered but missing from the README's Metrics table", name)
+
+		label, values := w.ownerLabel(name)
+		require.NotEmpty(t, label, "%s: no component owns this prefix; teach ownerLabel about it", name)
+		seen := map[string]bool{}
+		for _, m := range mf.GetMetric() {
+			requireZero(t, name, mf.GetType(), m)
+			for _, lp := range m.GetLabel() {
+				if lp.GetName() == label {
+					seen[lp.GetValue()] = true
+				}
+			}
+		}
+		for _, v := range values {
+			require.True(t, seen[v], "%s has no series with %s=%q before any work: a dashboard or an alert would see no data until the first event", name, label, v)
+		}
+	}
+}
+
+// requireZero fails unless m, a sample of family name, is at 0.
+func requireZero(t *testing.T, name string, typ dto.MetricType, m *dto.Metric) {
+	t.Helper()
+	labels := m.GetLabel()
+	switch typ {
+	case dto.MetricType_COUNTER:
+		require.Zero(t, m.GetCounter().GetValue(), "%s%v", name, labels)
+	case dto.MetricType_GAUGE:
+		require.Zero(t, m.GetGauge().GetValue(), "%s%v", name, labels)
+	case dto.MetricType_HISTOGRAM:
+		require.Zero(t, m.GetHistogram().GetSampleCount(), "%s%v", name, labels)
+		require.Zero(t, m.GetHistogram().GetSampleSum(), "%s%v", name, labels)
+	default:
+		t.Fatalf("%s: type %s; teach requireZero about it", name, typ)
+	}
+}
+
+var metricName = regexp.MustCompile("idem_[a-z0-9_]+")
+
+// readmeMetricNames are the families in the first column of the table in the
+// README's "### Metrics" section.
+func readmeMetricNames(t *testing.T) []string {
+	t.Helper()
+	body, err := os.ReadFile("../../README.md")
+	require.NoError(t, err)
+	section := markdownSection(t, string(body), "### Metrics")
+	var names []string
+	for _, line := range strings.Split(section, "\n") {
+		if !strings.HasPrefix(line, "| `idem_") {
+			continue
+		}
+		first := strings.Split(line, "|")[1]
+		names = append(names, metricName.FindString(first))
+	}
+	require.NotEmpty(t, names, "the README's Metrics section has no table of idem_ metrics")
+	sort.Strings(names)
+	return slices.Compact(names)
+}
+
+// designFallback is what DESIGN.md's Observability section names. DESIGN.md lives
+// in the project's shared folder beside the repository; when it is there,
+// designMetricNames reads it and checks that this list is still what it says.
+var designFallback = []string{
+	"idem_effects_attempts_total", "idem_effects_dead_total", "idem_effects_lag_seconds",
+	"idem_effects_pending", "idem_inbox_duplicate_age_seconds", "idem_inbox_duplicates_total",
+	"idem_inbox_expired_retry_total", "idem_inbox_failed_total", "idem_inbox_fingerprint_mismatch_total",
+	"idem_inbox_lock_wait_seconds", "idem_inbox_processed_total",
+}
+
+// designMetricNames are the families DESIGN.md's Observability section names.
+func designMetricNames(t *testing.T) []string {
+	t.Helper()
+	path, ok := findUp("shared/DESIGN.md")
+	if !ok {
+		t.Logf("shared/DESIGN.md is not beside the repository: checking the copy of its metric names in designFallback")
+		return designFallback
+	}
+	body, err := os.ReadFile(path)
+	require.NoError(t, err)
+	names := metricName.FindAllString(markdownSection(t, string(body), "## Observability"), -1)
+	sort.Strings(names)
+	names = slices.Compact(names)
+	require.Equal(t, designFallback, names, "%s changed its metric names: update designFallback", path)
+	return names
+}
+
+// findUp looks for rel in the working directory and each of its parents.
+func findUp(rel string) (string, bool) {
+	dir, err := filepath.Abs(".")
+	if err != nil {
+		return "", false
+	}
+	for {
+		p := filepath.Join(dir, rel)
+		if _, err := os.Stat(p); err == nil {
+			return p, true
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", false
+		}
+		dir = parent
+	}
+}
+
+// markdownSection is the text under heading, up to the next heading of the same
+// or a higher level.
+func markdownSection(t *testing.T, doc, heading string) string {
+	t.Helper()
+	level := strings.Index(heading, " ") // "### Metrics" -> 3
+	var out []string
+	in := false
+	for _, line := range strings.Split(doc, "\n") {
+		if in && strings.HasPrefix(line, "#") {
+			if n := len(line) - len(strings.TrimLeft(line, "#")); n <= level {
+				break
+			}
+		}
+		if line == heading {
+			in = true
+			continue
+		}
+		if in {
+			out = append(out, line)
+		}
+	}
+	require.True(t, in, "no %q heading", heading)
+	return strings.Join(out, "\n")
+}
