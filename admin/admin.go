@@ -107,6 +107,7 @@ type Error struct {
 	code, msg string
 }
 
+// Error is the sentinel's message.
 func (e *Error) Error() string { return "idem: " + e.msg }
 
 // Code is the stable machine-readable code, such as "not_dead".
@@ -127,7 +128,7 @@ var (
 	ErrBadFilter = &Error{"bad_filter", "bad filter"}
 )
 
-// notFound, notDead and the others say which key an error is about.
+// keyError is a sentinel with a message that names the key it is about.
 type keyError struct {
 	sentinel *Error
 	msg      string

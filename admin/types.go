@@ -78,6 +78,7 @@ type EffectID struct {
 	Key    string `json:"key"`
 }
 
+// String is "kind/key", or "tenant:kind/key" for a tenant's effect.
 func (id EffectID) String() string {
 	if id.Tenant == "" {
 		return id.Kind + "/" + id.Key
