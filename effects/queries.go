@@ -142,7 +142,7 @@ func newQueries(schema string, claimLimit int) queries {
 				UPDATE ` + t + `
 				SET state = 'pending', attempts = 0, next_attempt_at = now(), done_at = NULL
 				WHERE state = 'dead' AND ($1 = '' OR kind = $1) AND ($2 = '' OR key = $2)
-					AND ($4 = '' OR tenant = $4)
+					AND (($4 = '' AND NOT $5) OR tenant = $4)
 				RETURNING 1
 			)
 			SELECT count(*), pg_notify('` + notifyChannel + `', $3) FROM r`,

@@ -23,7 +23,11 @@ type RequeueFilter struct {
 	// Tenant, when set, takes only that tenant's effects. Empty means every tenant
 	// (the unscoped effects included): a Key alone may name one effect per tenant.
 	Tenant string
-	All    bool
+	// TenantExact makes Tenant match exactly, the empty tenant included: with it, an
+	// empty Tenant takes only the unscoped effects, never another tenant's. Use it to
+	// requeue one effect by its whole identity (tenant, kind, key).
+	TenantExact bool
+	All         bool
 }
 
 // RequeueDead brings dead effects back to pending: attempts start again from 0,
@@ -38,11 +42,11 @@ func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter
 	if !schemaRe.MatchString(schema) {
 		return 0, fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
 	}
-	if f.Kind == "" && f.Key == "" && f.Tenant == "" && !f.All {
+	if f.Kind == "" && f.Key == "" && f.Tenant == "" && !f.TenantExact && !f.All {
 		return 0, errors.New("idem: requeue needs a kind, a key, a tenant, or All")
 	}
 	var n int64
-	err := db.QueryRow(ctx, newQueries(schema, 0).requeue, f.Kind, f.Key, schema, f.Tenant).Scan(&n, nil)
+	err := db.QueryRow(ctx, newQueries(schema, 0).requeue, f.Kind, f.Key, schema, f.Tenant, f.TenantExact).Scan(&n, nil)
 	if err != nil {
 		return 0, wrapSchema(err, schema)
 	}

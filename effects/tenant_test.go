@@ -102,6 +102,29 @@ func TestRequeueDeadByTenant(t *testing.T) {
 	require.EqualValues(t, 2, n, "no tenant: every tenant's k")
 }
 
+// TestRequeueDeadTenantExact: with TenantExact, the empty tenant is the unscoped
+// effect alone, so requeueing one effect by its identity never takes another
+// tenant's effect of the same kind and key.
+func TestRequeueDeadTenantExact(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	ctx := context.Background()
+	for _, tenant := range []string{"acme", ""} {
+		_, err := enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: tenant}}, effects.Effect{Kind: "mail", Key: "k"})
+		require.NoError(t, err)
+	}
+	_, err := pool.Exec(ctx, `UPDATE effects SET state = 'dead'`)
+	require.NoError(t, err)
+	n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail", Key: "k", TenantExact: true})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	require.Equal(t, "pending", stateOf(t, pool, "", "mail", "k"))
+	require.Equal(t, "dead", stateOf(t, pool, "acme", "mail", "k"), "another tenant's effect stays dead")
+	n, err = effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{TenantExact: true})
+	require.NoError(t, err)
+	require.Zero(t, n, "TenantExact alone takes the unscoped dead effects: none left")
+}
+
 func stateOf(t testing.TB, pool *pgxpool.Pool, tenant, kind, key string) string {
 	t.Helper()
 	var s string

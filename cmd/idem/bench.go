@@ -36,7 +36,7 @@ idem bench --setups bare,idem,idem-group --json`,
 		fs.IntVar(&o.PayloadSize, "payload", 128, "payload size in bytes")
 		fs.Float64Var(&o.DupRate, "dup-rate", 0.1, "fraction of messages delivered twice")
 		fs.IntVar(&o.MaxBatch, "max-batch", 0, "group-commit batch size (consumer default if 0)")
-		fs.DurationVar(&o.MaxWait, "max-wait", 0, "group-commit wait for a fuller batch (consumer default if 0)")
+		durationVar(fs, &o.MaxWait, "max-wait", 0, "group-commit wait for a fuller batch (consumer default if 0)")
 		fs.IntVar(&o.Workers, "workers", 0, "group-commit batches at once (consumer default if 0)")
 		fs.StringVar(&setups, "setups", joinSetups(benchkit.AllSetups), "setups to run, comma-separated")
 		fs.StringVar(&schema, "bench-schema", benchSchema, "schema the benchmark creates, marks as its own, and drops on its next run (it refuses any schema it did not create)")

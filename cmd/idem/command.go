@@ -1,28 +1,32 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"strings"
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/redact"
 )
 
 const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// pgTargetVars are the libpq variables that name a server or a login. When one of
+// them is set and neither --database-url nor DATABASE_URL is, idem connects as psql
+// would: with those variables and libpq's defaults (pgx's ParseConfig("")). The
+// others (PGPASSWORD, PGCONNECT_TIMEOUT, PGAPPNAME, …) apply to any DSN that does
+// not set them, the default one included.
+var pgTargetVars = []string{"PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGSERVICE", "PGSSLMODE"}
 
 // runFunc runs a command after its flags are parsed; args are the positional ones.
 type runFunc func(ctx context.Context, e *env, args []string) error
@@ -39,6 +43,9 @@ type command struct {
 	example string
 	// setup declares the command's own flags on fs and returns its run function.
 	setup func(fs *flag.FlagSet) runFunc
+	// offline: the command never connects (version, completion): --help leaves the
+	// connection flags out of its list.
+	offline bool
 }
 
 // env is what a running command gets: the global flags, the output streams, the
@@ -48,9 +55,13 @@ type env struct {
 	// terminal is where a confirmation is read from when idem runs on a
 	// terminal; nil when it does not, and a command that would ask needs its
 	// --yes flag instead.
-	terminal    io.Reader
+	terminal io.Reader
+	// databaseURL is the DSN; "" means the PG* variables (pgx's ParseConfig("")).
 	databaseURL string
 	schema      string
+	// schemaGiven: --schema was on the command line (not IDEM_SCHEMA, not the
+	// default).
+	schemaGiven bool
 	json        bool
 	pool        *pgxpool.Pool
 }
@@ -64,13 +75,66 @@ func usagef(format string, args ...any) error {
 	return &usageError{msg: fmt.Sprintf(format, args...)}
 }
 
+// globalFlags declares the flags every command takes on fs.
+func (e *env) globalFlags(fs *flag.FlagSet) {
+	fs.StringVar(&e.databaseURL, "database-url", "", "Postgres DSN")
+	fs.StringVar(&e.schema, "schema", "", "schema of the idem tables")
+	fs.BoolVar(&e.json, "json", false, "JSON output for scripts (errors too, on stderr)")
+}
+
+var globalFlagNames = map[string]bool{"database-url": true, "schema": true, "json": true}
+
+// resolve fills in what the global flags leave unset, from the environment.
+func (e *env) resolve(fs *flag.FlagSet) {
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name == "schema" {
+			e.schemaGiven = true
+		}
+	})
+	if !e.schemaGiven {
+		e.schema = cmpOr(os.Getenv("IDEM_SCHEMA"), inbox.DefaultSchema)
+	}
+	if e.databaseURL == "" {
+		e.databaseURL = os.Getenv("DATABASE_URL")
+	}
+	if e.databaseURL == "" && !pgEnvSet() {
+		e.databaseURL = defaultDatabaseURL
+	}
+}
+
+func pgEnvSet() bool {
+	for _, v := range pgTargetVars {
+		if os.Getenv(v) != "" {
+			return true
+		}
+	}
+	return false
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// redactDSN is what error messages are masked against: the DSN, or in PG*-variable
+// mode a DSN that carries PGPASSWORD.
+func (e *env) redactDSN() string {
+	if e.databaseURL != "" {
+		return e.databaseURL
+	}
+	if p := os.Getenv("PGPASSWORD"); p != "" {
+		return "password='" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(p) + "'"
+	}
+	return ""
+}
+
 func (c *command) execute(ctx context.Context, args []string, terminal io.Reader, stdout, stderr io.Writer) int {
 	e := &env{stdout: stdout, stderr: stderr, terminal: terminal}
 	fs := flag.NewFlagSet("idem "+c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	fs.StringVar(&e.databaseURL, "database-url", cmp.Or(os.Getenv("DATABASE_URL"), defaultDatabaseURL), "Postgres DSN")
-	fs.StringVar(&e.schema, "schema", inbox.DefaultSchema, "schema of the idem tables")
-	fs.BoolVar(&e.json, "json", false, "JSON output for scripts")
+	e.globalFlags(fs)
 	runIt := c.setup(fs)
 
 	positional, err := parseInterleaved(fs, args)
@@ -79,39 +143,31 @@ func (c *command) execute(ctx context.Context, args []string, terminal io.Reader
 		return exitOK
 	}
 	if err != nil {
-		fmt.Fprintf(stderr, "idem %s: %v\nRun 'idem %s --help' for usage and an example.\n", c.name, err, c.name)
-		return exitUsage
+		e.json = wantsJSON(args)
+		return e.report(c, usagef("%v", err))
 	}
+	e.resolve(fs)
 	if err := inbox.ValidateSchema(e.schema); err != nil {
-		fmt.Fprintf(stderr, "idem %s: --schema %q is not a plain lower-case identifier (letters, digits, _; at most 63)\n", c.name, e.schema)
-		return exitUsage
+		return e.report(c, usagef("--schema %q is not a plain lower-case identifier (letters, digits, _; at most 63)", e.schema))
 	}
 	defer func() {
 		if e.pool != nil {
 			e.pool.Close()
 		}
 	}()
-	err = runIt(ctx, e, positional)
-	if err == nil {
-		return exitOK
+	return e.report(c, runIt(ctx, e, positional))
+}
+
+// wantsJSON reports whether args ask for JSON, for errors that come before the
+// flags are parsed.
+func wantsJSON(args []string) bool {
+	for _, a := range args {
+		switch a {
+		case "--json", "-json", "--json=true", "-json=true":
+			return true
+		}
 	}
-	// No message of ours quotes the DSN, but a driver's or a server's might: mask
-	// its password in whatever is printed.
-	msg := redact.Text(err.Error(), e.databaseURL)
-	var ue *usageError
-	if errors.As(err, &ue) {
-		fmt.Fprintf(stderr, "idem %s: %s\nRun 'idem %s --help' for usage and an example.\n", c.name, msg, c.name)
-		return exitUsage
-	}
-	fmt.Fprintf(stderr, "idem %s: %s\n", c.name, msg)
-	if hint := explain(err, e); hint != "" {
-		fmt.Fprintln(stderr, hint)
-	}
-	var ee *exitError
-	if errors.As(err, &ee) {
-		return ee.code
-	}
-	return exitFailure
+	return false
 }
 
 // parseInterleaved parses flags that come before, between or after positional
@@ -132,20 +188,39 @@ func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 
 func (c *command) printHelp(w io.Writer, fs *flag.FlagSet) {
 	fmt.Fprintf(w, "%s\n\nUsage:\n  idem %s %s\n\nFlags:\n", c.summary, c.name, c.args)
-	fs.VisitAll(func(f *flag.Flag) {
-		name, usage := flag.UnquoteUsage(f)
-		line := "  --" + f.Name
+	line := func(f *flag.Flag) {
+		name, usage := flagKind(f)
+		l := "  --" + f.Name
 		if name != "" {
-			line += " " + name
+			l += " " + name
 		}
 		def := f.DefValue
-		if f.Name == "database-url" {
-			def = "$DATABASE_URL, else " + defaultDatabaseURL
+		switch f.Name {
+		case "database-url":
+			def = "$DATABASE_URL, else the PG* variables, else " + defaultDatabaseURL
+		case "schema":
+			def = "$IDEM_SCHEMA, else " + inbox.DefaultSchema
 		}
-		if def != "" && def != "false" && def != "0" {
+		if def != "" && def != "false" && def != "0" && def != "0s" {
 			usage += " (default " + def + ")"
 		}
-		fmt.Fprintf(w, "%-30s %s\n", line, usage)
+		fmt.Fprintf(w, "%-30s %s\n", l, usage)
+	}
+	own := 0
+	fs.VisitAll(func(f *flag.Flag) {
+		if !globalFlagNames[f.Name] {
+			line(f)
+			own++
+		}
+	})
+	if own == 0 {
+		fmt.Fprintln(w, "  (none of its own)")
+	}
+	fmt.Fprintln(w, "\nGlobal flags (before or after the command):")
+	fs.VisitAll(func(f *flag.Flag) {
+		if globalFlagNames[f.Name] && (!c.offline || f.Name == "json") {
+			line(f)
+		}
 	})
 	fmt.Fprintf(w, "\nExample:\n%s\n", indent(strings.TrimSpace(c.example)))
 }
@@ -177,16 +252,16 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	}
 	cfg, err := pgxpool.ParseConfig(e.databaseURL)
 	if err != nil {
-		return nil, &dsnError{err: err}
+		return nil, &dsnError{err: err, fromEnv: e.databaseURL == ""}
 	}
-	cfg.MaxConns = 2
+	cfg.MaxConns = 4
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-cli"
 	if cfg.ConnConfig.ConnectTimeout == 0 || cfg.ConnConfig.ConnectTimeout > 10*time.Second {
 		cfg.ConnConfig.ConnectTimeout = 10 * time.Second
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, &dsnError{err: err}
+		return nil, &dsnError{err: err, fromEnv: e.databaseURL == ""}
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
@@ -196,10 +271,35 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-// dsnError: --database-url does not parse.
-type dsnError struct{ err error }
+// admin connects and returns the operator API on the schema. Its audit lines (a
+// forget) go to stderr, as JSON with --json.
+func (e *env) admin(ctx context.Context) (*admin.Admin, error) {
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return admin.New(pool, admin.Config{Schema: e.schema, Logger: e.logger()})
+}
 
-func (e *dsnError) Error() string { return "bad --database-url: " + e.err.Error() }
+func (e *env) logger() *slog.Logger {
+	if e.json {
+		return slog.New(slog.NewJSONHandler(e.stderr, nil))
+	}
+	return slog.New(slog.NewTextHandler(e.stderr, nil))
+}
+
+// dsnError: the DSN does not parse.
+type dsnError struct {
+	err     error
+	fromEnv bool
+}
+
+func (e *dsnError) Error() string {
+	if e.fromEnv {
+		return "bad PG* environment variables: " + e.err.Error()
+	}
+	return "bad --database-url: " + e.err.Error()
+}
 func (e *dsnError) Unwrap() error { return e.err }
 
 // connectError: Postgres did not answer, or refused us.
@@ -212,41 +312,6 @@ func (e *connectError) Error() string {
 	return fmt.Sprintf("cannot connect to Postgres at %s: %v", e.host, e.err)
 }
 func (e *connectError) Unwrap() error { return e.err }
-
-// explain says what to do next about err, or "" when there is nothing useful to
-// add.
-func explain(err error, e *env) string {
-	var de *dsnError
-	if errors.As(err, &de) {
-		return `A DSN looks like postgres://USER:PASSWORD@HOST:5432/DBNAME?sslmode=disable
-(or key=value form: "host=HOST port=5432 user=USER dbname=DBNAME sslmode=disable").
-Pass it as --database-url or set DATABASE_URL.`
-	}
-	var pgErr *pgconn.PgError
-	hasPg := errors.As(err, &pgErr)
-	var ce *connectError
-	if errors.As(err, &ce) {
-		switch {
-		case hasPg && (pgErr.Code == pgerrcode.InvalidPassword || pgErr.Code == pgerrcode.InvalidAuthorizationSpecification):
-			return "Postgres refused the login: check the user and password in --database-url."
-		case hasPg && pgErr.Code == pgerrcode.InvalidCatalogName:
-			return "That database does not exist: create it (createdb NAME) or fix the database name in --database-url."
-		}
-		return `Is Postgres running? Start it with:
-    docker compose up -d postgres
-or, on a machine with a local cluster:
-    pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start
-or point --database-url (or DATABASE_URL) at a server you have.`
-	}
-	if errors.Is(err, inbox.ErrSchemaMissing) || errors.Is(err, effects.ErrSchemaMissing) ||
-		(hasPg && (pgErr.Code == pgerrcode.UndefinedTable || pgErr.Code == pgerrcode.InvalidSchemaName)) {
-		return fmt.Sprintf("The idem tables are not in schema %q. Create them with:\n    idem migrate up --schema %s", e.schema, e.schema)
-	}
-	if errors.Is(err, inbox.ErrJanitorBusy) {
-		return "Another janitor (in a consumer or dispatcher process) is running a pass on this schema and is doing the work. Try again when it is done."
-	}
-	return ""
-}
 
 // table writes aligned columns.
 func (e *env) table(header ...string) *tabwriter.Writer {
@@ -285,13 +350,38 @@ func dash(s string) string {
 	return s
 }
 
-// clip shortens s for a table cell; the JSON output has it whole.
+// clip shortens s for a table cell (the JSON output has it whole), and shows
+// control characters as escapes so that stored text cannot move the terminal's
+// cursor or change its colours.
 func clip(s string, n int) string {
-	s = strings.ReplaceAll(s, "\n", " ")
+	s = printable(s)
 	if len(s) <= n {
 		return dash(s)
 	}
-	return s[:n-1] + "…"
+	cut := n - 1
+	for cut > 0 && !utf8RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "…"
+}
+
+func utf8RuneStart(b byte) bool { return b&0xC0 != 0x80 }
+
+// printable replaces newlines and tabs with a space and every other control
+// character with \xNN.
+func printable(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		switch {
+		case r == '\n' || r == '\r' || r == '\t':
+			b.WriteByte(' ')
+		case r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0):
+			fmt.Fprintf(&b, `\x%02x`, r)
+		default:
+			b.WriteRune(r)
+		}
+	}
+	return b.String()
 }
 
 // age formats a duration for humans: "3d4h", "5m12s", "0s".
@@ -304,4 +394,18 @@ func age(d time.Duration) string {
 		return fmt.Sprintf("%dd%dh", days, (d%(24*time.Hour))/time.Hour)
 	}
 	return d.String()
+}
+
+func nonNil[T any](s []T) []T {
+	if s == nil {
+		return []T{}
+	}
+	return s
+}
+
+func noArgs(args []string) error {
+	if len(args) > 0 {
+		return usagef("takes no arguments, got %q", args)
+	}
+	return nil
 }

@@ -48,7 +48,7 @@ every run (--schema names another one; the default idem schema is never used).
 It only drops a schema that it or idem bench created and marked; it refuses any
 other (public included), and a schema another demo or bench is using right now.
 Exit codes: 0 nothing lost and nothing committed twice, 1 otherwise (or the
-schema is in use), 2 bad usage (a schema it refuses) or no Postgres.`,
+schema is in use), 2 bad usage (a schema it refuses), 3 no Postgres.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var o demoOptions
 		fs.IntVar(&o.n, "n", 1000, "payments to publish")
@@ -71,15 +71,6 @@ type demoOptions struct {
 	kafkaBrokers string
 	seed         int64
 }
-
-// exitError carries an exit code other than 1.
-type exitError struct {
-	code int
-	err  error
-}
-
-func (e *exitError) Error() string { return e.err.Error() }
-func (e *exitError) Unwrap() error { return e.err }
 
 // demoJSON is the --json output.
 type demoJSON struct {
@@ -108,7 +99,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 		return usagef("--broker must be nats or kafka, got %q", o.broker)
 	}
 	schema := e.schema
-	if schema == inbox.DefaultSchema {
+	if schema == inbox.DefaultSchema || !e.schemaGiven { // $IDEM_SCHEMA names a real deployment's schema
 		schema = demoSchema
 	}
 	if o.seed == 0 {
@@ -127,10 +118,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 		admin, err = e.connect(ctx)
 	}
 	if err != nil {
-		if errors.As(err, &ce) {
-			return &exitError{code: exitUsage, err: err}
-		}
-		return err
+		return err // a connectError: exit code 3, as for every command
 	}
 
 	// A fresh schema each run, but only one the demo (or idem bench) made, and

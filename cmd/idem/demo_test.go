@@ -62,12 +62,12 @@ func TestDemoKafka(t *testing.T) {
 	}
 }
 
-// Without Postgres the demo says how to start one, and exits 2; the password
-// of the DSN is never printed.
+// Without Postgres the demo says how to start one, and exits 3 like every other
+// command; the password of the DSN is never printed.
 func TestDemoWithoutPostgres(t *testing.T) {
 	t.Parallel()
 	r := runCLI(t, "demo", "-n", "10", "--database-url", "postgres://postgres:demo-s3cret-pw@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=2")
-	require.Equal(t, exitUsage, r.code, r.stderr)
+	require.Equal(t, exitNoPostgres, r.code, r.stderr)
 	require.Contains(t, r.stderr, "docker compose up -d postgres")
 	require.NotContains(t, r.stdout+r.stderr, "demo-s3cret-pw")
 }

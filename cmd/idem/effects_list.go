@@ -2,67 +2,129 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"slices"
+
+	"github.com/idemkit/idem/admin"
 )
 
 var effectsListCmd = &command{
 	name:    "effects list",
-	args:    "[--state dead|pending|done] [--kind K] [--limit N] [flags]",
-	summary: "List effects in one state (dead by default), oldest first, with their last error",
+	args:    "[--state dead|pending|done|all] [--stuck] [--kind K] [--tenant T] [--key-prefix P] [--consumer C] [--since T] [--until T] [--limit N] [--after CURSOR] [flags]",
+	summary: "List effects in one state (dead by default) with their last error, in key order, a page at a time",
 	example: `idem effects list --state dead --kind email
-idem effects list --state pending --limit 20 --json`,
+idem effects list --stuck                       # pending ones in flight, overdue, or failing again and again
+idem effects list --state all --tenant acme --key-prefix receipt: --since 7d
+idem effects list --state pending --limit 20 --json
+
+Effects come in primary key order (tenant, kind, key). When more follow, the
+last line gives the --after cursor of the next page (with --json, on stderr).
+--since and --until take a time (2026-11-21T23:02:11Z), a date (2026-11-21) or
+an age (90m, 7d: that long ago), and filter on when the effect was created.`,
 	setup: func(fs *flag.FlagSet) runFunc {
-		var state, kind string
-		var limit int
-		fs.StringVar(&state, "state", "dead", "dead, pending or done")
-		fs.StringVar(&kind, "kind", "", "only this kind")
-		fs.IntVar(&limit, "limit", 100, "at most this many rows")
+		var o effectsListOptions
+		fs.StringVar(&o.state, "state", "dead", "dead, pending, done or all")
+		fs.BoolVar(&o.f.Stuck, "stuck", false, "only pending effects that look stuck: in flight, due for a minute without a claim, or 3+ attempts")
+		fs.StringVar(&o.f.Kind, "kind", "", "only this kind")
+		fs.Var(&o.tenant, "tenant", "only this tenant ('' for the unscoped effects; default every tenant)")
+		fs.StringVar(&o.f.KeyPrefix, "key-prefix", "", "only keys that start with this")
+		fs.StringVar(&o.f.Consumer, "consumer", "", "only effects made by this consumer's messages (or this HTTP operation's requests)")
+		timeVar(fs, &o.f.Created.Since, "since", "only effects created at or after this time")
+		timeVar(fs, &o.f.Created.Until, "until", "only effects created before this time")
+		fs.IntVar(&o.p.Limit, "limit", 100, "at most this many rows")
+		fs.StringVar(&o.p.After, "after", "", "the cursor of the page to show, from the previous page")
 		return func(ctx context.Context, e *env, args []string) error {
-			return runEffectsList(ctx, e, args, state, kind, limit)
+			o.stateGiven = flagGiven(fs, "state")
+			return runEffectsList(ctx, e, args, o)
 		}
 	},
 }
 
-func runEffectsList(ctx context.Context, e *env, args []string, state, kind string, limit int) error {
-	if len(args) > 0 {
-		return usagef("takes no arguments, got %q", args)
+type effectsListOptions struct {
+	f          admin.EffectFilter
+	p          admin.Page
+	state      string
+	stateGiven bool
+	tenant     optString
+}
+
+// flagGiven reports whether name was on the command line.
+func flagGiven(fs *flag.FlagSet, name string) bool {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == name })
+	return given
+}
+
+func runEffectsList(ctx context.Context, e *env, args []string, o effectsListOptions) error {
+	if err := noArgs(args); err != nil {
+		return err
 	}
-	if !slices.Contains([]string{"dead", "pending", "done"}, state) {
-		return usagef("--state %q: use dead, pending or done", state)
+	if !slices.Contains([]string{"dead", "pending", "done", "all"}, o.state) {
+		return usagef("--state %q: use dead, pending, done or all", o.state)
 	}
-	if limit < 1 {
-		return usagef("--limit must be at least 1")
+	if o.p.Limit < 1 || o.p.Limit > admin.MaxLimit {
+		return usagef("--limit must be from 1 to %d", admin.MaxLimit)
 	}
-	pool, err := e.connect(ctx)
+	o.f.State = o.state
+	switch {
+	case o.f.Stuck && !o.stateGiven:
+		o.f.State = "pending"
+	case o.f.Stuck && o.state != "pending":
+		return usagef("--stuck lists pending effects: leave --state out")
+	case o.state == "all":
+		o.f.State = ""
+	}
+	o.f.Tenant = o.tenant.ptr()
+	a, err := e.admin(ctx)
 	if err != nil {
 		return err
 	}
-	rows, err := pool.Query(ctx, newQueries(e.schema).effectsList, state, kind, limit)
+	page, err := a.ListEffects(ctx, o.f, o.p)
 	if err != nil {
-		return err
-	}
-	effs, err := scanEffects(rows)
-	if err != nil {
-		return err
+		return usageIfBad(err)
 	}
 	if e.json {
-		return e.writeJSON(nonNil(effs))
+		if page.Next != "" {
+			fmt.Fprintf(e.stderr, "idem effects list: more effects follow; next page: --after %s\n", page.Next)
+		}
+		return e.writeJSON(page.Effects)
 	}
-	if len(effs) == 0 {
-		what := state
-		if kind != "" {
-			what += " " + kind
+	if len(page.Effects) == 0 {
+		what := o.state
+		if o.f.Stuck {
+			what = "stuck"
+		}
+		if o.f.Kind != "" {
+			what += " " + o.f.Kind
 		}
 		fmt.Fprintf(e.stdout, "no %s effects\n", what)
 		return nil
 	}
-	if err := e.effectsTable(effs); err != nil {
+	if err := e.effectsTable(page.Effects); err != nil {
 		return err
 	}
-	if len(effs) == limit {
-		fmt.Fprintf(e.stdout, "(first %d shown; raise --limit for more)\n", limit)
+	if o.f.Stuck {
+		fmt.Fprintln(e.stdout, "\nWhy each looks stuck:")
+		for _, x := range page.Effects {
+			fmt.Fprintf(e.stdout, "  %s: %s\n", printable(x.ID().String()), x.Stuck)
+		}
+	}
+	if page.Next != "" {
+		fmt.Fprintf(e.stdout, "(first %d shown; next page: --after %s)\n", len(page.Effects), page.Next)
 	}
 	return nil
+}
+
+// usageIfBad makes a bad filter or cursor a usage error (exit 2).
+func usageIfBad(err error) error {
+	if isBadInput(err) {
+		return usagef("%v", err)
+	}
+	return err
+}
+
+func isBadInput(err error) bool {
+	return errors.Is(err, admin.ErrBadCursor) || errors.Is(err, admin.ErrBadFilter)
 }

@@ -2,73 +2,100 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
+	"strings"
 
-	"github.com/jackc/pgx/v5"
-
+	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/effects"
 )
 
 var effectsRequeueCmd = &command{
 	name:    "effects requeue",
-	args:    "--kind K (--key K | --all-dead) [flags]",
+	args:    "--kind K (--key K | --all-dead) [--tenant T] [flags]",
 	summary: "Bring dead effects back to pending, due now, with their attempts reset",
 	example: `idem effects requeue --kind email --key receipt:pay_789
-idem effects requeue --kind email --all-dead --json`,
+idem effects requeue --kind email --tenant acme --key receipt:pay_789
+idem effects requeue --kind email --all-dead --json
+
+Without --tenant, --key takes that key's dead effect in every tenant (two
+tenants' receipt:pay_789 are two effects); --tenant '' is the unscoped one alone.`,
 	setup: func(fs *flag.FlagSet) runFunc {
-		var kind, key string
-		var all bool
-		fs.StringVar(&kind, "kind", "", "effect kind (required)")
-		fs.StringVar(&key, "key", "", "one effect key")
-		fs.BoolVar(&all, "all-dead", false, "every dead effect of the kind")
+		var o requeueOptions
+		fs.StringVar(&o.kind, "kind", "", "effect kind (required)")
+		fs.StringVar(&o.key, "key", "", "one effect key")
+		fs.BoolVar(&o.all, "all-dead", false, "every dead effect of the kind")
+		fs.Var(&o.tenant, "tenant", "only this tenant ('' for the unscoped effects; default every tenant)")
 		return func(ctx context.Context, e *env, args []string) error {
-			return runEffectsRequeue(ctx, e, args, kind, key, all)
+			return runEffectsRequeue(ctx, e, args, o)
 		}
 	},
 }
 
-func runEffectsRequeue(ctx context.Context, e *env, args []string, kind, key string, all bool) error {
-	if len(args) > 0 {
-		return usagef("takes no arguments, got %q", args)
+type requeueOptions struct {
+	kind, key string
+	all       bool
+	tenant    optString
+}
+
+func runEffectsRequeue(ctx context.Context, e *env, args []string, o requeueOptions) error {
+	if err := noArgs(args); err != nil {
+		return err
 	}
-	if kind == "" {
+	if o.kind == "" {
 		return usagef("--kind is required")
 	}
-	if (key == "") == !all {
+	if (o.key == "") == !o.all {
 		return usagef("give exactly one of --key K or --all-dead")
 	}
-	if err := effects.ValidateEffect(effects.Effect{Kind: kind, Key: "x"}); err != nil {
+	if err := effects.ValidateEffect(effects.Effect{Kind: o.kind, Key: "x"}); err != nil {
 		return usagef("%v", err)
 	}
-	pool, err := e.connect(ctx)
+	a, err := e.admin(ctx)
 	if err != nil {
 		return err
 	}
-	n, err := effects.RequeueDead(ctx, pool, e.schema, effects.RequeueFilter{Kind: kind, Key: key, All: all})
+	n, err := a.RequeueDead(ctx, effects.RequeueFilter{Kind: o.kind, Key: o.key, All: o.all,
+		Tenant: o.tenant.v, TenantExact: o.tenant.set})
 	if err != nil {
 		return err
 	}
-	if n == 0 && key != "" {
-		// Say why nothing happened: a typo and a live effect need different answers.
-		var state string
-		err := pool.QueryRow(ctx, newQueries(e.schema).effectState, kind, key).Scan(&state)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return fmt.Errorf("no effect of kind %q with key %q (check both; 'idem effects list --kind %s' shows the dead ones)", kind, key, kind)
-		}
-		if err != nil {
-			return err
-		}
-		return fmt.Errorf("effect %s/%s is %s, not dead: nothing to requeue", kind, key, state)
+	if n == 0 && o.key != "" {
+		return whyNotRequeued(ctx, e, a, o)
 	}
 	if e.json {
-		return e.writeJSON(map[string]any{"schema": e.schema, "kind": kind, "key": key, "requeued": n})
+		out := map[string]any{"schema": e.schema, "kind": o.kind, "key": o.key, "requeued": n}
+		if o.tenant.set {
+			out["tenant"] = o.tenant.v
+		}
+		return e.writeJSON(out)
 	}
 	if n == 0 {
-		fmt.Fprintf(e.stdout, "no dead %s effects: nothing to requeue\n", kind)
+		fmt.Fprintf(e.stdout, "no dead %s effects: nothing to requeue\n", o.kind)
 		return nil
 	}
-	fmt.Fprintf(e.stdout, "requeued %d dead %s effect(s); dispatchers were notified and will send them now\n", n, kind)
+	fmt.Fprintf(e.stdout, "requeued %d dead %s effect(s); dispatchers were notified and will send them now\n", n, o.kind)
 	return nil
+}
+
+// whyNotRequeued says why --key requeued nothing: a typo and a live effect need
+// different answers.
+func whyNotRequeued(ctx context.Context, e *env, a *admin.Admin, o requeueOptions) error {
+	found, err := a.Find(ctx, o.key, admin.FindFilter{Tenant: o.tenant.ptr(), Kind: o.kind})
+	if err != nil {
+		return err
+	}
+	if len(found.Effects) == 0 {
+		in := ""
+		if o.tenant.set {
+			in = fmt.Sprintf(" in tenant %q", o.tenant.v)
+		}
+		return codedf(admin.ErrNotFound, "no effect of kind %q with key %q%s (check both; 'idem effects list --kind %s' shows the dead ones)",
+			o.kind, o.key, in, shellQuote(o.kind))
+	}
+	var states []string
+	for _, x := range found.Effects {
+		states = append(states, fmt.Sprintf("effect %s is %s", printable(x.ID().String()), x.State))
+	}
+	return codedf(admin.ErrNotDead, "%s, not dead: nothing to requeue", strings.Join(states, "; "))
 }

@@ -15,12 +15,12 @@ var gcCmd = &command{
 	summary: "Run the janitor once, to completion: delete expired inbox rows and done effects " +
 		"past their retention",
 	example: `idem gc
-idem gc --batch-size 5000 --pause 0s --effects-retention 72h --json`,
+idem gc --batch-size 5000 --pause 0s --effects-retention 3d --json`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var cfg inbox.JanitorConfig
 		fs.IntVar(&cfg.BatchSize, "batch-size", inbox.DefaultJanitorBatchSize, "rows per DELETE")
-		fs.DurationVar(&cfg.Pause, "pause", inbox.DefaultJanitorPause, "pause between batches (0s for none)")
-		fs.DurationVar(&cfg.EffectsRetention, "effects-retention", inbox.DefaultEffectsRetention, "how long done effects are kept after done_at")
+		durationVar(fs, &cfg.Pause, "pause", inbox.DefaultJanitorPause, "pause between batches (0s for none)")
+		durationVar(fs, &cfg.EffectsRetention, "effects-retention", inbox.DefaultEffectsRetention, "how long done effects are kept after done_at")
 		return func(ctx context.Context, e *env, args []string) error {
 			return runGC(ctx, e, args, cfg)
 		}

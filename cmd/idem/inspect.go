@@ -2,194 +2,119 @@ package main
 
 import (
 	"context"
-	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
-	"maps"
-	"slices"
+	"strconv"
 	"strings"
-	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-
+	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/inbox"
 )
 
 var inspectCmd = &command{
 	name:    "inspect",
-	args:    "--consumer C --key K [--tenant T] [flags]",
+	args:    "--consumer C --key K [--tenant T] [--show-body] [flags]",
 	summary: "Show one inbox record (state, fingerprint, times, error, stored HTTP response) and the effects it made",
 	example: `idem inspect --consumer payments --key pay_789
 idem inspect --consumer payments --tenant acme --key pay_789 --json
-idem inspect --consumer 'POST /payments' --tenant acct_42 --key 0b6f3c52-7a4e-4d8e-9d0c-4f6a1f7e2b11`,
+idem inspect --consumer 'POST /payments' --tenant acct_42 --key 0b6f3c52-7a4e-4d8e-9d0c-4f6a1f7e2b11
+
+An HTTP key's stored response shows its status, header names and body size; the
+body itself (it may hold personal data) only with --show-body.
+Without --consumer, 'idem find --key K' looks the key up in every consumer.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var id inbox.ID
-		fs.StringVar(&id.Consumer, "consumer", "", "consumer name (required)")
+		var body bool
+		fs.StringVar(&id.Consumer, "consumer", "", "consumer name, or an HTTP operation such as 'POST /payments' (required)")
 		fs.StringVar(&id.Key, "key", "", "idempotency key (required)")
 		fs.StringVar(&id.Tenant, "tenant", "", "tenant scope; empty means none")
+		fs.BoolVar(&body, "show-body", false, "also show a stored HTTP response's body")
 		return func(ctx context.Context, e *env, args []string) error {
-			return runInspect(ctx, e, args, id)
+			return runInspect(ctx, e, args, id, body)
 		}
 	},
 }
 
-// effectJSON is one effect row in JSON output.
-type effectJSON struct {
-	Kind           string     `json:"kind"`
-	Key            string     `json:"key"`
-	State          string     `json:"state"`
-	Attempts       int        `json:"attempts"`
-	MaxAttempts    int        `json:"max_attempts"`
-	NextAttemptAt  time.Time  `json:"next_attempt_at"`
-	CreatedAt      time.Time  `json:"created_at"`
-	DoneAt         *time.Time `json:"done_at,omitempty"`
-	LastError      string     `json:"last_error,omitempty"`
-	SourceConsumer string     `json:"source_consumer,omitempty"`
-	SourceTenant   string     `json:"source_tenant,omitempty"`
-	SourceKey      string     `json:"source_key,omitempty"`
-	now            time.Time
-}
-
-func scanEffects(rows pgx.Rows) ([]effectJSON, error) {
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (effectJSON, error) {
-		var x effectJSON
-		err := r.Scan(&x.Kind, &x.Key, &x.State, &x.Attempts, &x.MaxAttempts, &x.NextAttemptAt, &x.CreatedAt,
-			&x.DoneAt, &x.LastError, &x.SourceConsumer, &x.SourceTenant, &x.SourceKey, &x.now)
-		return x, err
-	})
-}
-
-type recordJSON struct {
-	Consumer    string     `json:"consumer"`
-	Tenant      string     `json:"tenant"`
-	Key         string     `json:"key"`
-	State       string     `json:"state"`
-	Fingerprint string     `json:"fingerprint"`
-	Attempts    int        `json:"attempts"`
-	ErrorCode   string     `json:"error_code,omitempty"`
-	Error       string     `json:"error,omitempty"`
-	LeaseUntil  *time.Time `json:"lease_until,omitempty"`
-	Fence       int64      `json:"fence,omitempty"`
-	ReceivedAt  time.Time  `json:"received_at"`
-	CompletedAt *time.Time `json:"completed_at,omitempty"`
-	ExpiresAt   time.Time  `json:"expires_at"`
-	// Response is the stored answer of an HTTP key (package httpidem).
-	Response *responseJSON `json:"response,omitempty"`
-	Effects  []effectJSON  `json:"effects"`
-}
-
-// responseJSON describes a stored HTTP response; the body itself is not shown (it
-// may hold personal data), only its size or its reference.
-type responseJSON struct {
-	Status    int                 `json:"status"`
-	Headers   map[string][]string `json:"headers"`
-	BodyBytes int                 `json:"body_bytes"`
-	BodyRef   string              `json:"body_ref,omitempty"`
-}
-
-func runInspect(ctx context.Context, e *env, args []string, id inbox.ID) error {
-	if len(args) > 0 {
-		return usagef("takes no arguments, got %q", args)
+func runInspect(ctx context.Context, e *env, args []string, id inbox.ID, body bool) error {
+	if err := noArgs(args); err != nil {
+		return err
 	}
 	if id.Consumer == "" || id.Key == "" {
-		return usagef("--consumer and --key are required")
+		return usagef("--consumer and --key are required (to look a key up in every consumer: idem find --key K)")
 	}
 	if err := id.Validate(); err != nil {
 		return usagef("%v", err)
 	}
-	pool, err := e.connect(ctx)
+	a, err := e.admin(ctx)
 	if err != nil {
 		return err
 	}
-	rec, resp, effs, err := inspect(ctx, pool, e.schema, id)
-	if errors.Is(err, inbox.ErrNotFound) {
+	rec, err := a.InspectInbox(ctx, id, admin.InspectOptions{Body: body})
+	if errors.Is(err, admin.ErrNotFound) {
 		tenant := ""
 		if id.Tenant != "" {
 			tenant = fmt.Sprintf(" tenant %q", id.Tenant)
 		}
-		return fmt.Errorf("no inbox record for consumer %q%s key %q.\n"+
+		return codedf(admin.ErrNotFound, "no inbox record for consumer %q%s key %q.\n"+
 			"Either no delivery of it committed or failed permanently (a transient failure records nothing),\n"+
-			"or its retention ended and the janitor deleted it. Check --consumer, --tenant and --key", id.Consumer, tenant, id.Key)
+			"or its retention ended and the janitor deleted it. Check --consumer, --tenant and --key\n"+
+			"('idem find --key %s' looks in every consumer and tenant)", id.Consumer, tenant, id.Key, shellQuote(id.Key))
 	}
 	if err != nil {
 		return err
-	}
-	out := recordJSON{
-		Consumer: rec.Consumer, Tenant: rec.Tenant, Key: rec.Key, State: string(rec.State),
-		Fingerprint: hex.EncodeToString(rec.Fingerprint), Attempts: rec.Attempts,
-		ErrorCode: rec.ErrorCode, Error: rec.Error, LeaseUntil: rec.LeaseUntil, Fence: rec.Fence,
-		ReceivedAt: rec.ReceivedAt, CompletedAt: rec.CompletedAt, ExpiresAt: rec.ExpiresAt,
-		Effects: nonNil(effs),
-	}
-	if resp != nil {
-		out.Response = &responseJSON{Status: resp.Status, Headers: resp.Header, BodyBytes: len(resp.Body), BodyRef: resp.BodyRef}
 	}
 	if e.json {
-		return e.writeJSON(out)
+		return e.writeJSON(rec)
 	}
-	tw := e.table("FIELD", "VALUE")
-	row(tw, "consumer", rec.Consumer)
-	row(tw, "tenant", dash(rec.Tenant))
-	row(tw, "key", rec.Key)
-	row(tw, "state", rec.State)
-	row(tw, "fingerprint", out.Fingerprint)
-	row(tw, "attempts", rec.Attempts)
-	row(tw, "received_at", ts(&rec.ReceivedAt)+" ("+age(rec.Now.Sub(rec.ReceivedAt))+" ago)")
-	row(tw, "completed_at", ts(rec.CompletedAt))
-	row(tw, "expires_at", ts(&rec.ExpiresAt)+" (in "+age(rec.ExpiresAt.Sub(rec.Now))+")")
-	if rec.State == inbox.StateFailed {
-		row(tw, "error_code", dash(rec.ErrorCode))
-		row(tw, "error", clip(rec.Error, 200))
-	}
-	if rec.LeaseUntil != nil {
-		row(tw, "lease_until", ts(rec.LeaseUntil))
-		row(tw, "fence", rec.Fence)
-	}
-	if resp != nil {
-		body := fmt.Sprintf("%d bytes", len(resp.Body))
-		if resp.BodyRef != "" {
-			body = "by reference " + resp.BodyRef
-		}
-		names := slices.Sorted(maps.Keys(resp.Header))
-		row(tw, "response", fmt.Sprintf("%d, body %s, headers %s", resp.Status, body, dash(strings.Join(names, ", "))))
-	}
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	fmt.Fprintf(e.stdout, "\nEffects made by this message: %d\n", len(effs))
-	if len(effs) == 0 {
+	e.inboxKeyTable(&rec.InboxKey)
+	fmt.Fprintf(e.stdout, "\nEffects made by this message: %d\n", len(rec.Effects))
+	if len(rec.Effects) == 0 {
 		return nil
 	}
-	return e.effectsTable(effs)
+	return e.effectsTable(rec.Effects)
 }
 
-// inspect reads one inbox row and its stored HTTP response (nil for a message's
-// key), through inbox.Store, and the effects that its message or request made.
-func inspect(ctx context.Context, pool *pgxpool.Pool, schema string, id inbox.ID) (*inbox.Record, *inbox.Response, []effectJSON, error) {
-	store, err := inbox.NewStore(schema)
-	if err != nil {
-		return nil, nil, nil, err
+// inboxKeyTable prints one inbox key as FIELD/VALUE rows.
+func (e *env) inboxKeyTable(k *admin.InboxKey) {
+	tw := e.table("FIELD", "VALUE")
+	row(tw, "consumer", printable(k.Consumer))
+	row(tw, "tenant", dash(printable(k.Tenant)))
+	row(tw, "key", printable(k.Key))
+	row(tw, "state", k.State)
+	row(tw, "fingerprint", k.Fingerprint)
+	row(tw, "attempts", k.Attempts)
+	row(tw, "received_at", ts(&k.ReceivedAt)+" ("+age(k.Now.Sub(k.ReceivedAt))+" ago)")
+	row(tw, "completed_at", ts(k.CompletedAt))
+	row(tw, "expires_at", ts(&k.ExpiresAt)+" (in "+age(k.ExpiresAt.Sub(k.Now))+")")
+	if k.State == string(inbox.StateFailed) {
+		row(tw, "error_code", dash(k.ErrorCode))
+		row(tw, "error", clip(k.Error, 200))
 	}
-	rec, resp, err := store.GetResponse(ctx, pool, id)
-	if errors.Is(err, inbox.ErrSchemaMissing) {
-		rec, err = store.Get(ctx, pool, id) // a schema from before migration 003: no responses
+	if k.LeaseUntil != nil {
+		row(tw, "lease_until", ts(k.LeaseUntil))
+		row(tw, "fence", k.Fence)
 	}
-	if err != nil {
-		return nil, nil, nil, err
+	if r := k.Response; r != nil {
+		row(tw, "response", responseSummary(r))
+		if r.Body != nil {
+			row(tw, "response_body", clip(strconv.Quote(string(r.Body)), 2000))
+		}
 	}
-	rows, err := pool.Query(ctx, newQueries(schema).effectsBySource, id.Consumer, id.Tenant, id.Key)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	effs, err := scanEffects(rows)
-	return rec, resp, effs, err
+	_ = tw.Flush()
 }
 
-// effectsTable prints effects as a table: inspect and effects list share it.
-func (e *env) effectsTable(effs []effectJSON) error {
-	tw := e.table("KIND", "KEY", "STATE", "ATTEMPTS", "CREATED", "NEXT ATTEMPT / DONE", "LAST ERROR")
+func responseSummary(r *admin.Response) string {
+	body := fmt.Sprintf("%d bytes", r.BodyBytes)
+	if r.BodyRef != "" {
+		body = "by reference " + printable(r.BodyRef)
+	}
+	return fmt.Sprintf("%d, body %s, headers %s", r.Status, body, dash(printable(strings.Join(r.HeaderNames(), ", "))))
+}
+
+// effectsTable prints effects as a table: inspect, find and effects list share it.
+func (e *env) effectsTable(effs []admin.Effect) error {
+	tw := e.table("TENANT", "KIND", "KEY", "STATE", "ATTEMPTS", "CREATED", "NEXT ATTEMPT / DONE", "LAST ERROR")
 	for _, x := range effs {
 		when := ts(&x.NextAttemptAt)
 		if x.State == "done" {
@@ -197,7 +122,16 @@ func (e *env) effectsTable(effs []effectJSON) error {
 		} else if x.State == "dead" {
 			when = "-"
 		}
-		row(tw, x.Kind, x.Key, x.State, fmt.Sprintf("%d/%d", x.Attempts, x.MaxAttempts), ts(&x.CreatedAt), when, clip(x.LastError, 60))
+		row(tw, dash(printable(x.Tenant)), x.Kind, printable(x.Key), x.State, fmt.Sprintf("%d/%d", x.Attempts, x.MaxAttempts),
+			ts(&x.CreatedAt), when, clip(x.LastError, 60))
 	}
 	return tw.Flush()
+}
+
+// shellQuote quotes s for a command line to copy, when it needs it.
+func shellQuote(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.:/@+=,") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 )
@@ -47,14 +48,14 @@ func TestInspectHTTPKey(t *testing.T) {
 	require.NotContains(t, r.stdout, "ann@example.com", "the body is not shown")
 	require.Regexp(t, `email\s+receipt:pay_1\s+pending`, r.stdout)
 
-	var rec recordJSON
+	var rec admin.Inspection
 	b.idem("inspect", "--consumer", "POST /payments", "--tenant", "acct_42", "--key", "k-1", "--json").ok(t).decode(t, &rec)
-	require.Equal(t, &responseJSON{Status: 201, BodyBytes: 40,
+	require.Equal(t, &admin.Response{Status: 201, BodyBytes: 40,
 		Headers: map[string][]string{"Content-Type": {"application/json"}, "Location": {"/payments/pay_1"}}}, rec.Response)
 
 	// A message consumer's key has no response.
 	b.process("acme", "pay-9", `{}`)
-	var msgRec recordJSON
+	var msgRec admin.Inspection
 	b.idem("inspect", "--consumer", "payments", "--tenant", "acme", "--key", "pay-9", "--json").ok(t).decode(t, &msgRec)
 	require.Nil(t, msgRec.Response)
 	require.NotContains(t, b.idem("inspect", "--consumer", "payments", "--tenant", "acme", "--key", "pay-9").ok(t).stdout, "response")

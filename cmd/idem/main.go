@@ -1,33 +1,48 @@
 // Command idem operates the idem tables: it migrates the schema, answers "was this
-// message processed?" (inspect), shows the backlog (stats), runs the janitor once
-// (gc), and lists and requeues dead effects. "idem demo" shows the guarantee under
-// chaos on the user's own machine.
+// message processed?" (inspect, find, inbox list), shows the backlog (stats), runs
+// the janitor once (gc), lists and requeues effects, forgets an inbox key, and
+// serves a web console over the same operator API (package admin). "idem demo"
+// shows the guarantee under chaos on the user's own machine.
 //
-// Every command takes --database-url (default $DATABASE_URL), --schema (default
-// idem) and --json. Errors go to stderr; the exit code is 0 on success, 1 on a
-// failure and 2 on bad usage.
+// Every command takes --database-url (default $DATABASE_URL, else the PG*
+// variables, else a local Postgres), --schema (default $IDEM_SCHEMA, else idem)
+// and --json, before or after the command's name. Errors go to stderr (as JSON
+// with --json); the exit code is 0 on success, 1 on a failure, 2 on bad usage and
+// 3 when Postgres cannot be reached.
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 )
 
 // commands is the command table. A new command is one file with a command value
-// and one line here.
-var commands = []*command{
-	migrateCmd,
-	inspectCmd,
-	statsCmd,
-	gcCmd,
-	benchCmd,
-	effectsListCmd,
-	effectsRequeueCmd,
-	demoCmd,
+// and one line here. It is filled in init: completion reads the table.
+var commands []*command
+
+func init() {
+	commands = []*command{
+		migrateCmd,
+		inspectCmd,
+		findCmd,
+		inboxListCmd,
+		statsCmd,
+		gcCmd,
+		effectsListCmd,
+		effectsRequeueCmd,
+		forgetCmd,
+		consoleCmd,
+		benchCmd,
+		demoCmd,
+		versionCmd,
+		completionCmd,
+	}
 }
 
 func main() {
@@ -41,13 +56,6 @@ func main() {
 	os.Exit(code)
 }
 
-// Exit codes.
-const (
-	exitOK      = 0
-	exitFailure = 1
-	exitUsage   = 2
-)
-
 // run runs one invocation of idem, with no terminal to ask questions on, and
 // returns its exit code.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -56,7 +64,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 // runOn is run with terminal, where a command reads a confirmation (nil: none).
 func runOn(ctx context.Context, args []string, terminal io.Reader, stdout, stderr io.Writer) int {
+	globals, args, err := leadingGlobals(args)
+	e := &env{stdout: stdout, stderr: stderr, json: wantsJSON(globals)}
+	if err != nil {
+		return e.reportTop(err)
+	}
 	if len(args) == 0 {
+		if e.json {
+			return e.reportTop(usagef("idem: no command given; run 'idem --help' for the list of commands"))
+		}
 		printOverview(stderr)
 		return exitUsage
 	}
@@ -67,6 +83,9 @@ func runOn(ctx context.Context, args []string, terminal io.Reader, stdout, stder
 		printOverview(stdout)
 		return exitOK
 	}
+	if args[0] == "--version" || args[0] == "-version" {
+		args = append([]string{"version"}, args[1:]...)
+	}
 	cmd, rest := lookup(args)
 	if cmd == nil {
 		if sub := subcommandsOf(args[0]); len(sub) > 0 {
@@ -74,13 +93,43 @@ func runOn(ctx context.Context, args []string, terminal io.Reader, stdout, stder
 				fmt.Fprintf(stdout, "idem %s has subcommands: %s\nRun 'idem %s <subcommand> --help' for an example.\n", args[0], joinNames(sub), args[0])
 				return exitOK
 			}
-			fmt.Fprintf(stderr, "idem %s: needs a subcommand: %s\nRun 'idem %s <subcommand> --help' for an example.\n", args[0], joinNames(sub), args[0])
-			return exitUsage
+			return e.reportTop(usagef("idem %s: needs a subcommand: %s\nRun 'idem %s <subcommand> --help' for an example.", args[0], joinNames(sub), args[0]))
 		}
-		fmt.Fprintf(stderr, "idem: unknown command %q\nRun 'idem --help' for the list of commands.\n", args[0])
-		return exitUsage
+		return e.reportTop(usagef("idem: unknown command %q\nRun 'idem --help' for the list of commands.", args[0]))
 	}
-	return cmd.execute(ctx, rest, terminal, stdout, stderr)
+	return cmd.execute(ctx, append(globals, rest...), terminal, stdout, stderr)
+}
+
+// reportTop reports a usage error found before any command was chosen; its
+// message is whole ("idem: unknown command …").
+func (e *env) reportTop(err error) int {
+	exit, code := classify(err)
+	if e.json {
+		b, _ := json.Marshal(errorJSON{Code: code, Message: err.Error(), ExitCode: exit})
+		fmt.Fprintf(e.stderr, "%s\n", b)
+		return exit
+	}
+	fmt.Fprintln(e.stderr, err)
+	return exit
+}
+
+// leadingGlobals takes the global flags that come before the command's name
+// ("idem --json stats"), so that they can be handed to the command with the rest.
+func leadingGlobals(args []string) (globals, rest []string, err error) {
+	for len(args) > 0 && strings.HasPrefix(args[0], "-") && !isHelp(args[0]) && args[0] != "--version" && args[0] != "-version" {
+		name, _, hasValue := strings.Cut(strings.TrimLeft(args[0], "-"), "=")
+		switch {
+		case !globalFlagNames[name]:
+			return nil, nil, usagef("idem: unknown flag %s before the command: the global flags are --database-url, --schema and --json; a command's own flags go after its name", args[0])
+		case name == "json" || hasValue:
+			globals, args = append(globals, args[0]), args[1:]
+		case len(args) < 2:
+			return nil, nil, usagef("idem: flag %s needs a value", args[0])
+		default:
+			globals, args = append(globals, args[0], args[1]), args[2:]
+		}
+	}
+	return globals, args, nil
 }
 
 // stdinIsTerminal reports whether a person may be typing on stdin: a character
@@ -117,7 +166,7 @@ func printOverview(w io.Writer) {
 	fmt.Fprint(w, `idem operates the idem inbox and effects tables.
 
 Usage:
-  idem <command> [flags]
+  idem [global flags] <command> [flags]
 
 Commands:
 `)
@@ -125,12 +174,21 @@ Commands:
 		fmt.Fprintf(w, "  %-17s %s\n", c.name, c.summary)
 	}
 	fmt.Fprint(w, `
-Every command takes:
-  --database-url  Postgres DSN (default $DATABASE_URL, else `+defaultDatabaseURL+`)
-  --schema        schema of the idem tables (default idem)
-  --json          JSON output for scripts
+Global flags, before or after the command:
+  --database-url  Postgres DSN (default $DATABASE_URL, else the PG* variables
+                  (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGSSLMODE, ...)
+                  as psql reads them, else `+defaultDatabaseURL+`)
+  --schema        schema of the idem tables (default $IDEM_SCHEMA, else idem)
+  --json          JSON output for scripts; errors are JSON too, on stderr
 
-Exit codes: 0 success, 1 failure, 2 bad usage.
+Durations take days too: 7d, 1d12h, 90m.
+
+Exit codes:
+  0  success
+  1  failure (the error says what to do next)
+  2  bad usage: unknown command or flag, a missing or bad value, a bad DSN
+  3  cannot connect to Postgres (not running, unreachable, login refused, no such database)
+
 Run 'idem <command> --help' for the command's flags and an example.
 `)
 }

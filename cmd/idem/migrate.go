@@ -128,13 +128,6 @@ func yesNo(b bool) string {
 	return "no"
 }
 
-func nonNil[T any](s []T) []T {
-	if s == nil {
-		return []T{}
-	}
-	return s
-}
-
 type droppedJSON struct {
 	Table string `json:"table"`
 	Rows  int64  `json:"rows"`

@@ -1,0 +1,270 @@
+package admin
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
+)
+
+// DB is what the API runs its statements on: a *pgxpool.Pool, a *pgx.Conn or a
+// pgx.Tx (then every read and action is part of that transaction).
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Defaults of Config.
+const (
+	// DefaultStuckAfter: a pending effect due for longer than this without a claim
+	// counts as stuck (no dispatcher is sending its kind, or they are far behind).
+	DefaultStuckAfter = time.Minute
+	// DefaultStuckAttempts: a pending effect that has failed this many times counts
+	// as stuck.
+	DefaultStuckAttempts = 3
+	// DefaultLimit is a list's page size when Page.Limit is 0.
+	DefaultLimit = 100
+	// MaxLimit is the largest page a list returns.
+	MaxLimit = 10000
+)
+
+// Config configures an Admin.
+type Config struct {
+	// Schema of the idem tables (inbox.DefaultSchema when empty).
+	Schema string
+	// Logger receives the audit line of every Forget, at warn level (nil: a quiet
+	// logger, which a caller that forgets keys should not want).
+	Logger *slog.Logger
+	// StuckAfter and StuckAttempts say when a pending effect counts as stuck
+	// (DefaultStuckAfter, DefaultStuckAttempts when 0).
+	StuckAfter    time.Duration
+	StuckAttempts int
+}
+
+// WithDefaults returns c with its zero fields set to the defaults.
+func (c Config) WithDefaults() Config {
+	c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
+	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
+	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+// Validate checks c.
+func (c Config) Validate() error {
+	if err := inbox.ValidateSchema(c.Schema); err != nil {
+		return err
+	}
+	if c.StuckAfter < 0 || c.StuckAttempts < 0 {
+		return errors.New("StuckAfter and StuckAttempts must not be negative")
+	}
+	return nil
+}
+
+// Admin runs the operator reads and actions against the idem tables of one schema.
+// It is safe for concurrent use.
+type Admin struct {
+	db  DB
+	cfg Config
+	q   queries
+	// legacy: the inbox has no response columns (migration 003 has not run). Set
+	// the first time a statement finds them missing, so later reads go straight to
+	// the statements without them.
+	legacy atomic.Bool
+	old    queries
+}
+
+// New returns an Admin that runs on db.
+func New(db DB, cfg Config) (*Admin, error) {
+	if db == nil {
+		return nil, errors.New("invalid config: db is nil")
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	return &Admin{db: db, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}, nil
+}
+
+// Schema is the schema the Admin reads.
+func (a *Admin) Schema() string { return a.cfg.Schema }
+
+// Error is an admin error with a stable code; compare with errors.Is against the
+// sentinels.
+type Error struct {
+	code, msg string
+}
+
+// Error is the sentinel's message.
+func (e *Error) Error() string { return "idem: " + e.msg }
+
+// Code is the stable machine-readable code, such as "not_dead".
+func (e *Error) Code() string { return e.code }
+
+// Sentinel errors.
+var (
+	// ErrNotFound: no inbox key or effect has that identity.
+	ErrNotFound = &Error{"not_found", "not found"}
+	// ErrNotDead: the effect exists but is not dead, so there is nothing to requeue.
+	ErrNotDead = &Error{"not_dead", "effect is not dead"}
+	// ErrLeaseHeld: Forget found the key processing under a lease that has not run
+	// out: a delivery is working on it right now.
+	ErrLeaseHeld = &Error{"lease_held", "a delivery holds the key's lease right now"}
+	// ErrBadCursor: Page.After is not a cursor that this list returned.
+	ErrBadCursor = &Error{"bad_cursor", "bad page cursor"}
+	// ErrBadFilter: a filter names an unknown state, or is otherwise invalid.
+	ErrBadFilter = &Error{"bad_filter", "bad filter"}
+)
+
+// keyError is a sentinel with a message that names the key it is about.
+type keyError struct {
+	sentinel *Error
+	msg      string
+}
+
+func (e *keyError) Error() string { return "idem: " + e.msg }
+func (e *keyError) Unwrap() error { return e.sentinel }
+
+// Code is the sentinel's code.
+func (e *keyError) Code() string { return e.sentinel.code }
+
+func errorf(sentinel *Error, format string, args ...any) error {
+	return &keyError{sentinel: sentinel, msg: fmt.Sprintf(format, args...)}
+}
+
+// wrap turns a missing table into inbox.ErrSchemaMissing (which effects'
+// ErrSchemaMissing callers also understand through the hint), and leaves other
+// errors as they are.
+func (a *Admin) wrap(err error) error {
+	if err == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000") {
+		return fmt.Errorf("%w (schema %q): %v", inbox.ErrSchemaMissing, a.cfg.Schema, err)
+	}
+	return err
+}
+
+// isUndefinedColumn reports a 42703: the schema predates a migration.
+func isUndefinedColumn(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42703"
+}
+
+// inboxQueries runs fn with the statements that read the inbox's response
+// columns, and again without them when the schema predates migration 003.
+func (a *Admin) inboxQueries(fn func(q *queries) error) error {
+	if !a.legacy.Load() {
+		err := fn(&a.q)
+		if !isUndefinedColumn(err) {
+			return a.wrap(err)
+		}
+		a.legacy.Store(true)
+	}
+	return a.wrap(fn(&a.old))
+}
+
+// Requeue brings one dead effect, named by its whole identity, back to pending
+// (effects.RequeueDead): attempts start again from 0, it is due now, and
+// dispatchers are notified. An effect that is not dead is ErrNotDead, one that does
+// not exist ErrNotFound; either way nothing changed.
+func (a *Admin) Requeue(ctx context.Context, id EffectID) error {
+	n, err := effects.RequeueDead(ctx, a.db, a.cfg.Schema, effects.RequeueFilter{
+		Tenant: id.Tenant, TenantExact: true, Kind: id.Kind, Key: id.Key,
+	})
+	if err != nil {
+		return a.wrap(err)
+	}
+	if n > 0 {
+		return nil
+	}
+	e, err := a.InspectEffect(ctx, id)
+	if err != nil {
+		return err
+	}
+	return errorf(ErrNotDead, "effect %s is %s, not dead: nothing to requeue", id, e.State)
+}
+
+// RequeueDead brings every dead effect that f picks back to pending and returns how
+// many; see effects.RequeueDead for the filter's rules.
+func (a *Admin) RequeueDead(ctx context.Context, f effects.RequeueFilter) (int64, error) {
+	n, err := effects.RequeueDead(ctx, a.db, a.cfg.Schema, f)
+	return n, a.wrap(err)
+}
+
+// Audit says who forgets a key and why, for the log line.
+type Audit struct {
+	// Who asked: a user name, a ticket's author (empty: "unknown").
+	Who string
+	// Why: a reason, a ticket reference.
+	Why string
+}
+
+// Forget deletes one inbox key and returns the row it deleted.
+//
+// It is dangerous: the next delivery of that key, or a retry of that HTTP request,
+// runs its handler again, so the business work may commit a second time. Use it for
+// a key recorded as failed whose cause is now fixed, or one whose command must run
+// again on purpose. Effects the first run made stay as they are and keep their keys,
+// so a re-run that enqueues the same effects enqueues nothing new.
+//
+// A key that a delivery holds under a running lease (lease mode) is refused with
+// ErrLeaseHeld; a missing one is ErrNotFound. Every forget is logged at warn level
+// with the key, its state and fingerprint, who and why.
+func (a *Admin) Forget(ctx context.Context, id inbox.ID, audit Audit) (*InboxKey, error) {
+	if err := id.Validate(); err != nil {
+		return nil, err
+	}
+	var k *InboxKey
+	err := a.inboxQueries(func(q *queries) error {
+		var err error
+		k, err = scanInboxKey(a.db.QueryRow(ctx, q.forget, id.Consumer, id.Tenant, id.Key))
+		return err
+	})
+	if errors.Is(err, pgx.ErrNoRows) {
+		var state string
+		var lease *time.Time
+		err := a.db.QueryRow(ctx, a.q.inboxState, id.Consumer, id.Tenant, id.Key).Scan(&state, &lease)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			return nil, errorf(ErrNotFound, "no inbox key %s", formatID(id))
+		case err != nil:
+			return nil, a.wrap(err)
+		}
+		until := ""
+		if lease != nil {
+			until = " until " + lease.UTC().Format(time.RFC3339)
+		}
+		return nil, errorf(ErrLeaseHeld, "inbox key %s is %s under a delivery's lease%s: nothing was deleted; try again after the lease", formatID(id), state, until)
+	}
+	if err != nil {
+		return nil, err
+	}
+	a.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: inbox key forgotten; its next delivery runs the handler again",
+		slog.String("schema", a.cfg.Schema),
+		slog.String("consumer", k.Consumer), slog.String("tenant", k.Tenant), slog.String("key", k.Key),
+		slog.String("state", k.State), slog.String("fingerprint", k.Fingerprint.String()),
+		slog.Time("received_at", k.ReceivedAt),
+		slog.String("who", cmp.Or(audit.Who, "unknown")), slog.String("why", audit.Why))
+	return k, nil
+}
+
+func formatID(id inbox.ID) string {
+	if id.Tenant == "" {
+		return fmt.Sprintf("consumer %q key %q", id.Consumer, id.Key)
+	}
+	return fmt.Sprintf("consumer %q tenant %q key %q", id.Consumer, id.Tenant, id.Key)
+}

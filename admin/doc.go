@@ -1,0 +1,32 @@
+// Package admin is idem's operator API: the reads and actions that the idem CLI and
+// its web console run, as Go functions anyone can call.
+//
+//   - Stats: rows per consumer and state, effects per kind and state, and the age of
+//     the oldest pending effect.
+//   - ListInbox and ListEffects: inbox keys and effects with filters (consumer,
+//     tenant, kind, state, key prefix, time range) and keyset paging over the
+//     primary key, so a cursor stays valid while rows are inserted and deleted.
+//   - InspectInbox, InspectEffect and Find: one inbox key with its stored HTTP
+//     response (status, header names and values, body size; never the body unless
+//     asked) and the effects it made; one effect; or a key looked up across every
+//     consumer and every effect kind.
+//   - Requeue and RequeueDead: dead effects back to pending (effects.RequeueDead).
+//   - Forget: delete one inbox key, audited in the log.
+//
+// What it guarantees: every statement is SQL of this package with bind parameters,
+// on a validated and quoted schema; reads take no locks that a consumer or a
+// dispatcher waits on; times (ages, leases, "stuck") are the database's clock. An
+// action changes exactly what it names and says so (a count, or ErrNotFound,
+// ErrNotDead, ErrLeaseHeld).
+//
+// What it does not do: it is not a monitoring API. Stats and the lists scan the
+// tables, which is right for an operator's question and wrong for a scrape every
+// few seconds (alert on the Prometheus metrics instead). Forget is dangerous by
+// design: the next delivery of a forgotten key runs its handler again, so the
+// business work may commit a second time. The effects that the first run made keep
+// their keys, so a re-run that enqueues the same effects enqueues nothing new.
+//
+// admin imports inbox, effects and pgx: it is the one place that reads both tables
+// together, which DESIGN keeps out of inbox and effects (they import nothing of
+// idem) and out of cmd/ (no SQL there).
+package admin

@@ -1,0 +1,298 @@
+// idem console. Plain JavaScript, no build step, no dependencies.
+//
+// Every value from the database is put on the page with textContent (never
+// innerHTML), so text such as an effect's last error shows as text whatever it
+// holds: HTML, script tags, control characters (shown as \xNN).
+"use strict";
+
+const state = {
+  session: null,
+  cursors: { dead: "", stuck: "" },
+  pending: null, // the effect the confirmation dialog is about
+};
+
+// show makes any text visible as text: control characters become \xNN.
+function show(s) {
+  if (s === null || s === undefined || s === "") return "-";
+  return String(s).replace(/[\u0000-\u0008\u000b-\u001f\u007f-\u009f]/g,
+    (c) => "\\x" + c.charCodeAt(0).toString(16).padStart(2, "0"));
+}
+
+// el builds an element; children are elements or text (set as text nodes).
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") e.className = v;
+    else if (k === "text") e.textContent = v;
+    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else e.setAttribute(k, v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined) continue;
+    e.append(typeof c === "string" ? document.createTextNode(c) : c);
+  }
+  return e;
+}
+
+function td(text, cls) { return el("td", { class: cls || "", text: text }); }
+
+// present drops the null children (replaceChildren would write them as "null").
+function present(...nodes) { return nodes.filter((n) => n !== null && n !== undefined); }
+
+function fmtTime(iso) {
+  if (!iso) return "-";
+  const d = new Date(iso);
+  if (isNaN(d)) return show(iso);
+  return d.toISOString().replace("T", " ").replace(/\.\d+Z$/, "Z");
+}
+
+function fmtAge(seconds) {
+  let s = Math.max(0, Math.round(seconds));
+  const d = Math.floor(s / 86400); s -= d * 86400;
+  const h = Math.floor(s / 3600); s -= h * 3600;
+  const m = Math.floor(s / 60); s -= m * 60;
+  if (d > 0) return d + "d" + h + "h";
+  if (h > 0) return h + "h" + m + "m";
+  if (m > 0) return m + "m" + s + "s";
+  return s + "s";
+}
+
+async function api(path, options) {
+  const res = await fetch(path, Object.assign({ headers: { "Accept": "application/json" } }, options || {}));
+  let body = null;
+  try { body = await res.json(); } catch (e) { /* not JSON */ }
+  if (!res.ok) {
+    const err = new Error((body && body.message) || ("HTTP " + res.status));
+    err.code = body && body.code;
+    err.status = res.status;
+    throw err;
+  }
+  return body;
+}
+
+function showError(err) {
+  const p = document.getElementById("error");
+  if (!err) { p.hidden = true; p.textContent = ""; return; }
+  p.hidden = false;
+  p.textContent = show(err.message || String(err));
+}
+
+function query(params) {
+  const q = new URLSearchParams();
+  for (const [k, v] of Object.entries(params)) if (v !== undefined && v !== null) q.set(k, v);
+  return q.toString();
+}
+
+// --- stats ---
+
+async function loadStats() {
+  const s = await api("/api/stats");
+  const kinds = document.querySelector("#effect-stats tbody");
+  kinds.replaceChildren();
+  for (const k of s.effects) {
+    kinds.append(el("tr", { "data-kind": k.kind },
+      td(show(k.kind)), td(String(k.pending), "num"), td(String(k.due), "num"),
+      td(String(k.in_flight), "num"), td(String(k.stuck), "num"),
+      td(String(k.dead), "num" + (k.dead > 0 ? " state-dead state" : "")), td(String(k.done), "num"),
+      td(k.pending > 0 ? fmtAge(k.oldest_pending_age_seconds) : "-", "num")));
+  }
+  if (s.effects.length === 0) kinds.append(el("tr", {}, el("td", { colspan: "8", class: "empty", text: "no effects" })));
+  const consumers = document.querySelector("#consumer-stats tbody");
+  consumers.replaceChildren();
+  for (const c of s.consumers) {
+    consumers.append(el("tr", {},
+      td(show(c.consumer)), td(String(c.rows), "num"), td(String(c.completed), "num"),
+      td(String(c.failed), "num"), td(String(c.processing), "num"), td(String(c.expired), "num")));
+  }
+  if (s.consumers.length === 0) consumers.append(el("tr", {}, el("td", { colspan: "6", class: "empty", text: "no inbox rows" })));
+  document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+}
+
+// --- effects ---
+
+function stateCell(s) { return el("td", { class: "state state-" + s, text: s }); }
+
+function effectRow(e, opts) {
+  const tr = el("tr", { class: "effect", "data-tenant": e.tenant, "data-kind": e.kind, "data-key": e.key });
+  fillEffectRow(tr, e, opts);
+  return tr;
+}
+
+function fillEffectRow(tr, e, opts) {
+  tr.replaceChildren(
+    td(show(e.tenant)), td(show(e.kind)), td(show(e.key), "mono"), stateCell(e.state),
+    td(e.attempts + "/" + e.max_attempts, "num"), td(fmtTime(e.created_at), "time"),
+    td(show(e.last_error), "err"));
+  if (opts.why) tr.append(td(show(e.stuck)));
+  if (opts.requeue) {
+    const cell = el("td");
+    if (e.state === "dead" && state.session && !state.session.read_only) {
+      cell.append(el("button", { type: "button", class: "requeue", text: "Requeue", onclick: () => confirmRequeue(e, tr, opts) }));
+    }
+    tr.append(cell);
+  }
+}
+
+async function loadEffects(which, more) {
+  const params = which === "dead" ? { state: "dead" } : { stuck: "1" };
+  params.limit = "50";
+  if (more) params.after = state.cursors[which];
+  const page = await api("/api/effects?" + query(params));
+  const body = document.querySelector("#" + which + " tbody");
+  if (!more) body.replaceChildren();
+  const opts = which === "dead" ? { requeue: true } : { why: true };
+  for (const e of page.effects) body.append(effectRow(e, opts));
+  if (!more && page.effects.length === 0) {
+    body.append(el("tr", {}, el("td", { colspan: "8", class: "empty", text: "none" })));
+  }
+  state.cursors[which] = page.next || "";
+  document.getElementById(which + "-more").hidden = !page.next;
+}
+
+// --- requeue ---
+
+function confirmRequeue(e, tr, opts) {
+  state.pending = { e, tr, opts };
+  const what = document.getElementById("confirm-what");
+  what.replaceChildren(
+    el("dt", { text: "Tenant" }), el("dd", { text: show(e.tenant) }),
+    el("dt", { text: "Kind" }), el("dd", { text: show(e.kind) }),
+    el("dt", { text: "Key" }), el("dd", { text: show(e.key) }),
+    el("dt", { text: "Last error" }), el("dd", { text: show(e.last_error) }));
+  document.getElementById("confirm").showModal();
+}
+
+async function requeue(p) {
+  const { e, tr, opts } = p;
+  const button = tr.querySelector("button.requeue");
+  if (button) button.disabled = true;
+  try {
+    const now = await api("/api/requeue", {
+      method: "POST",
+      headers: { "Content-Type": "application/json", "X-Idem-Token": state.session.token },
+      body: JSON.stringify({ tenant: e.tenant, kind: e.kind, key: e.key }),
+    });
+    fillEffectRow(tr, now, opts);
+    showError(null);
+    await follow(now, tr, opts);
+  } catch (err) {
+    showError(err);
+    if (button) button.disabled = false;
+  }
+}
+
+// follow polls a requeued effect until a dispatcher has sent it (done) or given
+// up on it again (dead), for up to two minutes.
+async function follow(e, tr, opts) {
+  const id = query({ tenant: e.tenant, kind: e.kind, key: e.key });
+  const deadline = Date.now() + 120000;
+  while (Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 500));
+    let now;
+    try { now = await api("/api/effect?" + id); } catch (err) { showError(err); return; }
+    fillEffectRow(tr, now, opts);
+    if (now.state !== "pending") break;
+  }
+  loadStats().catch(showError);
+}
+
+// --- inspect ---
+
+function detailList(pairs) {
+  const dl = el("dl", { class: "detail" });
+  for (const [k, v] of pairs) dl.append(el("dt", { text: k }), el("dd", { text: v }));
+  return dl;
+}
+
+function responseText(r) {
+  if (!r) return null;
+  const names = Object.keys(r.headers || {}).sort();
+  const body = r.body_ref ? "by reference " + show(r.body_ref) : r.body_bytes + " bytes (not shown)";
+  return r.status + ", body " + body + ", headers " + (names.length ? names.map(show).join(", ") : "-");
+}
+
+async function openInboxKey(k, into) {
+  const rec = await api("/api/inbox/key?" + query({ consumer: k.consumer, tenant: k.tenant, key: k.key }));
+  const pairs = [
+    ["Consumer", show(rec.consumer)], ["Tenant", show(rec.tenant)], ["Key", show(rec.key)],
+    ["State", rec.state], ["Fingerprint", rec.fingerprint], ["Attempts", String(rec.attempts)],
+    ["Received", fmtTime(rec.received_at)], ["Completed", fmtTime(rec.completed_at)], ["Expires", fmtTime(rec.expires_at)],
+  ];
+  if (rec.state === "failed") pairs.push(["Error", show((rec.error_code || "") + ": " + (rec.error || ""))]);
+  if (rec.lease_until) pairs.push(["Lease until", fmtTime(rec.lease_until)]);
+  if (rec.response) pairs.push(["Response", responseText(rec.response)]);
+  const effects = el("table", { class: "effects" },
+    el("thead", {}, el("tr", {}, ...["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error", ""].map((h) => el("th", { text: h })))),
+    el("tbody"));
+  for (const e of rec.effects) effects.tBodies[0].append(effectRow(e, { requeue: true }));
+  into.replaceChildren(...present(el("h3", { text: "Inbox key" }), detailList(pairs),
+    el("h3", { text: "Effects made by it: " + rec.effects.length }), rec.effects.length ? effects : null));
+}
+
+async function inspect(key, tenant) {
+  const params = { key };
+  if (tenant !== "") params.tenant = tenant;
+  const found = await api("/api/find?" + query(params));
+  const out = document.getElementById("inspect-result");
+  const detail = el("div", { id: "inspect-detail" });
+  const inboxTable = el("table", { id: "found-inbox" },
+    el("thead", {}, el("tr", {}, ...["Consumer", "Tenant", "Key", "State", "Received", "Expires", "Response / error", ""].map((h) => el("th", { text: h })))),
+    el("tbody"));
+  for (const k of found.inbox) {
+    const extra = k.response ? responseText(k.response) : (k.state === "failed" ? show(k.error_code + ": " + k.error) : "-");
+    inboxTable.tBodies[0].append(el("tr", {},
+      td(show(k.consumer)), td(show(k.tenant)), td(show(k.key), "mono"), stateCell(k.state),
+      td(fmtTime(k.received_at), "time"), td(fmtTime(k.expires_at), "time"), td(extra, "err"),
+      el("td", {}, el("button", { type: "button", text: "Open", onclick: () => openInboxKey(k, detail).catch(showError) }))));
+  }
+  const effectsTable = el("table", { id: "found-effects", class: "effects" },
+    el("thead", {}, el("tr", {}, ...["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error", ""].map((h) => el("th", { text: h })))),
+    el("tbody"));
+  for (const e of found.effects) effectsTable.tBodies[0].append(effectRow(e, { requeue: true }));
+  out.replaceChildren(...present(
+    el("h3", { text: "Inbox keys: " + found.inbox.length }), found.inbox.length ? inboxTable : null,
+    el("h3", { text: "Effects: " + found.effects.length }), found.effects.length ? effectsTable : null,
+    detail));
+}
+
+// --- start ---
+
+async function refreshAll() {
+  try {
+    await Promise.all([loadStats(), loadEffects("dead", false), loadEffects("stuck", false)]);
+    showError(null);
+  } catch (err) {
+    showError(err);
+  }
+}
+
+async function start() {
+  try {
+    state.session = await api("/api/session");
+  } catch (err) {
+    showError(err);
+    return;
+  }
+  document.getElementById("schema").textContent = "schema " + state.session.schema;
+  const mode = document.getElementById("mode");
+  mode.textContent = state.session.read_only ? "read-only" : "read-write";
+  if (state.session.read_only) mode.classList.add("ro");
+  document.getElementById("refresh").addEventListener("click", refreshAll);
+  document.getElementById("dead-more").addEventListener("click", () => loadEffects("dead", true).catch(showError));
+  document.getElementById("stuck-more").addEventListener("click", () => loadEffects("stuck", true).catch(showError));
+  document.getElementById("inspect-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    inspect(document.getElementById("inspect-key").value, document.getElementById("inspect-tenant").value).catch(showError);
+  });
+  const dialog = document.getElementById("confirm");
+  dialog.addEventListener("close", () => {
+    const p = state.pending;
+    state.pending = null;
+    if (p && dialog.returnValue === "ok") requeue(p);
+  });
+  await refreshAll();
+  document.body.setAttribute("data-ready", "1");
+  setInterval(() => loadStats().catch(showError), 10000);
+}
+
+document.addEventListener("DOMContentLoaded", start);

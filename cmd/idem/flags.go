@@ -1,0 +1,159 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// errBadDuration says what a duration looks like.
+var errBadDuration = errors.New("use a number and a unit, such as 90s, 15m, 12h, 7d or 1d12h")
+
+// parseDuration is time.ParseDuration that also takes days: "7d", "1.5d", "1d12h".
+// A day is 24 hours.
+func parseDuration(s string) (time.Duration, error) {
+	rest, sign := s, time.Duration(1)
+	if r, ok := strings.CutPrefix(rest, "-"); ok {
+		rest, sign = r, -1
+	} else if r, ok := strings.CutPrefix(rest, "+"); ok {
+		rest = r
+	}
+	var total time.Duration
+	i := 0
+	for i < len(rest) && (rest[i] >= '0' && rest[i] <= '9' || rest[i] == '.') {
+		i++
+	}
+	if i > 0 && i < len(rest) && rest[i] == 'd' {
+		days, err := strconv.ParseFloat(rest[:i], 64)
+		if err != nil || days*24 > float64(math.MaxInt64/time.Hour) {
+			return 0, fmt.Errorf("%q: %w", s, errBadDuration)
+		}
+		total = time.Duration(days * 24 * float64(time.Hour))
+		rest = rest[i+1:]
+		if rest == "" {
+			return sign * total, nil
+		}
+	}
+	d, err := time.ParseDuration(rest)
+	if err != nil || d < 0 || total+d < total {
+		return 0, fmt.Errorf("%q: %w", s, errBadDuration)
+	}
+	return sign * (total + d), nil
+}
+
+// formatDuration writes d the way parseDuration reads it, with days: "7d", "1d12h0m0s".
+func formatDuration(d time.Duration) string {
+	const day = 24 * time.Hour
+	switch {
+	case d == 0:
+		return "0s"
+	case d < 0:
+		return "-" + formatDuration(-d)
+	case d%day == 0:
+		return fmt.Sprintf("%dd", d/day)
+	case d > day:
+		return fmt.Sprintf("%dd%s", d/day, d%day)
+	}
+	return d.String()
+}
+
+// durationValue is a flag.Value for a duration that may be in days.
+type durationValue struct{ d *time.Duration }
+
+func (v durationValue) String() string {
+	if v.d == nil {
+		return ""
+	}
+	return formatDuration(*v.d)
+}
+
+func (v durationValue) Set(s string) error {
+	d, err := parseDuration(s)
+	if err != nil {
+		return err
+	}
+	*v.d = d
+	return nil
+}
+
+// durationVar declares a duration flag that takes days too.
+func durationVar(fs *flag.FlagSet, p *time.Duration, name string, def time.Duration, usage string) {
+	*p = def
+	fs.Var(durationValue{p}, name, usage)
+}
+
+// timeValue is a flag.Value for a point in time: RFC 3339 (2026-11-21T23:02:11Z), a
+// date (2026-11-21, midnight UTC), or a duration meaning that long ago (7d, 90m).
+type timeValue struct {
+	t   *time.Time
+	now func() time.Time
+}
+
+func (v timeValue) String() string {
+	if v.t == nil || v.t.IsZero() {
+		return ""
+	}
+	return v.t.UTC().Format(time.RFC3339)
+}
+
+func (v timeValue) Set(s string) error {
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		*v.t = t
+		return nil
+	}
+	if t, err := time.Parse(time.DateOnly, s); err == nil {
+		*v.t = t
+		return nil
+	}
+	d, err := parseDuration(s)
+	if err != nil || d < 0 {
+		return fmt.Errorf("%q: use a time (2026-11-21T23:02:11Z), a date (2026-11-21) or an age (90m, 7d)", s)
+	}
+	*v.t = v.now().Add(-d)
+	return nil
+}
+
+func timeVar(fs *flag.FlagSet, p *time.Time, name, usage string) {
+	fs.Var(timeValue{t: p, now: time.Now}, name, usage)
+}
+
+// optString is a string flag that knows whether it was given, so that an empty
+// --tenant (the unscoped tenant) differs from no --tenant (every tenant).
+type optString struct {
+	v   string
+	set bool
+}
+
+func (o *optString) String() string { return o.v }
+
+func (o *optString) Set(s string) error {
+	o.v, o.set = s, true
+	return nil
+}
+
+// ptr is the value when given, else nil.
+func (o *optString) ptr() *string {
+	if !o.set {
+		return nil
+	}
+	v := o.v
+	return &v
+}
+
+// flagKind names a flag's value in --help.
+func flagKind(f *flag.Flag) (string, string) {
+	name, usage := flag.UnquoteUsage(f)
+	switch f.Value.(type) {
+	case durationValue:
+		name = "duration"
+	case timeValue:
+		name = "time"
+	case *optString:
+		name = "string"
+	}
+	return name, usage
+}

@@ -1,0 +1,87 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+
+	"github.com/idemkit/idem/admin"
+)
+
+var inboxListCmd = &command{
+	name:    "inbox list",
+	args:    "[--consumer C] [--tenant T] [--state completed|failed|processing] [--key-prefix P] [--since T] [--until T] [--limit N] [--after CURSOR] [flags]",
+	summary: "List inbox keys (messages' and HTTP requests') in key order, a page at a time",
+	example: `idem inbox list --consumer payments --state failed
+idem inbox list --consumer 'POST /payments' --tenant acct_42 --since 1d --json
+idem inbox list --consumer payments --key-prefix pay_ --limit 50 --after eyJpbmJveCIsIC4uLl0
+
+Keys come in primary key order (consumer, tenant, key). When more follow, the
+last line gives the --after cursor of the next page (with --json, on stderr).
+--since and --until filter on when the key was received.`,
+	setup: func(fs *flag.FlagSet) runFunc {
+		var f admin.InboxFilter
+		var p admin.Page
+		var tenant optString
+		fs.StringVar(&f.Consumer, "consumer", "", "only this consumer (or HTTP operation)")
+		fs.Var(&tenant, "tenant", "only this tenant ('' for the unscoped keys; default every tenant)")
+		fs.StringVar(&f.State, "state", "", "only completed, failed or processing keys")
+		fs.StringVar(&f.KeyPrefix, "key-prefix", "", "only keys that start with this")
+		timeVar(fs, &f.Received.Since, "since", "only keys received at or after this time")
+		timeVar(fs, &f.Received.Until, "until", "only keys received before this time")
+		fs.IntVar(&p.Limit, "limit", 100, "at most this many rows")
+		fs.StringVar(&p.After, "after", "", "the cursor of the page to show, from the previous page")
+		return func(ctx context.Context, e *env, args []string) error {
+			if err := noArgs(args); err != nil {
+				return err
+			}
+			if p.Limit < 1 || p.Limit > admin.MaxLimit {
+				return usagef("--limit must be from 1 to %d", admin.MaxLimit)
+			}
+			f.Tenant = tenant.ptr()
+			a, err := e.admin(ctx)
+			if err != nil {
+				return err
+			}
+			page, err := a.ListInbox(ctx, f, p)
+			if err != nil {
+				return usageIfBad(err)
+			}
+			if e.json {
+				if page.Next != "" {
+					fmt.Fprintf(e.stderr, "idem inbox list: more keys follow; next page: --after %s\n", page.Next)
+				}
+				return e.writeJSON(page.Keys)
+			}
+			if len(page.Keys) == 0 {
+				fmt.Fprintln(e.stdout, "no inbox keys")
+				return nil
+			}
+			if err := e.inboxTable(page.Keys); err != nil {
+				return err
+			}
+			if page.Next != "" {
+				fmt.Fprintf(e.stdout, "(first %d shown; next page: --after %s)\n", len(page.Keys), page.Next)
+			}
+			return nil
+		}
+	},
+}
+
+// inboxTable prints inbox keys, one a line.
+func (e *env) inboxTable(keys []admin.InboxKey) error {
+	tw := e.table("CONSUMER", "TENANT", "KEY", "STATE", "RECEIVED", "EXPIRES", "ERROR / RESPONSE")
+	for _, k := range keys {
+		detail := "-"
+		switch {
+		case k.Response != nil:
+			detail = responseSummary(k.Response)
+		case k.State == "failed":
+			detail = clip(k.ErrorCode+": "+k.Error, 60)
+		case k.LeaseUntil != nil:
+			detail = "lease until " + ts(k.LeaseUntil)
+		}
+		row(tw, printable(k.Consumer), dash(printable(k.Tenant)), printable(k.Key), k.State, ts(&k.ReceivedAt), ts(&k.ExpiresAt), detail)
+	}
+	return tw.Flush()
+}
