@@ -10,13 +10,14 @@ import (
 	"github.com/segmentio/kafka-go"
 )
 
-// windowPerInFlight bounds how far a partition reads ahead of its oldest
-// record not yet acked: it holds at most windowPerInFlight ×
+// windowPerInFlight bounds how far a partition delivers past its oldest
+// record not yet acked: its window holds at most windowPerInFlight ×
 // MaxInFlightPerPartition records (delivered or not, acked or not) past its
 // commit point. A record that stays unacked (a handler that hangs, a record
 // nacked again and again) therefore stops its partition after that many
 // records, instead of letting it run on until a rebalance redelivers all of
-// them.
+// them. Besides the window, a partition holds at most two fetch responses
+// (MaxBytes each): the rest of one, and the next.
 const windowPerInFlight = 16
 
 // entryState is where one record of a partition's window stands.
@@ -119,8 +120,9 @@ type partitionRun struct {
 	handling int                 // records inHandler
 	reserved bool                // holds a slot for the next delivery
 
-	events  chan settlement
-	waiters sync.WaitGroup
+	events    chan settlement
+	reporters int // goroutines that will send one settlement each, or none once ctx ends
+	waiters   sync.WaitGroup
 }
 
 // consumePartition delivers one partition's records from offset until ctx
@@ -146,7 +148,7 @@ func (sub *subscription) consumePartition(ctx context.Context, partition int, of
 		sub.deliveries.prune(p.tp, offset)
 	}
 
-	steps := make(chan fetched)
+	steps := make(chan []fetched)
 	var fetcher sync.WaitGroup
 	fetcher.Add(1)
 	go func() {
@@ -158,10 +160,10 @@ func (sub *subscription) consumePartition(ctx context.Context, partition int, of
 	p.run(ctx, steps)
 }
 
-// fetchPartition reads the partition from offset and sends each step to
-// steps, until ctx ends. It reads ahead while the run goroutine is busy, up
-// to one fetch response and one step in hand.
-func (sub *subscription) fetchPartition(ctx context.Context, partition int, offset int64, steps chan<- fetched) {
+// fetchPartition reads the partition from offset and sends the steps of
+// each fetch response to steps, until ctx ends. It reads ahead while the run
+// goroutine is busy, by one fetch response.
+func (sub *subscription) fetchPartition(ctx context.Context, partition int, offset int64, steps chan<- []fetched) {
 	f := newPartitionFetcher(sub.transport, sub.s.cfg.ReaderConfig, sub.topic, partition, offset)
 	fields := watermill.LogFields{"partition": partition}
 	f.onReset = func(from, to int64, why string) {
@@ -172,7 +174,7 @@ func (sub *subscription) fetchPartition(ctx context.Context, partition int, offs
 	backoff := sub.s.cfg.ReadBackoffMin
 	var failures failureLog
 	for {
-		step, err := f.next(ctx)
+		got, err := f.take(ctx)
 		if err != nil {
 			if ctx.Err() != nil {
 				return
@@ -186,11 +188,11 @@ func (sub *subscription) fetchPartition(ctx context.Context, partition int, offs
 		}
 		failures.recovered(sub.logger, "Fetching again", fields)
 		backoff = sub.s.cfg.ReadBackoffMin
-		if step.rec == nil && step.next == 0 {
+		if len(got) == 0 {
 			continue // the fetch brought nothing new
 		}
 		select {
-		case steps <- step:
+		case steps <- got:
 		case <-ctx.Done():
 			return
 		}
@@ -205,11 +207,17 @@ type candidate struct {
 	cancel context.CancelFunc
 }
 
-func (p *partitionRun) run(ctx context.Context, steps <-chan fetched) {
-	var next *candidate
+func (p *partitionRun) run(ctx context.Context, steps <-chan []fetched) {
+	var (
+		next    *candidate // prepared for the next delivery
+		watched *candidate // the latest delivery: this loop waits for its ack itself
+		pending []fetched  // fetched, not yet in the window
+	)
 	defer func() {
-		if next != nil {
-			next.cancel()
+		for _, c := range []*candidate{next, watched} {
+			if c != nil {
+				c.cancel()
+			}
 		}
 		// The records still in handlers give their slots back: they are
 		// no longer this subscription's.
@@ -221,6 +229,14 @@ func (p *partitionRun) run(ctx context.Context, steps <-chan fetched) {
 		}
 	}()
 	for {
+		if ctx.Err() != nil {
+			return // see the ctx.Done case below
+		}
+		for len(pending) > 0 && len(p.window) < p.windowCap {
+			p.add(pending[0])
+			pending[0] = fetched{}
+			pending = pending[1:]
+		}
 		head := p.pick()
 		// Each record in a handler holds one of the subscription's slots,
 		// taken before it is sent and given back on its ack or nack, so
@@ -236,13 +252,14 @@ func (p *partitionRun) run(ctx context.Context, steps <-chan fetched) {
 		}
 
 		var (
-			takeStep <-chan fetched
-			takeSlot chan<- struct{}
-			send     chan<- *message.Message
-			msg      *message.Message
+			takeSteps       <-chan []fetched
+			takeSlot        chan<- struct{}
+			send            chan<- *message.Message
+			msg             *message.Message
+			isAcked, isNack <-chan struct{}
 		)
-		if len(p.window) < p.windowCap {
-			takeStep = steps
+		if len(pending) == 0 && len(p.window) < p.windowCap {
+			takeSteps = steps
 		}
 		if head != nil {
 			if !p.reserved {
@@ -254,17 +271,50 @@ func (p *partitionRun) run(ctx context.Context, steps <-chan fetched) {
 				send, msg = p.sub.out, next.msg
 			}
 		}
+		if watched != nil {
+			isAcked, isNack = watched.msg.Acked(), watched.msg.Nacked()
+		}
+		var events <-chan settlement
+		if p.reporters > 0 {
+			events = p.events
+		}
+
+		// The common case, without the full select: a slot is free, and the
+		// handler side is waiting for the next message.
+		if takeSlot != nil {
+			select {
+			case takeSlot <- struct{}{}:
+				p.reserved = true
+				continue
+			default:
+			}
+		}
+		if send != nil {
+			select {
+			case send <- msg:
+				watched, next = p.sent(ctx, watched, next), nil
+				continue
+			default:
+			}
+		}
 
 		select {
-		case step := <-takeStep:
-			p.add(step)
+		case pending = <-takeSteps:
 		case takeSlot <- struct{}{}:
 			p.reserved = true
 		case send <- msg:
-			p.delivered(ctx, next)
-			next = nil
-		case s := <-p.events:
-			p.settle(s)
+			watched, next = p.sent(ctx, watched, next), nil
+		case <-isAcked:
+			watched.cancel()
+			p.settle(ctx, settlement{watched.e, acked})
+			watched = nil
+		case <-isNack:
+			watched.cancel()
+			p.settle(ctx, settlement{watched.e, nacked})
+			watched = nil
+		case s := <-events:
+			p.reporters--
+			p.settle(ctx, s)
 		case <-ctx.Done():
 			// Revoked or closing: the records in handlers stay unacked and
 			// uncommitted, and an ack that comes now is not heard.
@@ -320,55 +370,75 @@ func (p *partitionRun) prepare(ctx context.Context, e *entry) *candidate {
 	return &candidate{e: e, msg: msg, count: count, cancel: cancel}
 }
 
-func (p *partitionRun) delivered(ctx context.Context, c *candidate) {
-	if c.e.retrying {
-		heap.Remove(&p.retries, c.e.index)
-		c.e.retrying = false
+// sent records c's delivery and returns it as the delivery the run loop
+// watches. Only the latest delivery is watched by the loop itself (with one
+// record in flight, every one is); the one watched until now, if still in a
+// handler, gets a goroutine that reports on p.events.
+func (p *partitionRun) sent(ctx context.Context, watched, c *candidate) *candidate {
+	if watched != nil {
+		p.spawn(func() { p.wait(ctx, watched) })
+	}
+	e := c.e
+	if e.retrying {
+		heap.Remove(&p.retries, e.index)
+		e.retrying = false
 	} else {
-		heap.Remove(&p.ready, c.e.index)
+		heap.Remove(&p.ready, e.index)
 		p.unacked++
 	}
-	c.e.state = inHandler
+	e.state = inHandler
 	p.handling++
 	p.reserved = false // the slot is the record's now
-	p.sub.deliveries.set(p.tp, c.e.rec.Offset, c.count)
-	p.waiters.Add(1)
-	go p.wait(ctx, c)
+	p.sub.deliveries.set(p.tp, e.rec.Offset, c.count)
+	return c
 }
 
-// wait reports what the handler did with one delivery, and when a nacked
-// record may go again.
-func (p *partitionRun) wait(ctx context.Context, c *candidate) {
-	defer p.waiters.Done()
-	report := func(o outcome) bool {
-		select {
-		case p.events <- settlement{c.e, o}:
-			return true
-		case <-ctx.Done():
-			return false
-		}
+// spawn runs f, which reports once on p.events (or not at all once the run
+// is over), in a goroutine of its own.
+func (p *partitionRun) spawn(f func()) {
+	p.reporters++
+	p.waiters.Add(1)
+	go func() {
+		defer p.waiters.Done()
+		f()
+	}()
+}
+
+// report hands an outcome to the run loop, unless the run is over.
+func (p *partitionRun) report(ctx context.Context, e *entry, o outcome) {
+	select {
+	case p.events <- settlement{e, o}:
+	case <-ctx.Done():
 	}
+}
+
+// wait reports what the handler does with a delivery the run loop no longer
+// watches.
+func (p *partitionRun) wait(ctx context.Context, c *candidate) {
 	select {
 	case <-c.msg.Acked():
 		c.cancel()
-		report(acked)
+		p.report(ctx, c.e, acked)
 	case <-c.msg.Nacked():
 		c.cancel()
-		if report(nacked) && sleep(ctx, p.sub.s.cfg.NackBackoff) {
-			report(retry)
-		}
+		p.report(ctx, c.e, nacked)
 	case <-ctx.Done():
 		c.cancel()
 	}
 }
 
-func (p *partitionRun) settle(s settlement) {
+func (p *partitionRun) settle(ctx context.Context, s settlement) {
 	e := s.e
 	switch s.outcome {
 	case nacked:
 		e.state = backingOff
 		p.handling--
 		<-p.sub.slots
+		p.spawn(func() {
+			if sleep(ctx, p.sub.s.cfg.NackBackoff) {
+				p.report(ctx, e, retry)
+			}
+		})
 	case retry:
 		e.state = waiting
 		e.retrying = true
