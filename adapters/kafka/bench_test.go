@@ -205,18 +205,18 @@ func (h *batchHandler) meanBatch() float64 {
 // (see batchHandler). b.N records are in the topic first; the timer runs from
 // Subscribe to the last ack. It reports msgs/s, the ratio to 1 in flight with
 // the same handler (x_inflight1), and for "batch" the mean batch the handler
-// saw. Run it with a fixed count:
+// saw. On kfake each run has a cluster of its own. Run it with a fixed count:
 // go test -run '^$' -bench InFlight -benchtime 4000x ./adapters/kafka/
 func BenchmarkInFlight(b *testing.B) {
-	brokers := externalBrokers()
-	if brokers == nil {
-		brokers = startCluster(b)
-	}
 	const partitions = 4
 	for _, mode := range []string{"delay", "batch"} {
 		var base float64
 		for _, n := range []int{1, 8, 64} {
 			b.Run(fmt.Sprintf("handler=%s/inflight=%d", mode, n), func(b *testing.B) {
+				brokers := externalBrokers()
+				if brokers == nil {
+					brokers = startCluster(b) // a fresh one: kfake keeps every record in memory
+				}
 				topic, group := "bench-"+uuid.NewString(), "bench-"+uuid.NewString()
 				cfg := subscriberConfig(brokers, group, partitions)
 				cfg.MaxInFlightPerPartition = n
