@@ -64,6 +64,10 @@ const (
 	// DefaultMaxConcurrentPartitions is how many partitions may have a message
 	// in flight at the same time, per Subscribe call.
 	DefaultMaxConcurrentPartitions = 64
+	// DefaultMaxInFlightPerPartition is how many records of one partition may
+	// be unacked at once: one, so records are delivered in partition order,
+	// each after the previous one's ack.
+	DefaultMaxInFlightPerPartition = 1
 	// DefaultTopicPartitions is the partition count SubscribeInitialize uses.
 	DefaultTopicPartitions = 1
 	// DefaultTopicReplicationFactor is the replication factor
@@ -199,8 +203,34 @@ type SubscriberConfig struct {
 	NackBackoff time.Duration
 
 	// MaxConcurrentPartitions is how many partitions of one Subscribe call
-	// may each have a message in flight at once.
+	// may each have a message in flight at once. More exactly, one Subscribe
+	// call has at most MaxConcurrentPartitions × MaxInFlightPerPartition
+	// records in handlers at once, and partitions waiting for room take
+	// turns.
 	MaxConcurrentPartitions int
+
+	// MaxInFlightPerPartition is how many records of one partition may be
+	// delivered and not yet acked at once (a nacked record waiting for its
+	// redelivery counts). Default 1: partition order, one record at a time.
+	//
+	// Above 1, records of one partition go out before earlier ones are
+	// acked, so that a handler that batches (idem's group commit) gets many
+	// at once even from few partitions. Order is then kept per key: a record
+	// is delivered only once every earlier record of its partition with the
+	// same key is acked. Records without a key (nil or empty) share one key,
+	// so they keep partition order among themselves, unless
+	// UnorderedWithoutKey. The committed offset never passes a record that
+	// is not acked: a nacked record holds the commit back (not the
+	// delivery of later records) until it is acked. A partition reads at
+	// most 16 × MaxInFlightPerPartition records past its oldest unacked one.
+	MaxInFlightPerPartition int
+
+	// UnorderedWithoutKey, with MaxInFlightPerPartition above 1, lets records
+	// without a key (nil or empty) be in flight together, in any order. By
+	// default they keep partition order among themselves, as if they shared
+	// one key: a producer that sets no key may still count on the order of
+	// a partition. Records with a key keep key order either way.
+	UnorderedWithoutKey bool
 
 	// TopicPartitions and TopicReplicationFactor are used by
 	// SubscribeInitialize when it creates a topic.
@@ -223,6 +253,7 @@ func (c *SubscriberConfig) setDefaults() {
 	c.StartOffset = cmp.Or(c.StartOffset, kafka.FirstOffset)
 	c.NackBackoff = cmp.Or(c.NackBackoff, DefaultNackBackoff)
 	c.MaxConcurrentPartitions = cmp.Or(c.MaxConcurrentPartitions, DefaultMaxConcurrentPartitions)
+	c.MaxInFlightPerPartition = cmp.Or(c.MaxInFlightPerPartition, DefaultMaxInFlightPerPartition)
 	c.TopicPartitions = cmp.Or(c.TopicPartitions, DefaultTopicPartitions)
 	c.TopicReplicationFactor = cmp.Or(c.TopicReplicationFactor, DefaultTopicReplicationFactor)
 	if c.Dialer == nil {
@@ -292,6 +323,9 @@ func (c *SubscriberConfig) Validate() error {
 	}
 	if c.MaxConcurrentPartitions < 0 {
 		errs = append(errs, errors.New("MaxConcurrentPartitions must not be negative"))
+	}
+	if c.MaxInFlightPerPartition < 0 {
+		errs = append(errs, errors.New("MaxInFlightPerPartition must not be negative"))
 	}
 	if c.NackBackoff < 0 || c.CommitInterval < 0 || c.MaxWait < 0 ||
 		c.HeartbeatInterval < 0 || c.SessionTimeout < 0 || c.RebalanceTimeout < 0 {

@@ -6,19 +6,31 @@
 //
 // Delivery is at least once:
 //
-//   - Records of one partition are delivered in offset order, one at a time:
-//     the next record of a partition is delivered only after the current one
-//     is acked. Up to SubscriberConfig.MaxConcurrentPartitions partitions of
-//     one Subscribe call have a message in flight at once.
+//   - By default (SubscriberConfig.MaxInFlightPerPartition 1) records of one
+//     partition are delivered in offset order, one at a time: the next record
+//     of a partition is delivered only after the current one is acked. Up to
+//     SubscriberConfig.MaxConcurrentPartitions partitions of one Subscribe
+//     call have a message in flight at once.
+//   - With MaxInFlightPerPartition N above 1, up to N records of a partition
+//     are unacked at once (a nacked record waiting for its redelivery
+//     counts), and order holds per key: a record is delivered only after
+//     every earlier record of its partition with the same key was acked.
+//     Records without a key (nil or empty) share one key, so they keep
+//     partition order among themselves, unless UnorderedWithoutKey. Of the
+//     records that may go, the lowest offset goes first. A partition reads
+//     at most 16 × N records past its oldest unacked one.
 //   - An offset is committed only after its record, and every earlier record
-//     of that partition, has been acked. Commits are coalesced every
-//     CommitInterval and flushed when a partition is released, but never go
-//     past an unacked record.
-//   - A nack delivers the same record again after NackBackoff. The partition
-//     does not advance, and nothing past it is committed, until it is acked.
+//     of that partition, has been acked (or passed over, see below): with
+//     records acked out of order, the commit is the end of the acked prefix.
+//     Commits are coalesced every CommitInterval and flushed when a
+//     partition is released, but never go past an unacked record.
+//   - A nack delivers the same record again after NackBackoff. Nothing past
+//     it is committed until it is acked; with N = 1 the partition does not
+//     advance meanwhile either, with N > 1 records of other keys go on.
 //   - When a rebalance revokes a partition, or the Subscriber closes, its
 //     delivery stops at once. An ack that arrives afterwards is ignored.
-//     Acked offsets are committed one last time; the record in flight is not.
+//     The acked prefix is committed one last time; the records in flight,
+//     and those acked after an unacked one, are not.
 //   - A Publish returns after the broker has acked every record (acks=all),
 //     unless PublisherConfig.Async is set. The messages of one Publish call
 //     are written in one batch.
@@ -42,13 +54,16 @@
 //
 //   - After a rebalance, a crash or a kill -9, the partition's new owner
 //     starts at the last committed offset, so it gets again every record that
-//     was acked but not yet committed (up to CommitInterval's worth), and the
-//     one that was in flight.
+//     was acked but not yet committed (up to CommitInterval's worth, and with
+//     MaxInFlightPerPartition above 1 the records acked after an unacked
+//     one), and the ones that were in flight.
 //   - A nacked record is delivered again, by design.
 //   - A Publish that fails may still have written some records. Publish again
 //     with the same message UUIDs.
-//   - Order holds within one partition only. Records with the same key go to
-//     the same partition; choose the key with PublisherConfig.PartitionKey.
+//   - Order holds within one partition only, and with
+//     MaxInFlightPerPartition above 1 within one key of a partition only.
+//     Records with the same key go to the same partition; choose the key
+//     with PublisherConfig.PartitionKey.
 //   - Records deleted by the topic's retention before they were consumed are
 //     skipped (kafka-go resumes at the first offset still present).
 //
@@ -61,8 +76,9 @@
 // either a business key taken from the payload, or the record's position
 // ([PartitionOffsetKey]) as its key. Received messages also carry
 // MetadataKey, MetadataTimestamp and MetadataDeliveryCount (how many times
-// this Subscribe call, so this process, has delivered the record; it starts
-// again at 1 in another process).
+// this Subscribe call, so this process, has delivered the record; it counts
+// on across a revoke and reassignment in this process until the record is
+// committed, and starts again at 1 in another process).
 //
 // # Consumer groups and groupless reading
 //

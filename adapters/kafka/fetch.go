@@ -72,21 +72,18 @@ func newPartitionFetcher(transport kafka.RoundTripper, cfg kafka.ReaderConfig, t
 	}
 }
 
-// next returns the partition's next step, fetching when nothing is queued.
-// It returns an empty step (rec nil, next 0) when a fetch brought nothing new.
-func (f *partitionFetcher) next(ctx context.Context) (fetched, error) {
+// take returns the partition's next steps, in offset order: the rest of the
+// last fetch response, or the next one's. It returns none when a fetch
+// brought nothing new. The slice is the caller's.
+func (f *partitionFetcher) take(ctx context.Context) ([]fetched, error) {
 	if len(f.queue) == 0 {
 		if err := f.fetch(ctx); err != nil {
-			return fetched{}, err
-		}
-		if len(f.queue) == 0 {
-			return fetched{}, nil
+			return nil, err
 		}
 	}
-	step := f.queue[0]
-	f.queue[0] = fetched{}
-	f.queue = f.queue[1:]
-	return step, nil
+	steps := f.queue
+	f.queue = nil
+	return steps, nil
 }
 
 func (f *partitionFetcher) fetch(ctx context.Context) error {
@@ -156,6 +153,9 @@ func (f *partitionFetcher) fetch(ctx context.Context) error {
 
 	batches, err := f.decode(part)
 	if err != nil {
+		// The next fetch starts again at f.offset: drop what this one queued,
+		// or those records would come twice.
+		f.queue = nil
 		return fmt.Errorf("fetch %s/%d at offset %d: %w", f.topic, f.partition, f.offset, err)
 	}
 	if len(f.queue) > 0 {

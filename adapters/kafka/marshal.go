@@ -16,7 +16,8 @@ const UUIDHeader = "_watermill_message_uuid"
 // delivery came from; they are overwritten on receipt, so a header with the
 // same name sent by a producer does not survive. MetadataDeliveryCount counts
 // the deliveries of the record by one Subscribe call (so, by one process),
-// starting at 1; it survives a revoke and reassignment within that call.
+// starting at 1; it survives a revoke and reassignment within that call, up
+// to the record's commit.
 const (
 	MetadataTopic         = "kafka_topic"
 	MetadataPartition     = "kafka_partition"

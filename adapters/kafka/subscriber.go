@@ -58,8 +58,9 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 // refusal after that ends the subscription: it is logged at error level,
 // and the channel closes.
 //
-// Each message must be acked or nacked. The next message of its partition
-// is delivered only after that.
+// Each message must be acked or nacked. With MaxInFlightPerPartition 1 (the
+// default) the next message of its partition is delivered only after that;
+// with more, see SubscriberConfig.MaxInFlightPerPartition.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	// Look the partitions up before taking the lock, so that a slow broker
 	// does not hold up Close.
@@ -82,14 +83,14 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		s:      s,
 		topic:  topic,
 		out:    out,
-		slots:  make(chan struct{}, s.cfg.MaxConcurrentPartitions),
+		slots:  make(chan struct{}, s.cfg.MaxConcurrentPartitions*s.cfg.MaxInFlightPerPartition),
 		logger: s.logger.With(watermill.LogFields{"topic": topic, "group": s.cfg.GroupID}),
 		// One transport per Subscribe call: it pools a connection per
 		// concurrent fetch, so partitions do not queue behind each other's
 		// long polls (a broker answers one request per connection at a time).
 		transport: s.transport(topic),
 
-		deliveries: deliveryCounter{m: map[topicPartition]delivery{}},
+		deliveries: deliveryCounter{m: map[topicPartition]map[int64]int{}},
 	}
 
 	// joined learns the outcome of the first join: nil, a refusal, or why
@@ -240,7 +241,7 @@ type subscription struct {
 	s      *Subscriber
 	topic  string
 	out    chan *message.Message
-	slots  chan struct{} // bounds partitions with a message in flight
+	slots  chan struct{} // bounds the records in handlers
 	logger watermill.LoggerAdapter
 
 	transport *kafka.Transport
@@ -338,105 +339,10 @@ func (sub *subscription) runPartitions(ctx context.Context, partitions []int) {
 	wg.Wait()
 }
 
-// consumePartition delivers one partition's records in order, one at a time,
-// until ctx ends. onAck, if not nil, learns the next offset to commit after
-// each ack, and after each run of records that are passed over without being
-// delivered (transaction markers, aborted records): those are committed as
-// they are passed, so a partition whose tail is a marker shows no lag.
-func (sub *subscription) consumePartition(ctx context.Context, partition int, offset int64, onAck func(partition int, next int64)) {
-	f := newPartitionFetcher(sub.transport, sub.s.cfg.ReaderConfig, sub.topic, partition, offset)
-	fields := watermill.LogFields{"partition": partition}
-	f.onReset = func(from, to int64, why string) {
-		sub.logger.Error("Fetch position moved", nil, fields.Add(watermill.LogFields{
-			"from": from, "to": to, "why": why,
-		}))
-	}
-	backoff := sub.s.cfg.ReadBackoffMin
-	var failures failureLog
-	for {
-		step, err := f.next(ctx)
-		if err != nil {
-			if ctx.Err() != nil {
-				return
-			}
-			failures.failed(sub.logger, "Fetching failed; retrying", err, fields.Add(watermill.LogFields{"retry_in": backoff}))
-			if !sleep(ctx, backoff) {
-				return
-			}
-			backoff = min(2*backoff, sub.s.cfg.ReadBackoffMax)
-			continue
-		}
-		failures.recovered(sub.logger, "Fetching again", fields)
-		backoff = sub.s.cfg.ReadBackoffMin
-		switch {
-		case step.rec != nil:
-			if !sub.deliver(ctx, *step.rec) {
-				return
-			}
-			if onAck != nil {
-				onAck(partition, step.next)
-			}
-		case step.next > 0:
-			if onAck != nil {
-				onAck(partition, step.next)
-			}
-		}
-	}
-}
-
-// deliver sends rec until it is acked (true), redelivering it after each
-// nack, or until ctx ends (false).
-func (sub *subscription) deliver(ctx context.Context, rec kafka.Message) bool {
-	tp := topicPartition{rec.Topic, rec.Partition}
-	for {
-		msg := fromRecord(rec, sub.deliveries.next(tp, rec.Offset))
-		acked, ok := sub.deliverOnce(ctx, msg)
-		if !ok {
-			return false
-		}
-		if acked {
-			sub.deliveries.forget(tp, rec.Offset)
-			return true
-		}
-		if !sleep(ctx, sub.s.cfg.NackBackoff) {
-			return false
-		}
-	}
-}
-
-func (sub *subscription) deliverOnce(ctx context.Context, msg *message.Message) (acked, ok bool) {
-	mctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	msg.SetContext(mctx)
-
-	select {
-	case sub.slots <- struct{}{}:
-	case <-ctx.Done():
-		return false, false
-	}
-	defer func() { <-sub.slots }()
-
-	select {
-	case sub.out <- msg:
-	case <-ctx.Done():
-		return false, false
-	}
-	select {
-	case <-msg.Acked():
-		return true, true
-	case <-msg.Nacked():
-		return false, true
-	case <-ctx.Done():
-		// Revoked or closing: whatever the handler does now is not recorded,
-		// and the record's offset is not committed.
-		return false, false
-	}
-}
-
 // committer commits one generation's acked offsets. acked holds, per
-// partition, the offset after the last acked record. A partition delivers one
-// record at a time, in order, so that record and every earlier one are acked:
-// committing it never skips an unacked message.
+// partition, the end of the partition's settled prefix (see partitionRun):
+// every record before it is acked or passed over, so committing it never
+// skips an unacked message.
 type committer struct {
 	gen    *kafka.Generation
 	topic  string
@@ -512,35 +418,47 @@ type topicPartition struct {
 	partition int
 }
 
-type delivery struct {
-	offset int64
-	count  int
-}
-
-// deliveryCounter counts how often this process delivered a record. A
-// partition has at most one record in flight, so one entry per partition is
-// enough, and it survives a revoke and reassignment inside this process.
+// deliveryCounter counts how often this Subscribe call delivered each
+// record that is not acked yet. It outlives generations, so a count survives
+// a revoke and reassignment inside this process.
 type deliveryCounter struct {
 	mu sync.Mutex
-	m  map[topicPartition]delivery
+	m  map[topicPartition]map[int64]int
 }
 
-func (d *deliveryCounter) next(tp topicPartition, offset int64) int {
+func (d *deliveryCounter) count(tp topicPartition, offset int64) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	e := d.m[tp]
-	if e.offset != offset || e.count == 0 {
-		e = delivery{offset: offset}
+	return d.m[tp][offset]
+}
+
+func (d *deliveryCounter) set(tp topicPartition, offset int64, n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.m[tp] == nil {
+		d.m[tp] = map[int64]int{}
 	}
-	e.count++
-	d.m[tp] = e
-	return e.count
+	d.m[tp][offset] = n
 }
 
 func (d *deliveryCounter) forget(tp topicPartition, offset int64) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.m[tp].offset == offset {
+	delete(d.m[tp], offset)
+}
+
+// prune forgets the records before start, which were committed: they are
+// not delivered again. What is left of a partition is at most the records
+// that were unacked when this process last lost it.
+func (d *deliveryCounter) prune(tp topicPartition, start int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for off := range d.m[tp] {
+		if off < start {
+			delete(d.m[tp], off)
+		}
+	}
+	if len(d.m[tp]) == 0 {
 		delete(d.m, tp)
 	}
 }

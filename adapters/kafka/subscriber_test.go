@@ -371,6 +371,11 @@ func TestConfigValidation(t *testing.T) {
 	_, err = kafka.NewSubscriber(cfg)
 	require.ErrorContains(t, err, "SessionTimeout 1000h0m0s must be between 1ms")
 
+	cfg = subscriberConfig([]string{"localhost:9092"}, "g", 1)
+	cfg.MaxInFlightPerPartition = -1
+	_, err = kafka.NewSubscriber(cfg)
+	require.ErrorContains(t, err, "MaxInFlightPerPartition must not be negative")
+
 	// Without a group the timings are not used.
 	cfg = subscriberConfig([]string{"localhost:9092"}, "", 1)
 	cfg.HeartbeatInterval = time.Minute

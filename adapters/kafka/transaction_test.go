@@ -2,6 +2,8 @@ package kafka_test
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -100,7 +102,10 @@ func writeTransactions(t *testing.T, b *testBundle) (committed, uncommitted []st
 // ReadCommitted never an aborted record, and gets everything else in offset
 // order. The offsets of markers and aborted records are committed as they
 // are passed, so the group ends at the partition's end (no lag for ever,
-// nothing delivered again after a restart).
+// nothing delivered again after a restart). With 8 records in flight (and
+// UnorderedWithoutKey, since these records have no key) the records come
+// together and are acked in reverse, and the markers between them are still
+// passed and committed.
 func TestTransactionalProducer(t *testing.T) {
 	t.Parallel()
 	for _, level := range []struct {
@@ -110,41 +115,71 @@ func TestTransactionalProducer(t *testing.T) {
 		{"ReadCommitted", kafkago.ReadCommitted},
 		{"ReadUncommitted", kafkago.ReadUncommitted},
 	} {
-		t.Run(level.name, func(t *testing.T) {
-			t.Parallel()
-			forEachBroker(t, func(t *testing.T, brokers []string) {
-				b := setup(t, brokers, 1)
-				committed, uncommitted := writeTransactions(t, b)
-				want := committed
-				if level.level == kafkago.ReadUncommitted {
-					want = uncommitted
-				}
+		for _, inFlight := range []int{1, 8} {
+			t.Run(fmt.Sprintf("%s/inflight=%d", level.name, inFlight), func(t *testing.T) {
+				t.Parallel()
+				forEachBroker(t, func(t *testing.T, brokers []string) {
+					b := setup(t, brokers, 1)
+					committed, uncommitted := writeTransactions(t, b)
+					want := committed
+					if level.level == kafkago.ReadUncommitted {
+						want = uncommitted
+					}
 
-				cfg := subscriberConfig(b.brokers, b.group, 1)
-				cfg.IsolationLevel = level.level
-				sub, ch := b.subscribe(t, cfg)
-				var got []string
-				var offsets []int64
-				for range want {
-					msg := receive(t, ch)
-					got = append(got, string(msg.Payload))
-					offsets = append(offsets, offsetOf(t, msg))
-					msg.Ack()
-				}
-				require.Equal(t, want, got, "no marker, and no aborted record under ReadCommitted")
-				assert.IsIncreasing(t, offsets)
-				requireNothing(t, ch, time.Second)
+					cfg := subscriberConfig(b.brokers, b.group, 1)
+					cfg.IsolationLevel = level.level
+					cfg.MaxInFlightPerPartition = inFlight
+					cfg.UnorderedWithoutKey = true
+					sub, ch := b.subscribe(t, cfg)
+					var got []string
+					var offsets []int64
+					mostAtOnce := 0
+					for len(got) < len(want) {
+						// Take what comes together, then ack it in reverse.
+						batch := []*message.Message{receive(t, ch)}
+						for more := inFlight > 1; more; {
+							select {
+							case msg := <-ch:
+								batch = append(batch, msg)
+							case <-time.After(300 * time.Millisecond):
+								more = false
+							}
+						}
+						mostAtOnce = max(mostAtOnce, len(batch))
+						for i := len(batch) - 1; i >= 0; i-- {
+							got = append(got, string(batch[i].Payload))
+							offsets = append(offsets, offsetOf(t, batch[i]))
+							batch[i].Ack()
+						}
+					}
+					if inFlight > 1 {
+						require.Greater(t, mostAtOnce, 1, "records came together")
+						byOffset := map[int64]string{}
+						for i, o := range offsets {
+							byOffset[o] = got[i]
+						}
+						slices.Sort(offsets)
+						got = got[:0]
+						for _, o := range offsets {
+							got = append(got, byOffset[o])
+						}
+					}
+					require.Equal(t, want, got, "no marker, and no aborted record under ReadCommitted")
+					assert.IsIncreasing(t, offsets)
+					requireNothing(t, ch, time.Second)
 
-				end := partitionEnd(t, b, level.level)
-				requireCommitted(t, b, end)
-				t.Logf("%s: delivered %d of the partition's %d offsets; committed %d", level.name, len(got), end, end)
-				require.NoError(t, sub.Close())
+					end := partitionEnd(t, b, level.level)
+					requireCommitted(t, b, end)
+					t.Logf("%s: delivered %d of the partition's %d offsets, at most %d at once; committed %d",
+						level.name, len(got), end, mostAtOnce, end)
+					require.NoError(t, sub.Close())
 
-				// A new member starts at the end: nothing comes again.
-				_, ch2 := b.subscribe(t, cfg)
-				requireNothing(t, ch2, time.Second)
+					// A new member starts at the end: nothing comes again.
+					_, ch2 := b.subscribe(t, cfg)
+					requireNothing(t, ch2, time.Second)
+				})
 			})
-		})
+		}
 	}
 }
 

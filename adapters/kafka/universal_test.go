@@ -31,7 +31,14 @@ const universalPartitions = 4
 
 func byPayload(_ string, msg *message.Message) ([]byte, error) { return msg.Payload, nil }
 
-func runUniversal(t *testing.T, brokers []string) {
+// universalRun is one configuration the suite runs with.
+type universalRun struct {
+	features tests.Features
+	key      kafka.PartitionKeyFunc
+	config   func(*kafka.SubscriberConfig)
+}
+
+func runUniversal(t *testing.T, brokers []string, run universalRun) {
 	// TestPublishSubscribeInOrder closes its multiplied subscriber before it
 	// subscribes (`defer require.NoError(t, sub.Close())` evaluates Close at
 	// once), so the suite never closes those. Close every subscriber the
@@ -46,21 +53,25 @@ func runUniversal(t *testing.T, brokers []string) {
 		}
 	})
 	newSub := func(t *testing.T, group string) *kafka.Subscriber {
-		s := newSubscriber(t, subscriberConfig(brokers, group, universalPartitions))
+		cfg := subscriberConfig(brokers, group, universalPartitions)
+		if run.config != nil {
+			run.config(&cfg)
+		}
+		s := newSubscriber(t, cfg)
 		mu.Lock()
 		subs = append(subs, s)
 		mu.Unlock()
 		return s
 	}
 
-	tests.TestPubSub(t, universalFeatures(),
+	tests.TestPubSub(t, run.features,
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
 			// One group per suite test: the tests that re-create the
 			// subscriber expect it to continue where the last one stopped.
-			return newPublisher(t, brokers, byPayload), newSub(t, "universal-"+sanitize(t.Name()))
+			return newPublisher(t, brokers, run.key), newSub(t, "universal-"+sanitize(t.Name()))
 		},
 		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return newPublisher(t, brokers, byPayload), newSub(t, group)
+			return newPublisher(t, brokers, run.key), newSub(t, group)
 		},
 	)
 }
@@ -68,7 +79,48 @@ func runUniversal(t *testing.T, brokers []string) {
 // TestUniversal runs Watermill's suite against kfake, and also against the
 // brokers in KAFKA_BROKERS when that is set (subtest "external=host:port").
 func TestUniversal(t *testing.T) {
-	forEachBroker(t, runUniversal)
+	t.Parallel()
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		runUniversal(t, brokers, universalRun{features: universalFeatures(), key: byPayload})
+	})
+}
+
+// TestUniversalInFlight runs the suite with 8 records of each partition in
+// flight. Order then holds per key, not per partition. The suite's publisher
+// keys records by payload, and its in-order tests (TestPublishSubscribeInOrder
+// checks order per payload; TestNoAck sends two records of one payload) ask
+// exactly for order per key, so GuaranteedOrder stays true: that is the
+// promise MaxInFlightPerPartition > 1 keeps for records that share a key.
+func TestUniversalInFlight(t *testing.T) {
+	t.Parallel()
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		runUniversal(t, brokers, universalRun{
+			features: universalFeatures(),
+			key:      byPayload,
+			config:   func(c *kafka.SubscriberConfig) { c.MaxInFlightPerPartition = 8 },
+		})
+	})
+}
+
+// TestUniversalUnordered runs the suite with 64 records of each partition in
+// flight, records published without a key and UnorderedWithoutKey: nothing
+// keeps any order, so GuaranteedOrder is false (and the in-order tests are
+// skipped). What is left to check is that nothing is lost under the most
+// concurrency the subscriber allows.
+func TestUniversalUnordered(t *testing.T) {
+	t.Parallel()
+	features := universalFeatures()
+	features.GuaranteedOrder = false
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		runUniversal(t, brokers, universalRun{
+			features: features,
+			key:      nil,
+			config: func(c *kafka.SubscriberConfig) {
+				c.MaxInFlightPerPartition = 64
+				c.UnorderedWithoutKey = true
+			},
+		})
+	})
 }
 
 var _ kafka.PartitionKeyFunc = byPayload

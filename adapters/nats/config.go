@@ -33,8 +33,18 @@ const (
 	DefaultCloseTimeout = 30 * time.Second
 
 	// DefaultConcurrency is how many messages one Subscribe call holds at once.
-	// It is also the consumer's MaxAckPending when that is not set.
 	DefaultConcurrency = 8
+
+	// DefaultMaxAckPending is the consumer's MaxAckPending, unless four times
+	// Concurrency is more: the server's own default. MaxAckPending bounds the
+	// messages out and unacked across every subscriber of the durable,
+	// messages waiting out a nak delay included, so it must stay well above
+	// Concurrency times the subscribers, or the server starves all but a few
+	// of them.
+	DefaultMaxAckPending = 1000
+
+	// DefaultFetchBatch is how many free slots a pull waits for.
+	DefaultFetchBatch = 1
 
 	// DefaultAckWait is the consumer's AckWait. A handler may run longer: the
 	// subscriber sends InProgress well before AckWait runs out.
@@ -196,16 +206,29 @@ type SubscriberConfig struct {
 	// Consumer is the template for the provisioned consumer. Durable, Name and
 	// FilterSubject are set per topic. AckPolicy must be explicit (its zero
 	// value). Defaults: AckWait DefaultAckWait, MaxDeliver DefaultMaxDeliver,
-	// MaxAckPending Concurrency. When AutoProvision is off, the consumer on the
-	// server is used as it is, and its AckWait, BackOff and MaxDeliver are what
-	// the subscriber goes by.
+	// MaxAckPending the larger of DefaultMaxAckPending and 4 × Concurrency
+	// (a subscriber never asks for more than Concurrency, so MaxAckPending
+	// bounds the whole durable, not one subscriber). When AutoProvision is
+	// off, the consumer on the server is used as it is, and its AckWait,
+	// BackOff and MaxDeliver are what the subscriber goes by.
 	Consumer jetstream.ConsumerConfig
 
 	// Concurrency is how many messages one Subscribe call holds (in its channel
 	// and in handlers) at once. The subscriber asks the server for no more
 	// than that, so no message waits in a client buffer while its AckWait runs.
-	// Default DefaultConcurrency.
+	// It is also the largest batch a batching handler downstream (idem's
+	// group commit) can see from one Subscribe call: set it to a few times
+	// the batch size. Default DefaultConcurrency.
 	Concurrency int
+
+	// FetchBatch is how many free slots a pull waits for: the subscriber
+	// pulls once at least min(FetchBatch, Concurrency) of its slots are free,
+	// and asks for as many messages as slots are free. Above 1 it makes
+	// fewer, larger pull requests, at the cost of fewer messages held on
+	// average (Concurrency - FetchBatch at the low point). A batching handler
+	// downstream acks a batch at once, so its pulls are large anyway.
+	// Default DefaultFetchBatch (pull as soon as one slot is free).
+	FetchBatch int
 
 	// NakDelay gives the redelivery delay for a nacked message from its
 	// delivery count (1 on the first delivery).
@@ -247,9 +270,10 @@ func (c *SubscriberConfig) setDefaults() {
 		c.ConsumerName = func(string) string { return durable }
 	}
 	c.Concurrency = cmp.Or(c.Concurrency, DefaultConcurrency)
+	c.FetchBatch = cmp.Or(c.FetchBatch, DefaultFetchBatch)
 	c.Consumer.AckWait = cmp.Or(c.Consumer.AckWait, DefaultAckWait)
 	c.Consumer.MaxDeliver = cmp.Or(c.Consumer.MaxDeliver, DefaultMaxDeliver)
-	c.Consumer.MaxAckPending = cmp.Or(c.Consumer.MaxAckPending, c.Concurrency)
+	c.Consumer.MaxAckPending = cmp.Or(c.Consumer.MaxAckPending, max(DefaultMaxAckPending, 4*c.Concurrency))
 	if c.NakDelay == nil {
 		c.NakDelay = ExponentialBackoff(DefaultNakDelayMin, DefaultNakDelayMax)
 	}
@@ -268,6 +292,9 @@ func (c *SubscriberConfig) Validate() error {
 	}
 	if c.Concurrency < 1 {
 		errs = append(errs, errors.New("Concurrency must be at least 1"))
+	}
+	if c.FetchBatch < 1 {
+		errs = append(errs, errors.New("FetchBatch must be at least 1"))
 	}
 	if c.Consumer.AckPolicy != jetstream.AckExplicitPolicy {
 		errs = append(errs, fmt.Errorf("Consumer.AckPolicy must be explicit, not %s", c.Consumer.AckPolicy))

@@ -12,8 +12,15 @@
 //     until a handler acks it, the handler terminates it (Term), or it reaches
 //     MaxDeliver.
 //   - A nack is a NakWithDelay, with a delay that grows with the delivery count.
-//     A handler that runs longer than AckWait keeps its message: the subscriber
-//     sends InProgress while the handler holds it.
+//     A message held longer than AckWait (by a slow handler, or in a batching
+//     handler's batch, or waiting for the channel) keeps its message: the
+//     subscriber sends InProgress from the moment the message arrives until
+//     it is acked or nacked.
+//   - One Subscribe call holds up to Concurrency messages (so a batching
+//     handler downstream can see that many at once) and asks the server for
+//     no more, so none waits in a client buffer. The consumer's MaxAckPending
+//     defaults to well above that (DefaultMaxAckPending, or 4 × Concurrency),
+//     since it bounds all subscribers of the durable together.
 //   - A message that reaches MaxDeliver is never dropped silently: it is
 //     logged with its stream sequence, counted, and handed to OnMaxDeliver.
 //   - Each delivery carries the stream, consumer, stream sequence, delivery
@@ -31,8 +38,13 @@
 //   - Exactly-once delivery: a message can arrive twice (a lost ack, an
 //     AckWait that ran out, a subscriber closed mid-handler, a producer retry
 //     after the duplicate window). idem's inbox turns those into duplicates.
-//   - Order: with Concurrency above 1, or after a nack, messages are handled
-//     out of stream order.
+//   - Order. JetStream hands a consumer's messages out in stream order, and
+//     a redelivery (a nak whose delay is over, an AckWait that ran out)
+//     before any new message, so a redelivered message comes after later
+//     ones. With Concurrency 1 the channel gets messages in that order, one
+//     at a time; above 1, the messages one Subscribe call holds reach the
+//     channel in any order, and subscribers of one durable get disjoint
+//     parts of the stream.
 //   - Advisory-based MaxDeliver reports when no instance is connected: see
 //     MaxDelivered and the README.
 //

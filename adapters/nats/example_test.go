@@ -63,10 +63,11 @@ func Example() {
 		}
 	}
 	time.Sleep(100 * time.Millisecond)
-	fmt.Printf("%+v\n", sub.Stats())
+	st := sub.Stats()
+	fmt.Println("acked", st.Acked, "nacked", st.Nacked, "terminated", st.Terminated)
 
 	// Output:
 	// order-1 delivery 1 seq 1
 	// order-1 delivery 2 seq 1
-	// {Acked:0 Nacked:1 Terminated:1 MaxDelivered:0 MaxDeliverHookErrors:0}
+	// acked 0 nacked 1 terminated 1
 }

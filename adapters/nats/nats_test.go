@@ -394,7 +394,7 @@ func TestConsumerConfigWins(t *testing.T) {
 		cfg := c.CachedInfo().Config
 		assert.Equal(t, 7*time.Second, cfg.AckWait)
 		assert.Equal(t, 6, cfg.MaxDeliver)
-		assert.Equal(t, 8, cfg.MaxAckPending, "MaxAckPending follows Concurrency")
+		assert.Equal(t, idemnats.DefaultMaxAckPending, cfg.MaxAckPending)
 		assert.Equal(t, b.topo.Subject(b.topic), cfg.FilterSubject)
 	})
 }

@@ -37,7 +37,7 @@ type Subscriber struct {
 	closed  bool
 	subs    sync.WaitGroup // one per Subscribe call still running
 
-	acked, nacked, terminated, maxDelivered, hookErrors atomic.Uint64
+	acked, nacked, terminated, maxDelivered, hookErrors, pulls, pulled atomic.Uint64
 }
 
 // NewSubscriber makes a Subscriber on nc.
@@ -74,6 +74,9 @@ type SubscriberStats struct {
 	MaxDelivered uint64
 	// MaxDeliverHookErrors counts OnMaxDeliver calls that returned an error.
 	MaxDeliverHookErrors uint64
+	// Pulls counts the pull requests sent, and Pulled the messages they
+	// brought: Pulled / Pulls is the average batch.
+	Pulls, Pulled uint64
 }
 
 // Stats returns the counters since NewSubscriber.
@@ -84,6 +87,8 @@ func (s *Subscriber) Stats() SubscriberStats {
 		Terminated:           s.terminated.Load(),
 		MaxDelivered:         s.maxDelivered.Load(),
 		MaxDeliverHookErrors: s.hookErrors.Load(),
+		Pulls:                s.pulls.Load(),
+		Pulled:               s.pulled.Load(),
 	}
 }
 
@@ -179,8 +184,9 @@ type subscription struct {
 	cancel   context.CancelFunc
 	out      chan *message.Message
 
-	slots    chan struct{} // one per message held
-	handlers sync.WaitGroup
+	slots        chan struct{} // one per message held
+	fetchAtLeast int           // free slots a pull waits for
+	handlers     sync.WaitGroup
 
 	failing       bool   // the last pull failed; owned by run
 	maxDeliver    uint64 // 0: unlimited
@@ -207,16 +213,17 @@ func (s *Subscriber) newSubscription(ctx context.Context, topic string) (*subscr
 	}
 	info := cons.CachedInfo()
 	sub := &subscription{
-		s:          s,
-		topic:      topic,
-		cons:       cons,
-		stream:     info.Stream,
-		consumer:   info.Name,
-		ctx:        ctx,
-		cancel:     cancelBoth,
-		out:        make(chan *message.Message),
-		slots:      make(chan struct{}, s.cfg.Concurrency),
-		advisories: make(chan *natsgo.Msg, 64),
+		s:            s,
+		topic:        topic,
+		cons:         cons,
+		stream:       info.Stream,
+		consumer:     info.Name,
+		ctx:          ctx,
+		cancel:       cancelBoth,
+		out:          make(chan *message.Message),
+		slots:        make(chan struct{}, s.cfg.Concurrency),
+		fetchAtLeast: min(s.cfg.FetchBatch, s.cfg.Concurrency),
+		advisories:   make(chan *natsgo.Msg, 64),
 	}
 	if info.Config.MaxDeliver > 0 {
 		sub.maxDeliver = uint64(info.Config.MaxDeliver)
@@ -270,6 +277,7 @@ func (sub *subscription) run() {
 		// race with the unsubscribe), and that message waits out its AckWait.
 		// No FetchContext either: its deadline ends the client side only just
 		// after the server's expiry, and drops what is still queued then.
+		sub.s.pulls.Add(1)
 		batch, err := sub.cons.Fetch(n, jetstream.FetchMaxWait(sub.s.cfg.PullExpiry))
 		if err != nil {
 			sub.release(n)
@@ -292,6 +300,7 @@ func (sub *subscription) run() {
 			go sub.handle(jm)
 		}
 		sub.release(n - got)
+		sub.s.pulled.Add(uint64(got))
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) &&
 			!errors.Is(err, natsgo.ErrTimeout) {
 			sub.pullFailed("Pull ended with an error", err)
@@ -304,15 +313,19 @@ func (sub *subscription) run() {
 	}
 }
 
-// acquire blocks until at least one slot is free and takes every free slot.
-// It returns 0 when the subscription is done.
+// acquire blocks until at least min(FetchBatch, Concurrency) slots are free
+// and takes every free slot. It returns 0 when the subscription is done.
 func (sub *subscription) acquire() int {
-	select {
-	case sub.slots <- struct{}{}:
-	case <-sub.ctx.Done():
-		return 0
+	n := 0
+	for n < sub.fetchAtLeast {
+		select {
+		case sub.slots <- struct{}{}:
+			n++
+		case <-sub.ctx.Done():
+			sub.release(n)
+			return 0
+		}
 	}
-	n := 1
 	for n < cap(sub.slots) {
 		select {
 		case sub.slots <- struct{}{}:

@@ -1,0 +1,490 @@
+package kafka
+
+import (
+	"container/heap"
+	"context"
+	"sync"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/segmentio/kafka-go"
+)
+
+// windowPerInFlight bounds how far a partition delivers past its oldest
+// record not yet acked: its window holds at most windowPerInFlight ×
+// MaxInFlightPerPartition records (delivered or not, acked or not) past its
+// commit point. A record that stays unacked (a handler that hangs, a record
+// nacked again and again) therefore stops its partition after that many
+// records, instead of letting it run on until a rebalance redelivers all of
+// them. Besides the window, a partition holds at most two fetch responses
+// (MaxBytes each): the rest of one, and the next.
+const windowPerInFlight = 16
+
+// entryState is where one record of a partition's window stands.
+type entryState int8
+
+const (
+	// waiting: fetched, not in a handler. A nacked record returns here once
+	// its NackBackoff is over.
+	waiting entryState = iota
+	// inHandler: delivered; neither acked nor nacked yet.
+	inHandler
+	// backingOff: nacked; waiting NackBackoff before it is delivered again.
+	backingOff
+	// settled: acked, or passed over (a transaction marker, an aborted
+	// record). Its offset may be committed once everything before it is.
+	settled
+)
+
+// entry is one step of a partition between its commit point and its fetch
+// position: a record, or a run of records that nobody gets.
+type entry struct {
+	rec   *kafka.Message // nil: passed over
+	next  int64          // the offset after it
+	key   string
+	keyed bool // takes part in key order
+	state entryState
+	index int // in the ready or retries heap; -1 when in neither
+	// retrying: in the retries heap, after a nack. It is already one of the
+	// partition's unacked records.
+	retrying bool
+}
+
+// readyHeap holds the records that may be delivered now, lowest offset first,
+// so that the commit point moves as early as it can.
+type readyHeap []*entry
+
+func (h readyHeap) Len() int           { return len(h) }
+func (h readyHeap) Less(i, j int) bool { return h[i].rec.Offset < h[j].rec.Offset }
+func (h readyHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].index = i
+	h[j].index = j
+}
+func (h *readyHeap) Push(x any) {
+	e := x.(*entry)
+	e.index = len(*h)
+	*h = append(*h, e)
+}
+func (h *readyHeap) Pop() any {
+	old := *h
+	e := old[len(old)-1]
+	old[len(old)-1] = nil
+	e.index = -1
+	*h = old[:len(old)-1]
+	return e
+}
+
+// outcome is what became of one delivery.
+type outcome int8
+
+const (
+	acked outcome = iota
+	nacked
+	retry // the NackBackoff after a nack is over
+)
+
+type settlement struct {
+	e       *entry
+	outcome outcome
+}
+
+// partitionRun delivers one partition's records for one generation (or one
+// groupless Subscribe call). Its state belongs to the run goroutine alone;
+// the fetch goroutine and the goroutines waiting on each delivery talk to it
+// through channels.
+//
+// The rules, with N = MaxInFlightPerPartition:
+//
+//   - At most N records are unacked at once: in a handler, or nacked and
+//     waiting for their redelivery. With N = 1 that is partition order, one
+//     record at a time, and a nacked record holds the partition.
+//   - A record is delivered only when every earlier record of its partition
+//     with the same key is acked (records without a key share one key, unless
+//     UnorderedWithoutKey). Of the records that may go, the lowest offset goes
+//     first.
+//   - The committed offset is the end of the window's settled prefix: never
+//     past a record that is not acked.
+type partitionRun struct {
+	sub       *subscription
+	tp        topicPartition
+	maxUnack  int
+	windowCap int
+	onAck     func(partition int, next int64)
+
+	window   []*entry            // offset order, from the commit point on
+	byKey    map[string][]*entry // unacked records of each key, offset order
+	ready    readyHeap           // records never delivered that may go now
+	retries  readyHeap           // nacked records whose NackBackoff is over
+	unacked  int                 // records inHandler or backingOff
+	handling int                 // records inHandler
+	reserved bool                // holds a slot for the next delivery
+
+	events    chan settlement
+	reporters int // goroutines that will send one settlement each, or none once ctx ends
+	waiters   sync.WaitGroup
+}
+
+// consumePartition delivers one partition's records from offset until ctx
+// ends. onAck, if not nil, learns the next offset to commit each time the
+// partition's settled prefix grows: after acks, and after runs of records
+// that are passed over without being delivered (transaction markers, aborted
+// records), which are committed as they are passed, so a partition whose tail
+// is a marker shows no lag.
+func (sub *subscription) consumePartition(ctx context.Context, partition int, offset int64, onAck func(partition int, next int64)) {
+	cfg := sub.s.cfg
+	p := &partitionRun{
+		sub:       sub,
+		tp:        topicPartition{sub.topic, partition},
+		maxUnack:  cfg.MaxInFlightPerPartition,
+		windowCap: windowPerInFlight * cfg.MaxInFlightPerPartition,
+		onAck:     onAck,
+		byKey:     map[string][]*entry{},
+		events:    make(chan settlement),
+	}
+	if offset >= 0 {
+		// Records before the start were committed: by this member, or by the
+		// partition's owners since this process last had it.
+		sub.deliveries.prune(p.tp, offset)
+	}
+
+	steps := make(chan []fetched)
+	var fetcher sync.WaitGroup
+	fetcher.Add(1)
+	go func() {
+		defer fetcher.Done()
+		sub.fetchPartition(ctx, partition, offset, steps)
+	}()
+	defer fetcher.Wait()
+	defer p.waiters.Wait()
+	p.run(ctx, steps)
+}
+
+// fetchPartition reads the partition from offset and sends the steps of
+// each fetch response to steps, until ctx ends. It reads ahead while the run
+// goroutine is busy, by one fetch response.
+func (sub *subscription) fetchPartition(ctx context.Context, partition int, offset int64, steps chan<- []fetched) {
+	f := newPartitionFetcher(sub.transport, sub.s.cfg.ReaderConfig, sub.topic, partition, offset)
+	fields := watermill.LogFields{"partition": partition}
+	f.onReset = func(from, to int64, why string) {
+		sub.logger.Error("Fetch position moved", nil, fields.Add(watermill.LogFields{
+			"from": from, "to": to, "why": why,
+		}))
+	}
+	backoff := sub.s.cfg.ReadBackoffMin
+	var failures failureLog
+	for {
+		got, err := f.take(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			failures.failed(sub.logger, "Fetching failed; retrying", err, fields.Add(watermill.LogFields{"retry_in": backoff}))
+			if !sleep(ctx, backoff) {
+				return
+			}
+			backoff = min(2*backoff, sub.s.cfg.ReadBackoffMax)
+			continue
+		}
+		failures.recovered(sub.logger, "Fetching again", fields)
+		backoff = sub.s.cfg.ReadBackoffMin
+		if len(got) == 0 {
+			continue // the fetch brought nothing new
+		}
+		select {
+		case steps <- got:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// candidate is the message prepared for the next delivery.
+type candidate struct {
+	e      *entry
+	msg    *message.Message
+	count  int
+	cancel context.CancelFunc
+}
+
+func (p *partitionRun) run(ctx context.Context, steps <-chan []fetched) {
+	var (
+		next    *candidate // prepared for the next delivery
+		watched *candidate // the latest delivery: this loop waits for its ack itself
+		pending []fetched  // fetched, not yet in the window
+	)
+	defer func() {
+		for _, c := range []*candidate{next, watched} {
+			if c != nil {
+				c.cancel()
+			}
+		}
+		// The records still in handlers give their slots back: they are
+		// no longer this subscription's.
+		for range p.handling {
+			<-p.sub.slots
+		}
+		if p.reserved {
+			<-p.sub.slots
+		}
+	}()
+	for {
+		if ctx.Err() != nil {
+			return // see the ctx.Done case below
+		}
+		for len(pending) > 0 && len(p.window) < p.windowCap {
+			p.add(pending[0])
+			pending[0] = fetched{}
+			pending = pending[1:]
+		}
+		head := p.pick()
+		// Each record in a handler holds one of the subscription's slots,
+		// taken before it is sent and given back on its ack or nack, so
+		// partitions waiting for room take turns. A slot taken when there
+		// is nothing left to send goes back.
+		if p.reserved && head == nil {
+			<-p.sub.slots
+			p.reserved = false
+		}
+		if next != nil && next.e != head {
+			next.cancel()
+			next = nil
+		}
+
+		var (
+			takeSteps       <-chan []fetched
+			takeSlot        chan<- struct{}
+			send            chan<- *message.Message
+			msg             *message.Message
+			isAcked, isNack <-chan struct{}
+		)
+		if len(pending) == 0 && len(p.window) < p.windowCap {
+			takeSteps = steps
+		}
+		if head != nil {
+			if !p.reserved {
+				takeSlot = p.sub.slots
+			} else {
+				if next == nil {
+					next = p.prepare(ctx, head)
+				}
+				send, msg = p.sub.out, next.msg
+			}
+		}
+		if watched != nil {
+			isAcked, isNack = watched.msg.Acked(), watched.msg.Nacked()
+		}
+		var events <-chan settlement
+		if p.reporters > 0 {
+			events = p.events
+		}
+
+		// The common case, without the full select: a slot is free, and the
+		// handler side is waiting for the next message.
+		if takeSlot != nil {
+			select {
+			case takeSlot <- struct{}{}:
+				p.reserved = true
+				continue
+			default:
+			}
+		}
+		if send != nil {
+			select {
+			case send <- msg:
+				watched, next = p.sent(ctx, watched, next), nil
+				continue
+			default:
+			}
+		}
+
+		select {
+		case pending = <-takeSteps:
+		case takeSlot <- struct{}{}:
+			p.reserved = true
+		case send <- msg:
+			watched, next = p.sent(ctx, watched, next), nil
+		case <-isAcked:
+			watched.cancel()
+			p.settle(ctx, settlement{watched.e, acked})
+			watched = nil
+		case <-isNack:
+			watched.cancel()
+			p.settle(ctx, settlement{watched.e, nacked})
+			watched = nil
+		case s := <-events:
+			p.reporters--
+			p.settle(ctx, s)
+		case <-ctx.Done():
+			// Revoked or closing: the records in handlers stay unacked and
+			// uncommitted, and an ack that comes now is not heard.
+			return
+		}
+	}
+}
+
+// pick returns the record to deliver next, or nil: the lowest offset of the
+// retries (already unacked, so always allowed) and, while fewer than
+// MaxInFlightPerPartition records are unacked, of the ready ones.
+func (p *partitionRun) pick() *entry {
+	var retry, fresh *entry
+	if len(p.retries) > 0 {
+		retry = p.retries[0]
+	}
+	if len(p.ready) > 0 && p.unacked < p.maxUnack {
+		fresh = p.ready[0]
+	}
+	if retry != nil && (fresh == nil || retry.rec.Offset < fresh.rec.Offset) {
+		return retry
+	}
+	return fresh
+}
+
+func (p *partitionRun) add(step fetched) {
+	e := &entry{rec: step.rec, next: step.next, index: -1}
+	p.window = append(p.window, e)
+	if step.rec == nil {
+		e.state = settled
+		p.advance()
+		return
+	}
+	e.key = string(step.rec.Key)
+	e.keyed = len(step.rec.Key) > 0 || !p.sub.s.cfg.UnorderedWithoutKey
+	if e.keyed {
+		q := append(p.byKey[e.key], e)
+		p.byKey[e.key] = q
+		if len(q) > 1 {
+			return // an earlier record of its key is not acked yet
+		}
+	}
+	heap.Push(&p.ready, e)
+}
+
+// prepare makes the message for e's next delivery. Its delivery count is
+// recorded only once it is sent.
+func (p *partitionRun) prepare(ctx context.Context, e *entry) *candidate {
+	count := p.sub.deliveries.count(p.tp, e.rec.Offset) + 1
+	msg := fromRecord(*e.rec, count)
+	mctx, cancel := context.WithCancel(ctx)
+	msg.SetContext(mctx)
+	return &candidate{e: e, msg: msg, count: count, cancel: cancel}
+}
+
+// sent records c's delivery and returns it as the delivery the run loop
+// watches. Only the latest delivery is watched by the loop itself (with one
+// record in flight, every one is); the one watched until now, if still in a
+// handler, gets a goroutine that reports on p.events.
+func (p *partitionRun) sent(ctx context.Context, watched, c *candidate) *candidate {
+	if watched != nil {
+		p.spawn(func() { p.wait(ctx, watched) })
+	}
+	e := c.e
+	if e.retrying {
+		heap.Remove(&p.retries, e.index)
+		e.retrying = false
+	} else {
+		heap.Remove(&p.ready, e.index)
+		p.unacked++
+	}
+	e.state = inHandler
+	p.handling++
+	p.reserved = false // the slot is the record's now
+	p.sub.deliveries.set(p.tp, e.rec.Offset, c.count)
+	return c
+}
+
+// spawn runs f, which reports once on p.events (or not at all once the run
+// is over), in a goroutine of its own.
+func (p *partitionRun) spawn(f func()) {
+	p.reporters++
+	p.waiters.Add(1)
+	go func() {
+		defer p.waiters.Done()
+		f()
+	}()
+}
+
+// report hands an outcome to the run loop, unless the run is over.
+func (p *partitionRun) report(ctx context.Context, e *entry, o outcome) {
+	select {
+	case p.events <- settlement{e, o}:
+	case <-ctx.Done():
+	}
+}
+
+// wait reports what the handler does with a delivery the run loop no longer
+// watches.
+func (p *partitionRun) wait(ctx context.Context, c *candidate) {
+	select {
+	case <-c.msg.Acked():
+		c.cancel()
+		p.report(ctx, c.e, acked)
+	case <-c.msg.Nacked():
+		c.cancel()
+		p.report(ctx, c.e, nacked)
+	case <-ctx.Done():
+		c.cancel()
+	}
+}
+
+func (p *partitionRun) settle(ctx context.Context, s settlement) {
+	e := s.e
+	switch s.outcome {
+	case nacked:
+		e.state = backingOff
+		p.handling--
+		<-p.sub.slots
+		p.spawn(func() {
+			if sleep(ctx, p.sub.s.cfg.NackBackoff) {
+				p.report(ctx, e, retry)
+			}
+		})
+	case retry:
+		e.state = waiting
+		e.retrying = true
+		heap.Push(&p.retries, e)
+	case acked:
+		e.state = settled
+		p.unacked--
+		p.handling--
+		<-p.sub.slots
+		if e.keyed {
+			q := p.byKey[e.key]
+			// e is the first of its key: nothing later of the key was
+			// delivered before it was acked.
+			q[0] = nil
+			q = q[1:]
+			if len(q) == 0 {
+				delete(p.byKey, e.key)
+			} else {
+				p.byKey[e.key] = q
+				heap.Push(&p.ready, q[0])
+			}
+		}
+		p.advance()
+	}
+}
+
+// advance drops the settled prefix of the window and reports its end.
+func (p *partitionRun) advance() {
+	n := 0
+	for n < len(p.window) && p.window[n].state == settled {
+		n++
+	}
+	if n == 0 {
+		return
+	}
+	next := p.window[n-1].next
+	for _, e := range p.window[:n] {
+		if e.rec != nil {
+			// Counted until committed: an acked record that a rebalance
+			// brings back to this process before its commit counts on.
+			p.sub.deliveries.forget(p.tp, e.rec.Offset)
+		}
+	}
+	clear(p.window[:n])
+	p.window = p.window[n:]
+	if p.onAck != nil {
+		p.onAck(p.tp.partition, next)
+	}
+}
