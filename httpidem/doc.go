@@ -54,6 +54,13 @@
 //     (BodyReferencer); a replay by reference is the resource as it is at replay
 //     time, not necessarily the first answer's bytes.
 //   - Headers outside StoredHeaders are sent on the first answer only.
+//   - A handler must not end the transaction Tx(ctx) gives it. idem catches one
+//     that does (raw COMMIT or ROLLBACK, with or without a BEGIN after it) and never
+//     commits a transaction the handler began in its place; but what the handler's
+//     own COMMIT committed stays committed, without its answer, so the key is
+//     settled with a stored 500 handler_committed that every retry gets (the one
+//     5xx idem stores: its work committed). A crash between the handler's COMMIT
+//     and that answer leaves a key whose retries get 500 response_not_stored.
 //
 // Lease mode (Route{Lease: true}) is for handlers that must call a provider
 // themselves and cannot hold a transaction open across the call. The key commits

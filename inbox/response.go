@@ -46,6 +46,7 @@ type ResponseClaim struct {
 type responseQueries struct {
 	get, save, fail, completeLease, failLease, deleteExpiredKey string
 	saveOrFail, completeLeaseOrFail                             string
+	answerCommitted, answerCommittedLease                       string
 }
 
 func newResponseQueries(schema string) responseQueries {
@@ -82,6 +83,16 @@ func newResponseQueries(schema string) responseQueries {
 				response_status = $6, response_headers = $7, response_body = $8, response_ref = $9
 				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing' RETURNING 1)
 			SELECT 1 / count(*) FROM saved`,
+		// A claim that committed without SaveResponseCommit (the handler ran its own
+		// COMMIT): completed, no response yet, the same request.
+		answerCommitted: `UPDATE ` + t + ` SET error_code = $5, error = $6,
+				response_status = $7, response_headers = $8, response_body = $9, response_ref = $10
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fingerprint = $4
+				AND state = 'completed' AND response_status IS NULL`,
+		answerCommittedLease: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval, error_code = $6, error = $7,
+				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		// Only a settled row past its expiry goes; a processing row is never touched.
 		deleteExpiredKey: `DELETE FROM ` + t + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3
@@ -281,9 +292,10 @@ var ErrCommitUnknown = newError("commit_unknown", "COMMIT failed; whether the tr
 // SaveResponseCommit stores resp on id's row and commits, in one round trip. conn
 // must be running a transaction that claimed id with ClaimResponseTx, begun with
 // plain SQL ("begin") rather than through pgx's Tx, which would not know that it
-// ended. If no completed row takes the response, nothing commits: the COMMIT behind
-// the failed statement is never executed and the transaction is left failed, for
-// the caller to roll back. A failed COMMIT returns ErrCommitUnknown.
+// ended, and marked with TxMark in the claim's prelude. If the mark is gone
+// (ErrTxReplaced) or no completed row takes the response, nothing commits: the
+// COMMIT behind the failed statement is never executed and the transaction is left
+// failed, for the caller to roll back. A failed COMMIT returns ErrCommitUnknown.
 func (s *Store) SaveResponseCommit(ctx context.Context, conn BatchSender, id ID, resp *Response) error {
 	if err := ValidateResponse(resp); err != nil {
 		return err
@@ -295,7 +307,8 @@ func (s *Store) SaveResponseCommit(ctx context.Context, conn BatchSender, id ID,
 }
 
 // CompleteLeaseResponseCommit is CompleteLeaseResponseTx and COMMIT in one round
-// trip; a fence that no longer matches returns ErrLeaseLost and commits nothing.
+// trip, in a transaction marked with TxMark; a fence that no longer matches returns
+// ErrLeaseLost and a missing mark ErrTxReplaced, and neither commits anything.
 func (s *Store) CompleteLeaseResponseCommit(ctx context.Context, conn BatchSender, id ID, fence int64, retention time.Duration, resp *Response) error {
 	if err := ValidateResponse(resp); err != nil {
 		return err
@@ -304,33 +317,60 @@ func (s *Store) CompleteLeaseResponseCommit(ctx context.Context, conn BatchSende
 	return s.commitAfter(ctx, conn, s.rq().completeLeaseOrFail, args, func() error { return ErrLeaseLost })
 }
 
-// commitAfter sends an "OrFail" statement and COMMIT in one batch. A division by
-// zero from the statement is noRow.
+// commitAfter sends the TxMark check, an "OrFail" statement and COMMIT in one
+// batch. A missing mark is ErrTxReplaced; a division by zero from the statement is
+// noRow. Either way nothing commits: the COMMIT behind a failed statement is never
+// executed.
 func (s *Store) commitAfter(ctx context.Context, conn BatchSender, sql string, args []any, noRow func() error) error {
 	b := &pgx.Batch{}
+	b.Queue(txMarkCheck)
 	b.Queue(sql, args...)
 	b.Queue("commit")
 	br := conn.SendBatch(ctx, b)
-	var one int
-	if err := br.QueryRow().Scan(&one); err != nil {
+	var zero, one int
+	err := br.QueryRow().Scan(&zero)
+	if err == nil {
+		err = br.QueryRow().Scan(&one)
+	}
+	if err != nil {
 		_ = br.Close()
 		var pgErr interface{ SQLState() string }
-		if errors.As(err, &pgErr) && pgErr.SQLState() == "22012" {
+		switch {
+		case txMarkGone(err):
+			return ErrTxReplaced
+		case errors.As(err, &pgErr) && pgErr.SQLState() == "22012":
 			return noRow()
 		}
 		return s.wrapResponse(err)
 	}
-	tag, err := br.Exec()
-	if cerr := br.Close(); err == nil {
-		err = cerr
+	return commitResult(br)
+}
+
+// AnswerCommitted stores resp, with code and msg as the row's error, on c's key
+// when the key was settled without its response: the request's handler ran its
+// own COMMIT, which committed the claim and part of its work, so the response can
+// no longer commit with them. With fence 0 the row is a ClaimResponseTx claim
+// (completed, with c's fingerprint, no response yet); with a fence it is the
+// processing row that LeaseResponse gave that fence, and it becomes completed. It
+// reports whether it found such a row: false means the claim never committed (tx
+// mode) or the lease was lost (lease mode). Run it outside the request's
+// transaction, after that has ended.
+func (s *Store) AnswerCommitted(ctx context.Context, db DBTX, c Claim, fence int64, code, msg string, resp *Response) (bool, error) {
+	if err := c.Validate(); err != nil {
+		return false, err
 	}
+	if err := ValidateResponse(resp); err != nil {
+		return false, err
+	}
+	sql, args := s.rq().answerCommitted, []any{c.Consumer, c.Tenant, c.Key, c.Fingerprint, code, msg}
+	if fence != 0 {
+		sql, args = s.rq().answerCommittedLease, []any{c.Consumer, c.Tenant, c.Key, fence, retentionOf(c.Retention), code, msg}
+	}
+	tag, err := db.Exec(ctx, sql, append(args, responseArgs(resp)...)...)
 	if err != nil {
-		return fmt.Errorf("%w: %v", ErrCommitUnknown, err)
+		return false, s.wrapResponse(err)
 	}
-	if tag.String() != "COMMIT" {
-		return fmt.Errorf("idem: COMMIT answered %q: the transaction had failed and nothing committed", tag.String())
-	}
-	return nil
+	return tag.RowsAffected() == 1, nil
 }
 
 // FailResponseTx records c as failed with its response (a final client error),

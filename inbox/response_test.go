@@ -250,7 +250,7 @@ func TestSaveResponseCommit(t *testing.T) {
 	defer conn.Release()
 	c := conn.Conn()
 
-	res, err := store.ClaimResponseTx(ctx, c, []string{"begin"}, httpClaim("k", "fp"))
+	res, err := store.ClaimResponseTx(ctx, c, []string{"begin", inbox.TxMark}, httpClaim("k", "fp"))
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
 	_, err = c.Exec(ctx, `INSERT INTO work VALUES (1)`)
@@ -262,7 +262,7 @@ func TestSaveResponseCommit(t *testing.T) {
 	require.Equal(t, "ok", string(resp.Body))
 
 	// No claimed row: an error, and nothing of the transaction commits.
-	_, err = c.Exec(ctx, `begin`)
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
 	require.NoError(t, err)
 	_, err = c.Exec(ctx, `INSERT INTO work VALUES (2)`)
 	require.NoError(t, err)
@@ -277,7 +277,7 @@ func TestSaveResponseCommit(t *testing.T) {
 	// Lease: a stale fence commits nothing.
 	lres, err := store.LeaseResponse(ctx, pool, httpClaim("l", "fp"), time.Minute)
 	require.NoError(t, err)
-	_, err = c.Exec(ctx, `begin`)
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
 	require.NoError(t, err)
 	_, err = c.Exec(ctx, `INSERT INTO work VALUES (3)`)
 	require.NoError(t, err)
@@ -286,10 +286,101 @@ func TestSaveResponseCommit(t *testing.T) {
 	_, err = c.Exec(ctx, `rollback`)
 	require.NoError(t, err)
 	require.NoError(t, func() error {
-		_, err := c.Exec(ctx, `begin`)
+		_, err := c.Exec(ctx, "begin; "+inbox.TxMark)
 		return err
 	}())
 	require.NoError(t, store.CompleteLeaseResponseCommit(ctx, c, httpClaim("l", "").ID, lres.Fence, 0, &inbox.Response{Status: 201}))
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key = 'l' AND state = 'completed'`))
+}
+
+// TestCommitChecksTheMark: a transaction that lost idem's mark (the handler ran
+// COMMIT or ROLLBACK and then BEGIN) is never committed by SaveResponseCommit,
+// CompleteLeaseResponseCommit or CommitMarked: ErrTxReplaced, and the work of the
+// replacement stays uncommitted. RollbackMarked tells the two apart.
+func TestCommitChecksTheMark(t *testing.T) {
+	store, b := setup(t)
+	ctx := context.Background()
+	pool := b.pool.(*pgxpool.Pool)
+	_, err := pool.Exec(ctx, `CREATE TABLE work (n int)`)
+	require.NoError(t, err)
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	c := conn.Conn()
+	replaced := func(end string) {
+		t.Helper()
+		_, err := c.Exec(ctx, end+"; BEGIN")
+		require.NoError(t, err)
+		_, err = c.Exec(ctx, `INSERT INTO work VALUES (1)`)
+		require.NoError(t, err)
+	}
+	requireNothingCommitted := func(err error) {
+		t.Helper()
+		require.ErrorIs(t, err, inbox.ErrTxReplaced)
+		require.Equal(t, "tx_replaced", inbox.Code(err))
+		require.Equal(t, byte('E'), c.PgConn().TxStatus(), "the replacement is failed, not committed")
+		_, err = c.Exec(ctx, `rollback`)
+		require.NoError(t, err)
+		require.Equal(t, 0, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
+	}
+
+	res, err := store.ClaimResponseTx(ctx, c, []string{"begin", inbox.TxMark}, httpClaim("k", "fp"))
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	replaced("COMMIT")
+	requireNothingCommitted(store.SaveResponseCommit(ctx, c, httpClaim("k", "").ID, &inbox.Response{Status: 201}))
+	// The handler's COMMIT took the claim with it, without a response: the key is
+	// answered separately, once.
+	answered, err := store.AnswerCommitted(ctx, pool, httpClaim("k", "fp"), 0, "handler_committed", "m", &inbox.Response{Status: 500, Body: []byte("p")})
+	require.NoError(t, err)
+	require.True(t, answered)
+	answered, err = store.AnswerCommitted(ctx, pool, httpClaim("k", "fp"), 0, "handler_committed", "m", &inbox.Response{Status: 500})
+	require.NoError(t, err)
+	require.False(t, answered, "only a key without a response")
+	rec, resp, err := store.GetResponse(ctx, pool, httpClaim("k", "").ID)
+	require.NoError(t, err)
+	require.Equal(t, inbox.StateCompleted, rec.State)
+	require.Equal(t, "handler_committed", rec.ErrorCode)
+	require.Equal(t, "p", string(resp.Body))
+
+	lres, err := store.LeaseResponse(ctx, pool, httpClaim("l", "fp"), time.Minute)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	replaced("ROLLBACK")
+	requireNothingCommitted(store.CompleteLeaseResponseCommit(ctx, c, httpClaim("l", "").ID, lres.Fence, 0, &inbox.Response{Status: 201}))
+	answered, err = store.AnswerCommitted(ctx, pool, httpClaim("l", "fp"), lres.Fence+1, "handler_committed", "m", &inbox.Response{Status: 500})
+	require.NoError(t, err)
+	require.False(t, answered, "a stale fence")
+	answered, err = store.AnswerCommitted(ctx, pool, httpClaim("l", "fp"), lres.Fence, "handler_committed", "m", &inbox.Response{Status: 500})
+	require.NoError(t, err)
+	require.True(t, answered)
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key = 'l' AND state = 'completed' AND lease_until IS NULL`))
+
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	replaced("COMMIT")
+	requireNothingCommitted(inbox.CommitMarked(ctx, c))
+
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	marked, err := inbox.RollbackMarked(ctx, c)
+	require.NoError(t, err)
+	require.True(t, marked)
+	require.Equal(t, byte('I'), c.PgConn().TxStatus())
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	replaced("ROLLBACK")
+	marked, err = inbox.RollbackMarked(ctx, c)
+	require.NoError(t, err)
+	require.False(t, marked)
+	require.Equal(t, byte('I'), c.PgConn().TxStatus())
+
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, `INSERT INTO work VALUES (2)`)
+	require.NoError(t, err)
+	require.NoError(t, inbox.CommitMarked(ctx, c))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
 }
