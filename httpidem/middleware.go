@@ -27,8 +27,7 @@ type Middleware struct {
 	store   *inbox.Store
 	metrics *metrics
 	log     *slog.Logger
-	// claimPrelude goes with the claim in its round trip: BEGIN, the lock timeout
-	// and the transaction's mark.
+	// claimPrelude goes with the claim in its round trip: BEGIN.
 	claimPrelude []string
 
 	// afterCommit, if set, runs after a commit and before the answer is written
@@ -54,12 +53,12 @@ func New(cfg Config) (*Middleware, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	return &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
-		// SET LOCAL takes no bind parameters; the value is an integer we format.
-		claimPrelude: []string{beginSQL, lockTimeoutSQL(cfg.Wait), inbox.TxMark},
+		claimPrelude: []string{beginSQL},
 	}, nil
 }
 
-// lockTimeoutSQL bounds the claim's wait for a concurrent request with the key.
+// lockTimeoutSQL bounds the wait for a concurrent request with the key. SET LOCAL
+// takes no bind parameters; the value is an integer we format.
 func lockTimeoutSQL(wait time.Duration) string {
 	return "SET LOCAL lock_timeout = " + strconv.FormatInt(max(wait.Milliseconds(), 1), 10)
 }
@@ -216,7 +215,7 @@ func (m *Middleware) serveTx(q *request) {
 	}
 	defer tx.release(ctx)
 	start := time.Now()
-	res, err := m.store.ClaimResponseTx(ctx, tx, m.claimPrelude, q.claim)
+	res, err := m.store.ClaimResponseTx(ctx, tx, m.claimPrelude, q.claim, max(m.cfg.Wait, time.Millisecond))
 	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err != nil {
 		m.dbFailed(q, "claim", err)
@@ -231,7 +230,7 @@ func (m *Middleware) serveTx(q *request) {
 
 	resp, f := m.run(q, tx, func() { m.rollBack(q, tx, 0) })
 	if f == faultNone && m.success(resp.Status) {
-		m.commitTx(q, tx, resp)
+		m.commitTx(q, tx, res.Row, resp)
 		return
 	}
 	if answer := m.rollBack(q, tx, 0); answer != nil {
@@ -249,13 +248,13 @@ func (m *Middleware) serveTx(q *request) {
 }
 
 // commitTx stores a success response in tx and commits, then answers.
-func (m *Middleware) commitTx(q *request, tx *connTx, resp *Response) {
+func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Response) {
 	ctx := q.r.Context()
 	stored, err := m.toStored(q, tx, resp)
 	if err == nil && ctx.Err() == nil {
 		// Never cancelled once sent: a client leaving mid-commit must not turn a
 		// commit into an unknown.
-		err = m.store.SaveResponseCommit(context.WithoutCancel(ctx), tx.conn, q.claim.ID, stored)
+		err = m.store.SaveResponseCommit(context.WithoutCancel(ctx), tx.conn, q.claim.ID, row, stored)
 		if err == nil || errors.Is(err, inbox.ErrCommitUnknown) {
 			m.committed(q, resp, err, OutcomeCommitted)
 			return

@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // Response is an HTTP response stored on its key's inbox row (migration 003), so
@@ -39,11 +41,14 @@ type ResponseClaim struct {
 	// deleted it and claimed the key as new, since a key past its retention is
 	// forgotten whether or not the janitor has come by yet.
 	ReplacedExpired bool
+	// Row locates the claimed row (ClaimResponseTx, when Claimed).
+	Row RowRef
 }
 
 // responseQueries are the statements about stored responses; they live here, next
 // to the code that encodes them, rather than in queries.go.
 type responseQueries struct {
+	claim, markWait                                             string
 	get, save, fail, completeLease, failLease, deleteExpiredKey string
 	saveOrFail, completeLeaseOrFail                             string
 	answerCommitted, answerCommittedLease                       string
@@ -52,6 +57,13 @@ type responseQueries struct {
 func newResponseQueries(schema string) responseQueries {
 	t := schema + ".inbox"
 	return responseQueries{
+		// The consumer's claim (queries.go), returning where the row went.
+		claim: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)
+			ON CONFLICT (consumer, tenant, key) DO NOTHING
+			RETURNING ctid`,
+		// TxMark and SET LOCAL lock_timeout, in one statement.
+		markWait: `SELECT set_config('lock_timeout', $1, true), set_config('idem.tx', 'on', true)`,
 		get: `SELECT consumer, tenant, key, fingerprint, state, error_code, error, attempts,
 				lease_until, fence, received_at, completed_at, expires_at, now(),
 				response_status, response_headers, response_body, response_ref
@@ -72,17 +84,23 @@ func newResponseQueries(schema string) responseQueries {
 				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		// The "OrFail" forms go to the server in one round trip with COMMIT: an
-		// update that matched no row must stop that COMMIT, so it fails the
-		// statement (division by zero; a constant error would be raised at plan
-		// time), which leaves the transaction failed and the COMMIT unexecuted.
-		saveOrFail: `WITH saved AS (UPDATE ` + t + ` SET response_status = $4, response_headers = $5, response_body = $6, response_ref = $7
-				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed' RETURNING 1)
-			SELECT 1 / count(*) FROM saved`,
+		// update that matched no row, or a transaction without idem's mark (TxMark:
+		// the handler ended idem's transaction and began another), must stop that
+		// COMMIT, so they fail the statement, which leaves the transaction failed
+		// and the COMMIT unexecuted: division by zero for no row, and for no mark
+		// the cast of txMarkMissing to int (the CASE is not constant, so a cast
+		// that fails is raised only when it is reached, never at plan time). An
+		// update never runs in a transaction without the mark.
+		saveOrFail: `WITH saved AS (UPDATE ` + t + ` SET response_status = $5, response_headers = $6, response_body = $7, response_ref = $8
+				WHERE ctid = $4 AND consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed'
+					AND ` + txMarked + ` RETURNING 1)
+			SELECT (CASE WHEN ` + txMarked + ` THEN (1 / count(*))::text ELSE '` + txMarkMissing + `' END)::int FROM saved`,
 		completeLeaseOrFail: `WITH saved AS (UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
 				expires_at = now() + $5::interval,
 				response_status = $6, response_headers = $7, response_body = $8, response_ref = $9
-				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing' RETURNING 1)
-			SELECT 1 / count(*) FROM saved`,
+				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'
+					AND ` + txMarked + ` RETURNING 1)
+			SELECT (CASE WHEN ` + txMarked + ` THEN (1 / count(*))::text ELSE '` + txMarkMissing + `' END)::int FROM saved`,
 		// A claim that committed without SaveResponseCommit (the handler ran its own
 		// COMMIT): completed, no response yet, the same request.
 		answerCommitted: `UPDATE ` + t + ` SET error_code = $5, error = $6,
@@ -179,43 +197,56 @@ func DecodeHeader(b []byte) map[string][]string {
 	return h
 }
 
-// ClaimResponseTx is ClaimAfterTx for HTTP keys: it claims c in tx after the
-// prelude statements (one round trip), and on a conflict reads the existing row
-// together with its stored response. A settled row past its expires_at is deleted
-// in tx and the key claimed as new (ReplacedExpired).
+// ClaimResponseTx is ClaimAfterTx for HTTP keys: in one round trip it sends the
+// prelude statements (BEGIN), marks the transaction with TxMark and sets its
+// lock_timeout to wait (the bound on waiting for a concurrent claim of the key),
+// and claims c. On a conflict it reads the existing row together with its stored
+// response. A settled row past its expires_at is deleted in tx and the key claimed
+// as new (ReplacedExpired). A claim returns Row, for SaveResponseCommit.
 func (s *Store) ClaimResponseTx(ctx context.Context, tx interface {
 	DBTX
 	BatchSender
-}, prelude []string, c Claim) (ResponseClaim, error) {
+}, prelude []string, c Claim, wait time.Duration) (ResponseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return ResponseClaim{}, err
 	}
+	var row RowRef
 	pipelined := false
-	return s.insertOrResponse(ctx, tx, c, func() (int64, error) {
-		var inserted bool
+	res, err := s.insertOrResponse(ctx, tx, c, func() (int64, error) {
 		if pipelined {
-			return 0, tx.QueryRow(ctx, s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
+			return 0, tx.QueryRow(ctx, s.rq().claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&row.tid)
 		}
 		pipelined = true
 		b := &pgx.Batch{}
 		for _, sql := range prelude {
 			b.Queue(sql)
 		}
-		b.Queue(s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+		b.Queue(s.rq().markWait, strconv.FormatInt(max(wait.Milliseconds(), 0), 10))
+		b.Queue(s.rq().claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
 		br := tx.SendBatch(ctx, b)
-		for range prelude {
+		for range len(prelude) + 1 {
 			if _, err := br.Exec(); err != nil {
 				_ = br.Close()
 				return 0, err
 			}
 		}
-		err := br.QueryRow().Scan(&inserted)
+		err := br.QueryRow().Scan(&row.tid)
 		if cerr := br.Close(); err == nil && cerr != nil {
 			err = cerr
 		}
 		return 0, err
 	})
+	if res.Claimed {
+		res.Row = row
+	}
+	return res, err
 }
+
+// RowRef locates a row that ClaimResponseTx inserted, inside the transaction that
+// inserted it: its ctid, which nothing but that transaction can change before it
+// ends. SaveResponseCommit finds the row by it without an index lookup. The zero
+// value locates nothing.
+type RowRef struct{ tid pgtype.TID }
 
 // LeaseResponse is Lease for HTTP keys: it commits a processing row with a lease
 // at once (db outside a transaction), or takes over a processing row whose lease
@@ -290,17 +321,18 @@ func (s *Store) SaveResponseTx(ctx context.Context, tx DBTX, id ID, resp *Respon
 var ErrCommitUnknown = newError("commit_unknown", "COMMIT failed; whether the transaction committed is unknown", false)
 
 // SaveResponseCommit stores resp on id's row and commits, in one round trip. conn
-// must be running a transaction that claimed id with ClaimResponseTx, begun with
-// plain SQL ("begin") rather than through pgx's Tx, which would not know that it
-// ended, and marked with TxMark in the claim's prelude. If the mark is gone
-// (ErrTxReplaced) or no completed row takes the response, nothing commits: the
-// COMMIT behind the failed statement is never executed and the transaction is left
-// failed, for the caller to roll back. A failed COMMIT returns ErrCommitUnknown.
-func (s *Store) SaveResponseCommit(ctx context.Context, conn BatchSender, id ID, resp *Response) error {
+// must be running the transaction that claimed id with ClaimResponseTx, whose Row
+// is row, begun with plain SQL ("begin") rather than through pgx's Tx, which would
+// not know that it ended. If the transaction is not that one any more
+// (ErrTxReplaced: it lost ClaimResponseTx's mark) or no completed row takes the
+// response, nothing commits: the COMMIT behind the failed statement is never
+// executed and the transaction is left failed, for the caller to roll back. A
+// failed COMMIT returns ErrCommitUnknown.
+func (s *Store) SaveResponseCommit(ctx context.Context, conn BatchSender, id ID, row RowRef, resp *Response) error {
 	if err := ValidateResponse(resp); err != nil {
 		return err
 	}
-	args := append([]any{id.Consumer, id.Tenant, id.Key}, responseArgs(resp)...)
+	args := append([]any{id.Consumer, id.Tenant, id.Key, row.tid}, responseArgs(resp)...)
 	return s.commitAfter(ctx, conn, s.rq().saveOrFail, args, func() error {
 		return fmt.Errorf("idem: no completed inbox row for consumer %q key %q to store the response on", id.Consumer, id.Key)
 	})
@@ -317,22 +349,16 @@ func (s *Store) CompleteLeaseResponseCommit(ctx context.Context, conn BatchSende
 	return s.commitAfter(ctx, conn, s.rq().completeLeaseOrFail, args, func() error { return ErrLeaseLost })
 }
 
-// commitAfter sends the TxMark check, an "OrFail" statement and COMMIT in one
-// batch. A missing mark is ErrTxReplaced; a division by zero from the statement is
-// noRow. Either way nothing commits: the COMMIT behind a failed statement is never
-// executed.
+// commitAfter sends an "OrFail" statement and COMMIT in one batch. A missing mark
+// is ErrTxReplaced; a division by zero is noRow. Either way nothing commits: the
+// COMMIT behind a failed statement is never executed.
 func (s *Store) commitAfter(ctx context.Context, conn BatchSender, sql string, args []any, noRow func() error) error {
 	b := &pgx.Batch{}
-	b.Queue(txMarkCheck)
 	b.Queue(sql, args...)
 	b.Queue("commit")
 	br := conn.SendBatch(ctx, b)
-	var zero, one int
-	err := br.QueryRow().Scan(&zero)
-	if err == nil {
-		err = br.QueryRow().Scan(&one)
-	}
-	if err != nil {
+	var one int
+	if err := br.QueryRow().Scan(&one); err != nil {
 		_ = br.Close()
 		var pgErr interface{ SQLState() string }
 		switch {

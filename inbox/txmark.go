@@ -20,19 +20,19 @@ import (
 // does the same with its own copy (consumer/tx.go), under the same setting name.
 
 // TxMark marks the transaction it runs in as the one idem began. Send it in the
-// transaction's first round trip: in ClaimResponseTx's prelude, after BEGIN.
-// SaveResponseCommit, CompleteLeaseResponseCommit and CommitMarked refuse to commit
-// a transaction without it (ErrTxReplaced); RollbackMarked reports whether it was
-// there.
+// transaction's first round trip, after BEGIN (ClaimResponseTx sets the same mark
+// itself). SaveResponseCommit, CompleteLeaseResponseCommit and CommitMarked refuse
+// to commit a transaction without it (ErrTxReplaced); RollbackMarked reports
+// whether it was there.
 const TxMark = "SET LOCAL idem.tx = 'on'"
 
 const (
 	txMarkMissing = "idem: the transaction idem began has ended"
 	// The CASE is not constant (current_setting is stable), so the cast runs, and
 	// fails, only when the mark is missing.
-	txMarkCheck = "SELECT (CASE WHEN coalesce(current_setting('idem.tx', true), '') = 'on' THEN '0' ELSE '" +
-		txMarkMissing + "' END)::int"
-	txMarked = "SELECT coalesce(current_setting('idem.tx', true), '') = 'on'"
+	// txMarked is true in a transaction that carries the mark.
+	txMarked    = "coalesce(current_setting('idem.tx', true), '') = 'on'"
+	txMarkCheck = "SELECT (CASE WHEN " + txMarked + " THEN '0' ELSE '" + txMarkMissing + "' END)::int"
 )
 
 // ErrTxReplaced: the transaction idem began (marked with TxMark) had ended by the
@@ -89,7 +89,7 @@ func commitResult(br pgx.BatchResults) error {
 // while conn is in an open transaction (status 'T'): a failed one cannot be asked.
 func RollbackMarked(ctx context.Context, conn BatchSender) (marked bool, err error) {
 	b := &pgx.Batch{}
-	b.Queue(txMarked)
+	b.Queue("SELECT " + txMarked)
 	b.Queue("rollback")
 	br := conn.SendBatch(ctx, b)
 	if err := br.QueryRow().Scan(&marked); err != nil {
