@@ -17,8 +17,8 @@
 //
 //   - Once per key. The handler's database work commits at most once, with
 //     concurrent requests, retries, and a crash (kill -9) at any point: the key is
-//     claimed by INSERT … ON CONFLICT as the first statement of the request's
-//     transaction, the response is stored in that transaction, and the answer is
+//     claimed by INSERT … ON CONFLICT as the first write of the request's
+//     transaction, before the handler runs, the response is stored in that transaction, and the answer is
 //     written only after COMMIT. A concurrent request with the key waits for the
 //     first one (up to Wait) and then gets its stored answer, or 409 with
 //     Retry-After.
