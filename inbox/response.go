@@ -199,8 +199,8 @@ func DecodeHeader(b []byte) map[string][]string {
 
 // ClaimResponseTx is ClaimAfterTx for HTTP keys: in one round trip it sends the
 // prelude statements (BEGIN), marks the transaction with TxMark and sets its
-// lock_timeout to wait (the bound on waiting for a concurrent claim of the key),
-// and claims c. On a conflict it reads the existing row together with its stored
+// lock_timeout to wait (the bound on waiting for a concurrent claim of the key;
+// 0 is no bound), and claims c. On a conflict it reads the existing row together with its stored
 // response. A settled row past its expires_at is deleted in tx and the key claimed
 // as new (ReplacedExpired). A claim returns Row, for SaveResponseCommit.
 func (s *Store) ClaimResponseTx(ctx context.Context, tx interface {
