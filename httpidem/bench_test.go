@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
@@ -28,6 +30,13 @@ import (
 // (idem/bare). Each idem request has a new key: the cost measured is a first run
 // (claim, write, stored response, commit), not a cheap replay.
 //
+// On a machine whose CPUs are busy, requests/s follow CPU time, so it also reports
+// the CPU time per request of each side: this process's ("go-µs/req": the HTTP
+// server and client, pgx, the middleware) and, on Linux with Postgres on the same
+// host, that of the pool's Postgres backends ("pg-µs/req", from
+// /proc/<pid>/schedstat). They say where idem's cost goes, and move less than the
+// rates when other work shares the machine.
+//
 // Two writes: one row ("row"), and what examples/http-payments does, a payment row
 // and two effects ("payment+effects"). idem's cost per request is fixed (claim,
 // stored response), so the heavier the write, the closer the ratio comes to 1.
@@ -39,7 +48,138 @@ func BenchmarkIdempotencyKey(b *testing.B) {
 }
 
 func benchIdempotencyKey(b *testing.B, nEffects int) {
-	const clients = 16
+	s := newBenchServer(b, nEffects)
+	s.run("/bare/payments", 200) // warm up connections and plans
+	s.run("/idem/payments", 200)
+	type side struct {
+		wall   time.Duration
+		goCPU  time.Duration
+		pgCPU  time.Duration
+		pgSeen bool
+	}
+	var bare, idem side
+	run := func(path string, n int, into *side) {
+		before := s.cpu()
+		into.wall += s.run(path, n)
+		after := s.cpu()
+		into.goCPU += after.self - before.self
+		if d, ok := after.backendsSince(before); ok {
+			into.pgCPU += d
+			into.pgSeen = true
+		}
+	}
+	b.ResetTimer()
+	// Many short rounds, in ABBA order, so that the load of a shared machine
+	// falls on both sides alike.
+	const rounds = 20
+	per := max(b.N/rounds, 1)
+	for r := range rounds {
+		if r%4 == 0 || r%4 == 3 {
+			run("/bare/payments", per, &bare)
+			run("/idem/payments", per, &idem)
+		} else {
+			run("/idem/payments", per, &idem)
+			run("/bare/payments", per, &bare)
+		}
+	}
+	b.StopTimer()
+	n := float64(per * rounds)
+	bareRate, idemRate := n/bare.wall.Seconds(), n/idem.wall.Seconds()
+	b.ReportMetric(bareRate, "bare-req/s")
+	b.ReportMetric(idemRate, "idem-req/s")
+	b.ReportMetric(idemRate/bareRate, "idem/bare")
+	perReq := func(d time.Duration) float64 { return float64(d.Microseconds()) / n }
+	b.ReportMetric(perReq(bare.goCPU), "bare-go-µs/req")
+	b.ReportMetric(perReq(idem.goCPU), "idem-go-µs/req")
+	if bare.pgSeen && idem.pgSeen {
+		b.ReportMetric(perReq(bare.pgCPU), "bare-pg-µs/req")
+		b.ReportMetric(perReq(idem.pgCPU), "idem-pg-µs/req")
+	}
+}
+
+// cpuSample is the CPU time used so far by this process and by each of the pool's
+// Postgres backends that could be read.
+type cpuSample struct {
+	self     time.Duration
+	backends map[int]time.Duration
+}
+
+// backendsSince is the CPU time the backends present in both samples used between
+// them; false if none could be read (Postgres on another host, or not Linux).
+func (a cpuSample) backendsSince(b cpuSample) (time.Duration, bool) {
+	var sum time.Duration
+	seen := false
+	for pid, t := range a.backends {
+		if t0, ok := b.backends[pid]; ok {
+			sum += t - t0
+			seen = true
+		}
+	}
+	return sum, seen
+}
+
+// cpu samples the CPU time of this process and of the pool's backends.
+func (s *benchServer) cpu() cpuSample {
+	out := cpuSample{self: threadsCPU("/proc/self/task"), backends: map[int]time.Duration{}}
+	rows, err := s.pool.Query(context.Background(), `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, "idem-test:"+s.schema)
+	if err != nil {
+		return out
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int])
+	if err != nil {
+		return out
+	}
+	for _, pid := range pids {
+		if t, ok := schedstat("/proc/" + strconv.Itoa(pid) + "/schedstat"); ok {
+			out.backends[pid] = t
+		}
+	}
+	return out
+}
+
+// threadsCPU sums the CPU time of the threads under a /proc/<pid>/task directory
+// (0 where there is no /proc).
+func threadsCPU(dir string) time.Duration {
+	ents, _ := os.ReadDir(dir)
+	var sum time.Duration
+	for _, e := range ents {
+		if t, ok := schedstat(dir + "/" + e.Name() + "/schedstat"); ok {
+			sum += t
+		}
+	}
+	return sum
+}
+
+// schedstat reads the time on CPU from a schedstat file: its first field, in ns.
+func schedstat(path string) (time.Duration, bool) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return 0, false
+	}
+	f := strings.Fields(string(raw))
+	if len(f) == 0 {
+		return 0, false
+	}
+	ns, err := strconv.ParseInt(f[0], 10, 64)
+	return time.Duration(ns), err == nil
+}
+
+// benchClients is the benchmark's concurrency: client connections, and requests in
+// flight.
+const benchClients = 16
+
+// benchServer is the benchmark's server, with POST /bare/payments and POST
+// /idem/payments doing the same write.
+type benchServer struct {
+	pool   *pgxpool.Pool
+	schema string
+	// run sends n requests to path from benchClients clients and returns how long
+	// that took.
+	run func(path string, n int) time.Duration
+}
+
+func newBenchServer(b testing.TB, nEffects int) *benchServer {
+	const clients = benchClients
 	pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: clients + 2})
 	ctx := context.Background()
 	_, err := pool.Exec(ctx, `CREATE TABLE payments (id bigserial PRIMARY KEY, tenant text NOT NULL, amount numeric NOT NULL)`)
@@ -102,9 +242,9 @@ func benchIdempotencyKey(b *testing.B, nEffects int) {
 		answer(w, id, amount)
 	})))
 	srv := httptest.NewServer(mux)
-	defer srv.Close()
+	b.Cleanup(srv.Close)
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients, MaxConnsPerHost: clients}}
-	defer client.CloseIdleConnections()
+	b.Cleanup(client.CloseIdleConnections)
 
 	var seq atomic.Int64
 	run := func(path string, n int) time.Duration {
@@ -135,28 +275,5 @@ func benchIdempotencyKey(b *testing.B, nEffects int) {
 		wg.Wait()
 		return time.Since(start)
 	}
-
-	run("/bare/payments", 200) // warm up connections and plans
-	run("/idem/payments", 200)
-	b.ResetTimer()
-	// Many short rounds, in ABBA order, so that the load of a shared machine
-	// falls on both sides alike.
-	const rounds = 20
-	per := max(b.N/rounds, 1)
-	var bare, idem time.Duration
-	for r := range rounds {
-		if r%4 == 0 || r%4 == 3 {
-			bare += run("/bare/payments", per)
-			idem += run("/idem/payments", per)
-		} else {
-			idem += run("/idem/payments", per)
-			bare += run("/bare/payments", per)
-		}
-	}
-	b.StopTimer()
-	n := float64(per * rounds)
-	bareRate, idemRate := n/bare.Seconds(), n/idem.Seconds()
-	b.ReportMetric(bareRate, "bare-req/s")
-	b.ReportMetric(idemRate, "idem-req/s")
-	b.ReportMetric(idemRate/bareRate, "idem/bare")
+	return &benchServer{pool: pool, schema: schema, run: run}
 }

@@ -17,8 +17,8 @@
 //
 //   - Once per key. The handler's database work commits at most once, with
 //     concurrent requests, retries, and a crash (kill -9) at any point: the key is
-//     claimed by INSERT … ON CONFLICT as the first statement of the request's
-//     transaction, the response is stored in that transaction, and the answer is
+//     claimed by INSERT … ON CONFLICT as the first write of the request's
+//     transaction, before the handler runs, the response is stored in that transaction, and the answer is
 //     written only after COMMIT. A concurrent request with the key waits for the
 //     first one (up to Wait) and then gets its stored answer, or 409 with
 //     Retry-After.
@@ -54,6 +54,13 @@
 //     (BodyReferencer); a replay by reference is the resource as it is at replay
 //     time, not necessarily the first answer's bytes.
 //   - Headers outside StoredHeaders are sent on the first answer only.
+//   - A handler must not end the transaction Tx(ctx) gives it. idem catches one
+//     that does (raw COMMIT or ROLLBACK, with or without a BEGIN after it) and never
+//     commits a transaction the handler began in its place; but what the handler's
+//     own COMMIT committed stays committed, without its answer, so the key is
+//     settled with a stored 500 handler_committed that every retry gets (the one
+//     5xx idem stores: its work committed). A crash between the handler's COMMIT
+//     and that answer leaves a key whose retries get 500 response_not_stored.
 //
 // Lease mode (Route{Lease: true}) is for handlers that must call a provider
 // themselves and cannot hold a transaction open across the call. The key commits

@@ -2,6 +2,7 @@ package httpidem_test
 
 import (
 	"context"
+	"encoding/hex"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -715,4 +716,27 @@ func TestHandlerTxIsAPgxTx(t *testing.T) {
 	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM audit`))
 	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM audit WHERE note = 'rolled back'`))
 	requireSameAnswer(t, a, b.post(t, "/payments", "k", `{"amount": 1}`))
+}
+
+// TestDefaultFingerprintIsStable: the default fingerprint of a request never
+// changes between versions, or every stored key would answer its retries 422.
+// The values were computed by the first release's code.
+func TestDefaultFingerprintIsStable(t *testing.T) {
+	t.Parallel()
+	fp := httpidem.DefaultFingerprint(inbox.JSONOptions{})
+	for _, c := range []struct{ contentType, body, want string }{
+		{"application/json", `{"b": 1.50, "a": [true, null]}`, "02015885726e824779095f98b36747ec8792196fb530684a7db90597443a3396"},
+		{"application/x-www-form-urlencoded", "b=2&a=1", "17978c783c846c5fe7dfb81e3f0c616b2de8d4b3183bd8f55e16f0f509ce4e79"},
+		{"application/xml", "<x/>", "d4ab387f75394c4afd520b83113e7da488da89fa9a4418a7243ed28690751d17"},
+		{"", "", "5078562686025fe7cbf01f56152fac6f13de15d76b3d31b2a260426a2a91d5ef"},
+	} {
+		r, err := http.NewRequest(http.MethodPost, "/accounts/7/payments?z=1&y=%20", strings.NewReader(c.body))
+		require.NoError(t, err)
+		if c.contentType != "" {
+			r.Header.Set("Content-Type", c.contentType)
+		}
+		got, err := fp(r, []byte(c.body))
+		require.NoError(t, err)
+		require.Equal(t, c.want, hex.EncodeToString(got), c.contentType)
+	}
 }

@@ -68,17 +68,25 @@ func (m *Middleware) serveLease(q *request) {
 		m.log.Info("idem: running a stale key again", append(q.attrs(), "fence", fence)...)
 	}
 
-	tx, err := m.begin(ctx)
+	tx, err := m.begin(ctx, true)
 	if err != nil {
 		release()
 		m.dbFailed(q, "begin", err)
 		return
 	}
 	defer tx.release(ctx)
-	resp := m.run(q, tx, release)
-	if resp == nil {
-		tx.release(ctx)
+	resp, f := m.run(q, tx, func() {
+		if m.rollBack(q, tx, fence) == nil {
+			release()
+		}
+	})
+	if f != faultNone {
+		if answer := m.rollBack(q, tx, fence); answer != nil {
+			answer()
+			return
+		}
 		release()
+		m.answerFault(q, f)
 		return
 	}
 	m.settleLease(q, fence, tx, resp, release, OutcomeCommitted)
@@ -86,15 +94,28 @@ func (m *Middleware) serveLease(q *request) {
 
 // settleLease settles a leased key with resp: a success commits it in tx (a new
 // transaction when tx is nil) with the handler's work, a final client error is
-// recorded after tx rolls back, anything else gives the key back.
+// recorded after tx rolls back, anything else gives the key back. Whenever tx is
+// rolled back, rollBack first finds out whether the handler committed part of its
+// work itself; then that settles the key.
 func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Response, release func(), outcome string) {
 	ctx := q.r.Context()
 	id := q.claim.ID
+	// rolledBack rolls tx back; it reports true when that answered the request.
+	rolledBack := func() bool {
+		if tx == nil {
+			return false
+		}
+		if answer := m.rollBack(q, tx, fence); answer != nil {
+			answer()
+			return true
+		}
+		return false
+	}
 	switch {
 	case m.success(resp.Status):
 		if tx == nil {
 			var err error
-			if tx, err = m.begin(ctx); err != nil {
+			if tx, err = m.begin(ctx, true); err != nil {
 				release()
 				m.dbFailed(q, "begin", err)
 				return
@@ -102,37 +123,44 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 			defer tx.release(ctx)
 		}
 		stored, err := m.toStored(q, tx, resp)
-		if err != nil {
-			tx.release(ctx)
-			release()
-			m.saveFailed(q, err)
+		if err == nil && ctx.Err() == nil {
+			err = m.store.CompleteLeaseResponseCommit(context.WithoutCancel(ctx), tx.conn, id, fence, m.cfg.Retention, stored)
+			switch {
+			case err == nil:
+				m.committed(q, resp, nil, outcome)
+				return
+			case errors.Is(err, inbox.ErrCommitUnknown):
+				// The release is fenced and needs state processing: if the commit did
+				// happen it changes nothing, and if not the key is free at once.
+				tx.release(ctx)
+				release()
+				m.committed(q, resp, err, outcome)
+				return
+			}
+		}
+		// Nothing committed by idem.
+		if rolledBack() {
 			return
 		}
-		if err := ctx.Err(); err != nil {
-			tx.release(ctx)
-			release()
-			m.ended(q, err)
-			return
-		}
-		err = m.store.CompleteLeaseResponseCommit(context.WithoutCancel(ctx), tx.conn, id, fence, m.cfg.Retention, stored)
 		switch {
 		case errors.Is(err, inbox.ErrLeaseLost):
 			// A newer holder took the key over; our work did not commit, and its
 			// answer is the key's answer.
-			tx.release(ctx)
 			m.log.Warn("idem: lease lost before the commit (the handler outlived LeaseDuration); rolled back", q.attrs()...)
 			m.inProgress(q)
-			return
-		case err != nil:
-			// The release is fenced and needs state processing: if the commit did
-			// happen it changes nothing, and if not the key is free at once.
-			tx.release(ctx)
+		case errors.Is(err, inbox.ErrTxReplaced):
 			release()
+			m.answerFault(q, faultTxEnded)
+		case err == nil:
+			release()
+			m.ended(q, ctx.Err())
+		default:
+			release()
+			m.saveFailed(q, err)
 		}
-		m.committed(q, resp, err, outcome)
 	case m.final(resp.Status):
-		if tx != nil {
-			tx.release(ctx)
+		if rolledBack() {
+			return
 		}
 		stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
 		err := m.store.FailLeaseResponse(ctx, m.cfg.Pool, id, fence, m.cfg.Retention, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
@@ -151,8 +179,8 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 		m.count(id.Consumer, outcome)
 		writeResponse(q.w, resp, false)
 	default:
-		if tx != nil {
-			tx.release(ctx)
+		if rolledBack() {
+			return
 		}
 		release()
 		m.notFinal(q, resp)

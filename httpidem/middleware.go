@@ -23,11 +23,12 @@ import (
 // Middleware is the Idempotency-Key middleware. Wrap each route's handler with
 // Middleware (or Route, for per-route options). It is safe for concurrent use.
 type Middleware struct {
-	cfg            Config
-	store          *inbox.Store
-	metrics        *metrics
-	log            *slog.Logger
-	lockTimeoutSQL string
+	cfg     Config
+	store   *inbox.Store
+	metrics *metrics
+	log     *slog.Logger
+	// claimPrelude goes with the claim in its round trip: BEGIN.
+	claimPrelude []string
 
 	// afterCommit, if set, runs after a commit and before the answer is written
 	// (tests kill the process there).
@@ -52,9 +53,14 @@ func New(cfg Config) (*Middleware, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	return &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
-		// SET LOCAL takes no bind parameters; the value is an integer we format.
-		lockTimeoutSQL: "SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.Wait.Milliseconds(), 1), 10),
+		claimPrelude: []string{beginSQL},
 	}, nil
+}
+
+// lockTimeoutSQL bounds the wait for a concurrent request with the key. SET LOCAL
+// takes no bind parameters; the value is an integer we format.
+func lockTimeoutSQL(wait time.Duration) string {
+	return "SET LOCAL lock_timeout = " + strconv.FormatInt(max(wait.Milliseconds(), 1), 10)
 }
 
 // Middleware wraps one route's handler with the Config's defaults. It is a
@@ -209,7 +215,7 @@ func (m *Middleware) serveTx(q *request) {
 	}
 	defer tx.release(ctx)
 	start := time.Now()
-	res, err := m.store.ClaimResponseTx(ctx, tx, []string{beginSQL, m.lockTimeoutSQL}, q.claim)
+	res, err := m.store.ClaimResponseTx(ctx, tx, m.claimPrelude, q.claim, max(m.cfg.Wait, time.Millisecond))
 	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err != nil {
 		m.dbFailed(q, "claim", err)
@@ -222,31 +228,50 @@ func (m *Middleware) serveTx(q *request) {
 		return
 	}
 
-	resp := m.run(q, tx, nil)
-	if resp == nil {
+	resp, f := m.run(q, tx, func() { m.rollBack(q, tx, 0) })
+	if f == faultNone && m.success(resp.Status) {
+		m.commitTx(q, tx, res.Row, resp)
+		return
+	}
+	if answer := m.rollBack(q, tx, 0); answer != nil {
+		answer()
 		return
 	}
 	switch {
-	case m.success(resp.Status):
-		stored, err := m.toStored(q, tx, resp)
-		if err != nil {
-			m.saveFailed(q, err)
-			return
-		}
-		if err := ctx.Err(); err != nil {
-			m.ended(q, err)
-			return
-		}
-		// Never cancelled once sent: a client leaving mid-commit must not turn a
-		// commit into an unknown.
-		err = m.store.SaveResponseCommit(context.WithoutCancel(ctx), tx.conn, q.claim.ID, stored)
-		m.committed(q, resp, err, OutcomeCommitted)
+	case f != faultNone:
+		m.answerFault(q, f)
 	case m.final(resp.Status):
-		tx.release(ctx)
 		m.storeFailure(q, resp)
 	default:
-		tx.release(ctx)
 		m.notFinal(q, resp)
+	}
+}
+
+// commitTx stores a success response in tx and commits, then answers.
+func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Response) {
+	ctx := q.r.Context()
+	stored, err := m.toStored(q, tx, resp)
+	if err == nil && ctx.Err() == nil {
+		// Never cancelled once sent: a client leaving mid-commit must not turn a
+		// commit into an unknown.
+		err = m.store.SaveResponseCommit(context.WithoutCancel(ctx), tx.conn, q.claim.ID, row, stored)
+		if err == nil || errors.Is(err, inbox.ErrCommitUnknown) {
+			m.committed(q, resp, err, OutcomeCommitted)
+			return
+		}
+	}
+	// Nothing committed by idem. Did the handler commit the claim itself?
+	if answer := m.rollBack(q, tx, 0); answer != nil {
+		answer()
+		return
+	}
+	switch {
+	case errors.Is(err, inbox.ErrTxReplaced):
+		m.answerFault(q, faultTxEnded)
+	case err == nil:
+		m.ended(q, ctx.Err())
+	default:
+		m.saveFailed(q, err)
 	}
 }
 
@@ -270,17 +295,78 @@ func (m *Middleware) committed(q *request, resp *Response, err error, outcome st
 	}
 }
 
+// rollBack rolls back what is open on tx after the handler ran. If the handler may
+// have ended idem's transaction itself (a raw COMMIT or ROLLBACK, with or without a
+// BEGIN after it, or a failed statement), the database tells whether the request's
+// work committed anyway: in transactional mode the key's claim row, in lease mode
+// (fence > 0) the status of the transaction's ID. Work that committed settles the
+// key with the stored handler_committed problem, so that every retry gets a stable,
+// coded answer and none runs the work again.
+//
+// It returns nil when nothing of the request committed, and otherwise the answer to
+// give: the stored problem; 409 if the lease was lost meanwhile (the newer holder's
+// answer is the key's); 503 commit_unknown if the database could not say.
+func (m *Middleware) rollBack(q *request, tx *connTx, fence int64) (answer func()) {
+	if tx.rollbackMarked(q.r.Context()) {
+		return nil // idem's transaction was still open: rolled back, nothing committed
+	}
+	ctx := context.WithoutCancel(q.r.Context())
+	if fence > 0 {
+		// The lease row is not in the handler's transaction; its ID tells. Anything
+		// but "aborted" (an error included) counts as committed: work that may have
+		// committed is never run again.
+		var status *string
+		if err := m.cfg.Pool.QueryRow(ctx, xidStatusSQL, tx.xid).Scan(&status); err == nil && status != nil && *status == "aborted" {
+			return nil
+		}
+	}
+	stored := problemResponse(CodeHandlerCommitted, handlerCommittedDetail, 0)
+	ok, err := m.store.AnswerCommitted(ctx, m.cfg.Pool, q.claim, fence, CodeHandlerCommitted,
+		"the handler committed the request's transaction itself (raw SQL); its answer could not be stored",
+		&inbox.Response{Status: stored.Status, Header: stored.Header, Body: stored.Body})
+	switch {
+	case err != nil:
+		m.log.Error("idem: the handler ended the request's transaction, and whether its work committed could not be read; a retry with the key settles it",
+			append(q.attrs(), "err", err)...)
+		return func() {
+			m.count(q.claim.Consumer, OutcomeError)
+			writeProblem(q.w, CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
+		}
+	case ok:
+		m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT): its work committed without its answer, so the key is settled with a stored handler_committed problem, and a transaction it began after that was rolled back. Never end the transaction httpidem.Tx gives",
+			q.attrs()...)
+		return func() {
+			m.count(q.claim.Consumer, OutcomeError)
+			writeResponse(q.w, stored, false)
+		}
+	case fence > 0:
+		m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT), and its lease was lost meanwhile", q.attrs()...)
+		return func() { m.inProgress(q) }
+	}
+	return nil // the claim did not commit: the handler rolled it back
+}
+
 // final reports whether a status is stored; 5xx never is.
 func (m *Middleware) final(status int) bool { return status < 500 && m.cfg.FinalStatus(status) }
 
 // success reports whether a status commits the handler's work.
 func (m *Middleware) success(status int) bool { return status < 400 && m.final(status) }
 
-// run runs the handler with tx in its context and returns its response. It returns
-// nil when the response must not be kept, after answering if there is anyone to
-// answer: the request's context ended, the response is too large, or the handler
-// ended or broke the transaction. A panic rolls back, calls abort, and panics on.
-func (m *Middleware) run(q *request, tx pgx.Tx, abort func()) *Response {
+// fault is what kept a handler's response from being used.
+type fault int
+
+const (
+	faultNone     fault = iota
+	faultCanceled       // the request's context ended
+	faultOverflow       // the response is over MaxResponseBody
+	faultTxEnded        // a final response, and the transaction is not open and healthy
+)
+
+// run runs the handler with tx in its context and returns its response, or the
+// fault that keeps it from being used. It answers nothing and ends nothing: the
+// caller rolls back or commits, and answers. A panic calls onPanic (which rolls
+// back) and panics on.
+func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, fault) {
 	ctx := q.r.Context()
 	scope := effects.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
 	hctx := context.WithValue(ctx, txKey{}, ownedTx{tx})
@@ -296,10 +382,7 @@ func (m *Middleware) run(q *request, tx pgx.Tx, abort func()) *Response {
 	func() {
 		defer func() {
 			if v := recover(); v != nil {
-				_ = tx.Rollback(context.WithoutCancel(ctx))
-				if abort != nil {
-					abort()
-				}
+				onPanic()
 				m.count(q.claim.Consumer, OutcomePanic)
 				if v != http.ErrAbortHandler {
 					m.log.Error("idem: handler panicked; its work is rolled back and nothing is stored",
@@ -313,28 +396,37 @@ func (m *Middleware) run(q *request, tx pgx.Tx, abort func()) *Response {
 
 	switch {
 	case ctx.Err() != nil:
-		m.ended(q, ctx.Err())
-		return nil
+		return nil, faultCanceled
 	case rec.overflow:
+		return nil, faultOverflow
+	}
+	resp := rec.response()
+	// Only a transaction that is still open and healthy can commit what the handler
+	// meant: one it committed, rolled back (raw SQL) or broke with a failed
+	// statement cannot. (One it replaced with a BEGIN of its own is open: the mark
+	// checked with the COMMIT finds that out.)
+	if m.final(resp.Status) && tx.Conn().PgConn().TxStatus() != 'T' {
+		return resp, faultTxEnded
+	}
+	return resp, faultNone
+}
+
+// answerFault answers a request whose response cannot be used; its work was rolled
+// back.
+func (m *Middleware) answerFault(q *request, f fault) {
+	switch f {
+	case faultCanceled:
+		m.ended(q, q.r.Context().Err())
+	case faultOverflow:
 		m.count(q.claim.Consumer, OutcomeError)
 		m.log.Error("idem: response over MaxResponseBody; the request is rolled back", append(q.attrs(), "limit", m.cfg.MaxResponseBody)...)
 		writeProblem(q.w, CodeResponseTooLarge, fmt.Sprintf("the response is over %d bytes and cannot be stored; the request was rolled back", m.cfg.MaxResponseBody), 0)
-		return nil
+	case faultTxEnded:
+		m.count(q.claim.Consumer, OutcomeError)
+		m.log.Error("idem: the handler ended or broke its transaction (raw COMMIT/ROLLBACK, or a failed statement it ignored); it is rolled back and nothing is stored",
+			q.attrs()...)
+		writeProblem(q.w, CodeTransactionEnded, "the request's transaction was ended by the handler; nothing was stored, and a retry runs the request again", 0)
 	}
-	resp := rec.response()
-	if m.final(resp.Status) {
-		// Only a transaction that is still open and healthy can commit what the
-		// handler meant: one it committed, rolled back (raw SQL) or broke with a
-		// failed statement cannot.
-		if st := tx.Conn().PgConn().TxStatus(); st != 'T' {
-			m.count(q.claim.Consumer, OutcomeError)
-			m.log.Error("idem: the handler ended or broke its transaction (raw COMMIT/ROLLBACK, or a failed statement it ignored); nothing is stored",
-				append(q.attrs(), "tx_status", string(st), "status", resp.Status)...)
-			writeProblem(q.w, CodeTransactionEnded, "the request's transaction was ended by the handler; nothing was stored", 0)
-			return nil
-		}
-	}
-	return resp
 }
 
 // ended answers a request whose context ended before the commit: a client that
@@ -389,7 +481,7 @@ func (m *Middleware) storeFailure(q *request, resp *Response) {
 	stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
 	var res inbox.ResponseClaim
 	err := pgx.BeginTxFunc(ctx, m.cfg.Pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, m.lockTimeoutSQL); err != nil {
+		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.Wait)); err != nil {
 			return err
 		}
 		var err error
@@ -494,26 +586,33 @@ func (m *Middleware) dbFailed(q *request, what string, err error) {
 func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseWriter, r *http.Request) {
 	q := &request{w: w, r: r, next: next, claim: inbox.Claim{ID: inbox.ID{Consumer: op}}}
 	ctx := r.Context()
-	tx, err := m.begin(ctx)
+	tx, err := m.begin(ctx, false)
 	if err != nil {
 		m.dbFailed(q, "begin", err)
 		return
 	}
 	defer tx.release(ctx)
-	resp := m.run(q, tx, nil)
-	if resp == nil {
+	resp, f := m.run(q, tx, func() { tx.rollbackMarked(ctx) })
+	switch {
+	case f != faultNone:
+		tx.release(ctx)
+		m.answerFault(q, f)
 		return
-	}
-	if !m.success(resp.Status) {
+	case !m.success(resp.Status):
 		tx.release(ctx)
 		m.notFinal(q, resp)
 		return
-	}
-	if err := ctx.Err(); err != nil {
-		m.ended(q, err)
+	case ctx.Err() != nil:
+		m.ended(q, ctx.Err())
 		return
 	}
-	if err := tx.Commit(context.WithoutCancel(ctx)); err != nil {
+	err = tx.Commit(context.WithoutCancel(ctx))
+	switch {
+	case errors.Is(err, inbox.ErrTxReplaced):
+		tx.release(ctx)
+		m.answerFault(q, faultTxEnded)
+		return
+	case err != nil:
 		m.count(op, OutcomeError)
 		m.log.Warn("idem: COMMIT failed for a request without a key; its outcome is unknown", "operation", op, "err", err)
 		writeProblem(w, CodeCommitUnknown, "the outcome is unknown", m.cfg.RetryAfter)
@@ -523,13 +622,32 @@ func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseW
 	writeResponse(w, resp, false)
 }
 
-// begin acquires a connection and begins a transaction on it.
-func (m *Middleware) begin(ctx context.Context) (*connTx, error) {
+// begin acquires a connection and begins a transaction on it, marked with
+// inbox.TxMark, in one round trip; withXID also takes the transaction's ID (lease
+// mode, where rollBack needs it).
+func (m *Middleware) begin(ctx context.Context, withXID bool) (*connTx, error) {
 	tx, err := acquireTx(ctx, m.cfg.Pool)
 	if err != nil {
 		return nil, err
 	}
-	if _, err := tx.conn.Exec(ctx, beginSQL); err != nil {
+	b := &pgx.Batch{}
+	b.Queue(beginSQL)
+	b.Queue(inbox.TxMark)
+	if withXID {
+		b.Queue(xidSQL)
+	}
+	br := tx.conn.SendBatch(ctx, b)
+	_, err = br.Exec()
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err == nil && withXID {
+		err = br.QueryRow().Scan(&tx.xid)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		tx.release(ctx)
 		return nil, err
 	}

@@ -42,14 +42,24 @@ const (
 	// CodeResponseTooLarge (500): the handler wrote more than MaxResponseBody; its
 	// work was rolled back.
 	CodeResponseTooLarge = "response_too_large"
-	// CodeTransactionEnded (500): the handler committed, rolled back or broke the
-	// transaction idem gave it; nothing was stored.
+	// CodeTransactionEnded (500): the handler ended (raw ROLLBACK, or COMMIT of a
+	// transaction it began in place of idem's) or broke the transaction idem gave
+	// it; nothing of the request committed, nothing was stored, and a retry runs it
+	// again.
 	CodeTransactionEnded = "transaction_ended"
+	// CodeHandlerCommitted (500): the handler committed the transaction idem gave
+	// it with raw SQL, so the key and the work done before that COMMIT committed
+	// without an answer, and any transaction the handler began after it was rolled
+	// back. This answer is stored for the key: every retry gets it again (replayed),
+	// and the request never runs again. Fix the handler; never end the transaction
+	// Tx(ctx) gives.
+	CodeHandlerCommitted = "handler_committed"
 	// CodeNoOperation (500): the request has no operation (see ErrNoOperation).
 	CodeNoOperation = "operation_unknown"
 	// CodeResponseNotStored (500): the key has a row without a stored response
-	// (a message consumer shares the operation's name, or migration 003 came
-	// after the row).
+	// (a message consumer shares the operation's name, migration 003 came after the
+	// row, or a handler committed the request's transaction itself and the server
+	// stopped before it could store the handler_committed answer).
 	CodeResponseNotStored = "response_not_stored"
 	// CodeReplayFailed (500): the BodyReferencer could not resolve a stored
 	// reference.
@@ -86,7 +96,7 @@ var problemStatus = map[string]int{
 	CodeKeyMissing: 400, CodeKeyInvalid: 400, CodeTenantInvalid: 400, CodeBodyNotJSON: 400,
 	CodeFingerprintFailed: 400, CodeBodyUnreadable: 400, CodeRequestTooLarge: 413,
 	CodeFingerprintMismatch: 422, CodeInProgress: 409, CodeResponseTooLarge: 500,
-	CodeTransactionEnded: 500, CodeNoOperation: 500, CodeResponseNotStored: 500, CodeReplayFailed: 500,
+	CodeTransactionEnded: 500, CodeHandlerCommitted: 500, CodeNoOperation: 500, CodeResponseNotStored: 500, CodeReplayFailed: 500,
 	CodeHandlerFailed: 500, CodeCommitUnknown: 503, CodeDatabaseUnavailable: 503, CodeTimeout: 503,
 	CodeRecoveryFailed: 503,
 }
@@ -103,6 +113,7 @@ var problemTitle = map[string]string{
 	CodeInProgress:          "A request with this idempotency key is in progress",
 	CodeResponseTooLarge:    "Response too large to store",
 	CodeTransactionEnded:    "Handler ended the request's transaction",
+	CodeHandlerCommitted:    "Handler committed the request's transaction itself",
 	CodeNoOperation:         "Operation unknown",
 	CodeResponseNotStored:   "No stored response for this idempotency key",
 	CodeReplayFailed:        "Stored response cannot be replayed",
@@ -116,17 +127,22 @@ var problemTitle = map[string]string{
 // retryAfterCodes get a Retry-After header.
 var retryAfterCodes = map[string]bool{CodeInProgress: true, CodeCommitUnknown: true, CodeDatabaseUnavailable: true, CodeTimeout: true, CodeRecoveryFailed: true}
 
-// writeProblem answers with the problem for code.
-func writeProblem(w http.ResponseWriter, code, detail string, retryAfter time.Duration) {
+// handlerCommittedDetail is the detail of the stored handler_committed answer.
+const handlerCommittedDetail = "the handler committed the request's transaction itself, so the key and part of the request's work committed without an answer; this answer is stored for the key, every retry with the key gets it again, and the request will not run again"
+
+// problemResponse is the problem for code as a response.
+func problemResponse(code, detail string, retryAfter time.Duration) *Response {
 	p := Problem{Type: ProblemTypePrefix + code, Title: problemTitle[code], Status: problemStatus[code], Detail: detail, Code: code}
 	body, _ := json.Marshal(p)
-	h := w.Header()
-	h.Set("Content-Type", "application/problem+json")
-	h.Set("Content-Length", strconv.Itoa(len(body)))
-	h.Del(ReplayedHeader)
+	h := http.Header{"Content-Type": {"application/problem+json"}}
 	if retryAfterCodes[code] {
 		h.Set("Retry-After", strconv.Itoa(int(math.Ceil(max(retryAfter, time.Second).Seconds()))))
 	}
-	w.WriteHeader(p.Status)
-	_, _ = w.Write(body)
+	return &Response{Status: p.Status, Header: h, Body: body}
+}
+
+// writeProblem answers with the problem for code.
+func writeProblem(w http.ResponseWriter, code, detail string, retryAfter time.Duration) {
+	w.Header().Del(ReplayedHeader)
+	writeResponse(w, problemResponse(code, detail, retryAfter), false)
 }

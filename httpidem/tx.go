@@ -2,11 +2,14 @@ package httpidem
 
 import (
 	"context"
+	"errors"
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/inbox"
 )
 
 // connTx is a transaction on one connection of the pool, which idem begins and
@@ -18,13 +21,25 @@ type connTx struct {
 	pc   *pgxpool.Conn
 	conn *pgx.Conn
 	sp   int64 // savepoints made so far, for nested Begin
+	// xid is the transaction's ID (pg_current_xact_id), taken at BEGIN in lease
+	// mode, where the key's row is not in the transaction: if the handler ended the
+	// transaction with raw SQL, its status (pg_xact_status) tells whether the
+	// handler's work committed.
+	xid string
 }
 
 var _ pgx.Tx = (*connTx)(nil)
 
 // beginSQL starts every transaction idem opens: READ COMMITTED, which the claim
-// relies on to see a concurrent winner's row after waiting for it.
+// relies on to see a concurrent winner's row after waiting for it. Each is marked
+// with inbox.TxMark in the same round trip.
 const beginSQL = "begin isolation level read committed"
+
+// The transaction ID of a lease-mode handler's transaction, and later its outcome.
+const (
+	xidSQL       = "SELECT pg_current_xact_id()::text"
+	xidStatusSQL = "SELECT pg_xact_status($1::xid8)"
+)
 
 func acquireTx(ctx context.Context, pool *pgxpool.Pool) (*connTx, error) {
 	pc, err := pool.Acquire(ctx)
@@ -63,21 +78,43 @@ func (t *connTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	return &savepointTx{parent: t, name: name}, nil
 }
 
-// Commit commits. A transaction that had failed comes back as
-// pgx.ErrTxCommitRollback; an error from COMMIT closes the connection, since the
-// outcome is unknown.
+// Commit commits, if the transaction is still the one idem began (it carries
+// inbox.TxMark): a replacement the handler began is refused with
+// inbox.ErrTxReplaced, and left failed for release to roll back. An error from
+// COMMIT closes the connection, since the outcome is unknown.
 func (t *connTx) Commit(ctx context.Context) error {
-	tag, err := t.conn.Exec(ctx, "commit")
-	if err != nil {
-		if !t.conn.IsClosed() && t.inTx() {
+	err := inbox.CommitMarked(ctx, t.conn)
+	if errors.Is(err, inbox.ErrCommitUnknown) && !t.conn.IsClosed() && t.inTx() {
+		_ = t.conn.Close(ctx)
+	}
+	return err
+}
+
+// rollbackMarked rolls back whatever is open and reports whether the transaction
+// idem began was still the open one: in a transaction, carrying inbox.TxMark. False
+// means the handler may have ended it with raw SQL (a COMMIT, or a ROLLBACK), or
+// broke it with a failed statement, so that only the database can tell whether the
+// request's work committed. A rollback that fails closes the connection.
+func (t *connTx) rollbackMarked(ctx context.Context) bool {
+	ctx = context.WithoutCancel(ctx)
+	if t.pc == nil || t.conn.IsClosed() {
+		return false
+	}
+	switch t.conn.PgConn().TxStatus() {
+	case 'I':
+		return false
+	case 'T':
+		marked, err := inbox.RollbackMarked(ctx, t.conn)
+		if err == nil {
+			return marked
+		}
+	}
+	if t.inTx() {
+		if _, err := t.conn.Exec(ctx, "rollback"); err != nil {
 			_ = t.conn.Close(ctx)
 		}
-		return err
 	}
-	if tag.String() == "ROLLBACK" {
-		return pgx.ErrTxCommitRollback
-	}
-	return nil
+	return false
 }
 
 // Rollback rolls back.

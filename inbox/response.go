@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // Response is an HTTP response stored on its key's inbox row (migration 003), so
@@ -39,18 +41,29 @@ type ResponseClaim struct {
 	// deleted it and claimed the key as new, since a key past its retention is
 	// forgotten whether or not the janitor has come by yet.
 	ReplacedExpired bool
+	// Row locates the claimed row (ClaimResponseTx, when Claimed).
+	Row RowRef
 }
 
 // responseQueries are the statements about stored responses; they live here, next
 // to the code that encodes them, rather than in queries.go.
 type responseQueries struct {
+	claim, markWait                                             string
 	get, save, fail, completeLease, failLease, deleteExpiredKey string
 	saveOrFail, completeLeaseOrFail                             string
+	answerCommitted, answerCommittedLease                       string
 }
 
 func newResponseQueries(schema string) responseQueries {
 	t := schema + ".inbox"
 	return responseQueries{
+		// The consumer's claim (queries.go), returning where the row went.
+		claim: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)
+			ON CONFLICT (consumer, tenant, key) DO NOTHING
+			RETURNING ctid`,
+		// TxMark and SET LOCAL lock_timeout, in one statement.
+		markWait: `SELECT set_config('lock_timeout', $1, true), set_config('idem.tx', 'on', true)`,
 		get: `SELECT consumer, tenant, key, fingerprint, state, error_code, error, attempts,
 				lease_until, fence, received_at, completed_at, expires_at, now(),
 				response_status, response_headers, response_body, response_ref
@@ -71,17 +84,33 @@ func newResponseQueries(schema string) responseQueries {
 				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		// The "OrFail" forms go to the server in one round trip with COMMIT: an
-		// update that matched no row must stop that COMMIT, so it fails the
-		// statement (division by zero; a constant error would be raised at plan
-		// time), which leaves the transaction failed and the COMMIT unexecuted.
-		saveOrFail: `WITH saved AS (UPDATE ` + t + ` SET response_status = $4, response_headers = $5, response_body = $6, response_ref = $7
-				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed' RETURNING 1)
-			SELECT 1 / count(*) FROM saved`,
+		// update that matched no row, or a transaction without idem's mark (TxMark:
+		// the handler ended idem's transaction and began another), must stop that
+		// COMMIT, so they fail the statement, which leaves the transaction failed
+		// and the COMMIT unexecuted: division by zero for no row, and for no mark
+		// the cast of txMarkMissing to int (the CASE is not constant, so a cast
+		// that fails is raised only when it is reached, never at plan time). An
+		// update never runs in a transaction without the mark.
+		saveOrFail: `WITH saved AS (UPDATE ` + t + ` SET response_status = $5, response_headers = $6, response_body = $7, response_ref = $8
+				WHERE ctid = $4 AND consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed'
+					AND ` + txMarked + ` RETURNING 1)
+			SELECT (CASE WHEN ` + txMarked + ` THEN (1 / count(*))::text ELSE '` + txMarkMissing + `' END)::int FROM saved`,
 		completeLeaseOrFail: `WITH saved AS (UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
 				expires_at = now() + $5::interval,
 				response_status = $6, response_headers = $7, response_body = $8, response_ref = $9
-				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing' RETURNING 1)
-			SELECT 1 / count(*) FROM saved`,
+				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'
+					AND ` + txMarked + ` RETURNING 1)
+			SELECT (CASE WHEN ` + txMarked + ` THEN (1 / count(*))::text ELSE '` + txMarkMissing + `' END)::int FROM saved`,
+		// A claim that committed without SaveResponseCommit (the handler ran its own
+		// COMMIT): completed, no response yet, the same request.
+		answerCommitted: `UPDATE ` + t + ` SET error_code = $5, error = $6,
+				response_status = $7, response_headers = $8, response_body = $9, response_ref = $10
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fingerprint = $4
+				AND state = 'completed' AND response_status IS NULL`,
+		answerCommittedLease: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval, error_code = $6, error = $7,
+				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		// Only a settled row past its expiry goes; a processing row is never touched.
 		deleteExpiredKey: `DELETE FROM ` + t + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3
@@ -168,43 +197,56 @@ func DecodeHeader(b []byte) map[string][]string {
 	return h
 }
 
-// ClaimResponseTx is ClaimAfterTx for HTTP keys: it claims c in tx after the
-// prelude statements (one round trip), and on a conflict reads the existing row
-// together with its stored response. A settled row past its expires_at is deleted
-// in tx and the key claimed as new (ReplacedExpired).
+// ClaimResponseTx is ClaimAfterTx for HTTP keys: in one round trip it sends the
+// prelude statements (BEGIN), marks the transaction with TxMark and sets its
+// lock_timeout to wait (the bound on waiting for a concurrent claim of the key;
+// 0 is no bound), and claims c. On a conflict it reads the existing row together with its stored
+// response. A settled row past its expires_at is deleted in tx and the key claimed
+// as new (ReplacedExpired). A claim returns Row, for SaveResponseCommit.
 func (s *Store) ClaimResponseTx(ctx context.Context, tx interface {
 	DBTX
 	BatchSender
-}, prelude []string, c Claim) (ResponseClaim, error) {
+}, prelude []string, c Claim, wait time.Duration) (ResponseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return ResponseClaim{}, err
 	}
+	var row RowRef
 	pipelined := false
-	return s.insertOrResponse(ctx, tx, c, func() (int64, error) {
-		var inserted bool
+	res, err := s.insertOrResponse(ctx, tx, c, func() (int64, error) {
 		if pipelined {
-			return 0, tx.QueryRow(ctx, s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
+			return 0, tx.QueryRow(ctx, s.rq().claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&row.tid)
 		}
 		pipelined = true
 		b := &pgx.Batch{}
 		for _, sql := range prelude {
 			b.Queue(sql)
 		}
-		b.Queue(s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+		b.Queue(s.rq().markWait, strconv.FormatInt(max(wait.Milliseconds(), 0), 10))
+		b.Queue(s.rq().claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
 		br := tx.SendBatch(ctx, b)
-		for range prelude {
+		for range len(prelude) + 1 {
 			if _, err := br.Exec(); err != nil {
 				_ = br.Close()
 				return 0, err
 			}
 		}
-		err := br.QueryRow().Scan(&inserted)
+		err := br.QueryRow().Scan(&row.tid)
 		if cerr := br.Close(); err == nil && cerr != nil {
 			err = cerr
 		}
 		return 0, err
 	})
+	if res.Claimed {
+		res.Row = row
+	}
+	return res, err
 }
+
+// RowRef locates a row that ClaimResponseTx inserted, inside the transaction that
+// inserted it: its ctid, which nothing but that transaction can change before it
+// ends. SaveResponseCommit finds the row by it without an index lookup. The zero
+// value locates nothing.
+type RowRef struct{ tid pgtype.TID }
 
 // LeaseResponse is Lease for HTTP keys: it commits a processing row with a lease
 // at once (db outside a transaction), or takes over a processing row whose lease
@@ -279,23 +321,26 @@ func (s *Store) SaveResponseTx(ctx context.Context, tx DBTX, id ID, resp *Respon
 var ErrCommitUnknown = newError("commit_unknown", "COMMIT failed; whether the transaction committed is unknown", false)
 
 // SaveResponseCommit stores resp on id's row and commits, in one round trip. conn
-// must be running a transaction that claimed id with ClaimResponseTx, begun with
-// plain SQL ("begin") rather than through pgx's Tx, which would not know that it
-// ended. If no completed row takes the response, nothing commits: the COMMIT behind
-// the failed statement is never executed and the transaction is left failed, for
-// the caller to roll back. A failed COMMIT returns ErrCommitUnknown.
-func (s *Store) SaveResponseCommit(ctx context.Context, conn BatchSender, id ID, resp *Response) error {
+// must be running the transaction that claimed id with ClaimResponseTx, whose Row
+// is row, begun with plain SQL ("begin") rather than through pgx's Tx, which would
+// not know that it ended. If the transaction is not that one any more
+// (ErrTxReplaced: it lost ClaimResponseTx's mark) or no completed row takes the
+// response, nothing commits: the COMMIT behind the failed statement is never
+// executed and the transaction is left failed, for the caller to roll back. A
+// failed COMMIT returns ErrCommitUnknown.
+func (s *Store) SaveResponseCommit(ctx context.Context, conn BatchSender, id ID, row RowRef, resp *Response) error {
 	if err := ValidateResponse(resp); err != nil {
 		return err
 	}
-	args := append([]any{id.Consumer, id.Tenant, id.Key}, responseArgs(resp)...)
+	args := append([]any{id.Consumer, id.Tenant, id.Key, row.tid}, responseArgs(resp)...)
 	return s.commitAfter(ctx, conn, s.rq().saveOrFail, args, func() error {
 		return fmt.Errorf("idem: no completed inbox row for consumer %q key %q to store the response on", id.Consumer, id.Key)
 	})
 }
 
 // CompleteLeaseResponseCommit is CompleteLeaseResponseTx and COMMIT in one round
-// trip; a fence that no longer matches returns ErrLeaseLost and commits nothing.
+// trip, in a transaction marked with TxMark; a fence that no longer matches returns
+// ErrLeaseLost and a missing mark ErrTxReplaced, and neither commits anything.
 func (s *Store) CompleteLeaseResponseCommit(ctx context.Context, conn BatchSender, id ID, fence int64, retention time.Duration, resp *Response) error {
 	if err := ValidateResponse(resp); err != nil {
 		return err
@@ -304,8 +349,9 @@ func (s *Store) CompleteLeaseResponseCommit(ctx context.Context, conn BatchSende
 	return s.commitAfter(ctx, conn, s.rq().completeLeaseOrFail, args, func() error { return ErrLeaseLost })
 }
 
-// commitAfter sends an "OrFail" statement and COMMIT in one batch. A division by
-// zero from the statement is noRow.
+// commitAfter sends an "OrFail" statement and COMMIT in one batch. A missing mark
+// is ErrTxReplaced; a division by zero is noRow. Either way nothing commits: the
+// COMMIT behind a failed statement is never executed.
 func (s *Store) commitAfter(ctx context.Context, conn BatchSender, sql string, args []any, noRow func() error) error {
 	b := &pgx.Batch{}
 	b.Queue(sql, args...)
@@ -315,22 +361,42 @@ func (s *Store) commitAfter(ctx context.Context, conn BatchSender, sql string, a
 	if err := br.QueryRow().Scan(&one); err != nil {
 		_ = br.Close()
 		var pgErr interface{ SQLState() string }
-		if errors.As(err, &pgErr) && pgErr.SQLState() == "22012" {
+		switch {
+		case txMarkGone(err):
+			return ErrTxReplaced
+		case errors.As(err, &pgErr) && pgErr.SQLState() == "22012":
 			return noRow()
 		}
 		return s.wrapResponse(err)
 	}
-	tag, err := br.Exec()
-	if cerr := br.Close(); err == nil {
-		err = cerr
+	return commitResult(br)
+}
+
+// AnswerCommitted stores resp, with code and msg as the row's error, on c's key
+// when the key was settled without its response: the request's handler ran its
+// own COMMIT, which committed the claim and part of its work, so the response can
+// no longer commit with them. With fence 0 the row is a ClaimResponseTx claim
+// (completed, with c's fingerprint, no response yet); with a fence it is the
+// processing row that LeaseResponse gave that fence, and it becomes completed. It
+// reports whether it found such a row: false means the claim never committed (tx
+// mode) or the lease was lost (lease mode). Run it outside the request's
+// transaction, after that has ended.
+func (s *Store) AnswerCommitted(ctx context.Context, db DBTX, c Claim, fence int64, code, msg string, resp *Response) (bool, error) {
+	if err := c.Validate(); err != nil {
+		return false, err
 	}
+	if err := ValidateResponse(resp); err != nil {
+		return false, err
+	}
+	sql, args := s.rq().answerCommitted, []any{c.Consumer, c.Tenant, c.Key, c.Fingerprint, code, msg}
+	if fence != 0 {
+		sql, args = s.rq().answerCommittedLease, []any{c.Consumer, c.Tenant, c.Key, fence, retentionOf(c.Retention), code, msg}
+	}
+	tag, err := db.Exec(ctx, sql, append(args, responseArgs(resp)...)...)
 	if err != nil {
-		return fmt.Errorf("%w: %v", ErrCommitUnknown, err)
+		return false, s.wrapResponse(err)
 	}
-	if tag.String() != "COMMIT" {
-		return fmt.Errorf("idem: COMMIT answered %q: the transaction had failed and nothing committed", tag.String())
-	}
-	return nil
+	return tag.RowsAffected() == 1, nil
 }
 
 // FailResponseTx records c as failed with its response (a final client error),

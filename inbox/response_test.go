@@ -29,7 +29,7 @@ func TestStoredResponseRoundTrip(t *testing.T) {
 	}
 	var res inbox.ResponseClaim
 	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) (err error) {
-		if res, err = store.ClaimResponseTx(ctx, tx, []string{"SET LOCAL lock_timeout = 1000"}, httpClaim("k1", "fp")); err != nil {
+		if res, err = store.ClaimResponseTx(ctx, tx, nil, httpClaim("k1", "fp"), time.Second); err != nil {
 			return err
 		}
 		return store.SaveResponseTx(ctx, tx, httpClaim("k1", "fp").ID, resp)
@@ -37,7 +37,7 @@ func TestStoredResponseRoundTrip(t *testing.T) {
 	require.True(t, res.Claimed)
 
 	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) (err error) {
-		res, err = store.ClaimResponseTx(ctx, tx, nil, httpClaim("k1", "fp"))
+		res, err = store.ClaimResponseTx(ctx, tx, nil, httpClaim("k1", "fp"), time.Second)
 		return err
 	}))
 	require.False(t, res.Claimed)
@@ -47,7 +47,7 @@ func TestStoredResponseRoundTrip(t *testing.T) {
 	// An empty body is stored as empty, not as none; a header value with CR LF is
 	// flattened, as net/http writes it.
 	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-		if _, err := store.ClaimResponseTx(ctx, tx, nil, httpClaim("k2", "fp")); err != nil {
+		if _, err := store.ClaimResponseTx(ctx, tx, nil, httpClaim("k2", "fp"), time.Second); err != nil {
 			return err
 		}
 		return store.SaveResponseTx(ctx, tx, httpClaim("k2", "fp").ID, &inbox.Response{Status: 204, Header: map[string][]string{"X-A": {"a\r\nb"}}})
@@ -80,7 +80,7 @@ func TestBodyReferenceStoresNoBody(t *testing.T) {
 	store, b := setup(t)
 	ctx := context.Background()
 	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-		if _, err := store.ClaimResponseTx(ctx, tx, nil, httpClaim("k", "fp")); err != nil {
+		if _, err := store.ClaimResponseTx(ctx, tx, nil, httpClaim("k", "fp"), time.Second); err != nil {
 			return err
 		}
 		return store.SaveResponseTx(ctx, tx, httpClaim("k", "").ID, &inbox.Response{Status: 201, Body: []byte(`{"email":"ann@example.com"}`), BodyRef: "pay_1"})
@@ -98,7 +98,7 @@ func TestExpiredKeyIsClaimedAsNew(t *testing.T) {
 	ctx := context.Background()
 	pool := b.pool.(*pgxpool.Pool)
 	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := store.ClaimResponseTx(ctx, tx, nil, httpClaim("k", "fp")); err != nil {
+		if _, err := store.ClaimResponseTx(ctx, tx, nil, httpClaim("k", "fp"), time.Second); err != nil {
 			return err
 		}
 		return store.SaveResponseTx(ctx, tx, httpClaim("k", "").ID, &inbox.Response{Status: 201, Body: []byte("old")})
@@ -108,7 +108,7 @@ func TestExpiredKeyIsClaimedAsNew(t *testing.T) {
 
 	var res inbox.ResponseClaim
 	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
-		res, err = store.ClaimResponseTx(ctx, tx, nil, httpClaim("k", "other"))
+		res, err = store.ClaimResponseTx(ctx, tx, nil, httpClaim("k", "other"), time.Second)
 		return err
 	}))
 	require.True(t, res.Claimed)
@@ -207,7 +207,7 @@ func TestJanitorDeletesStoredResponses(t *testing.T) {
 	pool := b.pool.(*pgxpool.Pool)
 	for _, k := range []string{"old", "new"} {
 		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			if _, err := store.ClaimResponseTx(ctx, tx, nil, httpClaim(k, "fp")); err != nil {
+			if _, err := store.ClaimResponseTx(ctx, tx, nil, httpClaim(k, "fp"), time.Second); err != nil {
 				return err
 			}
 			return store.SaveResponseTx(ctx, tx, httpClaim(k, "").ID, &inbox.Response{Status: 201, Body: []byte("personal data")})
@@ -250,23 +250,23 @@ func TestSaveResponseCommit(t *testing.T) {
 	defer conn.Release()
 	c := conn.Conn()
 
-	res, err := store.ClaimResponseTx(ctx, c, []string{"begin"}, httpClaim("k", "fp"))
+	res, err := store.ClaimResponseTx(ctx, c, []string{"begin"}, httpClaim("k", "fp"), time.Second)
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
 	_, err = c.Exec(ctx, `INSERT INTO work VALUES (1)`)
 	require.NoError(t, err)
-	require.NoError(t, store.SaveResponseCommit(ctx, c, httpClaim("k", "").ID, &inbox.Response{Status: 201, Body: []byte("ok")}))
+	require.NoError(t, store.SaveResponseCommit(ctx, c, httpClaim("k", "").ID, res.Row, &inbox.Response{Status: 201, Body: []byte("ok")}))
 	require.Equal(t, byte('I'), c.PgConn().TxStatus())
 	_, resp, err := store.GetResponse(ctx, pool, httpClaim("k", "").ID)
 	require.NoError(t, err)
 	require.Equal(t, "ok", string(resp.Body))
 
 	// No claimed row: an error, and nothing of the transaction commits.
-	_, err = c.Exec(ctx, `begin`)
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
 	require.NoError(t, err)
 	_, err = c.Exec(ctx, `INSERT INTO work VALUES (2)`)
 	require.NoError(t, err)
-	err = store.SaveResponseCommit(ctx, c, httpClaim("unclaimed", "").ID, &inbox.Response{Status: 201})
+	err = store.SaveResponseCommit(ctx, c, httpClaim("unclaimed", "").ID, inbox.RowRef{}, &inbox.Response{Status: 201})
 	require.ErrorContains(t, err, "no completed inbox row")
 	require.NotErrorIs(t, err, inbox.ErrCommitUnknown)
 	require.Equal(t, byte('E'), c.PgConn().TxStatus(), "the transaction is failed, not committed")
@@ -277,7 +277,7 @@ func TestSaveResponseCommit(t *testing.T) {
 	// Lease: a stale fence commits nothing.
 	lres, err := store.LeaseResponse(ctx, pool, httpClaim("l", "fp"), time.Minute)
 	require.NoError(t, err)
-	_, err = c.Exec(ctx, `begin`)
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
 	require.NoError(t, err)
 	_, err = c.Exec(ctx, `INSERT INTO work VALUES (3)`)
 	require.NoError(t, err)
@@ -286,10 +286,101 @@ func TestSaveResponseCommit(t *testing.T) {
 	_, err = c.Exec(ctx, `rollback`)
 	require.NoError(t, err)
 	require.NoError(t, func() error {
-		_, err := c.Exec(ctx, `begin`)
+		_, err := c.Exec(ctx, "begin; "+inbox.TxMark)
 		return err
 	}())
 	require.NoError(t, store.CompleteLeaseResponseCommit(ctx, c, httpClaim("l", "").ID, lres.Fence, 0, &inbox.Response{Status: 201}))
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key = 'l' AND state = 'completed'`))
+}
+
+// TestCommitChecksTheMark: a transaction that lost idem's mark (the handler ran
+// COMMIT or ROLLBACK and then BEGIN) is never committed by SaveResponseCommit,
+// CompleteLeaseResponseCommit or CommitMarked: ErrTxReplaced, and the work of the
+// replacement stays uncommitted. RollbackMarked tells the two apart.
+func TestCommitChecksTheMark(t *testing.T) {
+	store, b := setup(t)
+	ctx := context.Background()
+	pool := b.pool.(*pgxpool.Pool)
+	_, err := pool.Exec(ctx, `CREATE TABLE work (n int)`)
+	require.NoError(t, err)
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	c := conn.Conn()
+	replaced := func(end string) {
+		t.Helper()
+		_, err := c.Exec(ctx, end+"; BEGIN")
+		require.NoError(t, err)
+		_, err = c.Exec(ctx, `INSERT INTO work VALUES (1)`)
+		require.NoError(t, err)
+	}
+	requireNothingCommitted := func(err error) {
+		t.Helper()
+		require.ErrorIs(t, err, inbox.ErrTxReplaced)
+		require.Equal(t, "tx_replaced", inbox.Code(err))
+		require.Equal(t, byte('E'), c.PgConn().TxStatus(), "the replacement is failed, not committed")
+		_, err = c.Exec(ctx, `rollback`)
+		require.NoError(t, err)
+		require.Equal(t, 0, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
+	}
+
+	res, err := store.ClaimResponseTx(ctx, c, []string{"begin"}, httpClaim("k", "fp"), time.Second)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	replaced("COMMIT")
+	requireNothingCommitted(store.SaveResponseCommit(ctx, c, httpClaim("k", "").ID, res.Row, &inbox.Response{Status: 201}))
+	// The handler's COMMIT took the claim with it, without a response: the key is
+	// answered separately, once.
+	answered, err := store.AnswerCommitted(ctx, pool, httpClaim("k", "fp"), 0, "handler_committed", "m", &inbox.Response{Status: 500, Body: []byte("p")})
+	require.NoError(t, err)
+	require.True(t, answered)
+	answered, err = store.AnswerCommitted(ctx, pool, httpClaim("k", "fp"), 0, "handler_committed", "m", &inbox.Response{Status: 500})
+	require.NoError(t, err)
+	require.False(t, answered, "only a key without a response")
+	rec, resp, err := store.GetResponse(ctx, pool, httpClaim("k", "").ID)
+	require.NoError(t, err)
+	require.Equal(t, inbox.StateCompleted, rec.State)
+	require.Equal(t, "handler_committed", rec.ErrorCode)
+	require.Equal(t, "p", string(resp.Body))
+
+	lres, err := store.LeaseResponse(ctx, pool, httpClaim("l", "fp"), time.Minute)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	replaced("ROLLBACK")
+	requireNothingCommitted(store.CompleteLeaseResponseCommit(ctx, c, httpClaim("l", "").ID, lres.Fence, 0, &inbox.Response{Status: 201}))
+	answered, err = store.AnswerCommitted(ctx, pool, httpClaim("l", "fp"), lres.Fence+1, "handler_committed", "m", &inbox.Response{Status: 500})
+	require.NoError(t, err)
+	require.False(t, answered, "a stale fence")
+	answered, err = store.AnswerCommitted(ctx, pool, httpClaim("l", "fp"), lres.Fence, "handler_committed", "m", &inbox.Response{Status: 500})
+	require.NoError(t, err)
+	require.True(t, answered)
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key = 'l' AND state = 'completed' AND lease_until IS NULL`))
+
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	replaced("COMMIT")
+	requireNothingCommitted(inbox.CommitMarked(ctx, c))
+
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	marked, err := inbox.RollbackMarked(ctx, c)
+	require.NoError(t, err)
+	require.True(t, marked)
+	require.Equal(t, byte('I'), c.PgConn().TxStatus())
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	replaced("ROLLBACK")
+	marked, err = inbox.RollbackMarked(ctx, c)
+	require.NoError(t, err)
+	require.False(t, marked)
+	require.Equal(t, byte('I'), c.PgConn().TxStatus())
+
+	_, err = c.Exec(ctx, "begin; "+inbox.TxMark)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, `INSERT INTO work VALUES (2)`)
+	require.NoError(t, err)
+	require.NoError(t, inbox.CommitMarked(ctx, c))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
 }
