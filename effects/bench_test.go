@@ -4,9 +4,18 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"os"
+	"strconv"
+	"syscall"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/stretchr/testify/require"
 
@@ -77,4 +86,213 @@ func BenchmarkEnqueueToSendLatency(b *testing.B) {
 	b.ReportMetric(pct(0.50), "p50-ms")
 	b.ReportMetric(pct(0.99), "p99-ms")
 	b.ReportMetric(float64(lat[len(lat)-1])/float64(time.Millisecond), "max-ms")
+}
+
+// BenchmarkDispatcherBacklog: a burst of b.N effects lands in a table that was
+// empty, and one Dispatcher with a no-op sender drains it. The sub-benchmarks differ
+// only in the table's statistics when the drain starts:
+//
+//   - fresh: never analyzed, and autovacuum is off for the table, so it stays that
+//     way for the whole drain (the worst case, and a steady one);
+//   - stale: analyzed when it held 100 effects, then the burst;
+//   - analyzed: ANALYZE after the burst (what BenchmarkDispatcherThroughput does).
+//
+// The time covers claiming, sending and recording every effect done.
+//
+//	go test -run '^$' -bench Backlog -benchtime 100000x ./effects
+func BenchmarkDispatcherBacklog(b *testing.B) {
+	for _, stats := range []string{"fresh", "stale", "analyzed"} {
+		b.Run(stats, func(b *testing.B) { drainBacklog(b, stats) })
+	}
+}
+
+func drainBacklog(b *testing.B, stats string) {
+	pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: 8})
+	ctx := context.Background()
+	exec := func(sql string, args ...any) {
+		b.Helper()
+		_, err := pool.Exec(ctx, sql, args...)
+		require.NoError(b, err)
+	}
+	// As Enqueue from a consumer writes them: with a source, which the source index
+	// holds.
+	burst := func(from, n int) {
+		exec(`INSERT INTO effects (kind, key, payload, fingerprint, source_consumer, source_tenant, source_key)
+			SELECT 'noop', 'k' || g, '{"to":"a@example.com"}'::bytea, sha256(g::text::bytea), 'orders', '', 'm' || g
+			FROM generate_series($1::int, $1::int + $2::int - 1) g`, from, n)
+	}
+	switch stats {
+	case "fresh":
+		exec(`ALTER TABLE effects SET (autovacuum_enabled = off)`)
+		burst(0, b.N)
+	case "stale":
+		exec(`ALTER TABLE effects SET (autovacuum_enabled = off)`)
+		burst(-100, 100)
+		exec(`ANALYZE effects`)
+		burst(0, b.N)
+	case "analyzed":
+		burst(0, b.N)
+		exec(`ANALYZE effects`)
+	}
+	var sent atomic.Int64
+	noop := effects.SenderFunc(func(context.Context, effects.Delivery) error { sent.Add(1); return nil })
+	tr := &stmtTracer{}
+	cfg := effects.Config{Pool: tracedPool(b, schema, 8, tr), Schema: schema, Senders: map[string]effects.Sender{"noop": noop},
+		BatchSize: 100, Concurrency: map[string]int{"noop": 100}}
+	want := b.N
+	if stats == "stale" {
+		want += 100
+	}
+	b.ResetTimer()
+	begin := time.Now()
+	cpu := startCPU(b, schema)
+	stop := start(b, cfg)
+	for sent.Load() < int64(want) {
+		time.Sleep(time.Millisecond)
+	}
+	for pgtest.Count(b, pool, `SELECT count(*) FROM effects WHERE state = 'pending'`) > 0 {
+		time.Sleep(5 * time.Millisecond)
+	}
+	elapsed := time.Since(begin)
+	b.StopTimer()
+	cpu.report(b, want)
+	stop()
+	b.ReportMetric(float64(want)/elapsed.Seconds(), "effects/s")
+	tr.report(b)
+	var analyzed bool
+	require.NoError(b, pool.QueryRow(ctx, `SELECT coalesce(last_analyze, last_autoanalyze) IS NOT NULL
+		FROM pg_stat_user_tables WHERE relid = 'effects'::regclass`).Scan(&analyzed))
+	if stats == "fresh" && analyzed {
+		b.Fatal("the fresh table was analyzed during the drain")
+	}
+}
+
+// stmtTracer sums the time of the Dispatcher's claim and outcome-write round trips,
+// so a benchmark can say where its time went.
+type stmtTracer struct {
+	mu    sync.Mutex
+	n     map[string]int
+	total map[string]time.Duration
+}
+
+type stmtKey struct{}
+
+type stmtStart struct {
+	kind string
+	at   time.Time
+}
+
+func (tr *stmtTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	kind := "other"
+	for _, q := range data.Batch.QueuedQueries {
+		switch {
+		case strings.Contains(q.SQL, "SKIP LOCKED"):
+			kind = "claim"
+		case strings.Contains(q.SQL, "recorded_fence = d.fence"):
+			kind = "record"
+		}
+	}
+	return context.WithValue(ctx, stmtKey{}, stmtStart{kind, time.Now()})
+}
+
+func (tr *stmtTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (tr *stmtTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchEndData) {
+	s, ok := ctx.Value(stmtKey{}).(stmtStart)
+	if !ok {
+		return
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if tr.n == nil {
+		tr.n, tr.total = map[string]int{}, map[string]time.Duration{}
+	}
+	tr.n[s.kind]++
+	tr.total[s.kind] += time.Since(s.at)
+}
+
+func (tr *stmtTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (tr *stmtTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// report adds the count and mean time of claims and outcome writes to b's metrics.
+func (tr *stmtTracer) report(b *testing.B) {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	for _, kind := range []string{"claim", "record"} {
+		if n := tr.n[kind]; n > 0 {
+			b.ReportMetric(float64(n), kind+"s")
+			b.ReportMetric(float64(tr.total[kind])/float64(n)/float64(time.Millisecond), kind+"-ms")
+		}
+	}
+}
+
+// tracedPool is a pool on schema whose round trips tr times.
+func tracedPool(b *testing.B, schema string, maxConns int32, tr *stmtTracer) *pgxpool.Pool {
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(b, err)
+	cfg.MaxConns = maxConns
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.ConnConfig.Tracer = tr
+	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-bench:" + schema
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(b, err)
+	b.Cleanup(pool.Close)
+	return pool
+}
+
+// cpuMeter measures the CPU time this process and the Postgres backends of one
+// schema's benchmark pool spent, so a figure can be read apart from the machine's
+// other load.
+type cpuMeter struct {
+	schema string
+	goCPU  time.Duration
+}
+
+func startCPU(b *testing.B, schema string) *cpuMeter {
+	return &cpuMeter{schema: schema, goCPU: processCPU(b)}
+}
+
+// report adds the Go process's and the backends' CPU time per effect (µs) to b's
+// metrics. The backends are read before the pool closes; a backend that started
+// during the run counts from its start.
+func (m *cpuMeter) report(b *testing.B, effects int) {
+	goCPU := processCPU(b) - m.goCPU
+	conn, err := pgx.Connect(context.Background(), pgtest.URL())
+	require.NoError(b, err)
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(context.Background(), `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, "idem-bench:"+m.schema)
+	require.NoError(b, err)
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	require.NoError(b, err)
+	var pgCPU time.Duration
+	for _, pid := range pids {
+		pgCPU += pidCPU(b, int(pid))
+	}
+	b.ReportMetric(float64(goCPU.Microseconds())/float64(effects), "go-cpu-µs/effect")
+	b.ReportMetric(float64(pgCPU.Microseconds())/float64(effects), "pg-cpu-µs/effect")
+}
+
+func processCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	require.NoError(b, syscall.Getrusage(syscall.RUSAGE_SELF, &ru))
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// pidCPU is the user and system CPU time of a process of this host, from
+// /proc/<pid>/stat (clock ticks of 10 ms); 0 if it is gone.
+func pidCPU(b *testing.B, pid int) time.Duration {
+	raw, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0
+	}
+	s := string(raw)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	utime, err1 := strconv.ParseInt(fields[11], 10, 64)
+	stime, err2 := strconv.ParseInt(fields[12], 10, 64)
+	require.NoError(b, err1)
+	require.NoError(b, err2)
+	return time.Duration(utime+stime) * 10 * time.Millisecond
 }

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"runtime/debug"
 	"slices"
 	"strings"
@@ -17,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // ErrDispatcherRunning is returned by Run when the Dispatcher is already running.
@@ -52,6 +52,10 @@ type lane struct {
 	capacity    int
 	queue       chan *claimed
 	held        atomic.Int64 // claimed and not yet recorded
+
+	// The kind's series, looked up once rather than on every effect.
+	lag      prometheus.Observer
+	attempts map[string]prometheus.Counter // by outcome label
 }
 
 // claimed is an effect this Dispatcher holds a lease on.
@@ -72,16 +76,6 @@ func (c *claimed) logAttrs() []any {
 	}
 	return []any{"kind", c.Kind, "effect_key", c.Key, "attempt", c.Attempt}
 }
-
-// claimID names one claim of one effect: the effect's identity, (tenant, kind,
-// key), and the claim's fence. One outcome batch may hold two claims of the same
-// effect (the older one's lease ran out and this Dispatcher claimed it again).
-type claimID struct {
-	tenant, kind, key string
-	fence             int64
-}
-
-func (c *claimed) id() claimID { return claimID{c.Tenant, c.Kind, c.Key, c.fence} }
 
 // outcome is what to record for a claim.
 type outcome struct {
@@ -117,7 +111,11 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	for kind, s := range cfg.Senders {
 		n := cmp.Or(cfg.Concurrency[kind], DefaultConcurrency)
 		capacity := n + min(n, cfg.BatchSize)
-		l := &lane{kind: kind, sender: s, concurrency: n, capacity: capacity, queue: make(chan *claimed, capacity)}
+		l := &lane{kind: kind, sender: s, concurrency: n, capacity: capacity, queue: make(chan *claimed, capacity),
+			lag: m.lag.WithLabelValues(kind), attempts: map[string]prometheus.Counter{}}
+		for _, o := range attemptOutcomes {
+			l.attempts[o] = m.attempts.WithLabelValues(kind, o)
+		}
 		d.lanes = append(d.lanes, l)
 		d.byKind[kind] = l
 		m.precreate(kind)
@@ -279,25 +277,16 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
 	start := time.Now()
-	// The claim runs in a transaction of its own that forbids sequential scans,
-	// bitmap scans and hash joins, sent as one pipelined round trip, so that its
-	// plan is the same whatever the table's statistics: an ordered range scan of
-	// effects_due_idx (kind, next_attempt_at) per kind, and the primary key for the
-	// update. Without that, statistics taken while the table was small (before a
-	// burst of effects, until autovacuum analyzes it again) make the planner read
-	// every due row and sort them on every claim: measured here, 5k effects/s
-	// instead of 25k with 40,000 pending, and 28 ms instead of 1.5 ms for one claim
-	// of 100 among 80,000 due rows before the first ANALYZE.
+	// The claim runs in a transaction of its own, with the settings that fix its
+	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
-	for _, set := range claimSettings {
-		b.Queue(set)
-	}
+	b.Queue(claimSettings)
 	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
 	defer br.Close()
-	for range 1 + len(claimSettings) {
+	for range 2 {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
 		}
@@ -341,24 +330,6 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	return out, nil
 }
 
-// claimSettings run before the claim, in its transaction: see claim.
-var claimSettings = []string{
-	"SET LOCAL enable_seqscan = off",
-	"SET LOCAL enable_bitmapscan = off",
-	"SET LOCAL enable_hashjoin = off",
-}
-
-// recordSettings run before an outcome write, in its transaction. With statistics
-// that say the table is small, or an estimate of the outcome rows that is too
-// high, the planner would hash or merge the whole table against a few hundred
-// outcomes; the write must probe the primary key once per outcome.
-var recordSettings = []string{
-	"SET LOCAL enable_seqscan = off",
-	"SET LOCAL enable_bitmapscan = off",
-	"SET LOCAL enable_hashjoin = off",
-	"SET LOCAL enable_mergejoin = off",
-}
-
 // work sends the effects of one lane until ctx ends. A claim taken from the queue
 // after that is released unsent.
 func (d *Dispatcher) work(ctx, sendCtx context.Context, l *lane) {
@@ -388,9 +359,9 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 	shutdown := ctx
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	log := d.log.With(c.logAttrs()...)
 
 	if c.prevInFlight {
+		log := d.log.With(c.logAttrs()...)
 		if r, ok := c.lane.sender.(Reconciler); ok {
 			done, err := reconcileSafely(ctx, r, c.Delivery)
 			switch {
@@ -415,14 +386,15 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 	}
 	if c.Attempt > c.maxAttempts {
 		// The last allowed attempt's outcome was unknown, and no Reconcile settled it.
-		return d.dead(c, errors.New("attempts exhausted; the outcome of the last attempt is unknown"), c.prevInFlight, log)
+		return d.dead(c, errors.New("attempts exhausted; the outcome of the last attempt is unknown"), c.prevInFlight, d.log.With(c.logAttrs()...))
 	}
 
-	d.m.lag.WithLabelValues(c.Kind).Observe((c.lagAtClaim + time.Since(c.claimedAt)).Seconds())
+	c.lane.lag.Observe((c.lagAtClaim + time.Since(c.claimedAt)).Seconds())
 	err := sendSafely(ctx, c.lane.sender, c.Delivery)
 	if err == nil {
 		return outcome{c: c, state: "done", label: "done"}
 	}
+	log := d.log.With(c.logAttrs()...)
 	if ctx.Err() != nil && !IsPermanent(err) {
 		// Cut off by the lease deadline or a forced shutdown: the receiver may have
 		// the effect already.
@@ -532,13 +504,13 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 			}
 		}
 	}
-	applied, err := d.writeOutcomes(batch)
+	status, err := d.writeOutcomes(batch)
 	if err != nil && isDataError(err) {
 		// One row's data broke the statement (a constraint of the user's, an
 		// encoding the server cannot take). The batch is all or nothing, so write
 		// each outcome on its own: one bad outcome must not cost the others theirs.
 		d.log.Warn("effects dispatcher: an outcome batch was rejected for its data; writing each outcome on its own", "error", err, "outcomes", len(batch))
-		applied, err = d.writeOneByOne(batch), nil
+		status, err = d.writeOneByOne(batch), nil
 	}
 	if err != nil {
 		// The leases will run out and the effects will be claimed again: nothing is
@@ -546,20 +518,19 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 		d.log.Error("effects dispatcher: recording outcomes failed; the effects will be retried after their lease", "error", err, "outcomes", len(batch))
 		return
 	}
-	for _, o := range batch {
-		rec, ok := applied[o.c.id()]
-		if !ok {
-			continue // not written at all (logged where it failed)
-		}
-		if !rec {
+	for i, o := range batch {
+		switch status[i] {
+		case notWritten:
+			// logged where it failed
+		case leaseLost:
 			d.m.lostLease.WithLabelValues(o.c.Kind).Inc()
 			d.log.Warn("effect lease lost: it was claimed again before this attempt's outcome was recorded",
 				append(o.c.logAttrs(), "outcome", o.label)...)
-			continue
-		}
-		d.m.attempts.WithLabelValues(o.c.Kind, o.label).Inc()
-		if o.state == "dead" {
-			d.m.dead.WithLabelValues(o.c.Kind).Inc()
+		case recorded:
+			o.c.lane.attempts[o.label].Inc()
+			if o.state == "dead" {
+				d.m.dead.WithLabelValues(o.c.Kind).Inc()
+			}
 		}
 	}
 	if notify {
@@ -574,16 +545,25 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 	}
 }
 
+// outcomeStatus is what became of one outcome of a batch.
+type outcomeStatus uint8
+
+const (
+	notWritten outcomeStatus = iota // the write failed
+	leaseLost                       // written, but the effect had been claimed again
+	recorded
+)
+
 // writeOutcomes records batch in one transaction, retried on errors that may pass
 // (a cut connection, a failover) but not on a data error, which the same rows would
-// hit again. It returns, for every outcome of the batch, whether it is recorded
-// (false: the lease was lost to a newer claim).
+// hit again. It returns, for each outcome of the batch in order, recorded or
+// leaseLost (the lease was lost to a newer claim).
 //
 // The write is retried even when its COMMIT may have gone through (a connection
 // cut after COMMIT was sent): the record statement is idempotent (see queries.go),
 // so the retry changes nothing that the first run changed, and still reports those
 // rows as recorded.
-func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
+func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 	n := len(batch)
 	tenants, kinds, keys, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
 	fences, delays := make([]int64, n), make([]int64, n)
@@ -595,29 +575,32 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
 			errs[i] = &o.err
 		}
 	}
-	applied := make(map[claimID]bool, n)
+	status := make([]outcomeStatus, n)
 	record := d.q.record
 	err := retryUnless(isDataError, func(ctx context.Context) error {
-		for _, o := range batch {
-			applied[o.c.id()] = false
+		for i := range status {
+			status[i] = leaseLost
 		}
 		// One round trip: the outcome commits without waiting for its WAL flush.
 		// That is safe here, and only here: if the server crashes and loses this
 		// commit, each row goes back to the claim before it, which is durable and
 		// in_flight, so the effect is reconciled or sent again after its lease. The
-		// claim itself always commits synchronously. The planner settings keep
-		// the plan on the primary key whatever the statistics, as for the claim.
+		// claim itself always commits synchronously. recordSettings also fix the
+		// plan, as for the claim.
 		b := &pgx.Batch{}
 		b.Queue(`BEGIN`)
-		b.Queue(`SET LOCAL synchronous_commit = off`)
-		for _, set := range recordSettings {
-			b.Queue(set)
-		}
+		b.Queue(recordSettings)
 		q := record
 		record = d.q.recordAgain // a retry may find this run committed
 		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
-			var k claimID
-			_, err := pgx.ForEachRow(rows, []any{&k.tenant, &k.kind, &k.key, &k.fence}, func() error { applied[k] = true; return nil })
+			var i int64
+			_, err := pgx.ForEachRow(rows, []any{&i}, func() error {
+				if i < 1 || i > int64(n) {
+					return fmt.Errorf("idem: outcome write returned ordinal %d of %d", i, n)
+				}
+				status[i-1] = recorded
+				return nil
+			})
 			return err
 		})
 		b.Queue(`COMMIT`)
@@ -626,15 +609,16 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
 	if err != nil {
 		return nil, err
 	}
-	return applied, nil
+	return status, nil
 }
 
 // writeOneByOne records each outcome in a transaction of its own. An outcome whose
 // row is still rejected for its data is written once more without its error text;
-// if even that fails, it is left to its lease (logged), and the others are kept.
-func (d *Dispatcher) writeOneByOne(batch []outcome) map[claimID]bool {
-	applied := make(map[claimID]bool, len(batch))
-	for _, o := range batch {
+// if even that fails, it is left to its lease (logged, and notWritten), and the
+// others are kept.
+func (d *Dispatcher) writeOneByOne(batch []outcome) []outcomeStatus {
+	status := make([]outcomeStatus, len(batch))
+	for i, o := range batch {
 		one, err := d.writeOutcomes([]outcome{o})
 		if err != nil && isDataError(err) && o.err != "" {
 			o.err = "idem: this attempt's error text could not be stored (" + sanitizeText(err.Error(), 200) + ")"
@@ -645,9 +629,9 @@ func (d *Dispatcher) writeOneByOne(batch []outcome) map[claimID]bool {
 				append(o.c.logAttrs(), "error", err, "outcome", o.label)...)
 			continue
 		}
-		maps.Copy(applied, one)
+		status[i] = one[0]
 	}
-	return applied
+	return status
 }
 
 // isDataError reports an error that the same rows will hit again: a data exception
