@@ -106,6 +106,18 @@ func BenchmarkDispatcherBacklog(b *testing.B) {
 	}
 }
 
+var (
+	benchBatch       = envInt("BENCH_BATCH", 100)
+	benchConcurrency = envInt("BENCH_CONCURRENCY", 100)
+)
+
+func envInt(name string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(name)); err == nil {
+		return v
+	}
+	return def
+}
+
 func drainBacklog(b *testing.B, stats string) {
 	pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: 8})
 	ctx := context.Background()
@@ -138,7 +150,7 @@ func drainBacklog(b *testing.B, stats string) {
 	noop := effects.SenderFunc(func(context.Context, effects.Delivery) error { sent.Add(1); return nil })
 	tr := &stmtTracer{}
 	cfg := effects.Config{Pool: tracedPool(b, schema, 8, tr), Schema: schema, Senders: map[string]effects.Sender{"noop": noop},
-		BatchSize: 100, Concurrency: map[string]int{"noop": 100}}
+		BatchSize: benchBatch, Concurrency: map[string]int{"noop": benchConcurrency}}
 	want := b.N
 	if stats == "stale" {
 		want += 100

@@ -42,6 +42,8 @@ type Dispatcher struct {
 	wake     chan struct{} // a notification or a requeue: look for work now
 	freed    chan struct{} // outcomes were recorded: capacity is free again
 	outcomes chan outcome  // made by each Run, closed when it ends
+	sendCtx  context.Context
+	released atomic.Int64 // claims handed back unsent at shutdown, in this Run
 }
 
 // lane is one kind's sender, its workers' queue and its count of claims held.
@@ -50,8 +52,8 @@ type lane struct {
 	sender      Sender
 	concurrency int
 	capacity    int
-	queue       chan *claimed
-	held        atomic.Int64 // claimed and not yet recorded
+	queue       chan *claimed // made by each Run, closed when its claim loop ends
+	held        atomic.Int64  // claimed and not yet recorded
 
 	// The kind's series, looked up once rather than on every effect.
 	lag      prometheus.Observer
@@ -67,6 +69,25 @@ type claimed struct {
 	lagAtClaim   time.Duration // due → claim, by the database's clock
 	claimedAt    time.Time     // local time just before the claim statement ran
 	lane         *lane
+	batch        *claimBatch
+}
+
+// claimBatch is what the effects of one claim statement share: their sends'
+// context, which ends a tenth of the lease before the lease does (or at a forced
+// shutdown), and a count of those not yet recorded. One context per claim rather
+// than per effect: the effects of a claim have the same deadline.
+type claimBatch struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	left   atomic.Int64
+}
+
+// recorded counts one effect of the batch as recorded (or given up), and releases
+// the context with the last one.
+func (b *claimBatch) recorded() {
+	if b.left.Add(-1) == 0 {
+		b.cancel()
+	}
 }
 
 // logAttrs name the effect and the attempt in logs.
@@ -111,7 +132,7 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	for kind, s := range cfg.Senders {
 		n := cmp.Or(cfg.Concurrency[kind], DefaultConcurrency)
 		capacity := n + min(n, cfg.BatchSize)
-		l := &lane{kind: kind, sender: s, concurrency: n, capacity: capacity, queue: make(chan *claimed, capacity),
+		l := &lane{kind: kind, sender: s, concurrency: n, capacity: capacity,
 			lag: m.lag.WithLabelValues(kind), attempts: map[string]prometheus.Counter{}}
 		for _, o := range attemptOutcomes {
 			l.attempts[o] = m.attempts.WithLabelValues(kind, o)
@@ -139,6 +160,11 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	d.outcomes = make(chan outcome, 4*d.cfg.BatchSize)
 	sendCtx, cancelSends := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelSends()
+	d.sendCtx = sendCtx
+	d.released.Store(0)
+	for _, l := range d.lanes {
+		l.queue = make(chan *claimed, l.capacity)
+	}
 
 	recorded := make(chan struct{})
 	go func() { defer close(recorded); d.record() }()
@@ -152,14 +178,18 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	var workers sync.WaitGroup
 	for _, l := range d.lanes {
 		for range l.concurrency {
-			workers.Go(func() { d.work(ctx, sendCtx, l) })
+			workers.Go(func() { d.work(ctx, l) })
 		}
 	}
 	d.log.Info("effects dispatcher started", "schema", d.cfg.Schema, "kinds", d.kinds())
 
 	d.claimLoop(ctx)
 
-	// Shutdown. The claim loop has stopped; workers finish their current send.
+	// Shutdown. The claim loop has stopped; workers finish their current send and
+	// hand back what is left in their queue.
+	for _, l := range d.lanes {
+		close(l.queue)
+	}
 	done := make(chan struct{})
 	go func() { workers.Wait(); close(done) }()
 	select {
@@ -169,17 +199,10 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		cancelSends()
 		<-done
 	}
-	released := 0
-	for _, l := range d.lanes {
-		for len(l.queue) > 0 {
-			d.outcomes <- d.release(<-l.queue)
-			released++
-		}
-	}
 	close(d.outcomes)
 	<-recorded
 	background.Wait()
-	d.log.Info("effects dispatcher stopped", "schema", d.cfg.Schema, "released", released)
+	d.log.Info("effects dispatcher stopped", "schema", d.cfg.Schema, "released", d.released.Load())
 	return nil
 }
 
@@ -327,28 +350,33 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		}
 		return nil, err
 	}
+	if len(out) > 0 {
+		lease := d.cfg.Lease
+		b := &claimBatch{}
+		b.ctx, b.cancel = context.WithDeadline(d.sendCtx, start.Add(lease-lease/10))
+		b.left.Store(int64(len(out)))
+		for _, c := range out {
+			c.batch = b
+		}
+	}
 	return out, nil
 }
 
-// work sends the effects of one lane until ctx ends. A claim taken from the queue
-// after that is released unsent.
-func (d *Dispatcher) work(ctx, sendCtx context.Context, l *lane) {
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case c := <-l.queue:
-			if ctx.Err() != nil {
-				d.outcomes <- d.release(c)
-				return
-			}
-			d.outcomes <- d.attempt(sendCtx, c)
+// work sends the effects of one lane until its queue is closed. A claim taken from
+// the queue after ctx ended is released unsent.
+func (d *Dispatcher) work(ctx context.Context, l *lane) {
+	for c := range l.queue {
+		if ctx.Err() != nil {
+			d.released.Add(1)
+			d.outcomes <- d.release(c)
+			continue
 		}
+		d.outcomes <- d.attempt(c)
 	}
 }
 
 // attempt carries out one claim and says what to record.
-func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
+func (d *Dispatcher) attempt(c *claimed) outcome {
 	lease := d.cfg.Lease
 	deadline := c.claimedAt.Add(lease - lease/10)
 	if time.Until(deadline) < lease/4 {
@@ -356,9 +384,7 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 		// overlap another dispatcher's claim of the same effect once the lease ends.
 		return d.release(c)
 	}
-	shutdown := ctx
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
+	shutdown, ctx := d.sendCtx, c.batch.ctx
 
 	if c.prevInFlight {
 		log := d.log.With(c.logAttrs()...)
@@ -481,6 +507,7 @@ func (d *Dispatcher) record() {
 		d.recordBatch(batch)
 		for _, o := range batch {
 			o.c.lane.held.Add(-1)
+			o.c.batch.recorded()
 		}
 		select {
 		case d.freed <- struct{}{}:
