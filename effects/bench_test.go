@@ -108,7 +108,7 @@ func BenchmarkEnqueueToSendLatency(b *testing.B) {
 //
 //	go test -run '^$' -bench Backlog -benchtime 100000x ./effects
 func BenchmarkDispatcherBacklog(b *testing.B) {
-	for _, stats := range []string{"fresh", "stale", "midway", "analyzed"} {
+	for _, stats := range []string{"fresh", "stale", "midway", "analyzed", "snapshot"} {
 		b.Run(stats, func(b *testing.B) { drainBacklog(b, stats) })
 	}
 }
@@ -141,6 +141,20 @@ func drainBacklog(b *testing.B, stats string) {
 			FROM generate_series($1::int, $1::int + $2::int - 1) g`, from, n)
 	}
 	switch stats {
+	case "snapshot":
+		// Another session holds a snapshot from before the drain (a long report, a
+		// pg_dump): no row version the drain leaves behind can be removed, nor its
+		// index entries marked dead, until it ends.
+		conn, err := pgx.Connect(ctx, pgtest.URL())
+		require.NoError(b, err)
+		b.Cleanup(func() { conn.Close(context.Background()) })
+		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+		require.NoError(b, err)
+		_, err = tx.Exec(ctx, `SELECT 1 FROM pg_class LIMIT 1`)
+		require.NoError(b, err)
+		b.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+		exec(`ALTER TABLE effects SET (autovacuum_enabled = off)`)
+		burst(0, b.N)
 	case "fresh", "midway":
 		exec(`ALTER TABLE effects SET (autovacuum_enabled = off)`)
 		burst(0, b.N)
@@ -279,19 +293,43 @@ func tracedPool(b *testing.B, schema string, maxConns int32, tr *stmtTracer) *pg
 // schema's benchmark pool spent, so a figure can be read apart from the machine's
 // other load.
 type cpuMeter struct {
-	schema string
-	goCPU  time.Duration
+	schema     string
+	goCPU      time.Duration
+	idle, busy int64 // the machine's, in clock ticks
 }
 
 func startCPU(b *testing.B, schema string) *cpuMeter {
-	return &cpuMeter{schema: schema, goCPU: processCPU(b)}
+	m := &cpuMeter{schema: schema, goCPU: processCPU(b)}
+	m.idle, m.busy = machineCPU(b)
+	return m
+}
+
+// machineCPU is the time all of the machine's CPUs spent idle (or waiting for
+// I/O) and busy since boot, from /proc/stat, in clock ticks.
+func machineCPU(b *testing.B) (idle, busy int64) {
+	raw, err := os.ReadFile("/proc/stat")
+	require.NoError(b, err)
+	line, _, _ := strings.Cut(string(raw), "\n")
+	for i, f := range strings.Fields(line)[1:] {
+		n, err := strconv.ParseInt(f, 10, 64)
+		require.NoError(b, err)
+		if i == 3 || i == 4 { // idle, iowait
+			idle += n
+		} else {
+			busy += n
+		}
+	}
+	return idle, busy
 }
 
 // report adds the Go process's and the backends' CPU time per effect (µs) to b's
-// metrics. The backends are read before the pool closes; a backend that started
+// metrics, and how much of the machine's CPU stood idle meanwhile. The backends are read before the pool closes; a backend that started
 // during the run counts from its start.
 func (m *cpuMeter) report(b *testing.B, effects int) {
 	goCPU := processCPU(b) - m.goCPU
+	idle, busy := machineCPU(b)
+	idle, busy = idle-m.idle, busy-m.busy
+	b.ReportMetric(100*float64(idle)/float64(idle+busy), "machine-idle-%")
 	conn, err := pgx.Connect(context.Background(), pgtest.URL())
 	require.NoError(b, err)
 	defer conn.Close(context.Background())
