@@ -88,6 +88,71 @@ func BenchmarkEnqueueToSendLatency(b *testing.B) {
 	b.ReportMetric(float64(lat[len(lat)-1])/float64(time.Millisecond), "max-ms")
 }
 
+// BenchmarkEnqueueToSendLatencySteady: the same latency as
+// BenchmarkEnqueueToSendLatency, with effects arriving at a steady rate: a
+// transaction of 10 every 2 ms (5,000 effects/s), b.N effects in all, sent by a
+// Dispatcher set up as for BenchmarkDispatcherBacklog (BENCH_BATCH,
+// BENCH_CONCURRENCY).
+//
+//	go test -run '^$' -bench LatencySteady -benchtime 50000x ./effects
+func BenchmarkEnqueueToSendLatencySteady(b *testing.B) {
+	pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: 8})
+	var mu sync.Mutex
+	committed := make(map[string]time.Time, b.N)
+	lat := make([]time.Duration, 0, b.N)
+	all := make(chan struct{})
+	sender := effects.SenderFunc(func(_ context.Context, d effects.Delivery) error {
+		now := time.Now()
+		mu.Lock()
+		defer mu.Unlock()
+		lat = append(lat, now.Sub(committed[d.Key]))
+		if len(lat) == b.N {
+			close(all)
+		}
+		return nil
+	})
+	cfg := effects.Config{Pool: pool, Schema: schema, Senders: map[string]effects.Sender{"lat": sender},
+		BatchSize: benchBatch, Concurrency: map[string]int{"lat": benchConcurrency}, PollInterval: time.Hour}
+	start(b, cfg)
+	time.Sleep(200 * time.Millisecond) // LISTEN is up
+	ctx := context.Background()
+	tick := time.NewTicker(2 * time.Millisecond)
+	defer tick.Stop()
+	b.ResetTimer()
+	for i := 0; i < b.N; i += 10 {
+		<-tick.C
+		tx, err := pool.Begin(ctx)
+		require.NoError(b, err)
+		var keys []string
+		for j := i; j < min(i+10, b.N); j++ {
+			key := fmt.Sprint(j)
+			_, err = effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "lat", Key: key})
+			require.NoError(b, err)
+			keys = append(keys, key)
+		}
+		mu.Lock()
+		t0 := time.Now()
+		for _, k := range keys {
+			committed[k] = t0
+		}
+		mu.Unlock()
+		require.NoError(b, tx.Commit(ctx))
+	}
+	select {
+	case <-all:
+	case <-time.After(time.Minute):
+		b.Fatal("effects not all sent within a minute")
+	}
+	b.StopTimer()
+	mu.Lock()
+	defer mu.Unlock()
+	slices.Sort(lat)
+	pct := func(p float64) float64 { return float64(lat[int(p*float64(len(lat)-1))]) / float64(time.Millisecond) }
+	b.ReportMetric(pct(0.50), "p50-ms")
+	b.ReportMetric(pct(0.99), "p99-ms")
+	b.ReportMetric(float64(lat[len(lat)-1])/float64(time.Millisecond), "max-ms")
+}
+
 // BenchmarkDispatcherBacklog: a burst of b.N effects lands in a table that was
 // empty, and one Dispatcher with a no-op sender drains it. The sub-benchmarks differ
 // only in the table's statistics when the drain starts:

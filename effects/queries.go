@@ -50,6 +50,8 @@ const (
 //     batch's size, and no planning on each claim (it cost more CPU than the claim
 //     of 100 rows itself saved by it). The plan is made again, under these same
 //     settings, when statistics change.
+//   - No JIT: the statements are short, and compiling them would cost more than
+//     running them (their plans cost far below the default jit_above_cost anyway).
 //   - No sequential scans, bitmap scans, hash or merge joins, or sorts: each is
 //     costed so high that the planner takes it only if nothing else is possible,
 //     and each statement is written so that something else is (the indexes it can
@@ -60,7 +62,7 @@ const (
 //
 // The plans are in TestPlansNeedNoStatistics.
 const (
-	planSettings = `set_config('plan_cache_mode', 'force_generic_plan', true),
+	planSettings = `set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),
 		set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
 		set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true),
 		set_config('enable_sort', 'off', true)`
