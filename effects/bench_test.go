@@ -241,10 +241,11 @@ func drainBacklog(b *testing.B, stats string) {
 	var sent atomic.Int64
 	half, all := make(chan struct{}), make(chan struct{})
 	noop := effects.SenderFunc(func(context.Context, effects.Delivery) error {
-		switch sent.Add(1) {
-		case want / 2:
+		n := sent.Add(1)
+		if n == max(want/2, 1) {
 			close(half)
-		case want:
+		}
+		if n == want {
 			close(all)
 		}
 		return nil
