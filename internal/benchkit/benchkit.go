@@ -405,11 +405,12 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 	}
 	hist := newHistogram()
 	var sent atomic.Int64
-	// A no-op sender: claims of up to 1,000, as many sends at once (the Dispatcher
-	// holds at most Concurrency + min(Concurrency, BatchSize) claims of a kind).
+	// A no-op sender: claims of up to 1,000. The Dispatcher holds at most
+	// Concurrency + min(Concurrency, BatchSize) claims of a kind, so with 2,000
+	// sends at once a claim need not wait for the outcome write of the one before.
 	d, err := effects.NewDispatcher(effects.Config{
 		Pool: pool, Schema: o.Schema, BatchSize: 1000,
-		Concurrency: map[string]int{"bench": 1000},
+		Concurrency: map[string]int{"bench": 2000},
 		Senders: map[string]effects.Sender{"bench": effects.SenderFunc(func(_ context.Context, dl effects.Delivery) error {
 			hist.observe(time.Since(dl.CreatedAt))
 			sent.Add(1)
