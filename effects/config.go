@@ -58,7 +58,9 @@ type Config struct {
 	// Concurrency is the number of sends of each kind that run at once, by kind;
 	// a kind not in the map gets DefaultConcurrency. The Dispatcher holds at most
 	// Concurrency + min(Concurrency, BatchSize) claims of a kind: the ones being sent
-	// and one round waiting.
+	// and one round waiting, each until its outcome is recorded. So one claim takes
+	// at most min(BatchSize, that bound); for a fast sender, raise both, with
+	// Concurrency about twice BatchSize (see the README's Senders section).
 	Concurrency map[string]int
 	// Lease is how long a claim lasts (DefaultLease). A Send's context ends a tenth
 	// of the lease before the lease does.

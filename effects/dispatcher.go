@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"runtime/debug"
 	"slices"
 	"strings"
@@ -17,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // ErrDispatcherRunning is returned by Run when the Dispatcher is already running.
@@ -42,6 +42,8 @@ type Dispatcher struct {
 	wake     chan struct{} // a notification or a requeue: look for work now
 	freed    chan struct{} // outcomes were recorded: capacity is free again
 	outcomes chan outcome  // made by each Run, closed when it ends
+	sendCtx  context.Context
+	released atomic.Int64 // claims handed back unsent at shutdown, in this Run
 }
 
 // lane is one kind's sender, its workers' queue and its count of claims held.
@@ -50,8 +52,12 @@ type lane struct {
 	sender      Sender
 	concurrency int
 	capacity    int
-	queue       chan *claimed
-	held        atomic.Int64 // claimed and not yet recorded
+	queue       chan *claimed // made by each Run, closed when its claim loop ends
+	held        atomic.Int64  // claimed and not yet recorded
+
+	// The kind's series, looked up once rather than on every effect.
+	lag      prometheus.Observer
+	attempts map[string]prometheus.Counter // by outcome label
 }
 
 // claimed is an effect this Dispatcher holds a lease on.
@@ -63,6 +69,25 @@ type claimed struct {
 	lagAtClaim   time.Duration // due → claim, by the database's clock
 	claimedAt    time.Time     // local time just before the claim statement ran
 	lane         *lane
+	batch        *claimBatch
+}
+
+// claimBatch is what the effects of one claim statement share: their sends'
+// context, which ends a tenth of the lease before the lease does (or at a forced
+// shutdown), and a count of those not yet recorded. One context per claim rather
+// than per effect: the effects of a claim have the same deadline.
+type claimBatch struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	left   atomic.Int64
+}
+
+// recorded counts one effect of the batch as recorded (or given up), and releases
+// the context with the last one.
+func (b *claimBatch) recorded() {
+	if b.left.Add(-1) == 0 {
+		b.cancel()
+	}
 }
 
 // logAttrs name the effect and the attempt in logs.
@@ -72,16 +97,6 @@ func (c *claimed) logAttrs() []any {
 	}
 	return []any{"kind", c.Kind, "effect_key", c.Key, "attempt", c.Attempt}
 }
-
-// claimID names one claim of one effect: the effect's identity, (tenant, kind,
-// key), and the claim's fence. One outcome batch may hold two claims of the same
-// effect (the older one's lease ran out and this Dispatcher claimed it again).
-type claimID struct {
-	tenant, kind, key string
-	fence             int64
-}
-
-func (c *claimed) id() claimID { return claimID{c.Tenant, c.Kind, c.Key, c.fence} }
 
 // outcome is what to record for a claim.
 type outcome struct {
@@ -117,7 +132,11 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	for kind, s := range cfg.Senders {
 		n := cmp.Or(cfg.Concurrency[kind], DefaultConcurrency)
 		capacity := n + min(n, cfg.BatchSize)
-		l := &lane{kind: kind, sender: s, concurrency: n, capacity: capacity, queue: make(chan *claimed, capacity)}
+		l := &lane{kind: kind, sender: s, concurrency: n, capacity: capacity,
+			lag: m.lag.WithLabelValues(kind), attempts: map[string]prometheus.Counter{}}
+		for _, o := range attemptOutcomes {
+			l.attempts[o] = m.attempts.WithLabelValues(kind, o)
+		}
 		d.lanes = append(d.lanes, l)
 		d.byKind[kind] = l
 		m.precreate(kind)
@@ -141,6 +160,11 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	d.outcomes = make(chan outcome, 4*d.cfg.BatchSize)
 	sendCtx, cancelSends := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelSends()
+	d.sendCtx = sendCtx
+	d.released.Store(0)
+	for _, l := range d.lanes {
+		l.queue = make(chan *claimed, l.capacity)
+	}
 
 	recorded := make(chan struct{})
 	go func() { defer close(recorded); d.record() }()
@@ -154,14 +178,18 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	var workers sync.WaitGroup
 	for _, l := range d.lanes {
 		for range l.concurrency {
-			workers.Go(func() { d.work(ctx, sendCtx, l) })
+			workers.Go(func() { d.work(ctx, l) })
 		}
 	}
 	d.log.Info("effects dispatcher started", "schema", d.cfg.Schema, "kinds", d.kinds())
 
 	d.claimLoop(ctx)
 
-	// Shutdown. The claim loop has stopped; workers finish their current send.
+	// Shutdown. The claim loop has stopped; workers finish their current send and
+	// hand back what is left in their queue.
+	for _, l := range d.lanes {
+		close(l.queue)
+	}
 	done := make(chan struct{})
 	go func() { workers.Wait(); close(done) }()
 	select {
@@ -171,17 +199,10 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		cancelSends()
 		<-done
 	}
-	released := 0
-	for _, l := range d.lanes {
-		for len(l.queue) > 0 {
-			d.outcomes <- d.release(<-l.queue)
-			released++
-		}
-	}
 	close(d.outcomes)
 	<-recorded
 	background.Wait()
-	d.log.Info("effects dispatcher stopped", "schema", d.cfg.Schema, "released", released)
+	d.log.Info("effects dispatcher stopped", "schema", d.cfg.Schema, "released", d.released.Load())
 	return nil
 }
 
@@ -279,25 +300,16 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
 	start := time.Now()
-	// The claim runs in a transaction of its own that forbids sequential scans,
-	// bitmap scans and hash joins, sent as one pipelined round trip, so that its
-	// plan is the same whatever the table's statistics: an ordered range scan of
-	// effects_due_idx (kind, next_attempt_at) per kind, and the primary key for the
-	// update. Without that, statistics taken while the table was small (before a
-	// burst of effects, until autovacuum analyzes it again) make the planner read
-	// every due row and sort them on every claim: measured here, 5k effects/s
-	// instead of 25k with 40,000 pending, and 28 ms instead of 1.5 ms for one claim
-	// of 100 among 80,000 due rows before the first ANALYZE.
+	// The claim runs in a transaction of its own, with the settings that fix its
+	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
-	for _, set := range claimSettings {
-		b.Queue(set)
-	}
+	b.Queue(claimSettings)
 	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
 	defer br.Close()
-	for range 1 + len(claimSettings) {
+	for range 2 {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
 		}
@@ -338,46 +350,33 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		}
 		return nil, err
 	}
+	if len(out) > 0 {
+		lease := d.cfg.Lease
+		b := &claimBatch{}
+		b.ctx, b.cancel = context.WithDeadline(d.sendCtx, start.Add(lease-lease/10))
+		b.left.Store(int64(len(out)))
+		for _, c := range out {
+			c.batch = b
+		}
+	}
 	return out, nil
 }
 
-// claimSettings run before the claim, in its transaction: see claim.
-var claimSettings = []string{
-	"SET LOCAL enable_seqscan = off",
-	"SET LOCAL enable_bitmapscan = off",
-	"SET LOCAL enable_hashjoin = off",
-}
-
-// recordSettings run before an outcome write, in its transaction. With statistics
-// that say the table is small, or an estimate of the outcome rows that is too
-// high, the planner would hash or merge the whole table against a few hundred
-// outcomes; the write must probe the primary key once per outcome.
-var recordSettings = []string{
-	"SET LOCAL enable_seqscan = off",
-	"SET LOCAL enable_bitmapscan = off",
-	"SET LOCAL enable_hashjoin = off",
-	"SET LOCAL enable_mergejoin = off",
-}
-
-// work sends the effects of one lane until ctx ends. A claim taken from the queue
-// after that is released unsent.
-func (d *Dispatcher) work(ctx, sendCtx context.Context, l *lane) {
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case c := <-l.queue:
-			if ctx.Err() != nil {
-				d.outcomes <- d.release(c)
-				return
-			}
-			d.outcomes <- d.attempt(sendCtx, c)
+// work sends the effects of one lane until its queue is closed. A claim taken from
+// the queue after ctx ended is released unsent.
+func (d *Dispatcher) work(ctx context.Context, l *lane) {
+	for c := range l.queue {
+		if ctx.Err() != nil {
+			d.released.Add(1)
+			d.outcomes <- d.release(c)
+			continue
 		}
+		d.outcomes <- d.attempt(c)
 	}
 }
 
 // attempt carries out one claim and says what to record.
-func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
+func (d *Dispatcher) attempt(c *claimed) outcome {
 	lease := d.cfg.Lease
 	deadline := c.claimedAt.Add(lease - lease/10)
 	if time.Until(deadline) < lease/4 {
@@ -385,12 +384,10 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 		// overlap another dispatcher's claim of the same effect once the lease ends.
 		return d.release(c)
 	}
-	shutdown := ctx
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
-	log := d.log.With(c.logAttrs()...)
+	shutdown, ctx := d.sendCtx, c.batch.ctx
 
 	if c.prevInFlight {
+		log := d.log.With(c.logAttrs()...)
 		if r, ok := c.lane.sender.(Reconciler); ok {
 			done, err := reconcileSafely(ctx, r, c.Delivery)
 			switch {
@@ -415,14 +412,15 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) outcome {
 	}
 	if c.Attempt > c.maxAttempts {
 		// The last allowed attempt's outcome was unknown, and no Reconcile settled it.
-		return d.dead(c, errors.New("attempts exhausted; the outcome of the last attempt is unknown"), c.prevInFlight, log)
+		return d.dead(c, errors.New("attempts exhausted; the outcome of the last attempt is unknown"), c.prevInFlight, d.log.With(c.logAttrs()...))
 	}
 
-	d.m.lag.WithLabelValues(c.Kind).Observe((c.lagAtClaim + time.Since(c.claimedAt)).Seconds())
+	c.lane.lag.Observe((c.lagAtClaim + time.Since(c.claimedAt)).Seconds())
 	err := sendSafely(ctx, c.lane.sender, c.Delivery)
 	if err == nil {
 		return outcome{c: c, state: "done", label: "done"}
 	}
+	log := d.log.With(c.logAttrs()...)
 	if ctx.Err() != nil && !IsPermanent(err) {
 		// Cut off by the lease deadline or a forced shutdown: the receiver may have
 		// the effect already.
@@ -509,6 +507,7 @@ func (d *Dispatcher) record() {
 		d.recordBatch(batch)
 		for _, o := range batch {
 			o.c.lane.held.Add(-1)
+			o.c.batch.recorded()
 		}
 		select {
 		case d.freed <- struct{}{}:
@@ -532,13 +531,13 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 			}
 		}
 	}
-	applied, err := d.writeOutcomes(batch)
+	status, err := d.writeOutcomes(batch)
 	if err != nil && isDataError(err) {
 		// One row's data broke the statement (a constraint of the user's, an
 		// encoding the server cannot take). The batch is all or nothing, so write
 		// each outcome on its own: one bad outcome must not cost the others theirs.
 		d.log.Warn("effects dispatcher: an outcome batch was rejected for its data; writing each outcome on its own", "error", err, "outcomes", len(batch))
-		applied, err = d.writeOneByOne(batch), nil
+		status, err = d.writeOneByOne(batch), nil
 	}
 	if err != nil {
 		// The leases will run out and the effects will be claimed again: nothing is
@@ -546,20 +545,19 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 		d.log.Error("effects dispatcher: recording outcomes failed; the effects will be retried after their lease", "error", err, "outcomes", len(batch))
 		return
 	}
-	for _, o := range batch {
-		rec, ok := applied[o.c.id()]
-		if !ok {
-			continue // not written at all (logged where it failed)
-		}
-		if !rec {
+	for i, o := range batch {
+		switch status[i] {
+		case notWritten:
+			// logged where it failed
+		case leaseLost:
 			d.m.lostLease.WithLabelValues(o.c.Kind).Inc()
 			d.log.Warn("effect lease lost: it was claimed again before this attempt's outcome was recorded",
 				append(o.c.logAttrs(), "outcome", o.label)...)
-			continue
-		}
-		d.m.attempts.WithLabelValues(o.c.Kind, o.label).Inc()
-		if o.state == "dead" {
-			d.m.dead.WithLabelValues(o.c.Kind).Inc()
+		case recorded:
+			o.c.lane.attempts[o.label].Inc()
+			if o.state == "dead" {
+				d.m.dead.WithLabelValues(o.c.Kind).Inc()
+			}
 		}
 	}
 	if notify {
@@ -574,16 +572,25 @@ func (d *Dispatcher) recordBatch(batch []outcome) {
 	}
 }
 
+// outcomeStatus is what became of one outcome of a batch.
+type outcomeStatus uint8
+
+const (
+	notWritten outcomeStatus = iota // the write failed
+	leaseLost                       // written, but the effect had been claimed again
+	recorded
+)
+
 // writeOutcomes records batch in one transaction, retried on errors that may pass
 // (a cut connection, a failover) but not on a data error, which the same rows would
-// hit again. It returns, for every outcome of the batch, whether it is recorded
-// (false: the lease was lost to a newer claim).
+// hit again. It returns, for each outcome of the batch in order, recorded or
+// leaseLost (the lease was lost to a newer claim).
 //
 // The write is retried even when its COMMIT may have gone through (a connection
 // cut after COMMIT was sent): the record statement is idempotent (see queries.go),
 // so the retry changes nothing that the first run changed, and still reports those
 // rows as recorded.
-func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
+func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 	n := len(batch)
 	tenants, kinds, keys, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
 	fences, delays := make([]int64, n), make([]int64, n)
@@ -595,29 +602,32 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
 			errs[i] = &o.err
 		}
 	}
-	applied := make(map[claimID]bool, n)
+	status := make([]outcomeStatus, n)
 	record := d.q.record
 	err := retryUnless(isDataError, func(ctx context.Context) error {
-		for _, o := range batch {
-			applied[o.c.id()] = false
+		for i := range status {
+			status[i] = leaseLost
 		}
 		// One round trip: the outcome commits without waiting for its WAL flush.
 		// That is safe here, and only here: if the server crashes and loses this
 		// commit, each row goes back to the claim before it, which is durable and
 		// in_flight, so the effect is reconciled or sent again after its lease. The
-		// claim itself always commits synchronously. The planner settings keep
-		// the plan on the primary key whatever the statistics, as for the claim.
+		// claim itself always commits synchronously. recordSettings also fix the
+		// plan, as for the claim.
 		b := &pgx.Batch{}
 		b.Queue(`BEGIN`)
-		b.Queue(`SET LOCAL synchronous_commit = off`)
-		for _, set := range recordSettings {
-			b.Queue(set)
-		}
+		b.Queue(recordSettings)
 		q := record
 		record = d.q.recordAgain // a retry may find this run committed
 		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
-			var k claimID
-			_, err := pgx.ForEachRow(rows, []any{&k.tenant, &k.kind, &k.key, &k.fence}, func() error { applied[k] = true; return nil })
+			var i int64
+			_, err := pgx.ForEachRow(rows, []any{&i}, func() error {
+				if i < 1 || i > int64(n) {
+					return fmt.Errorf("idem: outcome write returned ordinal %d of %d", i, n)
+				}
+				status[i-1] = recorded
+				return nil
+			})
 			return err
 		})
 		b.Queue(`COMMIT`)
@@ -626,15 +636,16 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) (map[claimID]bool, error) {
 	if err != nil {
 		return nil, err
 	}
-	return applied, nil
+	return status, nil
 }
 
 // writeOneByOne records each outcome in a transaction of its own. An outcome whose
 // row is still rejected for its data is written once more without its error text;
-// if even that fails, it is left to its lease (logged), and the others are kept.
-func (d *Dispatcher) writeOneByOne(batch []outcome) map[claimID]bool {
-	applied := make(map[claimID]bool, len(batch))
-	for _, o := range batch {
+// if even that fails, it is left to its lease (logged, and notWritten), and the
+// others are kept.
+func (d *Dispatcher) writeOneByOne(batch []outcome) []outcomeStatus {
+	status := make([]outcomeStatus, len(batch))
+	for i, o := range batch {
 		one, err := d.writeOutcomes([]outcome{o})
 		if err != nil && isDataError(err) && o.err != "" {
 			o.err = "idem: this attempt's error text could not be stored (" + sanitizeText(err.Error(), 200) + ")"
@@ -645,9 +656,9 @@ func (d *Dispatcher) writeOneByOne(batch []outcome) map[claimID]bool {
 				append(o.c.logAttrs(), "error", err, "outcome", o.label)...)
 			continue
 		}
-		maps.Copy(applied, one)
+		status[i] = one[0]
 	}
-	return applied
+	return status
 }
 
 // isDataError reports an error that the same rows will hit again: a data exception

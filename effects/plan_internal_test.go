@@ -2,100 +2,288 @@ package effects
 
 import (
 	"context"
-	"strconv"
+	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// TestClaimPlanNeedsNoStatistics: before the table was ever analyzed (a burst of
-// effects into a table that was small), the claim still reads effects_due_idx in
-// order for each kind and updates through the primary key: no sort of every due
-// row, no bitmap or sequential scan, no hash join.
-func TestClaimPlanNeedsNoStatistics(t *testing.T) {
+// planBurst is the burst of pending effects the plan tests put in the table.
+const planBurst = 100_000
+
+// TestPlansNeedNoStatistics: the claim and both forms of the outcome write keep to
+// their indexes whatever the table's statistics, with a burst of 100,000 pending
+// effects in it:
+//
+//   - fresh: never analyzed (autovacuum is off for the table, so it stays so);
+//   - empty: analyzed while empty, then the burst;
+//   - small: analyzed with 100 effects, then the burst;
+//   - history: analyzed with 100,000 done effects (statistics that say almost
+//     nothing is pending), then the burst;
+//   - analyzed: analyzed after the burst.
+//
+// Each statement is explained as the Dispatcher runs it (its settings, a prepared
+// statement, the generic plan), and with a custom plan for the same values. The
+// claim reads effects_due_idx in order per kind and updates the rows it locked by
+// their ctid; the outcome writes probe the primary key once per outcome. No plan
+// may scan the table (a sequential scan, a bitmap scan, an index scan without an
+// index condition), sort, hash or merge, or use any other index, and none may hold
+// a path the settings disable (which the planner takes only when nothing else is
+// possible; its cost gives it away).
+//
+// Before, the outcome write used effects_due_idx on the fresh table (the index,
+// built on the empty table, was taken to hold no rows) and read every pending
+// effect of the kind for each outcome.
+func TestPlansNeedNoStatistics(t *testing.T) {
 	t.Parallel()
+	for _, stats := range []string{"fresh", "empty", "small", "history", "analyzed"} {
+		t.Run(stats, func(t *testing.T) {
+			t.Parallel()
+			pool, schema := planTable(t, stats)
+			for _, st := range planStatements(t, pool, schema) {
+				for _, mode := range []string{"force_generic_plan", "force_custom_plan"} {
+					plan := explain(t, pool, st, mode)
+					desc := fmt.Sprintf("%s, %s, %s:\n%s", stats, st.name, mode, plan.raw)
+					plan.check(t, st, desc)
+				}
+			}
+			if stats == "fresh" {
+				var analyzed bool
+				require.NoError(t, pool.QueryRow(context.Background(), `SELECT coalesce(last_analyze, last_autoanalyze) IS NOT NULL
+					FROM pg_stat_user_tables WHERE relid = 'effects'::regclass`).Scan(&analyzed))
+				require.False(t, analyzed, "the fresh table was analyzed during the test")
+			}
+		})
+	}
+}
+
+// planTable makes a schema whose effects table has the statistics that stats names
+// and planBurst pending effects of two kinds and several tenants.
+func planTable(t *testing.T, stats string) (*pgxpool.Pool, string) {
 	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2})
 	ctx := context.Background()
-	_, err := pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, payload, fingerprint, next_attempt_at)
-		SELECT CASE WHEN g % 3 = 0 THEN 't' || (g % 7) ELSE '' END,
-			CASE WHEN g % 2 = 0 THEN 'mail' ELSE 'orphan' END,
-			'k' || g, ''::bytea, sha256(''::bytea), now() - interval '1 hour' + g * interval '1 ms'
-		FROM generate_series(1, 40000) g`)
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		_, err := pool.Exec(ctx, sql, args...)
+		require.NoError(t, err)
+	}
+	insert := func(from, n int, state string) {
+		exec(`INSERT INTO effects (tenant, kind, key, payload, fingerprint, state, next_attempt_at,
+				source_consumer, source_tenant, source_key)
+			SELECT CASE WHEN g % 3 = 0 THEN 't' || (g % 7) ELSE '' END,
+				CASE WHEN g % 10 = 0 THEN 'sms' ELSE 'mail' END,
+				'k' || g, ''::bytea, sha256(g::text::bytea), $3,
+				now() - interval '1 hour' + g * interval '10 microseconds', 'orders', '', 'm' || g
+			FROM generate_series($1::int, $1::int + $2::int - 1) g`, from, n, state)
+	}
+	exec(`ALTER TABLE effects SET (autovacuum_enabled = off)`)
+	switch stats {
+	case "fresh":
+	case "empty":
+		exec(`ANALYZE effects`)
+	case "small":
+		insert(-100, 100, "pending")
+		exec(`ANALYZE effects`)
+	case "history":
+		insert(-planBurst, planBurst, "done")
+		exec(`ANALYZE effects`)
+	case "analyzed":
+		defer exec(`ANALYZE effects`)
+	default:
+		t.Fatalf("unknown statistics %q", stats)
+	}
+	insert(0, planBurst, "pending")
+	return pool, schema
+}
+
+// planStatement is a statement of the Dispatcher's, with its settings, arguments,
+// and what its plan must use.
+type planStatement struct {
+	name, settings, sql string
+	args                []any
+	indexes             []string // the only indexes the plan may use
+	nodes               []string // node types the plan must hold
+	conds               []string // text the index conditions must hold
+}
+
+func planStatements(t *testing.T, pool *pgxpool.Pool, schema string) []planStatement {
+	// Outcomes for 2,000 of the effects (the most one write holds with BatchSize
+	// 500), as a claim would have left them.
+	rows, err := pool.Query(context.Background(), `SELECT tenant, kind, key FROM effects
+		WHERE state = 'pending' ORDER BY tenant, kind, key LIMIT 2000`)
 	require.NoError(t, err)
-	q := newQueries(schema, 200)
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		for _, set := range claimSettings {
-			if _, err := tx.Exec(ctx, set); err != nil {
-				return err
-			}
+	var tenants, kinds, keys, states []string
+	var fences, delays []int64
+	var inFlight []bool
+	var undo []int32
+	var errs []*string
+	var tenant, kind, key string
+	_, err = pgx.ForEachRow(rows, []any{&tenant, &kind, &key}, func() error {
+		tenants, kinds, keys, states = append(tenants, tenant), append(kinds, kind), append(keys, key), append(states, "done")
+		fences, delays, inFlight, undo, errs = append(fences, 1), append(delays, 0), append(inFlight, false), append(undo, 0), append(errs, nil)
+		return nil
+	})
+	require.NoError(t, err)
+	require.Len(t, keys, 2000)
+	recordArgs := []any{tenants, kinds, keys, fences, states, delays, inFlight, undo, errs}
+	q := newQueries(schema, 2*DefaultBatchSize)
+	pkey := []string{"((tenant = d.tenant) AND (kind = d.kind) AND (key = d.key))"}
+	return []planStatement{
+		{name: "claim", settings: claimSettings, sql: q.claim,
+			args:    []any{[]string{"mail", "sms"}, []int32{DefaultBatchSize, DefaultBatchSize}, time.Minute},
+			indexes: []string{"effects_due_idx"}, nodes: []string{"LockRows", "Tid Scan", "Nested Loop"},
+			conds: []string{"((kind = w.kind) AND (next_attempt_at <= now()))"}},
+		{name: "record", settings: recordSettings, sql: q.record, args: recordArgs,
+			indexes: []string{"effects_pkey"}, nodes: []string{"Nested Loop"}, conds: pkey},
+		{name: "recordAgain", settings: recordSettings, sql: q.recordAgain, args: recordArgs,
+			indexes: []string{"effects_pkey"}, nodes: []string{"Nested Loop"}, conds: pkey},
+	}
+}
+
+// planNode is a node of EXPLAIN (FORMAT JSON).
+type planNode struct {
+	NodeType  string     `json:"Node Type"`
+	Relation  string     `json:"Relation Name"`
+	Index     string     `json:"Index Name"`
+	IndexCond string     `json:"Index Cond"`
+	TotalCost float64    `json:"Total Cost"`
+	Plans     []planNode `json:"Plans"`
+}
+
+type plan struct {
+	root planNode
+	raw  string // the same plan as text, for failure messages
+}
+
+// explain plans st as the Dispatcher runs it: in a transaction with st's settings,
+// as a prepared statement, with plan_cache_mode set to mode afterwards (the
+// Dispatcher's settings force the generic plan). Nothing is executed.
+func explain(t *testing.T, pool *pgxpool.Pool, st planStatement, mode string) plan {
+	t.Helper()
+	ctx := context.Background()
+	var p plan
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, st.settings); err != nil {
+			return err
 		}
-		rows, err := tx.Query(ctx, "EXPLAIN (COSTS OFF) "+q.claim, []string{"mail", "sms"}, []int32{100, 100}, time.Minute)
+		if _, err := tx.Exec(ctx, `SET LOCAL plan_cache_mode = `+mode); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `PREPARE planned AS `+st.sql); err != nil {
+			return err
+		}
+		defer func() { _, _ = tx.Exec(ctx, `DEALLOCATE planned`) }()
+		// EXPLAIN takes no bind parameters: the values go in as literals.
+		params := make([]string, len(st.args))
+		for i, a := range st.args {
+			params[i] = sqlLiteral(t, a)
+		}
+		execute := `EXECUTE planned(` + strings.Join(params, ", ") + `)`
+		var js []byte
+		if err := tx.QueryRow(ctx, `EXPLAIN (FORMAT JSON) `+execute).Scan(&js); err != nil {
+			return err
+		}
+		var out []struct {
+			Plan planNode `json:"Plan"`
+		}
+		if err := json.Unmarshal(js, &out); err != nil {
+			return err
+		}
+		p.root = out[0].Plan
+		rows, err := tx.Query(ctx, `EXPLAIN (COSTS OFF) `+execute)
 		if err != nil {
 			return err
 		}
 		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return err
-		}
-		plan := strings.Join(lines, "\n")
-		require.Contains(t, plan, "Index Scan using effects_due_idx", plan)
-		require.Contains(t, plan, "Index Cond: ((kind = w.kind) AND (next_attempt_at <= now()))", plan)
-		require.Contains(t, plan, "Index Scan using effects_pkey", plan)
-		for _, bad := range []string{"Seq Scan", "Bitmap", "Sort", "Hash"} {
-			require.NotContains(t, plan, bad, plan)
-		}
-		return nil
+		p.raw = strings.Join(lines, "\n")
+		return err
 	})
 	require.NoError(t, err)
+	return p
 }
 
-// TestRecordPlanNeedsNoStatistics: both forms of the outcome write probe the primary
-// key once per outcome, after ANALYZE has seen a large table, instead of hashing the
-// whole table against the outcomes.
-func TestRecordPlanNeedsNoStatistics(t *testing.T) {
-	t.Parallel()
-	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2})
-	ctx := context.Background()
-	_, err := pool.Exec(ctx, `INSERT INTO effects (kind, key, payload, fingerprint, fence)
-		SELECT 'mail', 'k' || g, ''::bytea, sha256(''::bytea), 1 FROM generate_series(1, 30000) g`)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `ANALYZE effects`)
-	require.NoError(t, err)
-	const n = 300
-	tenants, kinds, keys, states := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-	fences, delays := make([]int64, n), make([]int64, n)
-	inFlight, undo, errs := make([]bool, n), make([]int32, n), make([]*string, n)
-	for i := range n {
-		kinds[i], keys[i], states[i], fences[i] = "mail", "k"+strconv.Itoa(i*7), "done", 1
+// check fails t unless the plan keeps to st's indexes: see TestPlansNeedNoStatistics.
+func (p plan) check(t *testing.T, st planStatement, desc string) {
+	t.Helper()
+	// A path the settings disable costs 1e10 more; nothing here costs near 1e9.
+	require.Less(t, p.root.TotalCost, 1e9, "the plan holds a disabled path: %s", desc)
+	seen := map[string]bool{}
+	var conds []string
+	var walk func(n planNode)
+	walk = func(n planNode) {
+		seen[n.NodeType] = true
+		switch n.NodeType {
+		case "Seq Scan", "Bitmap Heap Scan", "Bitmap Index Scan", "Sort", "Incremental Sort",
+			"Hash", "Hash Join", "Merge Join":
+			t.Errorf("plan has a %s: %s", n.NodeType, desc)
+		case "Index Scan", "Index Only Scan":
+			if n.Relation == "effects" {
+				require.Contains(t, st.indexes, n.Index, "plan uses another index: %s", desc)
+				require.NotEmpty(t, n.IndexCond, "index scan without a condition reads the whole index: %s", desc)
+				conds = append(conds, n.IndexCond)
+			}
+		}
+		for _, c := range n.Plans {
+			walk(c)
+		}
 	}
-	q := newQueries(schema, 100)
-	for name, stmt := range map[string]string{"record": q.record, "recordAgain": q.recordAgain} {
-		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			for _, set := range recordSettings {
-				if _, err := tx.Exec(ctx, set); err != nil {
-					return err
-				}
-			}
-			rows, err := tx.Query(ctx, "EXPLAIN (COSTS OFF) "+stmt, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs)
-			if err != nil {
-				return err
-			}
-			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-			if err != nil {
-				return err
-			}
-			plan := strings.Join(lines, "\n")
-			require.Contains(t, plan, "Index Scan using effects_pkey", name+"\n"+plan)
-			for _, bad := range []string{"Seq Scan", "Bitmap", "Hash", "Merge"} {
-				require.NotContains(t, plan, bad, name+"\n"+plan)
-			}
-			return nil
-		})
-		require.NoError(t, err)
+	walk(p.root)
+	for _, node := range st.nodes {
+		require.True(t, seen[node], "plan has no %s: %s", node, desc)
 	}
+	for _, c := range st.conds {
+		require.Contains(t, conds, c, "plan lacks the index condition %s: %s", c, desc)
+	}
+}
+
+// sqlLiteral writes v, one of the statements' argument types, as an SQL literal.
+func sqlLiteral(t *testing.T, v any) string {
+	quote := func(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+	array := func(elems []string) string { return "ARRAY[" + strings.Join(elems, ", ") + "]" }
+	switch v := v.(type) {
+	case []string:
+		elems := make([]string, len(v))
+		for i, s := range v {
+			elems[i] = quote(s)
+		}
+		return array(elems) + "::text[]"
+	case []*string:
+		elems := make([]string, len(v))
+		for i, s := range v {
+			elems[i] = "NULL"
+			if s != nil {
+				elems[i] = quote(*s)
+			}
+		}
+		return array(elems) + "::text[]"
+	case []int32:
+		elems := make([]string, len(v))
+		for i, n := range v {
+			elems[i] = fmt.Sprint(n)
+		}
+		return array(elems) + "::int[]"
+	case []int64:
+		elems := make([]string, len(v))
+		for i, n := range v {
+			elems[i] = fmt.Sprint(n)
+		}
+		return array(elems) + "::bigint[]"
+	case []bool:
+		elems := make([]string, len(v))
+		for i, b := range v {
+			elems[i] = fmt.Sprint(b)
+		}
+		return array(elems) + "::bool[]"
+	case time.Duration:
+		return quote(fmt.Sprintf("%d microseconds", v.Microseconds())) + "::interval"
+	}
+	t.Fatalf("sqlLiteral: unsupported %T", v)
+	return ""
 }

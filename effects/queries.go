@@ -18,6 +18,13 @@ type queries struct {
 
 // recordSet and recordWhere are the outcome update's SET and WHERE, shared by
 // record and recordAgain; d is the outcome row.
+//
+// recordWhere tests the state as "not finished" rather than state = 'pending', the
+// same thing under the table's CHECK: that form would let the planner use
+// effects_due_idx, whose predicate is state = 'pending', for the join, and on a
+// table never analyzed (where a partial index built on the empty table is taken
+// to hold no rows) it did, reading every pending row of the kind for each outcome:
+// 200 effects/s instead of 15,000 with 100,000 pending.
 const (
 	recordSet = `state = d.state,
 				done_at = CASE WHEN d.state = 'done' THEN now() END,
@@ -28,7 +35,40 @@ const (
 				last_error = coalesce(d.err, e.last_error),
 				recorded_fence = d.fence`
 	recordWhere = `e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
-				AND e.fence = d.fence AND e.state = 'pending' AND e.recorded_fence <> d.fence`
+				AND e.fence = d.fence AND e.state NOT IN ('done', 'dead') AND e.recorded_fence <> d.fence`
+)
+
+// claimSettings and recordSettings are run, as one statement each, first in the
+// claim's and in the outcome write's transactions. They make the plans of those
+// statements the same whatever the table's statistics say: a burst of effects
+// lands in a table that was small (or new, and never analyzed) and is drained
+// before autovacuum analyzes it, or while it does.
+//
+//   - force_generic_plan: pgx prepares statements, so Postgres may plan each run
+//     afresh with its parameters (custom plans) or reuse one plan made without them
+//     (generic). Always the generic plan: one plan per connection whatever the
+//     batch's size, and no planning on each claim (it cost more CPU than the claim
+//     of 100 rows itself saved by it). The plan is made again, under these same
+//     settings, when statistics change.
+//   - No JIT: the statements are short, and compiling them would cost more than
+//     running them (their plans cost far below the default jit_above_cost anyway).
+//   - No sequential scans, bitmap scans, hash or merge joins, or sorts: each is
+//     costed so high that the planner takes it only if nothing else is possible,
+//     and each statement is written so that something else is (the indexes it can
+//     use, and only those, are named at each statement). Statistics taken while
+//     the table was small would otherwise make the planner read every due row and
+//     sort them on every claim, or hash the whole table against a few hundred
+//     outcomes.
+//
+// The plans are in TestPlansNeedNoStatistics.
+const (
+	planSettings = `set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),
+		set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
+		set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true),
+		set_config('enable_sort', 'off', true)`
+	claimSettings = `SELECT ` + planSettings
+	// The outcome commits without waiting for its WAL flush: see writeOutcomes.
+	recordSettings = `SELECT set_config('synchronous_commit', 'off', true), ` + planSettings
 )
 
 // enqueueQueries are Enqueue's statements for one schema.
@@ -63,18 +103,24 @@ func newQueries(schema string, claimLimit int) queries {
 		// bumps fence and attempts, and sets in_flight. It commits on its own, before
 		// any send. The old in_flight tells whether the previous attempt's outcome is
 		// unknown; the old next_attempt_at is when the effect became due (for lag).
-		// Times are the database's now(), never the application's clock. The outer
-		// LIMIT is redundant for the result but tells the planner how few rows come
-		// out of the LATERAL, so it updates them through the primary key instead of
-		// hashing the whole table. It is a literal, not a parameter: pgx prepares
-		// statements, and after five runs Postgres may switch to a generic plan that
-		// cannot see a parameter's value (and then picks the hash join and a
-		// sequential scan of the whole table).
+		// Times are the database's now(), never the application's clock.
+		//
+		// The plan is fixed by the statement's shape and planSettings, not by
+		// statistics (see planSettings): per kind, a LATERAL range scan of
+		// effects_due_idx (kind, next_attempt_at) in index order, which stops after
+		// n rows; then the update of each row it locked, found by its ctid (a TID
+		// scan: no index at all). The row's ctid cannot change while this
+		// transaction holds its lock. Should the row have been updated by a
+		// transaction that committed after this statement's snapshot (the lock then
+		// follows it to the new version), the update does not see the new version
+		// and leaves the row unclaimed: it stays due, for the next claim. The outer
+		// LIMIT is redundant for the result and caps the planner's estimate of the
+		// rows out of the LATERAL.
 		claim: `WITH want AS (
 				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
 			), due AS (
 				SELECT c.* FROM want CROSS JOIN LATERAL (
-					SELECT e.tenant, e.kind, e.key, e.in_flight, e.next_attempt_at
+					SELECT e.ctid AS row, e.in_flight, e.next_attempt_at
 					FROM ` + t + ` e
 					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()
 					ORDER BY e.next_attempt_at
@@ -87,7 +133,7 @@ func newQueries(schema string, claimLimit int) queries {
 			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
 				attempts = e.attempts + 1, in_flight = true
 			FROM due
-			WHERE e.tenant = due.tenant AND e.kind = due.kind AND e.key = due.key
+			WHERE e.ctid = due.row
 			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
 				due.in_flight, e.created_at, extract(epoch FROM now() - due.next_attempt_at)::float8,
 				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, '')`,
@@ -96,19 +142,22 @@ func newQueries(schema string, claimLimit int) queries {
 		// cannot overwrite the newer attempt. undo is 1 for a claim released without
 		// an attempt, which gives the attempt back and restores the in_flight it
 		// found. Rows are sorted by (tenant, kind, key) by the caller, so two
-		// recorders cannot deadlock. The rows that come back, with their claim's
-		// fence, are the ones recorded.
+		// recorders cannot deadlock. What comes back is the ordinal (from 1) of each
+		// outcome recorded.
 		//
 		// A row that applies stores its claim's fence in recorded_fence, and a row
 		// whose recorded_fence already holds that fence is left alone: see
 		// recordAgain.
+		//
+		// The only index this statement can use is the primary key (see recordWhere),
+		// probed once per outcome in a nested loop; planSettings rule out the rest.
 		record: `UPDATE ` + t + ` e
 			SET ` + recordSet + `
 			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-					$6::bigint[], $7::bool[], $8::int[], $9::text[])
-				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err)
+					$6::bigint[], $7::bool[], $8::int[], $9::text[]) WITH ORDINALITY
+				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, i)
 			WHERE ` + recordWhere + `
-			RETURNING e.tenant, e.kind, e.key, d.fence`,
+			RETURNING d.i`,
 		// recordAgain is record for a retry of the same write, whose first run may
 		// have committed although its COMMIT reply was lost. Rows that run recorded
 		// keep their recorded_fence, so the update leaves them alone (an attempt is
@@ -120,18 +169,18 @@ func newQueries(schema string, claimLimit int) queries {
 		// less.
 		recordAgain: `WITH d AS (
 				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-						$6::bigint[], $7::bool[], $8::int[], $9::text[])
-					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err)
+						$6::bigint[], $7::bool[], $8::int[], $9::text[]) WITH ORDINALITY
+					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, i)
 			), applied AS (
 				UPDATE ` + t + ` e
 				SET ` + recordSet + `
 				FROM d
 				WHERE ` + recordWhere + `
-				RETURNING e.tenant, e.kind, e.key, d.fence
+				RETURNING d.i
 			)
-			SELECT tenant, kind, key, fence FROM applied
+			SELECT i FROM applied
 			UNION ALL
-			SELECT e.tenant, e.kind, e.key, d.fence FROM ` + t + ` e JOIN d
+			SELECT d.i FROM ` + t + ` e JOIN d
 				ON e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
 			WHERE e.recorded_fence = d.fence`,
 		notify:  `SELECT pg_notify('` + notifyChannel + `', $1)`,

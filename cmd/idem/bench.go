@@ -22,7 +22,8 @@ var benchCmd = &command{
 	args: "[flags]",
 	summary: "Drive one workload under five setups side by side: (a) a bare handler with its own " +
 		"transaction, (b) idem per message, (c) idem group commit, (d) Watermill's Deduplicator, " +
-		"(e) the effect Dispatcher draining what the others enqueued. Each handler does one business " +
+		"(e) the effect Dispatcher draining what the others enqueued, topped up to --drain-backlog, in a table never " +
+		"analyzed. Each handler does one business " +
 		"insert and emits one effect. It works in a schema of its own, --bench-schema, which it drops and " +
 		"makes again; it refuses a schema it did not make.",
 	example: `idem bench
@@ -38,6 +39,7 @@ idem bench --setups bare,idem,idem-group --json`,
 		fs.IntVar(&o.MaxBatch, "max-batch", 0, "group-commit batch size (consumer default if 0)")
 		durationVar(fs, &o.MaxWait, "max-wait", 0, "group-commit wait for a fuller batch (consumer default if 0)")
 		fs.IntVar(&o.Workers, "workers", 0, "group-commit batches at once (consumer default if 0)")
+		fs.IntVar(&o.DrainBacklog, "drain-backlog", 100000, "fewest effects the dispatcher setup drains: it adds its own to what the other setups enqueued")
 		fs.StringVar(&setups, "setups", joinSetups(benchkit.AllSetups), "setups to run, comma-separated")
 		fs.StringVar(&schema, "bench-schema", benchSchema, "schema the benchmark creates, marks as its own, and drops on its next run (it refuses any schema it did not create)")
 		return func(ctx context.Context, e *env, args []string) error {

@@ -14,7 +14,7 @@ func TestBench(t *testing.T) {
 	benchSchema := pgtest.NewSchemaName()
 	t.Cleanup(func() { pgtest.DropSchema(t, benchSchema) })
 
-	r := runCLI(t, "bench", "-n", "300", "--concurrency", "4", "--dup-rate", "0.2", "--json",
+	r := runCLI(t, "bench", "-n", "300", "--concurrency", "4", "--dup-rate", "0.2", "--json", "--drain-backlog", "0",
 		"--database-url", pgtest.URL(), "--bench-schema", benchSchema).ok(t)
 	var out benchJSON
 	r.decode(t, &out)

@@ -41,6 +41,27 @@ func TestSetupsAgree(t *testing.T) {
 	}
 }
 
+// TestDrainTopsUpAFreshBacklog: the Drain setup adds effects of its own up to
+// DrainBacklog, and drains them from a table that was never analyzed.
+func TestDrainTopsUpAFreshBacklog(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2})
+	ctx := context.Background()
+	o := benchkit.Options{DatabaseURL: pgtest.URL(), Schema: schema, N: 100, Concurrency: 4, DrainBacklog: 3000}
+	require.NoError(t, benchkit.Prepare(ctx, o))
+	_, err := benchkit.Run(ctx, benchkit.Bare, o)
+	require.NoError(t, err)
+	res, err := benchkit.Run(ctx, benchkit.Drain, o)
+	require.NoError(t, err)
+	require.Equal(t, 3000, res.Messages)
+	require.Equal(t, 3000, res.Deliveries)
+	var analyzed bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(last_analyze, last_autoanalyze) IS NOT NULL
+		FROM pg_stat_user_tables WHERE relid = 'effects'::regclass`).Scan(&analyzed))
+	require.False(t, analyzed)
+	require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state <> 'done'`))
+}
+
 func BenchmarkSetups(b *testing.B) {
 	_, schema := pgtest.Setup(b, pgtest.Options{MaxConns: 2})
 	ctx := context.Background()
