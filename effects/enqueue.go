@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -62,6 +63,12 @@ type Result struct {
 	// Duplicate: the same (tenant, kind, key) with the same payload was already
 	// there; nothing was written.
 	Duplicate bool
+	// Deferred: the effect was checked (kind, key, payload size, allowed kinds) and
+	// put in the scope's Buffer, to be written with the rest of its group-commit
+	// batch in one statement when the batch's handlers are done. Whether it is a
+	// duplicate is not known yet (Duplicate is false); a fingerprint mismatch found
+	// then fails the message that enqueued it, permanently (see Buffer).
+	Deferred bool
 }
 
 // Source names the message that made an effect: its consumer, tenant and inbox key.
@@ -84,6 +91,12 @@ type Scope struct {
 	Source Source
 	// Kinds, when not empty, are the only kinds Enqueue accepts (ErrUnknownKind).
 	Kinds []string
+	// Buffer, when set, makes Enqueue and EnqueueMany check each effect and add it
+	// to the buffer instead of writing it (Result.Deferred). The consumer's
+	// group-commit batches set it, and write every buffer of the batch with one
+	// statement (EnqueueItems). To write at once and learn Duplicate or a mismatch
+	// now, pass a copy of the scope with Buffer nil to EnqueueScoped.
+	Buffer *Buffer
 }
 
 type scopeKey struct{}
@@ -125,29 +138,20 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 	if tx == nil {
 		return Result{}, ErrNoTx
 	}
-	schema := scope.Schema
-	if schema == "" {
-		schema = DefaultSchema
-	}
-	if !schemaRe.MatchString(schema) {
-		return Result{}, fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
-	}
-	if err := ValidateEffect(e); err != nil {
+	schema, err := checkItem(scope, e)
+	if err != nil {
 		return Result{}, err
 	}
-	if len(scope.Kinds) > 0 && !slices.Contains(scope.Kinds, e.Kind) {
-		return Result{}, fmt.Errorf("%w: %q (allowed: %s)", ErrUnknownKind, e.Kind, strings.Join(scope.Kinds, ", "))
+	if scope.Buffer != nil {
+		if err := scope.Buffer.add(scope, e); err != nil {
+			return Result{}, err
+		}
+		return Result{Deferred: true}, nil
 	}
-	maxAttempts := e.MaxAttempts
-	if maxAttempts <= 0 {
-		maxAttempts = DefaultMaxAttempts
-	}
+	maxAttempts := maxAttemptsOf(e)
 	tenant := scope.Source.Tenant
-	if len(tenant) > MaxKeyLen || !utf8.ValidString(tenant) || strings.IndexByte(tenant, 0) >= 0 {
-		return Result{}, fmt.Errorf("%w: %d bytes", ErrInvalidTenant, len(tenant))
-	}
 	fp := sha256.Sum256(e.Payload)
-	q := newEnqueueQueries(schema)
+	q := enqueueQueriesFor(schema)
 	var src [3]*string
 	if scope.Source.Consumer != "" {
 		src = [3]*string{&scope.Source.Consumer, &scope.Source.Tenant, &scope.Source.Key}
@@ -181,6 +185,35 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 	}
 }
 
+// checkItem validates an effect in its scope and returns the schema to write to.
+func checkItem(scope Scope, e Effect) (string, error) {
+	schema := scope.Schema
+	if schema == "" {
+		schema = DefaultSchema
+	}
+	if !schemaRe.MatchString(schema) {
+		return "", fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
+	}
+	if err := ValidateEffect(e); err != nil {
+		return "", err
+	}
+	if len(scope.Kinds) > 0 && !slices.Contains(scope.Kinds, e.Kind) {
+		return "", fmt.Errorf("%w: %q (allowed: %s)", ErrUnknownKind, e.Kind, strings.Join(scope.Kinds, ", "))
+	}
+	tenant := scope.Source.Tenant
+	if len(tenant) > MaxKeyLen || !utf8.ValidString(tenant) || strings.IndexByte(tenant, 0) >= 0 {
+		return "", fmt.Errorf("%w: %d bytes", ErrInvalidTenant, len(tenant))
+	}
+	return schema, nil
+}
+
+func maxAttemptsOf(e Effect) int {
+	if e.MaxAttempts <= 0 {
+		return DefaultMaxAttempts
+	}
+	return e.MaxAttempts
+}
+
 // ValidateEffect checks an effect's kind, key and payload size.
 func ValidateEffect(e Effect) error {
 	if !kindRe.MatchString(e.Kind) {
@@ -193,6 +226,19 @@ func ValidateEffect(e Effect) error {
 		return fmt.Errorf("%w: %d bytes", ErrPayloadTooLarge, len(e.Payload))
 	}
 	return nil
+}
+
+// enqueueQueriesCache holds the rendered statements of each schema, so that an
+// Enqueue does not build its SQL again on every call.
+var enqueueQueriesCache sync.Map // schema -> *enqueueQueries
+
+func enqueueQueriesFor(schema string) *enqueueQueries {
+	if q, ok := enqueueQueriesCache.Load(schema); ok {
+		return q.(*enqueueQueries)
+	}
+	q := newEnqueueQueries(schema)
+	v, _ := enqueueQueriesCache.LoadOrStore(schema, &q)
+	return v.(*enqueueQueries)
 }
 
 func wrapSchema(err error, schema string) error {
