@@ -459,7 +459,9 @@ func newAuditQueries(schema string) auditQueries {
 		inbox: `SELECT key, state FROM ` + s + `.inbox WHERE consumer = $1 AND tenant = $2`,
 		effectsBySource: `SELECT kind, key, state FROM ` + s + `.effects
 			WHERE source_consumer = $1 AND coalesce(source_tenant, '') = $2`,
-		effectsByKind: `SELECT kind, key, state FROM ` + s + `.effects WHERE kind = $1`,
+		// Effect keys are scoped by tenant (migration 002): another tenant's effect
+		// with the same kind and key is not this tenant's.
+		effectsByKind: `SELECT kind, key, state FROM ` + s + `.effects WHERE kind = $1 AND tenant = $2`,
 	}
 }
 
@@ -478,8 +480,8 @@ func (a *Auditor) inboxStates(ctx context.Context, q AuditQuery) (map[string]str
 }
 
 type effectStates struct {
-	bySource map[[2]string]string // (kind, key) -> state, of the consumer's effects
-	byKey    map[string]string    // key -> state, of the expected kind
+	bySource map[[2]string]string // (kind, key) -> state, of the consumer's effects in its tenant
+	byKey    map[string]string    // key -> state, of the expected kind in the audited tenant
 }
 
 func (a *Auditor) effectStates(ctx context.Context, q AuditQuery) (effectStates, error) {
@@ -493,7 +495,7 @@ func (a *Auditor) effectStates(ctx context.Context, q AuditQuery) (effectStates,
 		})
 	}
 	if err == nil && q.EffectKind != "" {
-		rows, err = a.db.Query(ctx, a.queries.effectsByKind, q.EffectKind)
+		rows, err = a.db.Query(ctx, a.queries.effectsByKind, q.EffectKind, q.Tenant)
 		if err == nil {
 			_, err = pgx.ForEachRow(rows, []any{&kind, &key, &st}, func() error {
 				es.byKey[key] = st

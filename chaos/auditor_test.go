@@ -82,3 +82,35 @@ INSERT INTO emails (effect_key) VALUES ('receipt:once'), ('receipt:twice'), ('re
 	_, err = a.Report(ctx, chaos.AuditQuery{Consumer: "payments", BusinessSQL: "x", BusinessCount: func(context.Context) (map[string]int, error) { return nil, nil }})
 	require.Error(t, err)
 }
+
+// Effect keys are scoped by tenant (DESIGN.md, "Data model"): another tenant's
+// effect with the same kind and key must not stand in for this tenant's missing
+// one, or a lost effect would pass the audit.
+func TestAuditorScopesEffectsByTenant(t *testing.T) {
+	t.Parallel()
+	pool, schema := setupPayments(t, 2)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `
+INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at) VALUES
+  ('payments', 'acme', 'p1', '\x00', 'completed', now() + interval '1 day'),
+  ('payments', 'globex', 'p1', '\x00', 'completed', now() + interval '1 day');
+INSERT INTO ledger (key, payload) VALUES ('p1', '');
+INSERT INTO effects (tenant, kind, key, fingerprint, state, source_consumer, source_tenant, source_key) VALUES
+  ('globex', 'email', 'receipt:p1', '\x00', 'done', 'payments', 'globex', 'p1');`)
+	require.NoError(t, err)
+
+	a, err := chaos.NewAuditor(pool, schema)
+	require.NoError(t, err)
+	q := auditQuery(idemTransactional, []string{"p1"}, 1, 0)
+	q.Tenant = "acme"
+	rep, err := a.Report(ctx, q)
+	require.NoError(t, err)
+	t.Logf("\n%s", rep)
+	require.Equal(t, 1, rep.EffectsMissing, "globex's receipt:p1 is not acme's")
+
+	q.Tenant = "globex"
+	rep, err = a.Report(ctx, q)
+	require.NoError(t, err)
+	require.Zero(t, rep.EffectsMissing)
+	require.Equal(t, 1, rep.EffectsDone)
+}

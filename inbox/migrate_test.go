@@ -6,6 +6,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/inbox"
@@ -123,4 +124,125 @@ func TestMigrationsApplyWithPlainSQLTool(t *testing.T) {
 		require.NoError(t, err)
 	}
 	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename IN ('inbox','effects')`, schema))
+}
+
+// readOnlyPool is a pool whose every transaction is READ ONLY, as a read-only
+// role's or a standby's would be.
+func readOnlyPool(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func schemaExists(t *testing.T, pool *pgxpool.Pool, schema string) bool {
+	t.Helper()
+	return pgtest.Count(t, pool, `SELECT count(*) FROM pg_namespace WHERE nspname = $1`, schema) == 1
+}
+
+// List, PlanDown and Down on a schema that does not exist create nothing: no
+// schema, no migrations table.
+func TestMigratorCreatesNothingUnlessUp(t *testing.T) {
+	t.Parallel()
+	pgtest.Require(t)
+	ctx := context.Background()
+	schema := pgtest.NewSchemaName()
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+	pool := pgtest.NewPool(t, "public", 2)
+	m, err := inbox.NewMigrator(pool, schema)
+	require.NoError(t, err)
+
+	list, err := m.List(ctx)
+	require.NoError(t, err)
+	require.Len(t, list, len(inbox.Migrations()))
+	for _, s := range list {
+		require.False(t, s.Applied)
+	}
+	plan, err := m.PlanDown(ctx)
+	require.NoError(t, err)
+	require.Zero(t, plan.Version)
+	v, err := m.Down(ctx)
+	require.NoError(t, err)
+	require.Zero(t, v)
+	require.False(t, schemaExists(t, pool, schema), "List, PlanDown or Down created the schema")
+}
+
+// List and PlanDown work where nothing may be written.
+func TestMigratorListIsReadOnly(t *testing.T) {
+	_, schema := pgtest.Setup(t)
+	t.Parallel()
+	ctx := context.Background()
+	ro := readOnlyPool(t)
+	m, err := inbox.NewMigrator(ro, schema)
+	require.NoError(t, err)
+	list, err := m.List(ctx)
+	require.NoError(t, err)
+	require.True(t, list[0].Applied)
+	plan, err := m.PlanDown(ctx)
+	require.NoError(t, err)
+	require.Equal(t, len(inbox.Migrations()), plan.Version)
+
+	missing := pgtest.NewSchemaName()
+	m, err = inbox.NewMigrator(ro, missing)
+	require.NoError(t, err)
+	list, err = m.List(ctx)
+	require.NoError(t, err)
+	require.False(t, list[0].Applied)
+	require.False(t, schemaExists(t, ro, missing))
+}
+
+// PlanDown shows the tables the newest migration's down drops, with their rows;
+// Revert reverts exactly that step, and refuses when the schema moved on.
+func TestMigratorPlanDownAndRevert(t *testing.T) {
+	pool, schema := pgtest.Setup(t)
+	t.Parallel()
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at)
+		SELECT 'c', 'k' || i, '\x00', 'completed', now() + interval '1 day' FROM generate_series(1, 3) i`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO effects (kind, key, fingerprint) VALUES ('email', 'a', '\x00'), ('email', 'b', '\x00')`)
+	require.NoError(t, err)
+	newest := len(inbox.Migrations())
+	m, err := inbox.NewMigrator(pool, schema)
+	require.NoError(t, err)
+
+	// One of the inbox rows holds a stored HTTP response (migration 003).
+	_, err = pool.Exec(ctx, `UPDATE inbox SET response_status = 201, response_body = '\x7b7d' WHERE key = 'k1'`)
+	require.NoError(t, err)
+
+	plan, err := m.PlanDown(ctx)
+	require.NoError(t, err)
+	require.Equal(t, newest, plan.Version)
+	require.Equal(t, 3, newest, "the plan below is migration 003's; update this test for a new migration")
+	require.Empty(t, plan.Tables, "003's down drops no table")
+	require.Equal(t, []inbox.ColumnValues{
+		{Table: "inbox", Column: "response_ref", Rows: 0},
+		{Table: "inbox", Column: "response_body", Rows: 1},
+		{Table: "inbox", Column: "response_headers", Rows: 0},
+		{Table: "inbox", Column: "response_status", Rows: 1},
+	}, plan.Columns, "the plan names the dropped columns and how many rows hold data in each")
+	require.Contains(t, plan.SQL, `ALTER TABLE "`+schema+`".inbox`)
+
+	_, err = m.Revert(ctx, newest+1)
+	require.ErrorContains(t, err, "another process migrated it")
+	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM inbox`), "a refused revert dropped something")
+
+	for v := newest; v >= 1; v-- {
+		done, err := m.Revert(ctx, v)
+		require.NoError(t, err)
+		require.Equal(t, v, done.Version)
+		if v == 1 {
+			require.Equal(t, []inbox.TableRows{{Table: "effects", Rows: 2}, {Table: "inbox", Rows: 3}}, done.Tables)
+			require.Contains(t, done.SQL, `DROP TABLE IF EXISTS "`+schema+`".inbox`)
+		}
+	}
+	require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename IN ('inbox', 'effects')`, schema))
+	plan, err = m.PlanDown(ctx)
+	require.NoError(t, err)
+	require.Zero(t, plan.Version)
 }

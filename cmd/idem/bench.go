@@ -11,7 +11,11 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/benchkit"
+	"github.com/idemkit/idem/internal/scratch"
 )
+
+// benchSchema is the benchmark's own schema by default.
+const benchSchema = "idem_bench"
 
 var benchCmd = &command{
 	name: "bench",
@@ -19,7 +23,8 @@ var benchCmd = &command{
 	summary: "Drive one workload under five setups side by side: (a) a bare handler with its own " +
 		"transaction, (b) idem per message, (c) idem group commit, (d) Watermill's Deduplicator, " +
 		"(e) the effect Dispatcher draining what the others enqueued. Each handler does one business " +
-		"insert and emits one effect. It uses (and empties) its own schema, --bench-schema.",
+		"insert and emits one effect. It works in a schema of its own, --bench-schema, which it drops and " +
+		"makes again; it refuses a schema it did not make.",
 	example: `idem bench
 idem bench -n 1000000 --concurrency 32 --dup-rate 0.1 --payload 256
 idem bench --setups bare,idem,idem-group --json`,
@@ -34,7 +39,7 @@ idem bench --setups bare,idem,idem-group --json`,
 		fs.DurationVar(&o.MaxWait, "max-wait", 0, "group-commit wait for a fuller batch (consumer default if 0)")
 		fs.IntVar(&o.Workers, "workers", 0, "group-commit batches at once (consumer default if 0)")
 		fs.StringVar(&setups, "setups", joinSetups(benchkit.AllSetups), "setups to run, comma-separated")
-		fs.StringVar(&schema, "bench-schema", "idem_bench", "schema the benchmark creates and EMPTIES (never your idem schema)")
+		fs.StringVar(&schema, "bench-schema", benchSchema, "schema the benchmark creates, marks as its own, and drops on its next run (it refuses any schema it did not create)")
 		return func(ctx context.Context, e *env, args []string) error {
 			return runBench(ctx, e, args, o, setups, schema)
 		}
@@ -73,9 +78,6 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 	if err := inbox.ValidateSchema(schema); err != nil {
 		return usagef("--bench-schema: %v", err)
 	}
-	if schema == e.schema && e.schema == inbox.DefaultSchema {
-		return usagef("--bench-schema must not be %q: the benchmark empties its schema", schema)
-	}
 	var setups []benchkit.Setup
 	for _, s := range strings.Split(setupList, ",") {
 		s = strings.TrimSpace(s)
@@ -88,6 +90,14 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 	if err != nil {
 		return err
 	}
+	// The benchmark empties its schema between setups: it works only in one that
+	// it (or idem demo) made and marked, made afresh, and never in one that
+	// another run is using.
+	claimed, err := scratch.Claim(ctx, e.databaseURL, schema, "idem bench")
+	if err != nil {
+		return scratchError("--bench-schema", "idem bench", benchSchema, err)
+	}
+	defer claimed.Release()
 	m, err := inbox.NewMigrator(pool, schema)
 	if err != nil {
 		return err

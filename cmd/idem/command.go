@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/redact"
 )
 
 const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
@@ -40,14 +41,18 @@ type command struct {
 	setup func(fs *flag.FlagSet) runFunc
 }
 
-// env is what a running command gets: the global flags, the output streams and a
-// lazily opened pool.
+// env is what a running command gets: the global flags, the output streams, the
+// terminal to ask questions on, and a lazily opened pool.
 type env struct {
 	stdout, stderr io.Writer
-	databaseURL    string
-	schema         string
-	json           bool
-	pool           *pgxpool.Pool
+	// terminal is where a confirmation is read from when idem runs on a
+	// terminal; nil when it does not, and a command that would ask needs its
+	// --yes flag instead.
+	terminal    io.Reader
+	databaseURL string
+	schema      string
+	json        bool
+	pool        *pgxpool.Pool
 }
 
 // usageError is bad usage: exit code 2.
@@ -59,8 +64,8 @@ func usagef(format string, args ...any) error {
 	return &usageError{msg: fmt.Sprintf(format, args...)}
 }
 
-func (c *command) execute(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	e := &env{stdout: stdout, stderr: stderr}
+func (c *command) execute(ctx context.Context, args []string, terminal io.Reader, stdout, stderr io.Writer) int {
+	e := &env{stdout: stdout, stderr: stderr, terminal: terminal}
 	fs := flag.NewFlagSet("idem "+c.name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.StringVar(&e.databaseURL, "database-url", cmp.Or(os.Getenv("DATABASE_URL"), defaultDatabaseURL), "Postgres DSN")
@@ -90,12 +95,15 @@ func (c *command) execute(ctx context.Context, args []string, stdout, stderr io.
 	if err == nil {
 		return exitOK
 	}
+	// No message of ours quotes the DSN, but a driver's or a server's might: mask
+	// its password in whatever is printed.
+	msg := redact.Text(err.Error(), e.databaseURL)
 	var ue *usageError
 	if errors.As(err, &ue) {
-		fmt.Fprintf(stderr, "idem %s: %v\nRun 'idem %s --help' for usage and an example.\n", c.name, err, c.name)
+		fmt.Fprintf(stderr, "idem %s: %s\nRun 'idem %s --help' for usage and an example.\n", c.name, msg, c.name)
 		return exitUsage
 	}
-	fmt.Fprintf(stderr, "idem %s: %v\n", c.name, err)
+	fmt.Fprintf(stderr, "idem %s: %s\n", c.name, msg)
 	if hint := explain(err, e); hint != "" {
 		fmt.Fprintln(stderr, hint)
 	}

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -15,17 +14,18 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/chaos"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/payments"
+	"github.com/idemkit/idem/internal/redact"
+	"github.com/idemkit/idem/internal/scratch"
 )
 
-// demoSchema is the demo's own schema, dropped and made again on every run: the
-// demo never touches the idem schema of a real deployment.
+// demoSchema is the demo's own schema, dropped and made again on every run. The
+// demo only drops a schema it made itself (internal/scratch), so it never touches
+// the idem schema of a real deployment or any other schema of a user's.
 const demoSchema = "idem_demo"
 
 // demoWaitForPostgres is how long the demo waits for Postgres to accept
@@ -34,21 +34,27 @@ const demoWaitForPostgres = 15 * time.Second
 
 var demoCmd = &command{
 	name: "demo",
-	args: "[-n N] [--broker nats|kafka] [--seed S] [--json]",
+	args: "[-n N] [--broker nats|kafka] [--kafka-brokers H:P,...] [--seed S] [--json]",
 	summary: "Show the guarantee under chaos: payments through a broker, with duplicates, " +
 		"redeliveries, consumer restarts and cut database connections, then the audit",
 	example: `idem demo                       # embedded NATS JetStream, 1000 payments
 idem demo -n 5000 --seed 7
 idem demo --broker kafka        # KAFKA_BROKERS if set, else an in-process Kafka-protocol broker
+idem demo --broker kafka --kafka-brokers kafka1:9092,kafka2:9092
 DATABASE_URL=postgres://postgres@db:5432/postgres?sslmode=disable idem demo --json
 
 The demo works in a schema of its own, idem_demo, dropped and made again on
 every run (--schema names another one; the default idem schema is never used).
-Exit codes: 0 nothing lost and nothing committed twice, 1 otherwise, 2 no Postgres.`,
+It only drops a schema that it or idem bench created and marked; it refuses any
+other (public included), and a schema another demo or bench is using right now.
+Exit codes: 0 nothing lost and nothing committed twice, 1 otherwise (or the
+schema is in use), 2 bad usage (a schema it refuses) or no Postgres.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var o demoOptions
 		fs.IntVar(&o.n, "n", 1000, "payments to publish")
 		fs.StringVar(&o.broker, "broker", payments.NATS, "nats (embedded JetStream) or kafka")
+		fs.StringVar(&o.kafkaBrokers, "kafka-brokers", os.Getenv("KAFKA_BROKERS"),
+			"with --broker kafka: Kafka brokers, comma-separated (default $KAFKA_BROKERS; empty: an in-process Kafka-protocol broker)")
 		fs.Int64Var(&o.seed, "seed", 0, "seed of the chaos (0: from the clock)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if len(args) > 0 {
@@ -60,9 +66,10 @@ Exit codes: 0 nothing lost and nothing committed twice, 1 otherwise, 2 no Postgr
 }
 
 type demoOptions struct {
-	n      int
-	broker string
-	seed   int64
+	n            int
+	broker       string
+	kafkaBrokers string
+	seed         int64
 }
 
 // exitError carries an exit code other than 1.
@@ -77,6 +84,7 @@ func (e *exitError) Unwrap() error { return e.err }
 // demoJSON is the --json output.
 type demoJSON struct {
 	Broker         string  `json:"broker"`
+	BrokerAddress  string  `json:"broker_address"`
 	Schema         string  `json:"schema"`
 	Seed           int64   `json:"seed"`
 	ElapsedSeconds float64 `json:"elapsed_seconds"`
@@ -125,10 +133,13 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 		return err
 	}
 
-	// A fresh schema each run.
-	if _, err := admin.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`); err != nil {
-		return fmt.Errorf("reset schema %s: %w", schema, err)
+	// A fresh schema each run, but only one the demo (or idem bench) made, and
+	// never one another run is using.
+	claimed, err := scratch.Claim(ctx, e.databaseURL, schema, "idem demo")
+	if err != nil {
+		return scratchError("--schema", "idem demo", demoSchema, err)
 	}
+	defer claimed.Release()
 	m, err := inbox.NewMigrator(admin, schema)
 	if err != nil {
 		return err
@@ -164,12 +175,19 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 		ep.Addr = srv.ClientURL()
 		brokerDesc = "embedded NATS JetStream at " + ep.Addr
 	case payments.Kafka:
-		if b := os.Getenv("KAFKA_BROKERS"); b != "" {
+		if b := o.kafkaBrokers; b != "" {
 			ep.Addr = b
-			// A topic of its own per run: an earlier run's payments stay in a
-			// real broker's topic and are not this run's.
-			topic = fmt.Sprintf("idem-demo-payments-%d", time.Now().Unix())
-			brokerDesc = "Kafka at " + b + " (KAFKA_BROKERS), topic " + topic
+			// A topic and a group of their own per run: an earlier run's payments
+			// stay in a real broker's topic and are not this run's, and a demo
+			// running at the same time on another schema must not share them.
+			topic = fmt.Sprintf("idem-demo-%s-%d", schema, time.Now().UnixNano())
+			ep.Group = topic
+			brokerDesc = "Kafka at " + b + ", topic " + topic
+			defer func() {
+				if err := payments.DeleteTopic(context.WithoutCancel(ctx), ep, topic); err != nil {
+					say("idem demo: could not delete topic %s on %s: %v", topic, b, err)
+				}
+			}()
 		} else {
 			c, err := payments.StartKafka()
 			if err != nil {
@@ -177,7 +195,18 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 			}
 			defer c.Close()
 			ep.Addr = strings.Join(c.ListenAddrs(), ",")
-			brokerDesc = "an in-process Kafka-protocol broker (kfake) at " + ep.Addr + "; KAFKA_BROKERS is not set"
+			brokerDesc = "an in-process Kafka-protocol broker (kfake) at " + ep.Addr + " (no --kafka-brokers or KAFKA_BROKERS)"
+		}
+	}
+	ep.Topic = topic
+	if err := payments.CreateTopic(ctx, ep, topic); err != nil {
+		return err
+	}
+	var sessionNote string
+	if o.broker == payments.Kafka {
+		if floor, err := payments.SessionFloor(ctx, strings.Split(ep.Addr, ","), topic); err == nil && floor > time.Second {
+			sessionNote = fmt.Sprintf("  The broker's group.min.session.timeout.ms is %s, so consumers use %s sessions and a restart moves\n"+
+				"  partitions slowly; a test broker may allow 1000 ms (scripts/services and docker-compose.yml do).", floor, floor)
 		}
 	}
 	box, err := payments.StartMailbox("127.0.0.1:0")
@@ -187,9 +216,16 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	defer box.Close()
 
 	say("idem demo: %d payments through %s", o.n, brokerDesc)
-	say("  Postgres %s, schema %s (reset); SMTP receiver at %s; seed %d", redact(e.databaseURL), schema, box.Addr(), o.seed)
+	fresh := "new"
+	if claimed.Reset {
+		fresh = "reset"
+	}
+	say("  Postgres %s, schema %s (%s); SMTP receiver at %s; seed %d", redact.DSN(e.databaseURL), schema, fresh, box.Addr(), o.seed)
 	say("  chaos: the producer sends 30%% twice; consumers get extra copies and redeliveries after ack,")
 	say("  3 consumers restart at random, database connections are cut twice; 2 email dispatchers.")
+	if sessionNote != "" {
+		say("%s", sessionNote)
+	}
 
 	start := time.Now()
 	runCtx, stopRun := context.WithCancel(ctx)
@@ -365,7 +401,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 
 	if e.json {
 		var out demoJSON
-		out.Broker, out.Schema, out.Seed, out.ElapsedSeconds = o.broker, schema, o.seed, math.Round(elapsed.Seconds()*100)/100
+		out.Broker, out.BrokerAddress, out.Schema, out.Seed, out.ElapsedSeconds = o.broker, ep.Addr, schema, o.seed, math.Round(elapsed.Seconds()*100)/100
 		out.Restarts, out.BackendCuts, out.ProducerDups = restarts.Load(), cuts.Load(), pubDups.Load()
 		r := &out.Report
 		r.Messages, r.CommittedOnce, r.CommittedTwice, r.Lost, r.Failed = rep.Messages, rep.CommittedOnce, rep.CommittedTwice, rep.Lost, rep.Failed
@@ -377,8 +413,8 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 			return err
 		}
 	} else {
-		fmt.Fprintf(e.stdout, "%d payments in %s: producer duplicates %d, consumer restarts %d, backend cuts %d\n\n",
-			o.n, elapsed.Round(100*time.Millisecond), pubDups.Load(), restarts.Load(), cuts.Load())
+		fmt.Fprintf(e.stdout, "%d payments through %s in %s: producer duplicates %d, consumer restarts %d, backend cuts %d\n\n",
+			o.n, brokerDesc, elapsed.Round(100*time.Millisecond), pubDups.Load(), restarts.Load(), cuts.Load())
 		fmt.Fprint(e.stdout, chaos.FormatReports([]string{"idem on " + o.broker}, rep))
 	}
 	if !rep.OK() {
@@ -427,12 +463,4 @@ func counterSum(reg *prometheus.Registry, name string) int64 {
 		}
 	}
 	return int64(math.Round(sum))
-}
-
-// redact hides a password in a URL for printing.
-func redact(dsn string) string {
-	if cfg, err := pgxpool.ParseConfig(dsn); err == nil {
-		return fmt.Sprintf("%s@%s:%d/%s", cmp.Or(cfg.ConnConfig.User, "?"), cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database)
-	}
-	return "(unparsable DSN)"
 }

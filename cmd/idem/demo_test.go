@@ -23,29 +23,53 @@ func TestDemo(t *testing.T) {
 	require.Contains(t, r.stderr, "embedded NATS JetStream")
 }
 
+// The demo through Kafka: always on the in-process kfake broker, and also on the
+// real broker of KAFKA_BROKERS when that is set. Each run's output names its
+// broker.
 func TestDemoKafka(t *testing.T) {
 	t.Parallel()
 	pgtest.Require(t)
-	schema := pgtest.NewSchemaName()
-	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
-	r := runCLI(t, "demo", "--broker", "kafka", "-n", "200", "--seed", "4", "--json", "--database-url", pgtest.URL(), "--schema", schema).ok(t)
-	var out demoJSON
-	r.decode(t, &out)
-	require.True(t, out.OK, r.stdout)
-	require.Equal(t, 200, out.Report.CommittedOnce)
-	require.Zero(t, out.Report.Lost)
-	require.Zero(t, out.Report.CommittedTwice)
-	if os.Getenv("KAFKA_BROKERS") == "" {
-		require.Contains(t, r.stderr, "in-process Kafka-protocol broker")
+	brokers := map[string]string{"kfake": ""}
+	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
+		brokers["external"] = b
+	}
+	for name, addr := range brokers {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			if addr == "" {
+				t.Logf("broker: in-process kfake")
+			} else {
+				t.Logf("broker: Kafka at %s (KAFKA_BROKERS)", addr)
+			}
+			schema := pgtest.NewSchemaName()
+			t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+			r := runCLI(t, "demo", "--broker", "kafka", "--kafka-brokers", addr, "-n", "200", "--seed", "4", "--json",
+				"--database-url", pgtest.URL(), "--schema", schema).ok(t)
+			var out demoJSON
+			r.decode(t, &out)
+			require.True(t, out.OK, r.stdout)
+			require.Equal(t, 200, out.Report.CommittedOnce)
+			require.Zero(t, out.Report.Lost)
+			require.Zero(t, out.Report.CommittedTwice)
+			if addr == "" {
+				require.Contains(t, r.stderr, "through an in-process Kafka-protocol broker (kfake) at 127.0.0.1:")
+				require.NotEqual(t, os.Getenv("KAFKA_BROKERS"), out.BrokerAddress)
+			} else {
+				require.Contains(t, r.stderr, "payments through Kafka at "+addr+", topic idem-demo-"+schema+"-")
+				require.Equal(t, addr, out.BrokerAddress)
+			}
+		})
 	}
 }
 
-// Without Postgres the demo says how to start one, and exits 2.
+// Without Postgres the demo says how to start one, and exits 2; the password
+// of the DSN is never printed.
 func TestDemoWithoutPostgres(t *testing.T) {
 	t.Parallel()
-	r := runCLI(t, "demo", "-n", "10", "--database-url", "postgres://postgres@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=2")
+	r := runCLI(t, "demo", "-n", "10", "--database-url", "postgres://postgres:demo-s3cret-pw@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=2")
 	require.Equal(t, exitUsage, r.code, r.stderr)
 	require.Contains(t, r.stderr, "docker compose up -d postgres")
+	require.NotContains(t, r.stdout+r.stderr, "demo-s3cret-pw")
 }
 
 // squeeze collapses runs of spaces, so a check does not depend on column widths.

@@ -32,7 +32,11 @@ var commands = []*command{
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	var terminal io.Reader
+	if stdinIsTerminal() {
+		terminal = os.Stdin
+	}
+	code := runOn(ctx, os.Args[1:], terminal, os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
 }
@@ -44,15 +48,21 @@ const (
 	exitUsage   = 2
 )
 
-// run runs one invocation of idem and returns its exit code.
+// run runs one invocation of idem, with no terminal to ask questions on, and
+// returns its exit code.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runOn(ctx, args, nil, stdout, stderr)
+}
+
+// runOn is run with terminal, where a command reads a confirmation (nil: none).
+func runOn(ctx context.Context, args []string, terminal io.Reader, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		printOverview(stderr)
 		return exitUsage
 	}
 	if isHelp(args[0]) || args[0] == "help" {
 		if len(args) > 1 && args[0] == "help" {
-			return run(ctx, append(args[1:], "--help"), stdout, stderr)
+			return runOn(ctx, append(args[1:], "--help"), terminal, stdout, stderr)
 		}
 		printOverview(stdout)
 		return exitOK
@@ -70,7 +80,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "idem: unknown command %q\nRun 'idem --help' for the list of commands.\n", args[0])
 		return exitUsage
 	}
-	return cmd.execute(ctx, rest, stdout, stderr)
+	return cmd.execute(ctx, rest, terminal, stdout, stderr)
+}
+
+// stdinIsTerminal reports whether a person may be typing on stdin: a character
+// device other than /dev/null (which CI jobs and cron often give).
+func stdinIsTerminal() bool {
+	fi, err := os.Stdin.Stat()
+	if err != nil || fi.Mode()&os.ModeCharDevice == 0 {
+		return false
+	}
+	null, err := os.Stat(os.DevNull)
+	return err != nil || !os.SameFile(fi, null)
 }
 
 func isHelp(arg string) bool { return arg == "-h" || arg == "-help" || arg == "--help" }

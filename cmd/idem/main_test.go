@@ -164,11 +164,11 @@ func TestMigrate(t *testing.T) {
 
 	for v := len(all); v >= 1; v-- {
 		var down map[string]any
-		b.idem("migrate", "down", "--json").ok(t).decode(t, &down)
+		b.idem("migrate", "down", "--yes", "--json").ok(t).decode(t, &down)
 		require.EqualValues(t, v, down["reverted"])
 	}
 	require.Zero(t, pgtest.Count(t, b.pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'inbox'`, b.schema))
-	require.Contains(t, b.idem("migrate", "down").ok(t).stdout, "no migration to revert")
+	require.Contains(t, b.idem("migrate", "down", "--yes").ok(t).stdout, "no migration to revert")
 
 	var up map[string]any
 	b.idem("migrate", "up", "--json").ok(t).decode(t, &up)

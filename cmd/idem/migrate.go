@@ -1,9 +1,12 @@
 package main
 
 import (
+	"bufio"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/idemkit/idem/inbox"
@@ -11,12 +14,23 @@ import (
 
 var migrateCmd = &command{
 	name:    "migrate",
-	args:    "[up|down|list] [flags]",
+	args:    "[up|down|list] [--yes] [flags]",
 	summary: "Apply (up, the default), revert one step of (down), or list the schema migrations",
 	example: `idem migrate up --database-url postgres://postgres@127.0.0.1:5432/app?sslmode=disable
-idem migrate list --schema idem --json`,
+idem migrate list --schema idem --json
+idem migrate down --schema idem            # shows what it would drop, asks on a terminal
+idem migrate down --schema idem --yes      # no question: for scripts
+
+list only reads: it creates nothing and works for a read-only role.
+down drops the newest migration's tables and every row in them. It first shows
+them with their row counts, then asks you to type the schema name (on a terminal),
+or needs --yes; without either it changes nothing and exits 2.`,
 	setup: func(fs *flag.FlagSet) runFunc {
-		return runMigrate
+		var yes bool
+		fs.BoolVar(&yes, "yes", false, "down: revert without asking (it drops the tables shown and their rows)")
+		return func(ctx context.Context, e *env, args []string) error {
+			return runMigrate(ctx, e, args, yes)
+		}
 	},
 }
 
@@ -27,7 +41,7 @@ type migrationJSON struct {
 	AppliedAt *time.Time `json:"applied_at,omitempty"`
 }
 
-func runMigrate(ctx context.Context, e *env, args []string) error {
+func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 	action := "up"
 	switch len(args) {
 	case 0:
@@ -38,6 +52,9 @@ func runMigrate(ctx context.Context, e *env, args []string) error {
 	}
 	if action != "up" && action != "down" && action != "list" {
 		return usagef("unknown action %q: use up, down or list", action)
+	}
+	if yes && action != "down" {
+		return usagef("--yes is for migrate down only")
 	}
 	pool, err := e.connect(ctx)
 	if err != nil {
@@ -64,18 +81,7 @@ func runMigrate(ctx context.Context, e *env, args []string) error {
 			fmt.Fprintf(e.stdout, "applied %s to schema %s\n", migrationLabel(v), e.schema)
 		}
 	case "down":
-		v, err := m.Down(ctx)
-		if err != nil {
-			return err
-		}
-		if e.json {
-			return e.writeJSON(map[string]any{"schema": e.schema, "reverted": v})
-		}
-		if v == 0 {
-			fmt.Fprintf(e.stdout, "schema %s has no migration to revert\n", e.schema)
-			return nil
-		}
-		fmt.Fprintf(e.stdout, "reverted %s in schema %s\n", migrationLabel(v), e.schema)
+		return migrateDown(ctx, e, m, yes)
 	case "list":
 		list, err := m.List(ctx)
 		if err != nil {
@@ -127,4 +133,75 @@ func nonNil[T any](s []T) []T {
 		return []T{}
 	}
 	return s
+}
+
+type droppedJSON struct {
+	Table string `json:"table"`
+	Rows  int64  `json:"rows"`
+}
+
+type droppedColumnJSON struct {
+	Table  string `json:"table"`
+	Column string `json:"column"`
+	Rows   int64  `json:"rows_with_value"`
+}
+
+// migrateDown shows what reverting the newest migration drops, gets a yes (--yes,
+// or the schema name typed on a terminal), then reverts exactly that step.
+func migrateDown(ctx context.Context, e *env, m *inbox.Migrator, yes bool) error {
+	plan, err := m.PlanDown(ctx)
+	if err != nil {
+		return err
+	}
+	if plan.Version == 0 {
+		if e.json {
+			return e.writeJSON(map[string]any{"schema": e.schema, "reverted": 0, "dropped": []droppedJSON{}, "dropped_columns": []droppedColumnJSON{}})
+		}
+		fmt.Fprintf(e.stdout, "schema %s has no migration to revert\n", e.schema)
+		return nil
+	}
+	label := migrationLabel(plan.Version)
+	fmt.Fprintf(e.stderr, "idem migrate down: reverting %s in schema %s: %s\n", label, e.schema, describeDrops(plan))
+	if !yes {
+		if e.terminal == nil {
+			return usagef("nothing was changed: migrate down drops what is listed above, with its data; to do it, run it again with --yes")
+		}
+		fmt.Fprintf(e.stderr, "Type the schema name (%s) to revert, anything else to cancel: ", e.schema)
+		answer, _ := bufio.NewReader(e.terminal).ReadString('\n')
+		if strings.TrimSpace(answer) != e.schema {
+			return errors.New("cancelled; nothing was changed")
+		}
+	}
+	done, err := m.Revert(ctx, plan.Version)
+	if err != nil {
+		return err
+	}
+	if e.json {
+		dropped := make([]droppedJSON, 0, len(done.Tables))
+		for _, t := range done.Tables {
+			dropped = append(dropped, droppedJSON{t.Table, t.Rows})
+		}
+		columns := make([]droppedColumnJSON, 0, len(done.Columns))
+		for _, c := range done.Columns {
+			columns = append(columns, droppedColumnJSON{c.Table, c.Column, c.Rows})
+		}
+		return e.writeJSON(map[string]any{"schema": e.schema, "reverted": done.Version, "dropped": dropped, "dropped_columns": columns})
+	}
+	fmt.Fprintf(e.stdout, "reverted %s in schema %s: %s\n", label, e.schema, strings.TrimPrefix(describeDrops(done), "dropping "))
+	return nil
+}
+
+// describeDrops says which tables and columns go, and how much data each holds.
+func describeDrops(plan inbox.DownPlan) string {
+	if len(plan.Tables) == 0 && len(plan.Columns) == 0 {
+		return "it drops no tables and no columns"
+	}
+	var parts []string
+	for _, t := range plan.Tables {
+		parts = append(parts, fmt.Sprintf("table %s (%d rows)", t.Table, t.Rows))
+	}
+	for _, c := range plan.Columns {
+		parts = append(parts, fmt.Sprintf("column %s.%s (%d rows hold a value)", c.Table, c.Column, c.Rows))
+	}
+	return "dropping " + strings.Join(parts, ", ")
 }

@@ -103,7 +103,7 @@ func run(ctx context.Context, cfg Config) error {
 }
 
 // SMTPSender sends "email" effects through an SMTP server. The Message-ID is made
-// from the effect key, so every attempt at one effect carries the same Message-ID,
+// from the effect's tenant and key, so every attempt at one effect carries the same Message-ID,
 // and mail systems and clients that de-duplicate by it show the email once.
 type SMTPSender struct {
 	Addr   string
@@ -125,7 +125,7 @@ func (s *SMTPSender) Send(ctx context.Context, d effects.Delivery) error {
 	}
 	var msg bytes.Buffer
 	fmt.Fprintf(&msg, "From: %s\r\nTo: %s\r\nSubject: %s\r\nMessage-ID: %s\r\nDate: %s\r\nMIME-Version: 1.0\r\nContent-Type: text/plain; charset=utf-8\r\n\r\n%s\r\n",
-		s.From, to.String(), mime.QEncoding.Encode("utf-8", e.Subject), MessageID(d.Key, s.Domain), d.CreatedAt.UTC().Format(time.RFC1123Z), e.Body)
+		s.From, to.String(), mime.QEncoding.Encode("utf-8", e.Subject), MessageID(d.Tenant, d.Key, s.Domain), d.CreatedAt.UTC().Format(time.RFC1123Z), e.Body)
 
 	var dialer net.Dialer
 	conn, err := dialer.DialContext(ctx, "tcp", s.Addr)
@@ -170,21 +170,35 @@ func classify(err error) error {
 	return err
 }
 
-// MessageID makes an RFC 5322 Message-ID from an effect key: "<key@domain>", with
-// every byte that may not appear in it percent-encoded (":" becomes "%3A").
-func MessageID(key, domain string) string {
+// MessageID makes an RFC 5322 Message-ID from an effect's identity:
+// "<key@domain>" for an effect without a tenant, "<tenant/key@domain>" for a
+// tenant's (two tenants may each have an effect "receipt:123", and a mailbox that
+// de-duplicates by Message-ID must keep both). Every byte that may not appear in a
+// Message-ID is percent-encoded (":" becomes "%3A"), and so is a "/" in the
+// tenant, so the tenant and the key can never run into each other.
+func MessageID(tenant, key, domain string) string {
 	var b strings.Builder
 	b.WriteByte('<')
-	for i := 0; i < len(key); i++ {
-		c := key[i]
-		if c < 0x80 && (c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$&'*+-/=?^_`{|}~.", c) >= 0) {
-			b.WriteByte(c)
-		} else {
-			fmt.Fprintf(&b, "%%%02X", c)
-		}
+	if tenant != "" {
+		writeAtext(&b, tenant, "/")
+		b.WriteByte('/')
 	}
+	writeAtext(&b, key, "")
 	b.WriteByte('@')
 	b.WriteString(domain)
 	b.WriteByte('>')
 	return b.String()
+}
+
+// writeAtext writes s with every byte outside RFC 5322's atext and ".", and every
+// byte of also, percent-encoded.
+func writeAtext(b *strings.Builder, s, also string) {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c < 0x80 && strings.IndexByte(also, c) < 0 && (c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$&'*+-/=?^_`{|}~.", c) >= 0) {
+			b.WriteByte(c)
+		} else {
+			fmt.Fprintf(b, "%%%02X", c)
+		}
+	}
 }

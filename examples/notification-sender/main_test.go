@@ -110,7 +110,12 @@ func TestNotificationSender(t *testing.T) {
 
 func TestMessageID(t *testing.T) {
 	t.Parallel()
-	require.Equal(t, "<receipt%3Apay_789@x.example>", MessageID("receipt:pay_789", "x.example"))
-	require.Equal(t, "<a.b-c_d@x>", MessageID("a.b-c_d", "x"))
-	require.Equal(t, "<%3Cevil%3E%20%C3%A9@x>", MessageID("<evil> é", "x"))
+	require.Equal(t, "<receipt%3Apay_789@x.example>", MessageID("", "receipt:pay_789", "x.example"))
+	require.Equal(t, "<a.b-c_d@x>", MessageID("", "a.b-c_d", "x"))
+	require.Equal(t, "<%3Cevil%3E%20%C3%A9@x>", MessageID("", "<evil> é", "x"))
+	// Two tenants' "receipt:1" are two Message-IDs, and a "/" in a tenant cannot
+	// make one tenant's ID collide with another's.
+	require.Equal(t, "<acme/receipt%3A1@x>", MessageID("acme", "receipt:1", "x"))
+	require.NotEqual(t, MessageID("acme", "receipt:1", "x"), MessageID("globex", "receipt:1", "x"))
+	require.NotEqual(t, MessageID("a/b", "c", "x"), MessageID("a", "b/c", "x"))
 }

@@ -30,6 +30,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/redact"
 )
 
 // Setup names a way of handling the workload.
@@ -96,8 +97,11 @@ func (o *Options) defaults() {
 }
 
 // Prepare empties the schema's idem tables and the business table, before a series
-// of runs.
-func Prepare(ctx context.Context, o Options) error {
+// of runs. The caller owns the schema: Prepare empties whatever schema it is given
+// (idem bench hands it only a scratch schema of its own, internal/scratch).
+// Errors never show the database password.
+func Prepare(ctx context.Context, o Options) (err error) {
+	defer func() { err = redact.Error(err, o.DatabaseURL) }()
 	o.defaults()
 	pool, err := openPool(ctx, o, &commitCounter{})
 	if err != nil {
@@ -112,8 +116,10 @@ func Prepare(ctx context.Context, o Options) error {
 }
 
 // Run drives the workload once under setup. It empties the business table and the
-// inbox first; effects stay, for the Drain setup.
-func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
+// inbox first; effects stay, for the Drain setup. Errors never show the database
+// password.
+func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
+	defer func() { err = redact.Error(err, o.DatabaseURL) }()
 	o.defaults()
 	if setup == Drain {
 		return runDrain(ctx, o)
@@ -246,7 +252,7 @@ func Run(ctx context.Context, setup Setup, o Options) (Result, error) {
 	cancel()
 	<-routerDone
 
-	res := Result{Setup: setup, Messages: o.N, Deliveries: total, Elapsed: elapsed,
+	res = Result{Setup: setup, Messages: o.N, Deliveries: total, Elapsed: elapsed,
 		MsgsPerSec: float64(total) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),
 		PeakHeapBytes: peak}
 	res.CommitsPerMsg = float64(counter.n.Load()-commitsBefore) / float64(total)

@@ -62,3 +62,25 @@ func BenchmarkSetups(b *testing.B) {
 		})
 	}
 }
+
+// A benchmark that cannot reach its database says so without the password, for a
+// DSN that does not parse and for a server that does not answer.
+func TestErrorsHideThePassword(t *testing.T) {
+	t.Parallel()
+	const secret = "bench-s3cret-pw"
+	for _, url := range []string{
+		"postgres://postgres:" + secret + "@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=2",
+		"postgres://postgres:" + secret + "@127.0.0.1:notaport/postgres",
+		"host=127.0.0.1 port=1 user=postgres password=" + secret + " connect_timeout=2",
+	} {
+		o := benchkit.Options{DatabaseURL: url, Schema: "t_nowhere", N: 10}
+		err := benchkit.Prepare(context.Background(), o)
+		require.Error(t, err, url)
+		require.NotContains(t, err.Error(), secret)
+		for _, s := range []benchkit.Setup{benchkit.Bare, benchkit.Drain} {
+			_, err = benchkit.Run(context.Background(), s, o)
+			require.Error(t, err, url)
+			require.NotContains(t, err.Error(), secret)
+		}
+	}
+}

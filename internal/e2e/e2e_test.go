@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"flag"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -24,6 +26,7 @@ import (
 	"github.com/idemkit/idem/chaos"
 	"github.com/idemkit/idem/internal/payments"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/internal/redact"
 )
 
 // Environment of a re-executed test binary playing a worker process.
@@ -33,6 +36,7 @@ const (
 	envSchema   = "IDEM_E2E_SCHEMA"
 	envSMTP     = "IDEM_E2E_SMTP"
 	envPeer     = "IDEM_E2E_PEER"
+	envCounts   = "IDEM_E2E_COUNTS" // directory where consumers count their deliveries
 )
 
 // consumerGrace is how long a consumer process lives before the killer may pick it.
@@ -77,6 +81,21 @@ func runChild(role string) int {
 		if err != nil {
 			return fail(err)
 		}
+		// One byte per delivery, appended before its ack: 's' for a copy that was
+		// suppressed (the handler did not run and it was acked), 'd' for any other.
+		// A write is in the kernel once it returns, so a SIGKILL loses none.
+		counts, err := os.OpenFile(filepath.Join(os.Getenv(envCounts), fmt.Sprintf("consumer-%d", os.Getpid())), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		if err != nil {
+			return fail(err)
+		}
+		defer counts.Close()
+		onDelivery := func(ran bool, err error) {
+			b := []byte{'d'}
+			if !ran && err == nil {
+				b[0] = 's'
+			}
+			_, _ = counts.Write(b)
+		}
 		return retry(ctx, role, func() error {
 			c, err := payments.Connect(ep, nil)
 			if err != nil {
@@ -84,8 +103,9 @@ func runChild(role string) int {
 			}
 			defer c.Close()
 			return payments.RunConsumer(ctx, payments.ConsumerConfig{
-				Pool: pool, Schema: schema, Subscriber: c.Subscriber,
+				Pool: pool, Schema: schema, Subscriber: c.Subscriber, Topic: ep.TopicName(),
 				Peer: os.Getenv(envPeer) == "1", PeerSender: &payments.SMTPSender{Addr: os.Getenv(envSMTP)},
+				OnDelivery: onDelivery,
 			})
 		})
 	case "dispatcher":
@@ -128,10 +148,12 @@ type proc struct {
 	stderr  []string
 }
 
+// stderrTail is the worker's last lines of stderr, with the database password
+// masked.
 func (p *proc) stderrTail() string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return strings.Join(p.stderr, "\n")
+	return redact.Text(strings.Join(p.stderr, "\n"), pgtest.URL())
 }
 
 func (p *proc) sigkilled() bool {
@@ -184,9 +206,43 @@ func (r run) summary() string {
 		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts, r.pubDup, r.ledgerRows, strings.Join(per, ", "))
 }
 
-// runE2E runs one broker's chaos run, through idem or (peer) the Deduplicator.
-func runE2E(t *testing.T, broker string, peer bool, n int, seed int64) run {
+// target is a broker a run goes through.
+type target struct {
+	name   string // the subtest's name: kafka-kfake, kafka-external, nats-embedded, nats-external
+	broker string // payments.Kafka or payments.NATS
+	addr   string // an external broker's address; "" for an in-process one
+}
+
+func (tg target) String() string {
+	switch {
+	case tg.addr != "" && tg.broker == payments.Kafka:
+		return "Kafka at " + tg.addr + " (KAFKA_BROKERS)"
+	case tg.addr != "":
+		return "NATS JetStream at " + tg.addr + " (NATS_URL)"
+	case tg.broker == payments.Kafka:
+		return "Kafka (in-process kfake)"
+	}
+	return "NATS JetStream (embedded nats-server)"
+}
+
+// targets are kfake and embedded NATS always, and the real Kafka broker of
+// KAFKA_BROKERS and the NATS server of NATS_URL when those are set.
+func targets() []target {
+	out := []target{{name: "kafka-kfake", broker: payments.Kafka}}
+	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
+		out = append(out, target{name: "kafka-external", broker: payments.Kafka, addr: b})
+	}
+	out = append(out, target{name: "nats-embedded", broker: payments.NATS})
+	if u := os.Getenv("NATS_URL"); u != "" {
+		out = append(out, target{name: "nats-external", broker: payments.NATS, addr: u})
+	}
+	return out
+}
+
+// runE2E runs one chaos run through tg, through idem or (peer) the Deduplicator.
+func runE2E(t *testing.T, tg target, peer bool, n int, seed int64) run {
 	t.Helper()
+	broker := tg.broker
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(150+n/20)*time.Second)
 	defer cancel()
 	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 3})
@@ -196,18 +252,39 @@ func runE2E(t *testing.T, broker string, peer bool, n int, seed int64) run {
 	t.Cleanup(func() { _ = box.Close() })
 
 	ep := payments.Endpoint{Broker: broker, Group: "payments-e2e"}
-	switch broker {
-	case payments.NATS:
+	switch {
+	case broker == payments.NATS && tg.addr != "":
+		// A shared server: a subject, stream and durable of this run's own; the
+		// stream (and its consumers) is deleted when the test ends.
+		ep.Addr, ep.Topic, ep.Group = tg.addr, "idem-e2e-"+schema, "idem-e2e-"+schema
+		t.Cleanup(func() {
+			if err := payments.DeleteTopic(context.Background(), ep, ep.Topic); err != nil {
+				t.Logf("delete the stream of %s on %s: %v", ep.Topic, ep.Addr, err)
+			}
+		})
+	case broker == payments.NATS:
 		srv, err := payments.StartNATS(t.TempDir(), -1)
 		require.NoError(t, err)
 		t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
 		ep.Addr = srv.ClientURL()
-	case payments.Kafka:
+	case tg.addr != "":
+		// A shared broker: a topic and a group of this run's own, made before the
+		// producer publishes and deleted when the test ends.
+		ep.Addr, ep.Topic, ep.Group = tg.addr, "idem-e2e-"+schema, "idem-e2e-"+schema
+		require.NoError(t, payments.CreateTopic(ctx, ep, ep.Topic))
+		t.Cleanup(func() {
+			if err := payments.DeleteTopic(context.Background(), ep, ep.Topic); err != nil {
+				t.Logf("delete topic %s on %s: %v", ep.Topic, ep.Addr, err)
+			}
+		})
+	default:
 		c, err := payments.StartKafka()
 		require.NoError(t, err)
 		t.Cleanup(c.Close)
 		ep.Addr = strings.Join(c.ListenAddrs(), ",")
 	}
+	topic := ep.TopicName()
+	t.Logf("broker: %s; topic %s, group %s", tg, topic, ep.Group)
 
 	// The producer: n payments, 30% of them sent twice, before any consumer runs
 	// (the stream or topic holds them; consumers join while the killer runs).
@@ -221,7 +298,7 @@ func runE2E(t *testing.T, broker string, peer bool, n int, seed int64) run {
 		for len(batch) < cap(batch) && len(keys)+len(batch) < n {
 			batch = append(batch, payments.NewMessage(int64(100+len(keys)+len(batch))))
 		}
-		require.NoError(t, pub.Publish(payments.Topic, batch...))
+		require.NoError(t, pub.Publish(topic, batch...))
 		for _, m := range batch {
 			keys = append(keys, m.UUID)
 		}
@@ -234,6 +311,7 @@ func runE2E(t *testing.T, broker string, peer bool, n int, seed int64) run {
 		peerFlag = "1"
 	}
 	rng := rand.New(rand.NewPCG(uint64(seed), 2))
+	countsDir := t.TempDir()
 	envOf := func(role string) []string {
 		// Armed crash points: about 1% of commits and sends at the CI size, fewer
 		// at large N (about 30 deaths of each kind per run), so that restarts do
@@ -245,6 +323,7 @@ func runE2E(t *testing.T, broker string, peer bool, n int, seed int64) run {
 		}
 		return []string{
 			envEndpoint + "=" + ep.String(), envSchema + "=" + schema, envSMTP + "=" + box.Addr(), envPeer + "=" + peerFlag,
+			envCounts + "=" + countsDir,
 			chaos.EnvCrash + "=" + crash, chaos.EnvCrashSeed + "=" + strconv.FormatInt(rng.Int64(), 10),
 		}
 	}
@@ -281,7 +360,7 @@ loop:
 		select {
 		case <-ctx.Done():
 			rep, _ := a.Report(context.Background(), q)
-			t.Fatalf("%s run did not settle in time; last report:\n%s", broker, rep)
+			t.Fatalf("%s run did not settle in time; last report:\n%s", tg, rep)
 		case p := <-exits:
 			if stopping {
 				continue
@@ -350,7 +429,7 @@ loop:
 			// nothing left for the group (every message acked and committed) and
 			// the figures have stopped moving.
 			if peer && time.Since(lastChange) > 3*time.Second {
-				if backlog, err := payments.Backlog(ctx, ep, payments.Topic); err == nil && backlog == 0 {
+				if backlog, err := payments.Backlog(ctx, ep, topic); err == nil && backlog == 0 {
 					break loop
 				}
 			}
@@ -372,6 +451,7 @@ loop:
 	}
 	r.report, err = a.Report(context.Background(), q)
 	require.NoError(t, err)
+	r.report.Deliveries, r.report.DuplicatesSuppressed = countDeliveries(t, countsDir)
 	r.ledgerRows = pgtest.Count(t, pool, payments.LedgerRowsSQL(schema))
 	counts, _ := box.Counts(ctx)
 	r.emailsPerKey = map[int]int{}
@@ -381,11 +461,28 @@ loop:
 	return r
 }
 
+// countDeliveries sums what the consumer processes of a run counted: every
+// delivery, and the copies suppressed.
+func countDeliveries(t *testing.T, dir string) (deliveries, suppressed int64) {
+	t.Helper()
+	files, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	for _, f := range files {
+		b, err := os.ReadFile(filepath.Join(dir, f.Name()))
+		require.NoError(t, err)
+		deliveries += int64(len(b))
+		suppressed += int64(bytes.Count(b, []byte{'s'}))
+	}
+	return deliveries, suppressed
+}
+
 // figures are the cheap progress figures of a run.
 type figures struct{ ledger, pending, sends int }
 
 // TestSIGKILLEndToEnd runs the suite on each broker through idem, then through
-// the peer, and prints the reports side by side.
+// the peer, and prints the reports side by side. The subtests name the broker:
+// kafka-kfake (in-process), kafka-external (KAFKA_BROKERS, when set),
+// nats-embedded and nats-external (NATS_URL, when set).
 func TestSIGKILLEndToEnd(t *testing.T) {
 	n := *flagN
 	seed := *flagSeed
@@ -393,12 +490,12 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		seed = time.Now().UnixNano() % 1_000_000
 	}
 	t.Logf("N=%d seed=%d (rerun with IDEM_E2E_N=%d IDEM_E2E_SEED=%d)", n, seed, n, seed)
-	for _, broker := range []string{payments.Kafka, payments.NATS} {
-		t.Run(broker, func(t *testing.T) {
+	for _, tg := range targets() {
+		t.Run(tg.name, func(t *testing.T) {
 			var idem, peer run
 			t.Run("idem", func(t *testing.T) {
-				idem = runE2E(t, broker, false, n, seed)
-				t.Logf("idem on %s: %s\n%s", broker, idem.summary(), idem.report)
+				idem = runE2E(t, tg, false, n, seed)
+				t.Logf("idem on %s: %s\n%s", tg, idem.summary(), idem.report)
 				rep := idem.report
 				require.NoError(t, rep.Err(), "\n%s", rep)
 				require.Equal(t, n, idem.ledgerRows, "ledger rows")
@@ -415,11 +512,11 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 				require.LessOrEqual(t, rep.SendsRepeated, 8*dispatcherDeaths, "repeated sends without a dispatcher death to explain them")
 			})
 			t.Run("deduplicator", func(t *testing.T) {
-				peer = runE2E(t, broker, true, n, seed)
-				t.Logf("Watermill Deduplicator on %s: %s\n%s", broker, peer.summary(), peer.report)
+				peer = runE2E(t, tg, true, n, seed)
+				t.Logf("Watermill Deduplicator on %s: %s\n%s", tg, peer.summary(), peer.report)
 			})
 			if idem.report.Messages > 0 && peer.report.Messages > 0 {
-				t.Logf("SIGKILL end-to-end run on %s, N=%d, seed %d:\n%s", broker, n, seed,
+				t.Logf("SIGKILL end-to-end run on %s, N=%d, seed %d:\n%s", tg, n, seed,
 					chaos.FormatReports([]string{"idem", "watermill-deduplicator"}, idem.report, peer.report))
 			}
 		})

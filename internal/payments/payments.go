@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/idem/chaos"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/redact"
 )
 
 // Topic is the topic (Kafka) or subject (NATS) payments are published on, and
@@ -166,13 +167,15 @@ func TerminateBackends(ctx context.Context, pool *pgxpool.Pool, schema string) (
 }
 
 // NewPool opens a small pool whose connections carry appName (ApplicationName
-// for a run's workers; anything else for the pool that cuts them).
+// for a run's workers; anything else for the pool that cuts them). Its errors
+// never show the database password.
 func NewPool(ctx context.Context, url, appName string, maxConns int32) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
-		return nil, fmt.Errorf("parse database URL: %w", err)
+		return nil, redact.Error(fmt.Errorf("parse database URL: %w", err), url)
 	}
 	cfg.MaxConns = maxConns
 	cfg.ConnConfig.RuntimeParams["application_name"] = appName
-	return pgxpool.NewWithConfig(ctx, cfg)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	return pool, redact.Error(err, url)
 }

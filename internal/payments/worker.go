@@ -31,6 +31,25 @@ type ConsumerConfig struct {
 	// Registerer gets idem's metrics (nil: none).
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
+	// OnDelivery, if set, is called once for each delivery after the handler
+	// chain returned, before the ack: ran says whether the payment handler ran
+	// (false for a copy that idem or the Deduplicator suppressed), err is what
+	// the chain returned (nil: acked).
+	OnDelivery func(ran bool, err error)
+}
+
+// ranKey marks, in a delivery's context, that the payment handler ran for it.
+type ranKey struct{}
+
+// markRan wraps the payment handler so that OnDelivery can tell a handled
+// delivery from a suppressed one.
+func markRan(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if ran, ok := msg.Context().Value(ranKey{}).(*bool); ok {
+			*ran = true
+		}
+		return h(msg)
+	}
 }
 
 // RunConsumer handles payments from cfg.Subscriber until ctx ends. The chaos
@@ -55,7 +74,7 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 			KeyFactory: func(m *message.Message) (string, error) { return m.UUID, nil },
 			Repository: repo,
 		}
-		h = d.Middleware(PeerHandler(cfg.Pool, cfg.Schema, cfg.PeerSender))
+		h = d.Middleware(markRan(PeerHandler(cfg.Pool, cfg.Schema, cfg.PeerSender)))
 	} else {
 		c, err := consumer.New(consumer.Config{
 			Name: Consumer, Pool: cfg.Pool, Schema: cfg.Schema,
@@ -66,7 +85,17 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 			return err
 		}
 		defer func() { _ = c.Close() }()
-		h = c.Middleware(Handler(cfg.Schema))
+		h = c.Middleware(markRan(Handler(cfg.Schema)))
+	}
+	if cfg.OnDelivery != nil {
+		inner := h
+		h = func(msg *message.Message) ([]*message.Message, error) {
+			ran := new(bool)
+			msg.SetContext(context.WithValue(msg.Context(), ranKey{}, ran))
+			out, err := inner(msg)
+			cfg.OnDelivery(*ran, err)
+			return out, err
+		}
 	}
 	router.AddConsumerHandler(Consumer, cmp.Or(cfg.Topic, Topic), cfg.Subscriber, message.NoPublishHandlerFunc(func(msg *message.Message) error {
 		_, err := chaos.CrashMiddleware(h)(msg)

@@ -2,7 +2,8 @@
 // dropped afterwards, so tests run in parallel and leave nothing behind.
 //
 // The database is DATABASE_URL, or DefaultURL. Without a reachable Postgres the test
-// fails with a message that says how to start one; it is never skipped.
+// fails with a message that says how to start one; it is never skipped. Messages
+// never show the database password: it is masked (internal/redact).
 package pgtest
 
 import (
@@ -10,7 +11,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-
+	"fmt"
 	"os"
 	"strings"
 	"sync"
@@ -21,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/redact"
 )
 
 // DefaultURL is the test database when DATABASE_URL is unset.
@@ -44,20 +46,40 @@ var reachable struct {
 // Require fails the test at once, with instructions, if Postgres is unreachable.
 func Require(tb testing.TB) {
 	tb.Helper()
-	reachable.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		conn, err := pgx.Connect(ctx, URL())
-		if err != nil {
-			reachable.err = err
-			return
-		}
-		reachable.err = conn.Ping(ctx)
-		conn.Close(ctx)
-	})
+	reachable.once.Do(func() { reachable.err = ping(URL()) })
 	if reachable.err != nil {
-		tb.Fatalf("Postgres is not reachable at %s: %v\n%s", URL(), reachable.err, HowToStart)
+		tb.Fatal(unreachable(URL(), reachable.err))
 	}
+}
+
+// ping connects to url and pings it.
+func ping(url string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	return conn.Ping(ctx)
+}
+
+// unreachable is Require's message for a Postgres at url that failed with err:
+// where it looked (password masked), why, and how to start one.
+func unreachable(url string, err error) string {
+	return redact.Text(fmt.Sprintf("Postgres is not reachable at %s: %v\n%s", url, err, HowToStart), url)
+}
+
+// fatalf fails tb with a message whose database password is masked.
+func fatalf(tb testing.TB, format string, args ...any) {
+	tb.Helper()
+	tb.Fatal(redact.Text(fmt.Sprintf(format, args...), URL()))
+}
+
+// errorf is fatalf for a failure that lets the test go on.
+func errorf(tb testing.TB, format string, args ...any) {
+	tb.Helper()
+	tb.Error(redact.Text(fmt.Sprintf(format, args...), URL()))
 }
 
 // NewSchemaName returns a fresh schema name for a test.
@@ -91,13 +113,13 @@ func Setup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 	if !o.NoMigrate {
 		m, err := inbox.NewMigrator(pool, schema)
 		if err != nil {
-			tb.Fatal(err)
+			fatalf(tb, "%v", err)
 		}
 		if _, err := m.Up(ctx); err != nil {
-			tb.Fatalf("migrate test schema: %v", err)
+			fatalf(tb, "migrate test schema: %v", err)
 		}
 	} else if _, err := pool.Exec(ctx, `CREATE SCHEMA `+schema); err != nil {
-		tb.Fatal(err)
+		fatalf(tb, "create test schema: %v", err)
 	}
 	tb.Cleanup(func() { DropSchema(tb, schema) })
 	return pool, schema
@@ -108,14 +130,14 @@ func NewPool(tb testing.TB, schema string, maxConns int32) *pgxpool.Pool {
 	tb.Helper()
 	cfg, err := pgxpool.ParseConfig(URL())
 	if err != nil {
-		tb.Fatalf("parse DATABASE_URL: %v", err)
+		fatalf(tb, "parse DATABASE_URL: %v", err)
 	}
 	cfg.MaxConns = maxConns
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
-		tb.Fatalf("connect to Postgres: %v\n%s", err, HowToStart)
+		fatalf(tb, "connect to Postgres: %v\n%s", err, HowToStart)
 	}
 	tb.Cleanup(pool.Close)
 	return pool
@@ -127,12 +149,12 @@ func DropSchema(tb testing.TB, schema string) {
 	defer cancel()
 	conn, err := pgx.Connect(ctx, URL())
 	if err != nil {
-		tb.Errorf("drop schema %s: %v", schema, err)
+		errorf(tb, "drop schema %s: %v", schema, err)
 		return
 	}
 	defer conn.Close(ctx)
 	if _, err := conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`); err != nil {
-		tb.Errorf("drop schema %s: %v", schema, err)
+		errorf(tb, "drop schema %s: %v", schema, err)
 	}
 }
 
@@ -143,14 +165,14 @@ func TerminateBackends(tb testing.TB, schema string) int {
 	ctx := context.Background()
 	conn, err := pgx.Connect(ctx, URL())
 	if err != nil {
-		tb.Fatal(err)
+		fatalf(tb, "connect to Postgres: %v", err)
 	}
 	defer conn.Close(ctx)
 	var n int
 	err = conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 		WHERE application_name = $1 AND pid <> pg_backend_pid()`, "idem-test:"+schema).Scan(&n)
 	if err != nil {
-		tb.Fatal(err)
+		fatalf(tb, "terminate backends: %v", err)
 	}
 	return n
 }
@@ -162,7 +184,7 @@ func Count(tb testing.TB, db interface {
 	tb.Helper()
 	var n int
 	if err := db.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
-		tb.Fatalf("%s: %v", strings.TrimSpace(sql), err)
+		fatalf(tb, "%s: %v", strings.TrimSpace(sql), err)
 	}
 	return n
 }

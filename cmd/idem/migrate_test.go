@@ -1,0 +1,137 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// withParam adds a query parameter to a URL DSN.
+func withParam(url, kv string) string {
+	if strings.Contains(url, "?") {
+		return url + "&" + kv
+	}
+	return url + "?" + kv
+}
+
+func schemaExists(t *testing.T, b *bundle, schema string) bool {
+	t.Helper()
+	return pgtest.Count(t, b.pool, `SELECT count(*) FROM pg_namespace WHERE nspname = $1`, schema) == 1
+}
+
+// migrate list only reads: on a schema that does not exist it lists every
+// migration as not applied and creates nothing, and it works where every
+// transaction is read-only. migrate down on a missing schema creates nothing.
+func TestMigrateListIsReadOnly(t *testing.T) {
+	b := setup(t)
+	readOnly := withParam(pgtest.URL(), "default_transaction_read_only=on")
+	missing := pgtest.NewSchemaName()
+	t.Cleanup(func() { pgtest.DropSchema(t, missing) })
+
+	r := runCLI(t, "migrate", "list", "--schema", missing, "--database-url", readOnly).ok(t)
+	require.Regexp(t, `001\s+core\s+no\s+-`, r.stdout)
+	r = runCLI(t, "migrate", "list", "--json", "--schema", missing, "--database-url", readOnly).ok(t)
+	var list []migrationJSON
+	r.decode(t, &list)
+	require.Len(t, list, len(inbox.Migrations()))
+	require.False(t, list[0].Applied)
+	for _, args := range [][]string{{"migrate", "down"}, {"migrate", "down", "--yes"}} {
+		r = runCLI(t, append(args, "--schema", missing, "--database-url", pgtest.URL())...).ok(t)
+		require.Equal(t, "schema "+missing+" has no migration to revert\n", r.stdout)
+	}
+	require.False(t, schemaExists(t, b, missing), "migrate list or down created the schema")
+
+	r = runCLI(t, "migrate", "list", "--schema", b.schema, "--database-url", readOnly).ok(t)
+	require.Regexp(t, `001\s+core\s+yes\s+20`, r.stdout)
+}
+
+// migrate down shows the tables it will drop with their rows, and drops them
+// only with --yes or the schema name typed on a terminal.
+func TestMigrateDownShowsWhatItDropsAndAsks(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	// Down to the first migration, whose down drops the inbox and the effects.
+	m, err := inbox.NewMigrator(b.pool, b.schema)
+	require.NoError(t, err)
+	for v := len(inbox.Migrations()); v > 1; v-- {
+		_, err := m.Revert(ctx, v)
+		require.NoError(t, err)
+	}
+	_, err = b.pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at)
+		SELECT 'payments', 'k' || i, '\x00', 'completed', now() + interval '1 day' FROM generate_series(1, 3) i;
+		INSERT INTO effects (kind, key, fingerprint) VALUES ('email', 'a', '\x00'), ('email', 'b', '\x00')`)
+	require.NoError(t, err)
+	const shown = "reverting 001_core in schema %s: dropping table effects (2 rows), table inbox (3 rows)"
+	tablesLeft := func() int {
+		return pgtest.Count(t, b.pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename IN ('inbox', 'effects')`, b.schema)
+	}
+
+	// No terminal, no --yes: shown, refused, nothing changed.
+	r := b.idem("migrate", "down")
+	require.Equal(t, exitUsage, r.code, r.stderr)
+	require.Contains(t, r.stderr, strings.Replace(shown, "%s", b.schema, 1))
+	require.Contains(t, r.stderr, "nothing was changed")
+	require.Contains(t, r.stderr, "run it again with --yes")
+	require.Equal(t, 2, tablesLeft())
+
+	// A terminal, and the wrong answer.
+	onTerminal := func(answer string) result {
+		var out, errOut bytes.Buffer
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		code := runOn(ctx, []string{"migrate", "down", "--database-url", pgtest.URL(), "--schema", b.schema}, strings.NewReader(answer), &out, &errOut)
+		return result{code, out.String(), errOut.String()}
+	}
+	r = onTerminal("y\n")
+	require.Equal(t, exitFailure, r.code, r.stderr)
+	require.Contains(t, r.stderr, "Type the schema name ("+b.schema+") to revert")
+	require.Contains(t, r.stderr, "cancelled; nothing was changed")
+	require.Equal(t, 2, tablesLeft())
+
+	// The right answer.
+	r = onTerminal(b.schema + "\n").ok(t)
+	require.Equal(t, "reverted 001_core in schema "+b.schema+": table effects (2 rows), table inbox (3 rows)\n", r.stdout)
+	require.Zero(t, tablesLeft())
+
+	// --yes, for scripts, with the figures in JSON.
+	b.idem("migrate", "up").ok(t)
+	var down struct {
+		Reverted int           `json:"reverted"`
+		Dropped  []droppedJSON `json:"dropped"`
+	}
+	b.idem("migrate", "down", "--yes", "--json").ok(t).decode(t, &down)
+	require.Equal(t, len(inbox.Migrations()), down.Reverted)
+
+	require.Equal(t, exitUsage, b.idem("migrate", "up", "--yes").code, "--yes is for down only")
+}
+
+// A down migration that drops columns, not tables (003 drops the stored HTTP
+// responses), says so, with how many rows hold data in each, before it asks.
+func TestMigrateDownShowsDroppedColumns(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	require.Equal(t, 3, len(inbox.Migrations()), "this test reads migration 003's plan; update it for a new migration")
+	_, err := b.pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at, response_status, response_body)
+		VALUES ('POST /payments', 'k1', '\x00', 'completed', now() + interval '1 day', 201, '\x7b7d'),
+		       ('POST /payments', 'k2', '\x00', 'completed', now() + interval '1 day', NULL, NULL)`)
+	require.NoError(t, err)
+
+	r := b.idem("migrate", "down")
+	require.Equal(t, exitUsage, r.code, r.stderr)
+	require.Contains(t, r.stderr, "reverting 003_http_responses in schema "+b.schema+
+		": dropping column inbox.response_ref (0 rows hold a value), column inbox.response_body (1 rows hold a value)")
+	require.Contains(t, r.stderr, "nothing was changed")
+	require.Equal(t, 1, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox WHERE response_body IS NOT NULL`))
+
+	var down map[string]any
+	b.idem("migrate", "down", "--yes", "--json").ok(t).decode(t, &down)
+	require.EqualValues(t, 3, down["reverted"])
+	require.Contains(t, down["dropped_columns"], map[string]any{"table": "inbox", "column": "response_status", "rows_with_value": float64(1)})
+}

@@ -1,0 +1,31 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/idemkit/idem/internal/scratch"
+)
+
+// scratchError turns a refusal of internal/scratch into what the user reads: a
+// schema that is not the tool's own is bad usage (exit 2), one that another run
+// holds is a failure (exit 1); both say what to do next.
+func scratchError(flagName, tool, defaultSchema string, err error) error {
+	var re *scratch.RefusedError
+	switch {
+	case errors.As(err, &re):
+		var b strings.Builder
+		fmt.Fprintf(&b, "%s %s: %v.\n%s drops and makes again the schema it works in, so it only uses a schema that idem demo or idem bench created and marked; it never drops or empties yours.\n",
+			flagName, re.Schema, err, tool)
+		fmt.Fprintf(&b, "Name a schema that does not exist yet (%s creates and marks it): %s %s_2", tool, flagName, defaultSchema)
+		if strings.Contains(re.Reason, "no idem scratch marker") {
+			fmt.Fprintf(&b, ".\nIf %s is a leftover of an older %s that you no longer need, drop it yourself: DROP SCHEMA %s CASCADE", re.Schema, tool, re.Schema)
+		}
+		return usagef("%s", b.String())
+	case errors.Is(err, scratch.ErrInUse):
+		return fmt.Errorf("%w: another idem demo or idem bench run is using it right now.\n"+
+			"Wait for that run to end, or give this one a schema of its own: %s %s_2", err, flagName, defaultSchema)
+	}
+	return err
+}
