@@ -32,8 +32,11 @@ func newQueries(schema string) queries {
 		// deadlock. A row comes back for each key it inserted (claimed true), and for
 		// each key whose row the statement's snapshot sees (claimed false): rows
 		// committed before it began, such as the original of a redelivered message.
-		// The probe is LATERAL on the primary key, one index lookup per key whatever
-		// the statistics say. It cannot see a row that a concurrent claimer committed
+		// The probe is a LATERAL subquery on the primary key, one index lookup per key
+		// whatever the statistics say: OFFSET 0 keeps the planner from flattening it
+		// into a join, which it plans (and pgx's prepared statement caches) as a hash
+		// join over a sequential scan of the whole inbox while the table is new and
+		// not yet analyzed (TestClaimBatchPlanNeedsNoStatistics). It cannot see a row that a concurrent claimer committed
 		// while this INSERT waited for it; getBatch reads those afterwards. Times are
 		// the database's; retention is in microseconds.
 		claimBatch: `WITH input AS (
@@ -57,6 +60,7 @@ func newQueries(schema string) queries {
 			FROM input CROSS JOIN LATERAL (
 				SELECT * FROM ` + t + ` i
 				WHERE i.consumer = input.consumer AND i.tenant = input.tenant AND i.key = input.key
+				OFFSET 0
 			) i`,
 		getBatch: `SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
 				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
@@ -64,6 +68,7 @@ func newQueries(schema string) queries {
 			CROSS JOIN LATERAL (
 				SELECT * FROM ` + t + ` i
 				WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
+				OFFSET 0
 			) i`,
 		// A processing row whose lease ran out is taken over in the same statement,
 		// fence + 1, so two deliveries can never both believe they hold the key. The
