@@ -201,8 +201,8 @@ func (g *groupCommitter) runSet(batch []*groupReq) ([]outcome, *setRun) {
 // round runs one round; see setRun.
 func (r *setRun) round(n int) roundEnd {
 	c := r.c
-	var claims []inbox.BatchClaim
-	var owners []int
+	claims := make([]inbox.BatchClaim, 0, len(r.groups))
+	owners := make([]int, 0, len(r.groups))
 	for _, grp := range r.groups {
 		if grp.rec != nil || grp.rep >= len(grp.copies) {
 			continue
@@ -391,13 +391,11 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 	c := r.c
 	msgs := make([]*message.Message, len(r.claimed))
 	bufs := make([]*effects.Buffer, len(r.claimed))
-	index := make(map[*message.Message]int, len(r.claimed))
 	for j, i := range r.claimed {
 		req := r.batch[i].req
 		bufs[j] = effects.NewBuffer()
 		req.msg.SetContext(c.handlerContext(req, r.tx, c.scope(req, bufs[j])))
 		msgs[j] = req.msg
-		index[req.msg] = i
 	}
 	bctx := effects.WithScope(context.WithValue(r.ctx, txKey{}, ownedTx{r.tx}),
 		effects.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
@@ -424,6 +422,10 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 		return nil, nil, roundFallback
 	}
 	if err != nil {
+		index := make(map[*message.Message]int, len(r.claimed))
+		for _, i := range r.claimed {
+			index[r.batch[i].req.msg] = i
+		}
 		named := map[int]error{}
 		for _, me := range messageErrors(err) {
 			if i, ok := index[me.Msg]; ok {

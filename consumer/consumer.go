@@ -181,7 +181,6 @@ type request struct {
 	msg   *message.Message
 	ctx   context.Context
 	claim inbox.Claim
-	topic string
 	// invalid: a permanent error found before any claim (bad key, bad payload).
 	invalid error
 	// recordable: invalid, but the key is good, so the failure can be recorded.
@@ -208,7 +207,7 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 			c.metrics.init(name)
 		}
 	}
-	req := &request{msg: msg, ctx: ctx, topic: message.PublishTopicFromCtx(ctx)}
+	req := &request{msg: msg, ctx: ctx}
 	req.claim.Consumer = name
 	req.claim.Retention = c.cfg.Retention
 
@@ -411,7 +410,9 @@ func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out
 	if len(out) == 0 {
 		return nil
 	}
-	if req.topic == "" {
+	// Looked up only now: it walks the whole context chain when there is none.
+	topic := message.PublishTopicFromCtx(req.ctx)
+	if topic == "" {
 		return ErrNoPublishTopic
 	}
 	scope.Kinds = nil // publish effects are the consumer's own, not the handler's
@@ -421,7 +422,7 @@ func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out
 		}
 		m = m.Copy()
 		m.UUID = OutputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
-		e, err := effects.PublishEffect(req.topic, m)
+		e, err := effects.PublishEffect(topic, m)
 		if err != nil {
 			return Permanent(err)
 		}

@@ -155,28 +155,40 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 	}
 	q := enqueueQueriesFor(schema)
 
-	// One row per identity: the first item that names it is the one written; the
-	// others are duplicates of it or mismatches.
+	// One row per identity: the first item that names it is the one written (its
+	// writer); the others are duplicates of it or mismatches. Sorting by identity
+	// puts each identity's items together, first one first, and gives the order in
+	// which the rows are inserted.
 	type identity struct{ tenant, kind, key string }
-	idOf := func(it Item) identity { return identity{it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key} }
-	fps := make([][]byte, len(items))
-	first := make(map[identity]int, len(items))
-	var writers []int
-	for i, it := range items {
-		fp := sha256.Sum256(it.Effect.Payload)
-		fps[i] = fp[:]
-		if _, seen := first[idOf(it)]; !seen {
-			first[idOf(it)] = i
-			writers = append(writers, i)
-		}
+	idOf := func(i int) identity {
+		return identity{items[i].Scope.Source.Tenant, items[i].Effect.Kind, items[i].Effect.Key}
 	}
-	slices.SortFunc(writers, func(a, b int) int {
-		x, y := idOf(items[a]), idOf(items[b])
+	fps := make([][]byte, len(items))
+	order := make([]int, len(items))
+	for i := range items {
+		fp := sha256.Sum256(items[i].Effect.Payload)
+		fps[i] = fp[:]
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int {
+		x, y := idOf(a), idOf(b)
 		return cmp.Or(cmp.Compare(x.tenant, y.tenant), cmp.Compare(x.kind, y.kind), cmp.Compare(x.key, y.key))
 	})
+	writer := make([]int, len(items)) // each item's writer
+	var writers []int
+	for j, i := range order {
+		if j > 0 && idOf(order[j-1]) == idOf(i) {
+			writer[i] = writer[order[j-1]]
+			continue
+		}
+		writer[i] = i
+		writers = append(writers, i)
+	}
 
-	stored := make(map[identity][]byte, len(writers)) // the fingerprint each identity has now
-	inserted := make(map[identity]bool, len(writers))
+	// stored is the fingerprint each writer's identity holds now, by writer; nil
+	// while unknown. inserted says the writer's own row went in.
+	stored := make([][]byte, len(items))
+	inserted := make([]bool, len(items))
 	todo := writers
 	for len(todo) > 0 {
 		n := len(todo)
@@ -184,16 +196,14 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 		payloads, fpArr := make([][]byte, n), make([][]byte, n)
 		attempts := make([]int32, n)
 		delays := make([]int64, n)
-		srcC, srcT, srcK := make([]*string, n), make([]*string, n), make([]*string, n)
+		srcC, srcT, srcK := make([]string, n), make([]string, n), make([]string, n)
 		for j, i := range todo {
 			it := &items[i]
 			tenants[j], kinds[j], keys[j] = it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key
 			payloads[j], fpArr[j] = it.Effect.Payload, fps[i]
 			attempts[j] = int32(maxAttemptsOf(it.Effect))
 			delays[j] = it.Effect.Delay.Microseconds()
-			if src := &it.Scope.Source; src.Consumer != "" {
-				srcC[j], srcT[j], srcK[j] = &src.Consumer, &src.Tenant, &src.Key
-			}
+			srcC[j], srcT[j], srcK[j] = it.Scope.Source.Consumer, it.Scope.Source.Tenant, it.Scope.Source.Key
 		}
 		var count int
 		var gotT, gotK, gotY []string
@@ -204,20 +214,24 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 		}
 		if count == n {
 			for _, i := range todo {
-				inserted[idOf(items[i])] = true
-				stored[idOf(items[i])] = fps[i]
+				inserted[i], stored[i] = true, fps[i]
 			}
 			break
 		}
+		byID := make(map[identity]int, n)
+		for _, i := range todo {
+			byID[idOf(i)] = i
+		}
 		for j := range gotT {
-			id := identity{gotT[j], gotK[j], gotY[j]}
-			inserted[id] = true
-			stored[id] = fps[first[id]]
+			if i, ok := byID[identity{gotT[j], gotK[j], gotY[j]}]; ok {
+				inserted[i], stored[i] = true, fps[i]
+			}
 		}
 		// The rest met a row: read what it holds (a new statement, a new snapshot).
 		var conflictT, conflictK, conflictY []string
 		for _, i := range todo {
-			if id := idOf(items[i]); !inserted[id] {
+			if !inserted[i] {
+				id := idOf(i)
 				conflictT, conflictK, conflictY = append(conflictT, id.tenant), append(conflictK, id.kind), append(conflictY, id.key)
 			}
 		}
@@ -227,11 +241,13 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 			return nil, wrapSchema(err, schema)
 		}
 		for j := range haveT {
-			stored[identity{haveT[j], haveK[j], haveY[j]}] = haveFP[j]
+			if i, ok := byID[identity{haveT[j], haveK[j], haveY[j]}]; ok {
+				stored[i] = haveFP[j]
+			}
 		}
 		var again []int
 		for _, i := range todo {
-			if id := idOf(items[i]); !inserted[id] && stored[id] == nil {
+			if stored[i] == nil {
 				again = append(again, i) // deleted in between by the janitor: insert again
 			}
 		}
@@ -239,12 +255,13 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 	}
 
 	var errs []error
-	for i, it := range items {
-		id := idOf(it)
-		if first[id] == i && inserted[id] {
+	for i := range items {
+		w := writer[i]
+		if w == i && inserted[i] {
 			continue // written
 		}
-		if bytes.Equal(stored[id], fps[i]) {
+		id := idOf(i)
+		if bytes.Equal(stored[w], fps[i]) {
 			results[i] = Result{Duplicate: true}
 			continue
 		}

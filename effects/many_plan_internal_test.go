@@ -54,3 +54,26 @@ func TestEnqueueManyPlanNeedsNoStatistics(t *testing.T) {
 		})
 	}
 }
+
+// validKind and validSchema accept exactly what the documented patterns do.
+func TestValidatorsMatchTheirPatterns(t *testing.T) {
+	t.Parallel()
+	alphabet := []byte("aZ09_.:/@+-x \x00é$A")
+	var cases []string
+	var gen func(prefix []byte, depth int)
+	gen = func(prefix []byte, depth int) {
+		cases = append(cases, string(prefix))
+		if depth == 0 {
+			return
+		}
+		for _, c := range alphabet {
+			gen(append(prefix, c), depth-1)
+		}
+	}
+	gen(nil, 3)
+	cases = append(cases, strings.Repeat("a", 63), strings.Repeat("a", 64), strings.Repeat("k", 255), strings.Repeat("k", 256), "publish:orders", "_x9")
+	for _, s := range cases {
+		require.Equal(t, kindRe.MatchString(s), validKind(s), "kind %q", s)
+		require.Equal(t, schemaRe.MatchString(s), validSchema(s), "schema %q", s)
+	}
+}

@@ -53,12 +53,15 @@ func newEnqueueQueries(schema string) enqueueQueries {
 		// sorts them by identity, so that two batches wait for each other's keys in
 		// the same order and cannot deadlock). It answers with how many it inserted
 		// and, only when that is not all of them, which ones, as three arrays (so
-		// QueryRow is enough). The delay is in microseconds.
+		// QueryRow is enough). The delay is in microseconds; an empty source consumer
+		// means no source (consumer names are never empty).
 		insertMany: `WITH ins AS (
 				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
 					next_attempt_at, source_consumer, source_tenant, source_key)
 				SELECT tenant, kind, key, payload, fingerprint, max_attempts,
-					clock_timestamp() + delay_us * interval '1 microsecond', source_consumer, source_tenant, source_key
+					clock_timestamp() + delay_us * interval '1 microsecond', nullif(source_consumer, ''),
+					CASE WHEN source_consumer <> '' THEN source_tenant END,
+					CASE WHEN source_consumer <> '' THEN source_key END
 				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bytea[], $6::int[],
 						$7::bigint[], $8::text[], $9::text[], $10::text[]) WITH ORDINALITY
 					AS u(tenant, kind, key, payload, fingerprint, max_attempts, delay_us,

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -47,13 +48,13 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx interface {
 	BatchSender
 }, prelude []string, claims []BatchClaim) ([]ClaimResult, error) {
 	results := make([]ClaimResult, len(claims))
-	pos := make(map[string]int, len(claims))
+	pos := make(map[ID]int, len(claims))
 	for i := range claims {
 		c := &claims[i]
 		if err := c.Validate(); err != nil {
 			return nil, err
 		}
-		k := idKey(c.ID)
+		k := c.ID
 		if _, dup := pos[k]; dup {
 			return nil, fmt.Errorf("inbox: ClaimBatchTx given consumer %q key %q twice; claims must name distinct keys", c.Consumer, c.Key)
 		}
@@ -80,19 +81,31 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx interface {
 	})
 
 	settled := make([]bool, len(claims))
+	// settle records what a row says about its claim. A key that comes back
+	// claimed wins over the same key's earlier row (deleted, then claimed again).
+	settle := func(claimed bool, rec *Record) {
+		i, ok := pos[ID{Consumer: rec.Consumer, Tenant: rec.Tenant, Key: rec.Key}]
+		switch {
+		case !ok:
+		case claimed:
+			results[i] = ClaimResult{Claimed: true}
+			settled[i] = true
+		case settled[i] && results[i].Claimed:
+		default:
+			r := *rec
+			results[i] = s.existing(&r, claims[i].Fingerprint)
+			settled[i] = true
+		}
+	}
 	todo := order
 	for first := true; len(todo) > 0; first = false {
-		var rows []batchRow
-		var err error
-		if first {
-			rows, err = s.claimBatch(ctx, tx, prelude, claims, todo)
-		} else {
-			rows, err = s.claimBatch(ctx, tx, nil, claims, todo)
+		p := prelude
+		if !first {
+			p = nil
 		}
-		if err != nil {
+		if err := s.claimBatch(ctx, tx, p, claims, todo, settle); err != nil {
 			return nil, err
 		}
-		s.settle(rows, pos, claims, results, settled)
 		var unread []int
 		for _, i := range todo {
 			if !settled[i] {
@@ -104,11 +117,9 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx interface {
 		}
 		// Conflicts with claimers that committed while the INSERT waited: a new
 		// statement, with a new snapshot, sees their rows.
-		rows, err = s.getBatch(ctx, tx, claims, unread)
-		if err != nil {
+		if err := s.getBatch(ctx, tx, claims, unread, settle); err != nil {
 			return nil, err
 		}
-		s.settle(rows, pos, claims, results, settled)
 		todo = todo[:0:0]
 		for _, i := range unread {
 			if !settled[i] {
@@ -119,62 +130,37 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx interface {
 	return results, nil
 }
 
-// batchRow is one row of claimBatch or getBatch: a key claimed, or the row found.
-type batchRow struct {
-	claimed bool
-	rec     Record
-}
-
-// settle records what rows say about the claims. A key that comes back claimed
-// wins over the same key's earlier row (deleted, then claimed again).
-func (s *Store) settle(rows []batchRow, pos map[string]int, claims []BatchClaim, results []ClaimResult, settled []bool) {
-	for _, r := range rows {
-		i, ok := pos[idKey(ID{Consumer: r.rec.Consumer, Tenant: r.rec.Tenant, Key: r.rec.Key})]
-		if !ok {
-			continue
-		}
-		if r.claimed {
-			results[i] = ClaimResult{Claimed: true}
-			settled[i] = true
-			continue
-		}
-		if settled[i] && results[i].Claimed {
-			continue
-		}
-		rec := r.rec
-		results[i] = s.existing(&rec, claims[i].Fingerprint)
-		settled[i] = true
-	}
-}
-
 func (s *Store) claimBatch(ctx context.Context, tx interface {
 	DBTX
 	BatchSender
-}, prelude []string, claims []BatchClaim, idx []int) ([]batchRow, error) {
+}, prelude []string, claims []BatchClaim, idx []int, settle func(bool, *Record)) error {
 	n := len(idx)
 	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
 	fps := make([][]byte, n)
-	states := make([]string, n)
-	codes, msgs := make([]*string, n), make([]*string, n)
 	retention := make([]int64, n)
+	// failed, codes and msgs stay nil (NULL arrays, which unnest pads with NULLs)
+	// unless some claim records a failure: the common batch sends less.
+	var failed []bool
+	var codes, msgs []string
 	for j, i := range idx {
 		c := &claims[i]
 		consumers[j], tenants[j], keys[j], fps[j] = c.Consumer, c.Tenant, c.Key, c.Fingerprint
-		states[j] = string(StateCompleted)
 		if c.Failed {
-			states[j] = string(StateFailed)
-			code, msg := SanitizeText(c.Code, 0), SanitizeText(c.Error, 0)
-			codes[j], msgs[j] = &code, &msg
+			if failed == nil {
+				failed, codes, msgs = make([]bool, n), make([]string, n), make([]string, n)
+			}
+			failed[j] = true
+			codes[j], msgs[j] = SanitizeText(c.Code, 0), SanitizeText(c.Error, 0)
 		}
 		retention[j] = retentionOf(c.Retention).Microseconds()
 	}
-	args := []any{consumers, tenants, keys, fps, states, codes, msgs, retention}
+	args := []any{consumers, tenants, keys, fps, failed, codes, msgs, retention}
 	if len(prelude) == 0 {
 		rows, err := tx.Query(ctx, s.q.claimBatch, args...)
 		if err != nil {
-			return nil, s.wrap(err)
+			return s.wrap(err)
 		}
-		return s.scanBatch(rows)
+		return s.scanBatch(rows, settle)
 	}
 	b := &pgx.Batch{}
 	for _, sql := range prelude {
@@ -185,22 +171,22 @@ func (s *Store) claimBatch(ctx context.Context, tx interface {
 	for range prelude {
 		if _, err := br.Exec(); err != nil {
 			_ = br.Close()
-			return nil, s.wrap(err)
+			return s.wrap(err)
 		}
 	}
 	rows, err := br.Query()
 	if err != nil {
 		_ = br.Close()
-		return nil, s.wrap(err)
+		return s.wrap(err)
 	}
-	out, err := s.scanBatch(rows)
+	err = s.scanBatch(rows, settle)
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = s.wrap(cerr)
 	}
-	return out, err
+	return err
 }
 
-func (s *Store) getBatch(ctx context.Context, db DBTX, claims []BatchClaim, idx []int) ([]batchRow, error) {
+func (s *Store) getBatch(ctx context.Context, db DBTX, claims []BatchClaim, idx []int, settle func(bool, *Record)) error {
 	n := len(idx)
 	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
 	for j, i := range idx {
@@ -208,38 +194,43 @@ func (s *Store) getBatch(ctx context.Context, db DBTX, claims []BatchClaim, idx 
 	}
 	rows, err := db.Query(ctx, s.q.getBatch, consumers, tenants, keys)
 	if err != nil {
-		return nil, s.wrap(err)
+		return s.wrap(err)
 	}
-	return s.scanBatch(rows)
+	return s.scanBatch(rows, settle)
 }
 
-func (s *Store) scanBatch(rows pgx.Rows) ([]batchRow, error) {
+// scanBatch hands each row of claimBatch or getBatch to settle: a key claimed, or
+// the row found.
+func (s *Store) scanBatch(rows pgx.Rows, settle func(claimed bool, rec *Record)) error {
 	defer rows.Close()
-	var out []batchRow
+	var rec Record
+	var claimed bool
+	var state, code, msg *string
+	var attempts *int
+	var fence *int64
+	var received, expires, now *time.Time
 	for rows.Next() {
-		var r batchRow
-		var state, code, msg *string
-		if err := rows.Scan(&r.claimed, &r.rec.Consumer, &r.rec.Tenant, &r.rec.Key, &r.rec.Fingerprint,
-			&state, &code, &msg, &r.rec.Attempts, &r.rec.LeaseUntil, &r.rec.Fence,
-			&r.rec.ReceivedAt, &r.rec.CompletedAt, &r.rec.ExpiresAt, &r.rec.Now); err != nil {
-			return nil, s.wrap(err)
+		rec = Record{}
+		if err := rows.Scan(&claimed, &rec.Consumer, &rec.Tenant, &rec.Key, &rec.Fingerprint,
+			&state, &code, &msg, &attempts, &rec.LeaseUntil, &fence,
+			&received, &rec.CompletedAt, &expires, &now); err != nil {
+			return s.wrap(err)
 		}
-		if state != nil {
-			r.rec.State = State(*state)
+		if !claimed {
+			rec.State = State(deref(state))
+			rec.ErrorCode, rec.Error = deref(code), deref(msg)
+			rec.Attempts, rec.Fence = deref(attempts), deref(fence)
+			rec.ReceivedAt, rec.ExpiresAt, rec.Now = deref(received), deref(expires), deref(now)
 		}
-		if code != nil {
-			r.rec.ErrorCode = *code
-		}
-		if msg != nil {
-			r.rec.Error = *msg
-		}
-		out = append(out, r)
+		settle(claimed, &rec)
 	}
-	if err := rows.Err(); err != nil {
-		return nil, s.wrap(err)
-	}
-	return out, nil
+	return s.wrap(rows.Err())
 }
 
-// idKey is a map key for an ID; NUL cannot occur in any of its parts.
-func idKey(id ID) string { return id.Consumer + "\x00" + id.Tenant + "\x00" + id.Key }
+func deref[T any](p *T) T {
+	var zero T
+	if p == nil {
+		return zero
+	}
+	return *p
+}

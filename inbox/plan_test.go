@@ -33,8 +33,8 @@ func TestClaimBatchPlanNeedsNoStatistics(t *testing.T) {
 			}
 			claimSQL, getSQL := inbox.BatchSQL(schema)
 			stmts := map[string]struct{ sql, types, args string }{
-				"claimBatch": {claimSQL, "text[], text[], text[], bytea[], text[], text[], text[], bigint[]",
-					`'{c,c}', '{"",""}', '{k1,k2}', '{"\\x00","\\x00"}', '{completed,completed}', NULL, NULL, '{1,1}'`},
+				"claimBatch": {claimSQL, "text[], text[], text[], bytea[], bool[], text[], text[], bigint[]",
+					`'{c,c}', '{"",""}', '{k1,k2}', '{"\\x00","\\x00"}', NULL, NULL, NULL, '{1,1}'`},
 				"getBatch": {getSQL, "text[], text[], text[]", `'{c,c}', '{"",""}', '{k1,k2}'`},
 			}
 			for name, st := range stmts {

@@ -38,21 +38,24 @@ func newQueries(schema string) queries {
 		// join over a sequential scan of the whole inbox while the table is new and
 		// not yet analyzed (TestClaimBatchPlanNeedsNoStatistics). It cannot see a row that a concurrent claimer committed
 		// while this INSERT waited for it; getBatch reads those afterwards. Times are
-		// the database's; retention is in microseconds.
+		// the database's; retention is in microseconds. failed, error_code and error
+		// may be NULL arrays (no failure to record), which unnest pads with NULLs.
 		claimBatch: `WITH input AS (
-				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[],
+				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bool[],
 						$6::text[], $7::text[], $8::bigint[]) WITH ORDINALITY
-					AS u(consumer, tenant, key, fingerprint, state, error_code, error, retention_us, ord)
+					AS u(consumer, tenant, key, fingerprint, failed, error_code, error, retention_us, ord)
 			), ins AS (
 				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
-				SELECT consumer, tenant, key, fingerprint, state, now(),
-					now() + retention_us * interval '1 microsecond', error_code, error
+				SELECT consumer, tenant, key, fingerprint,
+					CASE WHEN failed THEN 'failed' ELSE 'completed' END, now(),
+					now() + retention_us * interval '1 microsecond',
+					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END
 				FROM input ORDER BY ord
 				ON CONFLICT (consumer, tenant, key) DO NOTHING
 				RETURNING consumer, tenant, key
 			)
-			SELECT true, consumer, tenant, key, NULL::bytea, NULL::text, NULL::text, NULL::text, 0,
-				NULL::timestamptz, 0::bigint, now(), now(), now(), now()
+			SELECT true, consumer, tenant, key, NULL::bytea, NULL::text, NULL::text, NULL::text, NULL::int,
+				NULL::timestamptz, NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz
 			FROM ins
 			UNION ALL
 			SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
