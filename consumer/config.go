@@ -39,10 +39,16 @@ const (
 	// the handler's writes and its effects commit together, then the message is
 	// acked.
 	Transactional Mode = iota
-	// GroupCommit: messages handled at the same moment share one transaction, each
-	// in its own savepoint, and all are acked after the one commit. A failed
-	// message rolls back to its savepoint alone. Handler code is the same as in
-	// Transactional mode.
+	// GroupCommit: messages handled at the same moment share one transaction and
+	// are acked after its one commit. The batch is set-based: one statement claims
+	// all of its keys, the handlers run one after another without savepoints, one
+	// statement writes all the effects they enqueued and the messages they
+	// returned, and one COMMIT ends it. A failed message is isolated: the batch
+	// rolls back to before its claim and runs again without it (so a handler may run
+	// more than once for one delivery; its database work commits once), and when a
+	// failure cannot be pinned on one message, each message runs in its own
+	// savepoint. Handler code is the same as in Transactional mode, except that
+	// effects.Enqueue answers Result{Deferred: true} (see effects.Buffer).
 	GroupCommit
 	// Lease: the inbox row commits first as processing, with a lease and a fence,
 	// for handlers that must call the outside world themselves. See the README for
@@ -162,12 +168,17 @@ type Config struct {
 
 	// Mode: Transactional (default), GroupCommit or Lease.
 	Mode Mode
-	// MaxBatch and MaxWait bound a group-commit batch (defaults 32 and 2 ms). Each
-	// message is a subtransaction; keep MaxBatch under 64, the subtransaction IDs
-	// Postgres caches per backend, past which every snapshot gets slower.
+	// MaxBatch and MaxWait bound a batch, of GroupCommit mode or of HandleBatch
+	// (defaults 32 and 2 ms). A batch takes the messages that are in flight at
+	// once, so it is never larger than the partitions (or the unacked messages) the
+	// subscriber delivers together. The set-based path makes one savepoint a batch;
+	// the fallback that isolates a failure it cannot pin makes one a message, and
+	// past 64 of them in one transaction Postgres's per-backend subtransaction cache
+	// overflows, which slows every snapshot while that transaction runs.
 	MaxBatch int
 	MaxWait  time.Duration
-	// Workers is how many group-commit batches run at once (default 2).
+	// Workers is how many batches (of GroupCommit mode, or of each HandleBatch) run
+	// at once (default 2).
 	Workers int
 	// Lease is the lease length in Lease mode (default 30 s).
 	LeaseDuration time.Duration

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -29,6 +30,9 @@ type Consumer struct {
 
 	// prelude goes ahead of the first claim of a transaction, in its round trip.
 	prelude []string
+	// setPrelude goes ahead of a set-based batch's first claim: prelude, the commit
+	// guard, and the savepoint that later rounds of the batch roll back to.
+	setPrelude []string
 
 	// seen holds the consumer names whose metric series exist (Name unset).
 	seen sync.Map
@@ -36,7 +40,8 @@ type Consumer struct {
 	mu       sync.Mutex
 	closed   bool
 	inflight sync.WaitGroup
-	group    *groupCommitter // GroupCommit mode, started by the first message
+	group    *groupCommitter   // GroupCommit mode, started by the first message
+	batches  []*groupCommitter // one per HandleBatch, each started by its first message
 	stop     sync.Once
 }
 
@@ -61,6 +66,7 @@ func New(cfg Config) (*Consumer, error) {
 			txMark,
 		},
 	}
+	c.setPrelude = append(slices.Clone(c.prelude), guardSQL(cfg.Schema), "SAVEPOINT idem_batch")
 	if cfg.Name != "" {
 		m.init(cfg.Name)
 		c.seen.Store(cfg.Name, struct{}{})
@@ -76,11 +82,14 @@ func (c *Consumer) Close() error {
 	c.stop.Do(func() {
 		c.mu.Lock()
 		c.closed = true
-		g := c.group
+		groups := slices.Clone(c.batches)
+		if c.group != nil {
+			groups = append(groups, c.group)
+		}
 		c.mu.Unlock()
 		// No delivery enters after closed is set, so Wait cannot race an Add.
 		c.inflight.Wait()
-		if g != nil {
+		for _, g := range groups {
 			g.close()
 		}
 	})
@@ -97,17 +106,32 @@ func (c *Consumer) enter() (*groupCommitter, bool) {
 	}
 	c.inflight.Add(1)
 	if c.cfg.Mode == GroupCommit && c.group == nil {
-		c.group = newGroupCommitter(c)
+		c.group = newGroupCommitter(c, nil)
 	}
 	return c.group, true
+}
+
+// enterBatch is enter for a HandleBatch handler, whose committer lives in *slot.
+func (c *Consumer) enterBatch(slot **groupCommitter, h BatchHandler) (*groupCommitter, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, false
+	}
+	c.inflight.Add(1)
+	if *slot == nil {
+		*slot = newGroupCommitter(c, h)
+		c.batches = append(c.batches, *slot)
+	}
+	return *slot, true
 }
 
 type txKey struct{}
 
 // ownedTx is the transaction a handler sees. idem owns it: Commit and Rollback are
-// refused, because in group-commit mode the handler's work is one savepoint of a
-// transaction shared with other messages, and in every mode the commit must cover
-// the inbox row too. Return an error instead to roll back. Raw SQL that ends the
+// refused, because in group-commit mode the handler's work is part of a transaction
+// shared with other messages, and in every mode the commit must cover the inbox row
+// too. Return an error instead to roll back. Raw SQL that ends the
 // transaction (Exec "COMMIT" or "ROLLBACK") cannot be refused; idem detects it
 // before committing and nacks with ErrTxEnded (see tx.go).
 type ownedTx struct{ pgx.Tx }
@@ -117,8 +141,8 @@ func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 
 // Tx returns the transaction the consumer opened for the message being handled, or
 // nil outside an idem handler. Business writes and effects.Enqueue go through it. In
-// group-commit mode it is a savepoint inside a shared transaction: do not assume it
-// is the whole transaction. Never end it yourself, with its methods or with raw SQL
+// group-commit mode (and in a BatchHandler) it is shared with the other messages of
+// a batch: do not assume it is the whole transaction. Never end it yourself, with its methods or with raw SQL
 // (COMMIT, ROLLBACK): return nil to commit and an error to roll back. A handler
 // that ends it gets ErrTxEnded.
 func Tx(ctx context.Context) pgx.Tx {
@@ -157,7 +181,6 @@ type request struct {
 	msg   *message.Message
 	ctx   context.Context
 	claim inbox.Claim
-	topic string
 	// invalid: a permanent error found before any claim (bad key, bad payload).
 	invalid error
 	// recordable: invalid, but the key is good, so the failure can be recorded.
@@ -184,7 +207,7 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 			c.metrics.init(name)
 		}
 	}
-	req := &request{msg: msg, ctx: ctx, topic: message.PublishTopicFromCtx(ctx)}
+	req := &request{msg: msg, ctx: ctx}
 	req.claim.Consumer = name
 	req.claim.Retention = c.cfg.Retention
 
@@ -317,12 +340,31 @@ func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.
 
 // runHandler runs h with tx in its context and stores what it returns.
 func (c *Consumer) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) outcome {
-	scope := effects.Scope{
+	return c.runHandlerBuffered(req, tx, h, nil)
+}
+
+// scope is the effects scope of req's handler. With buf, Enqueue adds effects to
+// it, for the batch to write them all at once.
+func (c *Consumer) scope(req *request, buf *effects.Buffer) effects.Scope {
+	return effects.Scope{
 		Schema: c.cfg.Schema,
 		Source: effects.Source{Consumer: req.claim.Consumer, Tenant: req.claim.Tenant, Key: req.claim.Key},
 		Kinds:  c.cfg.EffectKinds,
+		Buffer: buf,
 	}
-	hctx := effects.WithScope(context.WithValue(req.ctx, txKey{}, ownedTx{tx}), scope)
+}
+
+// handlerContext is the context req's handler runs with: tx (as idem's ownedTx) and
+// its effects scope.
+func (c *Consumer) handlerContext(req *request, tx pgx.Tx, scope effects.Scope) context.Context {
+	return effects.WithScope(context.WithValue(req.ctx, txKey{}, ownedTx{tx}), scope)
+}
+
+// runHandlerBuffered is runHandler with effects and output messages going to buf
+// (written now when buf is nil).
+func (c *Consumer) runHandlerBuffered(req *request, tx pgx.Tx, h message.HandlerFunc, buf *effects.Buffer) outcome {
+	scope := c.scope(req, buf)
+	hctx := c.handlerContext(req, tx, scope)
 	out, err := func() ([]*message.Message, error) {
 		req.msg.SetContext(hctx)
 		defer req.msg.SetContext(req.ctx) // even if h panics: the message is not ours
@@ -368,7 +410,9 @@ func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out
 	if len(out) == 0 {
 		return nil
 	}
-	if req.topic == "" {
+	// Looked up only now: it walks the whole context chain when there is none.
+	topic := message.PublishTopicFromCtx(req.ctx)
+	if topic == "" {
 		return ErrNoPublishTopic
 	}
 	scope.Kinds = nil // publish effects are the consumer's own, not the handler's
@@ -378,7 +422,7 @@ func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out
 		}
 		m = m.Copy()
 		m.UUID = OutputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
-		e, err := effects.PublishEffect(req.topic, m)
+		e, err := effects.PublishEffect(topic, m)
 		if err != nil {
 			return Permanent(err)
 		}

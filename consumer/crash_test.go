@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -26,6 +27,7 @@ const (
 	envCrashRole   = "IDEM_TEST_CRASH_ROLE"
 	envCrashSchema = "IDEM_TEST_CRASH_SCHEMA"
 	envCrashMode   = "IDEM_TEST_CRASH_MODE"
+	envCrashBatch  = "IDEM_TEST_CRASH_BATCH" // "1": a batch handler (HandleBatch)
 )
 
 func TestMain(m *testing.M) {
@@ -61,6 +63,23 @@ func crashChild(role string) {
 		}
 		return nil, nil
 	})
+	if os.Getenv(envCrashBatch) == "1" {
+		bh := c.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
+			keys := make([]string, len(msgs))
+			for i, m := range msgs {
+				keys[i] = m.UUID
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO biz (key) SELECT unnest($1::text[])`, keys); err != nil {
+				return err
+			}
+			if role == "mid-handler" {
+				fmt.Println("IN_HANDLER")
+				select {}
+			}
+			return nil
+		})
+		h = func(msg *message.Message) ([]*message.Message, error) { return nil, bh(msg) }
+	}
 	_, err = h(message.NewMessage("pay-crash", []byte(`{}`)))
 	must(err)
 	fmt.Println("COMMITTED") // committed, not acked: the ack never happens
@@ -76,14 +95,28 @@ func must(err error) {
 
 func TestCrash(t *testing.T) {
 	t.Parallel()
+	type variant struct {
+		name  string
+		mode  consumer.Mode
+		batch bool
+	}
+	variants := []variant{{"batch-handler", consumer.Transactional, true}}
+	for _, mode := range modes {
+		variants = append(variants, variant{mode.String(), mode, false})
+	}
 	for _, point := range []string{"mid-handler", "after-commit-before-ack"} {
-		for _, mode := range modes {
-			t.Run(point+"/"+mode.String(), func(t *testing.T) {
+		for _, v := range variants {
+			mode := v.mode
+			t.Run(point+"/"+v.name, func(t *testing.T) {
 				t.Parallel()
 				c, b := setup(t, mode)
 				cmd := exec.Command(os.Args[0], "-test.run=^$")
+				batch := "0"
+				if v.batch {
+					batch = "1"
+				}
 				cmd.Env = append(os.Environ(), envCrashRole+"="+point, envCrashSchema+"="+b.schema,
-					fmt.Sprintf("%s=%d", envCrashMode, int(mode)))
+					fmt.Sprintf("%s=%d", envCrashMode, int(mode)), envCrashBatch+"="+batch)
 				stdout, err := cmd.StdoutPipe()
 				require.NoError(t, err)
 				cmd.Stderr = os.Stderr

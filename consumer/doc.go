@@ -20,16 +20,28 @@
 // handler may run again after a lease runs out; its database work still commits
 // once".
 //
-// The handler reads its transaction with Tx(ctx). In GroupCommit mode that is a
-// savepoint inside a transaction shared with other messages, so handler code must
-// not assume it owns the whole transaction.
+// The handler reads its transaction with Tx(ctx). In GroupCommit mode that
+// transaction is shared with the other messages of a batch, so handler code must
+// not assume it owns the whole transaction. A batch is set-based: one statement
+// claims all of its keys (in sorted order, so batches cannot deadlock each other),
+// one writes every effect and output message of the batch, and a failing message is
+// isolated by running the batch again without it, or, when the failure cannot be
+// pinned on one message, each message in its own savepoint.
+//
+// HandleBatch takes a BatchHandler, which gets the claimed messages of a batch and
+// the transaction together, for set-based business writes. Duplicates, recorded
+// failures and mismatches never reach it. It names its failing messages with
+// ForMessage, and each is answered alone.
 //
 // The guarantees assume the handler leaves the transaction open. idem cannot stop a
 // handler from ending it with raw SQL (Exec "COMMIT" or "ROLLBACK"), but it checks,
 // before every commit, that the transaction is still open and still the one it
 // began, and otherwise nacks with ErrTxEnded: it never acks a message whose inbox
 // row is not committed. What the handler committed itself stays committed, and
-// what ran after its own COMMIT or ROLLBACK ran outside any transaction.
+// what ran after its own COMMIT or ROLLBACK ran outside any transaction. A
+// set-based batch has claimed every key before its first handler runs, so there a
+// commit guard (migration 004) makes a COMMIT that idem did not send fail: the
+// batch rolls back whole and runs again.
 //
 // The messages a handler returns are stored as copies with derived IDs; the
 // handler's messages, including a forwarded input, are never changed.

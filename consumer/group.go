@@ -14,11 +14,15 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// groupCommitter runs group-commit mode: workers take the messages that arrive
-// together (up to MaxBatch, waiting at most MaxWait for more) and run them in one
-// transaction, each in its own savepoint, then answer them all after the commit.
+// groupCommitter runs batches: workers take the messages that arrive together (up to
+// MaxBatch, waiting at most MaxWait for more) and run them in one transaction, then
+// answer them all after the commit. Middleware in GroupCommit mode has one, with
+// each message's own handler; each HandleBatch has one, with its batch handler.
+// A batch runs on the set-based path (batch.go) and falls back to one savepoint per
+// message (runSavepoints) when a failure cannot be pinned on a message there.
 type groupCommitter struct {
 	c     *Consumer
+	batch BatchHandler // nil: each request carries its own handler
 	reqs  chan *groupReq
 	stop  chan struct{}
 	wg    sync.WaitGroup
@@ -31,8 +35,8 @@ type groupReq struct {
 	done chan outcome
 }
 
-func newGroupCommitter(c *Consumer) *groupCommitter {
-	g := &groupCommitter{c: c, reqs: make(chan *groupReq), stop: make(chan struct{})}
+func newGroupCommitter(c *Consumer, batch BatchHandler) *groupCommitter {
+	g := &groupCommitter{c: c, batch: batch, reqs: make(chan *groupReq), stop: make(chan struct{})}
 	g.close = sync.OnceFunc(func() {
 		close(g.stop)
 		g.wg.Wait()
@@ -44,11 +48,15 @@ func newGroupCommitter(c *Consumer) *groupCommitter {
 	return g
 }
 
-// submit hands one message to a batch and waits for its outcome.
+// submit hands one message to a batch and waits for its outcome. h is the message's
+// handler; with a batch handler it is nil.
 func (g *groupCommitter) submit(req *request, h message.HandlerFunc) error {
 	// One message's cancelled context must not cancel a statement of the shared
 	// transaction: pgx closes the connection on cancel, which would fail the batch.
 	req.ctx = context.WithoutCancel(req.ctx)
+	if h == nil {
+		h = g.single
+	}
 	gr := &groupReq{req: req, h: h, done: make(chan outcome, 1)}
 	select {
 	case g.reqs <- gr:
@@ -56,6 +64,18 @@ func (g *groupCommitter) submit(req *request, h message.HandlerFunc) error {
 		return g.c.finish(req, outcome{kind: outTransient, err: ErrClosed})
 	}
 	return g.c.finish(req, <-gr.done)
+}
+
+// single runs the batch handler on one message, as a message handler: the
+// savepoint path's way of isolating a batch handler's failing message.
+func (g *groupCommitter) single(msg *message.Message) ([]*message.Message, error) {
+	ctx := msg.Context()
+	err := g.batch(ctx, Tx(ctx), []*message.Message{msg})
+	var me *MessageError
+	if errors.As(err, &me) && me.Msg == msg {
+		err = me.Err
+	}
+	return nil, err
 }
 
 func (g *groupCommitter) work() {
@@ -85,26 +105,60 @@ func (g *groupCommitter) work() {
 	}
 }
 
-// run handles one batch. Keys are claimed in sorted order, so two batches that
-// share keys take their row locks in the same order and cannot deadlock.
+// run handles one batch and answers each of its messages. Keys are claimed in sorted
+// order, so two batches that share keys take their row locks in the same order and
+// cannot deadlock; copies of one key keep their arrival order.
 func (g *groupCommitter) run(batch []*groupReq) {
-	c := g.c
 	slices.SortStableFunc(batch, func(a, b *groupReq) int {
-		return cmp.Or(cmp.Compare(a.req.claim.Tenant, b.req.claim.Tenant), cmp.Compare(a.req.claim.Key, b.req.claim.Key))
+		x, y := &a.req.claim, &b.req.claim
+		return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Key, y.Key))
 	})
-	results := make([]outcome, len(batch))
-	defer func() {
-		for i, r := range batch {
-			r.done <- results[i]
+	results, fallback := g.runSet(batch)
+	if fallback != nil {
+		// Messages the set-based path failed transiently keep their answer: their
+		// handler does not run twice for one delivery. A permanent failure it found is
+		// recorded by the savepoint path, which meets it again without running the
+		// handler. The others run there from their claim on.
+		var rest []*groupReq
+		var at []int
+		for i, gr := range batch {
+			switch {
+			case fallback.transient[i]:
+				continue
+			case fallback.record[i]:
+				cause := results[i].err
+				gr = &groupReq{req: gr.req, done: gr.done,
+					h: func(*message.Message) ([]*message.Message, error) { return nil, cause }}
+			}
+			rest = append(rest, gr)
+			at = append(at, i)
 		}
-	}()
+		if len(rest) > 0 {
+			sub := g.runSavepoints(rest)
+			for j, i := range at {
+				results[i] = sub[j]
+			}
+		}
+	}
+	for i, r := range batch {
+		r.done <- results[i]
+	}
+}
+
+// runSavepoints handles a sorted batch the way group commit did before the set-based
+// path, which now falls back to it: one transaction, each message in its own
+// savepoint with its own claim, effects written as the handler enqueues them. It
+// isolates any failing message, at about three round trips a message.
+func (g *groupCommitter) runSavepoints(batch []*groupReq) []outcome {
+	c := g.c
+	results := make([]outcome, len(batch))
 	ctx := context.Background()
-	tx, err := c.begin(ctx)
+	tx, err := c.beginGroup(ctx)
 	if err != nil {
 		for i := range results {
 			results[i] = outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}
 		}
-		return
+		return results
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
 	// Each message runs in savepoint idem_<i>. The SET LOCALs, the release of the
@@ -125,7 +179,7 @@ func (g *groupCommitter) run(batch []*groupReq) {
 				results[i] = outcome{} // an innocent neighbour, answered by abortBatch
 			}
 			abortBatch(results, culprit)
-			return
+			return results
 		}
 		prelude = []string{"RELEASE SAVEPOINT " + sp}
 	}
@@ -136,13 +190,19 @@ func (g *groupCommitter) run(batch []*groupReq) {
 			last := len(batch) - 1
 			results[last] = outcome{kind: outTransient, err: err}
 			abortBatch(results, last)
-			return
+			return results
 		}
-		for i, o := range results {
-			switch o.kind {
-			case outCommitted, outRecorded, outDuplicate, outReplayed:
-				results[i] = outcome{kind: outTransient, err: err}
-			}
+		commitFailed(results, err)
+	}
+	return results
+}
+
+// commitFailed turns every outcome that depended on a batch's COMMIT into a nack.
+func commitFailed(results []outcome, err error) {
+	for i, o := range results {
+		switch o.kind {
+		case outCommitted, outRecorded, outDuplicate, outReplayed:
+			results[i] = outcome{kind: outTransient, err: err}
 		}
 	}
 }

@@ -37,14 +37,32 @@ const (
 	txMarkMissing = "idem: the transaction idem began has ended"
 	// The CASE is not constant (current_setting is stable), so the cast runs, and
 	// fails, only when the mark is missing.
-	commitSQL = "SELECT (CASE WHEN coalesce(current_setting('idem.tx', true), '') = 'on' THEN '0' ELSE '" +
-		txMarkMissing + "' END)::int; COMMIT"
+	markCheck = "SELECT (CASE WHEN coalesce(current_setting('idem.tx', true), '') = 'on' THEN '0' ELSE '" +
+		txMarkMissing + "' END)::int"
+	commitSQL = markCheck + "; COMMIT"
+	// groupCommitSQL is the COMMIT of a group-commit batch. It also sets idem.commit,
+	// the one thing that lets the commit guard (migration 004) pass: a batch claims
+	// all of its keys before its handlers run, so a COMMIT that a handler sent
+	// itself must fail rather than commit the claims of messages whose handlers have
+	// not run. The guard row goes in with the batch's first statements (guardSQL).
+	groupCommitSQL = markCheck + "; SET LOCAL idem.commit = 'on'; COMMIT"
 )
+
+// guardSQL is the statement that arms the commit guard of a batch's transaction.
+func guardSQL(schema string) string {
+	return "INSERT INTO " + pgx.Identifier{schema, "commit_guard"}.Sanitize() + " DEFAULT VALUES"
+}
 
 // begin starts a transaction whose COMMIT checks the mark. The caller sets the mark
 // (txMark) before anything else.
 func (c *Consumer) begin(ctx context.Context) (pgx.Tx, error) {
 	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: commitSQL})
+}
+
+// beginGroup starts a group-commit batch's transaction: its COMMIT checks the mark
+// and lets the commit guard pass.
+func (c *Consumer) beginGroup(ctx context.Context) (pgx.Tx, error) {
+	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: groupCommitSQL})
 }
 
 // txState reports whether tx is still open and usable, from the status of the last

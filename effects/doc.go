@@ -53,6 +53,12 @@
 // flight finish (up to ShutdownTimeout) and claims not yet started are handed back
 // at once.
 //
+// EnqueueMany and EnqueueItems write many effects with one statement, each with the
+// answer Enqueue would give it. A Scope with a Buffer makes Enqueue check the effect
+// at once and keep it for such a write (Result.Deferred): the consumer's group-commit
+// batches write all their effects that way, and a mismatch found then fails the
+// message that enqueued it.
+//
 // Effect.Delay holds an effect back: it is due Delay after the Enqueue call (the
 // database's clock_timestamp() at the INSERT), not after the start of the
 // transaction, and never before the transaction commits.

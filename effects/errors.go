@@ -42,6 +42,10 @@ var (
 	ErrInvalidTenant = newError("effect_tenant_invalid", fmt.Sprintf("effect tenant must be UTF-8 text without NUL bytes, at most %d bytes", MaxKeyLen), true)
 	// ErrPayloadTooLarge: the payload is over MaxPayloadLen bytes.
 	ErrPayloadTooLarge = newError("effect_payload_too_large", fmt.Sprintf("effect payload larger than %d bytes", MaxPayloadLen), true)
+	// ErrBufferClosed: Enqueue was given a scope whose Buffer was already written,
+	// typically a handler's context kept and used after the handler returned. The
+	// effect would be lost, so it is refused.
+	ErrBufferClosed = newError("effect_buffer_closed", "effects.Enqueue after the batch's effects were written: enqueue before the handler returns", true)
 	// ErrNoTx: Enqueue was called without a transaction.
 	ErrNoTx = newError("effect_no_tx", "effects.Enqueue needs the handler's transaction", true)
 	// ErrInvalidSchema: the schema name is not a plain lower-case identifier.

@@ -73,7 +73,8 @@ const (
 
 // enqueueQueries are Enqueue's statements for one schema.
 type enqueueQueries struct {
-	insert, fingerprint string
+	insert, fingerprint       string
+	insertMany, fingerprintOf string
 }
 
 func newEnqueueQueries(schema string) enqueueQueries {
@@ -88,6 +89,45 @@ func newEnqueueQueries(schema string) enqueueQueries {
 			ON CONFLICT (tenant, kind, key) DO NOTHING
 			RETURNING true`,
 		fingerprint: `SELECT fingerprint FROM ` + t + ` WHERE tenant = $1 AND kind = $2 AND key = $3`,
+		// EnqueueItems: many effects in one statement, in the order given (the caller
+		// sorts them by identity, so that two batches wait for each other's keys in
+		// the same order and cannot deadlock). It answers with how many it inserted
+		// and, only when that is not all of them, which ones, as three arrays (so
+		// QueryRow is enough). The delay is in microseconds; an empty source consumer
+		// means no source (consumer names are never empty).
+		insertMany: `WITH ins AS (
+				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
+					next_attempt_at, source_consumer, source_tenant, source_key)
+				SELECT tenant, kind, key, payload, fingerprint, max_attempts,
+					clock_timestamp() + delay_us * interval '1 microsecond', nullif(source_consumer, ''),
+					CASE WHEN source_consumer <> '' THEN source_tenant END,
+					CASE WHEN source_consumer <> '' THEN source_key END
+				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bytea[], $6::int[],
+						$7::bigint[], $8::text[], $9::text[], $10::text[]) WITH ORDINALITY
+					AS u(tenant, kind, key, payload, fingerprint, max_attempts, delay_us,
+						source_consumer, source_tenant, source_key, ord)
+				ORDER BY ord
+				ON CONFLICT (tenant, kind, key) DO NOTHING
+				RETURNING tenant, kind, key
+			)
+			SELECT count(*)::int,
+				CASE WHEN count(*) < $11 THEN coalesce(array_agg(tenant), '{}') END,
+				CASE WHEN count(*) < $11 THEN coalesce(array_agg(kind), '{}') END,
+				CASE WHEN count(*) < $11 THEN coalesce(array_agg(key), '{}') END
+			FROM ins`,
+		// The stored fingerprints of the effects an insertMany did not insert: a new
+		// statement, so at READ COMMITTED it sees rows that a concurrent transaction
+		// committed while the insert waited for it. LATERAL on the primary key, kept
+		// apart from the join by OFFSET 0 so that it stays one index lookup per effect
+		// on a table that has never been analyzed.
+		fingerprintOf: `SELECT coalesce(array_agg(e.tenant), '{}'), coalesce(array_agg(e.kind), '{}'),
+				coalesce(array_agg(e.key), '{}'), coalesce(array_agg(e.fingerprint), '{}')
+			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(tenant, kind, key)
+			CROSS JOIN LATERAL (
+				SELECT tenant, kind, key, fingerprint FROM ` + t + ` e
+				WHERE e.tenant = u.tenant AND e.kind = u.kind AND e.key = u.key
+				OFFSET 0
+			) e`,
 	}
 }
 

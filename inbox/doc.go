@@ -14,6 +14,11 @@
 // in lease mode; the consumer package does that. Rows live for their retention, and
 // a duplicate that arrives after its row expired is not recognised.
 //
+// ClaimBatchTx claims many keys with one statement, in (consumer, tenant, key) order so
+// that batches sharing keys cannot deadlock, and reads the committed rows of the keys
+// it did not claim in the same statement when its snapshot sees them; the consumer's
+// group commit uses it. Its commit guard (migration 004) is the consumer's.
+//
 // For package httpidem, a row may also hold the HTTP response given for its key
 // (inbox/response.go, migration 003): stored in the transaction that claims the key,
 // read back on a retry, and deleted by the janitor with the key.

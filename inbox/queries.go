@@ -4,6 +4,7 @@ package inbox
 // value is a bind parameter; the schema is validated and quoted.
 type queries struct {
 	claim, fail, get                              string
+	claimBatch, getBatch                          string
 	lease, completeLease, failLease, releaseLease string
 	deleteExpired, deleteDoneEffects              string
 	janitorTryLock, janitorUnlock                 string
@@ -25,6 +26,56 @@ func newQueries(schema string) queries {
 		get: `SELECT consumer, tenant, key, fingerprint, state, error_code, error, attempts,
 				lease_until, fence, received_at, completed_at, expires_at, now()
 			FROM ` + t + ` WHERE consumer = $1 AND tenant = $2 AND key = $3`,
+		// The set-based claim of a group-commit batch (ClaimBatchTx). The keys come
+		// sorted, and ORDER BY ord (free: unnest WITH ORDINALITY yields that order)
+		// keeps the inserts, and so the row locks and the waits for concurrent
+		// claimers, in that order: two batches that share keys cannot deadlock. A row
+		// comes back for each key it inserted (claimed true), and for each key whose
+		// row the statement's snapshot sees (claimed false): rows committed before it
+		// began, such as the original of a redelivered message. The probe unnests the
+		// keys again (a CTE shared with the INSERT would be materialized and sorted),
+		// and is a LATERAL subquery on the primary key, one index lookup per key
+		// whatever the statistics say: OFFSET 0 keeps the planner from flattening it
+		// into a join, which it plans (and pgx's prepared statement caches) as a hash
+		// join over a sequential scan of the whole inbox while the table is new and
+		// not yet analyzed (TestClaimBatchPlanNeedsNoStatistics). The probe cannot
+		// see a row that a concurrent claimer committed while this INSERT waited for
+		// it; getBatch reads those afterwards. Times are the database's; retention is
+		// in microseconds. failed, error_code and error may be NULL arrays (no failure
+		// to record), which unnest pads with NULLs.
+		claimBatch: `WITH ins AS (
+				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
+				SELECT consumer, tenant, key, fingerprint,
+					CASE WHEN failed THEN 'failed' ELSE 'completed' END, now(),
+					now() + retention_us * interval '1 microsecond',
+					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END
+				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bool[],
+						$6::text[], $7::text[], $8::bigint[]) WITH ORDINALITY
+					AS u(consumer, tenant, key, fingerprint, failed, error_code, error, retention_us, ord)
+				ORDER BY ord
+				ON CONFLICT (consumer, tenant, key) DO NOTHING
+				RETURNING consumer, tenant, key
+			)
+			SELECT true, consumer, tenant, key, NULL::bytea, NULL::text, NULL::text, NULL::text, NULL::int,
+				NULL::timestamptz, NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz
+			FROM ins
+			UNION ALL
+			SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
+				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
+			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
+			CROSS JOIN LATERAL (
+				SELECT * FROM ` + t + ` i
+				WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
+				OFFSET 0
+			) i`,
+		getBatch: `SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
+				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
+			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
+			CROSS JOIN LATERAL (
+				SELECT * FROM ` + t + ` i
+				WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
+				OFFSET 0
+			) i`,
 		// A processing row whose lease ran out is taken over in the same statement,
 		// fence + 1, so two deliveries can never both believe they hold the key. The
 		// fingerprint must match: a different command never takes over a key.

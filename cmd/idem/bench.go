@@ -20,11 +20,12 @@ const benchSchema = "idem_bench"
 var benchCmd = &command{
 	name: "bench",
 	args: "[flags]",
-	summary: "Drive one workload under five setups side by side: (a) a bare handler with its own " +
-		"transaction, (b) idem per message, (c) idem group commit, (d) Watermill's Deduplicator, " +
-		"(e) the effect Dispatcher draining what the others enqueued, topped up to --drain-backlog, in a table never " +
-		"analyzed. Each handler does one business " +
-		"insert and emits one effect. It works in a schema of its own, --bench-schema, which it drops and " +
+	summary: "Drive one workload under six setups side by side: (a) a bare handler with its own " +
+		"transaction, (b) idem per message, (c) idem set-based group commit with the same per-message handler, " +
+		"(d) Watermill's Deduplicator, (e) idem with a batch handler (one set-based insert per batch, on " +
+		"--batch-partitions partitions), (f) the effect Dispatcher draining what the others enqueued, topped up to " +
+		"--drain-backlog, in a table never analyzed. Each " +
+		"handler does one business insert and emits one effect per message. It works in a schema of its own, --bench-schema, which it drops and " +
 		"makes again; it refuses a schema it did not make.",
 	example: `idem bench
 idem bench -n 1000000 --concurrency 32 --dup-rate 0.1 --payload 256
@@ -40,6 +41,8 @@ idem bench --setups bare,idem,idem-group --json`,
 		durationVar(fs, &o.MaxWait, "max-wait", 0, "group-commit wait for a fuller batch (consumer default if 0)")
 		fs.IntVar(&o.Workers, "workers", 0, "group-commit batches at once (consumer default if 0)")
 		fs.IntVar(&o.DrainBacklog, "drain-backlog", 100000, "fewest effects the dispatcher setup drains: it adds its own to what the other setups enqueued")
+		fs.IntVar(&o.BatchPartitions, "batch-partitions", benchkit.DefaultBatchPartitions, "partitions of the batch-handler setup (idem-batch)")
+		fs.IntVar(&o.BatchMaxBatch, "batch-max-batch", benchkit.DefaultBatchMaxBatch, "batch size of the batch-handler setup")
 		fs.StringVar(&setups, "setups", joinSetups(benchkit.AllSetups), "setups to run, comma-separated")
 		fs.StringVar(&schema, "bench-schema", benchSchema, "schema the benchmark creates, marks as its own, and drops on its next run (it refuses any schema it did not create)")
 		return func(ctx context.Context, e *env, args []string) error {
@@ -167,7 +170,7 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 func label(s benchkit.Setup) string {
 	return map[benchkit.Setup]string{
 		benchkit.Bare: "(a) bare", benchkit.PerMessage: "(b) idem", benchkit.GroupCommit: "(c) idem group commit",
-		benchkit.Deduplicator: "(d) deduplicator", benchkit.Drain: "(e) dispatcher",
+		benchkit.Deduplicator: "(d) deduplicator", benchkit.Batch: "(e) idem batch handler", benchkit.Drain: "(f) dispatcher",
 	}[s]
 }
 

@@ -26,7 +26,7 @@ func TestBench(t *testing.T) {
 		case benchkit.Bare:
 			require.Positive(t, res.CommittedTwice, "the bare handler has no dedupe")
 		case benchkit.Drain:
-			require.Equal(t, 4*300, res.Messages, "four setups enqueued one effect per message")
+			require.Equal(t, 5*300, res.Messages, "five setups enqueued one effect per message")
 		default:
 			require.Zero(t, res.CommittedTwice, res.Setup)
 			require.Positive(t, res.RatioToBare)

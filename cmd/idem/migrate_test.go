@@ -117,8 +117,13 @@ func TestMigrateDownShowsWhatItDropsAndAsks(t *testing.T) {
 func TestMigrateDownShowsDroppedColumns(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	require.Equal(t, 3, len(inbox.Migrations()), "this test reads migration 003's plan; update it for a new migration")
-	_, err := b.pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at, response_status, response_body)
+	require.Equal(t, 4, len(inbox.Migrations()), "this test reads migration 003's plan; update it for a new migration")
+	// 004 goes first: its down drops only the commit guard, which never holds a row.
+	m, err := inbox.NewMigrator(b.pool, b.schema)
+	require.NoError(t, err)
+	_, err = m.Revert(ctx, 4)
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at, response_status, response_body)
 		VALUES ('POST /payments', 'k1', '\x00', 'completed', now() + interval '1 day', 201, '\x7b7d'),
 		       ('POST /payments', 'k2', '\x00', 'completed', now() + interval '1 day', NULL, NULL)`)
 	require.NoError(t, err)

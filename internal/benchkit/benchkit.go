@@ -1,7 +1,7 @@
 // Package benchkit drives one workload under several setups side by side, for
 // `idem bench` and the `go test -bench` benchmarks: a bare handler with its own
-// transaction, idem per message, idem with group commit, and Watermill's in-memory
-// Deduplicator. The broker is Watermill's GoChannel with one topic per "partition";
+// transaction, idem per message, idem with (set-based) group commit, idem with a
+// batch handler, and Watermill's in-memory Deduplicator. The broker is Watermill's GoChannel with one topic per "partition";
 // a message and its duplicates go to the partition of their key, as in Kafka, and
 // partitions are handled concurrently.
 package benchkit
@@ -40,13 +40,18 @@ type Setup string
 const (
 	Bare         Setup = "bare"         // (a) own transaction, no dedupe
 	PerMessage   Setup = "idem"         // (b) idem, one transaction per message
-	GroupCommit  Setup = "idem-group"   // (c) idem, group commit
+	GroupCommit  Setup = "idem-group"   // (c) idem, set-based group commit, the same per-message handler
 	Deduplicator Setup = "deduplicator" // (d) Watermill's middleware.Deduplicator + bare handler
-	Drain        Setup = "dispatcher"   // (e) the effects Dispatcher draining what (a)-(d) enqueued
+	Drain        Setup = "dispatcher"   // (f) the effects Dispatcher draining what the others enqueued
+	// (e) idem, a batch handler (consumer.HandleBatch): one INSERT … SELECT FROM
+	// unnest for the batch's business rows, its effects in one statement. It runs
+	// on BatchPartitions partitions, since a batch is only as large as the messages
+	// in flight.
+	Batch Setup = "idem-batch"
 )
 
 // AllSetups is the order the setups run in.
-var AllSetups = []Setup{Bare, PerMessage, GroupCommit, Deduplicator, Drain}
+var AllSetups = []Setup{Bare, PerMessage, GroupCommit, Deduplicator, Batch, Drain}
 
 // Options describe the workload.
 type Options struct {
@@ -72,6 +77,11 @@ type Options struct {
 	// effects of its own (as Enqueue writes them) to what the other setups left, up
 	// to this many. idem bench asks for 100,000.
 	DrainBacklog int
+	// BatchPartitions is the partitions of the Batch setup (default
+	// DefaultBatchPartitions), and BatchMaxBatch its batch size (default
+	// DefaultBatchMaxBatch). Its pool has Workers + 4 connections.
+	BatchPartitions int
+	BatchMaxBatch   int
 
 	pool *pgxpool.Pool
 }
@@ -95,9 +105,17 @@ type Result struct {
 	PeakHeapBytes  uint64 `json:"peak_heap_bytes"`
 }
 
+// Defaults of the Batch setup.
+const (
+	DefaultBatchPartitions = 256
+	DefaultBatchMaxBatch   = 256
+)
+
 func (o *Options) defaults() {
 	o.Concurrency = cmp.Or(o.Concurrency, 16)
 	o.PayloadSize = cmp.Or(o.PayloadSize, 128)
+	o.BatchPartitions = cmp.Or(o.BatchPartitions, DefaultBatchPartitions)
+	o.BatchMaxBatch = cmp.Or(o.BatchMaxBatch, DefaultBatchMaxBatch)
 }
 
 // Prepare empties the schema's idem tables and the business table, before a series
@@ -137,6 +155,10 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 	}
 	if o.N <= 0 {
 		return Result{}, errors.New("benchkit: N must be positive")
+	}
+	if setup == Batch {
+		o.Concurrency = o.BatchPartitions
+		o.MaxConns = cmp.Or(o.MaxConns, int32(cmp.Or(o.Workers, consumer.DefaultWorkers))+4)
 	}
 	counter := &commitCounter{}
 	pool, err := openPool(ctx, o, counter)
@@ -372,6 +394,26 @@ func build(setup Setup, o Options) (message.NoPublishHandlerFunc, func(), error)
 			return nil, work(ctx, consumer.Tx(ctx), msg, sc)
 		})
 		return func(msg *message.Message) error { _, err := h(msg); return err }, func() { _ = c.Close() }, nil
+	case Batch:
+		c, err := consumer.New(consumer.Config{Name: "bench", Pool: o.pool, Schema: o.Schema,
+			MaxBatch: o.BatchMaxBatch, MaxWait: o.MaxWait, Workers: o.Workers})
+		if err != nil {
+			return nil, nil, err
+		}
+		insert := `INSERT INTO ` + biz + ` (key, payload) SELECT * FROM unnest($1::text[], $2::bytea[])`
+		h := c.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
+			keys := make([]string, len(msgs))
+			payloads := make([][]byte, len(msgs))
+			for i, m := range msgs {
+				keys[i], payloads[i] = m.UUID, m.Payload
+				if _, err := effects.Enqueue(m.Context(), tx, effects.Effect{Kind: "bench", Key: "fx:" + m.UUID, Payload: m.Payload}); err != nil {
+					return consumer.ForMessage(m, err)
+				}
+			}
+			_, err := tx.Exec(ctx, insert, keys, payloads)
+			return err
+		})
+		return h, func() { _ = c.Close() }, nil
 	}
 	return nil, nil, fmt.Errorf("benchkit: unknown setup %q", setup)
 }

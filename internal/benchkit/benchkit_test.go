@@ -23,8 +23,8 @@ func TestSetupsAgree(t *testing.T) {
 		})
 		require.NoError(t, err, s)
 		if s == benchkit.Drain {
-			// Four setups each enqueued one effect per message.
-			require.Equal(t, 4*500, res.Messages)
+			// Five setups each enqueued one effect per message.
+			require.Equal(t, 5*500, res.Messages)
 			require.GreaterOrEqual(t, res.Deliveries, res.Messages)
 			t.Logf("%-13s %8.0f effects/s p50 %v p99 %v (commit to send)", s, res.MsgsPerSec, res.P50, res.P99)
 			continue

@@ -1,0 +1,181 @@
+package effects_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// countingTx counts the statements sent through it.
+type countingTx struct {
+	pgx.Tx
+	n int
+}
+
+func (c *countingTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	c.n++
+	return c.Tx.Exec(ctx, sql, args...)
+}
+
+func (c *countingTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	c.n++
+	return c.Tx.QueryRow(ctx, sql, args...)
+}
+
+// EnqueueMany writes many effects with one statement, and gives each the answer
+// Enqueue would: new, a duplicate (stored before, or earlier in the same call), or
+// a mismatch, which names its item.
+func TestEnqueueMany(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t)
+	scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "payments", Tenant: "acme", Key: "pay-1"}}
+	many := func(effs []effects.Effect) (res []effects.Result, statements int, err error) {
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			ct := &countingTx{Tx: tx}
+			res, err = effects.EnqueueMany(effects.WithScope(ctx, scope), ct, effs)
+			statements = ct.n
+			return err
+		})
+		return res, statements, err
+	}
+	e := func(key, payload string) effects.Effect {
+		return effects.Effect{Kind: "email", Key: key, Payload: []byte(payload), MaxAttempts: 3, Delay: time.Hour}
+	}
+
+	res, n, err := many([]effects.Effect{e("b", "1"), e("a", "2"), e("b", "1")})
+	require.NoError(t, err)
+	require.Equal(t, 1, n, "one statement when nothing was there")
+	require.Equal(t, []effects.Result{{}, {}, {Duplicate: true}}, res)
+	var tenant, src string
+	var attempts int
+	var later bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT tenant, source_key, max_attempts, next_attempt_at > now() + interval '50 minutes'
+		FROM effects WHERE key = 'a'`).Scan(&tenant, &src, &attempts, &later))
+	require.Equal(t, "acme", tenant)
+	require.Equal(t, "pay-1", src)
+	require.Equal(t, 3, attempts)
+	require.True(t, later, "the delay is kept")
+
+	res, n, err = many([]effects.Effect{e("c", "3"), e("a", "2"), e("b", "other"), e("c", "changed")})
+	var ie *effects.ItemErrors
+	require.ErrorAs(t, err, &ie)
+	require.Equal(t, 2, n, "a second statement reads the rows the insert met")
+	require.NoError(t, ie.Errs[0])
+	require.NoError(t, ie.Errs[1])
+	require.ErrorIs(t, ie.Errs[2], effects.ErrFingerprintMismatch, "b is stored with another payload")
+	require.ErrorIs(t, ie.Errs[3], effects.ErrFingerprintMismatch, "c came earlier in the call with another payload")
+	require.ErrorIs(t, err, effects.ErrFingerprintMismatch)
+	require.Contains(t, err.Error(), "item 2")
+	require.Equal(t, effects.Result{Duplicate: true}, res[1])
+
+	_, _, err = many([]effects.Effect{e("d", "4"), {Kind: "bad kind", Key: "k"}})
+	require.ErrorIs(t, err, effects.ErrInvalidKind)
+	require.ErrorAs(t, err, &ie)
+	require.Error(t, ie.Errs[1])
+
+	_, err = effects.EnqueueMany(ctx, nil, nil)
+	require.ErrorIs(t, err, effects.ErrNoTx)
+	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM effects`))
+}
+
+// With a Buffer in the scope, Enqueue and EnqueueMany write nothing: they check the
+// effect and keep it for the batch's one write. After the buffer is closed, an
+// enqueue is refused rather than lost.
+func TestBufferedEnqueue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t)
+	buf := effects.NewBuffer()
+	scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "c", Key: "m"}, Kinds: []string{"email"}, Buffer: buf}
+	sctx := effects.WithScope(ctx, scope)
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		ct := &countingTx{Tx: tx}
+		res, err := effects.Enqueue(sctx, ct, effects.Effect{Kind: "email", Key: "a", Payload: []byte("1")})
+		require.NoError(t, err)
+		require.Equal(t, effects.Result{Deferred: true}, res)
+		results, err := effects.EnqueueMany(sctx, ct, []effects.Effect{{Kind: "email", Key: "b"}, {Kind: "email", Key: "c"}})
+		require.NoError(t, err)
+		require.Len(t, results, 2)
+		require.True(t, results[1].Deferred)
+		_, err = effects.Enqueue(sctx, ct, effects.Effect{Kind: "sms", Key: "x"})
+		require.ErrorIs(t, err, effects.ErrUnknownKind, "checked at once")
+		require.Zero(t, ct.n, "nothing written yet")
+
+		items := buf.Close()
+		require.Len(t, items, 3)
+		require.Nil(t, items[0].Scope.Buffer)
+		_, err = effects.Enqueue(sctx, ct, effects.Effect{Kind: "email", Key: "late"})
+		require.ErrorIs(t, err, effects.ErrBufferClosed)
+		require.Equal(t, "effect_buffer_closed", effects.Code(err))
+
+		_, err = effects.EnqueueItems(ctx, ct, items)
+		require.Equal(t, 1, ct.n)
+		return err
+	})
+	require.NoError(t, err)
+	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE source_key = 'm'`))
+}
+
+// Two transactions that enqueue the same keys in opposite orders write them in one
+// order, so they wait for each other instead of deadlocking; the second sees the
+// first's rows as duplicates.
+func TestEnqueueManySortsSoWritersCannotDeadlock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t)
+	scope := effects.Scope{Schema: schema}
+	holder, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx)
+	_, err = effects.EnqueueScoped(ctx, holder, scope, effects.Effect{Kind: "k", Key: "m"})
+	require.NoError(t, err)
+
+	var wg sync.WaitGroup
+	errs := make([]error, 2)
+	results := make([][]effects.Result, 2)
+	for w, order := range [][]string{{"z", "m", "a"}, {"a", "m", "z"}} {
+		wg.Go(func() {
+			effs := make([]effects.Effect, len(order))
+			for i, k := range order {
+				effs[i] = effects.Effect{Kind: "k", Key: k}
+			}
+			errs[w] = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
+				results[w], err = effects.EnqueueManyScoped(ctx, tx, scope, effs)
+				return err
+			})
+		})
+	}
+	require.Eventually(t, func() bool {
+		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND datname = current_database()`) >= 2
+	}, 30*time.Second, 10*time.Millisecond, "both writers wait")
+	require.NoError(t, holder.Rollback(ctx))
+	wg.Wait()
+	dups := 0
+	for w, err := range errs {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) {
+			require.NotEqual(t, pgerrcode.DeadlockDetected, pgErr.Code, "deadlock")
+		}
+		require.NoError(t, err)
+		for _, r := range results[w] {
+			if r.Duplicate {
+				dups++
+			}
+		}
+	}
+	require.Equal(t, 3, dups, "the second writer met the first one's rows")
+	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM effects
+		WHERE source_consumer IS NULL AND source_tenant IS NULL AND source_key IS NULL`), "no source recorded without a consumer")
+}
