@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/grafana/grafana-foundation-sdk/go/cog"
@@ -19,6 +20,11 @@ import (
 
 const dashboardPath = "../../docs/grafana/idem-dashboard.json"
 
+// registerPlugins registers the SDK's panel and query schemas once: the SDK keeps
+// them in a package-level runtime that it replaces without a lock, so parallel
+// tests must not register them at the same moment.
+var registerPlugins = sync.OnceFunc(plugins.RegisterDefaultPlugins)
+
 // loadDashboard decodes the dashboard strictly: an unknown or mistyped field, a
 // missing required one, or a panel option or query field that the panel's or the
 // data source's schema does not have fails. It returns the dashboard and, by
@@ -27,7 +33,7 @@ func loadDashboard(t *testing.T) (*dashboard.Dashboard, map[uint32]json.RawMessa
 	t.Helper()
 	raw, err := os.ReadFile(dashboardPath)
 	require.NoError(t, err)
-	plugins.RegisterDefaultPlugins() // panel and query schemas, for the strict decoding
+	registerPlugins() // panel and query schemas, for the strict decoding
 	var d dashboard.Dashboard
 	require.NoError(t, d.UnmarshalJSONStrict(raw), "%s does not fit Grafana's dashboard schema", dashboardPath)
 	require.NoError(t, d.Validate())
