@@ -1,8 +1,10 @@
 package kafka_test
 
 import (
+	"errors"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
@@ -28,6 +30,28 @@ func universalFeatures() tests.Features {
 }
 
 const universalPartitions = 4
+
+// patientPublisher publishes again, for up to two minutes, when Publish fails,
+// as the README tells users to (the same UUIDs; duplicates are the inbox's to
+// drop). Watermill's suite publishes from goroutines that call require.NoError:
+// a failure there ends the goroutine without its WaitGroup's Done, and the
+// suite then hangs until the test binary's timeout instead of failing. On a
+// loaded two-core machine a JVM broker can miss kafka-go's write timeouts a few
+// times in a row; an error that lasts two minutes is still returned.
+type patientPublisher struct{ *kafka.Publisher }
+
+func patient(p *kafka.Publisher) message.Publisher { return patientPublisher{p} }
+
+func (p patientPublisher) Publish(topic string, msgs ...*message.Message) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		err := p.Publisher.Publish(topic, msgs...)
+		if err == nil || errors.Is(err, kafka.ErrPublisherClosed) || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
 
 func byPayload(_ string, msg *message.Message) ([]byte, error) { return msg.Payload, nil }
 
@@ -68,10 +92,10 @@ func runUniversal(t *testing.T, brokers []string, run universalRun) {
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
 			// One group per suite test: the tests that re-create the
 			// subscriber expect it to continue where the last one stopped.
-			return newPublisher(t, brokers, run.key), newSub(t, "universal-"+sanitize(t.Name()))
+			return patient(newPublisher(t, brokers, run.key)), newSub(t, "universal-"+sanitize(t.Name()))
 		},
 		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return newPublisher(t, brokers, run.key), newSub(t, group)
+			return patient(newPublisher(t, brokers, run.key)), newSub(t, group)
 		},
 	)
 }
