@@ -50,6 +50,10 @@ var flagN = flag.Int("e2e.n", envInt("IDEM_E2E_N", 300), "payments per end-to-en
 // Seed of the killer and the producer: -e2e.seed, else IDEM_E2E_SEED, else the clock.
 var flagSeed = flag.Int64("e2e.seed", int64(envInt("IDEM_E2E_SEED", 0)), "seed (env IDEM_E2E_SEED; 0: from the clock)")
 
+// The mode of every target's batch run: -e2e.batched, else IDEM_E2E_BATCHED
+// (group-commit or batch), else each target's own (see targets).
+var flagBatched = flag.String("e2e.batched", os.Getenv("IDEM_E2E_BATCHED"), "mode of every batch run: group-commit or batch (env IDEM_E2E_BATCHED)")
+
 func envInt(name string, def int) int {
 	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v != 0 {
 		return v
@@ -523,6 +527,9 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 	}
 	t.Logf("N=%d seed=%d (rerun with IDEM_E2E_N=%d IDEM_E2E_SEED=%d)", n, seed, n, seed)
 	for _, tg := range targets() {
+		if *flagBatched != "" {
+			tg.batched = payments.Mode(*flagBatched)
+		}
 		t.Run(tg.name, func(t *testing.T) {
 			var idem, peer run
 			t.Run("idem", func(t *testing.T) {
