@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -28,7 +29,37 @@ const (
 	envCrashSchema = "IDEM_TEST_CRASH_SCHEMA"
 	envCrashMode   = "IDEM_TEST_CRASH_MODE"
 	envCrashBatch  = "IDEM_TEST_CRASH_BATCH" // "1": a batch handler (HandleBatch)
+	// envCrashN is how many messages the child sends at once, as one batch (default
+	// 1, key "pay-crash"; above 1, keys crashKeys(n)).
+	envCrashN = "IDEM_TEST_CRASH_N"
 )
+
+// crashKeys are the keys of a child that sends n messages as one batch.
+func crashKeys(n int) []string {
+	if n <= 1 {
+		return []string{"pay-crash"}
+	}
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("pay-crash-%d", i)
+	}
+	return keys
+}
+
+// commitBlocker stops the child before it sends a group-commit batch's COMMIT: all
+// of the batch's statements have run (the claim, the handlers' writes, the effects),
+// and nothing of it is committed.
+type commitBlocker struct{}
+
+func (commitBlocker) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "idem.commit") {
+		fmt.Println("BEFORE_COMMIT")
+		select {}
+	}
+	return ctx
+}
+
+func (commitBlocker) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
 func TestMain(m *testing.M) {
 	if role := os.Getenv(envCrashRole); role != "" {
@@ -45,19 +76,30 @@ func crashChild(role string) {
 	cfg, err := pgxpool.ParseConfig(pgtest.URL())
 	must(err)
 	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv(envCrashSchema)
+	if role == "before-commit" {
+		cfg.ConnConfig.Tracer = commitBlocker{}
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	must(err)
 	var mode consumer.Mode
 	_, err = fmt.Sscan(os.Getenv(envCrashMode), (*int)(&mode))
 	must(err)
-	c, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: os.Getenv(envCrashSchema), Mode: mode})
+	n, _ := strconv.Atoi(os.Getenv(envCrashN))
+	keys := crashKeys(n)
+	ccfg := consumer.Config{Name: "payments", Pool: pool, Schema: os.Getenv(envCrashSchema), Mode: mode}
+	if len(keys) > 1 {
+		batched(&ccfg) // the messages sent together make one batch
+	}
+	c, err := consumer.New(ccfg)
 	must(err)
 	h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		if _, err := consumer.Tx(ctx).Exec(ctx, `INSERT INTO biz (key) VALUES ($1)`, msg.UUID); err != nil {
 			return nil, err
 		}
-		if role == "mid-handler" {
+		// In a batch, the last message's handler stops: the others' rows are
+		// written before it, in the same transaction.
+		if role == "mid-handler" && msg.UUID == keys[len(keys)-1] {
 			fmt.Println("IN_HANDLER") // the business row is written but not committed
 			select {}
 		}
@@ -80,8 +122,13 @@ func crashChild(role string) {
 		})
 		h = func(msg *message.Message) ([]*message.Message, error) { return nil, bh(msg) }
 	}
-	_, err = h(message.NewMessage("pay-crash", []byte(`{}`)))
-	must(err)
+	msgs := make([]*message.Message, len(keys))
+	for i, k := range keys {
+		msgs[i] = message.NewMessage(k, []byte(`{}`))
+	}
+	for _, err := range sendTogether(middlewareFunc(h), msgs...) {
+		must(err)
+	}
 	fmt.Println("COMMITTED") // committed, not acked: the ack never happens
 	select {}
 }
@@ -110,49 +157,119 @@ func TestCrash(t *testing.T) {
 			t.Run(point+"/"+v.name, func(t *testing.T) {
 				t.Parallel()
 				c, b := setup(t, mode)
-				cmd := exec.Command(os.Args[0], "-test.run=^$")
-				batch := "0"
-				if v.batch {
-					batch = "1"
-				}
-				cmd.Env = append(os.Environ(), envCrashRole+"="+point, envCrashSchema+"="+b.schema,
-					fmt.Sprintf("%s=%d", envCrashMode, int(mode)), envCrashBatch+"="+batch)
-				stdout, err := cmd.StdoutPipe()
-				require.NoError(t, err)
-				cmd.Stderr = os.Stderr
-				require.NoError(t, cmd.Start())
-				want := map[string]string{"mid-handler": "IN_HANDLER", "after-commit-before-ack": "COMMITTED"}[point]
-				reached := make(chan bool, 1)
-				go func() {
-					sc := bufio.NewScanner(stdout)
-					for sc.Scan() {
-						if strings.TrimSpace(sc.Text()) == want {
-							reached <- true
-							return
-						}
-					}
-					reached <- false
-				}()
-				select {
-				case ok := <-reached:
-					require.True(t, ok, "child exited before reaching %s", want)
-				case <-time.After(60 * time.Second):
-					_ = cmd.Process.Kill()
-					t.Fatalf("child never reached %s", want)
-				}
-				require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
-				err = cmd.Wait()
-				ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
-				require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "child died by SIGKILL: %v", err)
+				killChildAt(t, point, b.schema, mode, v.batch, 1)
 
 				// The broker redelivers. Postgres may take a moment to notice the dead
 				// backend and roll its transaction back; the claim waits for that.
 				h := c.Middleware(b.bizHandler(nil))
-				_, err = h(message.NewMessage("pay-crash", []byte(`{}`)))
+				_, err := h(message.NewMessage("pay-crash", []byte(`{}`)))
 				require.NoError(t, err)
 				require.Equal(t, 1, b.bizRows(t, "pay-crash"), "one commit after the redelivery")
 				ranAgain := map[string]int64{"mid-handler": 1, "after-commit-before-ack": 0}[point]
 				require.Equal(t, ranAgain, b.calls.Load())
+			})
+		}
+	}
+}
+
+// killChildAt runs a crash child (n messages sent at once, in mode, through a batch
+// handler if batch) and SIGKILLs it when it reports point.
+func killChildAt(t *testing.T, point, schema string, mode consumer.Mode, batch bool, n int) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	batchFlag := "0"
+	if batch {
+		batchFlag = "1"
+	}
+	cmd.Env = append(os.Environ(), envCrashRole+"="+point, envCrashSchema+"="+schema,
+		fmt.Sprintf("%s=%d", envCrashMode, int(mode)), envCrashBatch+"="+batchFlag, fmt.Sprintf("%s=%d", envCrashN, n))
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	cmd.Stderr = os.Stderr
+	require.NoError(t, cmd.Start())
+	want := map[string]string{"mid-handler": "IN_HANDLER", "before-commit": "BEFORE_COMMIT", "after-commit-before-ack": "COMMITTED"}[point]
+	reached := make(chan bool, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if strings.TrimSpace(sc.Text()) == want {
+				reached <- true
+				return
+			}
+		}
+		reached <- false
+	}()
+	select {
+	case ok := <-reached:
+		require.True(t, ok, "child exited before reaching %s", want)
+	case <-time.After(60 * time.Second):
+		_ = cmd.Process.Kill()
+		t.Fatalf("child never reached %s", want)
+	}
+	require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
+	err = cmd.Wait()
+	ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
+	require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "child died by SIGKILL: %v", err)
+}
+
+// TestCrashSetBasedBatch SIGKILLs a process in the middle of a set-based batch of
+// four messages, in GroupCommit mode and with a batch handler: after the one claim
+// statement, while the last handler runs (the others' rows written in the same
+// transaction); after every statement of the batch, just before its COMMIT is sent;
+// and after the COMMIT, before any ack. The broker redelivers the four together:
+// each commits once, and the handlers run again only if nothing had committed.
+func TestCrashSetBasedBatch(t *testing.T) {
+	t.Parallel()
+	const n = 4
+	for _, point := range []string{"mid-handler", "before-commit", "after-commit-before-ack"} {
+		for _, batch := range []bool{false, true} {
+			name := map[bool]string{false: "group-commit", true: "batch-handler"}[batch]
+			t.Run(point+"/"+name, func(t *testing.T) {
+				t.Parallel()
+				var h func(*message.Message) error
+				var b *bundle
+				var calls func() int64
+				if batch {
+					var bb *batchBiz
+					h, bb, b = setupBatch(t)
+					calls = bb.b.calls.Load
+				} else {
+					var c *consumer.Consumer
+					c, b = setup(t, consumer.GroupCommit, batched)
+					h = middlewareFunc(c.Middleware(b.bizHandler(nil)))
+					calls = b.calls.Load
+				}
+				mode := map[bool]consumer.Mode{false: consumer.GroupCommit, true: consumer.Transactional}[batch]
+				killChildAt(t, point, b.schema, mode, batch, n)
+
+				keys := crashKeys(n)
+				committed := pgtest.Count(t, b.pool, `SELECT count(*) FROM biz`)
+				if point == "after-commit-before-ack" {
+					require.Equal(t, n, committed, "the batch committed before the kill")
+					require.Equal(t, 1, pgtest.Count(t, b.pool, `SELECT count(DISTINCT received_at) FROM inbox`),
+						"the four committed in one transaction: one batch")
+				} else {
+					require.Zero(t, committed, "nothing of the batch committed before the kill")
+				}
+				msgs := make([]*message.Message, n)
+				for i, k := range keys {
+					msgs[i] = message.NewMessage(k, []byte(`{}`))
+				}
+				for i, err := range sendTogether(h, msgs...) {
+					require.NoError(t, err, keys[i])
+				}
+				for _, k := range keys {
+					require.Equal(t, 1, b.bizRows(t, k), "%s commits once after the redelivery", k)
+					state, _ := inboxState(t, b, k)
+					require.Equal(t, "completed", state, k)
+				}
+				ranAgain := map[string]int64{"mid-handler": n, "before-commit": n, "after-commit-before-ack": 0}[point]
+				require.Equal(t, ranAgain, calls(), "handler runs after the redelivery")
+				wantEffects := n
+				if point == "after-commit-before-ack" {
+					wantEffects = 0 // the child's handler writes no effect
+				}
+				require.Equal(t, wantEffects, b.effectRows(t))
 			})
 		}
 	}

@@ -37,6 +37,7 @@ const (
 	envSMTP     = "IDEM_E2E_SMTP"
 	envPeer     = "IDEM_E2E_PEER"
 	envCounts   = "IDEM_E2E_COUNTS" // directory where consumers count their deliveries
+	envMode     = "IDEM_E2E_MODE"   // payments.Mode of the consumers
 )
 
 // consumerGrace is how long a consumer process lives before the killer may pick it.
@@ -48,6 +49,10 @@ var flagN = flag.Int("e2e.n", envInt("IDEM_E2E_N", 300), "payments per end-to-en
 
 // Seed of the killer and the producer: -e2e.seed, else IDEM_E2E_SEED, else the clock.
 var flagSeed = flag.Int64("e2e.seed", int64(envInt("IDEM_E2E_SEED", 0)), "seed (env IDEM_E2E_SEED; 0: from the clock)")
+
+// The mode of every target's batch run: -e2e.batched, else IDEM_E2E_BATCHED
+// (group-commit or batch), else each target's own (see targets).
+var flagBatched = flag.String("e2e.batched", os.Getenv("IDEM_E2E_BATCHED"), "mode of every batch run: group-commit or batch (env IDEM_E2E_BATCHED)")
 
 func envInt(name string, def int) int {
 	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v != 0 {
@@ -96,8 +101,15 @@ func runChild(role string) int {
 			}
 			_, _ = counts.Write(b)
 		}
+		mode := payments.Mode(os.Getenv(envMode))
+		connect := payments.Connect
+		if mode != payments.Transactional {
+			// A batch needs many messages in flight: several records of a Kafka
+			// partition at once, a batched fetch on NATS.
+			connect = payments.ConnectBatched
+		}
 		return retry(ctx, role, func() error {
-			c, err := payments.Connect(ep, nil)
+			c, err := connect(ep, nil)
 			if err != nil {
 				return err
 			}
@@ -105,7 +117,7 @@ func runChild(role string) int {
 			return payments.RunConsumer(ctx, payments.ConsumerConfig{
 				Pool: pool, Schema: schema, Subscriber: c.Subscriber, Topic: ep.TopicName(),
 				Peer: os.Getenv(envPeer) == "1", PeerSender: &payments.SMTPSender{Addr: os.Getenv(envSMTP)},
-				OnDelivery: onDelivery,
+				Mode: mode, OnDelivery: onDelivery,
 			})
 		})
 	case "dispatcher":
@@ -195,6 +207,10 @@ type run struct {
 	restarts, cuts, pubDup int
 	ledgerRows             int
 	emailsPerKey           map[int]int // how many keys got k emails
+	// largestCommit is the most keys one transaction committed, and inBatches the
+	// keys committed together with others (inbox rows that share their
+	// transaction's received_at).
+	largestCommit, inBatches int
 }
 
 func (r run) summary() string {
@@ -202,8 +218,10 @@ func (r run) summary() string {
 	for _, k := range slices.Sorted(maps.Keys(r.emailsPerKey)) {
 		per = append(per, fmt.Sprintf("%d key(s) × %d", r.emailsPerKey[k], k))
 	}
-	return fmt.Sprintf("%s; SIGKILLs by the killer %v, by crash points %v, restarts %d, backend cuts %d, producer duplicates %d, ledger rows %d, raw emails per key: %s",
-		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts, r.pubDup, r.ledgerRows, strings.Join(per, ", "))
+	return fmt.Sprintf("%s; SIGKILLs by the killer %v, by crash points %v, restarts %d, backend cuts %d, producer duplicates %d, ledger rows %d, "+
+		"keys committed in batches %d (largest %d), raw emails per key: %s",
+		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts, r.pubDup, r.ledgerRows,
+		r.inBatches, r.largestCommit, strings.Join(per, ", "))
 }
 
 // target is a broker a run goes through.
@@ -211,6 +229,11 @@ type target struct {
 	name   string // the subtest's name: kafka-kfake, kafka-external, nats-embedded, nats-external
 	broker string // payments.Kafka or payments.NATS
 	addr   string // an external broker's address; "" for an in-process one
+	// batched is the batch mode of the target's second idem run, fed by a
+	// subscriber that holds many messages in flight (payments.ConnectBatched).
+	// Each mode runs on one Kafka and one NATS target, and the batch handler on
+	// the real Kafka broker.
+	batched payments.Mode
 }
 
 func (tg target) String() string {
@@ -228,19 +251,20 @@ func (tg target) String() string {
 // targets are kfake and embedded NATS always, and the real Kafka broker of
 // KAFKA_BROKERS and the NATS server of NATS_URL when those are set.
 func targets() []target {
-	out := []target{{name: "kafka-kfake", broker: payments.Kafka}}
+	out := []target{{name: "kafka-kfake", broker: payments.Kafka, batched: payments.GroupCommit}}
 	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
-		out = append(out, target{name: "kafka-external", broker: payments.Kafka, addr: b})
+		out = append(out, target{name: "kafka-external", broker: payments.Kafka, addr: b, batched: payments.Batch})
 	}
-	out = append(out, target{name: "nats-embedded", broker: payments.NATS})
+	out = append(out, target{name: "nats-embedded", broker: payments.NATS, batched: payments.Batch})
 	if u := os.Getenv("NATS_URL"); u != "" {
-		out = append(out, target{name: "nats-external", broker: payments.NATS, addr: u})
+		out = append(out, target{name: "nats-external", broker: payments.NATS, addr: u, batched: payments.GroupCommit})
 	}
 	return out
 }
 
-// runE2E runs one chaos run through tg, through idem or (peer) the Deduplicator.
-func runE2E(t *testing.T, tg target, peer bool, n int, seed int64) run {
+// runE2E runs one chaos run through tg, through idem in mode or (peer) the
+// Deduplicator.
+func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed int64) run {
 	t.Helper()
 	broker := tg.broker
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(150+n/20)*time.Second)
@@ -288,7 +312,11 @@ func runE2E(t *testing.T, tg target, peer bool, n int, seed int64) run {
 
 	// The producer: n payments, 30% of them sent twice, before any consumer runs
 	// (the stream or topic holds them; consumers join while the killer runs).
-	conn, err := payments.Connect(ep, nil)
+	connect := payments.Connect
+	if mode != payments.Transactional {
+		connect = payments.ConnectBatched // records keyed by payment, so many are in flight
+	}
+	conn, err := connect(ep, nil)
 	require.NoError(t, err)
 	pub, err := chaos.NewPublisher(conn.Publisher, chaos.PublisherConfig{Seed: seed, DuplicateProbability: 0.3})
 	require.NoError(t, err)
@@ -323,7 +351,7 @@ func runE2E(t *testing.T, tg target, peer bool, n int, seed int64) run {
 		}
 		return []string{
 			envEndpoint + "=" + ep.String(), envSchema + "=" + schema, envSMTP + "=" + box.Addr(), envPeer + "=" + peerFlag,
-			envCounts + "=" + countsDir,
+			envCounts + "=" + countsDir, envMode + "=" + string(mode),
 			chaos.EnvCrash + "=" + crash, chaos.EnvCrashSeed + "=" + strconv.FormatInt(rng.Int64(), 10),
 		}
 	}
@@ -453,6 +481,11 @@ loop:
 	require.NoError(t, err)
 	r.report.Deliveries, r.report.DuplicatesSuppressed = countDeliveries(t, countsDir)
 	r.ledgerRows = pgtest.Count(t, pool, payments.LedgerRowsSQL(schema))
+	if !peer {
+		// A transaction's rows share its now(): rows per received_at are keys per commit.
+		require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(max(n), 0), coalesce(sum(n) FILTER (WHERE n > 1), 0)
+			FROM (SELECT count(*) AS n FROM inbox GROUP BY received_at) AS commits`).Scan(&r.largestCommit, &r.inBatches))
+	}
 	counts, _ := box.Counts(ctx)
 	r.emailsPerKey = map[int]int{}
 	for _, k := range keys {
@@ -480,9 +513,12 @@ func countDeliveries(t *testing.T, dir string) (deliveries, suppressed int64) {
 type figures struct{ ledger, pending, sends int }
 
 // TestSIGKILLEndToEnd runs the suite on each broker through idem, then through
-// the peer, and prints the reports side by side. The subtests name the broker:
-// kafka-kfake (in-process), kafka-external (KAFKA_BROKERS, when set),
-// nats-embedded and nats-external (NATS_URL, when set).
+// the peer, and prints the reports side by side; then once more through idem in
+// the target's batch mode (group commit, or a batch handler), fed by a subscriber
+// that holds many messages in flight: MaxInFlightPerPartition 16 on Kafka, a
+// batched fetch on NATS. The subtests name the broker: kafka-kfake (in-process),
+// kafka-external (KAFKA_BROKERS, when set), nats-embedded and nats-external
+// (NATS_URL, when set).
 func TestSIGKILLEndToEnd(t *testing.T) {
 	n := *flagN
 	seed := *flagSeed
@@ -491,34 +527,51 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 	}
 	t.Logf("N=%d seed=%d (rerun with IDEM_E2E_N=%d IDEM_E2E_SEED=%d)", n, seed, n, seed)
 	for _, tg := range targets() {
+		if *flagBatched != "" {
+			tg.batched = payments.Mode(*flagBatched)
+		}
 		t.Run(tg.name, func(t *testing.T) {
 			var idem, peer run
 			t.Run("idem", func(t *testing.T) {
-				idem = runE2E(t, tg, false, n, seed)
+				idem = runE2E(t, tg, false, payments.Transactional, n, seed)
 				t.Logf("idem on %s: %s\n%s", tg, idem.summary(), idem.report)
-				rep := idem.report
-				require.NoError(t, rep.Err(), "\n%s", rep)
-				require.Equal(t, n, idem.ledgerRows, "ledger rows")
-				require.Zero(t, rep.Lost)
-				require.Zero(t, rep.CommittedTwice)
-				require.Equal(t, n, rep.EffectsDone)
-				require.Equal(t, n, rep.SendsOnce+rep.SendsRepeated, "every key received by email")
-				require.Zero(t, idem.emailsPerKey[0], "keys never emailed")
-				require.GreaterOrEqual(t, idem.cuts, 2)
-				require.Positive(t, idem.kills["consumer"]+idem.kills["dispatcher"])
-				// A key is emailed more than once only when a send was cut by a kill:
-				// each dead dispatcher had at most 8 claims (4 sending, 4 waiting).
-				dispatcherDeaths := idem.kills["dispatcher"] + idem.selfKills["dispatcher"]
-				require.LessOrEqual(t, rep.SendsRepeated, 8*dispatcherDeaths, "repeated sends without a dispatcher death to explain them")
+				requireExactlyOnce(t, idem, n)
 			})
 			t.Run("deduplicator", func(t *testing.T) {
-				peer = runE2E(t, tg, true, n, seed)
+				peer = runE2E(t, tg, true, payments.Transactional, n, seed)
 				t.Logf("Watermill Deduplicator on %s: %s\n%s", tg, peer.summary(), peer.report)
 			})
 			if idem.report.Messages > 0 && peer.report.Messages > 0 {
 				t.Logf("SIGKILL end-to-end run on %s, N=%d, seed %d:\n%s", tg, n, seed,
 					chaos.FormatReports([]string{"idem", "watermill-deduplicator"}, idem.report, peer.report))
 			}
+			t.Run("idem-"+string(tg.batched), func(t *testing.T) {
+				r := runE2E(t, tg, false, tg.batched, n, seed)
+				t.Logf("idem (%s, batches fed by the subscriber) on %s: %s\n%s", tg.batched, tg, r.summary(), r.report)
+				requireExactlyOnce(t, r, n)
+				// Otherwise the run proved nothing about batches.
+				require.Greater(t, r.largestCommit, 1, "no transaction committed more than one key")
+			})
 		})
 	}
+}
+
+// requireExactlyOnce checks an idem run: every payment committed once, every
+// receipt emailed, repeated only after a dispatcher death, under kills and cuts.
+func requireExactlyOnce(t *testing.T, r run, n int) {
+	t.Helper()
+	rep := r.report
+	require.NoError(t, rep.Err(), "\n%s", rep)
+	require.Equal(t, n, r.ledgerRows, "ledger rows")
+	require.Zero(t, rep.Lost)
+	require.Zero(t, rep.CommittedTwice)
+	require.Equal(t, n, rep.EffectsDone)
+	require.Equal(t, n, rep.SendsOnce+rep.SendsRepeated, "every key received by email")
+	require.Zero(t, r.emailsPerKey[0], "keys never emailed")
+	require.GreaterOrEqual(t, r.cuts, 2)
+	require.Positive(t, r.kills["consumer"]+r.kills["dispatcher"])
+	// A key is emailed more than once only when a send was cut by a kill: each
+	// dead dispatcher had at most 8 claims (4 sending, 4 waiting).
+	dispatcherDeaths := r.kills["dispatcher"] + r.selfKills["dispatcher"]
+	require.LessOrEqual(t, rep.SendsRepeated, 8*dispatcherDeaths, "repeated sends without a dispatcher death to explain them")
 }

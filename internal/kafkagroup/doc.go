@@ -5,6 +5,9 @@
 // ever committed past a message that was not acked, and that every message
 // commits once in a business table.
 //
+// A variant runs the members with MaxInFlightPerPartition above 1, in group-commit
+// and batch-handler mode, so that acks come out of partition order.
+//
 // It lives here, not in adapters/kafka, so that the adapter keeps importing
 // nothing of idem. It runs on kfake always, and on KAFKA_BROKERS when set.
 // The package has no non-test code.

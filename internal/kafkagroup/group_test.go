@@ -3,6 +3,7 @@ package kafkagroup
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -19,6 +20,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	kafkago "github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/assert"
@@ -32,8 +34,16 @@ import (
 
 const (
 	// envMember selects the member role of TestMember and carries its spec,
-	// "name|brokers|topic|group|schema".
+	// "name|brokers|topic|group|schema|mode".
 	envMember = "IDEM_KAFKAGROUP_MEMBER"
+
+	// The modes of a member: idem's middleware in Transactional mode, one record
+	// of a partition at a time (""); or, with MaxInFlightPerPartition inFlight,
+	// the middleware in GroupCommit mode (modeGroup) or a batch handler
+	// (modeBatch), each message handled in its own goroutine so that batches form.
+	modeGroup = "group-commit"
+	modeBatch = "batch"
+	inFlight  = 8
 
 	partitions = 6
 	batch      = 200 // messages published at each of three points
@@ -58,7 +68,8 @@ const (
 //	READY                       after Subscribe has joined the group
 //	IN p o uuid                 when the handler starts on partition p, offset o
 //	HELD p o uuid               after the business row is written, uncommitted,
-//	                            in a handler that then blocks (after HOLD on stdin)
+//	                            in a handler that then blocks (after HOLD on stdin);
+//	                            a batch handler prints one for each of its messages
 //	ACK p o unixnano uuid       after idem committed, just before the ack
 //
 // SIGTERM makes it leave the group (Close) and exit.
@@ -68,7 +79,7 @@ func TestMember(t *testing.T) {
 		return
 	}
 	f := strings.Split(spec, "|")
-	name, brokers, topic, group, schema := f[0], strings.Split(f[1], ","), f[2], f[3], f[4]
+	name, brokers, topic, group, schema, mode := f[0], strings.Split(f[1], ","), f[2], f[3], f[4], f[5]
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
@@ -80,11 +91,22 @@ func TestMember(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	require.NoError(t, err)
 	defer pool.Close()
-	idem, err := consumer.New(consumer.Config{Name: "kafkagroup", Pool: pool, Schema: schema})
+	icfg := consumer.Config{Name: "kafkagroup", Pool: pool, Schema: schema}
+	if mode == modeGroup {
+		icfg.Mode = consumer.GroupCommit
+	}
+	idem, err := consumer.New(icfg)
 	require.NoError(t, err)
 
 	var hold sync.Mutex
 	holdNext := false
+	takeHold := func() bool {
+		hold.Lock()
+		defer hold.Unlock()
+		held := holdNext
+		holdNext = false
+		return held
+	}
 	go func() {
 		s := bufio.NewScanner(os.Stdin)
 		for s.Scan() {
@@ -105,19 +127,48 @@ func TestMember(t *testing.T) {
 			msg.UUID, name, p, o); err != nil {
 			return nil, err
 		}
-		hold.Lock()
-		held := holdNext
-		holdNext = false
-		hold.Unlock()
-		if held {
+		if takeHold() {
 			fmt.Printf("HELD %s %s %s\n", p, o, msg.UUID)
 			select {} // until SIGKILL: the row is written, not committed
 		}
 		time.Sleep(handlerDelay)
 		return nil, nil
 	})
+	if mode == modeBatch {
+		// The same work for a batch: one INSERT … SELECT FROM unnest.
+		bh := idem.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
+			ids, ps, offs := make([]string, len(msgs)), make([]int32, len(msgs)), make([]int64, len(msgs))
+			for i, msg := range msgs {
+				p, o := msg.Metadata.Get(kafka.MetadataPartition), msg.Metadata.Get(kafka.MetadataOffset)
+				fmt.Printf("IN %s %s %s\n", p, o, msg.UUID)
+				pn, err1 := strconv.ParseInt(p, 10, 32)
+				on, err2 := strconv.ParseInt(o, 10, 64)
+				if err := errors.Join(err1, err2); err != nil {
+					return consumer.ForMessage(msg, consumer.Permanent(err))
+				}
+				ids[i], ps[i], offs[i] = msg.UUID, int32(pn), on
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO biz (msg_id, member, kafka_partition, kafka_offset)
+				SELECT id, $2, p, o FROM unnest($1::text[], $3::int[], $4::bigint[]) AS u(id, p, o)`,
+				ids, name, ps, offs); err != nil {
+				return err
+			}
+			if takeHold() {
+				for i, msg := range msgs {
+					fmt.Printf("HELD %d %d %s\n", ps[i], offs[i], msg.UUID)
+				}
+				select {} // until SIGKILL: the batch's rows are written, not committed
+			}
+			time.Sleep(handlerDelay)
+			return nil
+		})
+		handler = func(msg *message.Message) ([]*message.Message, error) { return nil, bh(msg) }
+	}
 
 	cfg := memberConfig(brokers, group)
+	if mode != "" {
+		cfg.MaxInFlightPerPartition = inFlight
+	}
 	if os.Getenv("KAFKA_TEST_DEBUG") != "" {
 		cfg.Logger = watermill.NewStdLoggerWithOut(os.Stderr, true, false)
 	}
@@ -126,17 +177,28 @@ func TestMember(t *testing.T) {
 	ch, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	fmt.Println("READY")
-	for msg := range ch {
+	handle := func(msg *message.Message) {
 		if _, err := handler(msg); err != nil {
 			fmt.Fprintf(os.Stderr, "member %s: nack %s: %v\n", name, msg.UUID, err)
 			msg.Nack()
-			continue
+			return
 		}
 		fmt.Printf("ACK %s %s %d %s\n", msg.Metadata.Get(kafka.MetadataPartition),
 			msg.Metadata.Get(kafka.MetadataOffset), time.Now().UnixNano(), msg.UUID)
 		msg.Ack()
 	}
+	var inflight sync.WaitGroup
+	for msg := range ch {
+		if mode == "" {
+			handle(msg)
+			continue
+		}
+		// The subscriber bounds what is in flight (inFlight per partition).
+		inflight.Go(func() { handle(msg) })
+	}
+	inflight.Wait()
 	require.NoError(t, sub.Close())
+	require.NoError(t, idem.Close())
 }
 
 func memberConfig(brokers []string, group string) kafka.SubscriberConfig {
@@ -162,27 +224,48 @@ func memberConfig(brokers []string, group string) kafka.SubscriberConfig {
 //     line written before the commit was seen.
 //   - In the end every message has exactly one row in the business table,
 //     and the group's offsets stand at each partition's end.
+//
+// The inflight subtests run the same scenario with MaxInFlightPerPartition
+// inFlight, each message in its own goroutine, and members in the batch modes:
+// A, D and E run a batch handler, B, C and F the middleware in GroupCommit mode
+// (a rolling change of mode, say), so A is killed holding a whole batch's rows and
+// C holding a group-commit batch's transaction. Acks then come out of partition
+// order, and the committed offset must still stay behind the first unacked one.
 func TestConsumerGroupOfThree(t *testing.T) {
 	t.Parallel()
-	t.Run("kfake", func(t *testing.T) {
-		t.Parallel()
+	kfakeAddrs := func(t *testing.T) []string {
 		c, err := kfake.NewCluster(kfake.NumBrokers(1),
 			kfake.BrokerConfigs(map[string]string{"group.min.session.timeout.ms": "100"}))
 		require.NoError(t, err)
 		t.Cleanup(c.Close)
 		t.Logf("Kafka broker: kfake, in process, at %s", strings.Join(c.ListenAddrs(), ","))
-		runGroup(t, "kfake", c.ListenAddrs())
+		return c.ListenAddrs()
+	}
+	batchModes := map[string]string{"A": modeBatch, "B": modeGroup, "C": modeGroup, "D": modeBatch, "E": modeBatch, "F": modeGroup}
+	t.Run("kfake", func(t *testing.T) {
+		t.Parallel()
+		runGroup(t, "kfake", kfakeAddrs(t), nil)
+	})
+	t.Run("kfake-inflight", func(t *testing.T) {
+		t.Parallel()
+		runGroup(t, "kfake, in flight", kfakeAddrs(t), batchModes)
 	})
 	if v := os.Getenv("KAFKA_BROKERS"); v != "" {
 		t.Run("external="+v, func(t *testing.T) {
 			t.Parallel()
 			t.Logf("Kafka broker: external, KAFKA_BROKERS=%s", v)
-			runGroup(t, "external "+v, strings.Split(v, ","))
+			runGroup(t, "external "+v, strings.Split(v, ","), nil)
+		})
+		t.Run("external-inflight="+v, func(t *testing.T) {
+			t.Parallel()
+			t.Logf("Kafka broker: external, KAFKA_BROKERS=%s", v)
+			runGroup(t, "external "+v+", in flight", strings.Split(v, ","), batchModes)
 		})
 	}
 }
 
-func runGroup(t *testing.T, broker string, brokers []string) {
+// runGroup runs the scenario; modes gives each member's mode (nil: all "").
+func runGroup(t *testing.T, broker string, brokers []string, modes map[string]string) {
 	start := time.Now()
 	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 4})
 	ctx := context.Background()
@@ -218,7 +301,7 @@ func runGroup(t *testing.T, broker string, brokers []string) {
 	}
 
 	rec := newRecorder()
-	run := &groupRun{t: t, brokers: brokers, topic: topic, group: group, schema: schema, rec: rec}
+	run := &groupRun{t: t, brokers: brokers, topic: topic, group: group, schema: schema, rec: rec, modes: modes}
 	t.Cleanup(run.killAll)
 
 	// Committed offsets, read while the members work, and checked against
@@ -280,11 +363,19 @@ func runGroup(t *testing.T, broker string, brokers []string) {
 
 	// The killed members held their rows uncommitted; the business table has
 	// each from another member.
-	for _, k := range []held{killedA, killedC} {
+	for _, k := range append(slices.Clone(killedA), killedC...) {
 		var member string
 		require.NoError(t, pool.QueryRow(ctx, `SELECT member FROM biz WHERE msg_id = $1`, k.uuid).Scan(&member))
 		assert.NotEqual(t, k.member, member, "the SIGKILLed member's row for %s was never committed", k.uuid)
 		assert.False(t, rec.ackedBy(k.member, k.partition, k.offset), "member %s never acked its held message", k.member)
+	}
+	// With batches, the keys each transaction committed (rows that share a
+	// received_at); otherwise the run proved nothing about batches.
+	var largest, inBatches int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(max(n), 0), coalesce(sum(n) FILTER (WHERE n > 1), 0)
+		FROM (SELECT count(*) AS n FROM inbox GROUP BY received_at) AS commits`).Scan(&largest, &inBatches))
+	if modes != nil {
+		assert.Greater(t, largest, 1, "no transaction committed more than one message")
 	}
 
 	// No offset is ever committed past a message not yet acked.
@@ -292,11 +383,11 @@ func runGroup(t *testing.T, broker string, brokers []string) {
 	require.NoError(t, verifyCommits(rec, all))
 	require.NotEmpty(t, all)
 	ins, acks := rec.counts()
-	t.Logf("%s: %d messages on %d partitions, members A..F; %d handler runs, %d acks, %d readings of a committed "+
-		"offset that moved, each checked against the acks; killed A (partition %d) and C (partition %d) mid-handler; "+
-		"A's held message was acked by another member %s after the kill; took %s",
-		broker, messages, partitions, ins, acks, len(all), killedA.partition, killedC.partition,
-		rec.firstAckAfter(killedA).Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+	t.Logf("%s: %d messages on %d partitions, members A..F (modes %v); %d handler runs, %d acks, %d readings of a committed "+
+		"offset that moved, each checked against the acks; killed A (partition %d, %d message(s) held) and C (partition %d, %d held) mid-handler; "+
+		"A's held message was acked by another member %s after the kill; %d messages committed in batches (largest %d); took %s",
+		broker, messages, partitions, modes, ins, acks, len(all), killedA[0].partition, len(killedA), killedC[0].partition, len(killedC),
+		rec.firstAckAfter(killedA[0]).Round(time.Millisecond), inBatches, largest, time.Since(start).Round(time.Millisecond))
 }
 
 // groupRun starts and stops member processes and feeds their output to rec.
@@ -305,6 +396,7 @@ type groupRun struct {
 	brokers              []string
 	topic, group, schema string
 	rec                  *recorder
+	modes                map[string]string // by member name; nil: all ""
 	mu                   sync.Mutex
 	members              []*member
 }
@@ -323,7 +415,7 @@ func (r *groupRun) start(name string) *member {
 	r.t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestMember$", "-test.count=1")
 	cmd.Env = append(os.Environ(), envMember+"="+strings.Join([]string{
-		name, strings.Join(r.brokers, ","), r.topic, r.group, r.schema}, "|"))
+		name, strings.Join(r.brokers, ","), r.topic, r.group, r.schema, r.modes[name]}, "|"))
 	dieWithParent(cmd)
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(r.t, err)
@@ -366,22 +458,24 @@ type held struct {
 	at        time.Time
 }
 
-// killMidHandler asks m to hold its next message after writing its business
-// row, waits until it does, and SIGKILLs it there.
-func (r *groupRun) killMidHandler(m *member) held {
+// killMidHandler asks m to hold its next message (or batch) after writing its
+// business rows, waits until it does, and SIGKILLs it there. It returns the
+// messages held.
+func (r *groupRun) killMidHandler(m *member) []held {
 	r.t.Helper()
 	_, err := io.WriteString(m.stdin, "HOLD\n")
 	require.NoError(r.t, err)
-	var h held
 	waitFor(r.t, deadline, "member "+m.name+" holds a message", func() bool {
-		var ok bool
-		h, ok = r.rec.heldBy(m.name)
-		return ok
+		return len(r.rec.heldBy(m.name)) > 0
 	})
 	require.NoError(r.t, m.cmd.Process.Signal(syscall.SIGKILL))
-	h.at = time.Now()
+	at := time.Now()
 	_ = m.cmd.Wait()
-	<-m.scanned
+	<-m.scanned // every HELD line of the batch is in
+	h := r.rec.heldBy(m.name)
+	for i := range h {
+		h[i].at = at
+	}
 	r.mu.Lock()
 	m.gone = true
 	r.mu.Unlock()
@@ -447,13 +541,13 @@ type recorder struct {
 	mu    sync.Mutex
 	acks  map[partOff]time.Time // the earliest ack of each record
 	by    map[string]map[partOff]bool
-	holds map[string]held
+	holds map[string][]held
 	ins   int
 	nAcks int
 }
 
 func newRecorder() *recorder {
-	return &recorder{acks: map[partOff]time.Time{}, by: map[string]map[partOff]bool{}, holds: map[string]held{}}
+	return &recorder{acks: map[partOff]time.Time{}, by: map[string]map[partOff]bool{}, holds: map[string][]held{}}
 }
 
 func (r *recorder) line(member, line string) {
@@ -472,7 +566,7 @@ func (r *recorder) line(member, line string) {
 	case "IN":
 		r.ins++
 	case "HELD":
-		r.holds[member] = held{member: member, partition: p, offset: o, uuid: f[3]}
+		r.holds[member] = append(r.holds[member], held{member: member, partition: p, offset: o, uuid: f[3]})
 	case "ACK":
 		if len(f) < 5 {
 			return
@@ -494,11 +588,10 @@ func (r *recorder) line(member, line string) {
 	}
 }
 
-func (r *recorder) heldBy(member string) (held, bool) {
+func (r *recorder) heldBy(member string) []held {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	h, ok := r.holds[member]
-	return h, ok
+	return slices.Clone(r.holds[member])
 }
 
 func (r *recorder) ackedBy(member string, p int, o int64) bool {

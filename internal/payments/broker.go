@@ -173,8 +173,35 @@ const (
 	nackBackoffChaos = 20 * time.Millisecond
 )
 
-// Connect opens a publisher and a subscriber on e.
+// Feeding batches: how many messages a ConnectBatched subscriber holds in flight.
+// On Kafka, records of one partition in flight at once (MaxInFlightPerPartition);
+// on NATS, messages held per subscriber (Concurrency) and the free slots a pull
+// waits for (FetchBatch).
+const (
+	batchedInFlight    = 16
+	batchedConcurrency = 64
+	batchedFetch       = 16
+)
+
+// Connect opens a publisher and a subscriber on e. The subscriber delivers one
+// record of a Kafka partition at a time, and pulls from NATS as soon as a slot is
+// free.
 func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
+	return connect(e, logger, false)
+}
+
+// ConnectBatched is Connect with a subscriber that feeds batches (a group commit or
+// a batch handler downstream): on Kafka it holds several records of a partition in
+// flight (MaxInFlightPerPartition above 1: records of one key stay in order, and
+// only the contiguous acked prefix is committed); on NATS it holds more messages
+// and pulls them in batches (Concurrency and FetchBatch). Its Kafka publisher keys
+// each record by the payment's ID (the message UUID): records without a key keep
+// partition order among themselves, one in flight at a time.
+func ConnectBatched(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
+	return connect(e, logger, true)
+}
+
+func connect(e Endpoint, logger watermill.LoggerAdapter, batched bool) (*Conn, error) {
 	switch e.Broker {
 	case NATS:
 		nc, err := natsgo.Connect(e.Addr, natsgo.MaxReconnects(-1), natsgo.ReconnectWait(50*time.Millisecond))
@@ -187,12 +214,16 @@ func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
 			nc.Close()
 			return nil, err
 		}
-		sub, err := nats.NewSubscriber(nc, nats.SubscriberConfig{
+		scfg := nats.SubscriberConfig{
 			Topology: topo, Durable: e.Group, Concurrency: 8,
 			Consumer: jetstream.ConsumerConfig{AckWait: natsAckWait, MaxDeliver: -1},
 			NakDelay: nats.ExponentialBackoff(nackBackoffChaos, time.Second),
 			Logger:   logger,
-		})
+		}
+		if batched {
+			scfg.Concurrency, scfg.FetchBatch = batchedConcurrency, batchedFetch
+		}
+		sub, err := nats.NewSubscriber(nc, scfg)
 		if err != nil {
 			_ = pub.Close()
 			nc.Close()
@@ -201,7 +232,11 @@ func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
 		return &Conn{Publisher: pub, Subscriber: sub, close: nc.Close}, nil
 	case Kafka:
 		brokers := strings.Split(e.Addr, ",")
-		pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Logger: logger})
+		pcfg := kafka.PublisherConfig{Brokers: brokers, Logger: logger}
+		if batched {
+			pcfg.PartitionKey = func(_ string, msg *message.Message) ([]byte, error) { return []byte(msg.UUID), nil }
+		}
+		pub, err := kafka.NewPublisher(pcfg)
 		if err != nil {
 			return nil, err
 		}
@@ -210,6 +245,9 @@ func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
 		cfg.GroupID = e.Group
 		cfg.SessionTimeout, cfg.HeartbeatInterval = sessionFor(brokers, e.TopicName())
 		cfg.RebalanceTimeout = kafkaRebalance
+		if batched {
+			cfg.MaxInFlightPerPartition = batchedInFlight
+		}
 		sub, err := kafka.NewSubscriber(cfg)
 		if err != nil {
 			_ = pub.Close()

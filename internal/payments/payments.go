@@ -115,6 +115,44 @@ func Handler(schema string) message.HandlerFunc {
 	}
 }
 
+// BatchHandler is Handler for a whole batch (consumer.HandleBatch): one INSERT …
+// SELECT FROM unnest writes the ledger rows of every message, and each message's
+// receipt goes to the batch's one effects statement. A payment that does not decode
+// fails alone, permanently. chaos.Crash(chaos.BeforeCommit) is the last statement,
+// so a process armed with it dies with the batch's keys claimed and nothing of it
+// committed.
+func BatchHandler(schema string) consumer.BatchHandler {
+	insert := `INSERT INTO ` + pgx.Identifier{schema, "ledger"}.Sanitize() +
+		` (payment_key, amount) SELECT * FROM unnest($1::text[], $2::bigint[])`
+	return func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
+		keys := make([]string, 0, len(msgs))
+		amounts := make([]int64, 0, len(msgs))
+		var failed []error
+		for _, m := range msgs {
+			p, err := decode(m)
+			if err != nil {
+				failed = append(failed, consumer.ForMessage(m, consumer.Permanent(err)))
+				continue
+			}
+			if ran, ok := m.Context().Value(ranKey{}).(*bool); ok {
+				*ran = true
+			}
+			keys, amounts = append(keys, m.UUID), append(amounts, p.Amount)
+			if _, err := effects.Enqueue(m.Context(), tx, effects.Effect{Kind: EmailKind, Key: EmailKey(m.UUID), Payload: receipt(p)}); err != nil {
+				failed = append(failed, consumer.ForMessage(m, err))
+			}
+		}
+		if len(failed) > 0 {
+			return errors.Join(failed...)
+		}
+		if _, err := tx.Exec(ctx, insert, keys, amounts); err != nil {
+			return err
+		}
+		chaos.Crash(chaos.BeforeCommit)
+		return nil
+	}
+}
+
 // PeerHandler is the same work without idem, for a peer such as Watermill's
 // Deduplicator: the ledger row in a transaction of its own, then the email sent
 // straight away (there are no effect rows to send later).

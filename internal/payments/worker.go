@@ -3,6 +3,7 @@ package payments
 import (
 	"cmp"
 	"context"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -31,12 +32,30 @@ type ConsumerConfig struct {
 	// Registerer gets idem's metrics (nil: none).
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
+	// Mode is how idem runs the payment handler: Transactional (the default),
+	// GroupCommit (the per-message Handler, batched on the set-based path), or
+	// Batch (BatchHandler through consumer.HandleBatch). Peer ignores it.
+	Mode Mode
 	// OnDelivery, if set, is called once for each delivery after the handler
 	// chain returned, before the ack: ran says whether the payment handler ran
 	// (false for a copy that idem or the Deduplicator suppressed), err is what
 	// the chain returned (nil: acked).
 	OnDelivery func(ran bool, err error)
 }
+
+// Mode is how idem runs the payment handler; see ConsumerConfig.Mode.
+type Mode string
+
+// The modes of ConsumerConfig.Mode.
+const (
+	Transactional Mode = ""
+	GroupCommit   Mode = "group-commit"
+	Batch         Mode = "batch"
+)
+
+// batchSize is MaxBatch in GroupCommit and Batch mode: what a subscriber that
+// feeds batches (ConnectBatched) holds in flight, spread over two workers.
+const batchSize = 32
 
 // ranKey marks, in a delivery's context, that the payment handler ran for it.
 type ranKey struct{}
@@ -76,16 +95,31 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 		}
 		h = d.Middleware(markRan(PeerHandler(cfg.Pool, cfg.Schema, cfg.PeerSender)))
 	} else {
-		c, err := consumer.New(consumer.Config{
+		ccfg := consumer.Config{
 			Name: Consumer, Pool: cfg.Pool, Schema: cfg.Schema,
 			LockTimeout: 2 * time.Second, BusyDelay: 20 * time.Millisecond,
 			Registerer: cfg.Registerer, Logger: cfg.Logger,
-		})
+		}
+		switch cfg.Mode {
+		case Transactional:
+		case GroupCommit:
+			ccfg.Mode, ccfg.MaxBatch = consumer.GroupCommit, batchSize
+		case Batch:
+			ccfg.MaxBatch = batchSize
+		default:
+			return fmt.Errorf("unknown mode %q (want %q, %q or %q)", cfg.Mode, Transactional, GroupCommit, Batch)
+		}
+		c, err := consumer.New(ccfg)
 		if err != nil {
 			return err
 		}
 		defer func() { _ = c.Close() }()
-		h = c.Middleware(markRan(Handler(cfg.Schema)))
+		if cfg.Mode == Batch {
+			bh := c.HandleBatch(BatchHandler(cfg.Schema))
+			h = func(msg *message.Message) ([]*message.Message, error) { return nil, bh(msg) }
+		} else {
+			h = c.Middleware(markRan(Handler(cfg.Schema)))
+		}
 	}
 	if cfg.OnDelivery != nil {
 		inner := h
