@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"os"
 	"slices"
@@ -16,13 +17,25 @@ import (
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
+// runBenchCLI is runCLI with a deadline for a benchmark: every setup in turn,
+// under -race, on a machine shared with other tests, takes longer than runCLI's
+// 30 seconds allow.
+func runBenchCLI(t *testing.T, args ...string) result {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	code := run(ctx, args, &out, &errOut)
+	return result{code: code, stdout: out.String(), stderr: errOut.String()}
+}
+
 func TestBench(t *testing.T) {
 	t.Parallel()
 	benchSchema := pgtest.NewSchemaName()
 	t.Cleanup(func() { pgtest.DropSchema(t, benchSchema) })
 
 	// No brokers given: every setup but kafka-external, whatever KAFKA_BROKERS says.
-	r := runCLI(t, "bench", "-n", "300", "--concurrency", "4", "--dup-rate", "0.2", "--json", "--drain-backlog", "0",
+	r := runBenchCLI(t, "bench", "-n", "300", "--concurrency", "4", "--dup-rate", "0.2", "--json", "--drain-backlog", "0",
 		"--kafka-partitions", "4", "--kafka-in-flight", "16", "--kafka-brokers", "",
 		"--database-url", pgtest.URL(), "--bench-schema", benchSchema).ok(t)
 	var out benchJSON
@@ -96,7 +109,7 @@ func TestBenchKafka(t *testing.T) {
 
 			benchSchema := pgtest.NewSchemaName()
 			t.Cleanup(func() { pgtest.DropSchema(t, benchSchema) })
-			r := runCLI(t, "bench", "-n", "200", "--dup-rate", "0.1", "--setups", "kafka,kafka-external", "--json",
+			r := runBenchCLI(t, "bench", "-n", "200", "--dup-rate", "0.1", "--setups", "kafka,kafka-external", "--json",
 				"--kafka-partitions", "4", "--kafka-in-flight", "16", "--kafka-brokers", strings.Join(brokers, ","),
 				"--database-url", pgtest.URL(), "--bench-schema", benchSchema).ok(t)
 			var out benchJSON

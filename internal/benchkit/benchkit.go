@@ -100,17 +100,23 @@ type Options struct {
 	KafkaBrokers []string
 	// KafkaPartitions is the partitions of a Kafka setup's topic (default
 	// DefaultKafkaPartitions), and KafkaInFlight its subscriber's
-	// MaxInFlightPerPartition (default DefaultKafkaInFlight). Batches are
-	// BatchMaxBatch messages at most, as in the Batch setup.
+	// MaxInFlightPerPartition (default DefaultKafkaInFlight), and KafkaMaxBatch
+	// the batch handler's batch size (default DefaultKafkaMaxBatch).
 	KafkaPartitions int
 	KafkaInFlight   int
+	KafkaMaxBatch   int
 	// KafkaProducers goroutines publish KafkaChunk records a call (defaults
 	// DefaultKafkaProducers, DefaultKafkaChunk), keeping at most KafkaWindow
-	// records produced and not yet handled (default twice the records the
-	// subscriber may have in flight).
+	// records produced and not yet handled (default the records the subscriber
+	// may have in flight, KafkaPartitions × KafkaInFlight).
 	KafkaProducers int
 	KafkaChunk     int
 	KafkaWindow    int
+	// KafkaMinBytes and KafkaFetchWait are the subscriber's fetch MinBytes and
+	// MaxWait (adapters/kafka's defaults if 0): a fetch waits up to
+	// KafkaFetchWait for KafkaMinBytes of records.
+	KafkaMinBytes  int
+	KafkaFetchWait time.Duration
 
 	pool *pgxpool.Pool
 }
@@ -153,7 +159,8 @@ func (o *Options) defaults() {
 	o.KafkaInFlight = cmp.Or(o.KafkaInFlight, DefaultKafkaInFlight)
 	o.KafkaProducers = cmp.Or(o.KafkaProducers, DefaultKafkaProducers)
 	o.KafkaChunk = cmp.Or(o.KafkaChunk, DefaultKafkaChunk)
-	o.KafkaWindow = cmp.Or(o.KafkaWindow, 2*o.KafkaPartitions*o.KafkaInFlight)
+	o.KafkaMaxBatch = cmp.Or(o.KafkaMaxBatch, DefaultKafkaMaxBatch)
+	o.KafkaWindow = cmp.Or(o.KafkaWindow, o.KafkaPartitions*o.KafkaInFlight)
 	// The records of the chunk being filled count in the window: it must hold
 	// more than one chunk, or the producer would wait for itself.
 	o.KafkaWindow = max(o.KafkaWindow, 2*o.KafkaChunk)
@@ -539,7 +546,7 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 		}
 		select {
 		case err := <-done:
-			return Result{}, fmt.Errorf("dispatcher stopped: %v", err)
+			return Result{}, fmt.Errorf("dispatcher stopped: %w", cmp.Or(err, ctx.Err()))
 		case <-time.After(10 * time.Millisecond):
 		}
 	}

@@ -75,10 +75,16 @@ func BenchmarkSetups(b *testing.B) {
 	ctx := context.Background()
 	require.NoError(b, benchkit.Prepare(ctx, benchkit.Options{DatabaseURL: pgtest.URL(), Schema: schema}))
 	results := map[benchkit.Setup]benchkit.Result{}
+	brokers := externalBrokers()
 	for _, s := range benchkit.AllSetups {
+		if s == benchkit.KafkaExternal && brokers == nil {
+			b.Log("kafka-external not run: KAFKA_BROKERS is not set")
+			continue
+		}
 		b.Run(string(s), func(b *testing.B) {
 			res, err := benchkit.Run(ctx, s, benchkit.Options{
 				DatabaseURL: pgtest.URL(), Schema: schema, N: max(b.N, 2000), DupRate: 0.1, Concurrency: 16,
+				KafkaBrokers: brokers,
 			})
 			require.NoError(b, err)
 			results[s] = res

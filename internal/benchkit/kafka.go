@@ -24,18 +24,23 @@ import (
 	"github.com/idemkit/idem/consumer"
 )
 
-// Defaults of the Kafka setups.
+// Defaults of the Kafka setups, from measurements on kfake (docs/architecture.md,
+// "Performance work (issue 13)"): the cost a message in the Go process falls with
+// fewer partitions (fewer produce batches, fetches and broker requests a message),
+// and MaxInFlightPerPartition keeps batches full from few partitions.
 const (
 	// DefaultKafkaPartitions is the partitions of the topic a Kafka setup makes.
-	DefaultKafkaPartitions = 16
+	DefaultKafkaPartitions = 4
 	// DefaultKafkaInFlight is the subscriber's MaxInFlightPerPartition: records of
 	// one partition handed out before the earlier ones are acked, so that batches
 	// fill from few partitions.
-	DefaultKafkaInFlight = 64
+	DefaultKafkaInFlight = 256
+	// DefaultKafkaMaxBatch is the batch handler's batch size in the Kafka setups.
+	DefaultKafkaMaxBatch = 512
 	// DefaultKafkaProducers is the goroutines publishing at once, each
 	// DefaultKafkaChunk records a Publish call.
-	DefaultKafkaProducers = 4
-	DefaultKafkaChunk     = 128
+	DefaultKafkaProducers = 2
+	DefaultKafkaChunk     = 512
 )
 
 // TopicPrefix begins the name of every topic and consumer group a Kafka setup
@@ -46,16 +51,6 @@ const TopicPrefix = "idem-bench-"
 // producedAt is the metadata field with the record's produce time (Unix
 // nanoseconds), for the latency from produce to commit.
 const producedAt = "idem_bench_produced_at"
-
-// KafkaOutcome says what a Kafka setup did on its broker, for the caller to show:
-// where it ran, and that it cleaned up what it made.
-type KafkaOutcome struct {
-	Broker string // "kfake (in process) at …" or "Kafka at …"
-	Topic  string // the topic and consumer group the run made
-	// CleanupErr is why the topic or the group could not be deleted at the end,
-	// if so; the run's figures stand.
-	CleanupErr error
-}
 
 // runKafka drives the workload through a Kafka topic: producers publish records
 // keyed by message UUID (so a record and its retry land in the same partition)
@@ -106,6 +101,7 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 	}()
 
 	o.Concurrency = o.KafkaPartitions
+	o.BatchMaxBatch = o.KafkaMaxBatch
 	o.MaxConns = cmp.Or(o.MaxConns, int32(cmp.Or(o.Workers, consumer.DefaultWorkers))+4)
 	counter := &commitCounter{}
 	pool, err := openPool(ctx, o, counter)
@@ -129,6 +125,7 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 	}
 	subCfg.Brokers = brokers
 	subCfg.GroupID = topic
+	subCfg.MinBytes, subCfg.MaxWait = o.KafkaMinBytes, o.KafkaFetchWait
 	sub, err := kafka.NewSubscriber(subCfg)
 	if err != nil {
 		return Result{}, err
