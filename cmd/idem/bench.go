@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"syscall"
@@ -20,19 +21,24 @@ const benchSchema = "idem_bench"
 var benchCmd = &command{
 	name: "bench",
 	args: "[flags]",
-	summary: "Drive one workload under six setups side by side: (a) a bare handler with its own " +
+	summary: "Drive one workload under several setups side by side: (a) a bare handler with its own " +
 		"transaction, (b) idem per message, (c) idem set-based group commit with the same per-message handler, " +
 		"(d) Watermill's Deduplicator, (e) idem with a batch handler (one set-based insert per batch, on " +
-		"--batch-partitions partitions), (f) the effect Dispatcher draining what the others enqueued, topped up to " +
-		"--drain-backlog, in a table never analyzed. Each " +
+		"--batch-partitions partitions), (g) kafka: the batch handler over idem's Kafka adapter on an in-process " +
+		"Kafka-protocol broker (kfake), measured from produce to the offset commit, (h) kafka-external: the same on " +
+		"the real brokers of --kafka-brokers (default $KAFKA_BROKERS; run only when given), and last (f) the effect " +
+		"Dispatcher draining what the others enqueued, topped up to --drain-backlog, in a table never analyzed. Each " +
 		"handler does one business insert and emits one effect per message. It works in a schema of its own, --bench-schema, which it drops and " +
-		"makes again; it refuses a schema it did not make.",
+		"makes again; it refuses a schema it did not make. On a Kafka broker it creates one topic and one consumer " +
+		"group per Kafka setup, named idem-bench-<random run id>-<setup>, and deletes those two at the end; it " +
+		"touches no other topic or group.",
 	example: `idem bench
 idem bench -n 1000000 --concurrency 32 --dup-rate 0.1 --payload 256
-idem bench --setups bare,idem,idem-group --json`,
+idem bench --setups bare,idem,idem-group --json
+idem bench --setups kafka,kafka-external --kafka-brokers localhost:9092`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var o benchkit.Options
-		var setups, schema string
+		var setups, schema, kafkaBrokers string
 		fs.IntVar(&o.N, "n", 20000, "unique messages per setup")
 		fs.IntVar(&o.Concurrency, "concurrency", 16, "partitions handled at once (one message in flight each)")
 		fs.IntVar(&o.PayloadSize, "payload", 128, "payload size in bytes")
@@ -43,9 +49,20 @@ idem bench --setups bare,idem,idem-group --json`,
 		fs.IntVar(&o.DrainBacklog, "drain-backlog", 100000, "fewest effects the dispatcher setup drains: it adds its own to what the other setups enqueued")
 		fs.IntVar(&o.BatchPartitions, "batch-partitions", benchkit.DefaultBatchPartitions, "partitions of the batch-handler setup (idem-batch)")
 		fs.IntVar(&o.BatchMaxBatch, "batch-max-batch", benchkit.DefaultBatchMaxBatch, "batch size of the batch-handler setup")
-		fs.StringVar(&setups, "setups", joinSetups(benchkit.AllSetups), "setups to run, comma-separated")
+		fs.IntVar(&o.KafkaPartitions, "kafka-partitions", benchkit.DefaultKafkaPartitions, "partitions of the topic each Kafka setup creates")
+		fs.IntVar(&o.KafkaInFlight, "kafka-in-flight", benchkit.DefaultKafkaInFlight, "the Kafka subscriber's MaxInFlightPerPartition in the Kafka setups")
+		fs.IntVar(&o.KafkaMaxBatch, "kafka-max-batch", benchkit.DefaultKafkaMaxBatch, "batch size of the batch handler in the Kafka setups")
+		fs.StringVar(&kafkaBrokers, "kafka-brokers", os.Getenv("KAFKA_BROKERS"),
+			"Kafka brokers of the kafka-external setup, comma-separated (default $KAFKA_BROKERS; empty: that setup is not run)")
+		fs.StringVar(&setups, "setups", "", "setups to run, comma-separated (default all: "+joinSetups(benchkit.AllSetups)+
+			"; kafka-external only with --kafka-brokers)")
 		fs.StringVar(&schema, "bench-schema", benchSchema, "schema the benchmark creates, marks as its own, and drops on its next run (it refuses any schema it did not create)")
 		return func(ctx context.Context, e *env, args []string) error {
+			if b := strings.TrimSpace(kafkaBrokers); b != "" {
+				for _, h := range strings.Split(b, ",") {
+					o.KafkaBrokers = append(o.KafkaBrokers, strings.TrimSpace(h))
+				}
+			}
 			return runBench(ctx, e, args, o, setups, schema)
 		}
 	},
@@ -60,12 +77,15 @@ func joinSetups(ss []benchkit.Setup) string {
 }
 
 type benchJSON struct {
-	N           int               `json:"n"`
-	Concurrency int               `json:"concurrency"`
-	PayloadSize int               `json:"payload_bytes"`
-	DupRate     float64           `json:"dup_rate"`
-	MaxRSSBytes int64             `json:"max_rss_bytes"`
-	Results     []benchResultJSON `json:"results"`
+	N           int     `json:"n"`
+	Concurrency int     `json:"concurrency"`
+	PayloadSize int     `json:"payload_bytes"`
+	DupRate     float64 `json:"dup_rate"`
+	// The Kafka setups' topic partitions and MaxInFlightPerPartition.
+	KafkaPartitions int               `json:"kafka_partitions"`
+	KafkaInFlight   int               `json:"kafka_in_flight"`
+	MaxRSSBytes     int64             `json:"max_rss_bytes"`
+	Results         []benchResultJSON `json:"results"`
 }
 
 type benchResultJSON struct {
@@ -80,16 +100,33 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 	if o.N < 1 || o.Concurrency < 1 || o.PayloadSize < 0 || o.DupRate < 0 || o.DupRate > 1 {
 		return usagef("-n and --concurrency must be at least 1, --payload not negative, --dup-rate within [0, 1]")
 	}
+	if o.KafkaPartitions < 1 || o.KafkaInFlight < 1 || o.KafkaMaxBatch < 1 {
+		return usagef("--kafka-partitions, --kafka-in-flight and --kafka-max-batch must be at least 1")
+	}
+	if slices.Contains(o.KafkaBrokers, "") {
+		return usagef("--kafka-brokers %q names an empty broker", strings.Join(o.KafkaBrokers, ","))
+	}
 	if err := inbox.ValidateSchema(schema); err != nil {
 		return usagef("--bench-schema: %v", err)
 	}
 	var setups []benchkit.Setup
-	for _, s := range strings.Split(setupList, ",") {
-		s = strings.TrimSpace(s)
-		if !slices.Contains(benchkit.AllSetups, benchkit.Setup(s)) {
-			return usagef("unknown setup %q (known: %s)", s, joinSetups(benchkit.AllSetups))
+	if setupList == "" {
+		for _, s := range benchkit.AllSetups {
+			if s != benchkit.KafkaExternal || len(o.KafkaBrokers) > 0 {
+				setups = append(setups, s)
+			}
 		}
-		setups = append(setups, benchkit.Setup(s))
+	} else {
+		for _, s := range strings.Split(setupList, ",") {
+			s = strings.TrimSpace(s)
+			if !slices.Contains(benchkit.AllSetups, benchkit.Setup(s)) {
+				return usagef("unknown setup %q (known: %s)", s, joinSetups(benchkit.AllSetups))
+			}
+			if benchkit.Setup(s) == benchkit.KafkaExternal && len(o.KafkaBrokers) == 0 {
+				return usagef("setup kafka-external needs Kafka brokers: --kafka-brokers host:port,... or KAFKA_BROKERS")
+			}
+			setups = append(setups, benchkit.Setup(s))
+		}
 	}
 	pool, err := e.connect(ctx)
 	if err != nil {
@@ -126,6 +163,9 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 		if err != nil {
 			return fmt.Errorf("setup %s: %w", s, err)
 		}
+		if res.Broker != "" {
+			fmt.Fprintf(e.stderr, "  %-12s ran on %s, topic and group %s (deleted)\n", s, res.Broker, res.Topic)
+		}
 		results = append(results, res)
 	}
 	var bare float64
@@ -139,7 +179,8 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 	maxRSS := ru.Maxrss * 1024 // kilobytes on Linux
 
 	if e.json {
-		out := benchJSON{N: o.N, Concurrency: o.Concurrency, PayloadSize: o.PayloadSize, DupRate: o.DupRate, MaxRSSBytes: maxRSS}
+		out := benchJSON{N: o.N, Concurrency: o.Concurrency, PayloadSize: o.PayloadSize, DupRate: o.DupRate, MaxRSSBytes: maxRSS,
+			KafkaPartitions: o.KafkaPartitions, KafkaInFlight: o.KafkaInFlight}
 		for _, r := range results {
 			j := benchResultJSON{Result: r}
 			if bare > 0 && r.Setup != benchkit.Bare && r.Setup != benchkit.Drain {
@@ -164,6 +205,18 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 	fmt.Fprintf(e.stdout, "\nmsgs/s counts deliveries (duplicates included); the dispatcher row counts effects and its\n"+
 		"latency is from the effect's commit to its send. Committed twice is expected only for the bare\n"+
 		"handler, which has no dedupe. Process max RSS: %s.\n", mib(uint64(maxRSS)))
+	kafkaRows := false
+	for _, r := range results {
+		if r.Broker != "" {
+			kafkaRows = true
+			fmt.Fprintf(e.stdout, "%s: %s, topic %s (deleted), %d partitions × %d in flight.\n",
+				label(r.Setup), r.Broker, r.Topic, o.KafkaPartitions, o.KafkaInFlight)
+		}
+	}
+	if kafkaRows {
+		fmt.Fprintf(e.stdout, "Kafka rows: the clock runs from the first produce to the group's last offset commit; latency is\n"+
+			"from a record's Publish to its ack (its batch committed).\n")
+	}
 	return nil
 }
 
@@ -171,6 +224,7 @@ func label(s benchkit.Setup) string {
 	return map[benchkit.Setup]string{
 		benchkit.Bare: "(a) bare", benchkit.PerMessage: "(b) idem", benchkit.GroupCommit: "(c) idem group commit",
 		benchkit.Deduplicator: "(d) deduplicator", benchkit.Batch: "(e) idem batch handler", benchkit.Drain: "(f) dispatcher",
+		benchkit.Kafka: "(g) kafka (kfake) batch", benchkit.KafkaExternal: "(h) kafka (external) batch",
 	}[s]
 }
 

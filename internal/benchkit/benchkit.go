@@ -3,7 +3,9 @@
 // transaction, idem per message, idem with (set-based) group commit, idem with a
 // batch handler, and Watermill's in-memory Deduplicator. The broker is Watermill's GoChannel with one topic per "partition";
 // a message and its duplicates go to the partition of their key, as in Kafka, and
-// partitions are handled concurrently.
+// partitions are handled concurrently. The Kafka setups run the batch handler over
+// a real Kafka topic (kfake in process, or the brokers given) through
+// adapters/kafka, from produce to offset commit.
 package benchkit
 
 import (
@@ -48,10 +50,19 @@ const (
 	// on BatchPartitions partitions, since a batch is only as large as the messages
 	// in flight.
 	Batch Setup = "idem-batch"
+	// (g) the batch handler of (e) over Kafka: records produced with
+	// adapters/kafka's Publisher to a topic of KafkaPartitions partitions on an
+	// in-process kfake broker, read by adapters/kafka's Subscriber with
+	// MaxInFlightPerPartition KafkaInFlight, measured from produce to the group's
+	// offset commit.
+	Kafka Setup = "kafka"
+	// (h) the same on the real brokers of KafkaBrokers.
+	KafkaExternal Setup = "kafka-external"
 )
 
-// AllSetups is the order the setups run in.
-var AllSetups = []Setup{Bare, PerMessage, GroupCommit, Deduplicator, Batch, Drain}
+// AllSetups is the order the setups run in. The Dispatcher comes last: it drains
+// what the others enqueued.
+var AllSetups = []Setup{Bare, PerMessage, GroupCommit, Deduplicator, Batch, Kafka, KafkaExternal, Drain}
 
 // Options describe the workload.
 type Options struct {
@@ -83,6 +94,30 @@ type Options struct {
 	BatchPartitions int
 	BatchMaxBatch   int
 
+	// KafkaBrokers are the brokers of the KafkaExternal setup. A Kafka setup
+	// makes one topic and one consumer group, named TopicPrefix, a random run id
+	// and the setup, and deletes both at the end; it touches nothing else.
+	KafkaBrokers []string
+	// KafkaPartitions is the partitions of a Kafka setup's topic (default
+	// DefaultKafkaPartitions), and KafkaInFlight its subscriber's
+	// MaxInFlightPerPartition (default DefaultKafkaInFlight), and KafkaMaxBatch
+	// the batch handler's batch size (default DefaultKafkaMaxBatch).
+	KafkaPartitions int
+	KafkaInFlight   int
+	KafkaMaxBatch   int
+	// KafkaProducers goroutines publish KafkaChunk records a call (defaults
+	// DefaultKafkaProducers, DefaultKafkaChunk), keeping at most KafkaWindow
+	// records produced and not yet handled (default the records the subscriber
+	// may have in flight, KafkaPartitions × KafkaInFlight).
+	KafkaProducers int
+	KafkaChunk     int
+	KafkaWindow    int
+	// KafkaMinBytes and KafkaFetchWait are the subscriber's fetch MinBytes and
+	// MaxWait (adapters/kafka's defaults if 0): a fetch waits up to
+	// KafkaFetchWait for KafkaMinBytes of records.
+	KafkaMinBytes  int
+	KafkaFetchWait time.Duration
+
 	pool *pgxpool.Pool
 }
 
@@ -103,6 +138,10 @@ type Result struct {
 	CommittedTwice int    `json:"committed_twice"`
 	Lost           int    `json:"lost"`
 	PeakHeapBytes  uint64 `json:"peak_heap_bytes"`
+	// Broker is the broker a Kafka setup ran on, and Topic the topic and consumer
+	// group it made (and deleted).
+	Broker string `json:"broker,omitempty"`
+	Topic  string `json:"topic,omitempty"`
 }
 
 // Defaults of the Batch setup.
@@ -116,6 +155,15 @@ func (o *Options) defaults() {
 	o.PayloadSize = cmp.Or(o.PayloadSize, 128)
 	o.BatchPartitions = cmp.Or(o.BatchPartitions, DefaultBatchPartitions)
 	o.BatchMaxBatch = cmp.Or(o.BatchMaxBatch, DefaultBatchMaxBatch)
+	o.KafkaPartitions = cmp.Or(o.KafkaPartitions, DefaultKafkaPartitions)
+	o.KafkaInFlight = cmp.Or(o.KafkaInFlight, DefaultKafkaInFlight)
+	o.KafkaProducers = cmp.Or(o.KafkaProducers, DefaultKafkaProducers)
+	o.KafkaChunk = cmp.Or(o.KafkaChunk, DefaultKafkaChunk)
+	o.KafkaMaxBatch = cmp.Or(o.KafkaMaxBatch, DefaultKafkaMaxBatch)
+	o.KafkaWindow = cmp.Or(o.KafkaWindow, o.KafkaPartitions*o.KafkaInFlight)
+	// The records of the chunk being filled count in the window: it must hold
+	// more than one chunk, or the producer would wait for itself.
+	o.KafkaWindow = max(o.KafkaWindow, 2*o.KafkaChunk)
 }
 
 // Prepare empties the schema's idem tables and the business table, before a series
@@ -155,6 +203,9 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 	}
 	if o.N <= 0 {
 		return Result{}, errors.New("benchkit: N must be positive")
+	}
+	if setup == Kafka || setup == KafkaExternal {
+		return runKafka(ctx, setup, o)
 	}
 	if setup == Batch {
 		o.Concurrency = o.BatchPartitions
@@ -290,14 +341,23 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 		PeakHeapBytes: peak}
 	res.CommitsPerMsg = float64(counter.n.Load()-commitsBefore) / float64(total)
 	res.TripsPerMsg = float64(counter.trips.Load()-tripsBefore) / float64(total)
+	if err := countBusiness(ctx, pool, o, &res); err != nil {
+		return Result{}, err
+	}
+	return res, nil
+}
+
+// countBusiness fills in the business rows, the messages committed twice and the
+// messages lost.
+func countBusiness(ctx context.Context, pool *pgxpool.Pool, o Options, res *Result) error {
 	t := pgx.Identifier{o.Schema, "bench_biz"}.Sanitize()
 	var distinct int
 	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT key) FROM `+t).Scan(&res.BusinessRows, &distinct); err != nil {
-		return Result{}, err
+		return err
 	}
 	res.CommittedTwice = res.BusinessRows - distinct
 	res.Lost = o.N - distinct
-	return res, nil
+	return nil
 }
 
 func partition(key string, n int) int {
@@ -486,7 +546,7 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 		}
 		select {
 		case err := <-done:
-			return Result{}, fmt.Errorf("dispatcher stopped: %v", err)
+			return Result{}, fmt.Errorf("dispatcher stopped: %w", cmp.Or(err, ctx.Err()))
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
