@@ -111,8 +111,8 @@ func migratorCatalog(t *testing.T) catalog {
 	require.Contains(t, c.Relations, "effects r")
 	require.NotEmpty(t, c.Indexes)
 	require.NotEmpty(t, c.Constraints)
-	require.Len(t, c.Triggers, 1)
-	require.Len(t, c.Functions, 1)
+	require.Len(t, c.Triggers, 2, "001's effects_notify and 004's commit_guard")
+	require.Len(t, c.Functions, 2, "001's idem_effects_notify and 004's idem_commit_guard")
 	return c
 }
 
