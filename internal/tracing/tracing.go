@@ -140,3 +140,20 @@ func Decode(s string) trace.SpanContext {
 	}
 	return trace.SpanContextFromContext(w3c.Extract(context.Background(), propagation.MapCarrier(c)))
 }
+
+// Inject writes the trace context of ctx's span with p through set (a broker
+// header), unless ctx carries no valid span or md, the message's metadata, holds a
+// trace context already: one that a producer set itself is left as it is.
+func Inject(ctx context.Context, md message.Metadata, p propagation.TextMapPropagator, set func(key, value string)) {
+	if !trace.SpanContextFromContext(ctx).IsValid() || HasAny(md, p) {
+		return
+	}
+	p.Inject(ctx, setter(set))
+}
+
+// setter is a write-only propagation.TextMapCarrier.
+type setter func(key, value string)
+
+func (s setter) Get(string) string     { return "" }
+func (s setter) Set(key, value string) { s(key, value) }
+func (s setter) Keys() []string        { return nil }
