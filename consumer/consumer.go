@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
@@ -387,15 +386,12 @@ func (c *Consumer) runHandlerBuffered(req *request, tx pgx.Tx, h message.Handler
 	scope := c.scope(req, buf)
 	sctx, span := c.tracer.Start(req.ctx, spanHandler)
 	hctx := c.handlerContext(sctx, tx, scope)
-	out, err := func() ([]*message.Message, error) {
+	out, err := func() (out []*message.Message, err error) {
 		req.msg.SetContext(hctx)
 		defer req.msg.SetContext(req.msgCtx) // even if h panics: the message is not ours
-		defer span.End()
+		defer func() { endSpan(span, err) }()
 		return h(req.msg)
 	}()
-	if err != nil && span.IsRecording() {
-		span.SetStatus(codes.Error, truncate(err.Error()))
-	}
 	// Before idem sends anything more: a transaction the handler ended would run
 	// idem's statements outside any transaction, each committing on its own.
 	if serr := txState(tx); serr != nil && (err == nil || errors.Is(serr, ErrTxEnded)) {
