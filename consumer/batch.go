@@ -222,7 +222,7 @@ func (r *setRun) round(n int) roundEnd {
 	if n == 0 {
 		prelude = c.setPrelude
 	}
-	cctx, span := c.tracer.Start(r.ctx, spanClaim)
+	cctx, span := c.child(r.ctx, spanClaim)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.BatchSize.Int(len(claims)), attribute.Int("idem.batch.round", n))
 	}
@@ -291,7 +291,7 @@ func (r *setRun) round(n int) roundEnd {
 			return roundAgain
 		}
 	}
-	_, span = c.tracer.Start(r.ctx, spanCommit)
+	_, span = c.child(r.ctx, spanCommit)
 	err = c.commit(r.ctx, r.tx)
 	endSpan(span, err)
 	if err != nil {
@@ -408,7 +408,7 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 		req.msg.SetContext(c.handlerContext(req.ctx, r.tx, c.scope(req, bufs[j])))
 		msgs[j] = req.msg
 	}
-	sctx, span := c.tracer.Start(r.ctx, spanHandler)
+	sctx, span := c.child(r.ctx, spanHandler)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.BatchSize.Int(len(msgs)))
 	}

@@ -306,7 +306,7 @@ func (c *Consumer) handleOne(req *request, h message.HandlerFunc) error {
 	o := c.runInTx(req, tx, c.prelude, h)
 	switch o.kind {
 	case outCommitted:
-		_, span := c.tracer.Start(ctx, spanCommit)
+		_, span := c.child(ctx, spanCommit)
 		err := c.commit(ctx, tx)
 		endSpan(span, err)
 		if err != nil {
@@ -339,7 +339,7 @@ func (c *Consumer) setLockTimeout(ctx context.Context, tx pgx.Tx) error {
 // its output messages, all in tx. It never commits. The prelude statements (SET
 // LOCAL, SAVEPOINT) go to the server in the claim's round trip.
 func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.HandlerFunc) outcome {
-	ctx, span := c.tracer.Start(req.ctx, spanClaim)
+	ctx, span := c.child(req.ctx, spanClaim)
 	start := time.Now()
 	res, err := c.store.ClaimAfterTx(ctx, tx, prelude, req.claim)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
@@ -384,7 +384,7 @@ func (c *Consumer) handlerContext(ctx context.Context, tx pgx.Tx, scope effects.
 // (written now when buf is nil).
 func (c *Consumer) runHandlerBuffered(req *request, tx pgx.Tx, h message.HandlerFunc, buf *effects.Buffer) outcome {
 	scope := c.scope(req, buf)
-	sctx, span := c.tracer.Start(req.ctx, spanHandler)
+	sctx, span := c.child(req.ctx, spanHandler)
 	hctx := c.handlerContext(sctx, tx, scope)
 	out, err := func() (out []*message.Message, err error) {
 		req.msg.SetContext(hctx)

@@ -184,7 +184,7 @@ func (g *groupCommitter) runSavepoints(ctx context.Context, batch []*groupReq) [
 		}
 		prelude = []string{"RELEASE SAVEPOINT " + sp}
 	}
-	_, span := c.tracer.Start(ctx, spanCommit)
+	_, span := c.child(ctx, spanCommit)
 	err = c.commit(ctx, tx)
 	endSpan(span, err)
 	if err != nil {

@@ -24,7 +24,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	if !ok {
 		return c.finish(req, outcome{kind: outTransient, err: errors.New("lease mode needs a Pool that can Exec and Query (a *pgxpool.Pool)")})
 	}
-	cctx, span := c.tracer.Start(ctx, spanClaim)
+	cctx, span := c.child(ctx, spanClaim)
 	start := time.Now()
 	res, err := c.store.Lease(cctx, db, req.claim, c.cfg.LeaseDuration)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
@@ -68,7 +68,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	o := c.runHandler(req, tx, h)
 	switch o.kind {
 	case outCommitted:
-		cctx, span := c.tracer.Start(ctx, spanCommit)
+		cctx, span := c.child(ctx, spanCommit)
 		if err := c.store.CompleteLeaseTx(cctx, tx, id, fence, c.cfg.Retention); err != nil {
 			// ErrLeaseLost: a newer holder owns the key; our work must not commit
 			// (and the fenced release is a no-op). Any other error rolls back.

@@ -34,15 +34,33 @@ const (
 	spanBatch   = "idem.batch"
 )
 
+// consumerKind is made once: an option made per call costs an allocation.
+var consumerKind = trace.WithSpanKind(trace.SpanKindConsumer)
+
+// noSpan is a span that does nothing, for the children of a span that does not
+// record.
+var noSpan = trace.SpanFromContext(context.Background())
+
 // startMessage starts msg's idem.consume span.
 func (c *Consumer) startMessage(msg *message.Message, name string) (context.Context, trace.Span) {
-	ctx, span := c.tracer.Start(tracing.MessageContext(msg, c.prop), spanConsume,
-		trace.WithSpanKind(trace.SpanKindConsumer))
+	ctx, span := c.tracer.Start(tracing.MessageContext(msg, c.prop), spanConsume, consumerKind)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.Consumer.String(name), tracing.Mode.String(c.cfg.Mode.String()),
 			attribute.String("messaging.message.id", msg.UUID))
 	}
 	return ctx, span
+}
+
+// child starts a span under the span in ctx, only if that one records: under the
+// default no-op provider (or a sampler that dropped the message's trace) the
+// children would record nothing either, and would cost a context and a span
+// value each. ctx is returned as it is then, so what runs under it (effects'
+// Enqueue) still sees the message's span context.
+func (c *Consumer) child(ctx context.Context, name string) (context.Context, trace.Span) {
+	if !trace.SpanFromContext(ctx).IsRecording() {
+		return ctx, noSpan
+	}
+	return c.tracer.Start(ctx, name)
 }
 
 // endMessage ends req's span with the outcome. It runs once per request.

@@ -398,10 +398,10 @@ func (d *Dispatcher) attempt(c *claimed) outcome {
 // retried), linked to the trace context its row kept. The Sender gets it in ctx,
 // so its own spans (an HTTP client's, a publish) nest under it.
 func (d *Dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
-	opts := []trace.SpanStartOption{trace.WithNewRoot(), trace.WithSpanKind(trace.SpanKindProducer)}
+	opts := sendSpanOptions
 	if c.trace != "" {
 		if sc := tracing.Decode(c.trace); sc.IsValid() {
-			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc}))
+			opts = append(slices.Clip(opts), trace.WithLinks(trace.Link{SpanContext: sc}))
 		}
 	}
 	ctx, span := d.tracer.Start(c.batch.ctx, "idem.send", opts...)
@@ -414,6 +414,9 @@ func (d *Dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
 	}
 	return ctx, span
 }
+
+// sendSpanOptions are made once: options made per call cost allocations.
+var sendSpanOptions = []trace.SpanStartOption{trace.WithNewRoot(), trace.WithSpanKind(trace.SpanKindProducer)}
 
 // endSend ends an attempt's span with its outcome: done, reconciled, retry, dead
 // or released (handed back unsent).
