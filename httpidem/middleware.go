@@ -14,8 +14,8 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/trace"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
