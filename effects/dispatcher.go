@@ -20,8 +20,6 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
-
-	"github.com/idemkit/idem/internal/tracing"
 )
 
 // ErrDispatcherRunning is returned by Run when the Dispatcher is already running.
@@ -133,8 +131,8 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders)),
 		log:    cfg.Logger,
 		m:      m,
-		tracer: tracing.Tracer(cfg.TracerProvider),
-		prop:   tracing.Propagator(cfg.Propagator),
+		tracer: tracerOf(cfg.TracerProvider),
+		prop:   propagatorOf(cfg.Propagator),
 		byKind: map[string]*lane{},
 		wake:   make(chan struct{}, 1),
 		freed:  make(chan struct{}, 1),
@@ -400,16 +398,16 @@ func (d *Dispatcher) attempt(c *claimed) outcome {
 func (d *Dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
 	opts := sendSpanOptions
 	if c.trace != "" {
-		if sc := tracing.Decode(c.trace); sc.IsValid() {
+		if sc := decodeTrace(c.trace); sc.IsValid() {
 			opts = append(slices.Clip(opts), trace.WithLinks(trace.Link{SpanContext: sc}))
 		}
 	}
 	ctx, span := d.tracer.Start(c.batch.ctx, "idem.send", opts...)
 	if span.IsRecording() {
-		span.SetAttributes(tracing.Kind.String(c.Kind), tracing.EffectKey.String(c.Key),
-			tracing.Tenant.String(c.Tenant), tracing.Attempt.Int(c.Attempt))
+		span.SetAttributes(attrKind.String(c.Kind), attrEffectKey.String(c.Key),
+			attrTenant.String(c.Tenant), attrAttempt.Int(c.Attempt))
 		if c.Source.Consumer != "" {
-			span.SetAttributes(tracing.Consumer.String(c.Source.Consumer), tracing.Key.String(c.Source.Key))
+			span.SetAttributes(attrConsumer.String(c.Source.Consumer), attrKey.String(c.Source.Key))
 		}
 	}
 	return ctx, span
@@ -422,7 +420,7 @@ var sendSpanOptions = []trace.SpanStartOption{trace.WithNewRoot(), trace.WithSpa
 // or released (handed back unsent).
 func endSend(span trace.Span, o outcome) {
 	if span.IsRecording() {
-		span.SetAttributes(tracing.Outcome.String(o.label))
+		span.SetAttributes(attrOutcome.String(o.label))
 		if o.err != "" {
 			span.SetStatus(codes.Error, o.err)
 		}

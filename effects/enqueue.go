@@ -16,8 +16,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/trace"
-
-	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Limits on what Enqueue accepts.
@@ -153,7 +151,7 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 		return Result{Deferred: true}, nil
 	}
 	maxAttempts := maxAttemptsOf(e)
-	tc := tracing.Encode(sc)
+	tc := encodeTrace(sc)
 	tenant := scope.Source.Tenant
 	fp := sha256.Sum256(e.Payload)
 	q := enqueueQueriesFor(schema)

@@ -11,8 +11,6 @@ import (
 	"sync"
 
 	"go.opentelemetry.io/otel/trace"
-
-	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Item is one effect of a set-based write (EnqueueItems), with the scope it belongs
@@ -215,9 +213,9 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 			delays[j] = it.Effect.Delay.Microseconds()
 			srcC[j], srcT[j], srcK[j] = it.Scope.Source.Consumer, it.Scope.Source.Tenant, it.Scope.Source.Key
 			if it.Trace.IsValid() {
-				traces[j] = tracing.Encode(it.Trace)
+				traces[j] = encodeTrace(it.Trace)
 			} else {
-				traces[j] = tracing.Encode(ctxTrace)
+				traces[j] = encodeTrace(ctxTrace)
 			}
 		}
 		var count int

@@ -7,8 +7,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
-
-	"github.com/idemkit/idem/internal/tracing"
 )
 
 type propagatorKey struct{}
@@ -24,7 +22,7 @@ func propagatorFrom(ctx context.Context) propagation.TextMapPropagator {
 	if p, ok := ctx.Value(propagatorKey{}).(propagation.TextMapPropagator); ok {
 		return p
 	}
-	return tracing.Propagator(nil)
+	return propagatorOf(nil)
 }
 
 // TenantMetadataKey is the metadata field in which PublishSender passes on the

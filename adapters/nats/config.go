@@ -12,8 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel/propagation"
-
-	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Defaults. Each is used when the matching config field is left at its zero value.
@@ -177,7 +175,7 @@ type PublisherConfig struct {
 
 func (c *PublisherConfig) setDefaults() {
 	c.Topology.setDefaults()
-	c.Propagator = tracing.Propagator(c.Propagator)
+	c.Propagator = propagatorOrGlobal(c.Propagator)
 	c.MaxInFlight = cmp.Or(c.MaxInFlight, DefaultMaxInFlight)
 	c.PublishTimeout = cmp.Or(c.PublishTimeout, DefaultPublishTimeout)
 	c.CloseTimeout = cmp.Or(c.CloseTimeout, DefaultCloseTimeout)
@@ -283,7 +281,7 @@ type SubscriberConfig struct {
 
 func (c *SubscriberConfig) setDefaults() {
 	c.Topology.setDefaults()
-	c.Propagator = tracing.Propagator(c.Propagator)
+	c.Propagator = propagatorOrGlobal(c.Propagator)
 	if c.ConsumerName == nil {
 		durable := c.Durable
 		c.ConsumerName = func(string) string { return durable }

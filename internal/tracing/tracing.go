@@ -1,15 +1,15 @@
-// Package tracing holds what idem's packages share for OpenTelemetry: the
-// instrumentation scope, the defaults (the global provider and propagator, no-op
-// until the application installs its own), a carrier over Watermill metadata, and
-// the W3C form in which an effect row keeps its trace context.
+// Package tracing holds what the consumer and httpidem share for OpenTelemetry:
+// the instrumentation scope, the attribute keys, the defaults (the global provider
+// and propagator, no-op until the application installs its own) and a carrier over
+// Watermill metadata. effects and the adapters keep their own few lines of it, so
+// that they import nothing of idem; the scope and keys are the same strings.
 //
 // Only the OpenTelemetry API is imported here, never the SDK or an exporter: with
-// the application's nothing installed, every span is the API's no-op one.
+// nothing installed by the application, every span is the API's no-op one.
 package tracing
 
 import (
 	"context"
-	"encoding/json"
 	"strings"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -86,17 +86,6 @@ func (m Metadata) Keys() []string {
 	return out
 }
 
-// HasAny reports whether md holds one of the propagator's fields already (a trace
-// context that a producer set itself, which idem leaves alone).
-func HasAny(md message.Metadata, p propagation.TextMapPropagator) bool {
-	for _, f := range p.Fields() {
-		if Metadata(md).Get(f) != "" {
-			return true
-		}
-	}
-	return false
-}
-
 // MessageContext is the context a received message's spans start from: msg's own
 // context when it carries a span already (an adapter or a middleware extracted or
 // started one), otherwise the trace context that p extracts from its metadata.
@@ -107,53 +96,3 @@ func MessageContext(msg *message.Message, p propagation.TextMapPropagator) conte
 	}
 	return p.Extract(ctx, Metadata(msg.Metadata))
 }
-
-// w3c is how effect rows keep trace context, whatever propagator the application
-// uses: the column is for idem to read back, and W3C Trace Context is the format
-// every tracing backend understands.
-var w3c = propagation.TraceContext{}
-
-// Encode returns sc as the JSON an effect row keeps ({"traceparent": …,
-// "tracestate": …}), or "" when sc is not valid (nothing is stored then).
-func Encode(sc trace.SpanContext) string {
-	if !sc.IsValid() {
-		return ""
-	}
-	c := propagation.MapCarrier{}
-	w3c.Inject(trace.ContextWithSpanContext(context.Background(), sc), c)
-	b, err := json.Marshal(map[string]string(c))
-	if err != nil {
-		return ""
-	}
-	return string(b)
-}
-
-// Decode reads what Encode wrote back into a remote span context; an empty or
-// unreadable value gives an invalid one.
-func Decode(s string) trace.SpanContext {
-	if s == "" {
-		return trace.SpanContext{}
-	}
-	var c map[string]string
-	if err := json.Unmarshal([]byte(s), &c); err != nil {
-		return trace.SpanContext{}
-	}
-	return trace.SpanContextFromContext(w3c.Extract(context.Background(), propagation.MapCarrier(c)))
-}
-
-// Inject writes the trace context of ctx's span with p through set (a broker
-// header), unless ctx carries no valid span or md, the message's metadata, holds a
-// trace context already: one that a producer set itself is left as it is.
-func Inject(ctx context.Context, md message.Metadata, p propagation.TextMapPropagator, set func(key, value string)) {
-	if !trace.SpanContextFromContext(ctx).IsValid() || HasAny(md, p) {
-		return
-	}
-	p.Inject(ctx, setter(set))
-}
-
-// setter is a write-only propagation.TextMapCarrier.
-type setter func(key, value string)
-
-func (s setter) Get(string) string     { return "" }
-func (s setter) Set(key, value string) { s(key, value) }
-func (s setter) Keys() []string        { return nil }
