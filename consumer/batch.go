@@ -11,9 +11,11 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // BatchHandler handles the messages of a batch together, in one transaction, for
@@ -92,6 +94,7 @@ func (c *Consumer) HandleBatch(h BatchHandler) message.NoPublishHandlerFunc {
 		if err != nil {
 			return err
 		}
+		defer endPanicked(req)
 		g, ok := c.enterBatch(&slot, h)
 		if !ok {
 			return c.finish(req, outcome{kind: outTransient, err: ErrClosed})
@@ -162,9 +165,9 @@ const (
 // runSet runs a sorted batch on the set-based path. When the batch must go to
 // runSavepoints instead, it returns the run, whose res, transient and record say
 // what it decided already; nothing of the batch committed then.
-func (g *groupCommitter) runSet(batch []*groupReq) ([]outcome, *setRun) {
+func (g *groupCommitter) runSet(ctx context.Context, batch []*groupReq) ([]outcome, *setRun) {
 	c := g.c
-	r := &setRun{g: g, c: c, ctx: context.Background(), batch: batch,
+	r := &setRun{g: g, c: c, ctx: ctx, batch: batch,
 		res: make([]outcome, len(batch)), record: make([]bool, len(batch)),
 		transient: make([]bool, len(batch)), group: make([]*keyGroup, len(batch))}
 	for i, gr := range batch {
@@ -219,8 +222,13 @@ func (r *setRun) round(n int) roundEnd {
 	if n == 0 {
 		prelude = c.setPrelude
 	}
+	cctx, span := c.child(r.ctx, spanClaim)
+	if span.IsRecording() {
+		span.SetAttributes(tracing.BatchSize.Int(len(claims)), attribute.Int("idem.batch.round", n))
+	}
 	start := time.Now()
-	results, err := c.store.ClaimBatchTx(r.ctx, r.tx, prelude, claims)
+	results, err := c.store.ClaimBatchTx(cctx, r.tx, prelude, claims)
+	endSpan(span, err)
 	if err != nil {
 		if n > 0 || lockConflict(err) {
 			// Which key waited too long (or deadlocked) is unknown: isolate it.
@@ -283,7 +291,10 @@ func (r *setRun) round(n int) roundEnd {
 			return roundAgain
 		}
 	}
-	if err := c.commit(r.ctx, r.tx); err != nil {
+	_, span = c.child(r.ctx, spanCommit)
+	err = c.commit(r.ctx, r.tx)
+	endSpan(span, err)
+	if err != nil {
 		if errors.Is(err, ErrTxEnded) || errors.Is(err, ErrTxAborted) {
 			return roundFallback // a handler replaced or broke the transaction unseen
 		}
@@ -394,10 +405,14 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 	for j, i := range r.claimed {
 		req := r.batch[i].req
 		bufs[j] = effects.NewBuffer()
-		req.msg.SetContext(c.handlerContext(req, r.tx, c.scope(req, bufs[j])))
+		req.msg.SetContext(c.handlerContext(req.ctx, r.tx, c.scope(req, bufs[j])))
 		msgs[j] = req.msg
 	}
-	bctx := effects.WithScope(context.WithValue(r.ctx, txKey{}, ownedTx{r.tx}),
+	sctx, span := c.child(r.ctx, spanHandler)
+	if span.IsRecording() {
+		span.SetAttributes(tracing.BatchSize.Int(len(msgs)))
+	}
+	bctx := effects.WithScope(context.WithValue(sctx, txKey{}, ownedTx{r.tx}),
 		effects.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
 	var err error
 	var panicked bool
@@ -405,7 +420,7 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 		defer func() {
 			for _, i := range r.claimed {
 				req := r.batch[i].req
-				req.msg.SetContext(req.ctx) // the messages are not ours
+				req.msg.SetContext(req.msgCtx) // the messages are not ours
 			}
 			if p := recover(); p != nil {
 				panicked = true
@@ -414,6 +429,7 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 		}()
 		err = r.g.batch(bctx, ownedTx{r.tx}, msgs)
 	}()
+	endSpan(span, err)
 	for _, b := range bufs {
 		b.Close()
 	}

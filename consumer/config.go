@@ -11,6 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/inbox"
 )
@@ -187,6 +189,21 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer gets the Prometheus collectors (nil: not registered).
 	Registerer prometheus.Registerer
+
+	// TracerProvider makes the OpenTelemetry spans: one per message
+	// ("idem.consume", with the outcome) and, under it, "idem.claim",
+	// "idem.handler" and "idem.commit"; a batch of GroupCommit mode or of
+	// HandleBatch gets an "idem.batch" span, linked to each of its messages' spans,
+	// for its claims, its batch handler and its commit. nil means
+	// otel.GetTracerProvider(): a no-op until the application calls
+	// otel.SetTracerProvider, and that provider from then on.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the trace context of a message whose context carries no span
+	// from its metadata (W3C "traceparent" and "tracestate" with
+	// propagation.TraceContext), to parent the message's span. nil means
+	// otel.GetTextMapPropagator(): a no-op until the application calls
+	// otel.SetTextMapPropagator, and that propagator from then on.
+	Propagator propagation.TextMapPropagator
 }
 
 func (c *Config) setDefaults() {

@@ -15,9 +15,12 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Consumer runs Watermill messages through the inbox. Use its Middleware on a
@@ -27,6 +30,8 @@ type Consumer struct {
 	store   *inbox.Store
 	metrics *metrics
 	log     *slog.Logger
+	tracer  trace.Tracer
+	prop    propagation.TextMapPropagator
 
 	// prelude goes ahead of the first claim of a transaction, in its round trip.
 	prelude []string
@@ -60,6 +65,7 @@ func New(cfg Config) (*Consumer, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	c := &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger,
+		tracer: tracing.Tracer(cfg.TracerProvider), prop: tracing.Propagator(cfg.Propagator),
 		prelude: []string{
 			// SET LOCAL takes no bind parameters; the value is an integer we format.
 			"SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.LockTimeout.Milliseconds(), 1), 10),
@@ -157,6 +163,7 @@ func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			return nil, err
 		}
+		defer endPanicked(req)
 		group, ok := c.enter()
 		if !ok {
 			return nil, c.finish(req, outcome{kind: outTransient, err: ErrClosed})
@@ -178,9 +185,14 @@ func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 // request is one delivery on its way through the inbox.
 type request struct {
-	msg   *message.Message
-	ctx   context.Context
-	claim inbox.Claim
+	msg *message.Message
+	// ctx is the message's context with its idem.consume span.
+	ctx context.Context
+	// msgCtx is the message's own context, given back to it after the handler.
+	msgCtx   context.Context
+	span     trace.Span
+	spanDone bool
+	claim    inbox.Claim
 	// invalid: a permanent error found before any claim (bad key, bad payload).
 	invalid error
 	// recordable: invalid, but the key is good, so the failure can be recorded.
@@ -207,7 +219,8 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 			c.metrics.init(name)
 		}
 	}
-	req := &request{msg: msg, ctx: ctx}
+	req := &request{msg: msg, msgCtx: ctx}
+	req.ctx, req.span = c.startMessage(msg, name)
 	req.claim.Consumer = name
 	req.claim.Retention = c.cfg.Retention
 
@@ -293,7 +306,10 @@ func (c *Consumer) handleOne(req *request, h message.HandlerFunc) error {
 	o := c.runInTx(req, tx, c.prelude, h)
 	switch o.kind {
 	case outCommitted:
-		if err := c.commit(ctx, tx); err != nil {
+		_, span := c.child(ctx, spanCommit)
+		err := c.commit(ctx, tx)
+		endSpan(span, err)
+		if err != nil {
 			o = outcome{kind: outTransient, err: err}
 		}
 	case outPermanent:
@@ -323,10 +339,14 @@ func (c *Consumer) setLockTimeout(ctx context.Context, tx pgx.Tx) error {
 // its output messages, all in tx. It never commits. The prelude statements (SET
 // LOCAL, SAVEPOINT) go to the server in the claim's round trip.
 func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.HandlerFunc) outcome {
-	ctx := req.ctx
+	ctx, span := c.child(req.ctx, spanClaim)
 	start := time.Now()
 	res, err := c.store.ClaimAfterTx(ctx, tx, prelude, req.claim)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
+	if err == nil && span.IsRecording() {
+		span.SetAttributes(tracing.Outcome.String(claimOutcome(res)))
+	}
+	endSpan(span, err)
 	if err != nil {
 		o := classify(err)
 		o.claimFailed = true
@@ -356,18 +376,20 @@ func (c *Consumer) scope(req *request, buf *effects.Buffer) effects.Scope {
 
 // handlerContext is the context req's handler runs with: tx (as idem's ownedTx) and
 // its effects scope.
-func (c *Consumer) handlerContext(req *request, tx pgx.Tx, scope effects.Scope) context.Context {
-	return effects.WithScope(context.WithValue(req.ctx, txKey{}, ownedTx{tx}), scope)
+func (c *Consumer) handlerContext(ctx context.Context, tx pgx.Tx, scope effects.Scope) context.Context {
+	return effects.WithScope(context.WithValue(ctx, txKey{}, ownedTx{tx}), scope)
 }
 
 // runHandlerBuffered is runHandler with effects and output messages going to buf
 // (written now when buf is nil).
 func (c *Consumer) runHandlerBuffered(req *request, tx pgx.Tx, h message.HandlerFunc, buf *effects.Buffer) outcome {
 	scope := c.scope(req, buf)
-	hctx := c.handlerContext(req, tx, scope)
-	out, err := func() ([]*message.Message, error) {
+	sctx, span := c.child(req.ctx, spanHandler)
+	hctx := c.handlerContext(sctx, tx, scope)
+	out, err := func() (out []*message.Message, err error) {
 		req.msg.SetContext(hctx)
-		defer req.msg.SetContext(req.ctx) // even if h panics: the message is not ours
+		defer req.msg.SetContext(req.msgCtx) // even if h panics: the message is not ours
+		defer func() { endSpan(span, err) }()
 		return h(req.msg)
 	}()
 	// Before idem sends anything more: a transaction the handler ended would run
@@ -379,7 +401,7 @@ func (c *Consumer) runHandlerBuffered(req *request, tx pgx.Tx, h message.Handler
 		return outcome{kind: outTransient, err: serr}
 	}
 	if err == nil {
-		err = c.storeOutput(req, tx, scope, out)
+		err = c.storeOutput(sctx, req, tx, scope, out)
 	}
 	if err != nil {
 		if IsPermanent(err) {
@@ -406,7 +428,7 @@ func OutputUUID(consumer, tenant, key string, index int) string {
 // (forwarding), and the output's identity must not leak into it. If it did, a retry
 // of that message (middleware.Retry outside idem) would claim the output UUID as its
 // key and commit the work a second time under a second key.
-func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out []*message.Message) error {
+func (c *Consumer) storeOutput(ctx context.Context, req *request, tx pgx.Tx, scope effects.Scope, out []*message.Message) error {
 	if len(out) == 0 {
 		return nil
 	}
@@ -426,7 +448,7 @@ func (c *Consumer) storeOutput(req *request, tx pgx.Tx, scope effects.Scope, out
 		if err != nil {
 			return Permanent(err)
 		}
-		if _, err := effects.EnqueueScoped(req.ctx, tx, scope, e); err != nil {
+		if _, err := effects.EnqueueScoped(ctx, tx, scope, e); err != nil {
 			return err
 		}
 	}
@@ -509,6 +531,7 @@ func classify(err error) outcome {
 // finish turns an outcome into the middleware's answer (nil acks, an error nacks or
 // poisons), with metrics, logs and hooks.
 func (c *Consumer) finish(req *request, o outcome) error {
+	endMessage(req, o)
 	name := req.claim.Consumer
 	switch o.kind {
 	case outCommitted:

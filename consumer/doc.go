@@ -45,4 +45,11 @@
 //
 // The messages a handler returns are stored as copies with derived IDs; the
 // handler's messages, including a forwarded input, are never changed.
+//
+// Tracing (OpenTelemetry) is off unless the application installs a provider
+// (Config.TracerProvider, or the global one): then each message has a span, child
+// of the trace context it came with, with claim, handler and commit spans under it
+// and its outcome; a batch has a span of its own, linked to its messages' spans.
+// The handler's context carries its span, so the effects it enqueues keep its
+// trace context. Tracing never changes what is committed, acked or nacked.
 package consumer

@@ -113,7 +113,8 @@ func (g *groupCommitter) run(batch []*groupReq) {
 		x, y := &a.req.claim, &b.req.claim
 		return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Key, y.Key))
 	})
-	results, fallback := g.runSet(batch)
+	ctx, span := g.c.startBatch(batch)
+	results, fallback := g.runSet(ctx, batch)
 	if fallback != nil {
 		// Messages the set-based path failed transiently keep their answer: their
 		// handler does not run twice for one delivery. A permanent failure it found is
@@ -134,12 +135,13 @@ func (g *groupCommitter) run(batch []*groupReq) {
 			at = append(at, i)
 		}
 		if len(rest) > 0 {
-			sub := g.runSavepoints(rest)
+			sub := g.runSavepoints(ctx, rest)
 			for j, i := range at {
 				results[i] = sub[j]
 			}
 		}
 	}
+	endBatch(span, batch, results)
 	for i, r := range batch {
 		r.done <- results[i]
 	}
@@ -149,10 +151,9 @@ func (g *groupCommitter) run(batch []*groupReq) {
 // path, which now falls back to it: one transaction, each message in its own
 // savepoint with its own claim, effects written as the handler enqueues them. It
 // isolates any failing message, at about three round trips a message.
-func (g *groupCommitter) runSavepoints(batch []*groupReq) []outcome {
+func (g *groupCommitter) runSavepoints(ctx context.Context, batch []*groupReq) []outcome {
 	c := g.c
 	results := make([]outcome, len(batch))
-	ctx := context.Background()
 	tx, err := c.beginGroup(ctx)
 	if err != nil {
 		for i := range results {
@@ -183,7 +184,10 @@ func (g *groupCommitter) runSavepoints(batch []*groupReq) []outcome {
 		}
 		prelude = []string{"RELEASE SAVEPOINT " + sp}
 	}
-	if err := c.commit(ctx, tx); err != nil {
+	_, span := c.child(ctx, spanCommit)
+	err = c.commit(ctx, tx)
+	endSpan(span, err)
+	if err != nil {
 		if errors.Is(err, ErrTxEnded) || errors.Is(err, ErrTxAborted) {
 			// Every message before the last one was checked by the next one's
 			// RELEASE SAVEPOINT; the commit's own check speaks of the last.

@@ -7,8 +7,10 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // handleLease is the lease mode. The claim commits first, as a processing row with a
@@ -22,9 +24,14 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	if !ok {
 		return c.finish(req, outcome{kind: outTransient, err: errors.New("lease mode needs a Pool that can Exec and Query (a *pgxpool.Pool)")})
 	}
+	cctx, span := c.child(ctx, spanClaim)
 	start := time.Now()
-	res, err := c.store.Lease(ctx, db, req.claim, c.cfg.LeaseDuration)
+	res, err := c.store.Lease(cctx, db, req.claim, c.cfg.LeaseDuration)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
+	if err == nil && span.IsRecording() {
+		span.SetAttributes(tracing.Outcome.String(claimOutcome(res)), attribute.Int64("idem.lease.fence", res.Fence))
+	}
+	endSpan(span, err)
 	if err != nil {
 		return c.finish(req, classify(err))
 	}
@@ -61,13 +68,17 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	o := c.runHandler(req, tx, h)
 	switch o.kind {
 	case outCommitted:
-		if err := c.store.CompleteLeaseTx(ctx, tx, id, fence, c.cfg.Retention); err != nil {
+		cctx, span := c.child(ctx, spanCommit)
+		if err := c.store.CompleteLeaseTx(cctx, tx, id, fence, c.cfg.Retention); err != nil {
 			// ErrLeaseLost: a newer holder owns the key; our work must not commit
 			// (and the fenced release is a no-op). Any other error rolls back.
+			endSpan(span, err)
 			release()
 			return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: err}))
 		}
-		if err := c.commit(ctx, tx); err != nil {
+		err := c.commit(ctx, tx)
+		endSpan(span, err)
+		if err != nil {
 			if errors.Is(err, ErrTxEnded) {
 				return c.finish(req, c.failLease(req, db, fence, err))
 			}

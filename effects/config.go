@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Defaults of Config.
@@ -88,6 +90,17 @@ type Config struct {
 	// (DefaultPendingRefresh), with one count(*) … GROUP BY kind over the pending
 	// rows. Only with a Registerer.
 	PendingRefresh time.Duration
+
+	// TracerProvider makes the OpenTelemetry span of each send ("idem.send"), a new
+	// trace's root that links to the trace context the effect row kept from its
+	// Enqueue. nil means otel.GetTracerProvider(): a no-op until the application
+	// calls otel.SetTracerProvider, and that provider from then on.
+	TracerProvider trace.TracerProvider
+	// Propagator is how PublishSender writes the send's trace context into the
+	// metadata of the message it publishes, for the next consumer to continue the
+	// trace. nil means otel.GetTextMapPropagator(): a no-op until the application
+	// calls otel.SetTextMapPropagator, and that propagator from then on.
+	Propagator propagation.TextMapPropagator
 }
 
 // Backoff is exponential backoff with jitter: the n-th failure waits

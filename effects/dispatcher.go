@@ -17,6 +17,9 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // ErrDispatcherRunning is returned by Run when the Dispatcher is already running.
@@ -35,6 +38,8 @@ type Dispatcher struct {
 	q      queries
 	log    *slog.Logger
 	m      *metrics
+	tracer trace.Tracer
+	prop   propagation.TextMapPropagator
 	lanes  []*lane // sorted by kind
 	byKind map[string]*lane
 
@@ -68,6 +73,7 @@ type claimed struct {
 	prevInFlight bool          // the previous attempt's outcome is unknown
 	lagAtClaim   time.Duration // due → claim, by the database's clock
 	claimedAt    time.Time     // local time just before the claim statement ran
+	trace        string        // the trace context the row kept (JSON), "" for none
 	lane         *lane
 	batch        *claimBatch
 }
@@ -125,6 +131,8 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders)),
 		log:    cfg.Logger,
 		m:      m,
+		tracer: tracerOf(cfg.TracerProvider),
+		prop:   propagatorOf(cfg.Propagator),
 		byKind: map[string]*lane{},
 		wake:   make(chan struct{}, 1),
 		freed:  make(chan struct{}, 1),
@@ -160,7 +168,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	d.outcomes = make(chan outcome, 4*d.cfg.BatchSize)
 	sendCtx, cancelSends := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelSends()
-	d.sendCtx = sendCtx
+	d.sendCtx = withPropagator(sendCtx, d.prop) // for PublishSender
 	d.released.Store(0)
 	for _, l := range d.lanes {
 		l.queue = make(chan *claimed, l.capacity)
@@ -323,7 +331,7 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		c := &claimed{claimedAt: start}
 		var lag float64
 		err := rows.Scan(&c.Tenant, &c.Kind, &c.Key, &c.Payload, &c.Attempt, &c.maxAttempts, &c.fence,
-			&c.prevInFlight, &c.CreatedAt, &lag, &c.Source.Consumer, &c.Source.Tenant, &c.Source.Key)
+			&c.prevInFlight, &c.CreatedAt, &lag, &c.Source.Consumer, &c.Source.Tenant, &c.Source.Key, &c.trace)
 		if err != nil {
 			rows.Close()
 			return nil, err
@@ -375,8 +383,53 @@ func (d *Dispatcher) work(ctx context.Context, l *lane) {
 	}
 }
 
-// attempt carries out one claim and says what to record.
+// attempt carries out one claim, in its send span, and says what to record.
 func (d *Dispatcher) attempt(c *claimed) outcome {
+	ctx, span := d.startSend(c)
+	o := d.attemptIn(ctx, c)
+	endSend(span, o)
+	return o
+}
+
+// startSend starts the span of one attempt: the root of a trace of its own (an
+// effect is sent after the work that enqueued it ended, maybe hours later, and
+// retried), linked to the trace context its row kept. The Sender gets it in ctx,
+// so its own spans (an HTTP client's, a publish) nest under it.
+func (d *Dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
+	opts := sendSpanOptions
+	if c.trace != "" {
+		if sc := decodeTrace(c.trace); sc.IsValid() {
+			opts = append(slices.Clip(opts), trace.WithLinks(trace.Link{SpanContext: sc}))
+		}
+	}
+	ctx, span := d.tracer.Start(c.batch.ctx, "idem.send", opts...)
+	if span.IsRecording() {
+		span.SetAttributes(attrKind.String(c.Kind), attrEffectKey.String(c.Key),
+			attrTenant.String(c.Tenant), attrAttempt.Int(c.Attempt))
+		if c.Source.Consumer != "" {
+			span.SetAttributes(attrConsumer.String(c.Source.Consumer), attrKey.String(c.Source.Key))
+		}
+	}
+	return ctx, span
+}
+
+// sendSpanOptions are made once: options made per call cost allocations.
+var sendSpanOptions = []trace.SpanStartOption{trace.WithNewRoot(), trace.WithSpanKind(trace.SpanKindProducer)}
+
+// endSend ends an attempt's span with its outcome: done, reconciled, retry, dead
+// or released (handed back unsent).
+func endSend(span trace.Span, o outcome) {
+	if span.IsRecording() {
+		span.SetAttributes(attrOutcome.String(o.label))
+		if o.err != "" {
+			span.SetStatus(codes.Error, o.err)
+		}
+	}
+	span.End()
+}
+
+// attemptIn is attempt in the send span's context.
+func (d *Dispatcher) attemptIn(ctx context.Context, c *claimed) outcome {
 	lease := d.cfg.Lease
 	deadline := c.claimedAt.Add(lease - lease/10)
 	if time.Until(deadline) < lease/4 {
@@ -384,7 +437,7 @@ func (d *Dispatcher) attempt(c *claimed) outcome {
 		// overlap another dispatcher's claim of the same effect once the lease ends.
 		return d.release(c)
 	}
-	shutdown, ctx := d.sendCtx, c.batch.ctx
+	shutdown := d.sendCtx
 
 	if c.prevInFlight {
 		log := d.log.With(c.logAttrs()...)

@@ -67,4 +67,10 @@
 // UUID and metadata, and the tenant in TenantMetadataKey (kinds "publish:<topic>");
 // LedgerSender writes one uniquely keyed row per effect into a user table, keyed by
 // (tenant, key) with LedgerConfig.TenantColumn.
+//
+// Tracing (OpenTelemetry, off unless the application installs a provider): an
+// effect row keeps the W3C trace context of the span its Enqueue ran under, and
+// each send has a span of its own trace that links to it; PublishSender writes the
+// send's trace context into the message it publishes. A trace context is never part
+// of an effect's identity or fingerprint.
 package effects

@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Limits on what Enqueue accepts.
@@ -142,13 +143,15 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 	if err != nil {
 		return Result{}, err
 	}
+	sc := trace.SpanContextFromContext(ctx)
 	if scope.Buffer != nil {
-		if err := scope.Buffer.add(scope, e); err != nil {
+		if err := scope.Buffer.add(scope, e, sc); err != nil {
 			return Result{}, err
 		}
 		return Result{Deferred: true}, nil
 	}
 	maxAttempts := maxAttemptsOf(e)
+	tc := encodeTrace(sc)
 	tenant := scope.Source.Tenant
 	fp := sha256.Sum256(e.Payload)
 	q := enqueueQueriesFor(schema)
@@ -159,7 +162,7 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 	for {
 		var inserted bool
 		err := tx.QueryRow(ctx, q.insert, tenant, e.Kind, e.Key, e.Payload, fp[:], maxAttempts, e.Delay,
-			src[0], src[1], src[2]).Scan(&inserted)
+			src[0], src[1], src[2], tc).Scan(&inserted)
 		if err == nil {
 			return Result{}, nil
 		}

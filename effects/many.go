@@ -9,6 +9,8 @@ import (
 	"slices"
 	"strings"
 	"sync"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Item is one effect of a set-based write (EnqueueItems), with the scope it belongs
@@ -16,6 +18,9 @@ import (
 type Item struct {
 	Scope  Scope
 	Effect Effect
+	// Trace is the span context the effect was enqueued under, kept with the row
+	// (see Enqueue). The zero value means the span in EnqueueItems' ctx, if any.
+	Trace trace.SpanContext
 }
 
 // Buffer collects effects for a set-based write. A group-commit batch of the
@@ -35,14 +40,14 @@ type Buffer struct {
 // NewBuffer returns an empty, open Buffer.
 func NewBuffer() *Buffer { return &Buffer{} }
 
-func (b *Buffer) add(scope Scope, e Effect) error {
+func (b *Buffer) add(scope Scope, e Effect, sc trace.SpanContext) error {
 	scope.Buffer = nil
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
 		return ErrBufferClosed
 	}
-	b.items = append(b.items, Item{Scope: scope, Effect: e})
+	b.items = append(b.items, Item{Scope: scope, Effect: e, Trace: sc})
 	return nil
 }
 
@@ -76,8 +81,9 @@ func EnqueueManyScoped(ctx context.Context, tx Tx, scope Scope, effs []Effect) (
 			}
 		}
 		results := make([]Result, len(effs))
+		sc := trace.SpanContextFromContext(ctx)
 		for i, e := range effs {
-			if err := scope.Buffer.add(scope, e); err != nil {
+			if err := scope.Buffer.add(scope, e, sc); err != nil {
 				return nil, err
 			}
 			results[i] = Result{Deferred: true}
@@ -154,6 +160,7 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 		schema = s
 	}
 	q := enqueueQueriesFor(schema)
+	ctxTrace := trace.SpanContextFromContext(ctx)
 
 	// One row per identity: the first item that names it is the one written (its
 	// writer); the others are duplicates of it or mismatches. Sorting by identity
@@ -197,6 +204,7 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 		attempts := make([]int32, n)
 		delays := make([]int64, n)
 		srcC, srcT, srcK := make([]string, n), make([]string, n), make([]string, n)
+		traces := make([]string, n)
 		for j, i := range todo {
 			it := &items[i]
 			tenants[j], kinds[j], keys[j] = it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key
@@ -204,11 +212,16 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 			attempts[j] = int32(maxAttemptsOf(it.Effect))
 			delays[j] = it.Effect.Delay.Microseconds()
 			srcC[j], srcT[j], srcK[j] = it.Scope.Source.Consumer, it.Scope.Source.Tenant, it.Scope.Source.Key
+			if it.Trace.IsValid() {
+				traces[j] = encodeTrace(it.Trace)
+			} else {
+				traces[j] = encodeTrace(ctxTrace)
+			}
 		}
 		var count int
 		var gotT, gotK, gotY []string
 		err := tx.QueryRow(ctx, q.insertMany, tenants, kinds, keys, payloads, fpArr, attempts, delays,
-			srcC, srcT, srcK, n).Scan(&count, &gotT, &gotK, &gotY)
+			srcC, srcT, srcK, n, traces).Scan(&count, &gotT, &gotK, &gotY)
 		if err != nil {
 			return nil, wrapSchema(err, schema)
 		}

@@ -5,7 +5,25 @@ import (
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
+
+type propagatorKey struct{}
+
+// withPropagator puts the Dispatcher's propagator in the sends' context, for
+// PublishSender.
+func withPropagator(ctx context.Context, p propagation.TextMapPropagator) context.Context {
+	return context.WithValue(ctx, propagatorKey{}, p)
+}
+
+// propagatorFrom returns the propagator withPropagator put in ctx, or the global one.
+func propagatorFrom(ctx context.Context) propagation.TextMapPropagator {
+	if p, ok := ctx.Value(propagatorKey{}).(propagation.TextMapPropagator); ok {
+		return p
+	}
+	return propagatorOf(nil)
+}
 
 // TenantMetadataKey is the metadata field in which PublishSender passes on the
 // tenant of a tenant-scoped publish effect. A consumer downstream scopes its inbox by
@@ -19,6 +37,11 @@ const TenantMetadataKey = "idem_tenant"
 //
 // The effect's tenant, when it has one, goes into the TenantMetadataKey metadata
 // field, unless the message already sets that field itself.
+//
+// When ctx carries a valid span (the Dispatcher's send span, with tracing set up),
+// the message's metadata gets its trace context, written by the Dispatcher's
+// Config.Propagator (the global propagator when PublishSender runs outside a
+// Dispatcher), in place of any trace context stored with the message.
 //
 // A payload that does not decode, or a kind that is not a publish kind, is a
 // permanent failure. A publish error is transient and retried. Publishers that
@@ -36,6 +59,16 @@ func PublishSender(pub message.Publisher) Sender {
 		}
 		if d.Tenant != "" && msg.Metadata.Get(TenantMetadataKey) == "" {
 			msg.Metadata.Set(TenantMetadataKey, d.Tenant)
+		}
+		if trace.SpanContextFromContext(ctx).IsValid() {
+			// The send's trace context replaces one stored with the message (a
+			// handler that forwards its input copies the input's): the next
+			// consumer continues from this send, which links back to the cause.
+			p := propagatorFrom(ctx)
+			for _, f := range p.Fields() {
+				delete(msg.Metadata, f)
+			}
+			p.Inject(ctx, propagation.MapCarrier(msg.Metadata))
 		}
 		msg.SetContext(ctx)
 		return pub.Publish(topic, msg)

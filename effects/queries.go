@@ -84,8 +84,9 @@ func newEnqueueQueries(schema string) enqueueQueries {
 		// statement runs, not now(), which is the start of the transaction and would
 		// make a delay count from before the Enqueue call.
 		insert: `INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
-				next_attempt_at, source_consumer, source_tenant, source_key)
-			VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval, $8, $9, $10)
+				next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
+			VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval, $8, $9, $10,
+				nullif($11::text, '')::jsonb)
 			ON CONFLICT (tenant, kind, key) DO NOTHING
 			RETURNING true`,
 		fingerprint: `SELECT fingerprint FROM ` + t + ` WHERE tenant = $1 AND kind = $2 AND key = $3`,
@@ -97,15 +98,16 @@ func newEnqueueQueries(schema string) enqueueQueries {
 		// means no source (consumer names are never empty).
 		insertMany: `WITH ins AS (
 				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
-					next_attempt_at, source_consumer, source_tenant, source_key)
+					next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
 				SELECT tenant, kind, key, payload, fingerprint, max_attempts,
 					clock_timestamp() + delay_us * interval '1 microsecond', nullif(source_consumer, ''),
 					CASE WHEN source_consumer <> '' THEN source_tenant END,
-					CASE WHEN source_consumer <> '' THEN source_key END
+					CASE WHEN source_consumer <> '' THEN source_key END,
+					nullif(trace_context, '')::jsonb
 				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bytea[], $6::int[],
-						$7::bigint[], $8::text[], $9::text[], $10::text[]) WITH ORDINALITY
+						$7::bigint[], $8::text[], $9::text[], $10::text[], $12::text[]) WITH ORDINALITY
 					AS u(tenant, kind, key, payload, fingerprint, max_attempts, delay_us,
-						source_consumer, source_tenant, source_key, ord)
+						source_consumer, source_tenant, source_key, trace_context, ord)
 				ORDER BY ord
 				ON CONFLICT (tenant, kind, key) DO NOTHING
 				RETURNING tenant, kind, key
@@ -176,7 +178,8 @@ func newQueries(schema string, claimLimit int) queries {
 			WHERE e.ctid = due.row
 			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
 				due.in_flight, e.created_at, extract(epoch FROM now() - due.next_attempt_at)::float8,
-				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, '')`,
+				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
+				coalesce(e.trace_context::text, '')`,
 		// Records a batch of outcomes in one statement. Each row applies only if the
 		// fence still matches: an attempt whose lease ran out and was claimed again
 		// cannot overwrite the newer attempt. undo is 1 for a claim released without

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/inbox"
 )
@@ -170,6 +171,13 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer gets the idem_http_* collectors (nil: not registered).
 	Registerer prometheus.Registerer
+	// TracerProvider makes the OpenTelemetry spans of a keyed request, under the
+	// span in its context (an HTTP server span, such as otelhttp's): "idem.claim"
+	// (with the outcome: claimed, replayed, mismatch, busy, …), "idem.handler",
+	// whose context the handler gets, so the effects it enqueues keep its trace
+	// context, and "idem.commit". nil means otel.GetTracerProvider(): a no-op until
+	// the application calls otel.SetTracerProvider, and that provider from then on.
+	TracerProvider trace.TracerProvider
 }
 
 func (c *Config) setDefaults() {

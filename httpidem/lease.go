@@ -17,12 +17,14 @@ import (
 // ran out takes it over (fence + 1) and asks Recover what to do.
 func (m *Middleware) serveLease(q *request) {
 	ctx := q.r.Context()
+	cctx, span := m.startClaim(q)
 	start := time.Now()
-	res, err := m.store.LeaseResponse(ctx, m.cfg.Pool, q.claim, m.cfg.LeaseDuration)
+	res, err := m.store.LeaseResponse(cctx, m.cfg.Pool, q.claim, m.cfg.LeaseDuration)
 	if err == nil && !res.Claimed && !res.Mismatch && res.Existing.State == inbox.StateProcessing {
 		res, err = m.waitForLease(q, start)
 	}
 	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
+	endClaim(span, res.ClaimResult, err)
 	if err != nil {
 		m.dbFailed(q, "lease", err)
 		return
@@ -124,7 +126,9 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 		}
 		stored, err := m.toStored(q, tx, resp)
 		if err == nil && ctx.Err() == nil {
-			err = m.store.CompleteLeaseResponseCommit(context.WithoutCancel(ctx), tx.conn, id, fence, m.cfg.Retention, stored)
+			cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
+			err = m.store.CompleteLeaseResponseCommit(cctx, tx.conn, id, fence, m.cfg.Retention, stored)
+			endSpan(span, err)
 			switch {
 			case err == nil:
 				m.committed(q, resp, nil, outcome)

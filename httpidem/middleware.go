@@ -15,9 +15,11 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Middleware is the Idempotency-Key middleware. Wrap each route's handler with
@@ -27,6 +29,7 @@ type Middleware struct {
 	store   *inbox.Store
 	metrics *metrics
 	log     *slog.Logger
+	tracer  trace.Tracer
 	// claimPrelude goes with the claim in its round trip: BEGIN.
 	claimPrelude []string
 
@@ -53,6 +56,7 @@ func New(cfg Config) (*Middleware, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	return &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
+		tracer:       tracing.Tracer(cfg.TracerProvider),
 		claimPrelude: []string{beginSQL},
 	}, nil
 }
@@ -214,9 +218,11 @@ func (m *Middleware) serveTx(q *request) {
 		return
 	}
 	defer tx.release(ctx)
+	cctx, span := m.startClaim(q)
 	start := time.Now()
-	res, err := m.store.ClaimResponseTx(ctx, tx, m.claimPrelude, q.claim, max(m.cfg.Wait, time.Millisecond))
+	res, err := m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, max(m.cfg.Wait, time.Millisecond))
 	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
+	endClaim(span, res.ClaimResult, err)
 	if err != nil {
 		m.dbFailed(q, "claim", err)
 		return
@@ -254,7 +260,9 @@ func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Re
 	if err == nil && ctx.Err() == nil {
 		// Never cancelled once sent: a client leaving mid-commit must not turn a
 		// commit into an unknown.
-		err = m.store.SaveResponseCommit(context.WithoutCancel(ctx), tx.conn, q.claim.ID, row, stored)
+		cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
+		err = m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored)
+		endSpan(span, err)
 		if err == nil || errors.Is(err, inbox.ErrCommitUnknown) {
 			m.committed(q, resp, err, OutcomeCommitted)
 			return
@@ -369,7 +377,9 @@ const (
 func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, fault) {
 	ctx := q.r.Context()
 	scope := effects.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
-	hctx := context.WithValue(ctx, txKey{}, ownedTx{tx})
+	sctx, span := m.tracer.Start(ctx, spanHandler)
+	defer span.End()
+	hctx := context.WithValue(sctx, txKey{}, ownedTx{tx})
 	if q.claim.Key != "" {
 		scope.Source = effects.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
 		hctx = context.WithValue(hctx, keyKey{}, q.claim.ID)

@@ -211,6 +211,9 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 	m, err := inbox.NewMigrator(pool, schema)
 	require.NoError(t, err)
 
+	// One of the effects keeps a trace context (migration 005).
+	_, err = pool.Exec(ctx, `UPDATE effects SET trace_context = '{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}' WHERE key = 'a'`)
+	require.NoError(t, err)
 	// One of the inbox rows holds a stored HTTP response (migration 003).
 	_, err = pool.Exec(ctx, `UPDATE inbox SET response_status = 201, response_body = '\x7b7d' WHERE key = 'k1'`)
 	require.NoError(t, err)
@@ -218,10 +221,19 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 	plan, err := m.PlanDown(ctx)
 	require.NoError(t, err)
 	require.Equal(t, newest, plan.Version)
-	require.Equal(t, 4, newest, "the plans below are migrations 004's and 003's; update this test for a new migration")
+	require.Equal(t, 5, newest, "the plans below are migrations 005's, 004's and 003's; update this test for a new migration")
+	require.Empty(t, plan.Tables, "005's down drops no table")
+	require.Equal(t, []inbox.ColumnValues{{Table: "effects", Column: "trace_context", Rows: 1}}, plan.Columns,
+		"005's down drops the effects' trace context, and says so")
+	_, err = m.Revert(ctx, newest)
+	require.NoError(t, err)
+
+	plan, err = m.PlanDown(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 4, plan.Version)
 	require.Equal(t, []inbox.TableRows{{Table: "commit_guard", Rows: 0}}, plan.Tables, "004's down drops the commit guard, which never holds a committed row")
 	require.Empty(t, plan.Columns)
-	_, err = m.Revert(ctx, newest)
+	_, err = m.Revert(ctx, 4)
 	require.NoError(t, err)
 
 	plan, err = m.PlanDown(ctx)

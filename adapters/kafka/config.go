@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // Publisher defaults. kafka-go's own defaults are tuned for throughput of
@@ -136,11 +137,19 @@ type PublisherConfig struct {
 	// MetadataTTL = DefaultMetadataTTL, owned and closed by the Publisher.
 	Transport kafka.RoundTripper
 
+	// Propagator writes the trace context of a message's context (msg.Context())
+	// into its headers when the message's context carries a valid span and its
+	// metadata holds no trace context yet. nil means otel.GetTextMapPropagator(): a
+	// no-op until the application calls otel.SetTextMapPropagator, and that
+	// propagator from then on.
+	Propagator propagation.TextMapPropagator
+
 	// Logger; nil means quiet.
 	Logger watermill.LoggerAdapter
 }
 
 func (c *PublisherConfig) setDefaults() {
+	c.Propagator = propagatorOrGlobal(c.Propagator)
 	c.Balancer = cmp.Or[kafka.Balancer](c.Balancer, &kafka.Hash{})
 	c.RequiredAcks = cmp.Or(c.RequiredAcks, DefaultRequiredAcks)
 	c.MaxAttempts = cmp.Or(c.MaxAttempts, DefaultMaxAttempts)
@@ -239,9 +248,17 @@ type SubscriberConfig struct {
 
 	// Logger; nil means quiet.
 	Logger watermill.LoggerAdapter
+
+	// Propagator reads the trace context of each received message from its
+	// headers (its metadata) into msg.Context(), so that the consumer's spans
+	// continue the producer's trace. nil means otel.GetTextMapPropagator(): a no-op
+	// until the application calls otel.SetTextMapPropagator, and that propagator
+	// from then on.
+	Propagator propagation.TextMapPropagator
 }
 
 func (c *SubscriberConfig) setDefaults() {
+	c.Propagator = propagatorOrGlobal(c.Propagator)
 	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
 	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, DefaultHeartbeatInterval)
 	c.SessionTimeout = cmp.Or(c.SessionTimeout, DefaultSessionTimeout)

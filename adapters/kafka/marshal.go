@@ -6,6 +6,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // UUIDHeader is the record header that carries the Watermill message UUID.
@@ -40,7 +41,7 @@ func PartitionOffsetKey(msg *message.Message) string {
 	return t + "/" + p + "/" + o
 }
 
-func toRecord(topic string, key []byte, msg *message.Message) kafka.Message {
+func toRecord(topic string, key []byte, msg *message.Message, prop propagation.TextMapPropagator) kafka.Message {
 	headers := make([]kafka.Header, 0, len(msg.Metadata)+1)
 	headers = append(headers, kafka.Header{Key: UUIDHeader, Value: []byte(msg.UUID)})
 	for k, v := range msg.Metadata {
@@ -49,6 +50,9 @@ func toRecord(topic string, key []byte, msg *message.Message) kafka.Message {
 		}
 		headers = append(headers, kafka.Header{Key: k, Value: []byte(v)})
 	}
+	injectTrace(msg.Context(), msg.Metadata, prop, func(k, v string) {
+		headers = append(headers, kafka.Header{Key: k, Value: []byte(v)})
+	})
 	return kafka.Message{Topic: topic, Key: key, Value: msg.Payload, Headers: headers}
 }
 

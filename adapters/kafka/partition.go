@@ -365,7 +365,7 @@ func (p *partitionRun) add(step fetched) {
 func (p *partitionRun) prepare(ctx context.Context, e *entry) *candidate {
 	count := p.sub.deliveries.count(p.tp, e.rec.Offset) + 1
 	msg := fromRecord(*e.rec, count)
-	mctx, cancel := context.WithCancel(ctx)
+	mctx, cancel := context.WithCancel(p.sub.s.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata)))
 	msg.SetContext(mctx)
 	return &candidate{e: e, msg: msg, count: count, cancel: cancel}
 }

@@ -93,7 +93,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 			}
 			key = k
 		}
-		records[i] = toRecord(topic, key, msg)
+		records[i] = toRecord(topic, key, msg, p.cfg.Propagator)
 	}
 	// The Writer has its own retries and timeouts; a message's context is
 	// the handler's and must not cut a write short half way through a batch.

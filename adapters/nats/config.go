@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // Defaults. Each is used when the matching config field is left at its zero value.
@@ -161,12 +162,20 @@ type PublisherConfig struct {
 	// the copy if the first attempt was stored after all.
 	OnAsyncError func(topic string, msg *message.Message, err error)
 
+	// Propagator writes the trace context of a message's context (msg.Context())
+	// into its headers when the message's context carries a valid span and its
+	// metadata holds no trace context yet. nil means otel.GetTextMapPropagator(): a
+	// no-op until the application calls otel.SetTextMapPropagator, and that
+	// propagator from then on.
+	Propagator propagation.TextMapPropagator
+
 	// Logger: nil means quiet.
 	Logger watermill.LoggerAdapter
 }
 
 func (c *PublisherConfig) setDefaults() {
 	c.Topology.setDefaults()
+	c.Propagator = propagatorOrGlobal(c.Propagator)
 	c.MaxInFlight = cmp.Or(c.MaxInFlight, DefaultMaxInFlight)
 	c.PublishTimeout = cmp.Or(c.PublishTimeout, DefaultPublishTimeout)
 	c.CloseTimeout = cmp.Or(c.CloseTimeout, DefaultCloseTimeout)
@@ -261,10 +270,18 @@ type SubscriberConfig struct {
 
 	// Logger: nil means quiet.
 	Logger watermill.LoggerAdapter
+
+	// Propagator reads the trace context of each received message from its
+	// headers (its metadata) into msg.Context(), so that the consumer's spans
+	// continue the producer's trace. nil means otel.GetTextMapPropagator(): a no-op
+	// until the application calls otel.SetTextMapPropagator, and that propagator
+	// from then on.
+	Propagator propagation.TextMapPropagator
 }
 
 func (c *SubscriberConfig) setDefaults() {
 	c.Topology.setDefaults()
+	c.Propagator = propagatorOrGlobal(c.Propagator)
 	if c.ConsumerName == nil {
 		durable := c.Durable
 		c.ConsumerName = func(string) string { return durable }

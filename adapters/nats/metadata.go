@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // Metadata keys that the Subscriber sets on every message it delivers. They
@@ -81,7 +82,7 @@ func isUUIDHeader(key string) bool {
 // travels as Nats-Msg-Id, so the stream's duplicate window drops a second
 // publish of the same message, and as WatermillUUIDHeader for watermill-nats;
 // metadata travels as headers, key for key.
-func toNatsMsg(subject string, msg *message.Message) *natsgo.Msg {
+func toNatsMsg(subject string, msg *message.Message, prop propagation.TextMapPropagator) *natsgo.Msg {
 	h := make(natsgo.Header, len(msg.Metadata)+2)
 	for k, v := range msg.Metadata {
 		if deliveryKeys[k] || isUUIDHeader(k) {
@@ -89,6 +90,7 @@ func toNatsMsg(subject string, msg *message.Message) *natsgo.Msg {
 		}
 		h[k] = []string{v}
 	}
+	injectTrace(msg.Context(), msg.Metadata, prop, func(k, v string) { h[k] = []string{v} })
 	h[jetstream.MsgIDHeader] = []string{msg.UUID}
 	h[WatermillUUIDHeader] = []string{msg.UUID}
 	return &natsgo.Msg{Subject: subject, Header: h, Data: msg.Payload}

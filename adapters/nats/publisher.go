@@ -87,7 +87,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	subject := p.cfg.Subject(topic)
 
 	if !p.cfg.Async && len(msgs) == 1 {
-		ack, err := p.js.PublishMsg(ctx, toNatsMsg(subject, msgs[0]))
+		ack, err := p.js.PublishMsg(ctx, toNatsMsg(subject, msgs[0], p.cfg.Propagator))
 		if err != nil {
 			return fmt.Errorf("publish %s to %s: %w", msgs[0].UUID, subject, err)
 		}
@@ -108,7 +108,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 			errs = append(errs, fmt.Errorf("publish %s to %s: %w", msg.UUID, subject, ctx.Err()))
 			continue
 		}
-		f, err := p.js.PublishMsgAsync(toNatsMsg(subject, msg))
+		f, err := p.js.PublishMsgAsync(toNatsMsg(subject, msg, p.cfg.Propagator))
 		if err != nil {
 			<-p.slots
 			errs = append(errs, fmt.Errorf("publish %s to %s: %w", msg.UUID, subject, err))

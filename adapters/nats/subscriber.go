@@ -376,7 +376,7 @@ func (sub *subscription) handle(jm jetstream.Msg) {
 	}
 	msg := fromNatsMsg(jm.Subject(), jm.Headers(), jm.Data())
 	setDeliveryMetadata(msg, md)
-	ctx, term := withTermFlag(sub.ctx)
+	ctx, term := withTermFlag(sub.s.cfg.Propagator.Extract(sub.ctx, metadataCarrier(msg.Metadata)))
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	msg.SetContext(ctx)

@@ -117,18 +117,33 @@ func TestMigrateDownShowsWhatItDropsAndAsks(t *testing.T) {
 func TestMigrateDownShowsDroppedColumns(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	require.Equal(t, 4, len(inbox.Migrations()), "this test reads migration 003's plan; update it for a new migration")
-	// 004 goes first: its down drops only the commit guard, which never holds a row.
+	require.Equal(t, 5, len(inbox.Migrations()), "this test reads migrations 005's and 003's plans; update it for a new migration")
+	// 005 drops the effects' trace context (the effects stay).
+	_, err := b.pool.Exec(ctx, `INSERT INTO effects (kind, key, fingerprint, trace_context)
+		VALUES ('email', 'a', '\x00', '{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}'),
+		       ('email', 'b', '\x00', NULL)`)
+	require.NoError(t, err)
+	r := b.idem("migrate", "down")
+	require.Equal(t, exitUsage, r.code, r.stderr)
+	require.Contains(t, r.stderr, "reverting 005_trace_context in schema "+b.schema+
+		": dropping column effects.trace_context (1 rows hold a value)")
+	require.Contains(t, r.stderr, "nothing was changed")
+	require.Equal(t, 1, pgtest.Count(t, b.pool, `SELECT count(*) FROM effects WHERE trace_context IS NOT NULL`))
+
+	// 004 goes next: its down drops only the commit guard, which never holds a row.
 	m, err := inbox.NewMigrator(b.pool, b.schema)
 	require.NoError(t, err)
-	_, err = m.Revert(ctx, 4)
-	require.NoError(t, err)
+	for _, v := range []int{5, 4} {
+		_, err = m.Revert(ctx, v)
+		require.NoError(t, err)
+	}
+	require.Equal(t, 2, pgtest.Count(t, b.pool, `SELECT count(*) FROM effects`), "reverting 005 kept the effects")
 	_, err = b.pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at, response_status, response_body)
 		VALUES ('POST /payments', 'k1', '\x00', 'completed', now() + interval '1 day', 201, '\x7b7d'),
 		       ('POST /payments', 'k2', '\x00', 'completed', now() + interval '1 day', NULL, NULL)`)
 	require.NoError(t, err)
 
-	r := b.idem("migrate", "down")
+	r = b.idem("migrate", "down")
 	require.Equal(t, exitUsage, r.code, r.stderr)
 	require.Contains(t, r.stderr, "reverting 003_http_responses in schema "+b.schema+
 		": dropping column inbox.response_ref (0 rows hold a value), column inbox.response_body (1 rows hold a value)")

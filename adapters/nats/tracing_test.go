@@ -1,0 +1,74 @@
+package nats_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
+
+	idemnats "github.com/idemkit/idem/adapters/nats"
+	"github.com/idemkit/idem/effects"
+)
+
+// The trace context of a message's context travels in its headers: published
+// through PublishSender in a span, a message arrives with that span's trace
+// context in msg.Context() (and its traceparent in the metadata). A traceparent the
+// producer set itself is kept; without a span, or with the default (no-op)
+// propagator, no trace header is written.
+func TestTraceContextTravels(t *testing.T) {
+	t.Parallel()
+	forEachServer(t, func(t *testing.T, url string) {
+		b := setup(t, url)
+		tp := sdktrace.NewTracerProvider()
+		t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+		pub, err := idemnats.NewPublisher(b.nc, idemnats.PublisherConfig{Topology: b.topo, Propagator: propagation.TraceContext{}})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = pub.Close() })
+
+		ctx, send := tp.Tracer("test").Start(context.Background(), "idem.send")
+		defer send.End()
+		viaSender := message.NewMessage(watermill.NewUUID(), []byte("via sender"))
+		payload, err := effects.EncodeMessage(viaSender)
+		require.NoError(t, err)
+		require.NoError(t, effects.PublishSender(pub).Send(ctx, effects.Delivery{Kind: effects.PublishKind(b.topic), Key: viaSender.UUID, Payload: payload, Attempt: 1}))
+
+		own := message.NewMessage(watermill.NewUUID(), []byte("own traceparent"))
+		own.Metadata.Set("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+		own.SetContext(ctx)
+		untraced := message.NewMessage(watermill.NewUUID(), []byte("untraced"))
+		quiet := message.NewMessage(watermill.NewUUID(), []byte("default propagator"))
+		quiet.SetContext(ctx)
+		require.NoError(t, pub.Publish(b.topic, own, untraced))
+		require.NoError(t, b.pub.Publish(b.topic, quiet)) // b.pub has no Propagator
+
+		sub := b.subscriber(t, idemnats.SubscriberConfig{Propagator: propagation.TraceContext{}})
+		ch, err := sub.Subscribe(context.Background(), b.topic)
+		require.NoError(t, err)
+		got := map[string]*message.Message{}
+		spans := map[string]trace.SpanContext{}
+		for range 4 {
+			m := receive(t, ch, 10*time.Second)
+			got[string(m.Payload)] = m
+			spans[string(m.Payload)] = trace.SpanContextFromContext(m.Context())
+			m.Ack()
+		}
+		sc := spans["via sender"]
+		require.Equal(t, send.SpanContext().TraceID(), sc.TraceID(), "the message arrives in the send's trace")
+		require.Equal(t, send.SpanContext().SpanID(), sc.SpanID())
+		require.True(t, sc.IsRemote())
+		require.NotEmpty(t, got["via sender"].Metadata.Get("traceparent"))
+
+		require.Equal(t, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", got["own traceparent"].Metadata.Get("traceparent"))
+		require.Equal(t, "0af7651916cd43dd8448eb211c80319c", spans["own traceparent"].TraceID().String())
+
+		require.Empty(t, got["untraced"].Metadata.Get("traceparent"))
+		require.False(t, spans["untraced"].IsValid())
+		require.Empty(t, got["default propagator"].Metadata.Get("traceparent"))
+	})
+}
