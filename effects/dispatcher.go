@@ -249,6 +249,7 @@ func (d *Dispatcher) claimLoop(ctx context.Context) {
 		if len(kinds) > 0 {
 			got, err := d.claim(ctx, kinds, limits)
 			if err != nil {
+				err = wrapSchema(err, d.cfg.Schema)
 				if ctx.Err() != nil {
 					return
 				}

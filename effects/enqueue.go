@@ -279,9 +279,15 @@ func enqueueQueriesFor(schema string) *enqueueQueries {
 	return v.(*enqueueQueries)
 }
 
+// wrapSchema turns a missing table (42P01) into ErrSchemaMissing, and a missing
+// column (42703) too: idem's own statements name only idem's columns, so the schema
+// lacks a newer migration (005's trace_context, for one) that this binary needs.
 func wrapSchema(err error, schema string) error {
 	if errIsUndefinedTable(err) {
 		return fmt.Errorf("%w (schema %q): %v", ErrSchemaMissing, schema, err)
+	}
+	if errIsUndefinedColumn(err) {
+		return fmt.Errorf("%w (schema %q lacks a column of a newer migration): %v", ErrSchemaMissing, schema, err)
 	}
 	return err
 }

@@ -1,9 +1,13 @@
 package effects_test
 
 import (
+	"bytes"
 	"context"
+	"log/slog"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -124,4 +128,58 @@ func TestStoredMessageRoundTrip(t *testing.T) {
 	require.Equal(t, e.Key, m.UUID)
 	require.Equal(t, "v", m.Metadata.Get("k"))
 	require.Equal(t, "body", string(m.Payload))
+}
+
+// lockedBuffer is a bytes.Buffer safe for a logger's goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestSchemaBehindANewerMigration: a binary deployed before `idem migrate up`
+// meets tables without a column it names (here 005's trace_context). Enqueue and
+// the Dispatcher's claim must say so with ErrSchemaMissing and its hint, not a bare
+// "column does not exist".
+func TestSchemaBehindANewerMigration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := setup(t)
+	_, err := pool.Exec(ctx, `ALTER TABLE effects DROP COLUMN trace_context`) // what 005's down does
+	require.NoError(t, err)
+	scope := effects.Scope{Schema: schema}
+
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "email", Key: "k"})
+		return err
+	})
+	require.ErrorIs(t, err, effects.ErrSchemaMissing)
+	require.Equal(t, "schema_missing", effects.Code(err))
+	require.ErrorContains(t, err, "idem migrate up")
+
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := effects.EnqueueManyScoped(ctx, tx, scope, []effects.Effect{{Kind: "email", Key: "a"}, {Kind: "email", Key: "b"}})
+		return err
+	})
+	require.ErrorIs(t, err, effects.ErrSchemaMissing)
+
+	var logs lockedBuffer
+	stop := start(t, effects.Config{Pool: pool, Schema: schema,
+		Senders: map[string]effects.Sender{"email": effects.SenderFunc(func(context.Context, effects.Delivery) error { return nil })},
+		Logger:  slog.New(slog.NewTextHandler(&logs, nil))})
+	defer stop()
+	require.Eventually(t, func() bool {
+		return strings.Contains(logs.String(), "claim failed") && strings.Contains(logs.String(), "idem migrate up")
+	}, 30*time.Second, 20*time.Millisecond, "the Dispatcher's claim error names the cure: %s", logs.String())
 }

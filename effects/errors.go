@@ -67,3 +67,8 @@ func errIsUndefinedTable(err error) bool {
 	var pgErr interface{ SQLState() string }
 	return errors.As(err, &pgErr) && pgErr.SQLState() == "42P01"
 }
+
+func errIsUndefinedColumn(err error) bool {
+	var pgErr interface{ SQLState() string }
+	return errors.As(err, &pgErr) && pgErr.SQLState() == "42703"
+}
