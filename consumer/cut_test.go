@@ -207,8 +207,10 @@ func testSetBasedBatchBackendCut(t *testing.T, layout, point string) {
 	require.Equal(t, len(cutKeys), b.effectRows(t), "one receipt per message")
 }
 
-// requireAnswerAgreesWithInbox is requireAnswerMatchesInbox for a cut: a nack may
-// carry the connection's own error (as in every mode), but never a permanent one.
+// requireAnswerAgreesWithInbox is requireAnswerMatchesInbox for a cut: a nack is
+// transient and coded: the connection broke before COMMIT (database_unavailable,
+// the driver's error inside), during it (commit_unknown), or another message's
+// failure broke the batch (batch_aborted).
 func requireAnswerAgreesWithInbox(t *testing.T, b *bundle, key string, err error) {
 	t.Helper()
 	if err == nil {
@@ -216,6 +218,7 @@ func requireAnswerAgreesWithInbox(t *testing.T, b *bundle, key string, err error
 		return
 	}
 	require.False(t, consumer.IsPermanent(err), "%s: a cut is transient: %v", key, err)
+	require.Contains(t, []string{"database_unavailable", "commit_unknown", "batch_aborted"}, consumer.Code(err), "%s: %v", key, err)
 	state, _ := inboxState(t, b, key)
 	require.Empty(t, state, "%s was nacked, so nothing of it is committed", key)
 	require.Zero(t, b.bizRows(t, key), "%s was nacked, so nothing of it is committed", key)
