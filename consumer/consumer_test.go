@@ -413,6 +413,37 @@ func TestConnectionKilledMidTransaction(t *testing.T) {
 	})
 }
 
+// The server ends a session that idles in a transaction past
+// idle_in_transaction_session_timeout (FATAL 25P03): the delivery is nacked as
+// database_unavailable, nothing commits, and the redelivery does.
+func TestIdleInTransactionTimeoutNacks(t *testing.T) {
+	t.Parallel()
+	forModes(t, func(t *testing.T, mode consumer.Mode) {
+		c, b := setup(t, mode)
+		var slow atomic.Bool
+		slow.Store(true)
+		h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			tx := consumer.Tx(ctx)
+			if slow.CompareAndSwap(true, false) {
+				if _, err := tx.Exec(ctx, `SET LOCAL idle_in_transaction_session_timeout = '50ms'`); err != nil {
+					return nil, err
+				}
+				time.Sleep(500 * time.Millisecond) // a slow call made with the transaction open
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO biz (key, payload) VALUES ($1, $2)`, msg.UUID, string(msg.Payload))
+			return nil, err
+		})
+		_, err := h(newMsg("pay-idle", `{}`))
+		requireDatabaseUnavailable(t, b.reg, err)
+		require.Equal(t, 0, b.bizRows(t, "pay-idle"))
+		require.Equal(t, 0, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`), "nothing recorded")
+		_, err = h(newMsg("pay-idle", `{}`))
+		require.NoError(t, err)
+		require.Equal(t, 1, b.bizRows(t, "pay-idle"))
+	})
+}
+
 func TestTenantsAreSeparateOperations(t *testing.T) {
 	t.Parallel()
 	forModes(t, func(t *testing.T, mode consumer.Mode) {

@@ -164,10 +164,11 @@ func (e *FailedError) Permanent() bool { return true }
 func ShouldRetry(p middleware.RetryParams) bool { return !IsPermanent(p.Err) }
 
 // connectionLost reports whether err says that Postgres could not be reached, or
-// that the connection to it broke: a Postgres error of class 08 (connection
-// exception), a server shutting down or starting (57P01, 57P02, 57P03), too many
-// connections (53300), a failed connect, a network error or an end of stream, or
-// pgx refusing a connection that is already closed. A cancelled context is not one
+// that the connection to it broke: a FATAL error (the server ended the session),
+// a Postgres error of class 08 (connection exception), a server shutting down or
+// starting (57P01, 57P02, 57P03), too many connections (53300), a failed connect,
+// a network error or an end of stream, or pgx refusing a connection that is
+// already closed. A cancelled context is not one
 // (it is ErrCanceled).
 func connectionLost(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
@@ -175,6 +176,9 @@ func connectionLost(err error) bool {
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
+		if pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" {
+			return true // the server ended the session (an idle-in-transaction timeout, say)
+		}
 		switch pgErr.Code {
 		case pgerrcode.AdminShutdown, pgerrcode.CrashShutdown, pgerrcode.CannotConnectNow, pgerrcode.TooManyConnections:
 			return true

@@ -25,6 +25,8 @@ func TestConnectionLost(t *testing.T) {
 	}{
 		{"terminated backend 57P01", &pgconn.PgError{Severity: "FATAL", Code: "57P01"}, true},
 		{"crash shutdown 57P02", pg("57P02"), true},
+		{"idle-in-transaction timeout 25P03", &pgconn.PgError{Severity: "FATAL", Code: "25P03"}, true},
+		{"idle-session timeout 57P05", &pgconn.PgError{Severity: "FATAL", Code: "57P05"}, true},
 		{"starting up 57P03", pg("57P03"), true},
 		{"too many connections 53300", pg("53300"), true},
 		{"connection failure 08006", pg("08006"), true},
