@@ -27,6 +27,6 @@
 // their keys, so a re-run that enqueues the same effects enqueues nothing new.
 //
 // admin imports inbox, effects and pgx: it is the one place that reads both tables
-// together, which DESIGN keeps out of inbox and effects (they import nothing of
-// idem) and out of cmd/ (no SQL there).
+// together, which idem's design keeps out of inbox and effects (they import nothing
+// of idem) and out of cmd/ (no SQL there).
 package admin

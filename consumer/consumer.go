@@ -565,6 +565,9 @@ func (c *Consumer) finish(req *request, o outcome) error {
 		}
 		return o.err
 	case outTransient:
+		if Code(o.err) == "" && connectionLost(o.err) {
+			o.err = fmt.Errorf("%w: %w", ErrDatabaseUnavailable, o.err)
+		}
 		code := cmpOr(Code(o.err), "transient")
 		c.metrics.transientNack.WithLabelValues(name, code).Inc()
 		c.log.Info("idem: transient failure, nacking", append(req.attrs(), "err", o.err)...)

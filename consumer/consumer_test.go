@@ -348,15 +348,30 @@ func TestBadInputIsTypedAndNeverDropped(t *testing.T) {
 	})
 }
 
+// requireDatabaseUnavailable checks a nack for a Postgres that is unreachable or a
+// connection that broke: coded database_unavailable, transient, the driver's error
+// still inside it, and counted under its code.
+func requireDatabaseUnavailable(t *testing.T, reg *prometheus.Registry, err error) {
+	t.Helper()
+	require.Error(t, err)
+	require.ErrorIs(t, err, consumer.ErrDatabaseUnavailable)
+	require.Equal(t, "database_unavailable", consumer.Code(err), "%v", err)
+	require.False(t, consumer.IsPermanent(err))
+	if reg != nil {
+		require.Equal(t, 1.0, series(t, reg, "idem_inbox_nacked_total", map[string]string{"code": "database_unavailable"}))
+	}
+}
+
 func TestUnreachablePostgresNacks(t *testing.T) {
 	t.Parallel()
-	forModes(t, func(t *testing.T, mode consumer.Mode) {
+	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
 		cfg, err := pgxpool.ParseConfig("postgres://postgres@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=1")
 		require.NoError(t, err)
 		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 		require.NoError(t, err)
 		defer pool.Close()
-		c, err := consumer.New(consumer.Config{Name: "x", Pool: pool, Mode: mode})
+		reg := prometheus.NewRegistry()
+		c, err := consumer.New(consumer.Config{Name: "x", Pool: pool, Mode: mode, Registerer: reg})
 		require.NoError(t, err)
 		defer c.Close()
 		var calls atomic.Int64
@@ -365,8 +380,9 @@ func TestUnreachablePostgresNacks(t *testing.T) {
 			return nil, nil
 		})
 		_, err = h(newMsg("k", `{}`))
-		require.Error(t, err)
-		require.False(t, consumer.IsPermanent(err))
+		requireDatabaseUnavailable(t, reg, err)
+		var connectErr *pgconn.ConnectError
+		require.ErrorAs(t, err, &connectErr, "the driver's error is kept")
 		require.Zero(t, calls.Load())
 	})
 }
@@ -385,13 +401,46 @@ func TestConnectionKilledMidTransaction(t *testing.T) {
 			return nil
 		}))
 		_, err := h(newMsg("pay-k", `{}`))
-		require.Error(t, err)
-		require.False(t, consumer.IsPermanent(err))
+		requireDatabaseUnavailable(t, b.reg, err)
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr, "the driver's error is kept")
+		require.Equal(t, "57P01", pgErr.Code)
 		require.Equal(t, 0, b.bizRows(t, "pay-k"))
 		require.Equal(t, 0, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`), "nothing recorded")
 		_, err = h(newMsg("pay-k", `{}`))
 		require.NoError(t, err)
 		require.Equal(t, 1, b.bizRows(t, "pay-k"))
+	})
+}
+
+// The server ends a session that idles in a transaction past
+// idle_in_transaction_session_timeout (FATAL 25P03): the delivery is nacked as
+// database_unavailable, nothing commits, and the redelivery does.
+func TestIdleInTransactionTimeoutNacks(t *testing.T) {
+	t.Parallel()
+	forModes(t, func(t *testing.T, mode consumer.Mode) {
+		c, b := setup(t, mode)
+		var slow atomic.Bool
+		slow.Store(true)
+		h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			tx := consumer.Tx(ctx)
+			if slow.CompareAndSwap(true, false) {
+				if _, err := tx.Exec(ctx, `SET LOCAL idle_in_transaction_session_timeout = '50ms'`); err != nil {
+					return nil, err
+				}
+				time.Sleep(500 * time.Millisecond) // a slow call made with the transaction open
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO biz (key, payload) VALUES ($1, $2)`, msg.UUID, string(msg.Payload))
+			return nil, err
+		})
+		_, err := h(newMsg("pay-idle", `{}`))
+		requireDatabaseUnavailable(t, b.reg, err)
+		require.Equal(t, 0, b.bizRows(t, "pay-idle"))
+		require.Equal(t, 0, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`), "nothing recorded")
+		_, err = h(newMsg("pay-idle", `{}`))
+		require.NoError(t, err)
+		require.Equal(t, 1, b.bizRows(t, "pay-idle"))
 	})
 }
 

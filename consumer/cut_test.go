@@ -9,6 +9,8 @@ package consumer_test
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -117,17 +119,19 @@ func testSetBasedBatchBackendCut(t *testing.T, layout, point string) {
 		require.NoError(t, blocker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&blockerPID))
 	case "commit":
 		// A deferred trigger on cutVictim's business row waits, at COMMIT, for an
-		// advisory lock the test holds.
+		// advisory lock the test holds: a key of its own, since advisory locks are
+		// shared by the whole database and tests run in parallel.
+		lock := strconv.FormatInt(rand.Int64(), 10)
 		_, err := b.pool.Exec(ctx, `
 			CREATE FUNCTION wait_for_test() RETURNS trigger LANGUAGE plpgsql AS $$
-			BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$;
+			BEGIN PERFORM pg_advisory_xact_lock(`+lock+`); RETURN NULL; END $$;
 			CREATE CONSTRAINT TRIGGER wait_for_test AFTER INSERT ON biz DEFERRABLE INITIALLY DEFERRED
 				FOR EACH ROW WHEN (NEW.key = '`+cutVictim+`') EXECUTE FUNCTION wait_for_test()`)
 		require.NoError(t, err)
 		conn, err := b.pool.Acquire(ctx)
 		require.NoError(t, err)
 		t.Cleanup(conn.Release)
-		_, err = conn.Exec(ctx, `SELECT pg_advisory_lock(4242)`)
+		_, err = conn.Exec(ctx, `SELECT pg_advisory_lock(`+lock+`)`)
 		require.NoError(t, err)
 		require.NoError(t, conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&blockerPID))
 		unblock = func() {
@@ -156,10 +160,13 @@ func testSetBasedBatchBackendCut(t *testing.T, layout, point string) {
 		// The backend that waits for a lock of the blocker (the other delivery's,
 		// the test's transaction, or its advisory lock).
 		waitUntil(t, "the batch waits in its "+point+" statement", func() bool {
+			// Only this test's backends (its pool's application_name): tests of other
+			// packages wait on locks in the same database at the same time.
 			err := b.pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity
-				WHERE wait_event_type = 'Lock' AND datname = current_database()
+				WHERE wait_event_type = 'Lock' AND application_name = $3
 				AND query ILIKE $1 AND ($2 = 0 OR $2 = ANY(pg_blocking_pids(pid)))`,
-				map[string]string{"claim": "%inbox%", "effects": "%effects%", "commit": "%idem.commit%"}[point], blockerPID).Scan(&victim)
+				map[string]string{"claim": "%inbox%", "effects": "%effects%", "commit": "%idem.commit%"}[point], blockerPID,
+				"idem-test:"+b.schema).Scan(&victim)
 			return err == nil
 		})
 	}
@@ -207,8 +214,10 @@ func testSetBasedBatchBackendCut(t *testing.T, layout, point string) {
 	require.Equal(t, len(cutKeys), b.effectRows(t), "one receipt per message")
 }
 
-// requireAnswerAgreesWithInbox is requireAnswerMatchesInbox for a cut: a nack may
-// carry the connection's own error (as in every mode), but never a permanent one.
+// requireAnswerAgreesWithInbox is requireAnswerMatchesInbox for a cut: a nack is
+// transient and coded: the connection broke before COMMIT (database_unavailable,
+// the driver's error inside), during it (commit_unknown), or another message's
+// failure broke the batch (batch_aborted).
 func requireAnswerAgreesWithInbox(t *testing.T, b *bundle, key string, err error) {
 	t.Helper()
 	if err == nil {
@@ -216,6 +225,7 @@ func requireAnswerAgreesWithInbox(t *testing.T, b *bundle, key string, err error
 		return
 	}
 	require.False(t, consumer.IsPermanent(err), "%s: a cut is transient: %v", key, err)
+	require.Contains(t, []string{"database_unavailable", "commit_unknown", "batch_aborted"}, consumer.Code(err), "%s: %v", key, err)
 	state, _ := inboxState(t, b, key)
 	require.Empty(t, state, "%s was nacked, so nothing of it is committed", key)
 	require.Zero(t, b.bizRows(t, key), "%s was nacked, so nothing of it is committed", key)

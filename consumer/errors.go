@@ -1,9 +1,17 @@
 package consumer
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"strings"
+	"syscall"
+
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/inbox"
 )
@@ -77,6 +85,13 @@ var (
 	// ErrClosed: the consumer was closed, so it takes no more messages; they are
 	// nacked. Close the router before the consumer.
 	ErrClosed = &Error{code: "closed", msg: "consumer closed; nacked"}
+	// ErrDatabaseUnavailable: Postgres could not be reached or refused the
+	// connection, or the connection broke (a restart, a failover, a terminated
+	// backend, a network cut) before idem sent COMMIT, so the delivery's
+	// transaction did not commit and the message is nacked; its redelivery runs it
+	// again. It wraps the driver's error, which errors.As still finds. A connection
+	// that breaks during COMMIT is ErrCommitUnknown instead.
+	ErrDatabaseUnavailable = &Error{code: "database_unavailable", msg: "Postgres is unreachable or the connection to it broke before COMMIT; nothing of the delivery's transaction committed; nacked"}
 	// ErrBusinessKey: the BusinessKey function failed, so the message has no key.
 	// It is permanent (retrying cannot help) but cannot be recorded in the inbox,
 	// because there is no key to record it under: the message is returned as an
@@ -147,3 +162,39 @@ func (e *FailedError) Permanent() bool { return true }
 // errors only. A permanent failure is recorded already; retrying it would only
 // replay the record.
 func ShouldRetry(p middleware.RetryParams) bool { return !IsPermanent(p.Err) }
+
+// connectionLost reports whether err says that Postgres could not be reached, or
+// that the connection to it broke: a FATAL error (the server ended the session),
+// a Postgres error of class 08 (connection exception), a server shutting down or
+// starting (57P01, 57P02, 57P03), too many connections (53300), a failed connect,
+// a network error or an end of stream, or pgx refusing a connection that is
+// already closed. A cancelled context is not one
+// (it is ErrCanceled).
+func connectionLost(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		if pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" {
+			return true // the server ended the session (an idle-in-transaction timeout, say)
+		}
+		switch pgErr.Code {
+		case pgerrcode.AdminShutdown, pgerrcode.CrashShutdown, pgerrcode.CannotConnectNow, pgerrcode.TooManyConnections:
+			return true
+		}
+		return strings.HasPrefix(pgErr.Code, "08")
+	}
+	var connectErr *pgconn.ConnectError
+	var netErr net.Error
+	switch {
+	case errors.As(err, &connectErr), errors.As(err, &netErr),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
+		errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.EPIPE),
+		errors.Is(err, pgconn.ErrConnClosed):
+		return true
+	}
+	// pgx's error for a statement sent on a connection it has closed after a
+	// failure has no exported type; SafeToRetry marks it (nothing was sent).
+	return pgconn.SafeToRetry(err) && strings.Contains(err.Error(), "conn closed")
+}

@@ -573,6 +573,7 @@ func TestMetricSeriesExistFromTheStart(t *testing.T) {
 		{"idem_inbox_nacked_total", map[string]string{"code": "transient"}},
 		{"idem_inbox_nacked_total", map[string]string{"code": "busy"}},
 		{"idem_inbox_nacked_total", map[string]string{"code": "commit_unknown"}},
+		{"idem_inbox_nacked_total", map[string]string{"code": "database_unavailable"}},
 		{"idem_inbox_nacked_total", map[string]string{"code": "tx_ended"}},
 		{"idem_inbox_nacked_total", map[string]string{"code": "schema_missing"}},
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -25,7 +26,11 @@ type LedgerConfig struct {
 	// constraint) (default "effect_key").
 	KeyColumn string
 	// PayloadColumn receives the effect payload (default "payload"). A bytea column
-	// takes any payload; a json or jsonb column takes a JSON payload.
+	// takes any payload; a json or jsonb column takes a JSON payload, a text column
+	// UTF-8 text. The sender reads the column's type from the catalog at its first
+	// send and passes the payload as bytes to a bytea column and as text to any
+	// other, so it works in every pgx QueryExecMode (simple protocol and exec, as
+	// used behind PgBouncer, included), where a []byte is always sent as bytea.
 	PayloadColumn string
 	// KindColumn, when set, receives the effect kind too.
 	KindColumn string
@@ -83,8 +88,15 @@ func LedgerSender(db Execer, cfg LedgerConfig) (Sender, error) {
 	}
 	sql := `INSERT INTO ` + table + ` (` + cols + `) VALUES (` + vals + `) ON CONFLICT (` + conflict + `) DO NOTHING`
 	withKind, withTenant := cfg.KindColumn != "", cfg.TenantColumn != ""
+	payloadType := &columnType{db: db, table: table, column: cfg.PayloadColumn}
 	return SenderFunc(func(ctx context.Context, d Delivery) error {
-		args := []any{d.Key, d.Payload}
+		var payload any = d.Payload
+		if binary, err := payloadType.isBytea(ctx); err != nil {
+			return err
+		} else if !binary && d.Payload != nil {
+			payload = string(d.Payload)
+		}
+		args := []any{d.Key, payload}
 		if withTenant {
 			args = append(args, d.Tenant)
 		} else if d.Tenant != "" {
@@ -115,4 +127,46 @@ func isPermanentPgError(err error) bool {
 		return true
 	}
 	return false
+}
+
+// columnType finds out, once, whether a ledger's payload column is bytea. pgx sends
+// a []byte argument as bytea in the simple-protocol and exec query modes (it knows
+// the parameter's type only in the modes that describe statements), so a json,
+// jsonb or text column must be given a string instead.
+type columnType struct {
+	db            Execer
+	table, column string
+
+	mu     sync.Mutex
+	known  bool
+	binary bool
+}
+
+// columnTypeSQL is the column's base type (a domain's too): true for bytea. No row
+// (no such table or column) leaves the INSERT to fail with Postgres's own error.
+const columnTypeSQL = `SELECT coalesce(nullif(t.typbasetype, 0), t.oid) = 'bytea'::regtype
+	FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
+	WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
+
+func (c *columnType) isBytea(ctx context.Context) (bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.known {
+		return c.binary, nil
+	}
+	q, ok := c.db.(interface {
+		QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	})
+	if !ok {
+		return true, nil // an Execer that cannot query: bytes, as before
+	}
+	err := q.QueryRow(ctx, columnTypeSQL, c.table, c.column).Scan(&c.binary)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return true, nil // not cached: the table may be created later
+	case err != nil:
+		return false, fmt.Errorf("read the type of ledger column %s.%s: %w", c.table, c.column, err)
+	}
+	c.known = true
+	return c.binary, nil
 }

@@ -158,7 +158,7 @@ func TestEnqueueManySortsSoWritersCannotDeadlock(t *testing.T) {
 	}
 	require.Eventually(t, func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND datname = current_database()`) >= 2
+			WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND application_name = $1`, "idem-test:"+schema) >= 2
 	}, 30*time.Second, 10*time.Millisecond, "both writers wait")
 	require.NoError(t, holder.Rollback(ctx))
 	wg.Wait()

@@ -57,7 +57,14 @@ const paymentsDDL = `CREATE TABLE payments (id bigserial PRIMARY KEY, tenant tex
 // middleware would set it.
 func setup(t *testing.T, mutate ...func(*httpidem.Config)) *bundle {
 	t.Helper()
-	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 24})
+	return setupOn(t, pgtest.Options{}, mutate...)
+}
+
+// setupOn is setup with the test pool's options (a pgx query mode, say).
+func setupOn(t *testing.T, opts pgtest.Options, mutate ...func(*httpidem.Config)) *bundle {
+	t.Helper()
+	opts.MaxConns = 24
+	pool, schema := pgtest.Setup(t, opts)
 	_, err := pool.Exec(context.Background(), paymentsDDL)
 	require.NoError(t, err)
 	b := &bundle{pool: pool, schema: schema, reg: prometheus.NewRegistry()}

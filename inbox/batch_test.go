@@ -157,7 +157,7 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 			// The batch waits for the other transaction's key.
 			require.Eventually(t, func() bool {
 				return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
-					WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND datname = current_database()`) > 0
+					WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND application_name = $1`, "idem-test:"+schema) > 0
 			}, 30*time.Second, 10*time.Millisecond)
 			select {
 			case a := <-done:
@@ -229,7 +229,7 @@ func TestClaimBatchTxSortsKeysSoBatchesCannotDeadlock(t *testing.T) {
 	}
 	require.Eventually(t, func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND datname = current_database()`) >= 2
+			WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND application_name = $1`, "idem-test:"+schema) >= 2
 	}, 30*time.Second, 10*time.Millisecond, "both batches wait")
 	require.NoError(t, holder.Rollback(ctx))
 	wg.Wait()

@@ -96,6 +96,18 @@ type Options struct {
 	MaxConns int32
 	// NoMigrate leaves the schema empty.
 	NoMigrate bool
+	// QueryExecMode, when set, is the pool's pgx.QueryExecMode (pgx's default is
+	// QueryExecModeCacheStatement).
+	QueryExecMode pgx.QueryExecMode
+}
+
+// QueryExecModes are pgx's query modes, each of which idem must work in: the
+// default prepares and caches statements; exec and simple protocol are what users
+// behind PgBouncer in transaction mode choose (pgx then knows no parameter types,
+// and sends a []byte as bytea).
+var QueryExecModes = []pgx.QueryExecMode{
+	pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
+	pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
 }
 
 // Setup creates a fresh schema with the idem tables and a pool whose search_path is
@@ -108,7 +120,7 @@ func Setup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 		o = opts[0]
 	}
 	schema := NewSchemaName()
-	pool := NewPool(tb, schema, cmp.Or(o.MaxConns, 8))
+	pool := newPool(tb, schema, cmp.Or(o.MaxConns, 8), o.QueryExecMode)
 	ctx := context.Background()
 	if !o.NoMigrate {
 		m, err := inbox.NewMigrator(pool, schema)
@@ -128,11 +140,19 @@ func Setup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 // NewPool opens a pool on the test database with search_path set to schema.
 func NewPool(tb testing.TB, schema string, maxConns int32) *pgxpool.Pool {
 	tb.Helper()
+	return newPool(tb, schema, maxConns, 0)
+}
+
+func newPool(tb testing.TB, schema string, maxConns int32, mode pgx.QueryExecMode) *pgxpool.Pool {
+	tb.Helper()
 	cfg, err := pgxpool.ParseConfig(URL())
 	if err != nil {
 		fatalf(tb, "parse DATABASE_URL: %v", err)
 	}
 	cfg.MaxConns = maxConns
+	if mode != 0 {
+		cfg.ConnConfig.DefaultQueryExecMode = mode
+	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
