@@ -136,6 +136,11 @@ type SMTPSender struct {
 
 // Send implements effects.Sender.
 func (s *SMTPSender) Send(ctx context.Context, d effects.Delivery) error {
+	if d.Tenant != "" {
+		// The scenario's mailbox counts emails by key alone; a tenant's effect
+		// would be taken for another tenant's with the same key.
+		return effects.Permanent(fmt.Errorf("the payments scenario is single-tenant: effect %q of tenant %q", d.Key, d.Tenant))
+	}
 	var e Email
 	if err := json.Unmarshal(d.Payload, &e); err != nil {
 		return effects.Permanent(fmt.Errorf("email payload: %w", err))
