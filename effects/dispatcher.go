@@ -302,6 +302,12 @@ func (d *Dispatcher) claimLoop(ctx context.Context) {
 	}
 }
 
+// beginSQL begins the Dispatcher's transactions at READ COMMITTED whatever the
+// session's default_transaction_isolation: under REPEATABLE READ or SERIALIZABLE a
+// claim's FOR UPDATE SKIP LOCKED, or an outcome write, that meets a row another
+// dispatcher changed after its snapshot fails with 40001 instead of moving on.
+const beginSQL = "BEGIN ISOLATION LEVEL READ COMMITTED"
+
 // claim runs the claim statement. It runs on a context that ctx's end does not
 // cancel: a claim cut off after its commit would leave rows leased that nobody
 // sends until the lease runs out.
@@ -312,7 +318,7 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	// The claim runs in a transaction of its own, with the settings that fix its
 	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
-	b.Queue("BEGIN")
+	b.Queue(beginSQL)
 	b.Queue(claimSettings)
 	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
 	b.Queue("COMMIT")
@@ -669,7 +675,7 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 		// claim itself always commits synchronously. recordSettings also fix the
 		// plan, as for the claim.
 		b := &pgx.Batch{}
-		b.Queue(`BEGIN`)
+		b.Queue(beginSQL)
 		b.Queue(recordSettings)
 		q := record
 		record = d.q.recordAgain // a retry may find this run committed

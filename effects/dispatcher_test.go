@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -571,4 +572,42 @@ func TestDispatcherRunAgain(t *testing.T) {
 	waitState(t, pool, "a", "after-restart", "done", 10*time.Second)
 	cancel2()
 	require.NoError(t, <-done)
+}
+
+// Two dispatchers drain one backlog where the role's or database's
+// default_transaction_isolation is REPEATABLE READ or SERIALIZABLE: their claims and
+// outcome writes run at READ COMMITTED, so neither fails with 40001 when the other
+// changed a row after its snapshot; every effect is sent once and nothing is logged
+// as an error.
+func TestDispatchersUnderAnyDefaultIsolation(t *testing.T) {
+	t.Parallel()
+	for _, iso := range []string{"repeatable read", "serializable"} {
+		t.Run(iso, func(t *testing.T) {
+			t.Parallel()
+			settings := map[string]string{"default_transaction_isolation": iso}
+			pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 4, Settings: settings})
+			const n = 500
+			counts := make([]atomic.Int32, n)
+			sender := effects.SenderFunc(func(_ context.Context, d effects.Delivery) error {
+				var i int
+				fmt.Sscanf(d.Key, "k%d", &i)
+				counts[i].Add(1)
+				return nil
+			})
+			logs := &logCapture{}
+			for range 2 {
+				p := pgtest.NewPoolWith(t, schema, pgtest.Options{MaxConns: 4, Settings: settings})
+				cfg := fastConfig(p, schema, map[string]effects.Sender{"k": sender})
+				cfg.BatchSize = 10
+				cfg.Logger = slog.New(logs)
+				start(t, cfg)
+			}
+			enqueueMany(t, pool, "k", "k", n)
+			waitFor(t, 30*time.Second, "every effect done", func() bool { return countState(t, pool, "done") == n })
+			for i := range counts {
+				require.EqualValues(t, 1, counts[i].Load(), "key k%d", i)
+			}
+			require.Empty(t, logs.errors())
+		})
+	}
 }

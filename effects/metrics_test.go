@@ -117,6 +117,22 @@ func (h *logCapture) Handle(_ context.Context, r slog.Record) error {
 func (h *logCapture) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *logCapture) WithGroup(string) slog.Handler      { return h }
 
+// errors returns the Error records so far, each as its message and attributes.
+func (h *logCapture) errors() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []string
+	for _, r := range h.records {
+		if r.Level < slog.LevelError {
+			continue
+		}
+		msg := r.Message
+		r.Attrs(func(a slog.Attr) bool { msg += " " + a.String(); return true })
+		out = append(out, msg)
+	}
+	return out
+}
+
 // retryWaits returns the retry_in of every "LISTEN connection lost" record so far.
 func (h *logCapture) retryWaits() []time.Duration {
 	h.mu.Lock()

@@ -363,6 +363,21 @@ func (m *Migrator) List(ctx context.Context) ([]MigrationStatus, error) {
 	return out, err
 }
 
+// readCommitted runs fn in a transaction at READ COMMITTED, whatever the session's
+// default_transaction_isolation says. Under REPEATABLE READ or SERIALIZABLE the
+// snapshot is taken by the transaction's first statement, the lock, before it
+// waits: a migrator that waited for another would not see the versions that one
+// applied, and would apply them again. (A db that can only Begin, such as a pgx.Tx,
+// gets a savepoint in the caller's transaction, at the caller's isolation.)
+func (m *Migrator) readCommitted(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	if b, ok := m.db.(interface {
+		BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+	}); ok {
+		return pgx.BeginTxFunc(ctx, b, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, fn)
+	}
+	return pgx.BeginFunc(ctx, m.db, fn)
+}
+
 // readOnly runs fn in a READ ONLY transaction with the applied versions.
 func (m *Migrator) readOnly(ctx context.Context, fn func(tx pgx.Tx, have []int, times map[int]time.Time) error) error {
 	return pgx.BeginFunc(ctx, m.db, func(tx pgx.Tx) error {
@@ -382,7 +397,7 @@ func (m *Migrator) readOnly(ctx context.Context, fn func(tx pgx.Tx, have []int, 
 // With create, it first creates the schema and its migrations table if missing;
 // without, a missing one means no version is applied, and nothing is created.
 func (m *Migrator) locked(ctx context.Context, create bool, fn func(tx pgx.Tx, have []int) error) error {
-	return pgx.BeginFunc(ctx, m.db, func(tx pgx.Tx) error {
+	return m.readCommitted(ctx, func(tx pgx.Tx) error {
 		// The lock is taken before CREATE SCHEMA: two processes creating one schema
 		// at once would otherwise collide on the catalog's unique index.
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('idem.migrate:' || $1, 0))`, m.schema); err != nil {

@@ -33,12 +33,24 @@ func TestMigratorUpTwiceIsNoop(t *testing.T) {
 	require.Equal(t, "core", list[0].Name)
 }
 
+// Six migrators at once apply each step once, also where the role's or database's
+// default_transaction_isolation is SERIALIZABLE: each migrator's transaction runs at
+// READ COMMITTED, so one that waited for the lock sees what the holder applied.
 func TestMigratorConcurrent(t *testing.T) {
 	t.Parallel()
+	for _, iso := range []string{"read committed", "repeatable read", "serializable"} {
+		t.Run(iso, func(t *testing.T) {
+			t.Parallel()
+			testMigratorConcurrent(t, iso)
+		})
+	}
+}
+
+func testMigratorConcurrent(t *testing.T, iso string) {
 	ctx := context.Background()
 	schema := pgtest.NewSchemaName()
 	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
-	pool := pgtest.NewPool(t, "public", 8)
+	pool := pgtest.NewPoolWith(t, "public", pgtest.Options{Settings: map[string]string{"default_transaction_isolation": iso}})
 	var wg sync.WaitGroup
 	total := make([]int, 6)
 	errs := make([]error, 6)

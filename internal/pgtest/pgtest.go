@@ -99,6 +99,10 @@ type Options struct {
 	// QueryExecMode, when set, is the pool's pgx.QueryExecMode (pgx's default is
 	// QueryExecModeCacheStatement).
 	QueryExecMode pgx.QueryExecMode
+	// Settings are session settings for the pool's connections, such as
+	// {"default_transaction_isolation": "serializable"}, as a role or database
+	// could have them.
+	Settings map[string]string
 }
 
 // QueryExecModes are pgx's query modes, each of which idem must work in: the
@@ -120,7 +124,7 @@ func Setup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 		o = opts[0]
 	}
 	schema := NewSchemaName()
-	pool := newPool(tb, schema, cmp.Or(o.MaxConns, 8), o.QueryExecMode)
+	pool := NewPoolWith(tb, schema, Options{MaxConns: cmp.Or(o.MaxConns, 8), QueryExecMode: o.QueryExecMode, Settings: o.Settings})
 	ctx := context.Background()
 	if !o.NoMigrate {
 		m, err := inbox.NewMigrator(pool, schema)
@@ -140,18 +144,23 @@ func Setup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 // NewPool opens a pool on the test database with search_path set to schema.
 func NewPool(tb testing.TB, schema string, maxConns int32) *pgxpool.Pool {
 	tb.Helper()
-	return newPool(tb, schema, maxConns, 0)
+	return NewPoolWith(tb, schema, Options{MaxConns: maxConns})
 }
 
-func newPool(tb testing.TB, schema string, maxConns int32, mode pgx.QueryExecMode) *pgxpool.Pool {
+// NewPoolWith is NewPool with opts' MaxConns (default 8), QueryExecMode and
+// Settings.
+func NewPoolWith(tb testing.TB, schema string, opts Options) *pgxpool.Pool {
 	tb.Helper()
 	cfg, err := pgxpool.ParseConfig(URL())
 	if err != nil {
 		fatalf(tb, "parse DATABASE_URL: %v", err)
 	}
-	cfg.MaxConns = maxConns
-	if mode != 0 {
-		cfg.ConnConfig.DefaultQueryExecMode = mode
+	cfg.MaxConns = cmp.Or(opts.MaxConns, 8)
+	if opts.QueryExecMode != 0 {
+		cfg.ConnConfig.DefaultQueryExecMode = opts.QueryExecMode
+	}
+	for k, v := range opts.Settings {
+		cfg.ConnConfig.RuntimeParams[k] = v
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
