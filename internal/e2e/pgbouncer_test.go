@@ -22,6 +22,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/internal/redact"
 )
@@ -31,8 +32,8 @@ import (
 // query modes such a pooler needs (it cannot keep prepared statements): consumers in
 // every mode and a batch handler, two consumers racing on the same keys, httpidem in
 // both modes with concurrent requests on one key, the Dispatcher (whose LISTEN a
-// transaction pool does not serve, so its poll finds the effects), and the operator
-// API. Every key commits once, every effect is sent once.
+// transaction pool does not serve, so its poll finds the effects), the migrations
+// and the operator API. Every key commits once, every effect is sent once.
 func TestBehindPgBouncer(t *testing.T) {
 	t.Parallel()
 	url := os.Getenv("PGBOUNCER_URL")
@@ -207,6 +208,15 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 		require.Equal(t, 1, n, k)
 	}
 	mu.Unlock()
+
+	// The migrations apply through the pooler too (their lock is transaction-scoped).
+	fresh := pgtest.NewSchemaName()
+	t.Cleanup(func() { pgtest.DropSchema(t, fresh) })
+	m, err := inbox.NewMigrator(pool, fresh)
+	require.NoError(t, err)
+	applied, err := m.Up(ctx)
+	require.NoError(t, err)
+	require.Len(t, applied, len(inbox.Migrations()))
 
 	a, err := admin.New(pool, admin.Config{Schema: schema})
 	require.NoError(t, err)
