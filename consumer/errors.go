@@ -168,8 +168,7 @@ func ShouldRetry(p middleware.RetryParams) bool { return !IsPermanent(p.Err) }
 // a Postgres error of class 08 (connection exception), a server shutting down or
 // starting (57P01, 57P02, 57P03), too many connections (53300), a failed connect,
 // a network error or an end of stream, or pgx refusing a connection that is
-// already closed. A cancelled context is not one
-// (it is ErrCanceled).
+// already closed. A cancelled context is not one (it is ErrCanceled).
 func connectionLost(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
