@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/propagation"
@@ -48,6 +49,11 @@ type Config struct {
 	// Pool is the database. Each Dispatcher also opens one connection of its own,
 	// outside the pool, to LISTEN for new effects; budget for it.
 	Pool *pgxpool.Pool
+	// ListenConnConfig, when set, is where that LISTEN connection goes instead of
+	// the Pool's config. Behind a transaction-pooling PgBouncer, which does not
+	// deliver notifications, point it at Postgres directly (or at a session pool)
+	// so that new effects are sent at once rather than at the next PollInterval.
+	ListenConnConfig *pgx.ConnConfig
 	// Schema holds the idem tables (DefaultSchema if empty).
 	Schema string
 	// Senders maps each kind to its Sender. Effects of kinds without one are left

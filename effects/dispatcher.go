@@ -800,7 +800,11 @@ const (
 // listenOnce connects, listens and wakes the claim loop on notifications until the
 // connection fails. listened reports whether it got as far as LISTEN.
 func (d *Dispatcher) listenOnce(ctx context.Context) (listened bool, err error) {
-	conn, err := pgx.ConnectConfig(ctx, d.pool.Config().ConnConfig)
+	cc := d.cfg.ListenConnConfig
+	if cc == nil {
+		cc = d.pool.Config().ConnConfig
+	}
+	conn, err := pgx.ConnectConfig(ctx, cc)
 	if err != nil {
 		return false, err
 	}

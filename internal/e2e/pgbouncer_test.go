@@ -31,9 +31,10 @@ import (
 // (PGBOUNCER_URL; scripts/services starts one, and CI sets it), in the two pgx
 // query modes such a pooler needs (it cannot keep prepared statements): consumers in
 // every mode and a batch handler, two consumers racing on the same keys, httpidem in
-// both modes with concurrent requests on one key, the Dispatcher (whose LISTEN a
-// transaction pool does not serve, so its poll finds the effects), the migrations
-// and the operator API. Every key commits once, every effect is sent once.
+// both modes with concurrent requests on one key, the Dispatcher (its LISTEN, which
+// a transaction pool does not serve, on a direct connection: ListenConnConfig), the
+// migrations and the operator API. Every key commits once, every effect is sent
+// once.
 func TestBehindPgBouncer(t *testing.T) {
 	t.Parallel()
 	url := os.Getenv("PGBOUNCER_URL")
@@ -180,10 +181,13 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 		require.Equal(t, 1, pgtest.Count(t, direct, `SELECT count(*) FROM `+biz+` WHERE key = $1`, "http"+path+"-k"))
 	}
 
-	// The Dispatcher sends every effect once; its poll finds them.
+	// The Dispatcher sends every effect once. Its claims and sends go through the
+	// pooler; its LISTEN, which a transaction pool does not serve, goes to Postgres
+	// directly, so new effects are sent at once even with an hour between polls.
 	var mu sync.Mutex
 	sent := map[string]int{}
-	d, err := effects.NewDispatcher(effects.Config{Pool: pool, Schema: schema, PollInterval: 100 * time.Millisecond,
+	d, err := effects.NewDispatcher(effects.Config{Pool: pool, Schema: schema, PollInterval: time.Hour,
+		ListenConnConfig: direct.Config().ConnConfig,
 		Senders: map[string]effects.Sender{"mail": effects.SenderFunc(func(_ context.Context, e effects.Delivery) error {
 			if string(e.Payload) != "\x00\xff\\" {
 				return effects.Permanent(fmt.Errorf("payload %x", e.Payload))
@@ -200,6 +204,11 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	require.Eventually(t, func() bool {
 		return pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(keys)
 	}, 30*time.Second, 20*time.Millisecond)
+	require.NoError(t, hb(message.NewMessage("after-start", []byte(`{}`))))
+	keys = append(keys, "after-start")
+	require.Eventually(t, func() bool {
+		return pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(keys)
+	}, 30*time.Second, 20*time.Millisecond, "woken by NOTIFY through the direct LISTEN connection")
 	stop()
 	require.NoError(t, <-done)
 	mu.Lock()
