@@ -192,3 +192,26 @@ func listenerUp(t testing.TB, admin *pgxpool.Pool, schema string) bool {
 func cutListener(t testing.TB, admin *pgxpool.Pool, schema string) bool {
 	return pgtest.Count(t, admin, `SELECT count(pg_terminate_backend(pid)) `+listenerQuery, "idem-test:"+schema) == 1
 }
+
+// ListenConnConfig sends the LISTEN connection where it says (here: the same
+// Postgres under another application_name, as a direct connection beside a pooler
+// would be), and notifications arriving there wake the Dispatcher.
+func TestDispatcherListenConnConfig(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	rec := newRecorder(nil)
+	cfg := fastConfig(pool, schema, map[string]effects.Sender{"n": rec})
+	cfg.PollInterval = time.Hour // only the LISTEN connection wakes it
+	listen := pool.Config().ConnConfig.Copy()
+	listen.RuntimeParams["application_name"] = "idem-test-listen:" + schema
+	cfg.ListenConnConfig = listen
+	start(t, cfg)
+	admin := pgtest.NewPool(t, "public", 1)
+	waitFor(t, 30*time.Second, "LISTEN on the configured connection", func() bool {
+		return pgtest.Count(t, admin, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN idem_effects'`,
+			"idem-test-listen:"+schema) == 1
+	})
+	require.False(t, listenerUp(t, admin, schema), "no LISTEN on the pool's config")
+	enqueue(t, pool, schema, effects.Effect{Kind: "n", Key: "woken"})
+	waitState(t, pool, "n", "woken", "done", 10*time.Second)
+}
