@@ -48,8 +48,8 @@ func BenchmarkIdempotencyKey(b *testing.B) {
 }
 
 // BenchmarkIdempotencyKeyRemoteDB is BenchmarkIdempotencyKey with Postgres a
-// network round trip away (pg-rtt: 0.5, 1 and 2 ms, added by an in-process proxy
-// that holds each chunk of bytes half of it in each direction), as it is for most
+// network round trip away (pg-rtt: 0.5, 1 and 2 ms, added by pgtest.Proxy, which
+// holds each chunk of bytes half of it in each direction), as it is for most
 // services. The middleware adds no round trip to the bare handler's three (BEGIN
 // goes with the claim, COMMIT with the stored answer), only CPU; the further the
 // database, the more of a request's time is waiting, and the closer the two rates.
@@ -203,7 +203,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 		// Both handlers and the CPU sampling use the remote pool; its backends are
 		// the ones measured.
 		pool.Close()
-		pool = poolVia(b, newDelayProxy(b, rtt), schema, clients+2)
+		pool = pgtest.NewProxy(b, rtt).Pool(b, schema, pgtest.Options{MaxConns: clients + 2})
 	}
 	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema})
 	require.NoError(b, err)
