@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -188,9 +189,8 @@ func appRolePool(t *testing.T, owner *pgxpool.Pool, schema string) *pgxpool.Pool
 			return
 		}
 		defer conn.Close(ctx)
-		// The schema may be gone already; the role owns nothing, only grants.
-		_, _ = conn.Exec(ctx, `REVOKE ALL ON ALL TABLES IN SCHEMA `+schemaID+` FROM `+roleID)
-		_, _ = conn.Exec(ctx, `REVOKE ALL ON SCHEMA `+schemaID+` FROM `+roleID)
+		// The role owns nothing; DROP OWNED also revokes its grants, which
+		// DROP ROLE needs gone.
 		if _, err := conn.Exec(ctx, `DROP OWNED BY `+roleID); err != nil {
 			t.Errorf("drop owned by %s: %v", role, err)
 		}
@@ -198,17 +198,11 @@ func appRolePool(t *testing.T, owner *pgxpool.Pool, schema string) *pgxpool.Pool
 			t.Errorf("drop role %s: %v", role, err)
 		}
 	})
-	_, err = owner.Exec(ctx, strings.NewReplacer("%[1]s", schemaID, "%[2]s", roleID).Replace(appGrants))
+	_, err = owner.Exec(ctx, fmt.Sprintf(appGrants, schemaID, roleID))
 	require.NoError(t, err)
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	require.NoError(t, err)
+	cfg := pgtest.PoolConfig(t, schema, pgtest.Options{MaxConns: 6})
 	cfg.ConnConfig.User, cfg.ConnConfig.Password = role, password
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
-	cfg.MaxConns = 6
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := pgtest.OpenPool(t, cfg)
 	var who string
 	require.NoError(t, pool.QueryRow(ctx, `SELECT current_user`).Scan(&who))
 	require.Equal(t, role, who)

@@ -124,7 +124,7 @@ func Setup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 		o = opts[0]
 	}
 	schema := NewSchemaName()
-	pool := NewPoolWith(tb, schema, Options{MaxConns: cmp.Or(o.MaxConns, 8), QueryExecMode: o.QueryExecMode, Settings: o.Settings})
+	pool := NewPoolWith(tb, schema, o)
 	ctx := context.Background()
 	if !o.NoMigrate {
 		m, err := inbox.NewMigrator(pool, schema)
@@ -151,6 +151,15 @@ func NewPool(tb testing.TB, schema string, maxConns int32) *pgxpool.Pool {
 // Settings.
 func NewPoolWith(tb testing.TB, schema string, opts Options) *pgxpool.Pool {
 	tb.Helper()
+	return OpenPool(tb, PoolConfig(tb, schema, opts))
+}
+
+// PoolConfig is the config of a test pool on DATABASE_URL: opts' MaxConns
+// (default 8), QueryExecMode and Settings, search_path set to schema, and the
+// application_name "idem-test:<schema>" by which tests find their own backends.
+// Change it (another user, another address) and open it with OpenPool.
+func PoolConfig(tb testing.TB, schema string, opts Options) *pgxpool.Config {
+	tb.Helper()
 	cfg, err := pgxpool.ParseConfig(URL())
 	if err != nil {
 		fatalf(tb, "parse DATABASE_URL: %v", err)
@@ -164,6 +173,12 @@ func NewPoolWith(tb testing.TB, schema string, opts Options) *pgxpool.Pool {
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
+	return cfg
+}
+
+// OpenPool opens cfg; the pool closes when the test ends.
+func OpenPool(tb testing.TB, cfg *pgxpool.Config) *pgxpool.Pool {
+	tb.Helper()
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		fatalf(tb, "connect to Postgres: %v\n%s", err, HowToStart)

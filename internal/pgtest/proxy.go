@@ -1,8 +1,6 @@
 package pgtest
 
 import (
-	"cmp"
-	"context"
 	"net"
 	"strconv"
 	"strings"
@@ -54,28 +52,11 @@ func NewProxy(tb testing.TB, rtt time.Duration) *Proxy {
 // NewPoolWith); it closes when the test ends.
 func (p *Proxy) Pool(tb testing.TB, schema string, opts Options) *pgxpool.Pool {
 	tb.Helper()
-	cfg, err := pgxpool.ParseConfig(URL())
-	if err != nil {
-		fatalf(tb, "parse DATABASE_URL: %v", err)
-	}
-	host, port, _ := net.SplitHostPort(p.ln.Addr().String())
+	cfg := PoolConfig(tb, schema, opts)
+	host, port, _ := net.SplitHostPort(p.ln.Addr().String()) // our own listener's: well formed
 	n, _ := strconv.ParseUint(port, 10, 16)
 	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(n), nil
-	cfg.MaxConns = cmp.Or(opts.MaxConns, 8)
-	if opts.QueryExecMode != 0 {
-		cfg.ConnConfig.DefaultQueryExecMode = opts.QueryExecMode
-	}
-	for k, v := range opts.Settings {
-		cfg.ConnConfig.RuntimeParams[k] = v
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		fatalf(tb, "connect through the proxy: %v", err)
-	}
-	tb.Cleanup(pool.Close)
-	return pool
+	return OpenPool(tb, cfg)
 }
 
 // Outage cuts every connection through the proxy and, for d, refuses new ones (it
