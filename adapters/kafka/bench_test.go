@@ -31,6 +31,7 @@ func BenchmarkSubscribeAck(b *testing.B) {
 	for _, partitions := range []int{1, 4, 16} {
 		b.Run(fmt.Sprintf("partitions=%d", partitions), func(b *testing.B) {
 			topic, group := "bench-"+uuid.NewString(), "bench-"+uuid.NewString()
+			dropTopicsAtEnd(b, brokers, func() []string { return []string{topic} })
 			cfg := subscriberConfig(brokers, group, partitions)
 			init := newSubscriber(b, cfg)
 			require.NoError(b, init.SubscribeInitialize(topic))
@@ -73,6 +74,7 @@ func BenchmarkPublish(b *testing.B) {
 		brokers = startCluster(b)
 	}
 	topic := "bench-" + uuid.NewString()
+	dropTopicsAtEnd(b, brokers, func() []string { return []string{topic} })
 	init := newSubscriber(b, subscriberConfig(brokers, "", 4))
 	require.NoError(b, init.SubscribeInitialize(topic))
 	require.NoError(b, init.Close())

@@ -26,6 +26,9 @@ const (
 	// metadata. kafka.DefaultTransport keeps it for 6 s, so a partition added
 	// to a topic stays unseen for that long.
 	DefaultMetadataTTL = time.Second
+	// DefaultTopicWait is how long Publish waits for a topic's metadata
+	// before it fails.
+	DefaultTopicWait = 10 * time.Second
 	// DefaultRequiredAcks waits for every in-sync replica (acks=all).
 	DefaultRequiredAcks = kafka.RequireAll
 	// DefaultMaxAttempts is how many times a write is tried before Publish fails.
@@ -133,8 +136,19 @@ type PublisherConfig struct {
 	// publish, if the broker allows it.
 	AllowAutoTopicCreation bool
 
+	// TopicWait is how long Publish keeps trying while the topic's metadata
+	// is not available: a topic created a moment ago and not yet in the
+	// metadata cache, or a first metadata request that failed or timed out
+	// (a busy broker, a broker restarting). Nothing is written meanwhile, so
+	// trying again writes no record twice. Default: DefaultTopicWait.
+	TopicWait time.Duration
+
 	// Transport talks to the brokers. Default: a kafka.Transport with
-	// MetadataTTL = DefaultMetadataTTL, owned and closed by the Publisher.
+	// MetadataTTL = DefaultMetadataTTL whose metadata requests name only the
+	// topics this Publisher has published to, owned and closed by the
+	// Publisher. (kafka.DefaultTransport asks for every topic of the
+	// cluster at each refresh, which on a cluster with thousands of
+	// partitions is a large answer to wait for.)
 	Transport kafka.RoundTripper
 
 	// Propagator writes the trace context of a message's context (msg.Context())
@@ -155,6 +169,7 @@ func (c *PublisherConfig) setDefaults() {
 	c.MaxAttempts = cmp.Or(c.MaxAttempts, DefaultMaxAttempts)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.BatchTimeout = cmp.Or(c.BatchTimeout, DefaultBatchTimeout)
+	c.TopicWait = cmp.Or(c.TopicWait, DefaultTopicWait)
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
@@ -170,7 +185,7 @@ func (c *PublisherConfig) Validate() error {
 		errs = append(errs, errors.New("MaxAttempts, BatchSize and BatchBytes must not be negative"))
 	}
 	if c.BatchTimeout < 0 || c.ReadTimeout < 0 || c.WriteTimeout < 0 ||
-		c.WriteBackoffMin < 0 || c.WriteBackoffMax < 0 {
+		c.WriteBackoffMin < 0 || c.WriteBackoffMax < 0 || c.TopicWait < 0 {
 		errs = append(errs, errors.New("durations must not be negative"))
 	}
 	switch c.RequiredAcks {

@@ -1,13 +1,17 @@
 package kafka_test
 
 import (
+	"context"
 	"os"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/stretchr/testify/require"
+	kafkago "github.com/segmentio/kafka-go"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/idemkit/idem/adapters/kafka"
@@ -107,4 +111,57 @@ func newSubscriber(t testing.TB, cfg kafka.SubscriberConfig) *kafka.Subscriber {
 	sub, err := kafka.NewSubscriber(cfg)
 	require.NoError(t, err)
 	return sub
+}
+
+// dropTopicsAtEnd deletes, once t and its subtests are done, the topics that
+// topics names at that time from brokers, when brokers are the external ones
+// (kfake clusters end with their test). The external broker is shared by
+// every test run on the machine and keeps its data: one that has held
+// thousands of test topics takes minutes to start and answers metadata
+// slowly. Call it before the test starts its publishers and subscribers, so
+// that they are closed first. A failed delete is logged, not failed.
+func dropTopicsAtEnd(t testing.TB, brokers []string, topics func() []string) {
+	t.Helper()
+	if !slices.Equal(brokers, externalBrokers()) {
+		return
+	}
+	t.Cleanup(func() {
+		names := topics()
+		if len(names) == 0 {
+			return
+		}
+		transport := &kafkago.Transport{}
+		defer transport.CloseIdleConnections()
+		c := &kafkago.Client{Addr: kafkago.TCP(brokers...), Transport: transport, Timeout: 30 * time.Second}
+		res, err := c.DeleteTopics(context.Background(), &kafkago.DeleteTopicsRequest{Topics: names})
+		if err != nil {
+			t.Logf("deleting the test's topics %v: %v", names, err)
+			return
+		}
+		for name, err := range res.Errors {
+			if err != nil {
+				t.Logf("deleting the test's topic %s: %v", name, err)
+			}
+		}
+	})
+}
+
+// topicSet collects the topic names a test uses.
+type topicSet struct {
+	mu    sync.Mutex
+	names []string
+}
+
+func (s *topicSet) add(topic string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !slices.Contains(s.names, topic) {
+		s.names = append(s.names, topic)
+	}
+}
+
+func (s *topicSet) list() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.names)
 }

@@ -36,6 +36,7 @@ func setup(t *testing.T, brokers []string, partitions int) *testBundle {
 		topic:   "t-" + uuid.NewString(),
 		group:   "g-" + uuid.NewString(),
 	}
+	dropTopicsAtEnd(t, brokers, func() []string { return []string{b.topic} })
 	init := newSubscriber(t, subscriberConfig(brokers, b.group, partitions))
 	require.NoError(t, init.SubscribeInitialize(b.topic))
 	require.NoError(t, init.Close())

@@ -1,6 +1,7 @@
 package kafka_test
 
 import (
+	"context"
 	"errors"
 	"sync"
 	"testing"
@@ -38,11 +39,14 @@ const universalPartitions = 4
 // suite then hangs until the test binary's timeout instead of failing. On a
 // loaded two-core machine a JVM broker can miss kafka-go's write timeouts a few
 // times in a row; an error that lasts two minutes is still returned.
-type patientPublisher struct{ *kafka.Publisher }
-
-func patient(p *kafka.Publisher) message.Publisher { return patientPublisher{p} }
+// It also notes each topic it publishes to, for dropTopicsAtEnd.
+type patientPublisher struct {
+	*kafka.Publisher
+	topics *topicSet
+}
 
 func (p patientPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.topics.add(topic)
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		err := p.Publisher.Publish(topic, msgs...)
@@ -62,7 +66,26 @@ type universalRun struct {
 	config   func(*kafka.SubscriberConfig)
 }
 
+// notingSubscriber notes each topic it subscribes to or initializes, for
+// dropTopicsAtEnd.
+type notingSubscriber struct {
+	*kafka.Subscriber
+	topics *topicSet
+}
+
+func (s notingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	s.topics.add(topic)
+	return s.Subscriber.Subscribe(ctx, topic)
+}
+
+func (s notingSubscriber) SubscribeInitialize(topic string) error {
+	s.topics.add(topic)
+	return s.Subscriber.SubscribeInitialize(topic)
+}
+
 func runUniversal(t *testing.T, brokers []string, run universalRun) {
+	topics := &topicSet{}
+	dropTopicsAtEnd(t, brokers, topics.list)
 	// TestPublishSubscribeInOrder closes its multiplied subscriber before it
 	// subscribes (`defer require.NoError(t, sub.Close())` evaluates Close at
 	// once), so the suite never closes those. Close every subscriber the
@@ -88,15 +111,17 @@ func runUniversal(t *testing.T, brokers []string, run universalRun) {
 		return s
 	}
 
+	pubSub := func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+		return patientPublisher{newPublisher(t, brokers, run.key), topics},
+			notingSubscriber{newSub(t, group), topics}
+	}
 	tests.TestPubSub(t, run.features,
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
 			// One group per suite test: the tests that re-create the
 			// subscriber expect it to continue where the last one stopped.
-			return patient(newPublisher(t, brokers, run.key)), newSub(t, "universal-"+sanitize(t.Name()))
+			return pubSub(t, "universal-"+sanitize(t.Name()))
 		},
-		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return patient(newPublisher(t, brokers, run.key)), newSub(t, group)
-		},
+		pubSub,
 	)
 }
 

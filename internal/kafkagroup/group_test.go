@@ -282,6 +282,13 @@ func runGroup(t *testing.T, broker string, brokers []string, modes map[string]st
 	}}})
 	require.NoError(t, err)
 	require.NoError(t, res.Errors[topic])
+	// Delete the topic at the end (after the publisher and members stop): an
+	// external broker is shared by every run and keeps its data.
+	t.Cleanup(func() {
+		if _, err := admin.DeleteTopics(context.Background(), &kafkago.DeleteTopicsRequest{Topics: []string{topic}}); err != nil {
+			t.Logf("deleting topic %s: %v", topic, err)
+		}
+	})
 
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
 		Brokers:      brokers,
