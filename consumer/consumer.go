@@ -529,8 +529,10 @@ func classify(err error) outcome {
 }
 
 // finish turns an outcome into the middleware's answer (nil acks, an error nacks or
-// poisons), with metrics, logs and hooks.
-func (c *Consumer) finish(req *request, o outcome) error {
+// poisons, with its code left on the message: MetadataErrorCode), with metrics,
+// logs and hooks.
+func (c *Consumer) finish(req *request, o outcome) (err error) {
+	defer func() { markErrorCode(req.msg, err) }()
 	endMessage(req, o)
 	name := req.claim.Consumer
 	switch o.kind {

@@ -15,3 +15,24 @@ func NewUUID() string { return uuid.Must(uuid.NewV7()).String() }
 func NewMessage(payload []byte) *message.Message {
 	return message.NewMessage(NewUUID(), payload)
 }
+
+// MetadataErrorCode is the metadata key under which the middleware leaves, on a
+// message it returns an error for (so one the router nacks, or a PoisonQueue
+// poisons), the error's stable code: Code(err), or "transient" for an error
+// without one. A broker adapter sees only the nack; idem's Kafka adapter reads this
+// key to log the code with its redelivery pause. The key is the same string as
+// the Kafka adapter's kafka.MetadataErrorCode.
+const MetadataErrorCode = "idem_error_code"
+
+// markErrorCode sets MetadataErrorCode on msg when err is not nil. It runs in the
+// message's handler call, before the router sees the error, so whoever reads the
+// metadata after the nack sees it.
+func markErrorCode(msg *message.Message, err error) {
+	if err == nil || msg == nil {
+		return
+	}
+	if msg.Metadata == nil {
+		msg.Metadata = message.Metadata{}
+	}
+	msg.Metadata.Set(MetadataErrorCode, cmpOr(Code(err), "transient"))
+}

@@ -62,9 +62,13 @@ const (
 	// keep failing. They are kafka-go's defaults.
 	DefaultReadBackoffMin = 100 * time.Millisecond
 	DefaultReadBackoffMax = time.Second
-	// DefaultNackBackoff is the pause before a nacked message is delivered
-	// again.
+	// DefaultNackBackoff is the pause before a nacked record is delivered
+	// again the first time. It doubles with each nack of the same record in a
+	// row, up to DefaultNackBackoffMax.
 	DefaultNackBackoff = 100 * time.Millisecond
+	// DefaultNackBackoffMax caps the pause before a record nacked again and
+	// again is delivered again.
+	DefaultNackBackoffMax = 10 * time.Second
 	// DefaultMaxConcurrentPartitions is how many partitions may have a message
 	// in flight at the same time, per Subscribe call.
 	DefaultMaxConcurrentPartitions = 64
@@ -223,8 +227,19 @@ type SubscriberConfig struct {
 	// Partitions are the partitions read without a group. Empty: all.
 	Partitions []int
 
-	// NackBackoff is the pause before a nacked message is delivered again.
-	NackBackoff time.Duration
+	// NackBackoff and NackBackoffMax bound the pause before a nacked record
+	// is delivered again: NackBackoff after its first nack, doubling with
+	// each nack of the same record in a row, up to NackBackoffMax. The count
+	// is per record (partition and offset) and starts again when the record
+	// is acked or its partition is revoked, so a record that can never
+	// succeed (one without its business key, say, and no PoisonQueue) is
+	// redelivered every NackBackoffMax instead of NackBackoff, and the
+	// records of other partitions are not slowed. Each new pause is logged
+	// once, with the code a handler or middleware put in MetadataErrorCode.
+	// Defaults: DefaultNackBackoff and DefaultNackBackoffMax (at least
+	// NackBackoff). Set both to the same value for a fixed pause.
+	NackBackoff    time.Duration
+	NackBackoffMax time.Duration
 
 	// MaxConcurrentPartitions is how many partitions of one Subscribe call
 	// may each have a message in flight at once. More exactly, one Subscribe
@@ -284,6 +299,7 @@ func (c *SubscriberConfig) setDefaults() {
 	c.CommitInterval = cmp.Or(c.CommitInterval, DefaultCommitInterval)
 	c.StartOffset = cmp.Or(c.StartOffset, kafka.FirstOffset)
 	c.NackBackoff = cmp.Or(c.NackBackoff, DefaultNackBackoff)
+	c.NackBackoffMax = cmp.Or(c.NackBackoffMax, max(DefaultNackBackoffMax, c.NackBackoff))
 	c.MaxConcurrentPartitions = cmp.Or(c.MaxConcurrentPartitions, DefaultMaxConcurrentPartitions)
 	c.MaxInFlightPerPartition = cmp.Or(c.MaxInFlightPerPartition, DefaultMaxInFlightPerPartition)
 	c.TopicPartitions = cmp.Or(c.TopicPartitions, DefaultTopicPartitions)
@@ -359,9 +375,12 @@ func (c *SubscriberConfig) Validate() error {
 	if c.MaxInFlightPerPartition < 0 {
 		errs = append(errs, errors.New("MaxInFlightPerPartition must not be negative"))
 	}
-	if c.NackBackoff < 0 || c.CommitInterval < 0 || c.MaxWait < 0 ||
+	if c.NackBackoff < 0 || c.NackBackoffMax < 0 || c.CommitInterval < 0 || c.MaxWait < 0 ||
 		c.HeartbeatInterval < 0 || c.SessionTimeout < 0 || c.RebalanceTimeout < 0 {
 		errs = append(errs, errors.New("durations must not be negative"))
+	}
+	if c.NackBackoffMax > 0 && c.NackBackoffMax < c.NackBackoff {
+		errs = append(errs, fmt.Errorf("NackBackoffMax %s must be at least NackBackoff %s", c.NackBackoffMax, c.NackBackoff))
 	}
 	if c.GroupID != "" {
 		errs = append(errs, c.validateGroupTimings()...)

@@ -24,9 +24,13 @@
 //     records acked out of order, the commit is the end of the acked prefix.
 //     Commits are coalesced every CommitInterval and flushed when a
 //     partition is released, but never go past an unacked record.
-//   - A nack delivers the same record again after NackBackoff. Nothing past
-//     it is committed until it is acked; with N = 1 the partition does not
-//     advance meanwhile either, with N > 1 records of other keys go on.
+//   - A nack delivers the same record again after a pause: NackBackoff after
+//     its first nack, doubling with each nack of that record in a row, up to
+//     NackBackoffMax; an ack or a revoke starts the count again. Each new
+//     pause is logged once, with the code in MetadataErrorCode when the
+//     handler side set one. Nothing past the record is committed until it is
+//     acked; with N = 1 the partition does not advance meanwhile either, with
+//     N > 1 records of other keys go on. Other partitions never wait for it.
 //   - When a rebalance revokes a partition, or the Subscriber closes, its
 //     delivery stops at once. An ack that arrives afterwards is ignored.
 //     The acked prefix is committed one last time; the records in flight,

@@ -165,3 +165,81 @@ func (s *topicSet) list() []string {
 	defer s.mu.Unlock()
 	return slices.Clone(s.names)
 }
+
+// logLine is one line a captureLogger got, with the fields of With.
+type logLine struct {
+	level  string
+	msg    string
+	err    error
+	fields watermill.LogFields
+}
+
+// captureLogger keeps every line for the test to read.
+type captureLogger struct {
+	mu     *sync.Mutex
+	lines  *[]logLine
+	fields watermill.LogFields
+}
+
+func newCaptureLogger() *captureLogger {
+	return &captureLogger{mu: &sync.Mutex{}, lines: &[]logLine{}}
+}
+
+func (l *captureLogger) log(level, msg string, err error, fields watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	*l.lines = append(*l.lines, logLine{level, msg, err, l.fields.Add(fields)})
+}
+
+func (l *captureLogger) Error(msg string, err error, fields watermill.LogFields) {
+	l.log("error", msg, err, fields)
+}
+func (l *captureLogger) Info(msg string, fields watermill.LogFields) { l.log("info", msg, nil, fields) }
+func (l *captureLogger) Debug(msg string, fields watermill.LogFields) {
+	l.log("debug", msg, nil, fields)
+}
+func (l *captureLogger) Trace(msg string, fields watermill.LogFields) {
+	l.log("trace", msg, nil, fields)
+}
+func (l *captureLogger) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return &captureLogger{mu: l.mu, lines: l.lines, fields: l.fields.Add(fields)}
+}
+
+// errorLines are the error lines, each "message: error".
+func (l *captureLogger) errorLines() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, line := range *l.lines {
+		if line.level != "error" {
+			continue
+		}
+		s := line.msg
+		if line.err != nil {
+			s += ": " + line.err.Error()
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// has reports an error line that starts with prefix.
+func (l *captureLogger) has(prefix string) bool {
+	return slices.ContainsFunc(l.errorLines(), func(s string) bool { return strings.HasPrefix(s, prefix) })
+}
+
+func (l *captureLogger) errorText() string { return strings.Join(l.errorLines(), "\n") }
+
+// pauses returns the lines that announce a pause before the record at
+// partition/offset is delivered again, in order.
+func (l *captureLogger) pauses(partition int, offset int64) []logLine {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []logLine
+	for _, line := range *l.lines {
+		if line.fields["retry_in"] != nil && line.fields["partition"] == partition && line.fields["offset"] == offset {
+			out = append(out, line)
+		}
+	}
+	return out
+}

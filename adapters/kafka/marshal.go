@@ -28,6 +28,16 @@ const (
 	MetadataDeliveryCount = "kafka_delivery_count"
 )
 
+// MetadataErrorCode is the metadata key the Subscriber reads on a message
+// after it is nacked: the stable code of the error that made the handler
+// side nack it, which the Subscriber logs with the redelivery pause. idem's
+// consumer middleware sets it (to "business_key", "busy",
+// "database_unavailable", ...) on every message it returns an error for;
+// any other handler or middleware may set it too. The Subscriber only reads
+// it, and sees only that a message was nacked: without the key, the pause
+// is logged without a code.
+const MetadataErrorCode = "idem_error_code"
+
 // PartitionOffsetKey returns "topic/partition/offset" for a message received
 // by a Subscriber, or "" if the metadata is missing. It names one record of
 // the log for good, so it can serve as an inbox key for messages from

@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"context"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -48,6 +49,10 @@ type entry struct {
 	// retrying: in the retries heap, after a nack. It is already one of the
 	// partition's unacked records.
 	retrying bool
+	// nacks counts its nacks in a row, for the pause before its next
+	// delivery. It lives as long as the entry: until the record is acked,
+	// or its partition revoked.
+	nacks int
 }
 
 // readyHeap holds the records that may be delivered now, lowest offset first,
@@ -87,6 +92,8 @@ const (
 type settlement struct {
 	e       *entry
 	outcome outcome
+	// code is what the handler side put in MetadataErrorCode before a nack.
+	code string
 }
 
 // partitionRun delivers one partition's records for one generation (or one
@@ -306,11 +313,11 @@ func (p *partitionRun) run(ctx context.Context, steps <-chan []fetched) {
 			watched, next = p.sent(ctx, watched, next), nil
 		case <-isAcked:
 			watched.cancel()
-			p.settle(ctx, settlement{watched.e, acked})
+			p.settle(ctx, settlement{e: watched.e, outcome: acked})
 			watched = nil
 		case <-isNack:
 			watched.cancel()
-			p.settle(ctx, settlement{watched.e, nacked})
+			p.settle(ctx, nackOf(watched))
 			watched = nil
 		case s := <-events:
 			p.reporters--
@@ -405,11 +412,17 @@ func (p *partitionRun) spawn(f func()) {
 }
 
 // report hands an outcome to the run loop, unless the run is over.
-func (p *partitionRun) report(ctx context.Context, e *entry, o outcome) {
+func (p *partitionRun) report(ctx context.Context, s settlement) {
 	select {
-	case p.events <- settlement{e, o}:
+	case p.events <- s:
 	case <-ctx.Done():
 	}
+}
+
+// nackOf is the settlement of a nacked delivery. The metadata is read only
+// after Nacked is closed, so the handler's writes to it happened before.
+func nackOf(c *candidate) settlement {
+	return settlement{e: c.e, outcome: nacked, code: c.msg.Metadata.Get(MetadataErrorCode)}
 }
 
 // wait reports what the handler does with a delivery the run loop no longer
@@ -418,10 +431,10 @@ func (p *partitionRun) wait(ctx context.Context, c *candidate) {
 	select {
 	case <-c.msg.Acked():
 		c.cancel()
-		p.report(ctx, c.e, acked)
+		p.report(ctx, settlement{e: c.e, outcome: acked})
 	case <-c.msg.Nacked():
 		c.cancel()
-		p.report(ctx, c.e, nacked)
+		p.report(ctx, nackOf(c))
 	case <-ctx.Done():
 		c.cancel()
 	}
@@ -434,9 +447,11 @@ func (p *partitionRun) settle(ctx context.Context, s settlement) {
 		e.state = backingOff
 		p.handling--
 		<-p.sub.slots
+		e.nacks++
+		pause := p.backOff(e, s.code)
 		p.spawn(func() {
-			if sleep(ctx, p.sub.s.cfg.NackBackoff) {
-				p.report(ctx, e, retry)
+			if sleep(ctx, pause) {
+				p.report(ctx, settlement{e: e, outcome: retry})
 			}
 		})
 	case retry:
@@ -463,6 +478,50 @@ func (p *partitionRun) settle(ctx context.Context, s settlement) {
 		}
 		p.advance()
 	}
+}
+
+// nackPause is the pause before the delivery that follows the n-th nack in
+// a row of one record: base, doubled n-1 times, at most limit.
+func nackPause(base, limit time.Duration, n int) time.Duration {
+	d := base
+	for i := 1; i < n && d < limit; i++ {
+		if d > limit/2 {
+			return limit
+		}
+		d *= 2
+	}
+	return min(d, limit)
+}
+
+// backOff returns the pause before e's next delivery, after its latest nack,
+// and logs it when it is a new step: once per record and pause, so a record
+// nacked for ever logs about log2(NackBackoffMax/NackBackoff)+1 lines, the
+// last at error level when the pause reaches NackBackoffMax.
+func (p *partitionRun) backOff(e *entry, code string) time.Duration {
+	cfg := p.sub.s.cfg
+	pause := nackPause(cfg.NackBackoff, cfg.NackBackoffMax, e.nacks)
+	if e.nacks > 1 && pause == nackPause(cfg.NackBackoff, cfg.NackBackoffMax, e.nacks-1) {
+		return pause // the same step as before: logged already
+	}
+	fields := watermill.LogFields{
+		"partition": p.tp.partition,
+		"offset":    e.rec.Offset,
+		"nacks":     e.nacks,
+		"retry_in":  pause,
+	}
+	if code != "" {
+		fields["code"] = code
+	}
+	switch {
+	case e.nacks == 1:
+		p.sub.logger.Debug("Record nacked; delivering it again after a pause", fields)
+	case pause < cfg.NackBackoffMax:
+		p.sub.logger.Info("Record nacked again; pausing longer before delivering it again", fields)
+	default:
+		p.sub.logger.Error("Record nacked again and again; delivering it again every retry_in until it is acked "+
+			"(a record that can never succeed needs a PoisonQueue)", nil, fields)
+	}
+	return pause
 }
 
 // advance drops the settled prefix of the window and reports its end.

@@ -5,11 +5,9 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 	kafkago "github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/assert"
@@ -41,7 +39,7 @@ func TestSessionTimeoutRefused(t *testing.T) {
 			t.Run(tc.name, func(t *testing.T) {
 				cfg := subscriberConfig(b.brokers, b.group, 1)
 				cfg.SessionTimeout, cfg.HeartbeatInterval = tc.session, tc.beat
-				logs := &captureLogger{}
+				logs := newCaptureLogger()
 				cfg.Logger = logs
 				sub := newSubscriber(t, cfg)
 				defer sub.Close()
@@ -88,7 +86,7 @@ func TestRefusalAfterJoinEndsSubscription(t *testing.T) {
 	b := setup(t, brokers, 2)
 
 	cfg := subscriberConfig(brokers, b.group, 2)
-	logs := &captureLogger{}
+	logs := newCaptureLogger()
 	cfg.Logger = logs
 	_, ch := b.subscribe(t, cfg)
 
@@ -133,46 +131,6 @@ func drain[T any](ch <-chan T) <-chan T {
 		close(out)
 	}()
 	return out
-}
-
-// captureLogger keeps the error lines.
-type captureLogger struct {
-	mu     sync.Mutex
-	errors []string
-	fields watermill.LogFields
-}
-
-func (l *captureLogger) Error(msg string, err error, _ watermill.LogFields) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	s := msg
-	if err != nil {
-		s += ": " + err.Error()
-	}
-	l.errors = append(l.errors, s)
-}
-func (l *captureLogger) Info(string, watermill.LogFields)  {}
-func (l *captureLogger) Debug(string, watermill.LogFields) {}
-func (l *captureLogger) Trace(string, watermill.LogFields) {}
-func (l *captureLogger) With(watermill.LogFields) watermill.LoggerAdapter {
-	return l
-}
-
-func (l *captureLogger) has(prefix string) bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, e := range l.errors {
-		if strings.HasPrefix(e, prefix) {
-			return true
-		}
-	}
-	return false
-}
-
-func (l *captureLogger) errorText() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return strings.Join(l.errors, "\n")
 }
 
 var _ = uuid.NewString

@@ -377,6 +377,16 @@ func TestConfigValidation(t *testing.T) {
 	_, err = kafka.NewSubscriber(cfg)
 	require.ErrorContains(t, err, "MaxInFlightPerPartition must not be negative")
 
+	// The pause after nacks grows from NackBackoff to NackBackoffMax; a
+	// NackBackoff above the default cap raises the cap with it.
+	cfg = subscriberConfig([]string{"localhost:9092"}, "g", 1)
+	cfg.NackBackoff, cfg.NackBackoffMax = time.Second, 500*time.Millisecond
+	_, err = kafka.NewSubscriber(cfg)
+	require.ErrorContains(t, err, "NackBackoffMax 500ms must be at least NackBackoff 1s")
+	cfg.NackBackoff, cfg.NackBackoffMax = time.Minute, 0
+	_, err = kafka.NewSubscriber(cfg)
+	require.NoError(t, err)
+
 	// Without a group the timings are not used.
 	cfg = subscriberConfig([]string{"localhost:9092"}, "", 1)
 	cfg.HeartbeatInterval = time.Minute

@@ -101,6 +101,10 @@ func runUniversal(t *testing.T, brokers []string, run universalRun) {
 	})
 	newSub := func(t *testing.T, group string) *kafka.Subscriber {
 		cfg := subscriberConfig(brokers, group, universalPartitions)
+		// TestContinueAfterErrors nacks one record 100 times in a row on
+		// each of 3 subscribers: at the default cap of 10 s it would take
+		// hours. The growth itself is nackbackoff_test.go's.
+		cfg.NackBackoffMax = 2 * cfg.NackBackoff
 		if run.config != nil {
 			run.config(&cfg)
 		}

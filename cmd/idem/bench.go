@@ -151,7 +151,7 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 	if err := benchkit.Prepare(ctx, o); err != nil {
 		return err
 	}
-	fmt.Fprintf(e.stderr, "idem bench: %d messages per setup, %d partitions, %d-byte payloads, %.0f%% duplicates, schema %s\n",
+	fmt.Fprintf(e.notes(), "idem bench: %d messages per setup, %d partitions, %d-byte payloads, %.0f%% duplicates, schema %s\n",
 		o.N, o.Concurrency, o.PayloadSize, o.DupRate*100, schema)
 
 	var results []benchkit.Result
@@ -164,7 +164,7 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 			return fmt.Errorf("setup %s: %w", s, err)
 		}
 		if res.Broker != "" {
-			fmt.Fprintf(e.stderr, "  %-12s ran on %s, topic and group %s (deleted)\n", s, res.Broker, res.Topic)
+			fmt.Fprintf(e.notes(), "  %-12s ran on %s, topic and group %s (deleted)\n", s, res.Broker, res.Topic)
 		}
 		results = append(results, res)
 	}
@@ -240,7 +240,8 @@ func roundDur(d time.Duration) string {
 
 func mib(b uint64) string { return fmt.Sprintf("%.0f MiB", float64(b)/(1<<20)) }
 
-// progressBar draws one line on stderr, at most five times a second.
+// progressBar draws one line on stderr, at most five times a second (nothing
+// with --json).
 type progressBar struct {
 	e     *env
 	name  string
@@ -260,10 +261,10 @@ func (p *progressBar) update(done, total int) {
 	const width = 30
 	frac := min(float64(done)/float64(total), 1)
 	n := int(frac * width)
-	fmt.Fprintf(p.e.stderr, "\r  %-12s [%s%s] %3.0f%% %d/%d %s ", p.name, strings.Repeat("#", n), strings.Repeat(" ", width-n),
+	fmt.Fprintf(p.e.notes(), "\r  %-12s [%s%s] %3.0f%% %d/%d %s ", p.name, strings.Repeat("#", n), strings.Repeat(" ", width-n),
 		frac*100, done, total, time.Since(p.start).Round(time.Second))
 }
 
 func (p *progressBar) done() {
-	fmt.Fprintf(p.e.stderr, "\r  %-12s done in %s%s\n", p.name, time.Since(p.start).Round(100*time.Millisecond), strings.Repeat(" ", 50))
+	fmt.Fprintf(p.e.notes(), "\r  %-12s done in %s%s\n", p.name, time.Since(p.start).Round(100*time.Millisecond), strings.Repeat(" ", 50))
 }

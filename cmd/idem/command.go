@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -62,8 +63,11 @@ type env struct {
 	// schemaGiven: --schema was on the command line (not IDEM_SCHEMA, not the
 	// default).
 	schemaGiven bool
-	json        bool
-	pool        *pgxpool.Pool
+	// json: --json was given. Output is JSON, errors are one JSON object on
+	// stderr, and nothing else goes to stderr but JSON log lines (no progress,
+	// no question on the terminal).
+	json bool
+	pool *pgxpool.Pool
 }
 
 // usageError is bad usage: exit code 2.
@@ -142,8 +146,10 @@ func (c *command) execute(ctx context.Context, args []string, terminal io.Reader
 		c.printHelp(stdout, fs)
 		return exitOK
 	}
+	// --json anywhere on the line, even where the flag package took it as
+	// another flag's value ("--schema --json"), makes errors JSON.
+	e.json = e.json || wantsJSON(args)
 	if err != nil {
-		e.json = wantsJSON(args)
 		return e.report(c, usagef("%v", err))
 	}
 	e.resolve(fs)
@@ -158,16 +164,26 @@ func (c *command) execute(ctx context.Context, args []string, terminal io.Reader
 	return e.report(c, runIt(ctx, e, positional))
 }
 
-// wantsJSON reports whether args ask for JSON, for errors that come before the
-// flags are parsed.
+// wantsJSON reports whether args ask for JSON anywhere (--json, -json,
+// --json=true, or any value strconv.ParseBool takes, as the flag package does;
+// the last one wins; a value it refuses counts as asking), for errors found
+// before, or instead of, parsing the flags.
 func wantsJSON(args []string) bool {
+	want := false
 	for _, a := range args {
-		switch a {
-		case "--json", "-json", "--json=true", "-json=true":
-			return true
+		name, value, hasValue := strings.Cut(a, "=")
+		if name != "--json" && name != "-json" {
+			continue
 		}
+		if !hasValue {
+			want = true
+			continue
+		}
+		// A value the flag package refuses is an error to report, as JSON.
+		b, err := strconv.ParseBool(value)
+		want = b || err != nil
 	}
-	return false
+	return want
 }
 
 // parseInterleaved parses flags that come before, between or after positional
@@ -326,6 +342,23 @@ func row(tw io.Writer, cells ...any) {
 		parts[i] = fmt.Sprint(c)
 	}
 	fmt.Fprintln(tw, strings.Join(parts, "\t"))
+}
+
+// notes is where a command writes progress and notes for people: stderr, or
+// nowhere with --json, where stderr holds JSON only (an error, log lines).
+func (e *env) notes() io.Writer {
+	if e.json {
+		return io.Discard
+	}
+	return e.stderr
+}
+
+// nextPage tells, on stderr, that a --json list goes on: one JSON object with the
+// cursor of the next page (stdout holds the page alone).
+func (e *env) nextPage(c, what, cursor string) {
+	b, _ := json.Marshal(map[string]string{"next_after": cursor,
+		"message": fmt.Sprintf("idem %s: more %s follow; next page: --after %s", c, what, cursor)})
+	fmt.Fprintf(e.stderr, "%s\n", b)
 }
 
 // writeJSON prints v as indented JSON.

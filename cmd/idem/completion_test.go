@@ -27,7 +27,7 @@ var completionCases = []struct {
 	{[]string{"bench", "-"}, []string{"-n", "--concurrency"}, nil},
 	{[]string{"completion", ""}, []string{"bash", "zsh", "fish"}, nil},
 	{[]string{"forget", "--"}, []string{"--reason", "--by", "--yes", "--consumer"}, nil},
-	{[]string{"console", "--"}, []string{"--addr", "--read-only", "--allow-remote"}, nil},
+	{[]string{"console", "--"}, []string{"--addr", "--read-only", "--allow-remote", "--allow-host"}, nil},
 }
 
 func writeScript(t *testing.T, shell string) string {

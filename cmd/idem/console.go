@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"crypto/hmac"
 	"crypto/rand"
+	"crypto/sha256"
 	"crypto/subtle"
 	"embed"
 	"encoding/hex"
@@ -15,11 +17,14 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/idemkit/idem/admin"
+	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
 )
 
@@ -33,22 +38,29 @@ const defaultConsoleAddr = "127.0.0.1:8080"
 
 var consoleCmd = &command{
 	name:    "console",
-	args:    "[--addr HOST:PORT] [--read-only] [--allow-remote] [flags]",
+	args:    "[--addr HOST:PORT] [--read-only] [--allow-remote] [--allow-host NAME] [flags]",
 	summary: "Serve a web console: stats, dead and stuck effects with their errors, any key across inbox and effects, requeue",
 	example: `idem console                                 # http://127.0.0.1:8080/
 idem console --addr 127.0.0.1:9000 --read-only --schema idem
+IDEM_CONSOLE_TOKEN=$(openssl rand -hex 32) idem console --allow-remote --addr 0.0.0.0:8080 --allow-host idem.internal
 
-The console listens on loopback only. To reach it from another machine, use an
-SSH tunnel (ssh -L 8080:127.0.0.1:8080 host), or pass --allow-remote with a
-non-loopback --addr: it has no login of its own, so put it behind an
-authenticating proxy. --read-only hides the requeue button and refuses requeue
+The console listens on loopback only, and answers only requests whose Host
+header is its own address (or an --allow-host name). To reach it from another
+machine, use an SSH tunnel (ssh -L 8080:127.0.0.1:8080 host). --allow-remote
+lets it listen on any address and requires an access token for every API
+request, reads included: $IDEM_CONSOLE_TOKEN (at least 32 characters), or one
+generated at start and printed on stderr with a URL to open
+(http://HOST:PORT/#token=...: the fragment never reaches a server or a log).
+Scripts send "Authorization: Bearer TOKEN". It serves plain HTTP: put a TLS
+proxy in front. --read-only hides the requeue button and refuses requeue
 requests on the server. A requeue needs the page's token and a same-origin
 request (CSRF protection); every requeue is logged on stderr.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var o consoleOptions
 		fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "address to listen on")
 		fs.BoolVar(&o.readOnly, "read-only", false, "show, but never change anything: no requeue")
-		fs.BoolVar(&o.allowRemote, "allow-remote", false, "allow a non-loopback --addr (the console has no login: put it behind an authenticating proxy)")
+		fs.BoolVar(&o.allowRemote, "allow-remote", false, "allow a non-loopback --addr, and require the access token ($"+consoleTokenEnv+", else generated and printed) for every API request")
+		fs.Var(&o.allowHosts, "allow-host", "a host name or IP address clients use to reach the console, accepted in the Host header besides its own address (repeatable, or comma-separated)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err
@@ -58,9 +70,34 @@ request (CSRF protection); every requeue is logged on stderr.`,
 	},
 }
 
+// consoleTokenEnv names the variable that holds the access token of a console
+// run with --allow-remote.
+const consoleTokenEnv = "IDEM_CONSOLE_TOKEN"
+
+// minConsoleToken is the shortest access token taken from the environment:
+// 32 characters, 128 bits as hex.
+const minConsoleToken = 32
+
 type consoleOptions struct {
 	addr                  string
 	readOnly, allowRemote bool
+	allowHosts            hostList
+}
+
+// hostList is --allow-host: names, repeatable or comma-separated.
+type hostList []string
+
+func (l *hostList) String() string { return strings.Join(*l, ",") }
+
+func (l *hostList) Set(s string) error {
+	for name := range strings.SplitSeq(s, ",") {
+		name = strings.TrimSpace(name)
+		if name == "" || strings.ContainsAny(name, "/ ") {
+			return fmt.Errorf("%q is not a host name or IP address", name)
+		}
+		*l = append(*l, name)
+	}
+	return nil
 }
 
 func runConsole(ctx context.Context, e *env, o consoleOptions) error {
@@ -69,8 +106,23 @@ func runConsole(ctx context.Context, e *env, o consoleOptions) error {
 		return usagef("--addr %q: use HOST:PORT, such as %s", o.addr, defaultConsoleAddr)
 	}
 	if !o.allowRemote && !isLoopback(host) {
-		return usagef("--addr %q is not a loopback address: the console has no login of its own. "+
-			"Use an SSH tunnel to 127.0.0.1, or pass --allow-remote and put an authenticating proxy in front of it", o.addr)
+		return usagef("--addr %q is not a loopback address. Use an SSH tunnel to 127.0.0.1, "+
+			"or pass --allow-remote, which requires an access token for every request", o.addr)
+	}
+	var token string
+	tokenFromEnv := false
+	if o.allowRemote {
+		if unspecified(host) && len(o.allowHosts) == 0 {
+			return usagef("--addr %q listens on every interface: name the hosts clients use to reach it with --allow-host "+
+				"(the console refuses any other Host header, against DNS rebinding)", o.addr)
+		}
+		if token, tokenFromEnv = os.LookupEnv(consoleTokenEnv); tokenFromEnv {
+			if len(token) < minConsoleToken {
+				return usagef("$%s is %d characters: use at least %d (openssl rand -hex 32)", consoleTokenEnv, len(token), minConsoleToken)
+			}
+		} else if token, err = randomToken(); err != nil {
+			return err
+		}
 	}
 	a, err := e.admin(ctx)
 	if err != nil {
@@ -80,17 +132,15 @@ func runConsole(ctx context.Context, e *env, o consoleOptions) error {
 	if err != nil {
 		return fmt.Errorf("listen on %s: %w (is another console or program using the port? choose another with --addr)", o.addr, err)
 	}
-	h, err := newConsole(a, consoleConfig{ReadOnly: o.readOnly, Logger: e.logger(), Hosts: consoleHosts(ln.Addr(), o.allowRemote)})
+	logger := e.logger()
+	h, err := newConsole(a, consoleConfig{ReadOnly: o.readOnly, Logger: logger,
+		Hosts: consoleHosts(ln.Addr(), host), Names: o.allowHosts, Token: token})
 	if err != nil {
 		ln.Close()
 		return err
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(e.logger().Handler(), slog.LevelWarn)}
-	mode := ""
-	if o.readOnly {
-		mode = ", read-only"
-	}
-	fmt.Fprintf(e.stderr, "idem console: http://%s/ (schema %s%s); Ctrl-C stops it\n", ln.Addr(), e.schema, mode)
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(logger.Handler(), slog.LevelWarn)}
+	announceConsole(e, logger, o, ln.Addr(), host, token, tokenFromEnv)
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ln) }()
 	select {
@@ -106,6 +156,81 @@ func runConsole(ctx context.Context, e *env, o consoleOptions) error {
 	return nil
 }
 
+// announceConsole says where the console listens, on stderr: as text, or as
+// JSON log lines with --json. In remote mode it warns first, and gives the URL
+// that logs the browser in (the token in the fragment, which no server sees);
+// a generated token is printed, one from the environment is not.
+func announceConsole(e *env, logger *slog.Logger, o consoleOptions, addr net.Addr, host, token string, fromEnv bool) {
+	_, port, _ := net.SplitHostPort(addr.String())
+	urlHost := host
+	if unspecified(host) {
+		urlHost = o.allowHosts[0]
+	}
+	url := "http://" + net.JoinHostPort(urlHost, port) + "/"
+	mode := ""
+	if o.readOnly {
+		mode = ", read-only"
+	}
+	if !o.allowRemote {
+		if e.json {
+			logger.Info("idem console: serving", "url", url, "schema", e.schema, "read_only", o.readOnly)
+			return
+		}
+		fmt.Fprintf(e.stderr, "idem console: %s (schema %s%s); Ctrl-C stops it\n", url, e.schema, mode)
+		return
+	}
+	const warning = "idem console: WARNING: --allow-remote: other machines may reach this console, over plain HTTP " +
+		"(put a TLS proxy in front of it, or use an SSH tunnel instead). Every API request needs the access token, " +
+		"and whoever has it can read the idem tables"
+	write := ", and requeue dead effects."
+	if o.readOnly {
+		write = " (read-only: no requeue)."
+	}
+	hosts := strings.Join(append(consoleHosts(addr, host), o.allowHosts...), ", ")
+	login := url + "#token="
+	if fromEnv {
+		login += "$" + consoleTokenEnv
+	} else {
+		login += token
+	}
+	if e.json {
+		logger.Warn(warning+write, "hosts", hosts)
+		attrs := []any{"url", url, "login_url", login, "schema", e.schema, "read_only", o.readOnly}
+		if !fromEnv {
+			attrs = append(attrs, "token", token)
+		}
+		logger.Info("idem console: serving", attrs...)
+		return
+	}
+	fmt.Fprintf(e.stderr, "%s%s\nidem console: answers to Host %s\n", warning, write, hosts)
+	if fromEnv {
+		fmt.Fprintf(e.stderr, "idem console: access token: $%s\n", consoleTokenEnv)
+	} else {
+		fmt.Fprintf(e.stderr, "idem console: access token (generated; set $%s to choose one): %s\n", consoleTokenEnv, token)
+	}
+	fmt.Fprintf(e.stderr, "idem console: open %s (the token is in the URL's fragment, which the browser never sends); "+
+		"scripts send \"Authorization: Bearer TOKEN\"\n", login)
+	fmt.Fprintf(e.stderr, "idem console: %s (schema %s%s); Ctrl-C stops it\n", url, e.schema, mode)
+}
+
+// randomToken returns 32 random bytes as hex.
+func randomToken() (string, error) {
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(b), nil
+}
+
+// unspecified reports whether host listens on every interface ("", 0.0.0.0, ::).
+func unspecified(host string) bool {
+	if host == "" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsUnspecified()
+}
+
 // isLoopback reports whether host names only loopback addresses.
 func isLoopback(host string) bool {
 	if host == "localhost" {
@@ -115,24 +240,36 @@ func isLoopback(host string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// consoleHosts are the Host headers the console answers on a loopback address:
-// the address itself and localhost, with its port. A page of another site that a
-// DNS name pointed at 127.0.0.1 (DNS rebinding) sends its own name, and is
-// refused. With --allow-remote, any name (nil): the proxy in front decides.
-func consoleHosts(addr net.Addr, remote bool) []string {
-	if remote {
-		return nil
-	}
+// consoleHosts are the Host headers (with the port) the console answers to: its
+// loopback names, and the address it listens on when that is one address. A page
+// of another site that a DNS name pointed at the console (DNS rebinding) sends its
+// own name, and is refused.
+func consoleHosts(addr net.Addr, listenHost string) []string {
 	_, port, _ := net.SplitHostPort(addr.String())
-	return []string{addr.String(), net.JoinHostPort("localhost", port), net.JoinHostPort("127.0.0.1", port), net.JoinHostPort("::1", port)}
+	hosts := []string{addr.String(), net.JoinHostPort("localhost", port), net.JoinHostPort("127.0.0.1", port), net.JoinHostPort("::1", port)}
+	if !unspecified(listenHost) {
+		hosts = append(hosts, net.JoinHostPort(listenHost, port))
+	}
+	var out []string
+	for _, h := range hosts {
+		if !slices.Contains(out, h) {
+			out = append(out, h)
+		}
+	}
+	return out
 }
 
 // consoleConfig configures the console's handler.
 type consoleConfig struct {
 	ReadOnly bool
 	Logger   *slog.Logger
-	// Hosts are the Host headers accepted; nil accepts any.
-	Hosts []string
+	// Hosts are the Host headers accepted, port included; Names the host names
+	// accepted with any port (--allow-host). Any other Host is refused.
+	Hosts, Names []string
+	// Token, when set (--allow-remote), is required by every /api/ request:
+	// "Authorization: Bearer TOKEN", or the session cookie that POST /api/login
+	// sets for it.
+	Token string
 }
 
 // console serves the page and its JSON endpoints, which call the admin API.
@@ -150,11 +287,14 @@ func newConsole(a *admin.Admin, cfg consoleConfig) (http.Handler, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	b := make([]byte, 32)
-	if _, err := rand.Read(b); err != nil {
+	if len(cfg.Hosts) == 0 && len(cfg.Names) == 0 {
+		return nil, errors.New("console: no Host to answer to")
+	}
+	token, err := randomToken()
+	if err != nil {
 		return nil, err
 	}
-	c := &console{admin: a, cfg: cfg, token: hex.EncodeToString(b)}
+	c := &console{admin: a, cfg: cfg, token: token}
 	static, err := fs.Sub(consoleFiles, "console")
 	if err != nil {
 		return nil, err
@@ -172,6 +312,9 @@ func newConsole(a *admin.Admin, cfg consoleConfig) (http.Handler, error) {
 	// says it comes from another site; the token covers old browsers that send
 	// neither.
 	mux.Handle("POST /api/requeue", http.NewCrossOriginProtection().Handler(http.HandlerFunc(c.requeue)))
+	if cfg.Token != "" {
+		mux.Handle("POST /api/login", http.NewCrossOriginProtection().Handler(http.HandlerFunc(c.login)))
+	}
 	return c.guard(mux), nil
 }
 
@@ -186,27 +329,114 @@ func (c *console) guard(next http.Handler) http.Handler {
 		h.Set("X-Frame-Options", "DENY")
 		h.Set("Referrer-Policy", "no-referrer")
 		h.Set("Cache-Control", "no-store")
-		if c.cfg.Hosts != nil && !hostAllowed(c.cfg.Hosts, r.Host) {
+		if !c.hostAllowed(r.Host) {
 			writeError(w, http.StatusMisdirectedRequest, "bad_host",
-				fmt.Sprintf("this console answers to Host %s only", strings.Join(c.cfg.Hosts, ", ")))
+				fmt.Sprintf("this console answers to Host %s only", strings.Join(append(slices.Clone(c.cfg.Hosts), c.cfg.Names...), ", ")))
+			return
+		}
+		// The page's own files are the same in every idem binary, and the login
+		// takes the token itself; everything else, every read of the database
+		// included, needs the token.
+		if c.cfg.Token != "" && !publicPaths[r.URL.Path] && !c.authorized(r) {
+			c.unauthorized(w)
 			return
 		}
 		next.ServeHTTP(w, r)
 	})
 }
 
-func hostAllowed(hosts []string, host string) bool {
-	for _, h := range hosts {
+// publicPaths need no access token in remote mode.
+var publicPaths = map[string]bool{"/": true, "/index.html": true, "/app.js": true, "/style.css": true, "/api/login": true}
+
+func (c *console) hostAllowed(host string) bool {
+	for _, h := range c.cfg.Hosts {
 		if strings.EqualFold(h, host) {
+			return true
+		}
+	}
+	name := host
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		name = h
+	}
+	for _, n := range c.cfg.Names {
+		if strings.EqualFold(strings.Trim(n, "[]"), name) {
 			return true
 		}
 	}
 	return false
 }
 
-type apiError struct {
-	Code    string `json:"code"`
-	Message string `json:"message"`
+// The session cookie that POST /api/login sets: "v1.<issued, unix seconds>.<HMAC-SHA256
+// of the issue time, keyed with the access token>". It is HttpOnly (no script
+// reads it), SameSite=Strict (no other site's request carries it), and good for
+// sessionTTL; changing the token ends every session.
+const (
+	sessionCookie = "idem_console_session"
+	sessionTTL    = 12 * time.Hour
+)
+
+func (c *console) sessionValue(issued int64) string {
+	mac := hmac.New(sha256.New, []byte(c.cfg.Token))
+	fmt.Fprintf(mac, "idem console session v1 %d", issued)
+	return "v1." + strconv.FormatInt(issued, 10) + "." + hex.EncodeToString(mac.Sum(nil))
+}
+
+func (c *console) validSession(v string) bool {
+	version, rest, _ := strings.Cut(v, ".")
+	at, _, _ := strings.Cut(rest, ".")
+	issued, err := strconv.ParseInt(at, 10, 64)
+	if version != "v1" || err != nil {
+		return false
+	}
+	age := time.Since(time.Unix(issued, 0))
+	if age > sessionTTL || age < -time.Minute {
+		return false
+	}
+	return hmac.Equal([]byte(c.sessionValue(issued)), []byte(v))
+}
+
+// bearer reports whether r carries the access token in its Authorization
+// header. The SHA-256 digests are compared, in constant time, so that neither
+// the token's bytes nor its length show in the answer's timing.
+func (c *console) bearer(r *http.Request) bool {
+	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	if !ok {
+		return false
+	}
+	a, b := sha256.Sum256([]byte(got)), sha256.Sum256([]byte(c.cfg.Token))
+	return subtle.ConstantTimeCompare(a[:], b[:]) == 1
+}
+
+// authorized: the access token, or a session cookie made for it.
+func (c *console) authorized(r *http.Request) bool {
+	if c.bearer(r) {
+		return true
+	}
+	ck, err := r.Cookie(sessionCookie)
+	return err == nil && c.validSession(ck.Value)
+}
+
+func (c *console) unauthorized(w http.ResponseWriter) {
+	w.Header().Set("WWW-Authenticate", `Bearer realm="idem console"`)
+	writeError(w, http.StatusUnauthorized, "unauthorized",
+		"this console needs its access token: open the URL that idem console printed (http://HOST:PORT/#token=...), "+
+			"enter the token on the page, or send \"Authorization: Bearer TOKEN\"")
+}
+
+// login trades the access token (Authorization: Bearer) for the session
+// cookie, so that the page's requests need not carry the token.
+func (c *console) login(w http.ResponseWriter, r *http.Request) {
+	if !c.bearer(r) {
+		c.unauthorized(w)
+		return
+	}
+	http.SetCookie(w, &http.Cookie{
+		Name: sessionCookie, Value: c.sessionValue(time.Now().Unix()), Path: "/",
+		MaxAge: int(sessionTTL / time.Second), HttpOnly: true, SameSite: http.SameSiteStrictMode,
+		// Behind a TLS proxy the browser speaks HTTPS: keep the cookie to it.
+		Secure: r.TLS != nil || strings.EqualFold(r.Header.Get("X-Forwarded-Proto"), "https"),
+	})
+	w.WriteHeader(http.StatusNoContent)
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -215,8 +445,13 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
+// writeError answers with RFC 9457 problem details, as httpidem does: the
+// stable code in "code" and at the end of "type", the message in "detail".
 func writeError(w http.ResponseWriter, status int, code, msg string) {
-	writeJSON(w, status, apiError{Code: code, Message: msg})
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(httpidem.Problem{Type: httpidem.ProblemTypePrefix + code,
+		Title: http.StatusText(status), Status: status, Detail: msg, Code: code})
 }
 
 // fail answers err with the status its code calls for.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -229,4 +230,74 @@ func TestConsoleInBrowserReadOnly(t *testing.T) {
 	mode, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.getElementById("mode").textContent`))
 	require.NoError(t, err)
 	require.Equal(t, "read-only", mode)
+}
+
+// A console run with --allow-remote, in Chromium. Without the token the page
+// shows the sign-in form and nothing of the database; a wrong token is refused
+// there; the right one signs the page in with a cookie its script cannot read.
+// In a fresh profile, the URL that idem console prints (the token in its
+// fragment, which the browser never sends) signs in at once, and the token
+// leaves the address bar.
+func TestConsoleInBrowserRemote(t *testing.T) {
+	b := setup(t)
+	_, err := b.pool.Exec(context.Background(), seedDead)
+	require.NoError(t, err)
+	token := "browser-" + strings.Repeat("ab12", 10)
+	srv := b.consoleServerWith(t, consoleConfig{Token: token})
+	browser := newBrowser(t)
+	shots := screenshotDir(t)
+	js := func(ctx context.Context, expr string) string {
+		t.Helper()
+		s, err := chromedp.Run(ctx, chromedp.Evaluate[string](expr))
+		require.NoError(t, err, expr)
+		return s
+	}
+	wait := func(ctx context.Context, expr string) {
+		t.Helper()
+		_, err := chromedp.Run(ctx, chromedp.Poll[bool](expr, chromedp.WithPollingTimeout(time.Minute), chromedp.WithPollingInterval(100*time.Millisecond)))
+		require.NoError(t, err, "waiting for %s", expr)
+	}
+	const loaded = `document.body.dataset.ready === "1" && document.querySelectorAll("#dead tr.effect").length === 2`
+
+	// No token: the sign-in form, no data.
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL)))
+	wait(browser, `document.body.dataset.login === "1" && !document.getElementById("login-section").hidden`)
+	require.Equal(t, "0", js(browser, `String(document.querySelectorAll("#dead tr.effect").length)`))
+	require.Equal(t, "", js(browser, `document.getElementById("schema").textContent`))
+	png, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(shots, "console-remote-login.png"), png, 0o644))
+
+	// A wrong token is refused on the form.
+	require.NoError(t, chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.ID("login-token"), "wrong-token"),
+		chromedp.Click(chromedp.CSS(`#login-form button[type=submit]`)),
+	))
+	wait(browser, `!document.getElementById("error").hidden && document.getElementById("error").textContent.includes("access token")`)
+	require.Equal(t, "1", js(browser, `document.body.dataset.login`))
+
+	// The right one signs in: the data shows, and the session cookie is
+	// HttpOnly (the page's script sees no cookie at all).
+	js(browser, `document.getElementById("login-token").value = ""`)
+	require.NoError(t, chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.ID("login-token"), token),
+		chromedp.Click(chromedp.CSS(`#login-form button[type=submit]`)),
+	))
+	wait(browser, loaded)
+	require.Equal(t, "", js(browser, `document.cookie`))
+	require.Equal(t, "true", js(browser, `String(document.getElementById("login-section").hidden)`))
+	require.Equal(t, "read-write", js(browser, `document.getElementById("mode").textContent`))
+	// A reload keeps the session.
+	require.NoError(t, chromedp.Do(browser, chromedp.Reload()))
+	wait(browser, loaded)
+
+	// A fresh profile, and the printed URL: signed in at once, the token gone
+	// from the address bar.
+	fresh, cancel := chromedp.NewContext(browser, chromedp.WithNewBrowserContext())
+	defer cancel()
+	require.NoError(t, chromedp.Do(fresh, chromedp.Navigate(srv.URL+"/#token="+token)))
+	wait(fresh, loaded)
+	require.Equal(t, srv.URL+"/", js(fresh, `location.href`))
+	require.Equal(t, "", js(fresh, `document.body.dataset.login || ""`))
+	require.Equal(t, "", js(fresh, `document.cookie`))
 }

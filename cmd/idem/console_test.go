@@ -16,16 +16,25 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/admin"
+	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // consoleServer serves the console for b's schema on a loopback port.
 func (b *bundle) consoleServer(t *testing.T, readOnly bool) *httptest.Server {
 	t.Helper()
+	return b.consoleServerWith(t, consoleConfig{ReadOnly: readOnly})
+}
+
+// consoleServerWith serves the console with cfg, its Hosts those of its
+// loopback port.
+func (b *bundle) consoleServerWith(t *testing.T, cfg consoleConfig) *httptest.Server {
+	t.Helper()
 	a, err := admin.New(b.pool, admin.Config{Schema: b.schema})
 	require.NoError(t, err)
 	srv := httptest.NewUnstartedServer(nil)
-	h, err := newConsole(a, consoleConfig{ReadOnly: readOnly, Hosts: consoleHosts(srv.Listener.Addr(), false)})
+	cfg.Hosts = consoleHosts(srv.Listener.Addr(), "127.0.0.1")
+	h, err := newConsole(a, cfg)
 	require.NoError(t, err)
 	srv.Config.Handler = h
 	srv.Start()
@@ -58,11 +67,16 @@ func call(t *testing.T, srv *httptest.Server, method, path string, body string, 
 	return apiResult{status: resp.StatusCode, header: resp.Header, body: b}
 }
 
+// code is the problem's code; every error is RFC 9457 problem details.
 func (r apiResult) code(t *testing.T) string {
 	t.Helper()
-	var e apiError
-	require.NoError(t, json.Unmarshal(r.body, &e), "%s", r.body)
-	return e.Code
+	require.Equal(t, "application/problem+json", r.header.Get("Content-Type"), "%s", r.body)
+	var p httpidem.Problem
+	require.NoError(t, json.Unmarshal(r.body, &p), "%s", r.body)
+	require.Equal(t, r.status, p.Status)
+	require.Equal(t, httpidem.ProblemTypePrefix+p.Code, p.Type)
+	require.NotEmpty(t, p.Detail)
+	return p.Code
 }
 
 const seedDead = `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, last_error, created_at) VALUES

@@ -74,8 +74,10 @@ type demoOptions struct {
 
 // demoJSON is the --json output.
 type demoJSON struct {
-	Broker         string  `json:"broker"`
-	BrokerAddress  string  `json:"broker_address"`
+	Broker        string `json:"broker"`
+	BrokerAddress string `json:"broker_address"`
+	// Topic is the run's own topic on a real Kafka broker (--kafka-brokers).
+	Topic          string  `json:"topic,omitempty"`
 	Schema         string  `json:"schema"`
 	Seed           int64   `json:"seed"`
 	ElapsedSeconds float64 `json:"elapsed_seconds"`
@@ -105,7 +107,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	if o.seed == 0 {
 		o.seed = time.Now().UnixNano() % 1_000_000
 	}
-	say := func(format string, args ...any) { fmt.Fprintf(e.stderr, format+"\n", args...) }
+	say := func(format string, args ...any) { fmt.Fprintf(e.notes(), format+"\n", args...) }
 	// Right after "docker compose up -d" the server may still be starting: wait
 	// for it a little, so the quick start's two commands can follow each other.
 	admin, err := e.connect(ctx)
@@ -373,7 +375,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	if err := admin.QueryRow(ctx, payments.LedgerRowsSQL(schema)).Scan(&rows); err == nil {
 		progress(e, rows, box.Total(), o.n, restarts.Load(), cuts.Load(), time.Since(start)) // the final state
 	}
-	fmt.Fprintln(e.stderr)
+	fmt.Fprintln(e.notes())
 	if p := runErr.Load(); p != nil {
 		return *p
 	}
@@ -390,6 +392,9 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	if e.json {
 		var out demoJSON
 		out.Broker, out.BrokerAddress, out.Schema, out.Seed, out.ElapsedSeconds = o.broker, ep.Addr, schema, o.seed, math.Round(elapsed.Seconds()*100)/100
+		if o.broker == payments.Kafka && o.kafkaBrokers != "" {
+			out.Topic = topic
+		}
 		out.Restarts, out.BackendCuts, out.ProducerDups = restarts.Load(), cuts.Load(), pubDups.Load()
 		r := &out.Report
 		r.Messages, r.CommittedOnce, r.CommittedTwice, r.Lost, r.Failed = rep.Messages, rep.CommittedOnce, rep.CommittedTwice, rep.Lost, rep.Failed
@@ -431,11 +436,11 @@ func publishRetry(ctx context.Context, pub message.Publisher, topic string, batc
 	return fmt.Errorf("publish: %w", err)
 }
 
-// progress draws the bar on stderr.
+// progress draws the bar on stderr (not with --json).
 func progress(e *env, committed, emailed, n int, restarts, cuts int64, elapsed time.Duration) {
 	const width = 30
 	done := min(width, committed*width/max(n, 1))
-	fmt.Fprintf(e.stderr, "\r[%s%s] %d/%d committed, %d emails, %d restarts, %d cuts, %s ",
+	fmt.Fprintf(e.notes(), "\r[%s%s] %d/%d committed, %d emails, %d restarts, %d cuts, %s ",
 		strings.Repeat("#", done), strings.Repeat(".", width-done), committed, n, emailed, restarts, cuts,
 		elapsed.Round(100*time.Millisecond))
 }

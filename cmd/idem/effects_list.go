@@ -20,7 +20,8 @@ idem effects list --state all --tenant acme --key-prefix receipt: --since 7d
 idem effects list --state pending --limit 20 --json
 
 Effects come in primary key order (tenant, kind, key). When more follow, the
-last line gives the --after cursor of the next page (with --json, on stderr).
+last line gives the --after cursor of the next page (with --json, on stderr, as
+{"next_after": CURSOR, ...}).
 --since and --until take a time (2026-11-21T23:02:11Z), a date (2026-11-21) or
 an age (90m, 7d: that long ago), and filter on when the effect was created.`,
 	setup: func(fs *flag.FlagSet) runFunc {
@@ -87,7 +88,7 @@ func runEffectsList(ctx context.Context, e *env, args []string, o effectsListOpt
 	}
 	if e.json {
 		if page.Next != "" {
-			fmt.Fprintf(e.stderr, "idem effects list: more effects follow; next page: --after %s\n", page.Next)
+			e.nextPage("effects list", "effects", page.Next)
 		}
 		return e.writeJSON(page.Effects)
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -35,6 +36,9 @@ const (
 	codeScratchBusy = "scratch_schema_in_use"
 	codeCanceled    = "canceled"
 	codeFailure     = "failure"
+	// codeConfirm: a dangerous command (migrate down, forget) was neither
+	// confirmed on a terminal nor given --yes; nothing was changed.
+	codeConfirm = "confirmation_required"
 )
 
 // exitError carries an exit code and an error code of its own.
@@ -53,6 +57,39 @@ type errorJSON struct {
 	Message  string `json:"message"`
 	Hint     string `json:"hint,omitempty"`
 	ExitCode int    `json:"exit_code"`
+	// Plan is what a dangerous command would have done, had it been
+	// confirmed (confirmation_required).
+	Plan any `json:"plan,omitempty"`
+}
+
+// printErrorJSON writes one JSON object, on one line, on stderr.
+func (e *env) printErrorJSON(v errorJSON) {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	// "<subcommand>", not "\u003csubcommand\u003e": this is no HTML.
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		// A plan that does not marshal: report without it.
+		v.Plan = nil
+		b.Reset()
+		_ = enc.Encode(v)
+	}
+	_, _ = e.stderr.Write(b.Bytes())
+}
+
+// confirmError: a dangerous command was not confirmed, so nothing was changed.
+// plan is what it would have done: printed on stderr before the question in
+// text mode, and carried in the error object with --json.
+type confirmError struct {
+	msg  string
+	plan any
+}
+
+func (e *confirmError) Error() string { return e.msg }
+
+// confirm is the error of an unconfirmed dangerous command.
+func confirm(plan any, format string, args ...any) error {
+	return &confirmError{msg: fmt.Sprintf(format, args...), plan: plan}
 }
 
 // classify gives err its exit code and its stable error code.
@@ -61,10 +98,13 @@ func classify(err error) (exit int, code string) {
 	var de *dsnError
 	var ce *connectError
 	var ee *exitError
+	var cf *confirmError
 	var coded interface{ Code() string }
 	switch {
 	case errors.As(err, &ue):
 		return exitUsage, codeUsage
+	case errors.As(err, &cf):
+		return exitUsage, codeConfirm
 	case errors.As(err, &de):
 		return exitUsage, codeBadDSN
 	case errors.As(err, &ce):
@@ -95,8 +135,12 @@ func (e *env) report(c *command, err error) int {
 		hint = fmt.Sprintf("Run 'idem %s --help' for usage and an example.", c.name)
 	}
 	if e.json {
-		b, _ := json.Marshal(errorJSON{Code: code, Message: msg, Hint: hint, ExitCode: exit})
-		fmt.Fprintf(e.stderr, "%s\n", b)
+		out := errorJSON{Code: code, Message: msg, Hint: hint, ExitCode: exit}
+		var cf *confirmError
+		if errors.As(err, &cf) {
+			out.Plan = cf.plan
+		}
+		e.printErrorJSON(out)
 		return exit
 	}
 	fmt.Fprintf(e.stderr, "idem %s: %s\n", c.name, msg)

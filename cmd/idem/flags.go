@@ -154,6 +154,8 @@ func flagKind(f *flag.Flag) (string, string) {
 		name = "time"
 	case *optString:
 		name = "string"
+	case *hostList:
+		name = "name"
 	}
 	return name, usage
 }

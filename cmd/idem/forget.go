@@ -29,7 +29,8 @@ again on purpose. The effects the first run made stay, with their keys: a re-run
 that enqueues the same effects enqueues nothing new.
 
 forget shows the key first, then asks you to type the key on a terminal, or needs
---yes; without either it changes nothing and exits 2. A key that a delivery holds
+--yes; without either it changes nothing and exits 2 (with --json it never asks,
+and the error, code confirmation_required, holds the key and its state). A key that a delivery holds
 under a running lease is refused. Every forget is logged on stderr at WARN level
 with the key, its state and fingerprint, --by and --reason.`,
 	setup: func(fs *flag.FlagSet) runFunc {
@@ -89,12 +90,19 @@ func runForget(ctx context.Context, e *env, args []string, o forgetOptions) erro
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(e.stderr, "idem forget: %s is %s (received %s, %d effect(s) made).\n"+
+	fmt.Fprintf(e.notes(), "idem forget: %s is %s (received %s, %d effect(s) made).\n"+
 		"Forgetting it makes its next delivery run the handler again: the business work may commit a second time.\n",
 		describeID(o.id), rec.State, ts(&rec.ReceivedAt), len(rec.Effects))
 	if !o.yes {
-		if e.terminal == nil {
-			return usagef("nothing was changed: forget deletes the inbox key shown above; to do it, run it again with --yes")
+		// With --json it never asks: stderr holds JSON only.
+		if e.terminal == nil || e.json {
+			what := "the inbox key shown above"
+			if e.json {
+				what = "the inbox key of the plan"
+			}
+			plan := map[string]any{"schema": e.schema, "consumer": o.id.Consumer, "tenant": o.id.Tenant, "key": o.id.Key,
+				"state": rec.State, "received_at": rec.ReceivedAt, "effects": len(rec.Effects)}
+			return confirm(plan, "nothing was changed: forget deletes %s, and its next delivery runs the handler again; to do it, run it again with --yes", what)
 		}
 		fmt.Fprintf(e.stderr, "Type the key (%s) to forget it, anything else to cancel: ", printable(o.id.Key))
 		answer, _ := bufio.NewReader(e.terminal).ReadString('\n')

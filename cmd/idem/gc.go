@@ -51,14 +51,14 @@ func runGC(ctx context.Context, e *env, args []string, cfg inbox.JanitorConfig) 
 	}
 	cfg.Pool, cfg.Schema = pool, e.schema
 	// Progress goes to stderr, at most once a second, so that stdout holds only
-	// the result (and stays valid JSON with --json).
+	// the result; with --json, nowhere (stderr holds JSON only).
 	var last time.Time
 	cfg.OnBatch = func(s inbox.Stats) {
 		if time.Since(last) < time.Second {
 			return
 		}
 		last = time.Now()
-		fmt.Fprintf(e.stderr, "  deleted %d inbox rows, %d effects so far (%.0f rows/s)\n",
+		fmt.Fprintf(e.notes(), "  deleted %d inbox rows, %d effects so far (%.0f rows/s)\n",
 			s.InboxDeleted, s.EffectsDeleted, float64(s.Deleted())/s.Elapsed.Seconds())
 	}
 	j, err := inbox.NewJanitor(cfg)

@@ -17,7 +17,8 @@ idem inbox list --consumer 'POST /payments' --tenant acct_42 --since 1d --json
 idem inbox list --consumer payments --key-prefix pay_ --limit 50 --after eyJpbmJveCIsIC4uLl0
 
 Keys come in primary key order (consumer, tenant, key). When more follow, the
-last line gives the --after cursor of the next page (with --json, on stderr).
+last line gives the --after cursor of the next page (with --json, on stderr, as
+{"next_after": CURSOR, ...}).
 --since and --until filter on when the key was received.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var f admin.InboxFilter
@@ -49,7 +50,7 @@ last line gives the --after cursor of the next page (with --json, on stderr).
 			}
 			if e.json {
 				if page.Next != "" {
-					fmt.Fprintf(e.stderr, "idem inbox list: more keys follow; next page: --after %s\n", page.Next)
+					e.nextPage("inbox list", "keys", page.Next)
 				}
 				return e.writeJSON(page.Keys)
 			}

@@ -6,14 +6,13 @@
 //
 // Every command takes --database-url (default $DATABASE_URL, else the PG*
 // variables, else a local Postgres), --schema (default $IDEM_SCHEMA, else idem)
-// and --json, before or after the command's name. Errors go to stderr (as JSON
-// with --json); the exit code is 0 on success, 1 on a failure, 2 on bad usage and
-// 3 when Postgres cannot be reached.
+// and --json, before or after the command's name. Errors go to stderr (with --json
+// anywhere on the line, as one JSON object); the exit code is 0 on success, 1 on a
+// failure, 2 on bad usage and 3 when Postgres cannot be reached.
 package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -64,8 +63,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 // runOn is run with terminal, where a command reads a confirmation (nil: none).
 func runOn(ctx context.Context, args []string, terminal io.Reader, stdout, stderr io.Writer) int {
+	// --json anywhere on the line makes every error JSON, those found before a
+	// command is chosen included.
+	e := &env{stdout: stdout, stderr: stderr, json: wantsJSON(args)}
 	globals, args, err := leadingGlobals(args)
-	e := &env{stdout: stdout, stderr: stderr, json: wantsJSON(globals)}
 	if err != nil {
 		return e.reportTop(err)
 	}
@@ -93,6 +94,9 @@ func runOn(ctx context.Context, args []string, terminal io.Reader, stdout, stder
 				fmt.Fprintf(stdout, "idem %s has subcommands: %s\nRun 'idem %s <subcommand> --help' for an example.\n", args[0], joinNames(sub), args[0])
 				return exitOK
 			}
+			if len(args) > 1 && !strings.HasPrefix(args[1], "-") {
+				return e.reportTop(usagef("idem %s: unknown subcommand %q: use %s\nRun 'idem %s <subcommand> --help' for an example.", args[0], args[1], joinNames(sub), args[0]))
+			}
 			return e.reportTop(usagef("idem %s: needs a subcommand: %s\nRun 'idem %s <subcommand> --help' for an example.", args[0], joinNames(sub), args[0]))
 		}
 		return e.reportTop(usagef("idem: unknown command %q\nRun 'idem --help' for the list of commands.", args[0]))
@@ -101,12 +105,13 @@ func runOn(ctx context.Context, args []string, terminal io.Reader, stdout, stder
 }
 
 // reportTop reports a usage error found before any command was chosen; its
-// message is whole ("idem: unknown command …").
+// message is whole ("idem: unknown command …"), and a second line, if any, is
+// the hint.
 func (e *env) reportTop(err error) int {
 	exit, code := classify(err)
 	if e.json {
-		b, _ := json.Marshal(errorJSON{Code: code, Message: err.Error(), ExitCode: exit})
-		fmt.Fprintf(e.stderr, "%s\n", b)
+		msg, hint, _ := strings.Cut(err.Error(), "\n")
+		e.printErrorJSON(errorJSON{Code: code, Message: msg, Hint: hint, ExitCode: exit})
 		return exit
 	}
 	fmt.Fprintln(e.stderr, err)
@@ -179,14 +184,16 @@ Global flags, before or after the command:
                   (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGSSLMODE, ...)
                   as psql reads them, else `+defaultDatabaseURL+`)
   --schema        schema of the idem tables (default $IDEM_SCHEMA, else idem)
-  --json          JSON output for scripts; errors are JSON too, on stderr
+  --json          JSON output for scripts; every error is one JSON object on
+                  stderr, wherever --json is on the line
 
 Durations take days too: 7d, 1d12h, 90m.
 
 Exit codes:
   0  success
   1  failure (the error says what to do next)
-  2  bad usage: unknown command or flag, a missing or bad value, a bad DSN
+  2  bad usage: unknown command or flag, a missing or bad value, a bad DSN,
+     a dangerous command (migrate down, forget) without --yes
   3  cannot connect to Postgres (not running, unreachable, login refused, no such database)
 
 Run 'idem <command> --help' for the command's flags and an example.

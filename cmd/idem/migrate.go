@@ -24,7 +24,8 @@ idem migrate down --schema idem --yes      # no question: for scripts
 list only reads: it creates nothing and works for a read-only role.
 down drops the newest migration's tables and every row in them. It first shows
 them with their row counts, then asks you to type the schema name (on a terminal),
-or needs --yes; without either it changes nothing and exits 2.`,
+or needs --yes; without either it changes nothing and exits 2. With --json it
+never asks: without --yes the error (code confirmation_required) holds the plan.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var yes bool
 		fs.BoolVar(&yes, "yes", false, "down: revert without asking (it drops the tables shown and their rows)")
@@ -154,10 +155,16 @@ func migrateDown(ctx context.Context, e *env, m *inbox.Migrator, yes bool) error
 		return nil
 	}
 	label := migrationLabel(plan.Version)
-	fmt.Fprintf(e.stderr, "idem migrate down: reverting %s in schema %s: %s\n", label, e.schema, describeDrops(plan))
+	fmt.Fprintf(e.notes(), "idem migrate down: reverting %s in schema %s: %s\n", label, e.schema, describeDrops(plan))
 	if !yes {
-		if e.terminal == nil {
-			return usagef("nothing was changed: migrate down drops what is listed above, with its data; to do it, run it again with --yes")
+		// With --json it never asks: stderr holds JSON only.
+		if e.terminal == nil || e.json {
+			what := "what is listed above"
+			if e.json {
+				what = "what the plan lists"
+			}
+			return confirm(downJSON(e.schema, plan, label),
+				"nothing was changed: migrate down drops %s, with its data; to do it, run it again with --yes", what)
 		}
 		fmt.Fprintf(e.stderr, "Type the schema name (%s) to revert, anything else to cancel: ", e.schema)
 		answer, _ := bufio.NewReader(e.terminal).ReadString('\n')
@@ -170,18 +177,33 @@ func migrateDown(ctx context.Context, e *env, m *inbox.Migrator, yes bool) error
 		return err
 	}
 	if e.json {
-		dropped := make([]droppedJSON, 0, len(done.Tables))
-		for _, t := range done.Tables {
-			dropped = append(dropped, droppedJSON{t.Table, t.Rows})
-		}
-		columns := make([]droppedColumnJSON, 0, len(done.Columns))
-		for _, c := range done.Columns {
-			columns = append(columns, droppedColumnJSON{c.Table, c.Column, c.Rows})
-		}
-		return e.writeJSON(map[string]any{"schema": e.schema, "reverted": done.Version, "dropped": dropped, "dropped_columns": columns})
+		out := downJSON(e.schema, done, label)
+		return e.writeJSON(map[string]any{"schema": e.schema, "reverted": done.Version, "dropped": out.Dropped, "dropped_columns": out.DroppedColumns})
 	}
 	fmt.Fprintf(e.stdout, "reverted %s in schema %s: %s\n", label, e.schema, strings.TrimPrefix(describeDrops(done), "dropping "))
 	return nil
+}
+
+// downPlanJSON is what migrate down would drop: the plan of its
+// confirmation_required error.
+type downPlanJSON struct {
+	Schema         string              `json:"schema"`
+	Version        int                 `json:"version"`
+	Migration      string              `json:"migration"`
+	Dropped        []droppedJSON       `json:"dropped"`
+	DroppedColumns []droppedColumnJSON `json:"dropped_columns"`
+}
+
+func downJSON(schema string, plan inbox.DownPlan, label string) downPlanJSON {
+	out := downPlanJSON{Schema: schema, Version: plan.Version, Migration: label,
+		Dropped: make([]droppedJSON, 0, len(plan.Tables)), DroppedColumns: make([]droppedColumnJSON, 0, len(plan.Columns))}
+	for _, t := range plan.Tables {
+		out.Dropped = append(out.Dropped, droppedJSON{t.Table, t.Rows})
+	}
+	for _, c := range plan.Columns {
+		out.DroppedColumns = append(out.DroppedColumns, droppedColumnJSON{c.Table, c.Column, c.Rows})
+	}
+	return out
 }
 
 // describeDrops says which tables and columns go, and how much data each holds.

@@ -82,13 +82,19 @@ func TestMigrateDownShowsWhatItDropsAndAsks(t *testing.T) {
 	require.Equal(t, 2, tablesLeft())
 
 	// A terminal, and the wrong answer.
-	onTerminal := func(answer string) result {
+	onTerminal := func(answer string, more ...string) result {
 		var out, errOut bytes.Buffer
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		code := runOn(ctx, []string{"migrate", "down", "--database-url", pgtest.URL(), "--schema", b.schema}, strings.NewReader(answer), &out, &errOut)
+		code := runOn(ctx, append([]string{"migrate", "down", "--database-url", pgtest.URL(), "--schema", b.schema}, more...), strings.NewReader(answer), &out, &errOut)
 		return result{code, out.String(), errOut.String()}
 	}
+	// With --json it never asks, even on a terminal: the error holds the plan.
+	r = onTerminal(b.schema+"\n", "--json")
+	require.Equal(t, exitUsage, r.code, r.stderr)
+	e := decodeError(t, r.stderr)
+	require.Equal(t, "confirmation_required", e.Code)
+	require.Equal(t, 2, tablesLeft())
 	r = onTerminal("y\n")
 	require.Equal(t, exitFailure, r.code, r.stderr)
 	require.Contains(t, r.stderr, "Type the schema name ("+b.schema+") to revert")

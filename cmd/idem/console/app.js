@@ -62,7 +62,8 @@ async function api(path, options) {
   let body = null;
   try { body = await res.json(); } catch (e) { /* not JSON */ }
   if (!res.ok) {
-    const err = new Error((body && body.message) || ("HTTP " + res.status));
+    // Errors are RFC 9457 problem details: the text in "detail", the code in "code".
+    const err = new Error((body && body.detail) || ("HTTP " + res.status));
     err.code = body && body.code;
     err.status = res.status;
     throw err;
@@ -266,12 +267,71 @@ async function refreshAll() {
   }
 }
 
+// login trades the access token of a console run with --allow-remote for its
+// session cookie (HttpOnly: this script never sees it).
+async function login(token) {
+  const res = await fetch("/api/login", { method: "POST", headers: { "Authorization": "Bearer " + token } });
+  if (!res.ok) {
+    let body = null;
+    try { body = await res.json(); } catch (e) { /* not JSON */ }
+    throw new Error((body && body.detail) || ("HTTP " + res.status));
+  }
+}
+
+// tokenFromFragment takes the token out of a URL such as http://host:8080/#token=…
+// (the fragment never reaches a server), and out of the address bar and history.
+function tokenFromFragment() {
+  const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+  if (!m) return "";
+  history.replaceState(null, "", location.pathname + location.search);
+  return decodeURIComponent(m[1]);
+}
+
+// askForToken shows the sign-in form and resolves once a token was accepted.
+function askForToken() {
+  const section = document.getElementById("login-section");
+  section.hidden = false;
+  document.body.setAttribute("data-login", "1");
+  return new Promise((resolve) => {
+    const form = document.getElementById("login-form");
+    const submit = async (ev) => {
+      ev.preventDefault();
+      const input = document.getElementById("login-token");
+      try {
+        await login(input.value);
+      } catch (err) {
+        showError(err);
+        return;
+      }
+      input.value = "";
+      form.removeEventListener("submit", submit);
+      section.hidden = true;
+      document.body.removeAttribute("data-login");
+      showError(null);
+      resolve();
+    };
+    form.addEventListener("submit", submit);
+  });
+}
+
 async function start() {
   try {
-    state.session = await api("/api/session");
+    const token = tokenFromFragment();
+    if (token) await login(token);
   } catch (err) {
     showError(err);
-    return;
+  }
+  for (;;) {
+    try {
+      state.session = await api("/api/session");
+      break;
+    } catch (err) {
+      if (err.status !== 401) {
+        showError(err);
+        return;
+      }
+      await askForToken();
+    }
   }
   document.getElementById("schema").textContent = "schema " + state.session.schema;
   const mode = document.getElementById("mode");
