@@ -7,7 +7,7 @@
 // a ledger row, once however often it arrives.
 //
 //	go run ./examples/http-payments
-//	curl -i -X POST localhost:8080/payments -H 'Idempotency-Key: 3f1c…' -d '{"amount":"12.50","currency":"EUR","email":"ann@example.com"}'
+//	curl -i -X POST localhost:8080/payments -H 'X-Account: acct_42' -H 'Idempotency-Key: 3f1c…' -d '{"amount":"12.50","currency":"EUR","email":"ann@example.com"}'
 package main
 
 import (
