@@ -205,7 +205,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 		pool.Close()
 		pool = pgtest.NewProxy(b, rtt).Pool(b, schema, pgtest.Options{MaxConns: clients + 2})
 	}
-	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema})
+	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true})
 	require.NoError(b, err)
 
 	// Both handlers read the body, insert one row and answer 201 with it; the bare

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -41,9 +42,15 @@ const (
 )
 
 // DefaultStoredHeaders are the response headers stored and replayed unless
-// Config.StoredHeaders says otherwise: those that describe the body or the created
-// resource. Set-Cookie and the like are never stored by default.
-var DefaultStoredHeaders = []string{"Content-Type", "Content-Encoding", "Content-Language", "Content-Location", "Location", "ETag", "Last-Modified", "Link"}
+// Config.StoredHeaders says otherwise: those that describe the body, the created
+// resource, and how a cache may keep the answer (a replay must not be cached
+// where the first answer was not).
+var DefaultStoredHeaders = []string{"Content-Type", "Content-Encoding", "Content-Language", "Content-Location", "Location", "ETag", "Last-Modified", "Link", "Cache-Control"}
+
+// SensitiveHeaders carry credentials: Config.StoredHeaders may name them only with
+// Config.StoreSensitiveHeaders set, since a stored answer is replayed to whoever
+// presents its key (in its scope) for as long as the key lives.
+var SensitiveHeaders = []string{"Authorization", "Proxy-Authorization", "Cookie", "Set-Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"}
 
 // DefaultFinalStatus reports whether a status is final, and so stored and replayed:
 // 2xx and 3xx (except 304), 400 Bad Request and 422 Unprocessable Content, the
@@ -98,17 +105,20 @@ type Stale struct {
 
 // Config configures a Middleware.
 type Config struct {
-	// Pool runs the transactions. Required. Each request holds one connection from
-	// its claim to its commit (and while it waits for a concurrent request with the
-	// same key), so size it for the requests in flight.
+	// Pool runs the transactions. Required. A request holds at most one connection
+	// at a time, on every path, from its claim to its commit (and while it waits
+	// for a concurrent request with the same key in transactional mode), and gives
+	// it back before its answer is written, so a pool of N serves N requests in
+	// flight however slowly their clients read.
 	Pool *pgxpool.Pool
 	// Schema holds the idem tables (default "idem"), migrated to 003 or later.
 	Schema string
 
-	// KeyHeader names the key's header (default "Idempotency-Key"). A value in
-	// quotes is read as a Structured Field string, as the IETF draft writes it;
-	// otherwise the value is the key. Keys follow the inbox rules: 1..512 bytes of
-	// UTF-8.
+	// KeyHeader names the key's header (default "Idempotency-Key"). A value that
+	// starts with a double quote is a Structured Field Item whose value is a
+	// String (RFC 9651), as the IETF draft writes it: the key is the string, and
+	// parameters ("abc";p=1) are ignored. Any other value is the key as it is.
+	// Keys follow the inbox rules: 1..512 bytes of UTF-8.
 	KeyHeader string
 	// KeyOptional lets a request without the key through: it runs once per request,
 	// in a transaction, with nothing stored. By default a missing key is a 400.
@@ -120,10 +130,17 @@ type Config struct {
 	// return its route template (chi: chi.RouteContext(r.Context()).RoutePattern()),
 	// never the raw path.
 	Operation func(r *http.Request) (string, error)
-	// Tenant, if set, scopes keys: it returns the authenticated principal's tenant,
-	// and two tenants' equal keys are two requests. An error answers 400
-	// (tenant_invalid); authenticate before this middleware.
+	// Tenant scopes keys: it returns the authenticated principal's tenant, and two
+	// tenants' equal keys are two requests. An error, or an empty tenant, answers
+	// 400 (tenant_invalid) before anything runs; authenticate before this
+	// middleware. Set Tenant, or Unscoped: New refuses a config with neither
+	// (ErrScopeNotChosen).
 	Tenant func(r *http.Request) (string, error)
+	// Unscoped puts every client's keys in one space, on purpose: a client that
+	// presents another client's key and request gets that client's stored answer.
+	// Choose it only where every caller may see every other caller's answers (one
+	// trusted client, or keys that are capabilities); otherwise set Tenant.
+	Unscoped bool
 	// Fingerprint, if set, replaces the default fingerprint (DefaultFingerprint over
 	// Fields). It gets a clone of the request without the Authorization, Cookie and
 	// key headers, and the body. An error answers 400 (fingerprint_failed).
@@ -135,8 +152,14 @@ type Config struct {
 	// DefaultFinalStatus). 5xx statuses are never final, whatever it says.
 	FinalStatus func(status int) bool
 	// StoredHeaders are the response headers stored and replayed (default
-	// DefaultStoredHeaders). Content-Length is always computed.
+	// DefaultStoredHeaders). Content-Length is always computed. A header of
+	// SensitiveHeaders (Set-Cookie, Authorization, …) is refused
+	// (ErrSensitiveHeader) unless StoreSensitiveHeaders is set.
 	StoredHeaders []string
+	// StoreSensitiveHeaders lets StoredHeaders name SensitiveHeaders: a session
+	// cookie or a token in an answer is then stored with the key and replayed to
+	// every retry in the key's scope until the key expires.
+	StoreSensitiveHeaders bool
 	// MaxRequestBody is the largest request body (default 1 MiB); a larger one is
 	// answered 413 before anything runs.
 	MaxRequestBody int64
@@ -160,9 +183,15 @@ type Config struct {
 	// exceed the handler's longest run.
 	LeaseDuration time.Duration
 	// Recover decides, in lease mode, what to do with a key whose lease ran out
-	// (see Stale). Return a Response to settle the key with it (you asked the
-	// provider and it had done the work), or nil to run the handler again. An error
-	// answers 503 and leaves the key to a later retry. Default: run again.
+	// (see Stale). It runs in the request's transaction, as the handler does:
+	// Tx(ctx) writes the business rows that record what the provider did,
+	// effects.Enqueue(ctx, Tx(ctx), …) enqueues effects, and KeyFrom(ctx) gives the
+	// key. Return a Response to settle the key with it (you asked the provider and
+	// it had done the work): a success commits with Recover's writes, a final
+	// client error is stored after they roll back. Return nil to run the handler
+	// again, in the same transaction, after Recover's writes. An error (or a panic)
+	// rolls back, answers 503 and leaves the key to a later retry. Default: run
+	// again. Use Tx(ctx), not the pool: the request already holds a connection.
 	Recover func(ctx context.Context, s Stale) (*Response, error)
 
 	// EffectKinds, if set, are the only kinds effects.Enqueue accepts in handlers.
@@ -208,6 +237,12 @@ func (c *Config) Validate() error {
 	if c.Pool == nil {
 		return errors.New("Pool is required")
 	}
+	switch {
+	case c.Tenant == nil && !c.Unscoped:
+		return fmt.Errorf("%w: neither is set", ErrScopeNotChosen)
+	case c.Tenant != nil && c.Unscoped:
+		return fmt.Errorf("%w: both are set", ErrScopeNotChosen)
+	}
 	if err := inbox.ValidateSchema(c.Schema); err != nil {
 		return err
 	}
@@ -241,6 +276,9 @@ func (c *Config) Validate() error {
 		case "Content-Length", "Transfer-Encoding", "Connection", ReplayedHeader:
 			return fmt.Errorf("StoredHeaders: %q is computed on every answer, never stored", h)
 		}
+		if !c.StoreSensitiveHeaders && slices.Contains(SensitiveHeaders, http.CanonicalHeaderKey(h)) {
+			return fmt.Errorf("%w: StoredHeaders names %q", ErrSensitiveHeader, h)
+		}
 	}
 	return nil
 }
@@ -256,6 +294,21 @@ type Route struct {
 	// with a lease and a fence, for handlers that call a provider themselves. See
 	// the package documentation for what it cannot promise.
 	Lease bool
+	// SafeMethods runs requests with a safe method (GET, HEAD, OPTIONS, TRACE)
+	// through idem too: keyed, stored and replayed like any other, for a route
+	// whose GET changes state. By default they pass through untouched (no key, no
+	// transaction, nothing stored): a stored read would be replayed stale, and
+	// GET and HEAD share a route, so one key on both would be a mismatch.
+	SafeMethods bool
+}
+
+// safeMethod reports whether method is safe (RFC 9110, section 9.2.1).
+func safeMethod(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	return false
 }
 
 // DefaultOperation is the method and the http.ServeMux route pattern

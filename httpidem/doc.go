@@ -12,6 +12,19 @@
 // effects.Enqueue(ctx, httpidem.Tx(ctx), …): they commit with the key and the
 // stored response, or not at all.
 //
+// The key's scope is chosen, never defaulted: Config.Tenant returns the
+// authenticated principal's tenant, or Config.Unscoped puts every client's keys in
+// one space on purpose; New refuses a config with neither (ErrScopeNotChosen),
+// since without a scope a client that presents another client's key and request
+// gets that client's stored answer. The key is the Idempotency-Key header: the
+// draft's sf-string ("8e03978e-…", with any parameters after it ignored), or a
+// bare value as it is. Requests with a safe method (GET, HEAD, OPTIONS, TRACE)
+// pass through untouched unless Route.SafeMethods asks for keys.
+//
+// A request holds at most one pool connection at a time, on every path, and gives
+// it back before its answer is written: a pool of N serves N requests in flight
+// whatever they answer and however slowly their clients read.
+//
 // What it guarantees, for an operation O (method and route), a tenant T and a key
 // K, while the key lives (Retention, default 24 h):
 //
@@ -53,7 +66,9 @@
 //     answered 500, every time. Raise the limit or store a reference
 //     (BodyReferencer); a replay by reference is the resource as it is at replay
 //     time, not necessarily the first answer's bytes.
-//   - Headers outside StoredHeaders are sent on the first answer only.
+//   - Headers outside StoredHeaders are sent on the first answer only. Headers
+//     that carry credentials (SensitiveHeaders: Set-Cookie, Authorization, …) are
+//     never stored unless StoreSensitiveHeaders says so.
 //   - A handler must not end the transaction Tx(ctx) gives it. idem catches one
 //     that does (raw COMMIT or ROLLBACK, with or without a BEGIN after it) and never
 //     commits a transaction the handler began in its place; but what the handler's
@@ -67,9 +82,10 @@
 // first as in progress, with a lease and a fence; a request that finds a fresh
 // lease answers 409 after Wait. When a lease runs out (the server crashed, or the
 // handler outlived LeaseDuration, or answered a status that is not final), the next
-// request takes it over with a new fence and Config.Recover decides: settle the key
-// with a response (it asked the provider, which had done the work), or run the
-// handler again. Lease mode cannot promise that the provider is called once: a
+// request takes it over with a new fence and Config.Recover decides, in the
+// request's transaction (Tx(ctx), where it can write what the provider did): settle
+// the key with a response (it asked the provider, which had done the work), or run
+// the handler again. Lease mode cannot promise that the provider is called once: a
 // crash after the call and before the commit, a handler that outlives its lease,
 // or a Recover that cannot tell, lead to a second call. Pass the provider an
 // idempotency key made from KeyFrom(ctx), so that a provider that honours keys

@@ -9,3 +9,6 @@ func SetAfterCommit(m *Middleware, f func(r *http.Request)) { m.afterCommit = f 
 // SetOnLeaseWait sets a function that runs when a lease-mode request finds the key
 // held and starts to wait.
 func SetOnLeaseWait(m *Middleware, f func(r *http.Request)) { m.onLeaseWait = f }
+
+// ParseKey is parseKey, for the key syntax tests.
+var ParseKey = parseKey

@@ -35,7 +35,9 @@ func TestMain(m *testing.M) {
 // bundle is one test's world: a schema with a payments table, a middleware, a
 // real HTTP server and a client.
 type bundle struct {
-	pool   *pgxpool.Pool
+	pool *pgxpool.Pool
+	// mwPool is the middleware's pool when it is not pool (setupPooled).
+	mwPool *pgxpool.Pool
 	schema string
 	reg    *prometheus.Registry
 	mw     *httpidem.Middleware
@@ -174,7 +176,12 @@ type answer struct {
 
 func (a answer) String() string { return fmt.Sprintf("%d %q", a.Status, a.Body) }
 
-// post sends a request; key "" sends none. Extra headers come in pairs.
+// defaultTenant is the X-Tenant of a request that names none: Config.Tenant
+// refuses an empty tenant.
+const defaultTenant = "t0"
+
+// post sends a request; key "" sends none. Extra headers come in pairs; without an
+// X-Tenant among them the request is defaultTenant's.
 func (b *bundle) post(t *testing.T, path, key, body string, hdr ...string) answer {
 	t.Helper()
 	a, err := b.tryPost(context.Background(), path, key, body, hdr...)
@@ -195,6 +202,7 @@ func postTo(ctx context.Context, c *http.Client, base, path, key, body string, h
 	if key != "" {
 		req.Header.Set("Idempotency-Key", key)
 	}
+	req.Header.Set("X-Tenant", defaultTenant)
 	for i := 0; i+1 < len(hdr); i += 2 {
 		req.Header.Set(hdr[i], hdr[i+1])
 	}

@@ -3,7 +3,9 @@ package httpidem
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
+	"runtime/debug"
 	"strconv"
 	"time"
 
@@ -14,7 +16,12 @@ import (
 // fence; the handler then runs in a transaction that settles the key (with the
 // response) only if the fence still matches. A request that finds a fresh lease
 // waits up to Wait for it to settle, then answers 409. One that finds a lease that
-// ran out takes it over (fence + 1) and asks Recover what to do.
+// ran out takes it over (fence + 1) and asks Recover what to do, in the
+// transaction the handler would run in.
+//
+// The lease commits on a pool connection that goes straight back, and the wait
+// for a held lease holds none; from the transaction on, every statement runs on
+// the request's one connection (acquire).
 func (m *Middleware) serveLease(q *request) {
 	ctx := q.r.Context()
 	cctx, span := m.startClaim(q)
@@ -35,95 +42,124 @@ func (m *Middleware) serveLease(q *request) {
 		return
 	}
 	id, fence := q.claim.ID, res.Fence
-	released := false
-	release := func() {
-		if !released {
-			released = true
-			// Give the key back at once, so that a retry need not wait out the lease.
-			_ = m.store.ReleaseLease(context.WithoutCancel(ctx), m.cfg.Pool, id, fence)
-		}
-	}
 
-	// A fence above 1 means an earlier attempt held this key and never settled it.
-	if fence > 1 {
-		if m.cfg.Recover == nil {
-			m.metrics.stale.WithLabelValues(id.Consumer, "rerun").Inc()
-		} else {
-			resp, err := m.cfg.Recover(ctx, Stale{Request: q.r, Operation: id.Consumer, Tenant: id.Tenant, Key: id.Key, Fence: fence})
-			switch {
-			case err != nil:
-				m.metrics.stale.WithLabelValues(id.Consumer, "error").Inc()
-				release()
-				m.count(id.Consumer, OutcomeError)
-				m.log.Warn("idem: Recover failed on a stale key; a retry asks again", append(q.attrs(), "fence", fence, "err", err)...)
-				writeProblem(q.w, CodeRecoveryFailed, "an earlier attempt of this request was interrupted and could not be settled yet; retry with the same key", m.cfg.RetryAfter)
-				return
-			case resp != nil:
-				m.metrics.stale.WithLabelValues(id.Consumer, "recovered").Inc()
-				m.log.Info("idem: Recover settled a stale key without running the handler", append(q.attrs(), "fence", fence, "status", resp.Status)...)
-				m.settleLease(q, fence, nil, resp, release, OutcomeRecovered)
-				return
-			default:
-				m.metrics.stale.WithLabelValues(id.Consumer, "rerun").Inc()
-			}
-		}
-		m.log.Info("idem: running a stale key again", append(q.attrs(), "fence", fence)...)
-	}
-
-	tx, err := m.begin(ctx, true)
+	tx, err := m.begin(ctx, q, true)
 	if err != nil {
-		release()
+		m.releaseLease(q, fence)
 		m.dbFailed(q, "begin", err)
 		return
 	}
-	defer tx.release(ctx)
-	resp, f := m.run(q, tx, func() {
+	onPanic := func() {
 		if m.rollBack(q, tx, fence) == nil {
-			release()
+			m.releaseLease(q, fence)
 		}
-	})
+	}
+	var resp *Response
+	f, outcome := faultNone, OutcomeCommitted
+	// A fence above 1 means an earlier attempt held this key and never settled it.
+	if fence > 1 {
+		decision := "rerun"
+		if m.cfg.Recover != nil {
+			var rerr error
+			resp, f, rerr = m.askRecover(q, tx, fence, onPanic)
+			switch {
+			case rerr != nil:
+				m.metrics.stale.WithLabelValues(id.Consumer, "error").Inc()
+				if answer := m.rollBack(q, tx, fence); answer != nil {
+					answer()
+					return
+				}
+				m.releaseLease(q, fence)
+				m.count(id.Consumer, OutcomeError)
+				m.log.Warn("idem: Recover failed on a stale key; a retry asks again", append(q.attrs(), "fence", fence, "err", rerr)...)
+				q.problem(CodeRecoveryFailed, "an earlier attempt of this request was interrupted and could not be settled yet; retry with the same key", m.cfg.RetryAfter)
+				return
+			case f != faultNone:
+				decision = "error"
+			case resp != nil:
+				decision, outcome = "recovered", OutcomeRecovered
+				m.log.Info("idem: Recover settled a stale key without running the handler", append(q.attrs(), "fence", fence, "status", resp.Status)...)
+			}
+		}
+		m.metrics.stale.WithLabelValues(id.Consumer, decision).Inc()
+		if decision == "rerun" {
+			m.log.Info("idem: running a stale key again", append(q.attrs(), "fence", fence)...)
+		}
+	}
+	if resp == nil && f == faultNone {
+		resp, f = m.run(q, tx, onPanic)
+	}
 	if f != faultNone {
 		if answer := m.rollBack(q, tx, fence); answer != nil {
 			answer()
 			return
 		}
-		release()
+		m.releaseLease(q, fence)
 		m.answerFault(q, f)
 		return
 	}
-	m.settleLease(q, fence, tx, resp, release, OutcomeCommitted)
+	m.settleLease(q, fence, tx, resp, outcome)
 }
 
-// settleLease settles a leased key with resp: a success commits it in tx (a new
-// transaction when tx is nil) with the handler's work, a final client error is
-// recorded after tx rolls back, anything else gives the key back. Whenever tx is
-// rolled back, rollBack first finds out whether the handler committed part of its
-// work itself; then that settles the key.
-func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Response, release func(), outcome string) {
+// askRecover asks Config.Recover about a stale key, with the request's transaction
+// in its context as a handler has it. A panic rolls back (onPanic) and panics on.
+// A response is judged as a handler's is: it cannot be used if the request's
+// context ended or the transaction is no longer open and healthy; and a nil one
+// (run the handler) cannot be either, since the handler would run outside idem's
+// transaction.
+func (m *Middleware) askRecover(q *request, tx *connTx, fence int64, onPanic func()) (resp *Response, f fault, err error) {
+	ctx := q.r.Context()
+	hctx := m.handlerContext(ctx, q, tx)
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				onPanic()
+				m.count(q.claim.Consumer, OutcomePanic)
+				m.log.Error("idem: Recover panicked; its work is rolled back and the lease given back",
+					append(q.attrs(), "panic", fmt.Sprint(v), "stack", string(debug.Stack()))...)
+				panic(v)
+			}
+		}()
+		id := q.claim.ID
+		resp, err = m.cfg.Recover(hctx, Stale{Request: q.r, Operation: id.Consumer, Tenant: id.Tenant, Key: id.Key, Fence: fence})
+	}()
+	switch {
+	case err != nil:
+		return nil, faultNone, err
+	case ctx.Err() != nil:
+		return nil, faultCanceled, nil
+	case tx.Conn().PgConn().TxStatus() != 'T':
+		return nil, faultTxEnded, nil
+	}
+	return resp, faultNone, nil
+}
+
+// releaseLease gives a leased key back at once (lease_until = now(), fenced), so
+// that a retry need not wait out the lease. It runs on the request's connection,
+// outside any transaction, bounded by settleTimeout: if it fails, the lease runs
+// out by itself.
+func (m *Middleware) releaseLease(q *request, fence int64) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(q.r.Context()), settleTimeout)
+	defer cancel()
+	conn, err := m.acquire(ctx, q)
+	if err == nil {
+		err = m.store.ReleaseLease(ctx, conn.conn, q.claim.ID, fence)
+	}
+	if err != nil {
+		m.log.Warn("idem: the lease could not be given back; a retry waits until it runs out", append(q.attrs(), "fence", fence, "err", err)...)
+	}
+}
+
+// settleLease settles a leased key with resp: a success commits it in tx with the
+// handler's (or Recover's) work, a final client error is recorded after tx rolls
+// back, anything else gives the key back. Whenever tx is rolled back, rollBack
+// first finds out whether the handler committed part of its work itself; then
+// that settles the key.
+func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Response, outcome string) {
 	ctx := q.r.Context()
 	id := q.claim.ID
-	// rolledBack rolls tx back; it reports true when that answered the request.
-	rolledBack := func() bool {
-		if tx == nil {
-			return false
-		}
-		if answer := m.rollBack(q, tx, fence); answer != nil {
-			answer()
-			return true
-		}
-		return false
-	}
 	switch {
 	case m.success(resp.Status):
-		if tx == nil {
-			var err error
-			if tx, err = m.begin(ctx, true); err != nil {
-				release()
-				m.dbFailed(q, "begin", err)
-				return
-			}
-			defer tx.release(ctx)
-		}
 		stored, err := m.toStored(q, tx, resp)
 		if err == nil && ctx.Err() == nil {
 			cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
@@ -136,14 +172,14 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 			case errors.Is(err, inbox.ErrCommitUnknown):
 				// The release is fenced and needs state processing: if the commit did
 				// happen it changes nothing, and if not the key is free at once.
-				tx.release(ctx)
-				release()
+				m.releaseLease(q, fence)
 				m.committed(q, resp, err, outcome)
 				return
 			}
 		}
 		// Nothing committed by idem.
-		if rolledBack() {
+		if answer := m.rollBack(q, tx, fence); answer != nil {
+			answer()
 			return
 		}
 		switch {
@@ -153,27 +189,31 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 			m.log.Warn("idem: lease lost before the commit (the handler outlived LeaseDuration); rolled back", q.attrs()...)
 			m.inProgress(q)
 		case errors.Is(err, inbox.ErrTxReplaced):
-			release()
+			m.releaseLease(q, fence)
 			m.answerFault(q, faultTxEnded)
 		case err == nil:
-			release()
+			m.releaseLease(q, fence)
 			m.ended(q, ctx.Err())
 		default:
-			release()
+			m.releaseLease(q, fence)
 			m.saveFailed(q, err)
 		}
 	case m.final(resp.Status):
-		if rolledBack() {
+		if answer := m.rollBack(q, tx, fence); answer != nil {
+			answer()
 			return
 		}
 		stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
-		err := m.store.FailLeaseResponse(ctx, m.cfg.Pool, id, fence, m.cfg.Retention, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
+		conn, err := m.acquire(ctx, q)
+		if err == nil {
+			err = m.store.FailLeaseResponse(ctx, conn.conn, id, fence, m.cfg.Retention, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
+		}
 		if errors.Is(err, inbox.ErrLeaseLost) {
 			m.inProgress(q)
 			return
 		}
 		if err != nil {
-			release()
+			m.releaseLease(q, fence)
 			m.dbFailed(q, "record the final client error", err)
 			return
 		}
@@ -181,12 +221,13 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 			outcome = OutcomeFailed
 		}
 		m.count(id.Consumer, outcome)
-		writeResponse(q.w, resp, false)
+		q.send(resp, false)
 	default:
-		if rolledBack() {
+		if answer := m.rollBack(q, tx, fence); answer != nil {
+			answer()
 			return
 		}
-		release()
+		m.releaseLease(q, fence)
 		m.notFinal(q, resp)
 	}
 }

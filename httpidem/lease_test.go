@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
 )
@@ -134,7 +136,7 @@ func TestLeaseStaleKey(t *testing.T) {
 	rerun := b.post(t, "/leased/payments", "k", `{"amount": 9}`)
 	require.Equal(t, http.StatusCreated, rerun.Status)
 	require.Len(t, stales, 1)
-	require.Equal(t, httpidem.Stale{Request: stales[0].Request, Operation: "POST /leased/payments", Key: "k", Fence: 2}, stales[0])
+	require.Equal(t, httpidem.Stale{Request: stales[0].Request, Operation: "POST /leased/payments", Tenant: defaultTenant, Key: "k", Fence: 2}, stales[0])
 	close(release)
 	problem(t, <-late, http.StatusConflict, httpidem.CodeInProgress) // its lease was lost: rolled back
 	require.Equal(t, 1, b.payments(t))
@@ -152,7 +154,7 @@ func TestLeaseStaleKey(t *testing.T) {
 		r.Header.Set("Content-Type", "application/json")
 		fp, err := httpidem.DefaultFingerprint(inbox.JSONOptions{})(r, []byte(body))
 		require.NoError(t, err)
-		res, err := store.LeaseResponse(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Key: key}, Fingerprint: fp}, time.Minute)
+		res, err := store.LeaseResponse(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: defaultTenant, Key: key}, Fingerprint: fp}, time.Minute)
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
 		runOut(key)
@@ -181,4 +183,114 @@ func TestLeaseStaleKey(t *testing.T) {
 	require.Equal(t, 2, b.payments(t))
 	require.Equal(t, float64(1), counter(t, b.reg, "idem_http_stale_leases_total", "POST /leased/payments", "error"))
 	require.Equal(t, float64(1), counter(t, b.reg, "idem_http_stale_leases_total", "POST /leased/payments", "recovered"))
+}
+
+// TestRecoverRunsInTheRequestsTransaction: Recover gets the request's transaction
+// (Tx), its key (KeyFrom) and the effects scope. What it writes commits with the
+// answer it returns; returning nil runs the handler in the same transaction, after
+// its writes; an error rolls its writes back and gives the lease back at once.
+func TestRecoverRunsInTheRequestsTransaction(t *testing.T) {
+	t.Parallel()
+	var fail atomic.Bool
+	b := setup(t, func(c *httpidem.Config) {
+		c.LeaseDuration = time.Minute
+		c.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
+			tx := httpidem.Tx(ctx)
+			if tx == nil {
+				return nil, errors.New("Recover got no transaction")
+			}
+			id, ok := httpidem.KeyFrom(ctx)
+			if !ok || id.Key != s.Key || id.Tenant != s.Tenant {
+				return nil, errors.New("Recover got no key")
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO audit (note) VALUES ($1)`, "provider state of "+s.Key); err != nil {
+				return nil, err
+			}
+			if _, err := effects.Enqueue(ctx, tx, effects.Effect{Kind: "email", Key: "recovered:" + s.Key, Payload: []byte("x")}); err != nil {
+				return nil, err
+			}
+			switch {
+			case fail.Load():
+				return nil, errors.New("provider unreachable")
+			case s.Key == "settle":
+				return &httpidem.Response{Status: http.StatusCreated, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"id":"p-1"}`)}, nil
+			}
+			return nil, nil
+		}
+	})
+	store, err := inbox.NewStore(b.schema)
+	require.NoError(t, err)
+	const body = `{"amount": 5}`
+
+	// Settled by Recover: its row and effect commit with the stored answer.
+	staleKey(t, b, store, defaultTenant, "settle", body)
+	got := b.post(t, "/leased/payments", "settle", body)
+	require.Equal(t, http.StatusCreated, got.Status, "%s", got)
+	require.EqualValues(t, 0, b.calls.Load())
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM audit WHERE note = 'provider state of settle'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM effects WHERE key = 'recovered:settle' AND source_consumer = 'POST /leased/payments'
+		AND source_tenant = $1 AND source_key = 'settle'`, defaultTenant))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE key = 'settle' AND state = 'completed' AND fence = 2 AND response_status = 201`))
+	requireSameAnswer(t, got, b.post(t, "/leased/payments", "settle", body))
+
+	// Run again: Recover's writes and the handler's commit together.
+	staleKey(t, b, store, defaultTenant, "rerun", body)
+	require.Equal(t, http.StatusCreated, b.post(t, "/leased/payments", "rerun", body).Status)
+	require.EqualValues(t, 1, b.calls.Load())
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM audit WHERE note = 'provider state of rerun'`))
+	require.Equal(t, 1, b.payments(t))
+
+	// Recover fails: its writes roll back, and the lease is given back, so the
+	// next retry asks again at once.
+	staleKey(t, b, store, defaultTenant, "fails", body)
+	fail.Store(true)
+	problem(t, b.post(t, "/leased/payments", "fails", body), http.StatusServiceUnavailable, httpidem.CodeRecoveryFailed)
+	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM audit WHERE note = 'provider state of fails'`))
+	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM effects WHERE key = 'recovered:fails'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE key = 'fails' AND state = 'processing' AND lease_until <= now()`))
+	fail.Store(false)
+	require.Equal(t, http.StatusCreated, b.post(t, "/leased/payments", "fails", body).Status)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM audit WHERE note = 'provider state of fails'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE key = 'fails' AND state = 'completed' AND fence = 3`))
+}
+
+// TestExpiredKeyForgotten: an inbox row past its expires_at that the janitor has
+// not deleted yet is forgotten, in both modes, whatever it holds (a success or a
+// stored failure): the request runs as new, even with another body (never a
+// mismatch, never a replay), the row is replaced, and the expiry is counted.
+func TestExpiredKeyForgotten(t *testing.T) {
+	t.Parallel()
+	for _, path := range []string{"/payments", "/leased/payments"} {
+		t.Run(strings.TrimPrefix(path, "/"), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			op := "POST " + path
+			expire := func(key string) {
+				_, err := b.pool.Exec(context.Background(), `UPDATE inbox SET expires_at = now() - interval '1 second' WHERE key = $1`, key)
+				require.NoError(t, err)
+			}
+			first := b.post(t, path, "old", `{"amount": 1}`)
+			require.Equal(t, http.StatusCreated, first.Status)
+			refused := b.post(t, path, "old-422", `{"amount": -1}`)
+			require.Equal(t, http.StatusUnprocessableEntity, refused.Status)
+			expire("old")
+			expire("old-422")
+
+			again := b.post(t, path, "old", `{"amount": 2}`)
+			require.Equal(t, http.StatusCreated, again.Status, "%s", again)
+			require.False(t, again.Replayed)
+			require.Equal(t, "{\"id\":2,\"amount\":\"2\"}\n", string(again.Body))
+			ok := b.post(t, path, "old-422", `{"amount": 3}`)
+			require.Equal(t, http.StatusCreated, ok.Status, "%s", ok)
+			require.False(t, ok.Replayed)
+
+			require.Equal(t, 3, b.payments(t))
+			require.Equal(t, 2, b.count(t, `SELECT count(*) FROM inbox`), "each key has one row: the new one")
+			require.Equal(t, 2, b.count(t, `SELECT count(*) FROM inbox WHERE key IN ('old', 'old-422') AND state = 'completed'
+				AND response_status = 201 AND expires_at > now() + interval '23 hours'`))
+			require.Equal(t, float64(2), counter(t, b.reg, "idem_http_expired_keys_total", op, ""))
+			requireSameAnswer(t, again, b.post(t, path, "old", `{"amount": 2}`))
+			require.Equal(t, float64(2), counter(t, b.reg, "idem_http_expired_keys_total", op, ""), "a live key is not counted")
+		})
+	}
 }

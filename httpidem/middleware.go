@@ -124,6 +124,50 @@ type request struct {
 	next  http.Handler
 	body  []byte
 	claim inbox.Claim
+	// conn is the one pool connection the request holds, or nil. Every statement
+	// of the request runs on it (acquire), and every answer is written after it
+	// went back to the pool (send, problem): a request never holds two
+	// connections, and never holds one while a slow client reads its answer.
+	conn *connTx
+}
+
+// acquire returns q's connection, open and outside any transaction: the one q
+// holds if it is, otherwise a new one from the pool, acquired only after the old
+// one went back to it.
+func (m *Middleware) acquire(ctx context.Context, q *request) (*connTx, error) {
+	if c := q.conn; c != nil {
+		if !c.conn.IsClosed() && !c.inTx() {
+			return c, nil
+		}
+		q.release()
+	}
+	c, err := acquireTx(ctx, m.cfg.Pool)
+	if err != nil {
+		return nil, err
+	}
+	q.conn = c
+	return c, nil
+}
+
+// release rolls back whatever is open on q's connection and gives it back.
+func (q *request) release() {
+	if q.conn != nil {
+		q.conn.release(q.r.Context())
+		q.conn = nil
+	}
+}
+
+// send writes resp to the client, after giving the connection back.
+func (q *request) send(resp *Response, replayed bool) {
+	q.release()
+	writeResponse(q.w, resp, replayed)
+}
+
+// problem writes idem's problem for code to the client, after giving the
+// connection back.
+func (q *request) problem(code, detail string, retryAfter time.Duration) {
+	q.release()
+	writeProblem(q.w, code, detail, retryAfter)
 }
 
 func (q *request) attrs() []any {
@@ -135,6 +179,10 @@ func (m *Middleware) count(op, outcome string) {
 }
 
 func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r *http.Request) {
+	if safeMethod(r.Method) && !rt.SafeMethods {
+		next.ServeHTTP(w, r) // a read: nothing to run once, and a stored one would be replayed stale
+		return
+	}
 	op := rt.Operation
 	if op == "" {
 		var err error
@@ -163,8 +211,12 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 		return
 	}
 	q := &request{w: w, r: r, next: next, claim: inbox.Claim{ID: inbox.ID{Consumer: op, Key: key}, Retention: m.cfg.Retention}}
+	defer q.release()
 	if m.cfg.Tenant != nil {
 		tenant, err := m.cfg.Tenant(r)
+		if err == nil && tenant == "" {
+			err = errEmptyTenant
+		}
 		if err == nil {
 			err = inbox.ValidateTenant(tenant)
 		}
@@ -201,6 +253,10 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 	m.serveTx(q)
 }
 
+// errEmptyTenant: Config.Tenant returned "", which would put the request's key in
+// the unscoped space that Unscoped opts into.
+var errEmptyTenant = errors.New("Config.Tenant returned an empty tenant")
+
 func (m *Middleware) reject(w http.ResponseWriter, op, code, detail string) {
 	m.count(op, OutcomeRejected)
 	writeProblem(w, code, detail, 0)
@@ -212,12 +268,11 @@ func (m *Middleware) reject(w http.ResponseWriter, op, code, detail string) {
 // goes out after the commit.
 func (m *Middleware) serveTx(q *request) {
 	ctx := q.r.Context()
-	tx, err := acquireTx(ctx, m.cfg.Pool)
+	tx, err := m.acquire(ctx, q)
 	if err != nil {
 		m.dbFailed(q, "acquire a connection", err)
 		return
 	}
-	defer tx.release(ctx)
 	cctx, span := m.startClaim(q)
 	start := time.Now()
 	res, err := m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, max(m.cfg.Wait, time.Millisecond))
@@ -229,7 +284,6 @@ func (m *Middleware) serveTx(q *request) {
 	}
 	m.noteExpired(q, res)
 	if !res.Claimed {
-		tx.release(ctx)
 		m.answerExisting(q, res)
 		return
 	}
@@ -292,12 +346,12 @@ func (m *Middleware) committed(q *request, resp *Response, err error, outcome st
 			m.afterCommit(q.r)
 		}
 		m.count(q.claim.Consumer, outcome)
-		writeResponse(q.w, resp, false)
+		q.send(resp, false)
 	case errors.Is(err, inbox.ErrCommitUnknown):
 		m.count(q.claim.Consumer, OutcomeError)
 		m.log.Warn("idem: COMMIT failed; whether the request took effect is unknown until a retry with the same key",
 			append(q.attrs(), "err", err)...)
-		writeProblem(q.w, CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
+		q.problem(CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
 	default:
 		m.saveFailed(q, err)
 	}
@@ -318,34 +372,42 @@ func (m *Middleware) rollBack(q *request, tx *connTx, fence int64) (answer func(
 	if tx.rollbackMarked(q.r.Context()) {
 		return nil // idem's transaction was still open: rolled back, nothing committed
 	}
-	ctx := context.WithoutCancel(q.r.Context())
-	if fence > 0 {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(q.r.Context()), settleTimeout)
+	defer cancel()
+	xid := tx.xid
+	// The same connection, now outside any transaction (or a new one, if the
+	// rollback closed it).
+	conn, err := m.acquire(ctx, q)
+	if err == nil && fence > 0 {
 		// The lease row is not in the handler's transaction; its ID tells. Anything
 		// but "aborted" (an error included) counts as committed: work that may have
 		// committed is never run again.
 		var status *string
-		if err := m.cfg.Pool.QueryRow(ctx, xidStatusSQL, tx.xid).Scan(&status); err == nil && status != nil && *status == "aborted" {
+		if err := conn.QueryRow(ctx, xidStatusSQL, xid).Scan(&status); err == nil && status != nil && *status == "aborted" {
 			return nil
 		}
 	}
 	stored := problemResponse(CodeHandlerCommitted, handlerCommittedDetail, 0)
-	ok, err := m.store.AnswerCommitted(ctx, m.cfg.Pool, q.claim, fence, CodeHandlerCommitted,
-		"the handler committed the request's transaction itself (raw SQL); its answer could not be stored",
-		&inbox.Response{Status: stored.Status, Header: stored.Header, Body: stored.Body})
+	ok := false
+	if err == nil {
+		ok, err = m.store.AnswerCommitted(ctx, conn.conn, q.claim, fence, CodeHandlerCommitted,
+			"the handler committed the request's transaction itself (raw SQL); its answer could not be stored",
+			&inbox.Response{Status: stored.Status, Header: stored.Header, Body: stored.Body})
+	}
 	switch {
 	case err != nil:
 		m.log.Error("idem: the handler ended the request's transaction, and whether its work committed could not be read; a retry with the key settles it",
 			append(q.attrs(), "err", err)...)
 		return func() {
 			m.count(q.claim.Consumer, OutcomeError)
-			writeProblem(q.w, CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
+			q.problem(CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
 		}
 	case ok:
 		m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT): its work committed without its answer, so the key is settled with a stored handler_committed problem, and a transaction it began after that was rolled back. Never end the transaction httpidem.Tx gives",
 			q.attrs()...)
 		return func() {
 			m.count(q.claim.Consumer, OutcomeError)
-			writeResponse(q.w, stored, false)
+			q.send(stored, false)
 		}
 	case fence > 0:
 		m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT), and its lease was lost meanwhile", q.attrs()...)
@@ -376,15 +438,9 @@ const (
 // back) and panics on.
 func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, fault) {
 	ctx := q.r.Context()
-	scope := effects.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
 	sctx, span := m.tracer.Start(ctx, spanHandler)
 	defer span.End()
-	hctx := context.WithValue(sctx, txKey{}, ownedTx{tx})
-	if q.claim.Key != "" {
-		scope.Source = effects.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
-		hctx = context.WithValue(hctx, keyKey{}, q.claim.ID)
-	}
-	hr := q.r.WithContext(effects.WithScope(hctx, scope))
+	hr := q.r.WithContext(m.handlerContext(sctx, q, tx))
 	if q.body != nil {
 		hr.Body = io.NopCloser(bytes.NewReader(q.body))
 	}
@@ -421,6 +477,18 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 	return resp, faultNone
 }
 
+// handlerContext is the context the handler (and Recover) runs with: the
+// transaction (Tx), the key (KeyFrom) and the effects scope.
+func (m *Middleware) handlerContext(ctx context.Context, q *request, tx pgx.Tx) context.Context {
+	scope := effects.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
+	ctx = context.WithValue(ctx, txKey{}, ownedTx{tx})
+	if q.claim.Key != "" {
+		scope.Source = effects.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
+		ctx = context.WithValue(ctx, keyKey{}, q.claim.ID)
+	}
+	return effects.WithScope(ctx, scope)
+}
+
 // answerFault answers a request whose response cannot be used; its work was rolled
 // back.
 func (m *Middleware) answerFault(q *request, f fault) {
@@ -430,12 +498,12 @@ func (m *Middleware) answerFault(q *request, f fault) {
 	case faultOverflow:
 		m.count(q.claim.Consumer, OutcomeError)
 		m.log.Error("idem: response over MaxResponseBody; the request is rolled back", append(q.attrs(), "limit", m.cfg.MaxResponseBody)...)
-		writeProblem(q.w, CodeResponseTooLarge, fmt.Sprintf("the response is over %d bytes and cannot be stored; the request was rolled back", m.cfg.MaxResponseBody), 0)
+		q.problem(CodeResponseTooLarge, fmt.Sprintf("the response is over %d bytes and cannot be stored; the request was rolled back", m.cfg.MaxResponseBody), 0)
 	case faultTxEnded:
 		m.count(q.claim.Consumer, OutcomeError)
 		m.log.Error("idem: the handler ended or broke its transaction (raw COMMIT/ROLLBACK, or a failed statement it ignored); it is rolled back and nothing is stored",
 			q.attrs()...)
-		writeProblem(q.w, CodeTransactionEnded, "the request's transaction was ended by the handler; nothing was stored, and a retry runs the request again", 0)
+		q.problem(CodeTransactionEnded, "the request's transaction was ended by the handler; nothing was stored, and a retry runs the request again", 0)
 	}
 }
 
@@ -445,7 +513,7 @@ func (m *Middleware) ended(q *request, err error) {
 	if errors.Is(err, context.DeadlineExceeded) {
 		m.count(q.claim.Consumer, OutcomeTimeout)
 		m.log.Info("idem: request deadline passed before the commit; rolled back", q.attrs()...)
-		writeProblem(q.w, CodeTimeout, "the request took too long and was rolled back; retry with the same key", m.cfg.RetryAfter)
+		q.problem(CodeTimeout, "the request took too long and was rolled back; retry with the same key", m.cfg.RetryAfter)
 		return
 	}
 	m.count(q.claim.Consumer, OutcomeDisconnected)
@@ -480,17 +548,22 @@ func (m *Middleware) saveFailed(q *request, err error) {
 	}
 	m.count(q.claim.Consumer, OutcomeError)
 	m.log.Error("idem: the response could not be stored; the request is rolled back", append(q.attrs(), "err", err)...)
-	writeProblem(q.w, CodeHandlerFailed, "the response could not be stored; the request was rolled back", 0)
+	q.problem(CodeHandlerFailed, "the response could not be stored; the request was rolled back", 0)
 }
 
 // storeFailure records a final client error with its response, in a transaction of
-// its own after the handler's rolled back; if another request settled the key
-// meanwhile, that outcome is the answer.
+// its own on the request's connection after the handler's rolled back; if another
+// request settled the key meanwhile, that outcome is the answer.
 func (m *Middleware) storeFailure(q *request, resp *Response) {
 	ctx := q.r.Context()
 	stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
 	var res inbox.ResponseClaim
-	err := pgx.BeginTxFunc(ctx, m.cfg.Pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+	conn, err := m.acquire(ctx, q)
+	if err != nil {
+		m.dbFailed(q, "record the final client error", err)
+		return
+	}
+	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.Wait)); err != nil {
 			return err
 		}
@@ -507,30 +580,32 @@ func (m *Middleware) storeFailure(q *request, resp *Response) {
 		return
 	}
 	m.count(q.claim.Consumer, OutcomeFailed)
-	writeResponse(q.w, resp, false)
+	q.send(resp, false)
 }
 
 // notFinal sends a response that is not stored; its work was rolled back.
 func (m *Middleware) notFinal(q *request, resp *Response) {
 	m.count(q.claim.Consumer, OutcomeNotFinal)
 	m.log.Info("idem: status is not final; the work is rolled back and a retry runs again", append(q.attrs(), "status", resp.Status)...)
-	writeResponse(q.w, resp, false)
+	q.send(resp, false)
 }
 
-// answerExisting answers a request whose key has a row already.
+// answerExisting answers a request whose key has a row already. It gives the
+// connection back first: a BodyReferencer may use the pool.
 func (m *Middleware) answerExisting(q *request, res inbox.ResponseClaim) {
+	q.release()
 	rec := res.Existing
 	switch {
 	case res.Mismatch:
 		m.count(q.claim.Consumer, OutcomeMismatch)
 		m.log.Warn("idem: key reused with a different request", q.attrs()...)
-		writeProblem(q.w, CodeFingerprintMismatch, "this key was first used with a different request (method, path, query or body); use a new key for a new request", 0)
+		q.problem(CodeFingerprintMismatch, "this key was first used with a different request (method, path, query or body); use a new key for a new request", 0)
 	case rec.State == inbox.StateProcessing:
 		m.inProgress(q)
 	case res.Response == nil:
 		m.count(q.claim.Consumer, OutcomeError)
 		m.log.Error("idem: the key has an inbox row without a stored response; does a message consumer use this operation's name?", q.attrs()...)
-		writeProblem(q.w, CodeResponseNotStored, "this key was settled without a stored response", 0)
+		q.problem(CodeResponseNotStored, "this key was settled without a stored response", 0)
 	default:
 		m.replay(q, rec, res.Response)
 	}
@@ -548,7 +623,7 @@ func (m *Middleware) replay(q *request, rec *inbox.Record, stored *inbox.Respons
 		if err != nil {
 			m.count(q.claim.Consumer, OutcomeError)
 			m.log.Error("idem: stored body reference could not be resolved", append(q.attrs(), "ref", stored.BodyRef, "err", err)...)
-			writeProblem(q.w, CodeReplayFailed, "the stored response cannot be replayed", 0)
+			q.problem(CodeReplayFailed, "the stored response cannot be replayed", 0)
 			return
 		}
 	}
@@ -556,12 +631,12 @@ func (m *Middleware) replay(q *request, rec *inbox.Record, stored *inbox.Respons
 		m.metrics.replayAge.WithLabelValues(q.claim.Consumer).Observe(rec.Now.Sub(*rec.CompletedAt).Seconds())
 	}
 	m.count(q.claim.Consumer, OutcomeReplayed)
-	writeResponse(q.w, &Response{Status: stored.Status, Header: http.Header(stored.Header), Body: body}, true)
+	q.send(&Response{Status: stored.Status, Header: http.Header(stored.Header), Body: body}, true)
 }
 
 func (m *Middleware) inProgress(q *request) {
 	m.count(q.claim.Consumer, OutcomeInProgress)
-	writeProblem(q.w, CodeInProgress, "a request with this key is still running; retry after Retry-After", m.cfg.RetryAfter)
+	q.problem(CodeInProgress, "a request with this key is still running; retry after Retry-After", m.cfg.RetryAfter)
 }
 
 func (m *Middleware) noteExpired(q *request, res inbox.ResponseClaim) {
@@ -588,28 +663,26 @@ func (m *Middleware) dbFailed(q *request, what string, err error) {
 	} else {
 		m.log.Warn("idem: "+what+" failed; nothing ran", append(q.attrs(), "err", err)...)
 	}
-	writeProblem(q.w, CodeDatabaseUnavailable, "the request could not be run now; retry with the same key", m.cfg.RetryAfter)
+	q.problem(CodeDatabaseUnavailable, "the request could not be run now; retry with the same key", m.cfg.RetryAfter)
 }
 
 // serveUnkeyed runs a request without a key on a route where the key is optional:
 // in a transaction, committed before the answer, with nothing stored.
 func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseWriter, r *http.Request) {
 	q := &request{w: w, r: r, next: next, claim: inbox.Claim{ID: inbox.ID{Consumer: op}}}
+	defer q.release()
 	ctx := r.Context()
-	tx, err := m.begin(ctx, false)
+	tx, err := m.begin(ctx, q, false)
 	if err != nil {
 		m.dbFailed(q, "begin", err)
 		return
 	}
-	defer tx.release(ctx)
 	resp, f := m.run(q, tx, func() { tx.rollbackMarked(ctx) })
 	switch {
 	case f != faultNone:
-		tx.release(ctx)
 		m.answerFault(q, f)
 		return
 	case !m.success(resp.Status):
-		tx.release(ctx)
 		m.notFinal(q, resp)
 		return
 	case ctx.Err() != nil:
@@ -619,24 +692,23 @@ func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseW
 	err = tx.Commit(context.WithoutCancel(ctx))
 	switch {
 	case errors.Is(err, inbox.ErrTxReplaced):
-		tx.release(ctx)
 		m.answerFault(q, faultTxEnded)
 		return
 	case err != nil:
 		m.count(op, OutcomeError)
 		m.log.Warn("idem: COMMIT failed for a request without a key; its outcome is unknown", "operation", op, "err", err)
-		writeProblem(w, CodeCommitUnknown, "the outcome is unknown", m.cfg.RetryAfter)
+		q.problem(CodeCommitUnknown, "the outcome is unknown", m.cfg.RetryAfter)
 		return
 	}
 	m.count(op, OutcomeUnkeyed)
-	writeResponse(w, resp, false)
+	q.send(resp, false)
 }
 
-// begin acquires a connection and begins a transaction on it, marked with
-// inbox.TxMark, in one round trip; withXID also takes the transaction's ID (lease
-// mode, where rollBack needs it).
-func (m *Middleware) begin(ctx context.Context, withXID bool) (*connTx, error) {
-	tx, err := acquireTx(ctx, m.cfg.Pool)
+// begin begins a transaction on q's connection (acquired if q holds none), marked
+// with inbox.TxMark, in one round trip; withXID also takes the transaction's ID
+// (lease mode, where rollBack needs it).
+func (m *Middleware) begin(ctx context.Context, q *request, withXID bool) (*connTx, error) {
+	tx, err := m.acquire(ctx, q)
 	if err != nil {
 		return nil, err
 	}
@@ -658,7 +730,7 @@ func (m *Middleware) begin(ctx context.Context, withXID bool) (*connTx, error) {
 		err = cerr
 	}
 	if err != nil {
-		tx.release(ctx)
+		q.release()
 		return nil, err
 	}
 	return tx, nil

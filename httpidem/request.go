@@ -11,16 +11,19 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/dunglas/httpsfv"
+
 	"github.com/idemkit/idem/inbox"
 )
 
 // errKeyAbsent: the request has no key header.
 var errKeyAbsent = errors.New("no key header")
 
-// parseKey reads the key from the request's header values. One value is allowed. A
-// value in double quotes is an RFC 8941 sf-string (the draft's form): the quotes
-// go, `\"` and `\\` are unescaped, and only printable ASCII may appear. Anything
-// else is the key as it is.
+// parseKey reads the key from the request's header values. One value is allowed.
+// A value that starts with a double quote is parsed as an RFC 9651 Structured
+// Field Item (the draft's form: an sf-string, with parameters that are ignored):
+// its value must be a String, whose quotes and escapes (\" and \\) go, and which
+// holds only printable ASCII. Anything else is the key as it is.
 func parseKey(values []string) (string, error) {
 	switch len(values) {
 	case 0:
@@ -30,31 +33,18 @@ func parseKey(values []string) (string, error) {
 		return "", fmt.Errorf("%d key headers; send one", len(values))
 	}
 	v := strings.Trim(values[0], " \t")
-	if strings.HasPrefix(v, `"`) {
-		var b strings.Builder
-		for i := 1; i < len(v); i++ {
-			c := v[i]
-			switch {
-			case c == '"':
-				if i != len(v)-1 {
-					return "", errors.New("data after the closing quote")
-				}
-				return b.String(), inbox.ValidateKey(b.String())
-			case c == '\\':
-				i++
-				if i >= len(v) || v[i] != '"' && v[i] != '\\' {
-					return "", errors.New(`a quoted key may escape only " and \`)
-				}
-				b.WriteByte(v[i])
-			case c < 0x20 || c > 0x7e:
-				return "", errors.New("a quoted key holds only printable ASCII")
-			default:
-				b.WriteByte(c)
-			}
-		}
-		return "", errors.New("no closing quote")
+	if !strings.HasPrefix(v, `"`) {
+		return v, inbox.ValidateKey(v)
 	}
-	return v, inbox.ValidateKey(v)
+	item, err := httpsfv.UnmarshalItem([]string{v})
+	if err != nil {
+		return "", errors.New(`a quoted key must be a Structured Field String, such as "8e03978e-40d5-43e8-bc93-6894a57f9324", with parameters after it if any (;name=value)`)
+	}
+	key, ok := item.Value.(string)
+	if !ok { // unreachable: a value that starts with a quote parses as a String or fails
+		return "", errors.New("a quoted key must be a Structured Field String")
+	}
+	return key, inbox.ValidateKey(key)
 }
 
 // errBodyTooLarge: the body is over the limit.

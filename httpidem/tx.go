@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -34,6 +35,12 @@ var _ pgx.Tx = (*connTx)(nil)
 // relies on to see a concurrent winner's row after waiting for it. Each is marked
 // with inbox.TxMark in the same round trip.
 const beginSQL = "begin isolation level read committed"
+
+// settleTimeout bounds the statements that settle a request after its handler's
+// transaction ended without idem's commit (finding out whether the handler
+// committed itself, giving a lease back): they run whatever the request's context
+// says, since the client leaving must not leave a lease held, but not forever.
+const settleTimeout = 10 * time.Second
 
 // The transaction ID of a lease-mode handler's transaction, and later its outcome.
 const (

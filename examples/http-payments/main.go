@@ -7,7 +7,7 @@
 // a ledger row, once however often it arrives.
 //
 //	go run ./examples/http-payments
-//	curl -i -X POST localhost:8080/payments -H 'Idempotency-Key: 3f1c…' -d '{"amount":"12.50","currency":"EUR","email":"ann@example.com"}'
+//	curl -i -X POST localhost:8080/payments -H 'X-Account: acct_42' -H 'Idempotency-Key: 3f1c…' -d '{"amount":"12.50","currency":"EUR","email":"ann@example.com"}'
 package main
 
 import (
@@ -160,8 +160,9 @@ func run(ctx context.Context, cfg Config, ln net.Listener) error {
 	idem, err := httpidem.New(httpidem.Config{
 		Pool:   pool,
 		Schema: cfg.Schema,
-		// Keys are scoped to the account: a stand-in for your authentication's
-		// principal, which must be set before this middleware runs.
+		// Keys are scoped to the account (New refuses a config without a scope): a
+		// stand-in for your authentication's principal, which must be set before
+		// this middleware runs. A request without one is 400 tenant_invalid.
 		Tenant: func(r *http.Request) (string, error) { return r.Header.Get("X-Account"), nil },
 		Logger: log,
 	})
@@ -170,7 +171,9 @@ func run(ctx context.Context, cfg Config, ln net.Listener) error {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("POST /payments", idem.Middleware(createPayment(cfg.Schema)))
-	mux.HandleFunc("GET /payments/{id}", showPayment(pool, cfg.Schema))
+	// A read passes through the middleware untouched: nothing is stored, so it is
+	// never replayed stale.
+	mux.Handle("GET /payments/{id}", idem.Middleware(showPayment(pool, cfg.Schema)))
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	goRun("http", func() error {
 		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
@@ -266,6 +269,7 @@ func createPayment(schema string) http.HandlerFunc {
 		}
 		body, _ := json.Marshal(p)
 		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store") // stored with the answer and replayed
 		w.Header().Set("Location", "/payments/"+p.ID)
 		w.WriteHeader(http.StatusCreated)
 		_, _ = w.Write(append(body, '\n'))

@@ -19,9 +19,11 @@ import (
 )
 
 // TestHTTPPayments runs the program against the test Postgres: a payment posted
-// three times with one key is one payment, one answer (replayed byte for byte),
-// one receipt email and one ledger row; the same key with another amount is 422;
-// a missing key is 400.
+// three times with one key (bare, and in the draft's quoted form with a
+// parameter) is one payment, one answer (replayed byte for byte, Cache-Control
+// included), one receipt email and one ledger row; the same key with another
+// amount is 422; a missing key is 400, and so is a request without an account; a
+// GET with a key passes through.
 func TestHTTPPayments(t *testing.T) {
 	t.Parallel()
 	pgtest.Require(t)
@@ -45,11 +47,14 @@ func TestHTTPPayments(t *testing.T) {
 	client := &http.Client{Timeout: 30 * time.Second}
 	defer client.CloseIdleConnections()
 
+	account := "acct_1"
 	post := func(key, body string) (*http.Response, []byte) {
 		req, err := http.NewRequest(http.MethodPost, base+"/payments", strings.NewReader(body))
 		require.NoError(t, err)
 		req.Header.Set("Content-Type", "application/json")
-		req.Header.Set("X-Account", "acct_1")
+		if account != "" {
+			req.Header.Set("X-Account", account)
+		}
 		if key != "" {
 			req.Header.Set("Idempotency-Key", key)
 		}
@@ -73,18 +78,26 @@ func TestHTTPPayments(t *testing.T) {
 	var p Payment
 	require.NoError(t, json.Unmarshal(firstBody, &p))
 	require.True(t, strings.HasPrefix(p.ID, "pay_"))
-	for range 2 {
-		again, againBody := post("9b2f0c1e-1111-4c1a-9a57-1c0ffee00001", `{"email":"ann@example.com","currency":"EUR","amount":"12.50"}`)
-		require.Equal(t, http.StatusCreated, again.StatusCode)
-		require.Equal(t, "true", again.Header.Get("Idempotent-Replayed"))
-		require.Equal(t, firstBody, againBody)
-		require.Equal(t, first.Header.Get("Location"), again.Header.Get("Location"))
+	require.Equal(t, "no-store", first.Header.Get("Cache-Control"))
+	for _, key := range []string{"9b2f0c1e-1111-4c1a-9a57-1c0ffee00001", `"9b2f0c1e-1111-4c1a-9a57-1c0ffee00001";v=1`} {
+		again, againBody := post(key, `{"email":"ann@example.com","currency":"EUR","amount":"12.50"}`)
+		require.Equal(t, http.StatusCreated, again.StatusCode, key)
+		require.Equal(t, "true", again.Header.Get("Idempotent-Replayed"), key)
+		require.Equal(t, firstBody, againBody, key)
+		require.Equal(t, first.Header.Get("Location"), again.Header.Get("Location"), key)
+		require.Equal(t, "no-store", again.Header.Get("Cache-Control"), key)
 	}
 	mismatch, mismatchBody := post("9b2f0c1e-1111-4c1a-9a57-1c0ffee00001", `{"amount": "12.51", "currency": "EUR", "email": "ann@example.com"}`)
 	require.Equal(t, http.StatusUnprocessableEntity, mismatch.StatusCode)
 	require.Contains(t, string(mismatchBody), `"code":"fingerprint_mismatch"`)
-	missing, _ := post("", body)
+	missing, missingBody := post("", body)
 	require.Equal(t, http.StatusBadRequest, missing.StatusCode)
+	require.Contains(t, string(missingBody), `"code":"idempotency_key_missing"`)
+	account = ""
+	anonymous, anonymousBody := post("9b2f0c1e-3333-4c1a-9a57-1c0ffee00003", body)
+	require.Equal(t, http.StatusBadRequest, anonymous.StatusCode)
+	require.Contains(t, string(anonymousBody), `"code":"tenant_invalid"`)
+	account = "acct_1"
 	invalid, invalidBody := post("9b2f0c1e-2222-4c1a-9a57-1c0ffee00002", `{"amount": "-1", "currency": "EUR", "email": "ann@example.com"}`)
 	require.Equal(t, http.StatusUnprocessableEntity, invalid.StatusCode)
 	require.Contains(t, string(invalidBody), "positive")
@@ -105,8 +118,12 @@ func TestHTTPPayments(t *testing.T) {
 	require.Equal(t, map[string]int{"<receipt." + p.ID + "@payments.example.com>": 1}, mails)
 	mu.Unlock()
 
-	resp, err := client.Get(base + "/payments/" + p.ID)
+	get, err := http.NewRequest(http.MethodGet, base+"/payments/"+p.ID, nil)
 	require.NoError(t, err)
+	get.Header.Set("Idempotency-Key", "9b2f0c1e-1111-4c1a-9a57-1c0ffee00001") // ignored: a read passes through
+	resp, err := client.Do(get)
+	require.NoError(t, err)
+	require.Empty(t, resp.Header.Get("Idempotent-Replayed"))
 	defer resp.Body.Close()
 	var shown Payment
 	require.NoError(t, json.NewDecoder(resp.Body).Decode(&shown))

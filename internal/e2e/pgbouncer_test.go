@@ -126,7 +126,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	require.Equal(t, len(keys), pgtest.Count(t, direct, `SELECT count(*) FROM `+biz))
 
 	// httpidem: eight concurrent requests with one key, in each mode.
-	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Wait: 10 * time.Second})
+	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true, Wait: 10 * time.Second})
 	require.NoError(t, err)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := "http" + r.URL.Path + "-" + r.Header.Get("Idempotency-Key")

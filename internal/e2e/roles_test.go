@@ -87,7 +87,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	require.Equal(t, 4, pgtest.Count(t, owner, `SELECT count(*) FROM biz`))
 
 	// httpidem, in a transaction and in lease mode.
-	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema})
+	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true})
 	require.NoError(t, err)
 	created := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if tx := httpidem.Tx(r.Context()); tx != nil {

@@ -62,7 +62,7 @@ func build(t *testing.T) world {
 	_, err = inbox.NewJanitor(inbox.JanitorConfig{Pool: pool, Schema: schema, Registerer: reg})
 	require.NoError(t, err)
 
-	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Registerer: reg})
+	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true, Registerer: reg})
 	require.NoError(t, err)
 	mw.Route(httpidem.Route{Operation: operation})(http.NotFoundHandler())
 
