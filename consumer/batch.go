@@ -253,6 +253,7 @@ func (r *setRun) round(n int) roundEnd {
 	r.claimed = r.claimed[:0]
 	for j, res := range results {
 		i := owners[j]
+		c.noteExpired(r.batch[i].req, res)
 		switch {
 		case r.record[i] && res.Claimed:
 			r.res[i] = outcome{kind: outRecorded, err: r.res[i].err}

@@ -197,6 +197,21 @@ type request struct {
 	invalid error
 	// recordable: invalid, but the key is good, so the failure can be recorded.
 	recordable bool
+	// expiredCounted: this delivery is counted in idem_inbox_expired_retry_total
+	// already (its message is older than the retention, or a claim of it forgot an
+	// expired row), so it is not counted again.
+	expiredCounted bool
+}
+
+// noteExpired counts a delivery whose claim forgot its key's expired row, once per
+// delivery however many claims of it (group-commit rounds) meet the row.
+func (c *Consumer) noteExpired(req *request, res inbox.ClaimResult) {
+	if !res.Expired || req.expiredCounted {
+		return
+	}
+	req.expiredCounted = true
+	c.metrics.expiredRetry.WithLabelValues(req.claim.Consumer).Inc()
+	c.log.Info("idem: the key's inbox row was past its retention; the message runs as new", req.attrs()...)
 }
 
 func (r *request) attrs() []any {
@@ -249,6 +264,7 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 	if c.cfg.MessageTime != nil {
 		if at, ok := c.cfg.MessageTime(msg); ok && time.Since(at) > c.cfg.Retention {
 			c.metrics.expiredRetry.WithLabelValues(name).Inc()
+			req.expiredCounted = true
 			if c.cfg.ExpiredRetry == ExpiredRetryFail {
 				req.invalid = fmt.Errorf("%w: sent %s ago, retention %s", ErrExpiredRetry, time.Since(at).Round(time.Second), c.cfg.Retention)
 				req.recordable = true
@@ -352,6 +368,7 @@ func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.
 		o.claimFailed = true
 		return o
 	}
+	c.noteExpired(req, res)
 	if !res.Claimed {
 		return existingOutcome(res)
 	}
@@ -486,6 +503,7 @@ func (c *Consumer) recordFailure(req *request, cause error) outcome {
 	if err != nil {
 		return notRecorded(cause, err)
 	}
+	c.noteExpired(req, res)
 	if !res.Claimed {
 		return existingOutcome(res)
 	}

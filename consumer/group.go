@@ -263,6 +263,7 @@ func (g *groupCommitter) runOne(ctx context.Context, tx pgx.Tx, sp string, prelu
 			}
 			return nr, false
 		}
+		c.noteExpired(r.req, res)
 		if !res.Claimed {
 			return existingOutcome(res), false
 		}

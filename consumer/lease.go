@@ -35,6 +35,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	if err != nil {
 		return c.finish(req, classify(err))
 	}
+	c.noteExpired(req, res)
 	if !res.Claimed {
 		return c.finish(req, existingOutcome(res))
 	}
