@@ -73,7 +73,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 // nackCodes are the codes idem itself nacks with (idem_inbox_nacked_total).
 var nackCodes = []string{
 	"transient", ErrBusy.code, ErrCommitUnknown.code, ErrCanceled.code, ErrClosed.code, ErrDatabaseUnavailable.code,
-	ErrTxEnded.code, ErrTxAborted.code, ErrBatchAborted.code,
+	ErrTxAborted.code, ErrBatchAborted.code, ErrMessageNotInBatch.code,
 	inbox.ErrSchemaMissing.Code(), inbox.ErrLeaseLost.Code(),
 }
 
