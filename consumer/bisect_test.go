@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -295,5 +296,69 @@ func TestSavepointPathStaysWithinTheSavepointBound(t *testing.T) {
 		if key := fmt.Sprintf("m-%03d", i); key != "m-090" {
 			require.Equal(t, 1, b.bizRows(t, key), key)
 		}
+	}
+}
+
+// A backend cut in the middle of a bisection (the batch's connection terminated
+// while a half runs) loses nothing and commits nothing twice: every answer agrees
+// with the inbox, and the redeliveries commit each innocent message once and
+// record the poison one.
+func TestBatchBisectionBackendCut(t *testing.T) {
+	t.Parallel()
+	for _, at := range []int{2, 3, 5} { // the handler call that cuts
+		t.Run(fmt.Sprintf("call-%d", at), func(t *testing.T) {
+			t.Parallel()
+			h, bb, b := setupBatch(t, func(cfg *consumer.Config) { cfg.MaxBatch = 64 })
+			var calls atomic.Int64
+			bb.fail = func(msgs []*message.Message) error {
+				for _, m := range msgs {
+					if string(m.Payload) == "poison" {
+						return consumer.Permanent(errors.New("poison in the batch"))
+					}
+				}
+				return nil
+			}
+			cutting := bb.fail
+			bb.fail = func(msgs []*message.Message) error {
+				if calls.Add(1) == int64(at) {
+					_, err := consumer.Tx(msgs[0].Context()).Exec(msgs[0].Context(), `SELECT pg_terminate_backend(pg_backend_pid())`)
+					return err
+				}
+				return cutting(msgs)
+			}
+			const n = 20
+			msgs := make([]*message.Message, n)
+			for i := range msgs {
+				payload := "ok"
+				if i == 13 {
+					payload = "poison"
+				}
+				msgs[i] = newMsg(fmt.Sprintf("m-%02d", i), payload)
+			}
+			errs := sendTogether(h, msgs...)
+			for i, m := range msgs {
+				requireAnswerMatchesInbox(t, b, m.UUID, errs[i])
+			}
+			require.Greater(t, calls.Load(), int64(at), "the bisection went on after the cut")
+			for attempt := 0; ; attempt++ {
+				var again []*message.Message
+				for i, err := range errs {
+					if err != nil {
+						again = append(again, newMsg(msgs[i].UUID, string(msgs[i].Payload)))
+					}
+				}
+				if len(again) == 0 {
+					break
+				}
+				require.Less(t, attempt, 5, "still failing: %v", errs)
+				errs = sendTogether(h, again...)
+				msgs = again
+			}
+			state, _ := inboxState(t, b, "m-13")
+			require.Equal(t, "failed", state)
+			require.Equal(t, n-1, pgtest.Count(t, b.pool, `SELECT count(*) FROM biz`))
+			require.Equal(t, n-1, pgtest.Count(t, b.pool, `SELECT count(DISTINCT key) FROM biz`))
+			require.Equal(t, n-1, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox WHERE state = 'completed'`))
+		})
 	}
 }
