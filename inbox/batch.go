@@ -38,7 +38,9 @@ type BatchClaim struct {
 // second statement. Only a key whose row was committed by a claimer that the
 // statement had to wait for is read by one more statement; at READ COMMITTED that
 // statement sees the row. A key whose row vanished in between (the janitor) is
-// claimed again.
+// claimed again. A key whose row is settled and past its expires_at is forgotten:
+// one statement deletes all such rows of the batch, in tx, and their keys are
+// claimed again (Expired).
 //
 // prelude statements go ahead of the claim in the same round trip, as in
 // ClaimAfterTx; with no claims, only the prelude is sent. claims must name
@@ -97,6 +99,7 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx interface {
 			settled[i] = true
 		}
 	}
+	expired := make([]bool, len(claims))
 	todo := order
 	for first := true; len(todo) > 0; first = false {
 		p := prelude
@@ -112,22 +115,48 @@ func (s *Store) ClaimBatchTx(ctx context.Context, tx interface {
 				unread = append(unread, i)
 			}
 		}
-		if len(unread) == 0 {
-			break
-		}
-		// Conflicts with claimers that committed while the INSERT waited: a new
-		// statement, with a new snapshot, sees their rows.
-		if err := s.getBatch(ctx, tx, claims, unread, settle); err != nil {
-			return nil, err
-		}
-		todo = todo[:0:0]
-		for _, i := range unread {
-			if !settled[i] {
-				todo = append(todo, i) // deleted in between: claim it again
+		if len(unread) > 0 {
+			// Conflicts with claimers that committed while the INSERT waited: a new
+			// statement, with a new snapshot, sees their rows.
+			if err := s.getBatch(ctx, tx, claims, unread, settle); err != nil {
+				return nil, err
 			}
 		}
+		var gone []int
+		for _, i := range todo {
+			if settled[i] && !results[i].Claimed && results[i].Existing.expired() {
+				settled[i], expired[i] = false, true
+				gone = append(gone, i)
+			}
+		}
+		if len(gone) > 0 {
+			if err := s.deleteExpiredBatch(ctx, tx, claims, gone); err != nil {
+				return nil, err
+			}
+		}
+		next := todo[:0:0]
+		for _, i := range todo {
+			if !settled[i] {
+				next = append(next, i) // deleted in between, or expired: claim it again
+			}
+		}
+		todo = next
+	}
+	for i := range results {
+		results[i].Expired = expired[i] && results[i].Claimed
 	}
 	return results, nil
+}
+
+// deleteExpiredBatch deletes the settled rows past their expiry of claims[idx].
+func (s *Store) deleteExpiredBatch(ctx context.Context, db DBTX, claims []BatchClaim, idx []int) error {
+	n := len(idx)
+	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
+	for j, i := range idx {
+		consumers[j], tenants[j], keys[j] = claims[i].Consumer, claims[i].Tenant, claims[i].Key
+	}
+	_, err := db.Exec(ctx, s.q.deleteExpiredKeys, consumers, tenants, keys)
+	return s.wrap(err)
 }
 
 func (s *Store) claimBatch(ctx context.Context, tx interface {

@@ -6,6 +6,7 @@ type queries struct {
 	claim, fail, get                              string
 	claimBatch, getBatch                          string
 	lease, completeLease, failLease, releaseLease string
+	deleteExpiredKey, deleteExpiredKeys           string
 	deleteExpired, deleteDoneEffects              string
 	janitorTryLock, janitorUnlock                 string
 }
@@ -93,6 +94,19 @@ func newQueries(schema string) queries {
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		releaseLease: `UPDATE ` + t + ` SET lease_until = now()
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+		// A claim that meets a settled row past its expiry deletes it and claims the
+		// key again (insertOr, ClaimBatchTx): a key past its retention is forgotten
+		// whether or not the janitor has come by. Only such a row goes; a processing
+		// row never does. A row that a concurrent claimer deletes first makes this
+		// delete wait for it, then find nothing: the claim that follows meets that
+		// claimer's row.
+		deleteExpiredKey: `DELETE FROM ` + t + `
+			WHERE consumer = $1 AND tenant = $2 AND key = $3
+				AND state IN ('completed', 'failed') AND expires_at < now()`,
+		deleteExpiredKeys: `DELETE FROM ` + t + ` i
+			USING unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
+			WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
+				AND i.state IN ('completed', 'failed') AND i.expires_at < now()`,
 		// The janitor's deletes pick a batch in expiry order through the partial
 		// indexes (inbox_expires_at_idx, effects_done_at_idx), so no batch rescans
 		// the rows that earlier batches left dead, and delete by ctid, which the

@@ -89,6 +89,10 @@ type ClaimResult struct {
 	Mismatch bool
 	// Fence is the lease fence when Claimed in lease mode.
 	Fence int64
+	// Expired: the key had a settled (completed or failed) row past its
+	// expires_at, which the claim deleted before claiming the key as new. A key past
+	// its retention is forgotten whether or not the janitor has deleted its row yet.
+	Expired bool
 }
 
 // Store runs the inbox's statements against the tables in one schema.
@@ -141,12 +145,15 @@ func (s *Store) ClaimTx(ctx context.Context, tx DBTX, c Claim) (ClaimResult, err
 // means the caller owns the key (with the fence insert returns). No row means a
 // conflict: the next statement reads the row that was there, which at READ
 // COMMITTED is the one a wait ended on. If that row was deleted between the two
-// statements (a janitor, or a released lease), it inserts again.
+// statements (a janitor, or a released lease), it inserts again. If it is a settled
+// row past its expires_at, it deletes it, on db (in the caller's transaction, if
+// db is one), and inserts again: the key is forgotten (Expired).
 func (s *Store) insertOr(ctx context.Context, db DBTX, c Claim, insert func() (int64, error)) (ClaimResult, error) {
+	expired := false
 	for {
 		fence, err := insert()
 		if err == nil {
-			return ClaimResult{Claimed: true, Fence: fence}, nil
+			return ClaimResult{Claimed: true, Fence: fence, Expired: expired}, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
 			return ClaimResult{}, s.wrap(err)
@@ -158,8 +165,21 @@ func (s *Store) insertOr(ctx context.Context, db DBTX, c Claim, insert func() (i
 		if err != nil {
 			return ClaimResult{}, err
 		}
+		if rec.expired() {
+			if _, err := db.Exec(ctx, s.q.deleteExpiredKey, c.Consumer, c.Tenant, c.Key); err != nil {
+				return ClaimResult{}, s.wrap(err)
+			}
+			expired = true
+			continue
+		}
 		return s.existing(rec, c.Fingerprint), nil
 	}
+}
+
+// expired reports whether r is a settled row past its expires_at, by the
+// database's clock: such a key is forgotten. A processing row never is.
+func (r *Record) expired() bool {
+	return r.State != StateProcessing && r.ExpiresAt.Before(r.Now)
 }
 
 // BatchSender pipelines statements; pgx.Tx and *pgx.Conn do.
