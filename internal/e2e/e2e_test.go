@@ -205,8 +205,12 @@ type run struct {
 	elapsed                time.Duration
 	kills, selfKills       map[string]int // SIGKILLs by the killer, and by armed crash points, per role
 	restarts, cuts, pubDup int
-	ledgerRows             int
-	emailsPerKey           map[int]int // how many keys got k emails
+	// pastBroker is how many of the producer's duplicates the broker stores and
+	// delivers: all on Kafka; on NATS the ones sent without Nats-Msg-Id (the
+	// server drops the others within its duplicate window).
+	pastBroker   int
+	ledgerRows   int
+	emailsPerKey map[int]int // how many keys got k emails
 	// largestCommit is the most keys one transaction committed, and inBatches the
 	// keys committed together with others (inbox rows that share their
 	// transaction's received_at).
@@ -218,9 +222,11 @@ func (r run) summary() string {
 	for _, k := range slices.Sorted(maps.Keys(r.emailsPerKey)) {
 		per = append(per, fmt.Sprintf("%d key(s) × %d", r.emailsPerKey[k], k))
 	}
-	return fmt.Sprintf("%s; SIGKILLs by the killer %v, by crash points %v, restarts %d, backend cuts %d, producer duplicates %d, ledger rows %d, "+
+	return fmt.Sprintf("%s; SIGKILLs by the killer %v, by crash points %v, restarts %d, backend cuts %d, "+
+		"producer duplicates %d (%d kept by the broker), duplicates delivered %d, ledger rows %d, "+
 		"keys committed in batches %d (largest %d), raw emails per key: %s",
-		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts, r.pubDup, r.ledgerRows,
+		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts,
+		r.pubDup, r.pastBroker, r.report.DuplicatesDelivered(), r.ledgerRows,
 		r.inBatches, r.largestCommit, strings.Join(per, ", "))
 }
 
@@ -311,7 +317,9 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	t.Logf("broker: %s; topic %s, group %s", tg, topic, ep.Group)
 
 	// The producer: n payments, 30% of them sent twice, before any consumer runs
-	// (the stream or topic holds them; consumers join while the killer runs).
+	// (the stream or topic holds them; consumers join while the killer runs). On
+	// NATS every other copy goes without Nats-Msg-Id (payments.Connect), past the
+	// server's duplicate window, so that idem sees producer duplicates there too.
 	connect := payments.Connect
 	if mode != payments.Transactional {
 		connect = payments.ConnectBatched // records keyed by payment, so many are in flight
@@ -332,6 +340,10 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		}
 	}
 	r := run{pubDup: int(pub.Duplicates()), kills: map[string]int{}, selfKills: map[string]int{}}
+	r.pastBroker = r.pubDup
+	if broker == payments.NATS {
+		r.pastBroker = int(conn.PastWindow())
+	}
 	conn.Close()
 
 	peerFlag := "0"
@@ -447,10 +459,15 @@ loop:
 			if len(cutAt) > 0 {
 				continue
 			}
+			// idem's run ends when everything is settled and the broker has nothing
+			// left for the group, so that every duplicate it stores was delivered
+			// and counted.
 			if !peer && fig.ledger >= n && fig.pending == 0 {
 				rep, err := a.Report(ctx, q)
 				if err == nil && rep.OK() && rep.Settled() && rep.CommittedOnce == n {
-					break loop
+					if backlog, err := payments.Backlog(ctx, ep, topic); err == nil && backlog == 0 {
+						break loop
+					}
 				}
 			}
 			// The peer can lose messages for good, so it ends when the broker has
@@ -574,4 +591,9 @@ func requireExactlyOnce(t *testing.T, r run, n int) {
 	// dead dispatcher had at most 8 claims (4 sending, 4 waiting).
 	dispatcherDeaths := r.kills["dispatcher"] + r.selfKills["dispatcher"]
 	require.LessOrEqual(t, rep.SendsRepeated, 8*dispatcherDeaths, "repeated sends without a dispatcher death to explain them")
+	// Every duplicate the broker stored reached idem: the run ends with nothing
+	// left for the group, and a delivery is counted before its ack. On NATS that
+	// is every other copy of the producer's (the rest the server drops).
+	require.GreaterOrEqual(t, rep.DuplicatesDelivered(), int64(r.pastBroker), "duplicates delivered, against the producer's copies the broker kept")
+	require.GreaterOrEqual(t, 2*r.pastBroker, r.pubDup, "at least half of the producer's duplicates pass the broker")
 }
