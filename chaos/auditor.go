@@ -128,6 +128,18 @@ type Report struct {
 // OK reports whether nothing was lost and nothing committed twice.
 func (r Report) OK() bool { return r.Err() == nil }
 
+// DuplicatesDelivered is how many deliveries the consumer saw beyond one per
+// message: the producer's copies that the broker passed on, the broker's
+// redeliveries, injected copies. These are what the consumer had to recognise
+// (it suppressed some and ran the handler again for others, whose first try did
+// not commit). -1 when Deliveries was not measured.
+func (r Report) DuplicatesDelivered() int64 {
+	if r.Deliveries < 0 {
+		return -1
+	}
+	return r.Deliveries - int64(r.Messages)
+}
+
 // Err describes every failure in the report, or returns nil.
 func (r Report) Err() error {
 	var errs []error
@@ -404,6 +416,7 @@ func FormatReports(titles []string, reports ...Report) string {
 	rows = append(rows, head)
 	add("messages", num(func(r Report) int { return r.Messages }))
 	add("deliveries", given(func(r Report) int64 { return r.Deliveries }))
+	add("duplicates delivered", given(Report.DuplicatesDelivered))
 	add("duplicates suppressed", given(func(r Report) int64 { return r.DuplicatesSuppressed }))
 	add("committed once", num(func(r Report) int { return r.CommittedOnce }))
 	add("committed twice (duplicated) !", num(func(r Report) int { return r.CommittedTwice }))

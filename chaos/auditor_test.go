@@ -114,3 +114,14 @@ INSERT INTO effects (tenant, kind, key, fingerprint, state, source_consumer, sou
 	require.Zero(t, rep.EffectsMissing)
 	require.Equal(t, 1, rep.EffectsDone)
 }
+
+// The table says how many deliveries went beyond one per message: the duplicates
+// that reached the consumer, which it had to recognise.
+func TestReportDuplicatesDelivered(t *testing.T) {
+	idem := chaos.Report{Consumer: "idem", Messages: 300, Deliveries: 455, DuplicatesSuppressed: 142}
+	require.EqualValues(t, 155, idem.DuplicatesDelivered())
+	unmeasured := chaos.Report{Consumer: "other", Messages: 300, Deliveries: -1}
+	require.EqualValues(t, -1, unmeasured.DuplicatesDelivered())
+	table := chaos.FormatReports([]string{"idem", "other"}, idem, unmeasured)
+	require.Regexp(t, `(?m)^duplicates delivered +155 +-$`, table)
+}

@@ -85,7 +85,9 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 		require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'pending'`), "not marked")
 
 		// After the lease, a new sender sends it again, under the same effect key.
-		time.Sleep(250 * time.Millisecond)
+		require.Eventually(t, func() bool {
+			return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'pending' AND next_attempt_at <= now()`) == 1
+		}, 30*time.Second, 20*time.Millisecond, "the lease ran out")
 		c = startChild(t, 2, "sender", childEnv(schema, idemTransactional, "", 1), nil, nil)
 		c.wait(t, 20*time.Second)
 		require.Equal(t, 0, c.state.ExitCode(), c.stderrText())

@@ -104,8 +104,8 @@ func TestDispatcherSendsEffects(t *testing.T) {
 		effects.Effect{Kind: "mail", Key: "receipt:2", Payload: []byte(`{"to":"b@example.com"}`)},
 		effects.Effect{Kind: "orphan", Key: "nobody-sends-me"},
 	)
-	waitState(t, pool, "mail", "receipt:1", "done", 10*time.Second)
-	waitState(t, pool, "mail", "receipt:2", "done", 10*time.Second)
+	waitState(t, pool, "mail", "receipt:1", "done", 30*time.Second)
+	waitState(t, pool, "mail", "receipt:2", "done", 30*time.Second)
 	require.Equal(t, 1, rec.count("receipt:1"))
 	d := rec.sends["receipt:1"][0]
 	require.Equal(t, "mail", d.Kind)
@@ -118,7 +118,7 @@ func TestDispatcherSendsEffects(t *testing.T) {
 	require.Equal(t, "pending", orphan.State)
 	require.Equal(t, 0, orphan.Attempts)
 
-	waitFor(t, 5*time.Second, "attempts metric", func() bool {
+	waitFor(t, 30*time.Second, "attempts metric", func() bool {
 		return metricValue(t, reg, "idem_effects_attempts_total", "mail", "done") == 2
 	})
 }
@@ -162,7 +162,7 @@ func TestDispatcherTransientFailuresThenSuccess(t *testing.T) {
 	})
 	start(t, fastConfig(pool, schema, map[string]effects.Sender{"webhook": rec}))
 	enqueue(t, pool, schema, effects.Effect{Kind: "webhook", Key: "wh:1"})
-	r := waitState(t, pool, "webhook", "wh:1", "done", 10*time.Second)
+	r := waitState(t, pool, "webhook", "wh:1", "done", 30*time.Second)
 	require.Equal(t, 4, r.Attempts)
 	require.Equal(t, []int{1, 2, 3, 4}, rec.attempts("wh:1"))
 	require.Contains(t, r.LastError, "attempt 3")
@@ -180,7 +180,7 @@ func TestDispatcherBackoffWaits(t *testing.T) {
 	cfg.Backoff = effects.Backoff{Initial: time.Hour, Max: time.Hour, Jitter: -1}
 	start(t, cfg)
 	enqueue(t, pool, schema, effects.Effect{Kind: "slowretry", Key: "k"})
-	waitFor(t, 10*time.Second, "a failed attempt", func() bool { return getEffect(t, pool, "slowretry", "k").LastError != "" })
+	waitFor(t, 30*time.Second, "a failed attempt", func() bool { return getEffect(t, pool, "slowretry", "k").LastError != "" })
 	r := getEffect(t, pool, "slowretry", "k")
 	require.Equal(t, "pending", r.State)
 	require.InDelta(t, time.Hour.Seconds(), r.DueIn.Seconds(), 60, "next attempt an hour away, by the database's clock")
@@ -204,16 +204,16 @@ func TestDispatcherPermanentThenRequeue(t *testing.T) {
 	cfg.Registerer = reg
 	start(t, cfg)
 	enqueue(t, pool, schema, effects.Effect{Kind: "mail", Key: "m:1"})
-	r := waitState(t, pool, "mail", "m:1", "dead", 10*time.Second)
+	r := waitState(t, pool, "mail", "m:1", "dead", 30*time.Second)
 	require.Equal(t, 1, r.Attempts, "a permanent failure is not retried")
 	require.Contains(t, r.LastError, "mailbox does not exist")
-	waitFor(t, 5*time.Second, "dead metric", func() bool { return metricValue(t, reg, "idem_effects_dead_total", "mail") == 1 })
+	waitFor(t, 30*time.Second, "dead metric", func() bool { return metricValue(t, reg, "idem_effects_dead_total", "mail") == 1 })
 
 	fail.Store(false)
 	n, err := effects.RequeueDead(context.Background(), pool, schema, effects.RequeueFilter{Kind: "mail", Key: "m:1"})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
-	r = waitState(t, pool, "mail", "m:1", "done", 10*time.Second)
+	r = waitState(t, pool, "mail", "m:1", "done", 30*time.Second)
 	require.Equal(t, 1, r.Attempts, "attempts start again after a requeue")
 	require.Equal(t, 2, rec.count("m:1"))
 }
@@ -224,7 +224,7 @@ func TestDispatcherMaxAttempts(t *testing.T) {
 	rec := newRecorder(func(context.Context, effects.Delivery) error { return errors.New("timeout") })
 	start(t, fastConfig(pool, schema, map[string]effects.Sender{"sms": rec}))
 	enqueue(t, pool, schema, effects.Effect{Kind: "sms", Key: "s:1", MaxAttempts: 3})
-	r := waitState(t, pool, "sms", "s:1", "dead", 10*time.Second)
+	r := waitState(t, pool, "sms", "s:1", "dead", 30*time.Second)
 	require.Equal(t, 3, r.Attempts)
 	require.Contains(t, r.LastError, "max attempts (3) reached: timeout")
 	require.Equal(t, 3, rec.count("s:1"))
@@ -241,10 +241,10 @@ func TestDispatcherPanickingSender(t *testing.T) {
 	})
 	start(t, fastConfig(pool, schema, map[string]effects.Sender{"p": rec}))
 	enqueue(t, pool, schema, effects.Effect{Kind: "p", Key: "boom"}, effects.Effect{Kind: "p", Key: "fine"})
-	r := waitState(t, pool, "p", "boom", "done", 10*time.Second)
+	r := waitState(t, pool, "p", "boom", "done", 30*time.Second)
 	require.Equal(t, 2, r.Attempts)
 	require.Contains(t, r.LastError, "sender panicked: sender bug")
-	waitState(t, pool, "p", "fine", "done", 10*time.Second)
+	waitState(t, pool, "p", "fine", "done", 30*time.Second)
 }
 
 func TestRequeueDeadFilters(t *testing.T) {
@@ -327,13 +327,16 @@ func TestDispatcherShutdownReleasesClaims(t *testing.T) {
 	enqueueMany(t, pool, "slow", "s", 5)
 	stop := start(t, cfg)
 	first := <-started
-	waitFor(t, 5*time.Second, "two claims", func() bool {
+	waitFor(t, 30*time.Second, "two claims", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE in_flight`) == 2
 	})
+	waitFor(t, 30*time.Second, "LISTEN connection up", func() bool { return listenerUp(t, pool, schema) })
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
-	time.Sleep(100 * time.Millisecond)
-	close(unblock) // the send in flight finishes within the shutdown timeout
+	// Only once Run's context has ended may the send in flight finish (within the
+	// shutdown timeout), so that the waiting claim is released, not sent.
+	waitListenerGone(t, pool, schema)
+	close(unblock)
 	<-stopped
 
 	require.Equal(t, "done", getEffect(t, pool, "slow", first).State, "the send in flight finished and was recorded")
@@ -372,7 +375,7 @@ func TestDispatcherShutdownCancelsStuckSends(t *testing.T) {
 	// The next dispatcher asks the Reconciler first; it says the send happened.
 	sender2 := &reconcilingSender{reconcile: func(context.Context, effects.Delivery) (bool, error) { return true, nil }}
 	start(t, fastConfig(pool, schema, map[string]effects.Sender{"stuck": sender2}))
-	waitState(t, pool, "stuck", "k", "done", 10*time.Second)
+	waitState(t, pool, "stuck", "k", "done", 30*time.Second)
 	require.EqualValues(t, 1, sender2.reconciles.Load())
 	require.EqualValues(t, 0, sender2.sends.Load())
 }
@@ -437,14 +440,14 @@ func TestDispatcherReconcile(t *testing.T) {
 	cfg.Registerer = reg
 	start(t, cfg)
 	for _, k := range []string{"happened", "did-not-happen", "unknown-once", "fresh"} {
-		waitState(t, pool, "pay", k, "done", 10*time.Second)
+		waitState(t, pool, "pay", k, "done", 30*time.Second)
 	}
 	require.EqualValues(t, 1+1+2, sender.reconciles.Load(), "a fresh effect is not reconciled")
 	require.EqualValues(t, 3, sender.sends.Load(), "the effect that happened is not sent again")
 	require.Equal(t, 2, getEffect(t, pool, "pay", "happened").Attempts)
 	require.Equal(t, 3, getEffect(t, pool, "pay", "unknown-once").Attempts)
 	require.Contains(t, getEffect(t, pool, "pay", "unknown-once").LastError, "provider query API down")
-	waitFor(t, 5*time.Second, "metrics", func() bool {
+	waitFor(t, 30*time.Second, "metrics", func() bool {
 		return metricValue(t, reg, "idem_effects_unknown_total", "pay") == 1 &&
 			metricValue(t, reg, "idem_effects_attempts_total", "pay", "reconciled") == 1
 	})
@@ -463,7 +466,7 @@ func TestDispatcherIndefiniteErrorReconciles(t *testing.T) {
 	}
 	start(t, fastConfig(pool, schema, map[string]effects.Sender{"pay": sender}))
 	enqueue(t, pool, schema, effects.Effect{Kind: "pay", Key: "p1"})
-	r := waitState(t, pool, "pay", "p1", "done", 10*time.Second)
+	r := waitState(t, pool, "pay", "p1", "done", 30*time.Second)
 	require.EqualValues(t, 1, sender.sends.Load())
 	require.EqualValues(t, 1, sender.reconciles.Load())
 	require.Equal(t, 2, r.Attempts)
@@ -482,9 +485,9 @@ func TestDispatcherNoReconcilerResends(t *testing.T) {
 	cfg := fastConfig(pool, schema, map[string]effects.Sender{"mail": rec})
 	cfg.Registerer = reg
 	start(t, cfg)
-	waitState(t, pool, "mail", "m", "done", 10*time.Second)
+	waitState(t, pool, "mail", "m", "done", 30*time.Second)
 	require.Equal(t, []int{2}, rec.attempts("m"))
-	waitFor(t, 5*time.Second, "unknown metric", func() bool { return metricValue(t, reg, "idem_effects_unknown_total", "mail") == 1 })
+	waitFor(t, 30*time.Second, "unknown metric", func() bool { return metricValue(t, reg, "idem_effects_unknown_total", "mail") == 1 })
 }
 
 // TestDispatcherLostLease: a sender that overruns its lease (ignoring ctx) cannot
@@ -508,8 +511,10 @@ func TestDispatcherLostLease(t *testing.T) {
 		cfg.Registerer = reg
 		start(t, cfg)
 	}
-	waitState(t, pool, "x", "k", "done", 10*time.Second)
-	waitFor(t, 5*time.Second, "lost lease counted", func() bool { return metricValue(t, reg, "idem_effects_lost_lease_total", "x") == 1 })
+	waitState(t, pool, "x", "k", "done", 30*time.Second)
+	// At least the late one: on a loaded machine the attempt that took over may
+	// overrun its 300 ms lease as well.
+	waitFor(t, 30*time.Second, "lost lease counted", func() bool { return metricValue(t, reg, "idem_effects_lost_lease_total", "x") >= 1 })
 	r := getEffect(t, pool, "x", "k")
 	require.Equal(t, "done", r.State, "the late failure did not overwrite done")
 	require.NotContains(t, r.LastError, "late failure")
@@ -524,14 +529,18 @@ func TestDispatcherWakesOnNotify(t *testing.T) {
 	cfg := fastConfig(pool, schema, map[string]effects.Sender{"n": rec})
 	cfg.PollInterval = time.Hour
 	start(t, cfg)
-	time.Sleep(300 * time.Millisecond) // the first claim and the LISTEN are done
+	// Enqueue only once the LISTEN is up: the claim that follows it would find an
+	// effect committed before, without a notification.
+	admin := pgtest.NewPool(t, "public", 1)
+	var first int32
+	waitFor(t, 30*time.Second, "LISTEN connection up", func() bool { first = listener(t, admin, schema); return first != 0 })
 	enqueue(t, pool, schema, effects.Effect{Kind: "n", Key: "first"})
-	waitState(t, pool, "n", "first", "done", 5*time.Second)
+	waitState(t, pool, "n", "first", "done", 30*time.Second)
 
-	require.Positive(t, pgtest.TerminateBackends(t, schema))
-	time.Sleep(time.Second) // reconnect
+	require.Equal(t, first, cutListener(t, admin, schema))
+	waitFor(t, 30*time.Second, "LISTEN connection up again", func() bool { return listenerUp(t, admin, schema, first) })
 	enqueue(t, pool, schema, effects.Effect{Kind: "n", Key: "second"})
-	waitState(t, pool, "n", "second", "done", 5*time.Second)
+	waitState(t, pool, "n", "second", "done", 30*time.Second)
 }
 
 // TestDispatcherPendingGauge: idem_effects_pending counts pending effects by kind.
@@ -543,7 +552,7 @@ func TestDispatcherPendingGauge(t *testing.T) {
 	cfg := fastConfig(pool, schema, map[string]effects.Sender{"other": newRecorder(nil)})
 	cfg.Registerer = reg
 	start(t, cfg)
-	waitFor(t, 5*time.Second, "pending gauge", func() bool {
+	waitFor(t, 30*time.Second, "pending gauge", func() bool {
 		return metricValue(t, reg, "idem_effects_pending", "unsent") == 7
 	})
 }
@@ -559,7 +568,7 @@ func TestDispatcherRunAgain(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
-	waitFor(t, 5*time.Second, "running", func() bool {
+	waitFor(t, 30*time.Second, "running", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN idem_effects' AND application_name = $1`, "idem-test:"+schema) == 1
 	})
 	require.ErrorIs(t, d.Run(ctx), effects.ErrDispatcherRunning)
@@ -569,7 +578,7 @@ func TestDispatcherRunAgain(t *testing.T) {
 	enqueue(t, pool, schema, effects.Effect{Kind: "a", Key: "after-restart"})
 	ctx2, cancel2 := context.WithCancel(context.Background())
 	go func() { done <- d.Run(ctx2) }()
-	waitState(t, pool, "a", "after-restart", "done", 10*time.Second)
+	waitState(t, pool, "a", "after-restart", "done", 30*time.Second)
 	cancel2()
 	require.NoError(t, <-done)
 }

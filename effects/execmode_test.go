@@ -66,11 +66,11 @@ func TestQueryExecModes(t *testing.T) {
 			require.NoError(t, tx.Commit(ctx))
 
 			start(t, fastConfig(pool, schema, senders))
-			waitState(t, pool, "mail", "receipt", "done", 10*time.Second)
+			waitState(t, pool, "mail", "receipt", "done", 30*time.Second)
 			for _, col := range []string{"bytea", "json", "jsonb", "text"} {
-				waitState(t, pool, "ledger-"+col, "l", "done", 10*time.Second)
+				waitState(t, pool, "ledger-"+col, "l", "done", 30*time.Second)
 			}
-			waitState(t, pool, "mail", "refused", "dead", 10*time.Second)
+			waitState(t, pool, "mail", "refused", "dead", 30*time.Second)
 
 			rec.mu.Lock()
 			got := rec.sends["receipt"]
@@ -90,7 +90,7 @@ func TestQueryExecModes(t *testing.T) {
 			n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail"})
 			require.NoError(t, err)
 			require.EqualValues(t, 1, n)
-			waitState(t, pool, "mail", "refused", "dead", 10*time.Second)
+			waitState(t, pool, "mail", "refused", "dead", 30*time.Second)
 			rec.mu.Lock()
 			require.Len(t, rec.sends["refused"], 2, "requeued and sent again")
 			rec.mu.Unlock()

@@ -170,19 +170,17 @@ func TestReleasedClaimGivenBackOnceWhenCommitReplyIsLost(t *testing.T) {
 	stop := start(t, cfg)
 	sending := <-first
 	waiting := map[string]string{"k1": "k2", "k2": "k1"}[sending]
-	waitFor(t, 10*time.Second, "both claimed", func() bool {
+	waitFor(t, 30*time.Second, "both claimed", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE in_flight`) == 2
 	})
 	proxy.arm(waiting, 1) // cut the write that releases the waiting claim
 	admin := pgtest.NewPool(t, "public", 1)
+	waitFor(t, 30*time.Second, "LISTEN connection up", func() bool { return listenerUp(t, admin, schema) })
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
 	// Run's context has ended once its LISTEN connection is gone; only then may the
 	// send in hand finish, so that the waiting claim is released, not sent.
-	waitFor(t, 20*time.Second, "Run's context ended", func() bool {
-		return pgtest.Count(t, admin, `SELECT count(*) FROM pg_stat_activity
-			WHERE application_name = $1 AND query = 'LISTEN idem_effects'`, "idem-test:"+schema) == 0
-	})
+	waitListenerGone(t, admin, schema)
 	close(unblock)
 	<-stopped
 

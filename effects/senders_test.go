@@ -40,8 +40,8 @@ func TestPublishSenderKeepsUUIDAndMetadata(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("message not published")
 	}
-	waitState(t, pool, "publish:orders", out.UUID, "done", 10*time.Second)
-	r := waitState(t, pool, "publish:orders", "garbage", "dead", 10*time.Second)
+	waitState(t, pool, "publish:orders", out.UUID, "done", 30*time.Second)
+	r := waitState(t, pool, "publish:orders", "garbage", "dead", 30*time.Second)
 	require.Contains(t, r.LastError, "decode stored message")
 }
 
@@ -56,7 +56,7 @@ func TestLedgerSender(t *testing.T) {
 
 	enqueue(t, pool, schema, effects.Effect{Kind: "ledger", Key: "credit:pay_789", Payload: []byte(`{"amount":1000}`)})
 	start(t, fastConfig(pool, schema, map[string]effects.Sender{"ledger": ledger}))
-	waitState(t, pool, "ledger", "credit:pay_789", "done", 10*time.Second)
+	waitState(t, pool, "ledger", "credit:pay_789", "done", 30*time.Second)
 
 	// Idempotent by construction: another attempt adds nothing.
 	require.NoError(t, ledger.Send(ctx, effects.Delivery{Kind: "ledger", Key: "credit:pay_789", Payload: []byte(`{"amount":1000}`)}))

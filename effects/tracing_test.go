@@ -160,12 +160,12 @@ func TestTracingSendSpans(t *testing.T) {
 	_, err = effects.EnqueueManyScoped(ctx, tx, scope, []effects.Effect{{Kind: "mail", Key: "receipt"}, {Kind: "mail", Key: "flaky"}, pe})
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
-	waitState(t, pool, "mail", "receipt", "done", 10*time.Second)
-	waitState(t, pool, "mail", "flaky", "done", 10*time.Second)
-	waitState(t, pool, "publish:out", out.UUID, "done", 10*time.Second)
+	waitState(t, pool, "mail", "receipt", "done", 30*time.Second)
+	waitState(t, pool, "mail", "flaky", "done", 30*time.Second)
+	waitState(t, pool, "publish:out", out.UUID, "done", 30*time.Second)
 
 	sends := map[string][]sdktrace.ReadOnlySpan{}
-	waitFor(t, 5*time.Second, "four send spans", func() bool {
+	waitFor(t, 30*time.Second, "four send spans", func() bool {
 		sends = map[string][]sdktrace.ReadOnlySpan{}
 		for _, s := range rec.Ended() {
 			if s.Name() == "idem.send" {
@@ -223,7 +223,7 @@ func TestTracingSendOffByDefault(t *testing.T) {
 	pe, err := effects.PublishEffect("out", out)
 	require.NoError(t, err)
 	enqueueCtx(t, ctx, pool, schema, pe)
-	waitState(t, pool, "publish:out", out.UUID, "done", 10*time.Second)
+	waitState(t, pool, "publish:out", out.UUID, "done", 30*time.Second)
 	require.Empty(t, rec.Ended(), "only the test's own cause span may record, and it has not ended")
 	msgs := pub.got()
 	require.Len(t, msgs, 1)

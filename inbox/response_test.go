@@ -152,7 +152,7 @@ func TestLeaseWithResponse(t *testing.T) {
 			return true
 		}
 		return false
-	}, 10*time.Second, 20*time.Millisecond)
+	}, 30*time.Second, 20*time.Millisecond)
 
 	require.ErrorIs(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		return store.CompleteLeaseResponseTx(ctx, tx, c.ID, res.Fence, 0, &inbox.Response{Status: 201})

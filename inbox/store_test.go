@@ -98,7 +98,11 @@ func TestClaimConcurrentWaitsForWinner(t *testing.T) {
 				return err
 			})
 		}()
-		time.Sleep(200 * time.Millisecond)
+		// The second claim waits for the first transaction's row lock.
+		require.Eventually(t, func() bool {
+			return pgtest.Count(t, b.pool, `SELECT count(*) FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND application_name = $1`, "idem-test:"+b.schema) > 0
+		}, 30*time.Second, 10*time.Millisecond, "the second claim waits")
 		if commit {
 			require.NoError(t, tx1.Commit(ctx))
 		} else {

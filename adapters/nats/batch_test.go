@@ -79,7 +79,7 @@ func TestBatchOutlastsAckWait(t *testing.T) {
 		for range batches {
 			start := time.Now()
 			for h.count() < conc {
-				m := receive(t, msgs, 10*time.Second)
+				m := receive(t, msgs, 30*time.Second)
 				h.take(m)
 				time.Sleep(50 * time.Millisecond) // a slow reader: the last waits 1.5 s
 			}
@@ -175,7 +175,7 @@ func TestFetchBatchWaitsForFreeSlots(t *testing.T) {
 			require.NoError(t, err)
 			var wg sync.WaitGroup
 			for range n {
-				m := receive(t, msgs, 10*time.Second)
+				m := receive(t, msgs, 30*time.Second)
 				wg.Add(1)
 				go func() { // acks one by one, as per-message handlers do
 					defer wg.Done()

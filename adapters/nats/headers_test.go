@@ -62,8 +62,8 @@ func TestForwardingDropsPublishExpectations(t *testing.T) {
 
 		msgs, err := sub.Subscribe(context.Background(), b.topic)
 		require.NoError(t, err)
-		receive(t, msgs, 5*time.Second).Ack()
-		got := receive(t, msgs, 5*time.Second)
+		receive(t, msgs, 30*time.Second).Ack()
+		got := receive(t, msgs, 30*time.Second)
 		require.Equal(t, id, got.UUID)
 		requireNoDirectives(t, got)
 
@@ -74,7 +74,7 @@ func TestForwardingDropsPublishExpectations(t *testing.T) {
 		fwdSub := b.subscriber(t, idemnats.SubscriberConfig{Durable: "fwd"})
 		fwd, err := fwdSub.Subscribe(context.Background(), forward)
 		require.NoError(t, err)
-		m := receive(t, fwd, 5*time.Second)
+		m := receive(t, fwd, 30*time.Second)
 		assert.Equal(t, id, m.UUID)
 		assert.Equal(t, "expecting", string(m.Payload))
 		m.Ack()
@@ -123,9 +123,9 @@ func TestDeadLetterDropsPublishExpectations(t *testing.T) {
 				msgs, err := sub.Subscribe(context.Background(), b.topic)
 				require.NoError(t, err)
 				if road == idemnats.MaxDeliveredByNack {
-					receive(t, msgs, 5*time.Second).Ack() // "first"
+					receive(t, msgs, 30*time.Second).Ack() // "first"
 					for i := 1; i <= 2; i++ {
-						m := receive(t, msgs, 5*time.Second)
+						m := receive(t, msgs, 30*time.Second)
 						require.Equal(t, id, m.UUID)
 						requireNoDirectives(t, m)
 						m.Nack()

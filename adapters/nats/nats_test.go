@@ -116,7 +116,7 @@ func TestMetadataAndUUIDTravel(t *testing.T) {
 		sent.Metadata.Set("trace", "abc")
 		require.NoError(t, b.pub.Publish(b.topic, sent))
 
-		got := receive(t, msgs, 5*time.Second)
+		got := receive(t, msgs, 30*time.Second)
 		assert.Equal(t, "uuid-1", got.UUID)
 		assert.Equal(t, "payload", string(got.Payload))
 		assert.Equal(t, "abc", got.Metadata.Get("trace"))
@@ -151,7 +151,7 @@ func TestRedeliveryAfterAckWait(t *testing.T) {
 
 		msgs, err := sub.Subscribe(context.Background(), b.topic)
 		require.NoError(t, err)
-		got := receive(t, msgs, 10*time.Second)
+		got := receive(t, msgs, 30*time.Second)
 		assert.GreaterOrEqual(t, time.Since(taken), 900*time.Millisecond, "redelivered before AckWait")
 		assert.Equal(t, "2", got.Metadata.Get(idemnats.MetadataNumDelivered))
 		got.Ack()
@@ -168,7 +168,7 @@ func TestLongHandlerKeepsItsMessage(t *testing.T) {
 		require.NoError(t, err)
 		b.publish(t, 1)
 
-		got := receive(t, msgs, 5*time.Second)
+		got := receive(t, msgs, 30*time.Second)
 		otherMsgs, err := other.Subscribe(context.Background(), b.topic)
 		require.NoError(t, err)
 		// Three AckWaits in the handler: InProgress keeps the message here.
@@ -200,13 +200,13 @@ func TestNakDelayIsHonoured(t *testing.T) {
 			require.NoError(t, err)
 			return n
 		}
-		first := receive(t, msgs, 5*time.Second)
+		first := receive(t, msgs, 30*time.Second)
 		require.EqualValues(t, 1, b.streamMsgs(t), "one message in the stream: every delivery below is of it")
 		n1 := numDelivered(first)
 		require.EqualValues(t, 1, n1)
 		nacked := time.Now()
 		first.Nack()
-		second := receive(t, msgs, 10*time.Second)
+		second := receive(t, msgs, 30*time.Second)
 		assert.GreaterOrEqual(t, time.Since(nacked), time.Duration(n1)*delay-50*time.Millisecond)
 		n2 := numDelivered(second)
 		if url != externalURL() {
@@ -216,7 +216,7 @@ func TestNakDelayIsHonoured(t *testing.T) {
 		}
 		nacked = time.Now()
 		second.Nack()
-		third := receive(t, msgs, 10*time.Second)
+		third := receive(t, msgs, 30*time.Second)
 		assert.GreaterOrEqual(t, time.Since(nacked), time.Duration(n2)*delay-50*time.Millisecond, "the delay grows with NumDelivered")
 		third.Ack()
 		assert.Equal(t, uint64(2), sub.Stats().Nacked)
@@ -232,12 +232,12 @@ func TestTermStopsRedelivery(t *testing.T) {
 		require.NoError(t, err)
 		b.publish(t, 2)
 
-		first := receive(t, msgs, 5*time.Second)
+		first := receive(t, msgs, 30*time.Second)
 		assert.True(t, idemnats.Term(first))
 		first.Nack()
-		second := receive(t, msgs, 5*time.Second)
+		second := receive(t, msgs, 30*time.Second)
 		second.Nack() // not terminated: it comes back
-		again := receive(t, msgs, 5*time.Second)
+		again := receive(t, msgs, 30*time.Second)
 		assert.Equal(t, second.UUID, again.UUID)
 		again.Ack()
 		nothing(t, msgs, time.Second)
@@ -262,7 +262,7 @@ func TestMsgIDDedupeWithinWindow(t *testing.T) {
 
 		got := map[string]int{}
 		for range 2 {
-			r := receive(t, msgs, 5*time.Second)
+			r := receive(t, msgs, 30*time.Second)
 			got[r.UUID]++
 			r.Ack()
 		}
@@ -338,11 +338,11 @@ func TestMaxDeliverHookOnLastNack(t *testing.T) {
 		sent := b.publish(t, 1)[0]
 
 		for i := 1; i <= 3; i++ {
-			m := receive(t, msgs, 5*time.Second)
+			m := receive(t, msgs, 30*time.Second)
 			assert.Equal(t, strconv.Itoa(i), m.Metadata.Get(idemnats.MetadataNumDelivered))
 			m.Nack()
 		}
-		dead := receive(t, deadMsgs, 5*time.Second)
+		dead := receive(t, deadMsgs, 30*time.Second)
 		assert.Equal(t, sent.UUID, dead.UUID)
 		assert.Equal(t, "1", dead.Metadata.Get("dead_letter_stream_seq"))
 		assert.Equal(t, "3", dead.Metadata.Get("dead_letter_deliveries"))

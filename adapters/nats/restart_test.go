@@ -44,13 +44,13 @@ func TestServerRestartKeepsAcksAndUnackedMessages(t *testing.T) {
 	require.NoError(t, err)
 	acked := map[string]bool{}
 	for range 5 {
-		m := receive(t, msgs, 5*time.Second)
+		m := receive(t, msgs, 30*time.Second)
 		require.True(t, m.Ack())
 		acked[m.UUID] = true
 	}
 	// The sixth message is in a handler when the server goes down.
-	held := receive(t, msgs, 5*time.Second)
-	require.Eventually(t, func() bool { return sub.Stats().Acked == 5 }, 5*time.Second, 10*time.Millisecond, "double acks confirmed")
+	held := receive(t, msgs, 30*time.Second)
+	require.Eventually(t, func() bool { return sub.Stats().Acked == 5 }, 30*time.Second, 10*time.Millisecond, "double acks confirmed")
 
 	srv.Shutdown()
 	srv.WaitForShutdown()
@@ -77,7 +77,7 @@ func TestServerRestartKeepsAcksAndUnackedMessages(t *testing.T) {
 
 	got := map[string]bool{}
 	for range 5 {
-		m := receive(t, msgs, 10*time.Second)
+		m := receive(t, msgs, 30*time.Second)
 		assert.False(t, acked[m.UUID], "acked message %s came back", m.UUID)
 		got[m.UUID] = true
 		m.Ack()
@@ -113,7 +113,7 @@ func TestSubscriberSurvivesServerRestart(t *testing.T) {
 	require.NoError(t, err)
 
 	publishN(t, pub, topic, 1)
-	receive(t, msgs, 5*time.Second).Ack()
+	receive(t, msgs, 30*time.Second).Ack()
 
 	srv.Shutdown()
 	srv.WaitForShutdown()
@@ -122,11 +122,11 @@ func TestSubscriberSurvivesServerRestart(t *testing.T) {
 		srv.Shutdown()
 		srv.WaitForShutdown()
 	})
-	require.Eventually(t, nc.IsConnected, 10*time.Second, 20*time.Millisecond)
+	require.Eventually(t, nc.IsConnected, 30*time.Second, 20*time.Millisecond)
 
 	after := message.NewMessage("after-restart", nil)
-	require.Eventually(t, func() bool { return pub.Publish(topic, after) == nil }, 10*time.Second, 100*time.Millisecond)
-	got := receive(t, msgs, 10*time.Second)
+	require.Eventually(t, func() bool { return pub.Publish(topic, after) == nil }, 30*time.Second, 100*time.Millisecond)
+	got := receive(t, msgs, 30*time.Second)
 	assert.Equal(t, "after-restart", got.UUID)
 	got.Ack()
 }

@@ -53,7 +53,7 @@ func TestTraceContextTravels(t *testing.T) {
 		got := map[string]*message.Message{}
 		spans := map[string]trace.SpanContext{}
 		for range 4 {
-			m := receive(t, ch, 10*time.Second)
+			m := receive(t, ch, 30*time.Second)
 			got[string(m.Payload)] = m
 			spans[string(m.Payload)] = trace.SpanContextFromContext(m.Context())
 			m.Ack()

@@ -124,7 +124,7 @@ func TestWatermillNATSKeepsUUIDs(t *testing.T) {
 					msgs, err := sub.Subscribe(ctx, topic)
 					require.NoError(t, err)
 					for range 2 {
-						got := receive(t, msgs, 5*time.Second)
+						got := receive(t, msgs, 30*time.Second)
 						assert.Equal(t, sent.UUID, got.UUID)
 						assert.Equal(t, "from watermill-nats", string(got.Payload))
 						assert.Equal(t, "acme", got.Metadata.Get("tenant"))

@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/internal/payments"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -44,7 +45,12 @@ func TestSmoke(t *testing.T) {
 		return err == nil && n == 20 // the tables appear once run has migrated
 	}, 30*time.Second, 50*time.Millisecond)
 	require.False(t, ended, "run ended early: %v", early)
-	time.Sleep(300 * time.Millisecond) // let the duplicates arrive
+	// Every delivery, duplicates included, handled and acked: the broker has
+	// nothing left for the consumer.
+	require.Eventually(t, func() bool {
+		backlog, err := payments.Backlog(ctx, payments.Endpoint{Broker: payments.NATS, Addr: srv.ClientURL(), Group: "orders-ledger"}, Topic)
+		return err == nil && backlog == 0
+	}, 30*time.Second, 50*time.Millisecond)
 	cancel()
 	require.NoError(t, <-done)
 	require.Equal(t, 20, pgtest.Count(t, pool, `SELECT count(*) FROM order_ledger`))

@@ -86,20 +86,19 @@ func runChild(role string) int {
 		if err != nil {
 			return fail(err)
 		}
-		// One byte per delivery, appended before its ack: 's' for a copy that was
-		// suppressed (the handler did not run and it was acked), 'd' for any other.
-		// A write is in the kernel once it returns, so a SIGKILL loses none.
+		// One byte per delivery as it reaches the handler chain ('r'), and one
+		// more, before its ack, for a copy that was suppressed ('s': the handler
+		// did not run and it was acked). A write is in the kernel once it
+		// returns, so a SIGKILL loses none.
 		counts, err := os.OpenFile(filepath.Join(os.Getenv(envCounts), fmt.Sprintf("consumer-%d", os.Getpid())), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
 		if err != nil {
 			return fail(err)
 		}
 		defer counts.Close()
 		onDelivery := func(ran bool, err error) {
-			b := []byte{'d'}
 			if !ran && err == nil {
-				b[0] = 's'
+				_, _ = counts.Write([]byte{'s'})
 			}
-			_, _ = counts.Write(b)
 		}
 		mode := payments.Mode(os.Getenv(envMode))
 		connect := payments.Connect
@@ -117,7 +116,7 @@ func runChild(role string) int {
 			return payments.RunConsumer(ctx, payments.ConsumerConfig{
 				Pool: pool, Schema: schema, Subscriber: c.Subscriber, Topic: ep.TopicName(),
 				Peer: os.Getenv(envPeer) == "1", PeerSender: &payments.SMTPSender{Addr: os.Getenv(envSMTP)},
-				Mode: mode, OnDelivery: onDelivery,
+				Mode: mode, OnDelivery: onDelivery, OnReceive: func() { _, _ = counts.Write([]byte{'r'}) },
 			})
 		})
 	case "dispatcher":
@@ -205,8 +204,12 @@ type run struct {
 	elapsed                time.Duration
 	kills, selfKills       map[string]int // SIGKILLs by the killer, and by armed crash points, per role
 	restarts, cuts, pubDup int
-	ledgerRows             int
-	emailsPerKey           map[int]int // how many keys got k emails
+	// pastBroker is how many of the producer's duplicates the broker stores and
+	// delivers: all on Kafka; on NATS the ones sent without Nats-Msg-Id (the
+	// server drops the others within its duplicate window).
+	pastBroker   int
+	ledgerRows   int
+	emailsPerKey map[int]int // how many keys got k emails
 	// largestCommit is the most keys one transaction committed, and inBatches the
 	// keys committed together with others (inbox rows that share their
 	// transaction's received_at).
@@ -218,9 +221,11 @@ func (r run) summary() string {
 	for _, k := range slices.Sorted(maps.Keys(r.emailsPerKey)) {
 		per = append(per, fmt.Sprintf("%d key(s) × %d", r.emailsPerKey[k], k))
 	}
-	return fmt.Sprintf("%s; SIGKILLs by the killer %v, by crash points %v, restarts %d, backend cuts %d, producer duplicates %d, ledger rows %d, "+
+	return fmt.Sprintf("%s; SIGKILLs by the killer %v, by crash points %v, restarts %d, backend cuts %d, "+
+		"producer duplicates %d (%d kept by the broker), duplicates delivered %d, ledger rows %d, "+
 		"keys committed in batches %d (largest %d), raw emails per key: %s",
-		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts, r.pubDup, r.ledgerRows,
+		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts,
+		r.pubDup, r.pastBroker, r.report.DuplicatesDelivered(), r.ledgerRows,
 		r.inBatches, r.largestCommit, strings.Join(per, ", "))
 }
 
@@ -311,7 +316,9 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	t.Logf("broker: %s; topic %s, group %s", tg, topic, ep.Group)
 
 	// The producer: n payments, 30% of them sent twice, before any consumer runs
-	// (the stream or topic holds them; consumers join while the killer runs).
+	// (the stream or topic holds them; consumers join while the killer runs). On
+	// NATS every other copy goes without Nats-Msg-Id (payments.Connect), past the
+	// server's duplicate window, so that idem sees producer duplicates there too.
 	connect := payments.Connect
 	if mode != payments.Transactional {
 		connect = payments.ConnectBatched // records keyed by payment, so many are in flight
@@ -332,6 +339,10 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		}
 	}
 	r := run{pubDup: int(pub.Duplicates()), kills: map[string]int{}, selfKills: map[string]int{}}
+	r.pastBroker = r.pubDup
+	if broker == payments.NATS {
+		r.pastBroker = int(conn.PastWindow())
+	}
 	conn.Close()
 
 	peerFlag := "0"
@@ -366,6 +377,11 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	}
 	killed := map[*proc]bool{}
 	stopping := false
+	// done is set once the work is done (idem: everything settled; the peer: the
+	// figures have stopped moving). The killer then stops, so that a Kafka group
+	// whose members keep dying before they commit does not keep the broker from
+	// draining, and the run ends when the broker has nothing left for the group.
+	done := false
 	t.Cleanup(func() {
 		for _, p := range live {
 			_ = p.cmd.Process.Kill()
@@ -415,7 +431,7 @@ loop:
 					targets = append(targets, p)
 				}
 			}
-			if len(targets) > 0 {
+			if len(targets) > 0 && !done {
 				p := targets[rng.IntN(len(targets))]
 				killed[p] = true
 				_ = p.cmd.Process.Kill() // SIGKILL
@@ -447,16 +463,19 @@ loop:
 			if len(cutAt) > 0 {
 				continue
 			}
-			if !peer && fig.ledger >= n && fig.pending == 0 {
+			// idem's work is done when everything is settled. The peer can lose
+			// messages for good, so its work is done when the figures have stopped
+			// moving. Either run ends when the broker has nothing left for the
+			// group (every message acked and committed), so that every duplicate
+			// the broker stored was delivered and counted.
+			if !done && !peer && fig.ledger >= n && fig.pending == 0 {
 				rep, err := a.Report(ctx, q)
-				if err == nil && rep.OK() && rep.Settled() && rep.CommittedOnce == n {
-					break loop
-				}
+				done = err == nil && rep.OK() && rep.Settled() && rep.CommittedOnce == n
 			}
-			// The peer can lose messages for good, so it ends when the broker has
-			// nothing left for the group (every message acked and committed) and
-			// the figures have stopped moving.
 			if peer && time.Since(lastChange) > 3*time.Second {
+				done = true
+			}
+			if done {
 				if backlog, err := payments.Backlog(ctx, ep, topic); err == nil && backlog == 0 {
 					break loop
 				}
@@ -495,7 +514,7 @@ loop:
 }
 
 // countDeliveries sums what the consumer processes of a run counted: every
-// delivery, and the copies suppressed.
+// delivery that reached a handler chain, and the copies suppressed.
 func countDeliveries(t *testing.T, dir string) (deliveries, suppressed int64) {
 	t.Helper()
 	files, err := os.ReadDir(dir)
@@ -503,7 +522,7 @@ func countDeliveries(t *testing.T, dir string) (deliveries, suppressed int64) {
 	for _, f := range files {
 		b, err := os.ReadFile(filepath.Join(dir, f.Name()))
 		require.NoError(t, err)
-		deliveries += int64(len(b))
+		deliveries += int64(bytes.Count(b, []byte{'r'}))
 		suppressed += int64(bytes.Count(b, []byte{'s'}))
 	}
 	return deliveries, suppressed
@@ -574,4 +593,10 @@ func requireExactlyOnce(t *testing.T, r run, n int) {
 	// dead dispatcher had at most 8 claims (4 sending, 4 waiting).
 	dispatcherDeaths := r.kills["dispatcher"] + r.selfKills["dispatcher"]
 	require.LessOrEqual(t, rep.SendsRepeated, 8*dispatcherDeaths, "repeated sends without a dispatcher death to explain them")
+	// Every duplicate the broker stored reached idem: the run ends with nothing
+	// left for the group, and a delivery is counted before its handler chain
+	// runs, so before its ack. On NATS that is every other copy of the
+	// producer's (the rest the server drops).
+	require.GreaterOrEqual(t, rep.DuplicatesDelivered(), int64(r.pastBroker), "duplicates delivered, against the producer's copies the broker kept")
+	require.GreaterOrEqual(t, 2*r.pastBroker, r.pubDup, "at least half of the producer's duplicates pass the broker")
 }

@@ -146,6 +146,17 @@ type Conn struct {
 	Publisher  message.Publisher
 	Subscriber message.Subscriber
 	close      func()
+	producer   *natsProducer
+}
+
+// PastWindow is how many messages the NATS Publisher sent without Nats-Msg-Id
+// (every other retry of a message it had published: see Connect); 0 on Kafka,
+// which keeps every copy a producer sends.
+func (c *Conn) PastWindow() int64 {
+	if c.producer == nil {
+		return 0
+	}
+	return c.producer.pastWindow.Load()
 }
 
 // Close closes the subscriber, publisher and connection.
@@ -185,7 +196,10 @@ const (
 
 // Connect opens a publisher and a subscriber on e. The subscriber delivers one
 // record of a Kafka partition at a time, and pulls from NATS as soon as a slot is
-// free.
+// free. On NATS the publisher sends every other retry of a message (a UUID it has
+// published before) without Nats-Msg-Id, past the stream's duplicate window, so
+// that half of a producer's duplicates reach the consumers as they do on Kafka;
+// Conn.PastWindow counts them.
 func Connect(e Endpoint, logger watermill.LoggerAdapter) (*Conn, error) {
 	return connect(e, logger, false)
 }
@@ -214,6 +228,12 @@ func connect(e Endpoint, logger watermill.LoggerAdapter, batched bool) (*Conn, e
 			nc.Close()
 			return nil, err
 		}
+		producer, err := newNATSProducer(nc, pub)
+		if err != nil {
+			_ = pub.Close()
+			nc.Close()
+			return nil, err
+		}
 		scfg := nats.SubscriberConfig{
 			Topology: topo, Durable: e.Group, Concurrency: 8,
 			Consumer: jetstream.ConsumerConfig{AckWait: natsAckWait, MaxDeliver: -1},
@@ -229,7 +249,7 @@ func connect(e Endpoint, logger watermill.LoggerAdapter, batched bool) (*Conn, e
 			nc.Close()
 			return nil, err
 		}
-		return &Conn{Publisher: pub, Subscriber: sub, close: nc.Close}, nil
+		return &Conn{Publisher: producer, Subscriber: sub, close: nc.Close, producer: producer}, nil
 	case Kafka:
 		brokers := strings.Split(e.Addr, ",")
 		pcfg := kafka.PublisherConfig{Brokers: brokers, Logger: logger}

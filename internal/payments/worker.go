@@ -36,6 +36,10 @@ type ConsumerConfig struct {
 	// GroupCommit (the per-message Handler, batched on the set-based path), or
 	// Batch (BatchHandler through consumer.HandleBatch). Peer ignores it.
 	Mode Mode
+	// OnReceive, if set, is called once for each delivery before the handler
+	// chain runs: a delivery counted there reached the consumer, whatever
+	// happens to its process next.
+	OnReceive func()
 	// OnDelivery, if set, is called once for each delivery after the handler
 	// chain returned, before the ack: ran says whether the payment handler ran
 	// (false for a copy that idem or the Deduplicator suppressed), err is what
@@ -132,6 +136,9 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 		}
 	}
 	router.AddConsumerHandler(Consumer, cmp.Or(cfg.Topic, Topic), cfg.Subscriber, message.NoPublishHandlerFunc(func(msg *message.Message) error {
+		if cfg.OnReceive != nil {
+			cfg.OnReceive()
+		}
 		_, err := chaos.CrashMiddleware(h)(msg)
 		return err
 	}))

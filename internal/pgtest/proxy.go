@@ -52,11 +52,18 @@ func NewProxy(tb testing.TB, rtt time.Duration) *Proxy {
 // NewPoolWith); it closes when the test ends.
 func (p *Proxy) Pool(tb testing.TB, schema string, opts Options) *pgxpool.Pool {
 	tb.Helper()
+	return OpenPool(tb, p.Config(tb, schema, opts))
+}
+
+// Config is PoolConfig with its connections going through the proxy; its
+// ConnConfig serves a single connection (a Dispatcher's ListenConnConfig).
+func (p *Proxy) Config(tb testing.TB, schema string, opts Options) *pgxpool.Config {
+	tb.Helper()
 	cfg := PoolConfig(tb, schema, opts)
 	host, port, _ := net.SplitHostPort(p.ln.Addr().String()) // our own listener's: well formed
 	n, _ := strconv.ParseUint(port, 10, 16)
 	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(n), nil
-	return OpenPool(tb, cfg)
+	return cfg
 }
 
 // Outage cuts every connection through the proxy and, for d, refuses new ones (it
