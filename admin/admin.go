@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
 )
 
 // DB is what the API runs its statements on: a *pgxpool.Pool, a *pgx.Conn or a
@@ -101,31 +102,27 @@ func New(db DB, cfg Config) (*Admin, error) {
 // Schema is the schema the Admin reads.
 func (a *Admin) Schema() string { return a.cfg.Schema }
 
-// Error is an admin error with a stable code; compare with errors.Is against the
-// sentinels.
-type Error struct {
-	code, msg string
-}
-
-// Error is the sentinel's message.
-func (e *Error) Error() string { return "idem: " + e.msg }
-
-// Code is the stable machine-readable code, such as "not_dead".
-func (e *Error) Code() string { return e.code }
+// Error is an idem error with a stable code, such as "not_dead"; compare with
+// errors.Is against the sentinels. It is the one coded error type of every idem
+// package (inbox.Error is the same type).
+type Error = errcode.Error
 
 // Sentinel errors.
 var (
-	// ErrNotFound: no inbox key or effect has that identity.
-	ErrNotFound = &Error{"not_found", "not found"}
-	// ErrNotDead: the effect exists but is not dead, so there is nothing to requeue.
-	ErrNotDead = &Error{"not_dead", "effect is not dead"}
-	// ErrLeaseHeld: Forget found the key processing under a lease that has not run
-	// out: a delivery is working on it right now.
-	ErrLeaseHeld = &Error{"lease_held", "a delivery holds the key's lease right now"}
-	// ErrBadCursor: Page.After is not a cursor that this list returned.
-	ErrBadCursor = &Error{"bad_cursor", "bad page cursor"}
-	// ErrBadFilter: a filter names an unknown state, or is otherwise invalid.
-	ErrBadFilter = &Error{"bad_filter", "bad filter"}
+	// ErrNotFound is returned when no inbox key or effect has that identity.
+	ErrNotFound = errcode.Transient("not_found", "not found")
+	// ErrNotDead is returned when the effect exists but is not dead, so there is
+	// nothing to requeue.
+	ErrNotDead = errcode.Transient("not_dead", "effect is not dead")
+	// ErrLeaseHeld is returned when Forget found the key processing under a lease
+	// that has not run out: a delivery is working on it right now.
+	ErrLeaseHeld = errcode.Transient("lease_held", "a delivery holds the key's lease right now")
+	// ErrBadCursor is returned when Page.After is not a cursor that this list
+	// returned.
+	ErrBadCursor = errcode.Permanent("bad_cursor", "bad page cursor")
+	// ErrBadFilter is returned when a filter names an unknown state, or is
+	// otherwise invalid.
+	ErrBadFilter = errcode.Permanent("bad_filter", "bad filter")
 )
 
 // keyError is a sentinel with a message that names the key it is about.
@@ -138,7 +135,7 @@ func (e *keyError) Error() string { return "idem: " + e.msg }
 func (e *keyError) Unwrap() error { return e.sentinel }
 
 // Code is the sentinel's code.
-func (e *keyError) Code() string { return e.sentinel.code }
+func (e *keyError) Code() string { return e.sentinel.Code() }
 
 func errorf(sentinel *Error, format string, args ...any) error {
 	return &keyError{sentinel: sentinel, msg: fmt.Sprintf(format, args...)}

@@ -14,6 +14,7 @@ import "github.com/jackc/pgx/v5"
 type queries struct {
 	consumerStats, effectStats string
 	listInbox, listEffects     string
+	getInbox                   string
 	getEffect, effectsBySource string
 	findInbox, findEffects     string
 	forget, inboxState         string
@@ -28,6 +29,14 @@ func inboxColumns(responses bool) string {
 		return cols + `, i.response_status, i.response_headers, octet_length(i.response_body), i.response_ref`
 	}
 	return cols + `, NULL::smallint, NULL::bytea, NULL::int, NULL::text`
+}
+
+// bodyColumn is the stored response's body, NULL without the response columns.
+func bodyColumn(responses bool) string {
+	if responses {
+		return `i.response_body`
+	}
+	return `NULL::bytea`
 }
 
 // effectColumns are an effect row's columns for scanEffect. The payload is read as
@@ -91,6 +100,9 @@ func newQueries(schema string, responses bool) queries {
 				AND (e.tenant, e.kind, e.key) > ($11, $12, $13)
 			ORDER BY e.tenant, e.kind, e.key
 			LIMIT $14`,
+		// One key with its stored response's body (scanInboxKey's extra column).
+		getInbox: `SELECT ` + icols + `, ` + bodyColumn(responses) + ` FROM ` + inbox + ` i
+			WHERE i.consumer = $1 AND i.tenant = $2 AND i.key = $3`,
 		getEffect: `SELECT ` + effectColumns + ` FROM ` + effects + ` e
 			WHERE e.tenant = $1 AND e.kind = $2 AND e.key = $3`,
 		// The effects a message or request made, through effects_source_idx.

@@ -280,31 +280,21 @@ func (a *Admin) InspectInbox(ctx context.Context, id inbox.ID, o InspectOptions)
 	if err := id.Validate(); err != nil {
 		return nil, err
 	}
-	store, err := inbox.NewStore(a.cfg.Schema)
-	if err != nil {
-		return nil, err
-	}
-	rec, resp, err := store.GetResponse(ctx, a.db, id)
-	if errors.Is(err, inbox.ErrSchemaMissing) {
-		rec, err = store.Get(ctx, a.db, id) // a schema from before migration 003: no responses
-	}
-	if errors.Is(err, inbox.ErrNotFound) {
+	var key *InboxKey
+	var body []byte
+	err := a.inboxQueries(func(q *queries) (err error) {
+		key, err = scanInboxKey(a.db.QueryRow(ctx, q.getInbox, id.Consumer, id.Tenant, id.Key), &body)
+		return err
+	})
+	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errorf(ErrNotFound, "no inbox key %s", formatID(id))
 	}
 	if err != nil {
 		return nil, err
 	}
-	out := &Inspection{InboxKey: InboxKey{
-		Consumer: rec.Consumer, Tenant: rec.Tenant, Key: rec.Key, State: string(rec.State),
-		Fingerprint: rec.Fingerprint, Attempts: rec.Attempts, ErrorCode: rec.ErrorCode, Error: rec.Error,
-		LeaseUntil: rec.LeaseUntil, Fence: rec.Fence, ReceivedAt: rec.ReceivedAt, CompletedAt: rec.CompletedAt,
-		ExpiresAt: rec.ExpiresAt, Now: rec.Now,
-	}}
-	if resp != nil {
-		out.Response = &Response{Status: resp.Status, Headers: resp.Header, BodyBytes: len(resp.Body), BodyRef: resp.BodyRef}
-		if o.Body {
-			out.Response.Body = resp.Body
-		}
+	out := &Inspection{InboxKey: *key}
+	if out.Response != nil && o.Body {
+		out.Response.Body = body
 	}
 	effs, err := a.collectEffects(a.db.Query(ctx, a.q.effectsBySource, id.Consumer, id.Tenant, id.Key))
 	if err != nil {

@@ -72,8 +72,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 
 // nackCodes are the codes idem itself nacks with (idem_inbox_nacked_total).
 var nackCodes = []string{
-	"transient", ErrBusy.code, ErrCommitUnknown.code, ErrCanceled.code, ErrClosed.code, ErrDatabaseUnavailable.code,
-	ErrTxAborted.code, ErrBatchAborted.code, ErrMessageNotInBatch.code,
+	"transient", ErrBusy.Code(), ErrCommitUnknown.Code(), ErrCanceled.Code(), ErrClosed.Code(), ErrDatabaseUnavailable.Code(),
+	ErrTxAborted.Code(), ErrBatchAborted.Code(), ErrMessageNotInBatch.Code(),
 	inbox.ErrSchemaMissing.Code(), inbox.ErrLeaseLost.Code(),
 }
 
@@ -81,11 +81,11 @@ var nackCodes = []string{
 // replayable ones can also come back as replays of a recorded failure.
 var (
 	failCodes = []string{
-		ErrBusinessKey.code, inbox.ErrEmptyKey.Code(), inbox.ErrKeyTooLong.Code(),
+		ErrBusinessKey.Code(), inbox.ErrEmptyKey.Code(), inbox.ErrKeyTooLong.Code(),
 		inbox.ErrKeyInvalid.Code(), inbox.ErrTenantInvalid.Code(),
 	}
 	replayableFailCodes = []string{
-		"permanent", inbox.ErrNotJSON.Code(), ErrExpiredRetry.code, ErrNoPublishTopic.code, ErrTxEnded.code,
+		"permanent", inbox.ErrNotJSON.Code(), ErrExpiredRetry.Code(), ErrNoPublishTopic.Code(), ErrTxEnded.Code(),
 	}
 )
 

@@ -43,7 +43,7 @@ var noSpan = trace.SpanFromContext(context.Background())
 
 // startMessage starts msg's idem.consume span.
 func (c *Consumer) startMessage(msg *message.Message, name string) (context.Context, trace.Span) {
-	ctx, span := c.tracer.Start(tracing.MessageContext(msg, c.prop), spanConsume, consumerKind)
+	ctx, span := c.tracer.Start(tracing.MessageContext(msg.Context(), msg.Metadata, c.prop), spanConsume, consumerKind)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.Consumer.String(name), tracing.Mode.String(c.cfg.Mode.String()),
 			attribute.String("messaging.message.id", msg.UUID))

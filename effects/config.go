@@ -14,6 +14,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Defaults of Config.
@@ -178,8 +180,8 @@ func (c Config) Validate() error {
 	if c.Pool == nil {
 		return errors.New("pool is nil")
 	}
-	if !schemaRe.MatchString(c.Schema) {
-		return fmt.Errorf("%w: got %q", ErrInvalidSchema, c.Schema)
+	if err := pgschema.Validate(c.Schema); err != nil {
+		return err
 	}
 	if len(c.Senders) == 0 {
 		return errors.New("no senders registered")

@@ -11,6 +11,8 @@ import (
 	"sync"
 
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Item is one effect of a set-based write (EnqueueItems), with the scope it belongs
@@ -223,7 +225,7 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 		err := tx.QueryRow(ctx, q.insertMany, tenants, kinds, keys, payloads, fpArr, attempts, delays,
 			srcC, srcT, srcK, n, traces).Scan(&count, &gotT, &gotK, &gotY)
 		if err != nil {
-			return nil, wrapSchema(err, schema)
+			return nil, pgschema.Wrap(err, schema)
 		}
 		if count == n {
 			for _, i := range todo {
@@ -251,7 +253,7 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 		var haveT, haveK, haveY []string
 		var haveFP [][]byte
 		if err := tx.QueryRow(ctx, q.fingerprintOf, conflictT, conflictK, conflictY).Scan(&haveT, &haveK, &haveY, &haveFP); err != nil {
-			return nil, wrapSchema(err, schema)
+			return nil, pgschema.Wrap(err, schema)
 		}
 		for j := range haveT {
 			if i, ok := byID[identity{haveT[j], haveK[j], haveY[j]}]; ok {

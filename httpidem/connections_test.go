@@ -261,7 +261,7 @@ func staleKey(t *testing.T, b *bundle, store *inbox.Store, tenant, key, body str
 	r.Header.Set("Content-Type", "application/json")
 	fp, err := httpidem.DefaultFingerprint(inbox.JSONOptions{})(r, []byte(body))
 	require.NoError(t, err)
-	res, err := store.LeaseResponse(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: tenant, Key: key}, Fingerprint: fp}, time.Minute)
+	res, err := store.Lease(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: tenant, Key: key}, Fingerprint: fp}, time.Minute)
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
 	_, err = b.pool.Exec(ctx, `UPDATE inbox SET lease_until = now() - interval '1 millisecond' WHERE tenant = $1 AND key = $2`, tenant, key)

@@ -154,7 +154,7 @@ func TestLeaseStaleKey(t *testing.T) {
 		r.Header.Set("Content-Type", "application/json")
 		fp, err := httpidem.DefaultFingerprint(inbox.JSONOptions{})(r, []byte(body))
 		require.NoError(t, err)
-		res, err := store.LeaseResponse(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: defaultTenant, Key: key}, Fingerprint: fp}, time.Minute)
+		res, err := store.Lease(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: defaultTenant, Key: key}, Fingerprint: fp}, time.Minute)
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
 		runOut(key)

@@ -20,13 +20,14 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/tracing"
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // Middleware is the Idempotency-Key middleware. Wrap each route's handler with
 // Middleware (or Route, for per-route options). It is safe for concurrent use.
 type Middleware struct {
 	cfg     Config
-	store   *inbox.Store
+	store   *responseStore
 	metrics *metrics
 	log     *slog.Logger
 	tracer  trace.Tracer
@@ -47,7 +48,7 @@ func New(cfg Config) (*Middleware, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	store, err := inbox.NewStore(cfg.Schema)
+	store, err := newResponseStore(cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -308,7 +309,7 @@ func (m *Middleware) serveTx(q *request) {
 }
 
 // commitTx stores a success response in tx and commits, then answers.
-func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Response) {
+func (m *Middleware) commitTx(q *request, tx *connTx, row rowRef, resp *Response) {
 	ctx := q.r.Context()
 	stored, err := m.toStored(q, tx, resp)
 	if err == nil && ctx.Err() == nil {
@@ -317,7 +318,7 @@ func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Re
 		cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
 		err = m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored)
 		endSpan(span, err)
-		if err == nil || errors.Is(err, inbox.ErrCommitUnknown) {
+		if err == nil || errors.Is(err, txmark.ErrCommitUnknown) {
 			m.committed(q, resp, err, OutcomeCommitted)
 			return
 		}
@@ -328,7 +329,7 @@ func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Re
 		return
 	}
 	switch {
-	case errors.Is(err, inbox.ErrTxReplaced):
+	case errors.Is(err, txmark.ErrTxReplaced):
 		m.answerFault(q, faultTxEnded)
 	case err == nil:
 		m.ended(q, ctx.Err())
@@ -347,7 +348,7 @@ func (m *Middleware) committed(q *request, resp *Response, err error, outcome st
 		}
 		m.count(q.claim.Consumer, outcome)
 		q.send(resp, false)
-	case errors.Is(err, inbox.ErrCommitUnknown):
+	case errors.Is(err, txmark.ErrCommitUnknown):
 		m.count(q.claim.Consumer, OutcomeError)
 		m.log.Warn("idem: COMMIT failed; whether the request took effect is unknown until a retry with the same key",
 			append(q.attrs(), "err", err)...)
@@ -392,7 +393,7 @@ func (m *Middleware) rollBack(q *request, tx *connTx, fence int64) (answer func(
 	if err == nil {
 		ok, err = m.store.AnswerCommitted(ctx, conn.conn, q.claim, fence, CodeHandlerCommitted,
 			"the handler committed the request's transaction itself (raw SQL); its answer could not be stored",
-			&inbox.Response{Status: stored.Status, Header: stored.Header, Body: stored.Body})
+			&storedResponse{Status: stored.Status, Header: stored.Header, Body: stored.Body})
 	}
 	switch {
 	case err != nil:
@@ -522,8 +523,8 @@ func (m *Middleware) ended(q *request, err error) {
 
 // toStored is what is stored of resp: the allow-listed headers and the body, or a
 // reference to it.
-func (m *Middleware) toStored(q *request, tx pgx.Tx, resp *Response) (*inbox.Response, error) {
-	stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+func (m *Middleware) toStored(q *request, tx pgx.Tx, resp *Response) (*storedResponse, error) {
+	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
 	if m.cfg.BodyReference != nil && resp.Status < 400 {
 		ctx := context.WithValue(q.r.Context(), txKey{}, ownedTx{tx})
 		ref, err := m.cfg.BodyReference.Reference(ctx, q.r, resp)
@@ -556,8 +557,8 @@ func (m *Middleware) saveFailed(q *request, err error) {
 // request settled the key meanwhile, that outcome is the answer.
 func (m *Middleware) storeFailure(q *request, resp *Response) {
 	ctx := q.r.Context()
-	stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
-	var res inbox.ResponseClaim
+	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+	var res responseClaim
 	conn, err := m.acquire(ctx, q)
 	if err != nil {
 		m.dbFailed(q, "record the final client error", err)
@@ -592,7 +593,7 @@ func (m *Middleware) notFinal(q *request, resp *Response) {
 
 // answerExisting answers a request whose key has a row already. It gives the
 // connection back first: a BodyReferencer may use the pool.
-func (m *Middleware) answerExisting(q *request, res inbox.ResponseClaim) {
+func (m *Middleware) answerExisting(q *request, res responseClaim) {
 	q.release()
 	rec := res.Existing
 	switch {
@@ -611,7 +612,7 @@ func (m *Middleware) answerExisting(q *request, res inbox.ResponseClaim) {
 	}
 }
 
-func (m *Middleware) replay(q *request, rec *inbox.Record, stored *inbox.Response) {
+func (m *Middleware) replay(q *request, rec *inbox.Record, stored *storedResponse) {
 	body := stored.Body
 	if stored.BodyRef != "" {
 		var err error
@@ -639,7 +640,7 @@ func (m *Middleware) inProgress(q *request) {
 	q.problem(CodeInProgress, "a request with this key is still running; retry after Retry-After", m.cfg.RetryAfter)
 }
 
-func (m *Middleware) noteExpired(q *request, res inbox.ResponseClaim) {
+func (m *Middleware) noteExpired(q *request, res responseClaim) {
 	if res.ReplacedExpired {
 		m.metrics.expired.WithLabelValues(q.claim.Consumer).Inc()
 		m.log.Info("idem: key reused after its retention; running it as a new request", q.attrs()...)
@@ -691,7 +692,7 @@ func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseW
 	}
 	err = tx.Commit(context.WithoutCancel(ctx))
 	switch {
-	case errors.Is(err, inbox.ErrTxReplaced):
+	case errors.Is(err, txmark.ErrTxReplaced):
 		m.answerFault(q, faultTxEnded)
 		return
 	case err != nil:
@@ -705,7 +706,7 @@ func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseW
 }
 
 // begin begins a transaction on q's connection (acquired if q holds none), marked
-// with inbox.TxMark, in one round trip; withXID also takes the transaction's ID
+// with txmark.Mark, in one round trip; withXID also takes the transaction's ID
 // (lease mode, where rollBack needs it).
 func (m *Middleware) begin(ctx context.Context, q *request, withXID bool) (*connTx, error) {
 	tx, err := m.acquire(ctx, q)
@@ -714,7 +715,7 @@ func (m *Middleware) begin(ctx context.Context, q *request, withXID bool) (*conn
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	b.Queue(inbox.TxMark)
+	b.Queue(txmark.Mark)
 	if withXID {
 		b.Queue(xidSQL)
 	}

@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // connTx is a transaction on one connection of the pool, which idem begins and
@@ -33,7 +33,7 @@ var _ pgx.Tx = (*connTx)(nil)
 
 // beginSQL starts every transaction idem opens: READ COMMITTED, which the claim
 // relies on to see a concurrent winner's row after waiting for it. Each is marked
-// with inbox.TxMark in the same round trip.
+// with txmark.Mark in the same round trip.
 const beginSQL = "begin isolation level read committed"
 
 // settleTimeout bounds the statements that settle a request after its handler's
@@ -86,19 +86,19 @@ func (t *connTx) Begin(ctx context.Context) (pgx.Tx, error) {
 }
 
 // Commit commits, if the transaction is still the one idem began (it carries
-// inbox.TxMark): a replacement the handler began is refused with
-// inbox.ErrTxReplaced, and left failed for release to roll back. An error from
+// txmark.Mark): a replacement the handler began is refused with
+// txmark.ErrTxReplaced, and left failed for release to roll back. An error from
 // COMMIT closes the connection, since the outcome is unknown.
 func (t *connTx) Commit(ctx context.Context) error {
-	err := inbox.CommitMarked(ctx, t.conn)
-	if errors.Is(err, inbox.ErrCommitUnknown) && !t.conn.IsClosed() && t.inTx() {
+	err := txmark.Commit(ctx, t.conn)
+	if errors.Is(err, txmark.ErrCommitUnknown) && !t.conn.IsClosed() && t.inTx() {
 		_ = t.conn.Close(ctx)
 	}
 	return err
 }
 
 // rollbackMarked rolls back whatever is open and reports whether the transaction
-// idem began was still the open one: in a transaction, carrying inbox.TxMark. False
+// idem began was still the open one: in a transaction, carrying txmark.Mark. False
 // means the handler may have ended it with raw SQL (a COMMIT, or a ROLLBACK), or
 // broke it with a failed statement, so that only the database can tell whether the
 // request's work committed. A rollback that fails closes the connection.
@@ -111,7 +111,7 @@ func (t *connTx) rollbackMarked(ctx context.Context) bool {
 	case 'I':
 		return false
 	case 'T':
-		marked, err := inbox.RollbackMarked(ctx, t.conn)
+		marked, err := txmark.Rollback(ctx, t.conn)
 		if err == nil {
 			return marked
 		}

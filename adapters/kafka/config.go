@@ -11,6 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Publisher defaults. kafka-go's own defaults are tuned for throughput of
@@ -167,7 +169,7 @@ type PublisherConfig struct {
 }
 
 func (c *PublisherConfig) setDefaults() {
-	c.Propagator = propagatorOrGlobal(c.Propagator)
+	c.Propagator = tracing.Propagator(c.Propagator)
 	c.Balancer = cmp.Or[kafka.Balancer](c.Balancer, &kafka.Hash{})
 	c.RequiredAcks = cmp.Or(c.RequiredAcks, DefaultRequiredAcks)
 	c.MaxAttempts = cmp.Or(c.MaxAttempts, DefaultMaxAttempts)
@@ -288,7 +290,7 @@ type SubscriberConfig struct {
 }
 
 func (c *SubscriberConfig) setDefaults() {
-	c.Propagator = propagatorOrGlobal(c.Propagator)
+	c.Propagator = tracing.Propagator(c.Propagator)
 	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
 	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, DefaultHeartbeatInterval)
 	c.SessionTimeout = cmp.Or(c.SessionTimeout, DefaultSessionTimeout)

@@ -12,6 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Defaults. Each is used when the matching config field is left at its zero value.
@@ -175,7 +177,7 @@ type PublisherConfig struct {
 
 func (c *PublisherConfig) setDefaults() {
 	c.Topology.setDefaults()
-	c.Propagator = propagatorOrGlobal(c.Propagator)
+	c.Propagator = tracing.Propagator(c.Propagator)
 	c.MaxInFlight = cmp.Or(c.MaxInFlight, DefaultMaxInFlight)
 	c.PublishTimeout = cmp.Or(c.PublishTimeout, DefaultPublishTimeout)
 	c.CloseTimeout = cmp.Or(c.CloseTimeout, DefaultCloseTimeout)
@@ -281,7 +283,7 @@ type SubscriberConfig struct {
 
 func (c *SubscriberConfig) setDefaults() {
 	c.Topology.setDefaults()
-	c.Propagator = propagatorOrGlobal(c.Propagator)
+	c.Propagator = tracing.Propagator(c.Propagator)
 	if c.ConsumerName == nil {
 		durable := c.Durable
 		c.ConsumerName = func(string) string { return durable }

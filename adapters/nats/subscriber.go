@@ -12,6 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 var (
@@ -376,7 +378,7 @@ func (sub *subscription) handle(jm jetstream.Msg) {
 	}
 	msg := fromNatsMsg(jm.Subject(), jm.Headers(), jm.Data())
 	setDeliveryMetadata(msg, md)
-	ctx, term := withTermFlag(sub.s.cfg.Propagator.Extract(sub.ctx, metadataCarrier(msg.Metadata)))
+	ctx, term := withTermFlag(sub.s.cfg.Propagator.Extract(sub.ctx, tracing.Metadata(msg.Metadata)))
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	msg.SetContext(ctx)

@@ -22,7 +22,7 @@ const (
 )
 
 // sourceName is the golang-migrate naming that idem's own files use (the same
-// pattern as inbox's loader).
+// pattern as migrate's loader).
 var sourceName = regexp.MustCompile(`^(\d+)_([a-z0-9_]+)\.(up|down)\.sql$`)
 
 type pair struct {
@@ -108,7 +108,7 @@ func gooseFile(p *pair) ([]byte, error) {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "%sfrom %s.up.sql and %s.down.sql. DO NOT EDIT.\n", headerPrefix, p.prefix, p.prefix)
-	b.WriteString("-- Edit those two files, then run: go generate ./inbox\n")
+	b.WriteString("-- Edit those two files, then run: go generate ./migrate\n")
 	b.WriteString("--\n")
 	fmt.Fprintf(&b, "-- idem migration %s for goose. Apply it with the target schema first in\n", p.prefix)
 	b.WriteString("-- search_path: each \"/* schema */\" marker is only a comment here.\n")

@@ -11,17 +11,17 @@ import (
 )
 
 const (
-	srcDir   = "../../inbox/migrations"
-	gooseDir = "../../inbox/migrations/goose"
+	srcDir   = "../../migrate/migrations"
+	gooseDir = "../../migrate/migrations/goose"
 )
 
-// TestGooseFilesAreCurrent fails when inbox/migrations/goose does not hold exactly
+// TestGooseFilesAreCurrent fails when migrate/migrations/goose does not hold exactly
 // what goosegen makes from the up and down files now.
 func TestGooseFilesAreCurrent(t *testing.T) {
 	t.Parallel()
 	files, err := Generate(os.DirFS(srcDir))
 	require.NoError(t, err)
-	const fix = "inbox/migrations/goose is stale: run `go generate ./inbox` and commit the result"
+	const fix = "migrate/migrations/goose is stale: run `go generate ./migrate` and commit the result"
 	want := map[string]bool{}
 	for _, f := range files {
 		want[f.Name] = true
@@ -127,7 +127,7 @@ func TestGenerateHandlesAnyNumberOfVersions(t *testing.T) {
 	}
 	require.Equal(t, []string{"001_a.sql", "002_b.sql", "003_c.sql", "004_d.sql", "010_j.sql"}, names)
 	require.Equal(t, headerPrefix+`from 004_d.up.sql and 004_d.down.sql. DO NOT EDIT.
--- Edit those two files, then run: go generate ./inbox
+-- Edit those two files, then run: go generate ./migrate
 --
 -- idem migration 004_d for goose. Apply it with the target schema first in
 -- search_path: each "/* schema */" marker is only a comment here.

@@ -1,5 +1,5 @@
 // Command goosegen writes goose's form of idem's migrations: for each version of
-// inbox/migrations/NNN_name.{up,down}.sql, one inbox/migrations/goose/NNN_name.sql
+// migrate/migrations/NNN_name.{up,down}.sql, one migrate/migrations/goose/NNN_name.sql
 // with "-- +goose Up" and "-- +goose Down" sections, and "-- +goose StatementBegin"
 // / "StatementEnd" around every statement that holds a semicolon of its own (a DO
 // block, a function body), which goose would otherwise cut in two.
@@ -8,7 +8,7 @@
 // read them as they are. The goose files are generated from them, byte for byte
 // the same SQL plus the annotations, so the two can never disagree. Run it with
 //
-//	go generate ./inbox
+//	go generate ./migrate
 //
 // The output depends only on the source files (no time, no paths), so a second run
 // changes nothing; a test fails when the goose files are stale. It deletes a .sql

@@ -1,0 +1,31 @@
+package errcode_test
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/errcode"
+)
+
+func TestCodeAndPermanence(t *testing.T) {
+	t.Parallel()
+	perm := errcode.Permanent("empty_key", "empty idempotency key")
+	trans := errcode.Transient("busy", "busy")
+	require.Equal(t, "idem: empty idempotency key", perm.Error())
+	require.Equal(t, "empty_key", perm.Code())
+	require.True(t, perm.Permanent())
+	require.False(t, trans.Permanent())
+
+	wrapped := fmt.Errorf("claim: %w", perm)
+	require.ErrorIs(t, wrapped, perm)
+	require.Equal(t, "empty_key", errcode.Code(wrapped))
+	require.True(t, errcode.IsPermanent(wrapped))
+	require.False(t, errcode.IsPermanent(fmt.Errorf("x: %w", trans)))
+	require.Empty(t, errcode.Code(errors.New("plain")))
+	require.False(t, errcode.IsPermanent(nil))
+	// The first coded error in the chain decides.
+	require.Equal(t, "busy", errcode.Code(fmt.Errorf("%w: %w", trans, perm)))
+}
