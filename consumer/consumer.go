@@ -55,7 +55,7 @@ type Consumer struct {
 
 // New validates cfg and returns a Consumer.
 func New(cfg Config) (*Consumer, error) {
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}

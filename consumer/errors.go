@@ -17,14 +17,31 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 )
 
-// Re-exported inbox errors, so handler code needs one import.
+// Re-exported errors of other idem packages (the same values), so handler code
+// needs one import.
 var (
+	// ErrFingerprintMismatch is returned when a key comes again with a different
+	// payload fingerprint (inbox.ErrFingerprintMismatch).
 	ErrFingerprintMismatch = inbox.ErrFingerprintMismatch
-	ErrEmptyKey            = inbox.ErrEmptyKey
-	ErrKeyTooLong          = inbox.ErrKeyTooLong
-	ErrKeyInvalid          = inbox.ErrKeyInvalid
-	ErrNotJSON             = inbox.ErrNotJSON
-	ErrSchemaMissing       = inbox.ErrSchemaMissing
+	// ErrEmptyKey is returned when a message gives no key (inbox.ErrEmptyKey).
+	ErrEmptyKey = inbox.ErrEmptyKey
+	// ErrKeyTooLong is returned when a key is longer than inbox.MaxKeyLen bytes
+	// (inbox.ErrKeyTooLong).
+	ErrKeyTooLong = inbox.ErrKeyTooLong
+	// ErrKeyInvalid is returned when a key is not UTF-8 or holds a NUL byte
+	// (inbox.ErrKeyInvalid).
+	ErrKeyInvalid = inbox.ErrKeyInvalid
+	// ErrNotJSON is returned when a payload is not JSON under a canonical-JSON
+	// fingerprint (inbox.ErrNotJSON).
+	ErrNotJSON = inbox.ErrNotJSON
+	// ErrSchemaMissing is returned when the idem tables, or a column a newer
+	// migration adds, are not in the schema (inbox.ErrSchemaMissing); the message
+	// is nacked.
+	ErrSchemaMissing = inbox.ErrSchemaMissing
+	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+	// (code "invalid_config"), unless a more specific sentinel says what is wrong
+	// (such as inbox.ErrInvalidSchema). Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
 )
 
 // Error is an idem error with a stable code. Compare with errors.Is against the

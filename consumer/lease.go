@@ -27,7 +27,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	}
 	cctx, span := c.child(ctx, spanClaim)
 	start := time.Now()
-	res, err := c.store.Lease(cctx, db, req.claim, c.cfg.LeaseDuration)
+	res, err := c.store.Lease(cctx, db, req.claim, c.cfg.Lease)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err == nil && span.IsRecording() {
 		span.SetAttributes(tracing.Outcome.String(claimOutcome(res)), attribute.Int64("idem.lease.fence", res.Fence))

@@ -44,6 +44,10 @@ var (
 	// migration adds) do not exist in the schema. It is transient, and it is
 	// inbox.ErrSchemaMissing.
 	ErrSchemaMissing = pgschema.ErrMissing
+	// ErrInvalidConfig is wrapped by the error NewDispatcher (or NewLedgerSender)
+	// returns for a config it refuses (code "invalid_config"), unless a more
+	// specific sentinel says what is wrong. Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
 )
 
 // Code returns the stable code of the first error in err's chain that has one.

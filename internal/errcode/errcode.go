@@ -9,7 +9,10 @@
 // It imports nothing of idem, so every package can use it.
 package errcode
 
-import "errors"
+import (
+	"errors"
+	"fmt"
+)
 
 // Error is an error with a stable code. Compare with errors.Is against a package's
 // sentinels; the code and the permanence are for logs, metrics and retry decisions.
@@ -52,3 +55,21 @@ func IsPermanent(err error) bool {
 	var p interface{ Permanent() bool }
 	return errors.As(err, &p) && p.Permanent()
 }
+
+// ErrInvalidConfig is the sentinel every config error wraps: a constructor's
+// "invalid config: …" error finds it with errors.Is, and its code is
+// "invalid_config". It is permanent: the same config fails the same way.
+var ErrInvalidConfig = Permanent("invalid_config", "invalid config")
+
+// InvalidConfig returns an error that says what is wrong with a config (the
+// format and args, such as "Pool is required") and wraps ErrInvalidConfig. Its
+// text is the description alone, since the constructor that returns it adds
+// "invalid config: ".
+func InvalidConfig(format string, args ...any) error {
+	return &configError{msg: fmt.Sprintf(format, args...)}
+}
+
+type configError struct{ msg string }
+
+func (e *configError) Error() string { return e.msg }
+func (e *configError) Unwrap() error { return ErrInvalidConfig }

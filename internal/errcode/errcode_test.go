@@ -29,3 +29,12 @@ func TestCodeAndPermanence(t *testing.T) {
 	// The first coded error in the chain decides.
 	require.Equal(t, "busy", errcode.Code(fmt.Errorf("%w: %w", trans, perm)))
 }
+
+func TestInvalidConfig(t *testing.T) {
+	t.Parallel()
+	err := fmt.Errorf("invalid config: %w", errcode.InvalidConfig("BatchSize %d is outside 1..%d", 0, 10))
+	require.Equal(t, "invalid config: BatchSize 0 is outside 1..10", err.Error())
+	require.ErrorIs(t, err, errcode.ErrInvalidConfig)
+	require.Equal(t, "invalid_config", errcode.Code(err))
+	require.True(t, errcode.IsPermanent(err))
+}
