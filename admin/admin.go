@@ -27,6 +27,8 @@ type DB interface {
 
 // Defaults of Config.
 const (
+	// DefaultSchema holds the idem tables unless Config.Schema says otherwise.
+	DefaultSchema = inbox.DefaultSchema
 	// DefaultStuckAfter: a pending effect due for longer than this without a claim
 	// counts as stuck (no dispatcher is sending its kind, or they are far behind).
 	DefaultStuckAfter = time.Minute
@@ -41,7 +43,10 @@ const (
 
 // Config configures an Admin.
 type Config struct {
-	// Schema of the idem tables (inbox.DefaultSchema when empty).
+	// Pool runs the reads and actions: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx
+	// (then every read and action is part of that transaction). Required.
+	Pool DB
+	// Schema of the idem tables (DefaultSchema when empty).
 	Schema string
 	// Logger receives the audit line of every Forget, at warn level (nil: a quiet
 	// logger, which a caller that forgets keys should not want).
@@ -52,9 +57,9 @@ type Config struct {
 	StuckAttempts int
 }
 
-// WithDefaults returns c with its zero fields set to the defaults.
+// WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
 	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
 	if c.Logger == nil {
@@ -63,13 +68,18 @@ func (c Config) WithDefaults() Config {
 	return c
 }
 
-// Validate checks c.
+// Validate reports what New would refuse in c. It checks c.WithDefaults(), so a
+// config that sets only what is required (Pool) passes.
 func (c Config) Validate() error {
+	c = c.WithDefaults()
+	if c.Pool == nil {
+		return errcode.InvalidConfig("Pool is required")
+	}
 	if err := inbox.ValidateSchema(c.Schema); err != nil {
 		return err
 	}
 	if c.StuckAfter < 0 || c.StuckAttempts < 0 {
-		return errors.New("StuckAfter and StuckAttempts must not be negative")
+		return errcode.InvalidConfig("StuckAfter and StuckAttempts must not be negative")
 	}
 	return nil
 }
@@ -87,16 +97,14 @@ type Admin struct {
 	old    queries
 }
 
-// New returns an Admin that runs on db.
-func New(db DB, cfg Config) (*Admin, error) {
-	if db == nil {
-		return nil, errors.New("invalid config: db is nil")
-	}
+// New returns an Admin that runs on cfg.Pool, or an error that wraps "invalid
+// config".
+func New(cfg Config) (*Admin, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	return &Admin{db: db, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}, nil
+	return &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}, nil
 }
 
 // Schema is the schema the Admin reads.
@@ -109,6 +117,10 @@ type Error = errcode.Error
 
 // Sentinel errors.
 var (
+	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+	// (code "invalid_config"), unless a more specific sentinel says what is wrong
+	// (inbox.ErrInvalidSchema). Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
 	// ErrNotFound is returned when no inbox key or effect has that identity.
 	ErrNotFound = errcode.Transient("not_found", "not found")
 	// ErrNotDead is returned when the effect exists but is not dead, so there is

@@ -101,7 +101,7 @@ func TestOneConnectionPerRequest(t *testing.T) {
 	const n = 2
 	gate := &barrier{n: n}
 	b := setupPooled(t, n, func(c *httpidem.Config) {
-		c.LeaseDuration = time.Minute // stale leases are made by hand
+		c.Lease = time.Minute // stale leases are made by hand
 		c.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
 			mode := strings.TrimPrefix(s.Tenant, "lease-")
 			if mode == "stale" {

@@ -9,6 +9,10 @@ type Error = errcode.Error
 
 // Config errors: New wraps them with what it found.
 var (
+	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+	// (code "invalid_config"), unless a more specific sentinel below says what is
+	// wrong. Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
 	// ErrScopeNotChosen is returned when the Config sets neither Tenant nor
 	// Unscoped, or both. Keys are scoped to a tenant, or shared by every client on
 	// purpose; never by default, since without a scope a client that presents

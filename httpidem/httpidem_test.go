@@ -124,11 +124,11 @@ func TestConcurrentRequestsOneKey(t *testing.T) {
 	require.EqualValues(t, 1, b.calls.Load())
 }
 
-// TestConcurrentPastWait: a request that outwaits Wait gets 409 + Retry-After and
+// TestConcurrentPastWait: a request that outwaits LockTimeout gets 409 + Retry-After and
 // runs nothing; the key then replays.
 func TestConcurrentPastWait(t *testing.T) {
 	t.Parallel()
-	b := setup(t, func(c *httpidem.Config) { c.Wait = 50 * time.Millisecond; c.RetryAfter = 3 * time.Second })
+	b := setup(t, func(c *httpidem.Config) { c.LockTimeout = 50 * time.Millisecond; c.RetryAfter = 3 * time.Second })
 	entered, release := make(chan struct{}), make(chan struct{})
 	b.setHook(func(http.ResponseWriter, *http.Request) bool { close(entered); <-release; return false })
 	done := make(chan answer)

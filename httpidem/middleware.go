@@ -44,7 +44,7 @@ type Middleware struct {
 
 // New validates cfg and returns a Middleware.
 func New(cfg Config) (*Middleware, error) {
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -276,7 +276,7 @@ func (m *Middleware) serveTx(q *request) {
 	}
 	cctx, span := m.startClaim(q)
 	start := time.Now()
-	res, err := m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, max(m.cfg.Wait, time.Millisecond))
+	res, err := m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, max(m.cfg.LockTimeout, time.Millisecond))
 	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
 	endClaim(span, res.ClaimResult, err)
 	if err != nil {
@@ -565,7 +565,7 @@ func (m *Middleware) storeFailure(q *request, resp *Response) {
 		return
 	}
 	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.Wait)); err != nil {
+		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.LockTimeout)); err != nil {
 			return err
 		}
 		var err error

@@ -91,22 +91,24 @@ func (c Config) WithDefaults() Config {
 	return c
 }
 
-// Validate checks a Config after WithDefaults.
+// Validate reports what New would refuse in c. It checks c.WithDefaults(), so a
+// config that sets only what is required (Pool) passes.
 func (c Config) Validate() error {
+	c = c.WithDefaults()
 	if c.Pool == nil {
-		return errors.New("Pool is required")
+		return errcode.InvalidConfig("Pool is required")
 	}
 	if err := pgschema.Validate(c.Schema); err != nil {
 		return err
 	}
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {
-		return fmt.Errorf("BatchSize %d is outside 1..100000", c.BatchSize)
+		return errcode.InvalidConfig("BatchSize %d is outside 1..100000", c.BatchSize)
 	}
 	if c.EffectsRetention < time.Minute {
-		return fmt.Errorf("EffectsRetention %s is under a minute", c.EffectsRetention)
+		return errcode.InvalidConfig("EffectsRetention %s is under a minute", c.EffectsRetention)
 	}
 	if c.Interval < time.Millisecond {
-		return fmt.Errorf("Interval %s is under a millisecond", c.Interval)
+		return errcode.InvalidConfig("Interval %s is under a millisecond", c.Interval)
 	}
 	return nil
 }
@@ -145,6 +147,11 @@ type Janitor struct {
 	passes  *prometheus.CounterVec
 	lastOK  *prometheus.GaugeVec
 }
+
+// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+// (code "invalid_config"), unless a more specific sentinel says what is wrong
+// (inbox.ErrInvalidSchema). Every idem package has the same value.
+var ErrInvalidConfig = errcode.ErrInvalidConfig
 
 // ErrBusy is returned when another janitor holds the schema's advisory lock and is
 // running a pass. It is not a failure: that janitor does the work.

@@ -17,6 +17,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"strings"
+
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/janitor"
@@ -261,8 +263,27 @@ func TestJanitorMissingSchemaAndBadConfig(t *testing.T) {
 		{Pool: pool, EffectsRetention: time.Second},
 	} {
 		_, err := janitor.New(cfg)
-		require.ErrorContains(t, err, "invalid config", fmt.Sprintf("%+v", cfg))
+		require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), "%+v: %v", cfg, err)
 	}
+	_, err = janitor.New(janitor.Config{})
+	require.ErrorIs(t, err, janitor.ErrInvalidConfig)
+	require.Equal(t, "invalid_config", inbox.Code(err))
+}
+
+// TestConfigConvention: Validate passes on a config that sets only what is
+// required (it checks the defaulted config), and WithDefaults fills every default.
+func TestConfigConvention(t *testing.T) {
+	t.Parallel()
+	fresh := janitor.Config{Pool: &pgxpool.Pool{}}
+	require.NoError(t, fresh.Validate())
+	d := fresh.WithDefaults()
+	require.Equal(t, janitor.DefaultSchema, d.Schema)
+	require.Equal(t, janitor.DefaultBatchSize, d.BatchSize)
+	require.Equal(t, janitor.DefaultPause, d.Pause)
+	require.Equal(t, janitor.DefaultInterval, d.Interval)
+	require.Equal(t, janitor.DefaultEffectsRetention, d.EffectsRetention)
+	require.NotNil(t, d.Logger)
+	require.ErrorIs(t, janitor.Config{}.Validate(), janitor.ErrInvalidConfig)
 }
 
 // BenchmarkJanitor deletes 1M expired inbox rows while a claimer keeps claiming new
@@ -270,7 +291,7 @@ func TestJanitorMissingSchemaAndBadConfig(t *testing.T) {
 // running (p99, max) and, for comparison, for as long without it (base-max): a
 // busy host makes both worse, the janitor only the first.
 //
-//	go test ./inbox -run '^$' -bench Janitor -benchtime 1x
+//	go test ./janitor -run '^$' -bench Janitor -benchtime 1x
 //
 // IDEM_BENCH_BATCH and IDEM_BENCH_PAUSE override the batch size and the pause.
 func BenchmarkJanitor(b *testing.B) {

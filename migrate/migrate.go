@@ -3,7 +3,6 @@ package migrate
 import (
 	"context"
 	"embed"
-	"errors"
 	"fmt"
 	"io/fs"
 	"path"
@@ -17,6 +16,7 @@ import (
 
 	"cmp"
 
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
 )
 
@@ -145,13 +145,20 @@ func (c Config) WithDefaults() Config {
 	return c
 }
 
-// Validate checks a Config after WithDefaults.
+// Validate reports what New would refuse in c. It checks c.WithDefaults(), so a
+// config that sets only what is required (Pool) passes.
 func (c Config) Validate() error {
+	c = c.WithDefaults()
 	if c.Pool == nil {
-		return errors.New("Pool is required")
+		return errcode.InvalidConfig("Pool is required")
 	}
 	return pgschema.Validate(c.Schema)
 }
+
+// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+// (code "invalid_config"), unless a more specific sentinel says what is wrong
+// (inbox.ErrInvalidSchema). Every idem package has the same value.
+var ErrInvalidConfig = errcode.ErrInvalidConfig
 
 // Migrator applies the embedded migrations to one schema. It records applied
 // versions in <schema>.idem_migrations, refuses a database with a gap or with a

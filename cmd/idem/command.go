@@ -294,7 +294,7 @@ func (e *env) admin(ctx context.Context) (*admin.Admin, error) {
 	if err != nil {
 		return nil, err
 	}
-	return admin.New(pool, admin.Config{Schema: e.schema, Logger: e.logger()})
+	return admin.New(admin.Config{Pool: pool, Schema: e.schema, Logger: e.logger()})
 }
 
 func (e *env) logger() *slog.Logger {

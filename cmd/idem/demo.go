@@ -303,7 +303,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	})
 
 	// Backend cuts, the progress bar, and the wait until the audit settles.
-	a, err := chaos.NewAuditor(admin, schema)
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: admin, Schema: schema})
 	if err != nil {
 		return err
 	}

@@ -227,7 +227,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	require.NoError(t, err)
 	require.Len(t, applied, len(inbox.Migrations()))
 
-	a, err := admin.New(pool, admin.Config{Schema: schema})
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	st, err := a.Stats(ctx)
 	require.NoError(t, err)

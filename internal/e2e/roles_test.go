@@ -150,7 +150,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	require.Equal(t, 4, pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'done'`), "one receipt per consumer")
 
 	// The operator API reads and acts; the janitor takes its lock and deletes.
-	a, err := admin.New(pool, admin.Config{Schema: schema})
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	_, err = a.Stats(ctx)
 	require.NoError(t, err)
