@@ -32,7 +32,10 @@ func TestConfigConvention(t *testing.T) {
 	t.Cleanup(func() { _ = gc.Close() })
 	refusals := []func() error{
 		func() error { _, err := chaos.NewSubscriber(gc, chaos.Config{DuplicateProbability: 2}); return err },
-		func() error { _, err := chaos.NewPublisher(gc, chaos.PublisherConfig{DuplicateProbability: -1}); return err },
+		func() error {
+			_, err := chaos.NewPublisher(gc, chaos.PublisherConfig{DuplicateProbability: -1})
+			return err
+		},
 		func() error { _, err := chaos.NewAuditor(chaos.AuditorConfig{}); return err },
 		func() error { _, err := chaos.NewSubscriber(nil, chaos.Config{}); return err },
 	}
