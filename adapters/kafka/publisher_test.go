@@ -108,7 +108,7 @@ func TestPublishWaitsForSlowMetadata(t *testing.T) {
 func TestPublishToMissingTopicFailsAfterTopicWait(t *testing.T) {
 	t.Parallel()
 	_, brokers := newCluster(t)
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers, TopicWait: 300 * time.Millisecond})
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{WriterConfig: kafkago.WriterConfig{Brokers: brokers}, TopicWait: 300 * time.Millisecond})
 	require.NoError(t, err)
 	defer pub.Close()
 

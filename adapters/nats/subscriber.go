@@ -13,6 +13,7 @@ import (
 	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -45,9 +46,9 @@ type Subscriber struct {
 // NewSubscriber makes a Subscriber on nc.
 func NewSubscriber(nc *natsgo.Conn, cfg SubscriberConfig) (*Subscriber, error) {
 	if nc == nil {
-		return nil, errors.New("invalid config: nil connection")
+		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("nil connection"))
 	}
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}

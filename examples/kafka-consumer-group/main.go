@@ -94,7 +94,9 @@ func run(ctx context.Context, cfg Config) error {
 	}
 	wlog := watermill.NewSlogLogger(cfg.Logger)
 
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: cfg.Brokers, Logger: wlog})
+	pcfg := kafka.PublisherConfig{Logger: wlog}
+	pcfg.Brokers = cfg.Brokers
+	pub, err := kafka.NewPublisher(pcfg)
 	if err != nil {
 		return err
 	}
