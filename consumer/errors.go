@@ -50,75 +50,80 @@ var (
 type Error = errcode.Error
 
 var (
-	// ErrBusy: another delivery of the same key is running right now and did not
-	// finish within LockTimeout (or holds a fresh lease). The message is nacked
-	// after BusyDelay; the redelivery finds the other delivery's result.
+	// ErrBusy is returned when another delivery of the same key is running right
+	// now and did not finish within LockTimeout (or holds a fresh lease). The
+	// message is nacked after BusyDelay; the redelivery finds the other delivery's
+	// result.
 	ErrBusy = errcode.Transient("busy", "another delivery of this key is in progress; nacked to retry later")
-	// ErrCommitUnknown: COMMIT failed, so whether it happened is unknown (for
-	// example the connection was cut mid-commit). The message is nacked and the
-	// inbox settles it on redelivery: the row is there (a duplicate) or not (run
-	// again).
+	// ErrCommitUnknown is returned when COMMIT failed, so whether it happened is
+	// unknown (for example the connection was cut mid-commit). The message is
+	// nacked and the inbox settles it on redelivery: the row is there (a duplicate)
+	// or not (run again).
 	ErrCommitUnknown = errcode.Transient("commit_unknown", "commit outcome unknown; nacked so the redelivery settles it")
-	// ErrNoPublishTopic: the handler returned messages but the Watermill handler has
-	// no publish topic to store them for.
+	// ErrNoPublishTopic is returned when the handler returned messages but the
+	// Watermill handler has no publish topic to store them for.
 	ErrNoPublishTopic = errcode.Permanent("no_publish_topic", "handler returned messages, but the router handler has no publish topic")
-	// ErrNoName: the consumer has no Name and the context has no handler name.
+	// ErrNoName is returned when the consumer has no Name and the context has no
+	// handler name.
 	ErrNoName = errcode.Transient("no_consumer_name", "consumer has no Name and the message context names no Watermill handler")
-	// ErrTxOwned: the handler called Commit or Rollback on the transaction idem
-	// gave it. Return nil to commit and an error to roll back.
+	// ErrTxOwned is returned when the handler called Commit or Rollback on the
+	// transaction idem gave it. Return nil to commit and an error to roll back.
 	ErrTxOwned = errcode.Transient("tx_owned", "the handler's transaction belongs to idem: return nil to commit, an error to roll back")
-	// ErrExpiredRetry: the message is older than the consumer's retention, so its
-	// inbox row may be gone. Returned only with ExpiredRetryFail.
+	// ErrExpiredRetry is returned when the message is older than the consumer's
+	// retention, so its inbox row may be gone. Returned only with ExpiredRetryFail.
 	ErrExpiredRetry = errcode.Permanent("expired_retry", "message is older than the inbox retention")
-	// ErrTxEnded: the handler ended idem's transaction itself, with raw SQL such as
-	// tx.Exec(ctx, "COMMIT") or "ROLLBACK" (perhaps followed by a BEGIN). Statements
-	// after that ran outside idem's transaction, each committing on its own, so
-	// running the handler again could write them twice. idem commits nothing more in
-	// that transaction, gives its connection back, and records the key as a
-	// permanent failure with this code in a fresh transaction, in every mode: no
-	// redelivery runs the handler again (a redelivery is a replayed failure, or a
-	// duplicate if the handler's own COMMIT committed the key's row). The delivery is
-	// answered as any recorded failure (acked, or a FailedError with
-	// PoisonOnPermanent; OnFailure and idem_inbox_failed_total see it). In a batch,
-	// the key of the handler that did it is recorded (for a BatchHandler, every
-	// message of the call that did it); its neighbours are run again or nacked.
-	// Never end idem's transaction yourself: return an error to roll back.
+	// ErrTxEnded is returned when the handler ended idem's transaction itself, with
+	// raw SQL such as tx.Exec(ctx, "COMMIT") or "ROLLBACK" (perhaps followed by a
+	// BEGIN). Statements after that ran outside idem's transaction, each committing
+	// on its own, so running the handler again could write them twice. idem commits
+	// nothing more in that transaction, gives its connection back, and records the
+	// key as a permanent failure with this code in a fresh transaction, in every
+	// mode: no redelivery runs the handler again (a redelivery is a replayed
+	// failure, or a duplicate if the handler's own COMMIT committed the key's row).
+	// The delivery is answered as any recorded failure (acked, or a FailedError
+	// with PoisonOnPermanent; OnFailure and idem_inbox_failed_total see it). In a
+	// batch, the key of the handler that did it is recorded (for a BatchHandler,
+	// every message of the call that did it); its neighbours are run again or
+	// nacked. Never end idem's transaction yourself: return an error to roll back.
 	ErrTxEnded = errcode.Permanent("handler_ended_transaction", "the handler ended idem's transaction itself (raw COMMIT or ROLLBACK); the key is recorded as failed; return an error to roll back instead")
-	// ErrTxAborted: a statement of the handler's transaction failed, but the handler
-	// returned nil (did it swallow an error, such as a unique violation?). Postgres
-	// rolls such a transaction back, so the message is nacked. Catch expected errors
-	// inside a savepoint (tx.Begin), or use ON CONFLICT.
+	// ErrTxAborted is returned when a statement of the handler's transaction failed
+	// but the handler returned nil (did it swallow an error, such as a unique
+	// violation?). Postgres rolls such a transaction back, so the message is
+	// nacked. Catch expected errors inside a savepoint (tx.Begin), or use ON
+	// CONFLICT.
 	ErrTxAborted = errcode.Transient("tx_aborted", "a statement in the handler's transaction failed but the handler returned nil; rolled back and nacked")
-	// ErrBatchAborted: in GroupCommit mode, another message of the same batch broke
-	// the shared transaction (its error is in this one's text), so nothing of the
-	// batch is committed by idem and this message is nacked. Its redelivery finds its
-	// inbox row or runs it again.
+	// ErrBatchAborted is returned, in GroupCommit mode, when another message of the
+	// same batch broke the shared transaction (its error is in this one's text), so
+	// nothing of the batch is committed by idem and this message is nacked. Its
+	// redelivery finds its inbox row or runs it again.
 	ErrBatchAborted = errcode.Transient("batch_aborted", "another message of this group-commit batch broke the shared transaction; nacked")
-	// ErrMessageNotInBatch: a BatchHandler returned an error that names
-	// (ForMessage) a message that is not one of the messages it was given. That is a
-	// bug in the handler, and idem cannot tell which message failed, so every
-	// message of that call is nacked with this code (logged at error level) and
-	// nothing is recorded for any of them; the redelivery runs them again.
+	// ErrMessageNotInBatch is returned when a BatchHandler returned an error that
+	// names (ForMessage) a message that is not one of the messages it was given.
+	// That is a bug in the handler, and idem cannot tell which message failed, so
+	// every message of that call is nacked with this code (logged at error level)
+	// and nothing is recorded for any of them; the redelivery runs them again.
 	ErrMessageNotInBatch = errcode.Transient("message_not_in_batch", "the batch handler named a message that is not in the batch it was given; a bug in the handler: nacked, nothing recorded")
-	// ErrCanceled: the message's context was cancelled (a Kafka partition revoked, a
-	// router shutting down) before idem sent COMMIT, so nothing was committed and the
-	// message is nacked. A COMMIT already sent is never cancelled.
+	// ErrCanceled is returned when the message's context was cancelled (a Kafka
+	// partition revoked, a router shutting down) before idem sent COMMIT, so
+	// nothing was committed and the message is nacked. A COMMIT already sent is
+	// never cancelled.
 	ErrCanceled = errcode.Transient("canceled", "the message's context was cancelled before COMMIT was sent; nothing was committed; nacked")
-	// ErrClosed: the consumer was closed, so it takes no more messages; they are
-	// nacked. Close the router before the consumer.
+	// ErrClosed is returned when the consumer was closed, so it takes no more
+	// messages; they are nacked. Close the router before the consumer.
 	ErrClosed = errcode.Transient("closed", "consumer closed; nacked")
-	// ErrDatabaseUnavailable: Postgres could not be reached or refused the
-	// connection, or the connection broke (a restart, a failover, a terminated
-	// backend, a network cut) before idem sent COMMIT, so the delivery's
+	// ErrDatabaseUnavailable is returned when Postgres could not be reached or
+	// refused the connection, or the connection broke (a restart, a failover, a
+	// terminated backend, a network cut) before idem sent COMMIT, so the delivery's
 	// transaction did not commit and the message is nacked; its redelivery runs it
 	// again. It wraps the driver's error, which errors.As still finds. A connection
 	// that breaks during COMMIT is ErrCommitUnknown instead.
 	ErrDatabaseUnavailable = errcode.Transient("database_unavailable", "Postgres is unreachable or the connection to it broke before COMMIT; nothing of the delivery's transaction committed; nacked")
-	// ErrBusinessKey: the BusinessKey function failed, so the message has no key.
-	// It is permanent (retrying cannot help) but cannot be recorded in the inbox,
-	// because there is no key to record it under: the message is returned as an
-	// error, and is redelivered forever unless a middleware.PoisonQueue outside idem
-	// takes it. On Kafka a message redelivered forever stalls its partition.
+	// ErrBusinessKey is returned when the BusinessKey function failed, so the
+	// message has no key. It is permanent (retrying cannot help) but cannot be
+	// recorded in the inbox, because there is no key to record it under: the
+	// message is returned as an error, and is redelivered forever unless a
+	// middleware.PoisonQueue outside idem takes it. On Kafka a message redelivered
+	// forever stalls its partition.
 	ErrBusinessKey = errcode.Permanent("business_key", "the business key function failed: no key, so the failure cannot be recorded; poison the message")
 )
 

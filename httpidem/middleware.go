@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
 )
@@ -96,8 +97,9 @@ type keyKey struct{}
 // not final (or panic) to roll back.
 type ownedTx struct{ pgx.Tx }
 
-// ErrTxOwned: the handler called Commit or Rollback on the transaction idem gave it.
-var ErrTxOwned = errors.New("idem: the request's transaction belongs to httpidem: answer with a final status to commit, with any other status to roll back")
+// ErrTxOwned is returned when the handler calls Commit or Rollback on the
+// transaction idem gave it. Its code is the consumer's for the same mistake.
+var ErrTxOwned = errcode.Transient("tx_owned", "the request's transaction belongs to httpidem: answer with a final status to commit, with any other status to roll back")
 
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
 func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
