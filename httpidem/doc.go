@@ -60,7 +60,7 @@
 //     as effects (the Dispatcher sends them after the commit, with a stable key),
 //     or use lease mode.
 //   - A retry after the retention runs as a new request: keys and stored responses
-//     are deleted by the inbox janitor, and a key past its expiry is forgotten even
+//     are deleted by the janitor (package janitor), and a key past its expiry is forgotten even
 //     before the janitor comes.
 //   - Bodies over MaxResponseBody are not stored: such a request is rolled back and
 //     answered 500, every time. Raise the limit or store a reference

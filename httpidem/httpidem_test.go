@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/janitor"
 )
 
 // TestReplayAfterSuccess: the second request with the key runs nothing and gets
@@ -229,7 +230,7 @@ func TestExpiredKey(t *testing.T) {
 	// The janitor deletes an expired key and its response.
 	_, err = b.pool.Exec(ctx, `UPDATE inbox SET expires_at = now() - interval '1 second'`)
 	require.NoError(t, err)
-	j, err := inbox.NewJanitor(inbox.JanitorConfig{Pool: b.pool, Schema: b.schema})
+	j, err := janitor.New(janitor.Config{Pool: b.pool, Schema: b.schema})
 	require.NoError(t, err)
 	st, err := j.RunOnce(ctx)
 	require.NoError(t, err)

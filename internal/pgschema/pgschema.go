@@ -2,7 +2,7 @@
 // holds idem's tables: its default name, the rule a name must follow, how it is
 // quoted into SQL, and the two errors about it (an invalid name, and tables or
 // columns that are not there because the migrations have not run). It imports
-// nothing of idem, so every package can use it.
+// nothing public of idem (only its error type), so every package can use it.
 package pgschema
 
 import (
