@@ -15,15 +15,13 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // DB is what the API runs its statements on: a *pgxpool.Pool, a *pgx.Conn or a
-// pgx.Tx (then every read and action is part of that transaction).
-type DB interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+// pgx.Tx (then every read and action is part of that transaction). It is
+// inbox.DBTX.
+type DB = inbox.DBTX
 
 // Defaults of Config.
 const (
@@ -62,20 +60,15 @@ func (c Config) WithDefaults() Config {
 	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
 	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
-// Validate reports what New would refuse in c. It checks c.WithDefaults(), so a
-// config that sets only what is required (Pool) passes.
+// Validate reports what New would refuse in c: no Pool, a bad schema, a negative
+// stuck threshold. It checks c.WithDefaults(), so a config with a Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Pool == nil {
-		return errcode.InvalidConfig("Pool is required")
-	}
-	if err := inbox.ValidateSchema(c.Schema); err != nil {
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.StuckAfter < 0 || c.StuckAttempts < 0 {

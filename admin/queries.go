@@ -54,6 +54,19 @@ func stuckWhere(after, attempts string) string {
 		OR e.attempts >= ` + attempts + `))`
 }
 
+// pairsOf is a CTE "pairs" of the distinct (a, b) pairs of table, in order, found
+// by a loose index scan: one probe of the index that leads with (a, b) per pair.
+func pairsOf(table, a, b string) string {
+	return `WITH RECURSIVE pairs AS (
+				(SELECT ` + a + `, ` + b + ` FROM ` + table + ` ORDER BY ` + a + `, ` + b + ` LIMIT 1)
+				UNION ALL
+				SELECT n.` + a + `, n.` + b + ` FROM pairs p CROSS JOIN LATERAL (
+					SELECT ` + a + `, ` + b + ` FROM ` + table + `
+					WHERE (` + a + `, ` + b + `) > (p.` + a + `, p.` + b + `)
+					ORDER BY ` + a + `, ` + b + ` LIMIT 1) n
+			)`
+}
+
 func newQueries(schema string, responses bool) queries {
 	t := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
 	inbox, effects := t("inbox"), t("effects")
@@ -114,27 +127,13 @@ func newQueries(schema string, responses bool) queries {
 		// distinct (consumer, tenant) pairs through the primary key's index, one
 		// probe each (a loose index scan), and look the key up under each pair: the
 		// cost grows with the number of pairs, not of rows.
-		findInbox: `WITH RECURSIVE pairs AS (
-				(SELECT consumer, tenant FROM ` + inbox + ` ORDER BY consumer, tenant LIMIT 1)
-				UNION ALL
-				SELECT n.consumer, n.tenant FROM pairs p CROSS JOIN LATERAL (
-					SELECT consumer, tenant FROM ` + inbox + `
-					WHERE (consumer, tenant) > (p.consumer, p.tenant)
-					ORDER BY consumer, tenant LIMIT 1) n
-			)
+		findInbox: pairsOf(inbox, "consumer", "tenant") + `
 			SELECT ` + icols + ` FROM pairs JOIN ` + inbox + ` i
 				ON i.consumer = pairs.consumer AND i.tenant = pairs.tenant AND i.key = $1
 			WHERE ($2::text IS NULL OR pairs.tenant = $2)
 			ORDER BY i.consumer, i.tenant
 			LIMIT $3`,
-		findEffects: `WITH RECURSIVE pairs AS (
-				(SELECT tenant, kind FROM ` + effects + ` ORDER BY tenant, kind LIMIT 1)
-				UNION ALL
-				SELECT n.tenant, n.kind FROM pairs p CROSS JOIN LATERAL (
-					SELECT tenant, kind FROM ` + effects + `
-					WHERE (tenant, kind) > (p.tenant, p.kind)
-					ORDER BY tenant, kind LIMIT 1) n
-			)
+		findEffects: pairsOf(effects, "tenant", "kind") + `
 			SELECT ` + effectColumns + ` FROM pairs JOIN ` + effects + ` e
 				ON e.tenant = pairs.tenant AND e.kind = pairs.kind AND e.key = $1
 			WHERE ($2::text IS NULL OR pairs.tenant = $2) AND ($3 = '' OR pairs.kind = $3)

@@ -12,7 +12,6 @@ import (
 
 	"cmp"
 
-	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
 )
 
@@ -47,14 +46,10 @@ func (c AuditorConfig) WithDefaults() AuditorConfig {
 	return c
 }
 
-// Validate reports what NewAuditor would refuse in c. It checks c.WithDefaults(),
-// so a config that sets only what is required (Pool) passes.
+// Validate reports what NewAuditor would refuse in c: no Pool, or a bad schema
+// name; the empty schema is the default.
 func (c AuditorConfig) Validate() error {
-	c = c.WithDefaults()
-	if c.Pool == nil {
-		return errcode.InvalidConfig("Pool is required")
-	}
-	return pgschema.Validate(c.Schema)
+	return pgschema.ValidateDB(c.Pool, c.WithDefaults().Schema)
 }
 
 // NewAuditor returns an Auditor of the idem tables in cfg.Schema, or an error that

@@ -80,9 +80,7 @@ func (c Config) WithDefaults() Config {
 	c.RedeliverDelay = cmp.Or(c.RedeliverDelay, DefaultRedeliverDelay)
 	c.NackDelay = cmp.Or(c.NackDelay, DefaultNackDelay)
 	c.ReorderIdle = cmp.Or(c.ReorderIdle, DefaultReorderIdle)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 

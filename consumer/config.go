@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Defaults of Config.
@@ -238,20 +239,16 @@ func (c Config) WithDefaults() Config {
 	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
 	c.Lease = cmp.Or(c.Lease, c.LeaseDuration, DefaultLease)
 	c.LeaseDuration = 0
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
-// Validate reports what New would refuse in c. It checks c.WithDefaults(), so a
-// config that sets only what is required (Pool) passes.
+// Validate reports what New would refuse in c: no Pool, a bad schema or Name, a
+// retention or timeout too short, an unknown Mode. It checks c.WithDefaults(), so a
+// config that sets only Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Pool == nil {
-		return errcode.InvalidConfig("Pool is required")
-	}
-	if err := inbox.ValidateSchema(c.Schema); err != nil {
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.Name != "" {

@@ -171,21 +171,16 @@ func (c Config) WithDefaults() Config {
 	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
 	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, DefaultShutdownTimeout)
 	c.PendingRefresh = cmp.Or(c.PendingRefresh, DefaultPendingRefresh)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
-// Validate reports what NewDispatcher would refuse in c. It checks
-// c.WithDefaults(), so a config that sets only what is required (Pool and Senders)
-// passes.
+// Validate reports what NewDispatcher would refuse in c: no Pool or Senders, a bad
+// schema or kind, a non-positive size or interval, a bad Backoff. It checks
+// c.WithDefaults(), so a config with a Pool and Senders passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Pool == nil {
-		return errcode.InvalidConfig("Pool is required")
-	}
-	if err := pgschema.Validate(c.Schema); err != nil {
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if len(c.Senders) == 0 {

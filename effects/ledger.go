@@ -64,9 +64,9 @@ func (c LedgerConfig) WithDefaults() LedgerConfig {
 	return c
 }
 
-// Validate reports what NewLedgerSender would refuse in c. It checks
-// c.WithDefaults(), so a config that sets only what is required (Pool and Table)
-// passes.
+// Validate reports what NewLedgerSender would refuse in c: no Pool, a table or
+// column name that is not a plain lower-case identifier. It checks
+// c.WithDefaults(), so a config with a Pool and a Table passes.
 func (c LedgerConfig) Validate() error {
 	c = c.WithDefaults()
 	if c.Pool == nil {

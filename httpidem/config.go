@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Defaults.
@@ -246,27 +247,24 @@ func (c Config) WithDefaults() Config {
 	c.Retention = cmp.Or(c.Retention, DefaultRetention)
 	c.Lease = cmp.Or(c.Lease, c.LeaseDuration, DefaultLease)
 	c.LeaseDuration = 0
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
-// Validate reports what New would refuse in c. It checks c.WithDefaults(), so a
-// config that sets only what is required (Pool, and Tenant or Unscoped) passes.
+// Validate reports what New would refuse in c: no Pool, no key scope chosen, a bad
+// schema or key header, a limit or bound out of range, a stored header that must
+// not be stored. It checks c.WithDefaults(), so a config that sets only Pool and
+// Tenant (or Unscoped) passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Pool == nil {
-		return errcode.InvalidConfig("Pool is required")
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+		return err
 	}
 	switch {
 	case c.Tenant == nil && !c.Unscoped:
 		return fmt.Errorf("%w: neither is set", ErrScopeNotChosen)
 	case c.Tenant != nil && c.Unscoped:
 		return fmt.Errorf("%w: both are set", ErrScopeNotChosen)
-	}
-	if err := inbox.ValidateSchema(c.Schema); err != nil {
-		return err
 	}
 	if c.KeyHeader == "" || strings.ContainsAny(c.KeyHeader, " \t\r\n:") {
 		return errcode.InvalidConfig("KeyHeader %q is not a header name", c.KeyHeader)

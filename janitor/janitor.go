@@ -85,20 +85,16 @@ func (c Config) WithDefaults() Config {
 	c.Pause = cmp.Or(c.Pause, DefaultPause)
 	c.EffectsRetention = cmp.Or(c.EffectsRetention, DefaultEffectsRetention)
 	c.Interval = cmp.Or(c.Interval, DefaultInterval)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
-// Validate reports what New would refuse in c. It checks c.WithDefaults(), so a
-// config that sets only what is required (Pool) passes.
+// Validate reports what New would refuse in c: no Pool, a bad schema, a batch size,
+// retention or interval out of range. It checks c.WithDefaults(), so a config with a
+// Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Pool == nil {
-		return errcode.InvalidConfig("Pool is required")
-	}
-	if err := pgschema.Validate(c.Schema); err != nil {
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {

@@ -145,14 +145,11 @@ func (c Config) WithDefaults() Config {
 	return c
 }
 
-// Validate reports what New would refuse in c. It checks c.WithDefaults(), so a
-// config that sets only what is required (Pool) passes.
+// Validate reports what New would refuse in c: no Pool, or a schema name that is
+// not a plain lower-case identifier. The empty schema is the default, so a config
+// with a Pool passes.
 func (c Config) Validate() error {
-	c = c.WithDefaults()
-	if c.Pool == nil {
-		return errcode.InvalidConfig("Pool is required")
-	}
-	return pgschema.Validate(c.Schema)
+	return pgschema.ValidateDB(c.Pool, c.WithDefaults().Schema)
 }
 
 // ErrInvalidConfig is wrapped by the error New returns for a config it refuses
@@ -306,53 +303,57 @@ func (m *Migrator) revert(ctx context.Context, version int) (DownPlan, error) {
 	return plan, nil
 }
 
-// plan counts the rows of the tables mig's down file drops. With lock, it first
-// locks them as DROP would, so that the counts are what is dropped.
+// plan counts the rows of the tables mig's down file drops, and the values in the
+// columns it drops. With lock, it first locks each table as DROP would, so that the
+// counts are what is dropped.
 func (m *Migrator) plan(ctx context.Context, tx pgx.Tx, mig Migration, lock bool) (DownPlan, error) {
 	plan := DownPlan{Version: mig.Version, Name: mig.Name, SQL: m.render(mig.Down)}
 	for _, table := range droppedTables(mig.Down) {
-		name := pgx.Identifier{m.schema, table}.Sanitize()
-		var exists bool
-		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, name).Scan(&exists); err != nil {
-			return plan, err
-		}
-		if !exists {
-			continue
-		}
-		if lock {
-			if _, err := tx.Exec(ctx, `LOCK TABLE `+name+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-				return plan, err
-			}
-		}
-		var rows int64
-		if err := tx.QueryRow(ctx, `SELECT count(*) FROM `+name).Scan(&rows); err != nil {
-			return plan, fmt.Errorf("count the rows of %s: %w", name, err)
-		}
-		plan.Tables = append(plan.Tables, TableRows{Table: table, Rows: rows})
-	}
-	for _, c := range droppedColumns(mig.Down) {
-		name := pgx.Identifier{m.schema, c.Table}.Sanitize()
-		var exists bool
-		err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM information_schema.columns
-			WHERE table_schema = $1 AND table_name = $2 AND column_name = $3)`, m.schema, c.Table, c.Column).Scan(&exists)
+		rows, found, err := m.count(ctx, tx, lock, table, "", `SELECT to_regclass($1) IS NOT NULL`, pgschema.Table(m.schema, table))
 		if err != nil {
 			return plan, err
 		}
-		if !exists {
-			continue
+		if found {
+			plan.Tables = append(plan.Tables, TableRows{Table: table, Rows: rows})
 		}
-		if lock {
-			if _, err := tx.Exec(ctx, `LOCK TABLE `+name+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-				return plan, err
-			}
+	}
+	for _, c := range droppedColumns(mig.Down) {
+		rows, found, err := m.count(ctx, tx, lock, c.Table, c.Column, `SELECT EXISTS (SELECT 1 FROM information_schema.columns
+			WHERE table_schema = $1 AND table_name = $2 AND column_name = $3)`, m.schema, c.Table, c.Column)
+		if err != nil {
+			return plan, err
 		}
-		col := pgx.Identifier{c.Column}.Sanitize()
-		if err := tx.QueryRow(ctx, `SELECT count(*) FROM `+name+` WHERE `+col+` IS NOT NULL`).Scan(&c.Rows); err != nil {
-			return plan, fmt.Errorf("count the values of %s.%s: %w", name, col, err)
+		if found {
+			c.Rows = rows
+			plan.Columns = append(plan.Columns, c)
 		}
-		plan.Columns = append(plan.Columns, c)
 	}
 	return plan, nil
+}
+
+// count counts the rows of table, or its rows with a value in column when column is
+// set, if exists (a statement that answers one bool, with its args) says the table
+// or column is there; found is false otherwise. With lock, it takes the lock DROP
+// would take first.
+func (m *Migrator) count(ctx context.Context, tx pgx.Tx, lock bool, table, column, exists string, args ...any) (rows int64, found bool, err error) {
+	if err := tx.QueryRow(ctx, exists, args...).Scan(&found); err != nil || !found {
+		return 0, false, err
+	}
+	name := pgschema.Table(m.schema, table)
+	if lock {
+		if _, err := tx.Exec(ctx, `LOCK TABLE `+name+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+			return 0, false, err
+		}
+	}
+	sql, what := `SELECT count(*) FROM `+name, "the rows of "+name
+	if column != "" {
+		col := pgschema.Quote(column)
+		sql, what = sql+` WHERE `+col+` IS NOT NULL`, "the values of "+name+"."+col
+	}
+	if err := tx.QueryRow(ctx, sql).Scan(&rows); err != nil {
+		return 0, false, fmt.Errorf("count %s: %w", what, err)
+	}
+	return rows, true, nil
 }
 
 var (

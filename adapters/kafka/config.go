@@ -174,9 +174,7 @@ func (c PublisherConfig) WithDefaults() PublisherConfig {
 	if c.Dialer == nil {
 		c.Dialer = kafka.DefaultDialer
 	}
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
 	return c
 }
 
@@ -314,9 +312,7 @@ func (c SubscriberConfig) WithDefaults() SubscriberConfig {
 	if c.Dialer == nil {
 		c.Dialer = kafka.DefaultDialer
 	}
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
 	return c
 }
 

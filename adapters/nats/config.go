@@ -184,9 +184,7 @@ func (c PublisherConfig) WithDefaults() PublisherConfig {
 	c.MaxInFlight = cmp.Or(c.MaxInFlight, DefaultMaxInFlight)
 	c.PublishTimeout = cmp.Or(c.PublishTimeout, DefaultPublishTimeout)
 	c.CloseTimeout = cmp.Or(c.CloseTimeout, DefaultCloseTimeout)
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
 	return c
 }
 
@@ -305,9 +303,7 @@ func (c SubscriberConfig) WithDefaults() SubscriberConfig {
 	}
 	c.PullExpiry = cmp.Or(c.PullExpiry, DefaultPullExpiry)
 	c.AckTimeout = cmp.Or(c.AckTimeout, DefaultAckTimeout)
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
 	return c
 }
 

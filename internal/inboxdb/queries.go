@@ -31,6 +31,16 @@ type Queries struct {
 // New renders the statements for schema, which the caller has validated.
 func New(schema string) Queries {
 	t := pgschema.Table(schema, "inbox")
+	// probe reads the rows of the keys in $1, $2, $3 (consumers, tenants, keys),
+	// one primary-key lookup each (see ClaimBatch), as claimBatch's rows.
+	probe := `SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
+			i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
+		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
+		CROSS JOIN LATERAL (
+			SELECT * FROM ` + t + ` i
+			WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
+			OFFSET 0
+		) i`
 	return Queries{
 		// Times come from the database (now()), never the application's clock.
 		Claim: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
@@ -78,22 +88,8 @@ func New(schema string) Queries {
 				NULL::timestamptz, NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz
 			FROM ins
 			UNION ALL
-			SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
-				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
-			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
-			CROSS JOIN LATERAL (
-				SELECT * FROM ` + t + ` i
-				WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
-				OFFSET 0
-			) i`,
-		GetBatch: `SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
-				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
-			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
-			CROSS JOIN LATERAL (
-				SELECT * FROM ` + t + ` i
-				WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
-				OFFSET 0
-			) i`,
+			` + probe,
+		GetBatch: probe,
 		// A processing row whose lease ran out is taken over in the same statement,
 		// fence + 1, so two deliveries can never both believe they hold the key. The
 		// fingerprint must match: a different command never takes over a key.

@@ -84,3 +84,14 @@ func sqlState(err error) string {
 	}
 	return ""
 }
+
+// ValidateDB checks the database a config hands over, the same way in every idem
+// package: Pool is required (its zero value, a nil pointer or interface, is
+// refused) and Schema must be a valid name.
+func ValidateDB[P comparable](pool P, schema string) error {
+	var none P
+	if pool == none {
+		return errcode.InvalidConfig("Pool is required")
+	}
+	return Validate(schema)
+}

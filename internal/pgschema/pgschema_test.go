@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
 )
 
@@ -37,4 +38,15 @@ func TestWrap(t *testing.T) {
 	require.NoError(t, pgschema.Wrap(nil, "s"))
 	require.Equal(t, `"my""schema"`, pgschema.Quote(`my"schema`))
 	require.Equal(t, `"s"."inbox"`, pgschema.Table("s", "inbox"))
+}
+
+func TestValidateDB(t *testing.T) {
+	t.Parallel()
+	type db interface{ Ping() error }
+	var nilDB db
+	require.ErrorIs(t, pgschema.ValidateDB(nilDB, "idem"), errcode.ErrInvalidConfig)
+	var nilPtr *struct{}
+	require.ErrorIs(t, pgschema.ValidateDB(nilPtr, "idem"), errcode.ErrInvalidConfig)
+	require.ErrorIs(t, pgschema.ValidateDB(&struct{}{}, "Bad"), pgschema.ErrInvalid)
+	require.NoError(t, pgschema.ValidateDB(&struct{}{}, "idem"))
 }
