@@ -5,13 +5,13 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/text"
 )
 
 // Stats is the state of one schema's tables.
@@ -125,7 +125,7 @@ func decodeCursor(list, c string) ([]string, error) {
 		err = json.Unmarshal(b, &parts)
 	}
 	if err != nil || len(parts) != 4 || parts[0] != list {
-		return nil, errorf(ErrBadCursor, "page cursor %q is not one that the %s list returned", clip(c, 40), list)
+		return nil, errorf(ErrBadCursor, "page cursor %q is not one that the %s list returned", text.Clip(c, 40), list)
 	}
 	return parts[1:], nil
 }
@@ -361,11 +361,4 @@ func nonNil[T any](s []T) []T {
 		return []T{}
 	}
 	return s
-}
-
-func clip(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return fmt.Sprintf("%s…", s[:n])
 }

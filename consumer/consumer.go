@@ -18,6 +18,8 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"cmp"
+
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/text"
@@ -639,7 +641,7 @@ func (c *Consumer) finish(req *request, o outcome) (err error) {
 		if Code(o.err) == "" && connectionLost(o.err) {
 			o.err = fmt.Errorf("%w: %w", ErrDatabaseUnavailable, o.err)
 		}
-		code := cmpOr(Code(o.err), "transient")
+		code := cmp.Or(Code(o.err), "transient")
 		c.metrics.transientNack.WithLabelValues(name, code).Inc()
 		if errors.Is(o.err, ErrMessageNotInBatch) {
 			c.log.Error("idem: the batch handler named a message that is not in its batch; nacking", append(req.attrs(), "err", o.err)...)
@@ -673,11 +675,4 @@ func (c *Consumer) hook(req *request, f Failure) {
 	}
 	f.Consumer, f.Tenant, f.Key = req.claim.Consumer, req.claim.Tenant, req.claim.Key
 	c.cfg.OnFailure(req.ctx, f)
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }
