@@ -10,9 +10,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
+	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/benchkit"
-	"github.com/idemkit/idem/internal/scratch"
 )
 
 // benchSchema is the benchmark's own schema by default.

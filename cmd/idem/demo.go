@@ -17,14 +17,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/cmd/idem/internal/payments"
+	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/payments"
 	"github.com/idemkit/idem/internal/redact"
-	"github.com/idemkit/idem/internal/scratch"
 )
 
 // demoSchema is the demo's own schema, dropped and made again on every run. The
-// demo only drops a schema it made itself (internal/scratch), so it never touches
+// demo only drops a schema it made itself (package scratch), so it never touches
 // the idem schema of a real deployment or any other schema of a user's.
 const demoSchema = "idem_demo"
 

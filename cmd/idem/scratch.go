@@ -5,10 +5,10 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/idemkit/idem/internal/scratch"
+	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 )
 
-// scratchError turns a refusal of internal/scratch into what the user reads: a
+// scratchError turns a refusal of package scratch into what the user reads: a
 // schema that is not the tool's own is bad usage (exit 2), one that another run
 // holds is a failure (exit 1); both say what to do next.
 func scratchError(flagName, tool, defaultSchema string, err error) error {

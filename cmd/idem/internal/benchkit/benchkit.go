@@ -168,7 +168,7 @@ func (o *Options) defaults() {
 
 // Prepare empties the schema's idem tables and the business table, before a series
 // of runs. The caller owns the schema: Prepare empties whatever schema it is given
-// (idem bench hands it only a scratch schema of its own, internal/scratch).
+// (idem bench hands it only a scratch schema of its own, package scratch).
 // Errors never show the database password.
 func Prepare(ctx context.Context, o Options) (err error) {
 	defer func() { err = redact.Error(err, o.DatabaseURL) }()
