@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
-	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/inbox"
 )
 
@@ -135,18 +134,11 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 	// The benchmark empties its schema between setups: it works only in one that
 	// it (or idem demo) made and marked, made afresh, and never in one that
 	// another run is using.
-	claimed, err := scratch.Claim(ctx, e.databaseURL, schema, "idem bench")
+	claimed, err := claimScratch(ctx, e, pool, schema, benchScratch)
 	if err != nil {
-		return scratchError("--bench-schema", "idem bench", benchSchema, err)
+		return err
 	}
 	defer claimed.Release()
-	m, err := inbox.NewMigrator(pool, schema)
-	if err != nil {
-		return err
-	}
-	if _, err := m.Up(ctx); err != nil {
-		return err
-	}
 	o.DatabaseURL, o.Schema = e.databaseURL, schema
 	if err := benchkit.Prepare(ctx, o); err != nil {
 		return err
