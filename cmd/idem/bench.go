@@ -62,7 +62,10 @@ idem bench --setups kafka,kafka-external --kafka-brokers localhost:9092`,
 					o.KafkaBrokers = append(o.KafkaBrokers, strings.TrimSpace(h))
 				}
 			}
-			return runBench(ctx, e, args, o, setups, schema)
+			if err := noArgs(args); err != nil {
+				return err
+			}
+			return runBench(ctx, e, o, setups, schema)
 		}
 	},
 }
@@ -92,10 +95,7 @@ type benchResultJSON struct {
 	RatioToBare float64 `json:"ratio_to_bare,omitempty"`
 }
 
-func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, setupList, schema string) error {
-	if len(args) > 0 {
-		return usagef("takes no arguments, got %q", args)
-	}
+func runBench(ctx context.Context, e *env, o benchkit.Options, setupList, schema string) error {
 	if o.N < 1 || o.Concurrency < 1 || o.PayloadSize < 0 || o.DupRate < 0 || o.DupRate > 1 {
 		return usagef("-n and --concurrency must be at least 1, --payload not negative, --dup-rate within [0, 1]")
 	}

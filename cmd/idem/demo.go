@@ -59,8 +59,8 @@ schema is in use), 2 bad usage (a schema it refuses), 3 no Postgres.`,
 			"with --broker kafka: Kafka brokers, comma-separated (default $KAFKA_BROKERS; empty: an in-process Kafka-protocol broker)")
 		fs.Int64Var(&o.seed, "seed", 0, "seed of the chaos (0: from the clock)")
 		return func(ctx context.Context, e *env, args []string) error {
-			if len(args) > 0 {
-				return usagef("takes no arguments, got %q", args)
+			if err := noArgs(args); err != nil {
+				return err
 			}
 			return runDemo(ctx, e, o)
 		}
