@@ -10,10 +10,10 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/redact"
-	"github.com/idemkit/idem/internal/scratch"
 )
 
 // Exit codes, the same for every command (README "The idem CLI").

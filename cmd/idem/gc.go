@@ -22,7 +22,10 @@ idem gc --batch-size 5000 --pause 0s --effects-retention 3d --json`,
 		durationVar(fs, &cfg.Pause, "pause", inbox.DefaultJanitorPause, "pause between batches (0s for none)")
 		durationVar(fs, &cfg.EffectsRetention, "effects-retention", inbox.DefaultEffectsRetention, "how long done effects are kept after done_at")
 		return func(ctx context.Context, e *env, args []string) error {
-			return runGC(ctx, e, args, cfg)
+			if err := noArgs(args); err != nil {
+				return err
+			}
+			return runGC(ctx, e, cfg)
 		}
 	},
 }
@@ -35,10 +38,7 @@ type gcJSON struct {
 	ElapsedSeconds float64 `json:"elapsed_seconds"`
 }
 
-func runGC(ctx context.Context, e *env, args []string, cfg inbox.JanitorConfig) error {
-	if len(args) > 0 {
-		return usagef("takes no arguments, got %q", args)
-	}
+func runGC(ctx context.Context, e *env, cfg inbox.JanitorConfig) error {
 	if cfg.BatchSize < 1 {
 		return usagef("--batch-size must be at least 1")
 	}

@@ -9,9 +9,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/internal/scratch"
 )
 
 func setup(t *testing.T) (*pgxpool.Pool, string) {
