@@ -90,12 +90,13 @@ func (b *barrier) wait() {
 }
 
 // TestOneConnectionPerRequest: a request holds at most one pool connection at a
-// time, on every path, in both modes. The middleware's pool has n connections and
-// 2n requests run at once on each path; each request's handler (or Recover) waits
-// until n of them hold a connection, so that all n go on to what follows the
-// handler together: a request that needed a second connection there would wait
-// for one of the others, which wait for it. Every request must be answered within
-// the deadline, with the rows its path leaves.
+// time, on every path, in both modes (a handler's raw COMMIT or ROLLBACK included:
+// the key is settled on the request's connection). The middleware's pool has n
+// connections and 2n requests run at once on each path; each request's handler (or
+// Recover) waits until n of them hold a connection, so that all n go on to what
+// follows the handler together: a request that needed a second connection there
+// would wait for one of the others, which wait for it. Every request must be
+// answered within the deadline, with the rows its path leaves.
 func TestOneConnectionPerRequest(t *testing.T) {
 	t.Parallel()
 	const n = 2
@@ -137,6 +138,12 @@ func TestOneConnectionPerRequest(t *testing.T) {
 			panic(http.ErrAbortHandler)
 		case "commit":
 			_, _ = httpidem.Tx(r.Context()).Exec(r.Context(), "COMMIT")
+		case "rollback":
+			// The payment so far is rolled back; this one commits at once, outside any
+			// transaction, and the key is settled on the request's connection.
+			tx := httpidem.Tx(r.Context())
+			_, _ = tx.Exec(r.Context(), "ROLLBACK")
+			_, _ = tx.Exec(r.Context(), `INSERT INTO payments (tenant, amount) VALUES ($1, 1)`, r.Header.Get("X-Tenant"))
 		}
 		return false
 	})
@@ -175,6 +182,10 @@ func TestOneConnectionPerRequest(t *testing.T) {
 			require.Equal(t, 2*n, rows(tn, `state = 'completed' AND response_status = 500 AND error_code = 'handler_committed'`))
 			require.Equal(t, 2*n, paid(tn), "the handler committed its work itself")
 		}},
+		{"tx-rollback", false, http.StatusInternalServerError, func(tn string) {
+			require.Equal(t, 2*n, rows(tn, `state = 'failed' AND response_status = 500 AND error_code = 'handler_ended_transaction'`))
+			require.Equal(t, 2*n, paid(tn), "written after the handler's ROLLBACK, once each")
+		}},
 		{"lease-ok", false, http.StatusCreated, func(tn string) {
 			require.Equal(t, 2*n, rows(tn, `state = 'completed' AND response_status = 201 AND fence = 1`))
 			require.Equal(t, 2*n, paid(tn))
@@ -194,6 +205,10 @@ func TestOneConnectionPerRequest(t *testing.T) {
 		{"lease-commit", false, http.StatusInternalServerError, func(tn string) {
 			require.Equal(t, 2*n, rows(tn, `state = 'completed' AND response_status = 500 AND error_code = 'handler_committed'`))
 			require.Equal(t, 2*n, paid(tn))
+		}},
+		{"lease-rollback", false, http.StatusInternalServerError, func(tn string) {
+			require.Equal(t, 2*n, rows(tn, `state = 'failed' AND response_status = 500 AND error_code = 'handler_ended_transaction' AND lease_until IS NULL`))
+			require.Equal(t, 2*n, paid(tn), "written after the handler's ROLLBACK, once each")
 		}},
 		{"lease-stale", true, http.StatusCreated, func(tn string) {
 			require.Equal(t, 2*n, rows(tn, `state = 'completed' AND response_status = 201 AND fence = 2`))

@@ -72,10 +72,17 @@
 //   - A handler must not end the transaction Tx(ctx) gives it. idem catches one
 //     that does (raw COMMIT or ROLLBACK, with or without a BEGIN after it) and never
 //     commits a transaction the handler began in its place; but what the handler's
-//     own COMMIT committed stays committed, without its answer, so the key is
-//     settled with a stored 500 handler_committed that every retry gets (the one
-//     5xx idem stores: its work committed). A crash between the handler's COMMIT
-//     and that answer leaves a key whose retries get 500 response_not_stored.
+//     own COMMIT committed, and what it wrote after its COMMIT or ROLLBACK outside
+//     any transaction, stays committed without its answer. So the key is settled
+//     with a stored 500 that every retry gets, and the handler never runs again:
+//     handler_committed if its COMMIT committed the claim (a completed row),
+//     handler_ended_transaction otherwise (a failed row, recorded in a fresh
+//     transaction; message consumers record the same code). These are the only
+//     5xx idem stores. A statement that fails inside the transaction is not an
+//     end: Postgres rolls it all back, nothing is stored, and a retry runs again.
+//     A crash between the handler's end of the transaction and the stored answer
+//     leaves a key whose retries get 500 response_not_stored (after a COMMIT) or
+//     run it again (after a ROLLBACK).
 //
 // Lease mode (Route{Lease: true}) is for handlers that must call a provider
 // themselves and cannot hold a transaction open across the call. The key commits

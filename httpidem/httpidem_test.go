@@ -378,21 +378,22 @@ func TestPanicRollsBack(t *testing.T) {
 }
 
 // TestHandlerEndsTransaction: a handler that ends idem's transaction with raw SQL
-// (or leaves it broken by a failed statement) gets a coded 500 and nothing is
-// stored as a success.
+// gets its key settled with the stored 500 handler_ended_transaction; one that
+// leaves it broken by a failed statement gets a coded 500 and nothing is stored.
 func TestHandlerEndsTransaction(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	for key, sql := range map[string]string{"rollback": "ROLLBACK", "broken": "SELECT 1/0"} {
+	for key, code := range map[string]string{"ROLLBACK": httpidem.CodeHandlerEndedTransaction, "SELECT 1/0": httpidem.CodeTransactionEnded} {
 		b.setHook(func(w http.ResponseWriter, r *http.Request) bool {
-			_, _ = httpidem.Tx(r.Context()).Exec(r.Context(), sql)
+			_, _ = httpidem.Tx(r.Context()).Exec(r.Context(), key)
 			return false
 		})
 		a := b.post(t, "/payments", key, `{"amount": 1}`)
-		problem(t, a, http.StatusInternalServerError, httpidem.CodeTransactionEnded)
+		problem(t, a, http.StatusInternalServerError, code)
 	}
 	require.Equal(t, 0, b.payments(t))
-	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM inbox`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE key = 'ROLLBACK' AND error_code = 'handler_ended_transaction'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox`))
 	b.setHook(func(w http.ResponseWriter, r *http.Request) bool {
 		require.ErrorIs(t, httpidem.Tx(r.Context()).Commit(r.Context()), httpidem.ErrTxOwned)
 		require.ErrorIs(t, httpidem.Tx(r.Context()).Rollback(r.Context()), httpidem.ErrTxOwned)

@@ -154,8 +154,8 @@ func (m *Middleware) releaseLease(q *request, fence int64) {
 // settleLease settles a leased key with resp: a success commits it in tx with the
 // handler's (or Recover's) work, a final client error is recorded after tx rolls
 // back, anything else gives the key back. Whenever tx is rolled back, rollBack
-// first finds out whether the handler committed part of its work itself; then
-// that settles the key.
+// first finds out whether the handler committed part of its work itself, or ended
+// the transaction; then that settles the key.
 func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Response, outcome string) {
 	ctx := q.r.Context()
 	id := q.claim.ID
@@ -164,7 +164,7 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 		stored, err := m.toStored(q, tx, resp)
 		if err == nil && ctx.Err() == nil {
 			cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
-			err = m.store.CompleteLeaseResponseCommit(cctx, tx.conn, id, fence, m.cfg.Retention, stored)
+			err = tx.noteEnded(m.store.CompleteLeaseResponseCommit(cctx, tx.conn, id, fence, m.cfg.Retention, stored))
 			endSpan(span, err)
 			switch {
 			case err == nil:

@@ -318,7 +318,7 @@ func (m *Middleware) commitTx(q *request, tx *connTx, row rowRef, resp *Response
 		// Never cancelled once sent: a client leaving mid-commit must not turn a
 		// commit into an unknown.
 		cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
-		err = m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored)
+		err = tx.noteEnded(m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored))
 		endSpan(span, err)
 		if err == nil || errors.Is(err, txmark.ErrCommitUnknown) {
 			m.committed(q, resp, err, OutcomeCommitted)
@@ -360,19 +360,29 @@ func (m *Middleware) committed(q *request, resp *Response, err error, outcome st
 	}
 }
 
-// rollBack rolls back what is open on tx after the handler ran. If the handler may
-// have ended idem's transaction itself (a raw COMMIT or ROLLBACK, with or without a
-// BEGIN after it, or a failed statement), the database tells whether the request's
-// work committed anyway: in transactional mode the key's claim row, in lease mode
-// (fence > 0) the status of the transaction's ID. Work that committed settles the
-// key with the stored handler_committed problem, so that every retry gets a stable,
-// coded answer and none runs the work again.
+// rollBack rolls back what is open on tx after the handler ran. If the handler
+// ended idem's transaction itself (a raw COMMIT or ROLLBACK, with or without a
+// BEGIN after it), or a statement failed in it (after which the mark cannot be
+// asked), the database tells whether the request's work committed: in
+// transactional mode the key's claim row, in lease mode (fence > 0) the status of
+// the transaction's ID. Work that committed settles the key with the stored
+// handler_committed problem. A handler that ended the transaction without its
+// work committing (a ROLLBACK) settles it with the stored handler_ended_transaction
+// problem, recorded as failed in a fresh transaction: what it wrote after the
+// ROLLBACK committed on its own, so it must not run again. Either way every retry
+// gets a stable, coded answer and none runs the handler again. A transaction that
+// merely failed on a statement, with nothing committed, settles nothing: a retry
+// runs the request again. Everything runs on the request's one connection.
 //
-// It returns nil when nothing of the request committed, and otherwise the answer to
-// give: the stored problem; 409 if the lease was lost meanwhile (the newer holder's
-// answer is the key's); 503 commit_unknown if the database could not say.
+// It returns nil when nothing of the request committed and nothing was settled,
+// and otherwise the answer to give: the stored problem; the key's answer if
+// another request settled it meanwhile (after a ROLLBACK freed the key); 409 if
+// the lease was lost, or a concurrent request still holds the key; 503
+// commit_unknown if the database could not say whether the work committed; 500
+// transaction_ended if the ended key could not be recorded.
 func (m *Middleware) rollBack(q *request, tx *connTx, fence int64) (answer func()) {
-	if tx.rollbackMarked(q.r.Context()) {
+	end := tx.rollbackMarked(q.r.Context())
+	if end == txOpen {
 		return nil // idem's transaction was still open: rolled back, nothing committed
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(q.r.Context()), settleTimeout)
@@ -381,42 +391,94 @@ func (m *Middleware) rollBack(q *request, tx *connTx, fence int64) (answer func(
 	// The same connection, now outside any transaction (or a new one, if the
 	// rollback closed it).
 	conn, err := m.acquire(ctx, q)
+	committed := true
 	if err == nil && fence > 0 {
 		// The lease row is not in the handler's transaction; its ID tells. Anything
 		// but "aborted" (an error included) counts as committed: work that may have
 		// committed is never run again.
 		var status *string
 		if err := conn.QueryRow(ctx, xidStatusSQL, xid).Scan(&status); err == nil && status != nil && *status == "aborted" {
-			return nil
+			committed = false
 		}
 	}
-	stored := problemResponse(CodeHandlerCommitted, handlerCommittedDetail, 0)
-	ok := false
-	if err == nil {
+	if err == nil && committed {
+		stored := problemResponse(CodeHandlerCommitted, handlerCommittedDetail, 0)
+		var ok bool
 		ok, err = m.store.AnswerCommitted(ctx, conn.conn, q.claim, fence, CodeHandlerCommitted,
 			"the handler committed the request's transaction itself (raw SQL); its answer could not be stored",
 			&storedResponse{Status: stored.Status, Header: stored.Header, Body: stored.Body})
+		switch {
+		case err == nil && ok:
+			m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT): its work committed without its answer, so the key is settled with a stored handler_committed problem, and a transaction it began after that was rolled back. Never end the transaction httpidem.Tx gives",
+				q.attrs()...)
+			return func() {
+				m.count(q.claim.Consumer, OutcomeError)
+				q.send(stored, false)
+			}
+		case err == nil && fence > 0:
+			m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT), and its lease was lost meanwhile", q.attrs()...)
+			return func() { m.inProgress(q) }
+		}
+		// Transactional mode, and the claim did not commit: the handler rolled it
+		// back, or a statement failed in idem's transaction.
 	}
-	switch {
-	case err != nil:
-		m.log.Error("idem: the handler ended the request's transaction, and whether its work committed could not be read; a retry with the key settles it",
+	if err != nil {
+		m.log.Error("idem: the handler ended or broke the request's transaction, and whether its work committed could not be read; a retry with the key settles it",
 			append(q.attrs(), "err", err)...)
 		return func() {
 			m.count(q.claim.Consumer, OutcomeError)
 			q.problem(CodeCommitUnknown, "the outcome is unknown; retry with the same key to learn it", m.cfg.RetryAfter)
 		}
-	case ok:
-		m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT): its work committed without its answer, so the key is settled with a stored handler_committed problem, and a transaction it began after that was rolled back. Never end the transaction httpidem.Tx gives",
-			q.attrs()...)
+	}
+	if end != txEnded {
+		return nil // a statement failed and nothing committed: the retry runs again
+	}
+	return m.settleEnded(ctx, q, conn, fence)
+}
+
+// settleEnded records q's key as failed with the stored handler_ended_transaction
+// problem, after its handler ended idem's transaction without its work committing:
+// in transactional mode in a fresh transaction on conn (if another request has
+// claimed the key since the handler's ROLLBACK freed it, that request's outcome is
+// the answer), in lease mode on the lease row, fenced.
+func (m *Middleware) settleEnded(ctx context.Context, q *request, conn *connTx, fence int64) (answer func()) {
+	const msg = "the handler ended the request's transaction itself (raw ROLLBACK or COMMIT); what it wrote after that committed on its own"
+	p := problemResponse(CodeHandlerEndedTransaction, handlerEndedDetail, 0)
+	stored := &storedResponse{Status: p.Status, Header: p.Header, Body: p.Body}
+	var (
+		res responseClaim
+		err error
+	)
+	if fence > 0 {
+		err = m.store.FailLeaseResponse(ctx, conn.conn, q.claim.ID, fence, m.cfg.Retention, CodeHandlerEndedTransaction, msg, stored)
+		res.Claimed = err == nil
+	} else {
+		res, err = m.recordFailure(ctx, conn, q.claim, CodeHandlerEndedTransaction, msg, stored)
+	}
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.Is(err, inbox.ErrLeaseLost), errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable:
+		// A newer holder, or a concurrent request with the key: its answer is the
+		// key's.
+		m.log.Error("idem: the handler ended the request's transaction itself (raw ROLLBACK or COMMIT), and another request holds its key now", q.attrs()...)
+		return func() { m.inProgress(q) }
+	case err != nil:
+		m.log.Error("idem: the handler ended the request's transaction itself (raw ROLLBACK or COMMIT), and its key could not be recorded: a retry runs it again. Never end the transaction httpidem.Tx gives",
+			append(q.attrs(), "err", err)...)
 		return func() {
 			m.count(q.claim.Consumer, OutcomeError)
-			q.send(stored, false)
+			q.problem(CodeTransactionEnded, "the handler ended the request's transaction, and its key could not be recorded; nothing was stored, and a retry runs the request again", 0)
 		}
-	case fence > 0:
-		m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT), and its lease was lost meanwhile", q.attrs()...)
-		return func() { m.inProgress(q) }
+	case !res.Claimed:
+		m.log.Error("idem: the handler ended the request's transaction itself (raw ROLLBACK or COMMIT), and another request settled its key meanwhile", q.attrs()...)
+		return func() { m.answerExisting(q, res) }
 	}
-	return nil // the claim did not commit: the handler rolled it back
+	m.log.Error("idem: the handler ended the request's transaction itself (raw ROLLBACK or COMMIT): what it wrote after that committed on its own, so the key is recorded as failed with a stored handler_ended_transaction problem and never runs again. Never end the transaction httpidem.Tx gives",
+		q.attrs()...)
+	return func() {
+		m.count(q.claim.Consumer, OutcomeError)
+		q.send(p, false)
+	}
 }
 
 // final reports whether a status is stored; 5xx never is.
@@ -504,9 +566,9 @@ func (m *Middleware) answerFault(q *request, f fault) {
 		q.problem(CodeResponseTooLarge, fmt.Sprintf("the response is over %d bytes and cannot be stored; the request was rolled back", m.cfg.MaxResponseBody), 0)
 	case faultTxEnded:
 		m.count(q.claim.Consumer, OutcomeError)
-		m.log.Error("idem: the handler ended or broke its transaction (raw COMMIT/ROLLBACK, or a failed statement it ignored); it is rolled back and nothing is stored",
+		m.log.Error("idem: the request's transaction cannot commit (a failed statement the handler answered past, or a raw COMMIT/ROLLBACK with no key to record); it is rolled back and nothing is stored",
 			q.attrs()...)
-		q.problem(CodeTransactionEnded, "the request's transaction was ended by the handler; nothing was stored, and a retry runs the request again", 0)
+		q.problem(CodeTransactionEnded, "the request's transaction failed or was ended by the handler; nothing of it was stored, and a retry runs the request again", 0)
 	}
 }
 
@@ -560,20 +622,11 @@ func (m *Middleware) saveFailed(q *request, err error) {
 func (m *Middleware) storeFailure(q *request, resp *Response) {
 	ctx := q.r.Context()
 	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
-	var res responseClaim
 	conn, err := m.acquire(ctx, q)
-	if err != nil {
-		m.dbFailed(q, "record the final client error", err)
-		return
+	var res responseClaim
+	if err == nil {
+		res, err = m.recordFailure(ctx, conn, q.claim, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
 	}
-	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.LockTimeout)); err != nil {
-			return err
-		}
-		var err error
-		res, err = m.store.FailResponseTx(ctx, tx, q.claim, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
-		return err
-	})
 	if err != nil {
 		m.dbFailed(q, "record the final client error", err)
 		return
@@ -584,6 +637,21 @@ func (m *Middleware) storeFailure(q *request, resp *Response) {
 	}
 	m.count(q.claim.Consumer, OutcomeFailed)
 	q.send(resp, false)
+}
+
+// recordFailure records c as failed with code, msg and stored, in a transaction of
+// its own on conn (outside any transaction), waiting up to Wait for a concurrent
+// request with the key; if the key has a row, it returns that instead.
+func (m *Middleware) recordFailure(ctx context.Context, conn *connTx, c inbox.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
+	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.LockTimeout)); err != nil {
+			return err
+		}
+		var err error
+		res, err = m.store.FailResponseTx(ctx, tx, c, code, msg, stored)
+		return err
+	})
+	return res, err
 }
 
 // notFinal sends a response that is not stored; its work was rolled back.

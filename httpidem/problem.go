@@ -43,18 +43,30 @@ const (
 	// CodeResponseTooLarge (500): the handler wrote more than MaxResponseBody; its
 	// work was rolled back.
 	CodeResponseTooLarge = "response_too_large"
-	// CodeTransactionEnded (500): the handler ended (raw ROLLBACK, or COMMIT of a
-	// transaction it began in place of idem's) or broke the transaction idem gave
-	// it; nothing of the request committed, nothing was stored, and a retry runs it
-	// again.
+	// CodeTransactionEnded (500): the handler's transaction cannot commit and
+	// nothing of the request committed, so nothing is stored and a retry runs it
+	// again: a statement failed in it and the handler answered a final status
+	// anyway; or, on a route without a key, the handler ended it with raw SQL (a
+	// keyed request is settled instead: CodeHandlerCommitted,
+	// CodeHandlerEndedTransaction); or the key of a handler that ended it could not
+	// be recorded.
 	CodeTransactionEnded = "transaction_ended"
 	// CodeHandlerCommitted (500): the handler committed the transaction idem gave
 	// it with raw SQL, so the key and the work done before that COMMIT committed
 	// without an answer, and any transaction the handler began after it was rolled
-	// back. This answer is stored for the key: every retry gets it again (replayed),
+	// back. This answer is stored for the key (a completed row): every retry gets it
+	// again (replayed), and the request never runs again. Fix the handler; never end
+	// the transaction Tx(ctx) gives.
+	CodeHandlerCommitted = "handler_committed"
+	// CodeHandlerEndedTransaction (500): the handler ended the transaction idem gave
+	// it with raw SQL (ROLLBACK, perhaps followed by a BEGIN) and its claim did not
+	// commit: what it wrote before was rolled back, and what it wrote after, outside
+	// idem's transaction, committed on its own, so running it again could write that
+	// twice. This answer is stored for the key (a failed row, the code message
+	// consumers record for the same mistake): every retry gets it again (replayed),
 	// and the request never runs again. Fix the handler; never end the transaction
 	// Tx(ctx) gives.
-	CodeHandlerCommitted = "handler_committed"
+	CodeHandlerEndedTransaction = "handler_ended_transaction"
 	// CodeNoOperation (500): the request has no operation (see ErrNoOperation).
 	CodeNoOperation = "operation_unknown"
 	// CodeResponseNotStored (500): the key has a row without a stored response
@@ -98,39 +110,44 @@ var problemStatus = map[string]int{
 	CodeKeyMissing: 400, CodeKeyInvalid: 400, CodeTenantInvalid: 400, CodeBodyNotJSON: 400,
 	CodeFingerprintFailed: 400, CodeBodyUnreadable: 400, CodeRequestTooLarge: 413,
 	CodeFingerprintMismatch: 422, CodeInProgress: 409, CodeResponseTooLarge: 500,
-	CodeTransactionEnded: 500, CodeHandlerCommitted: 500, CodeNoOperation: 500, CodeResponseNotStored: 500, CodeReplayFailed: 500,
+	CodeTransactionEnded: 500, CodeHandlerCommitted: 500, CodeHandlerEndedTransaction: 500, CodeNoOperation: 500, CodeResponseNotStored: 500, CodeReplayFailed: 500,
 	CodeHandlerFailed: 500, CodeCommitUnknown: 503, CodeDatabaseUnavailable: 503, CodeTimeout: 503,
 	CodeRecoveryFailed: 503,
 }
 
 var problemTitle = map[string]string{
-	CodeKeyMissing:          "Idempotency-Key header required",
-	CodeKeyInvalid:          "Idempotency-Key header invalid",
-	CodeTenantInvalid:       "Tenant invalid",
-	CodeBodyNotJSON:         "Request body is not valid JSON",
-	CodeFingerprintFailed:   "Request cannot be fingerprinted",
-	CodeBodyUnreadable:      "Request body unreadable",
-	CodeRequestTooLarge:     "Request body too large",
-	CodeFingerprintMismatch: "Idempotency key reused with a different request",
-	CodeInProgress:          "A request with this idempotency key is in progress",
-	CodeResponseTooLarge:    "Response too large to store",
-	CodeTransactionEnded:    "Handler ended the request's transaction",
-	CodeHandlerCommitted:    "Handler committed the request's transaction itself",
-	CodeNoOperation:         "Operation unknown",
-	CodeResponseNotStored:   "No stored response for this idempotency key",
-	CodeReplayFailed:        "Stored response cannot be replayed",
-	CodeHandlerFailed:       "Response not saved",
-	CodeCommitUnknown:       "Outcome unknown",
-	CodeDatabaseUnavailable: "Service unavailable",
-	CodeTimeout:             "Request timed out",
-	CodeRecoveryFailed:      "Recovery of an interrupted request failed",
+	CodeKeyMissing:              "Idempotency-Key header required",
+	CodeKeyInvalid:              "Idempotency-Key header invalid",
+	CodeTenantInvalid:           "Tenant invalid",
+	CodeBodyNotJSON:             "Request body is not valid JSON",
+	CodeFingerprintFailed:       "Request cannot be fingerprinted",
+	CodeBodyUnreadable:          "Request body unreadable",
+	CodeRequestTooLarge:         "Request body too large",
+	CodeFingerprintMismatch:     "Idempotency key reused with a different request",
+	CodeInProgress:              "A request with this idempotency key is in progress",
+	CodeResponseTooLarge:        "Response too large to store",
+	CodeTransactionEnded:        "Request's transaction cannot commit",
+	CodeHandlerCommitted:        "Handler committed the request's transaction itself",
+	CodeHandlerEndedTransaction: "Handler ended the request's transaction itself",
+	CodeNoOperation:             "Operation unknown",
+	CodeResponseNotStored:       "No stored response for this idempotency key",
+	CodeReplayFailed:            "Stored response cannot be replayed",
+	CodeHandlerFailed:           "Response not saved",
+	CodeCommitUnknown:           "Outcome unknown",
+	CodeDatabaseUnavailable:     "Service unavailable",
+	CodeTimeout:                 "Request timed out",
+	CodeRecoveryFailed:          "Recovery of an interrupted request failed",
 }
 
 // retryAfterCodes get a Retry-After header.
 var retryAfterCodes = map[string]bool{CodeInProgress: true, CodeCommitUnknown: true, CodeDatabaseUnavailable: true, CodeTimeout: true, CodeRecoveryFailed: true}
 
-// handlerCommittedDetail is the detail of the stored handler_committed answer.
-const handlerCommittedDetail = "the handler committed the request's transaction itself, so the key and part of the request's work committed without an answer; this answer is stored for the key, every retry with the key gets it again, and the request will not run again"
+// The details of the stored handler_committed and handler_ended_transaction
+// answers.
+const (
+	handlerCommittedDetail = "the handler committed the request's transaction itself, so the key and part of the request's work committed without an answer; this answer is stored for the key, every retry with the key gets it again, and the request will not run again"
+	handlerEndedDetail     = "the handler ended the request's transaction itself, so what it wrote after that committed on its own, without an answer; this answer is stored for the key, every retry with the key gets it again, and the request will not run again"
+)
 
 // problemResponse is the problem for code as a response.
 func problemResponse(code, detail string, retryAfter time.Duration) *Response {

@@ -18,9 +18,9 @@ import (
 // its effect, then ends the transaction ("COMMIT; BEGIN", "ROLLBACK; BEGIN", or
 // "COMMIT" alone), writes an audit row in whatever transaction is open, and answers.
 // idem must never commit the handler's replacement transaction (no audit row, ever),
-// and a key whose claim the handler committed itself is settled with a stored
-// problem (handler_committed) that every retry replays, never left without an
-// answer and never run again.
+// and the key is settled with a stored problem that every retry replays, never left
+// without an answer and never run again: handler_committed if the handler's COMMIT
+// committed the claim, handler_ended_transaction after its ROLLBACK.
 
 // misbehave installs a hook that, on the handler's first call only, sends sql on
 // the request's transaction, writes an audit row, and then does then (answer
@@ -67,27 +67,28 @@ func requireSettledByHandler(t *testing.T, b *bundle, sql, path, key string, fir
 		AND error_code = 'handler_committed'`, key))
 }
 
-// requireRolledBack: the first answer is transaction_ended, nothing of the request
-// committed, and a retry runs the handler again and succeeds.
-func requireRolledBack(t *testing.T, b *bundle, path, key string, first answer) {
+// requireEndedByHandler: the first answer is the stored handler_ended_transaction
+// problem, a retry replays it byte for byte and runs nothing, the payment and
+// effect the handler wrote before its ROLLBACK are rolled back, and so is the
+// replacement transaction's audit row; the key is recorded as failed.
+func requireEndedByHandler(t *testing.T, b *bundle, path, key string, first answer) {
 	t.Helper()
-	problem(t, first, http.StatusInternalServerError, httpidem.CodeTransactionEnded)
+	problem(t, first, http.StatusInternalServerError, httpidem.CodeHandlerEndedTransaction)
+	calls := b.calls.Load()
+	requireSameAnswer(t, first, b.post(t, path, key, `{"amount": 1}`))
+	require.Equal(t, calls, b.calls.Load(), "a settled key never runs again")
 	require.Equal(t, 0, b.payments(t))
 	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM effects`))
 	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM audit`), "the replacement transaction is rolled back")
-	calls := b.calls.Load()
-	retry := b.post(t, path, key, `{"amount": 1}`)
-	require.Equal(t, http.StatusCreated, retry.Status, "%s", retry)
-	require.False(t, retry.Replayed)
-	require.Equal(t, calls+1, b.calls.Load())
-	require.Equal(t, 1, b.payments(t))
-	requireSameAnswer(t, retry, b.post(t, path, key, `{"amount": 1}`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE key = $1 AND state = 'failed' AND response_status = 500
+		AND error_code = 'handler_ended_transaction' AND lease_until IS NULL`, key))
 }
 
 // TestHandlerReplacesTransaction: transactional mode. A handler's COMMIT commits the
 // claim with its first work; whatever it answers next (201, a final 422, a 503 that
 // is not final, a panic), the key is settled with the stored handler_committed
-// problem. A handler's ROLLBACK undoes the claim: nothing is stored, the retry runs.
+// problem. A handler's ROLLBACK undoes the claim and its first work: the key is
+// recorded as failed with the stored handler_ended_transaction problem.
 func TestHandlerReplacesTransaction(t *testing.T) {
 	t.Parallel()
 	status := func(code int) func(w http.ResponseWriter) bool {
@@ -132,7 +133,7 @@ func TestHandlerReplacesTransaction(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		misbehave(t, b, "ROLLBACK; BEGIN", nil)
-		requireRolledBack(t, b, "/payments", "k", b.post(t, "/payments", "k", `{"amount": 1}`))
+		requireEndedByHandler(t, b, "/payments", "k", b.post(t, "/payments", "k", `{"amount": 1}`))
 	})
 	// Without a key there is nothing to settle, but idem still never commits the
 	// handler's replacement transaction.
@@ -151,7 +152,7 @@ func TestHandlerReplacesTransaction(t *testing.T) {
 // a concurrent request with the same key (waiting on the claim) runs and commits,
 // and the first handler goes on in its replacement transaction. idem must not store
 // the first handler's answer over the second's, nor commit the replacement: the key
-// keeps the second request's answer and payment.
+// keeps the second request's answer and payment, which the first request gets too.
 func TestHandlerRollsBackUnderAConcurrentRequest(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *httpidem.Config) { c.LockTimeout = 30 * time.Second })
@@ -184,7 +185,7 @@ func TestHandlerRollsBackUnderAConcurrentRequest(t *testing.T) {
 	close(secondDone)
 	require.Equal(t, http.StatusCreated, second.Status, "%s", second)
 	require.Equal(t, "{\"id\":2,\"amount\":\"1\"}\n", string(second.Body), "id 1 was the rolled-back row's")
-	problem(t, <-firstc, http.StatusInternalServerError, httpidem.CodeTransactionEnded)
+	requireSameAnswer(t, second, <-firstc)
 	requireSameAnswer(t, second, b.post(t, "/payments", "k", `{"amount": 1}`))
 	require.Equal(t, 1, b.payments(t))
 	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM audit`), "the replacement transaction is rolled back")
@@ -194,7 +195,9 @@ func TestHandlerRollsBackUnderAConcurrentRequest(t *testing.T) {
 // before the handler runs and the handler's transaction is its own. A handler's
 // COMMIT commits its first work outside the fence: the key is settled with the
 // stored handler_committed problem, never released to run again. A handler's
-// ROLLBACK commits nothing: the lease is given back and the retry runs.
+// ROLLBACK commits nothing of idem's transaction, but what it writes after the
+// ROLLBACK commits on its own: the key is recorded as failed with the stored
+// handler_ended_transaction problem, never released to run again.
 func TestLeaseHandlerReplacesTransaction(t *testing.T) {
 	t.Parallel()
 	for _, sql := range []string{"COMMIT; BEGIN", "COMMIT"} {
@@ -210,9 +213,6 @@ func TestLeaseHandlerReplacesTransaction(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		misbehave(t, b, "ROLLBACK; BEGIN", nil)
-		first := b.post(t, "/leased/payments", "k", `{"amount": 1}`)
-		// The lease was given back: the retry need not wait it out.
-		require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE state = 'processing' AND lease_until <= now()`))
-		requireRolledBack(t, b, "/leased/payments", "k", first)
+		requireEndedByHandler(t, b, "/leased/payments", "k", b.post(t, "/leased/payments", "k", `{"amount": 1}`))
 	})
 }

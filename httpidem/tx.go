@@ -27,6 +27,10 @@ type connTx struct {
 	// transaction with raw SQL, its status (pg_xact_status) tells whether the
 	// handler's work committed.
 	xid string
+	// ended: a COMMIT idem sent found the mark gone (txmark.ErrTxReplaced), so the
+	// handler ended idem's transaction; the failed check left the connection's
+	// transaction failed, where the mark can no longer be asked.
+	ended bool
 }
 
 var _ pgx.Tx = (*connTx)(nil)
@@ -90,30 +94,64 @@ func (t *connTx) Begin(ctx context.Context) (pgx.Tx, error) {
 // txmark.ErrTxReplaced, and left failed for release to roll back. An error from
 // COMMIT closes the connection, since the outcome is unknown.
 func (t *connTx) Commit(ctx context.Context) error {
-	err := txmark.Commit(ctx, t.conn)
+	err := t.noteEnded(txmark.Commit(ctx, t.conn))
 	if errors.Is(err, txmark.ErrCommitUnknown) && !t.conn.IsClosed() && t.inTx() {
 		_ = t.conn.Close(ctx)
 	}
 	return err
 }
 
-// rollbackMarked rolls back whatever is open and reports whether the transaction
-// idem began was still the open one: in a transaction, carrying txmark.Mark. False
-// means the handler may have ended it with raw SQL (a COMMIT, or a ROLLBACK), or
-// broke it with a failed statement, so that only the database can tell whether the
-// request's work committed. A rollback that fails closes the connection.
-func (t *connTx) rollbackMarked(ctx context.Context) bool {
+// txEnd is what rollbackMarked found of the transaction idem began.
+type txEnd int
+
+const (
+	// txOpen: it was still the open transaction (in a transaction, carrying
+	// txmark.Mark), and is now rolled back: nothing of the request committed.
+	txOpen txEnd = iota
+	// txFailed: a statement failed in the open transaction (status 'E'), or the
+	// connection is gone. Postgres rolls such a transaction back; it cannot be asked
+	// for the mark, so whether the handler ended idem's transaction before the
+	// failure is unknown, and only the database can tell whether work committed.
+	txFailed
+	// txEnded: the handler ended it itself with raw SQL (a COMMIT or a ROLLBACK):
+	// no transaction was open (status 'I'), or the open one lacked the mark (it
+	// began another), or COMMIT found the mark gone (ended). What the handler wrote
+	// after that ran outside idem's transaction.
+	txEnded
+)
+
+// noteEnded records, from the error of a COMMIT idem sent, whether the handler
+// had ended idem's transaction (txmark.ErrTxReplaced), and returns err.
+func (t *connTx) noteEnded(err error) error {
+	if errors.Is(err, txmark.ErrTxReplaced) {
+		t.ended = true
+	}
+	return err
+}
+
+// rollbackMarked rolls back whatever is open and reports how the transaction idem
+// began ended. A rollback that fails closes the connection.
+func (t *connTx) rollbackMarked(ctx context.Context) txEnd {
 	ctx = context.WithoutCancel(ctx)
+	end := txFailed
+	if t.ended {
+		end = txEnded
+	}
 	if t.pc == nil || t.conn.IsClosed() {
-		return false
+		return end
 	}
 	switch t.conn.PgConn().TxStatus() {
 	case 'I':
-		return false
+		return txEnded
 	case 'T':
-		marked, err := txmark.Rollback(ctx, t.conn)
-		if err == nil {
-			return marked
+		if !t.ended {
+			marked, err := txmark.Rollback(ctx, t.conn)
+			switch {
+			case err == nil && marked:
+				return txOpen
+			case err == nil:
+				return txEnded
+			}
 		}
 	}
 	if t.inTx() {
@@ -121,7 +159,7 @@ func (t *connTx) rollbackMarked(ctx context.Context) bool {
 			_ = t.conn.Close(ctx)
 		}
 	}
-	return false
+	return end
 }
 
 // Rollback rolls back.

@@ -21,8 +21,8 @@ import (
 )
 
 // The up and down files are the single source of the schema. The goose files are
-// generated from them; a test fails when they are stale.
-//go:generate go run ../internal/goosegen -src migrations -dst migrations/goose
+// generated from them (cmd/idem/internal/goosegen); a test fails when they are stale.
+//go:generate go run ../cmd/idem/internal/goosegen -src migrations -dst migrations/goose
 
 //go:embed migrations/*.sql
 var migrationFiles embed.FS

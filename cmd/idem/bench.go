@@ -10,9 +10,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/benchkit"
-	"github.com/idemkit/idem/internal/scratch"
 )
 
 // benchSchema is the benchmark's own schema by default.
@@ -63,7 +62,10 @@ idem bench --setups kafka,kafka-external --kafka-brokers localhost:9092`,
 					o.KafkaBrokers = append(o.KafkaBrokers, strings.TrimSpace(h))
 				}
 			}
-			return runBench(ctx, e, args, o, setups, schema)
+			if err := noArgs(args); err != nil {
+				return err
+			}
+			return runBench(ctx, e, o, setups, schema)
 		}
 	},
 }
@@ -93,10 +95,7 @@ type benchResultJSON struct {
 	RatioToBare float64 `json:"ratio_to_bare,omitempty"`
 }
 
-func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, setupList, schema string) error {
-	if len(args) > 0 {
-		return usagef("takes no arguments, got %q", args)
-	}
+func runBench(ctx context.Context, e *env, o benchkit.Options, setupList, schema string) error {
 	if o.N < 1 || o.Concurrency < 1 || o.PayloadSize < 0 || o.DupRate < 0 || o.DupRate > 1 {
 		return usagef("-n and --concurrency must be at least 1, --payload not negative, --dup-rate within [0, 1]")
 	}
@@ -135,18 +134,11 @@ func runBench(ctx context.Context, e *env, args []string, o benchkit.Options, se
 	// The benchmark empties its schema between setups: it works only in one that
 	// it (or idem demo) made and marked, made afresh, and never in one that
 	// another run is using.
-	claimed, err := scratch.Claim(ctx, e.databaseURL, schema, "idem bench")
+	claimed, err := claimScratch(ctx, e, pool, schema, benchScratch)
 	if err != nil {
-		return scratchError("--bench-schema", "idem bench", benchSchema, err)
+		return err
 	}
 	defer claimed.Release()
-	m, err := inbox.NewMigrator(pool, schema)
-	if err != nil {
-		return err
-	}
-	if _, err := m.Up(ctx); err != nil {
-		return err
-	}
 	o.DatabaseURL, o.Schema = e.databaseURL, schema
 	if err := benchkit.Prepare(ctx, o); err != nil {
 		return err

@@ -361,6 +361,37 @@ func (e *env) nextPage(c, what, cursor string) {
 	fmt.Fprintf(e.stderr, "%s\n", b)
 }
 
+// listPage is one page of a keyset-paged list: the command that printed it, what
+// it lists (plural), its items, and the cursor of the next page ("" on the last).
+type listPage[T any] struct {
+	command, what string
+	items         []T
+	next          string
+}
+
+// writePage prints a page: with --json its items (and, on stderr, the next page's
+// cursor); else none when it is empty, or the table and how to ask for the next
+// page.
+func writePage[T any](e *env, p listPage[T], none string, table func() error) error {
+	if e.json {
+		if p.next != "" {
+			e.nextPage(p.command, p.what, p.next)
+		}
+		return e.writeJSON(p.items)
+	}
+	if len(p.items) == 0 {
+		fmt.Fprintln(e.stdout, none)
+		return nil
+	}
+	if err := table(); err != nil {
+		return err
+	}
+	if p.next != "" {
+		fmt.Fprintf(e.stdout, "(first %d shown; next page: --after %s)\n", len(p.items), p.next)
+	}
+	return nil
+}
+
 // writeJSON prints v as indented JSON.
 func (e *env) writeJSON(v any) error {
 	enc := json.NewEncoder(e.stdout)

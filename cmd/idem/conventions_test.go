@@ -227,9 +227,9 @@ func TestVersion(t *testing.T) {
 	require.Contains(t, runCLI(t, "--json", "version").ok(t).stdout, `"go": "go`)
 
 	// The VCS stamp, as the build info carries it.
-	v = versionOf(&debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Path: "github.com/idemkit/idem", Version: "v1.2.3"},
+	v = versionOf(&debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Path: "github.com/idemkit/idem/cmd/idem", Version: "v1.2.3"},
 		Settings: []debug.BuildSetting{{Key: "vcs.revision", Value: "abc123"}, {Key: "vcs.time", Value: "2026-11-21T23:02:11Z"}, {Key: "vcs.modified", Value: "true"}}})
-	require.Equal(t, versionJSON{Module: "github.com/idemkit/idem", Version: "v1.2.3", Revision: "abc123", Time: "2026-11-21T23:02:11Z", Modified: true, Go: "go1.26.8"}, v)
+	require.Equal(t, versionJSON{Module: "github.com/idemkit/idem/cmd/idem", Version: "v1.2.3", Revision: "abc123", Time: "2026-11-21T23:02:11Z", Modified: true, Go: "go1.26.8"}, v)
 
 	// A real binary, built with VCS stamping, reports the commit it was built
 	// from. The go command stamps only a checkout whose .git is a directory: a
@@ -247,7 +247,7 @@ func TestVersion(t *testing.T) {
 	require.NoError(t, err)
 	v = versionJSON{}
 	require.NoError(t, json.Unmarshal(got, &v))
-	require.Equal(t, "github.com/idemkit/idem", v.Module)
+	require.Equal(t, "github.com/idemkit/idem/cmd/idem", v.Module)
 	top, err := exec.Command(git, "rev-parse", "--show-toplevel").Output()
 	require.NoError(t, err)
 	if fi, err := os.Stat(filepath.Join(strings.TrimSpace(string(top)), ".git")); err == nil && !fi.IsDir() {

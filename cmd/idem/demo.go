@@ -8,23 +8,25 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/cmd/idem/internal/payments"
+	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/payments"
 	"github.com/idemkit/idem/internal/redact"
-	"github.com/idemkit/idem/internal/scratch"
 )
 
 // demoSchema is the demo's own schema, dropped and made again on every run. The
-// demo only drops a schema it made itself (internal/scratch), so it never touches
+// demo only drops a schema it made itself (package scratch), so it never touches
 // the idem schema of a real deployment or any other schema of a user's.
 const demoSchema = "idem_demo"
 
@@ -57,8 +59,8 @@ schema is in use), 2 bad usage (a schema it refuses), 3 no Postgres.`,
 			"with --broker kafka: Kafka brokers, comma-separated (default $KAFKA_BROKERS; empty: an in-process Kafka-protocol broker)")
 		fs.Int64Var(&o.seed, "seed", 0, "seed of the chaos (0: from the clock)")
 		return func(ctx context.Context, e *env, args []string) error {
-			if len(args) > 0 {
-				return usagef("takes no arguments, got %q", args)
+			if err := noArgs(args); err != nil {
+				return err
 			}
 			return runDemo(ctx, e, o)
 		}
@@ -93,128 +95,205 @@ type demoJSON struct {
 	OK bool `json:"ok"`
 }
 
+// runDemo runs the demo's steps in order: check the flags, reach Postgres, claim
+// and migrate the scratch schema, start the broker and the SMTP receiver, run the
+// payments under chaos until the audit settles, and print the report.
 func runDemo(ctx context.Context, e *env, o demoOptions) error {
+	if err := o.check(); err != nil {
+		return err
+	}
+	d := &demoRun{e: e, o: o, schema: demoSchemaOf(e)}
+	if d.o.seed == 0 {
+		d.o.seed = time.Now().UnixNano() % 1_000_000
+	}
+	db, err := waitForPostgres(ctx, e, d.say)
+	if err != nil {
+		return err // a connectError: exit code 3, as for every command
+	}
+	d.db = db
+	claimed, err := claimScratch(ctx, e, db, d.schema, demoScratch)
+	if err != nil {
+		return err
+	}
+	defer claimed.Release()
+	if err := payments.CreateTables(ctx, db, d.schema); err != nil {
+		return err
+	}
+	if d.workers, err = payments.NewPool(ctx, e.databaseURL, payments.ApplicationName(d.schema), 8); err != nil {
+		return err
+	}
+	defer d.workers.Close()
+	stopBroker, err := d.startBroker(ctx)
+	if err != nil {
+		return err
+	}
+	defer stopBroker()
+	if d.box, err = payments.StartMailbox("127.0.0.1:0"); err != nil {
+		return err
+	}
+	defer d.box.Close()
+	d.announce(claimed.Reset)
+	rep, elapsed, err := d.run(ctx)
+	if err != nil {
+		return err
+	}
+	return d.report(rep, elapsed)
+}
+
+// check refuses flags the demo cannot run with.
+func (o demoOptions) check() error {
 	if o.n < 1 {
 		return usagef("-n must be at least 1")
 	}
 	if o.broker != payments.NATS && o.broker != payments.Kafka {
 		return usagef("--broker must be nats or kafka, got %q", o.broker)
 	}
-	schema := e.schema
-	if schema == inbox.DefaultSchema || !e.schemaGiven { // $IDEM_SCHEMA names a real deployment's schema
-		schema = demoSchema
+	return nil
+}
+
+// demoSchemaOf is the schema the demo works in: --schema when given, but never
+// the default idem schema ($IDEM_SCHEMA names a real deployment's schema).
+func demoSchemaOf(e *env) string {
+	if e.schema == inbox.DefaultSchema || !e.schemaGiven {
+		return demoSchema
 	}
-	if o.seed == 0 {
-		o.seed = time.Now().UnixNano() % 1_000_000
-	}
-	say := func(format string, args ...any) { fmt.Fprintf(e.notes(), format+"\n", args...) }
-	// Right after "docker compose up -d" the server may still be starting: wait
-	// for it a little, so the quick start's two commands can follow each other.
-	admin, err := e.connect(ctx)
+	return e.schema
+}
+
+// waitForPostgres connects, waiting up to demoWaitForPostgres for a server that
+// refuses connections: right after "docker compose up -d" it may still be
+// starting, and the quick start's two commands follow each other at once.
+func waitForPostgres(ctx context.Context, e *env, say func(string, ...any)) (*pgxpool.Pool, error) {
+	db, err := e.connect(ctx)
 	var ce *connectError
 	for waited := time.Duration(0); err != nil && errors.As(err, &ce) && waited < demoWaitForPostgres && ctx.Err() == nil; waited += 500 * time.Millisecond {
 		if waited == 0 {
 			say("idem demo: waiting up to %s for Postgres at %s ...", demoWaitForPostgres, ce.host)
 		}
 		time.Sleep(500 * time.Millisecond)
-		admin, err = e.connect(ctx)
+		db, err = e.connect(ctx)
 	}
-	if err != nil {
-		return err // a connectError: exit code 3, as for every command
-	}
+	return db, err
+}
 
-	// A fresh schema each run, but only one the demo (or idem bench) made, and
-	// never one another run is using.
-	claimed, err := scratch.Claim(ctx, e.databaseURL, schema, "idem demo")
-	if err != nil {
-		return scratchError("--schema", "idem demo", demoSchema, err)
-	}
-	defer claimed.Release()
-	m, err := inbox.NewMigrator(admin, schema)
-	if err != nil {
-		return err
-	}
-	if _, err := m.Up(ctx); err != nil {
-		return fmt.Errorf("migrate schema %s: %w", schema, err)
-	}
-	if err := payments.CreateTables(ctx, admin, schema); err != nil {
-		return err
-	}
-	workers, err := payments.NewPool(ctx, e.databaseURL, payments.ApplicationName(schema), 8)
-	if err != nil {
-		return err
-	}
-	defer workers.Close()
+// demoRun is one run of the demo: its settings, what its steps start, and what
+// they count.
+type demoRun struct {
+	e      *env
+	o      demoOptions
+	schema string
 
-	// The broker.
-	ep := payments.Endpoint{Broker: o.broker, Group: "payments-demo"}
-	topic := payments.Topic
-	var brokerDesc string
-	switch o.broker {
-	case payments.NATS:
+	db      *pgxpool.Pool // the CLI's: migration, audit, progress and cuts
+	workers *pgxpool.Pool // the consumers' and the dispatchers'
+	box     *payments.Mailbox
+
+	ep          payments.Endpoint
+	topic       string
+	brokerDesc  string // for the first line and the summary
+	sessionNote string // when a Kafka broker refuses 1 s sessions
+
+	deliveries, suppressed, restarts, cuts, producerDups atomic.Int64
+}
+
+// say writes a line of notes (stderr).
+func (d *demoRun) say(format string, args ...any) { fmt.Fprintf(d.e.notes(), format+"\n", args...) }
+
+// startBroker starts or reaches the broker of --broker and makes the run's
+// topic; stop undoes what it started.
+func (d *demoRun) startBroker(ctx context.Context) (stop func(), err error) {
+	var undo []func()
+	stop = func() {
+		for _, f := range slices.Backward(undo) {
+			f()
+		}
+	}
+	defer func() {
+		if err != nil {
+			stop()
+		}
+	}()
+	d.ep = payments.Endpoint{Broker: d.o.broker, Group: "payments-demo"}
+	d.topic = payments.Topic
+	switch {
+	case d.o.broker == payments.NATS:
 		dir, err := os.MkdirTemp("", "idem-demo-nats-")
 		if err != nil {
-			return err
+			return stop, err
 		}
-		defer os.RemoveAll(dir)
+		undo = append(undo, func() { os.RemoveAll(dir) })
 		srv, err := payments.StartNATS(dir, -1)
 		if err != nil {
-			return err
+			return stop, err
 		}
-		defer func() { srv.Shutdown(); srv.WaitForShutdown() }()
-		ep.Addr = srv.ClientURL()
-		brokerDesc = "embedded NATS JetStream at " + ep.Addr
-	case payments.Kafka:
-		if b := o.kafkaBrokers; b != "" {
-			ep.Addr = b
-			// A topic and a group of their own per run: an earlier run's payments
-			// stay in a real broker's topic and are not this run's, and a demo
-			// running at the same time on another schema must not share them.
-			topic = fmt.Sprintf("idem-demo-%s-%d", schema, time.Now().UnixNano())
-			ep.Group = topic
-			brokerDesc = "Kafka at " + b + ", topic " + topic
-			defer func() {
-				if err := payments.DeleteTopic(context.WithoutCancel(ctx), ep, topic); err != nil {
-					say("idem demo: could not delete topic %s on %s: %v", topic, b, err)
-				}
-			}()
-		} else {
-			c, err := payments.StartKafka()
-			if err != nil {
-				return err
+		undo = append(undo, func() { srv.Shutdown(); srv.WaitForShutdown() })
+		d.ep.Addr = srv.ClientURL()
+		d.brokerDesc = "embedded NATS JetStream at " + d.ep.Addr
+	case d.o.kafkaBrokers != "":
+		d.ep.Addr = d.o.kafkaBrokers
+		// A topic and a group of their own per run: an earlier run's payments
+		// stay in a real broker's topic and are not this run's, and a demo
+		// running at the same time on another schema must not share them.
+		d.topic = fmt.Sprintf("idem-demo-%s-%d", d.schema, time.Now().UnixNano())
+		d.ep.Group = d.topic
+		d.brokerDesc = "Kafka at " + d.o.kafkaBrokers + ", topic " + d.topic
+		undo = append(undo, func() {
+			if err := payments.DeleteTopic(context.WithoutCancel(ctx), d.ep, d.topic); err != nil {
+				d.say("idem demo: could not delete topic %s on %s: %v", d.topic, d.o.kafkaBrokers, err)
 			}
-			defer c.Close()
-			ep.Addr = strings.Join(c.ListenAddrs(), ",")
-			brokerDesc = "an in-process Kafka-protocol broker (kfake) at " + ep.Addr + " (no --kafka-brokers or KAFKA_BROKERS)"
+		})
+	default:
+		c, err := payments.StartKafka()
+		if err != nil {
+			return stop, err
 		}
+		undo = append(undo, c.Close)
+		d.ep.Addr = strings.Join(c.ListenAddrs(), ",")
+		d.brokerDesc = "an in-process Kafka-protocol broker (kfake) at " + d.ep.Addr + " (no --kafka-brokers or KAFKA_BROKERS)"
 	}
-	ep.Topic = topic
-	if err := payments.CreateTopic(ctx, ep, topic); err != nil {
-		return err
+	d.ep.Topic = d.topic
+	if err := payments.CreateTopic(ctx, d.ep, d.topic); err != nil {
+		return stop, err
 	}
-	var sessionNote string
-	if o.broker == payments.Kafka {
-		if floor, err := payments.SessionFloor(ctx, strings.Split(ep.Addr, ","), topic); err == nil && floor > time.Second {
-			sessionNote = fmt.Sprintf("  The broker's group.min.session.timeout.ms is %s, so consumers use %s sessions and a restart moves\n"+
+	if d.o.broker == payments.Kafka {
+		if floor, err := payments.SessionFloor(ctx, strings.Split(d.ep.Addr, ","), d.topic); err == nil && floor > time.Second {
+			d.sessionNote = fmt.Sprintf("  The broker's group.min.session.timeout.ms is %s, so consumers use %s sessions and a restart moves\n"+
 				"  partitions slowly; a test broker may allow 1000 ms (scripts/services and docker-compose.yml do).", floor, floor)
 		}
 	}
-	box, err := payments.StartMailbox("127.0.0.1:0")
-	if err != nil {
-		return err
-	}
-	defer box.Close()
+	return stop, nil
+}
 
-	say("idem demo: %d payments through %s", o.n, brokerDesc)
+// announce says what the run is about to do (stderr).
+func (d *demoRun) announce(reset bool) {
+	d.say("idem demo: %d payments through %s", d.o.n, d.brokerDesc)
 	fresh := "new"
-	if claimed.Reset {
+	if reset {
 		fresh = "reset"
 	}
-	say("  Postgres %s, schema %s (%s); SMTP receiver at %s; seed %d", redact.DSN(e.databaseURL), schema, fresh, box.Addr(), o.seed)
-	say("  chaos: the producer sends 30%% twice; consumers get extra copies and redeliveries after ack,")
-	say("  3 consumers restart at random, database connections are cut twice; 2 email dispatchers.")
-	if sessionNote != "" {
-		say("%s", sessionNote)
+	d.say("  Postgres %s, schema %s (%s); SMTP receiver at %s; seed %d", redact.DSN(d.e.databaseURL), d.schema, fresh, d.box.Addr(), d.o.seed)
+	d.say("  chaos: the producer sends 30%% twice; consumers get extra copies and redeliveries after ack,")
+	d.say("  3 consumers restart at random, database connections are cut twice; 2 email dispatchers.")
+	if d.sessionNote != "" {
+		d.say("%s", d.sessionNote)
+	}
+}
+
+// demoInstances is how many consumer instances the demo runs.
+const demoInstances = 3
+
+// run publishes the payments under chaos, with the consumers, the dispatchers,
+// the restarter and the backend cuts running, waits until the audit settles,
+// stops everything, and returns the audit of the stopped system.
+func (d *demoRun) run(ctx context.Context) (chaos.Report, time.Duration, error) {
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: d.db, Schema: d.schema})
+	if err != nil {
+		return chaos.Report{}, 0, err
+	}
+	dispatchers := make([]*effects.Dispatcher, 2)
+	for i := range dispatchers {
+		if dispatchers[i], err = payments.NewDispatcher(d.workers, d.schema, d.box.Addr(), 2*time.Second, nil, nil); err != nil {
+			return chaos.Report{}, 0, err
+		}
 	}
 
 	start := time.Now()
@@ -228,195 +307,211 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 			stopRun()
 		}
 	}
-
-	// Consumers: each instance runs until the restarter ends it, then comes back
-	// with a new connection and no memory.
-	var deliveries, suppressed, restarts atomic.Int64
-	const instances = 3
-	stops := make([]atomic.Pointer[context.CancelFunc], instances)
-	for i := range instances {
-		wg.Go(func() {
-			failures := 0
-			for gen := 0; runCtx.Err() == nil; gen++ {
-				c, err := payments.Connect(ep, nil)
-				if err != nil {
-					fail(err)
-					return
-				}
-				sub, err := chaos.NewSubscriber(c.Subscriber, chaos.Config{
-					Seed:                 o.seed + int64(i*1000+gen),
-					DuplicateProbability: 0.1, MaxCopies: 2,
-					RedeliverProbability: 0.05, RedeliverDelay: 100 * time.Millisecond,
-					ReorderWindow: 4,
-				})
-				if err != nil {
-					fail(err)
-					return
-				}
-				reg := prometheus.NewRegistry()
-				ictx, cancel := context.WithCancel(runCtx)
-				stops[i].Store(&cancel)
-				err = payments.RunConsumer(ictx, payments.ConsumerConfig{Pool: workers, Schema: schema, Subscriber: sub, Topic: topic, Registerer: reg})
-				restarted := ictx.Err() != nil // stopped on purpose, perhaps mid-subscribe
-				cancel()
-				_ = sub.Close()
-				c.Close()
-				deliveries.Add(sub.Stats().Delivered)
-				suppressed.Add(counterSum(reg, "idem_inbox_duplicates_total"))
-				// An instance that fails on its own is restarted, as a supervisor
-				// would; one that keeps failing ends the demo.
-				switch {
-				case err == nil || restarted:
-					failures = 0
-				case failures < 10:
-					failures++
-					time.Sleep(100 * time.Millisecond)
-				default:
-					fail(err)
-					return
-				}
-			}
-		})
+	stops := make([]atomic.Pointer[context.CancelFunc], demoInstances)
+	for i := range stops {
+		wg.Go(func() { fail(d.consume(runCtx, i, &stops[i])) })
 	}
-	// Dispatchers.
-	for range 2 {
-		d, err := payments.NewDispatcher(workers, schema, box.Addr(), 2*time.Second, nil, nil)
+	for _, disp := range dispatchers {
+		wg.Go(func() { fail(disp.Run(runCtx)) })
+	}
+	wg.Go(func() { d.restartAtRandom(runCtx, stops) })
+	watched := d.watch(runCtx, start)
+	keys, err := d.produce(runCtx)
+	fail(err)
+
+	q := payments.AuditQuery(d.schema, keys, d.box.Counts, false)
+	settleCtx, cancelSettle := context.WithTimeout(runCtx, time.Duration(max(60, d.o.n/20))*time.Second)
+	_, settleErr := a.Settled(settleCtx, q, chaos.SettleOptions{Poll: 250 * time.Millisecond, Quiet: 10 * time.Second})
+	cancelSettle()
+	stopRun()
+	wg.Wait()
+	<-watched
+	var rows int
+	if err := d.db.QueryRow(ctx, payments.LedgerRowsSQL(d.schema)).Scan(&rows); err == nil {
+		d.progress(rows, start) // the final state
+	}
+	fmt.Fprintln(d.e.notes())
+	if p := runErr.Load(); p != nil {
+		return chaos.Report{}, 0, *p
+	}
+	if settleErr != nil {
+		return chaos.Report{}, 0, fmt.Errorf("the run did not settle: %w", settleErr)
+	}
+	// The last figures, with every worker stopped.
+	rep, err := a.Report(ctx, q)
+	if err != nil {
+		return chaos.Report{}, 0, err
+	}
+	rep.Deliveries, rep.DuplicatesSuppressed = d.deliveries.Load(), d.suppressed.Load()
+	return rep, time.Since(start), nil
+}
+
+// consume runs consumer instance i until ctx ends: each generation runs until
+// the restarter cancels it (through stop), then the instance comes back with a
+// new connection and no memory. An instance that fails on its own is restarted,
+// as a supervisor would; one that keeps failing ends the demo with its error.
+func (d *demoRun) consume(ctx context.Context, i int, stop *atomic.Pointer[context.CancelFunc]) error {
+	failures := 0
+	for gen := 0; ctx.Err() == nil; gen++ {
+		c, err := payments.Connect(d.ep, nil)
 		if err != nil {
 			return err
 		}
-		wg.Go(func() { fail(d.Run(runCtx)) })
-	}
-	// The restarter: a random consumer every 0.4–1.2 s.
-	rng := rand.New(rand.NewPCG(uint64(o.seed), 1))
-	wg.Go(func() {
-		for {
-			select {
-			case <-runCtx.Done():
-				return
-			case <-time.After(400*time.Millisecond + time.Duration(rng.IntN(800))*time.Millisecond):
-			}
-			if stop := stops[rng.IntN(instances)].Load(); stop != nil {
-				(*stop)()
-				restarts.Add(1)
-			}
+		sub, err := chaos.NewSubscriber(c.Subscriber, chaos.Config{
+			Seed:                 d.o.seed + int64(i*1000+gen),
+			DuplicateProbability: 0.1, MaxCopies: 2,
+			RedeliverProbability: 0.05, RedeliverDelay: 100 * time.Millisecond,
+			ReorderWindow: 4,
+		})
+		if err != nil {
+			return err
 		}
-	})
-
-	// Backend cuts, the progress bar, and the wait until the audit settles.
-	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: admin, Schema: schema})
-	if err != nil {
-		return err
+		reg := prometheus.NewRegistry()
+		ictx, cancel := context.WithCancel(ctx)
+		stop.Store(&cancel)
+		err = payments.RunConsumer(ictx, payments.ConsumerConfig{Pool: d.workers, Schema: d.schema, Subscriber: sub, Topic: d.topic, Registerer: reg})
+		restarted := ictx.Err() != nil // stopped on purpose, perhaps mid-subscribe
+		cancel()
+		_ = sub.Close()
+		c.Close()
+		d.deliveries.Add(sub.Stats().Delivered)
+		d.suppressed.Add(counterSum(reg, "idem_inbox_duplicates_total"))
+		switch {
+		case err == nil || restarted:
+			failures = 0
+		case failures < 10:
+			failures++
+			time.Sleep(100 * time.Millisecond)
+		default:
+			return err
+		}
 	}
-	var cuts atomic.Int64
-	cutAt := []int{o.n / 3, 2 * o.n / 3}
-	progressDone := make(chan struct{})
+	return nil
+}
+
+// restartAtRandom stops a random consumer instance every 0.4–1.2 s until ctx
+// ends.
+func (d *demoRun) restartAtRandom(ctx context.Context, stops []atomic.Pointer[context.CancelFunc]) {
+	rng := rand.New(rand.NewPCG(uint64(d.o.seed), 1))
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(400*time.Millisecond + time.Duration(rng.IntN(800))*time.Millisecond):
+		}
+		if stop := stops[rng.IntN(len(stops))].Load(); stop != nil {
+			(*stop)()
+			d.restarts.Add(1)
+		}
+	}
+}
+
+// watch cuts the schema's database connections when a third and two thirds of
+// the payments are committed, and redraws the progress bar, until ctx ends; the
+// channel closes when it has stopped.
+func (d *demoRun) watch(ctx context.Context, start time.Time) <-chan struct{} {
+	done := make(chan struct{})
+	cutAt := []int{d.o.n / 3, 2 * d.o.n / 3}
 	go func() {
-		defer close(progressDone)
+		defer close(done)
 		tick := time.NewTicker(200 * time.Millisecond)
 		defer tick.Stop()
 		for {
 			select {
-			case <-runCtx.Done():
+			case <-ctx.Done():
 				return
 			case <-tick.C:
 			}
 			var rows int
-			if err := admin.QueryRow(runCtx, payments.LedgerRowsSQL(schema)).Scan(&rows); err != nil {
+			if err := d.db.QueryRow(ctx, payments.LedgerRowsSQL(d.schema)).Scan(&rows); err != nil {
 				continue
 			}
 			for len(cutAt) > 0 && rows >= cutAt[0] {
 				cutAt = cutAt[1:]
-				if _, err := payments.TerminateBackends(runCtx, admin, schema); err == nil {
-					cuts.Add(1)
+				if _, err := payments.TerminateBackends(ctx, d.db, d.schema); err == nil {
+					d.cuts.Add(1)
 				}
 			}
-			progress(e, rows, box.Total(), o.n, restarts.Load(), cuts.Load(), time.Since(start))
+			d.progress(rows, start)
 		}
 	}()
-	// The producer.
-	var pubDups atomic.Int64
-	keys := make([]string, 0, o.n)
-	{
-		c, err := payments.Connect(ep, nil)
-		if err != nil {
-			return err
-		}
-		pub, err := chaos.NewPublisher(c.Publisher, chaos.PublisherConfig{Seed: o.seed, DuplicateProbability: 0.3})
-		if err != nil {
-			c.Close()
-			return err
-		}
-		for len(keys) < o.n {
-			batch := make([]*message.Message, 0, 50)
-			for len(batch) < cap(batch) && len(keys)+len(batch) < o.n {
-				batch = append(batch, payments.NewMessage(int64(100+len(keys)+len(batch))))
-			}
-			if err := publishRetry(runCtx, pub, topic, batch); err != nil {
-				c.Close()
-				fail(err)
-				break
-			}
-			for _, msg := range batch {
-				keys = append(keys, msg.UUID)
-			}
-		}
-		pubDups.Store(pub.Duplicates())
-		c.Close()
-	}
+	return done
+}
 
-	q := payments.AuditQuery(schema, keys, box.Counts, false)
-	settleCtx, cancelSettle := context.WithTimeout(runCtx, time.Duration(max(60, o.n/20))*time.Second)
-	rep, settleErr := a.Settled(settleCtx, q, chaos.SettleOptions{Poll: 250 * time.Millisecond, Quiet: 10 * time.Second})
-	cancelSettle()
-	stopRun()
-	wg.Wait()
-	<-progressDone
-	var rows int
-	if err := admin.QueryRow(ctx, payments.LedgerRowsSQL(schema)).Scan(&rows); err == nil {
-		progress(e, rows, box.Total(), o.n, restarts.Load(), cuts.Load(), time.Since(start)) // the final state
+// produce publishes the payments in batches of 50 through a publisher that sends
+// 30% of them twice, and returns the keys it published.
+func (d *demoRun) produce(ctx context.Context) ([]string, error) {
+	c, err := payments.Connect(d.ep, nil)
+	if err != nil {
+		return nil, err
 	}
-	fmt.Fprintln(e.notes())
-	if p := runErr.Load(); p != nil {
-		return *p
+	defer c.Close()
+	pub, err := chaos.NewPublisher(c.Publisher, chaos.PublisherConfig{Seed: d.o.seed, DuplicateProbability: 0.3})
+	if err != nil {
+		return nil, err
 	}
-	if settleErr != nil {
-		return fmt.Errorf("the run did not settle: %w", settleErr)
-	}
-	// The last figures, with every worker stopped.
-	if rep, err = a.Report(ctx, q); err != nil {
-		return err
-	}
-	rep.Deliveries, rep.DuplicatesSuppressed = deliveries.Load(), suppressed.Load()
-	elapsed := time.Since(start)
-
-	if e.json {
-		var out demoJSON
-		out.Broker, out.BrokerAddress, out.Schema, out.Seed, out.ElapsedSeconds = o.broker, ep.Addr, schema, o.seed, math.Round(elapsed.Seconds()*100)/100
-		if o.broker == payments.Kafka && o.kafkaBrokers != "" {
-			out.Topic = topic
+	keys := make([]string, 0, d.o.n)
+	for len(keys) < d.o.n {
+		batch := make([]*message.Message, 0, 50)
+		for len(batch) < cap(batch) && len(keys)+len(batch) < d.o.n {
+			batch = append(batch, payments.NewMessage(int64(100+len(keys)+len(batch))))
 		}
-		out.Restarts, out.BackendCuts, out.ProducerDups = restarts.Load(), cuts.Load(), pubDups.Load()
-		r := &out.Report
-		r.Messages, r.CommittedOnce, r.CommittedTwice, r.Lost, r.Failed = rep.Messages, rep.CommittedOnce, rep.CommittedTwice, rep.Lost, rep.Failed
-		r.Deliveries, r.DuplicatesSuppressed = rep.Deliveries, rep.DuplicatesSuppressed
-		r.EffectsDone, r.EffectsDead, r.EffectsPending = rep.EffectsDone, rep.EffectsDead, rep.EffectsPending
-		r.SendsTotal, r.SendsOnce, r.SendsRepeated, r.SendsMissing = rep.SendsTotal, rep.SendsOnce, rep.SendsRepeated, rep.SendsMissing
-		out.OK = rep.OK()
-		if err := e.writeJSON(out); err != nil {
+		if err = publishRetry(ctx, pub, d.topic, batch); err != nil {
+			break
+		}
+		for _, msg := range batch {
+			keys = append(keys, msg.UUID)
+		}
+	}
+	d.producerDups.Store(pub.Duplicates())
+	return keys, err
+}
+
+// progress draws the bar on stderr (not with --json).
+func (d *demoRun) progress(committed int, start time.Time) {
+	const width = 30
+	done := min(width, committed*width/max(d.o.n, 1))
+	fmt.Fprintf(d.e.notes(), "\r[%s%s] %d/%d committed, %d emails, %d restarts, %d cuts, %s ",
+		strings.Repeat("#", done), strings.Repeat(".", width-done), committed, d.o.n, d.box.Total(), d.restarts.Load(), d.cuts.Load(),
+		time.Since(start).Round(100*time.Millisecond))
+}
+
+// report prints the run's summary and the auditor's table, or the JSON with
+// --json, and fails unless nothing was lost or committed twice.
+func (d *demoRun) report(rep chaos.Report, elapsed time.Duration) error {
+	if d.e.json {
+		if err := d.e.writeJSON(d.json(rep, elapsed)); err != nil {
 			return err
 		}
 	} else {
-		fmt.Fprintf(e.stdout, "%d payments through %s in %s: producer duplicates %d, consumer restarts %d, backend cuts %d\n\n",
-			o.n, brokerDesc, elapsed.Round(100*time.Millisecond), pubDups.Load(), restarts.Load(), cuts.Load())
-		fmt.Fprint(e.stdout, chaos.FormatReports([]string{"idem on " + o.broker}, rep))
+		fmt.Fprintf(d.e.stdout, "%d payments through %s in %s: producer duplicates %d, consumer restarts %d, backend cuts %d\n\n",
+			d.o.n, d.brokerDesc, elapsed.Round(100*time.Millisecond), d.producerDups.Load(), d.restarts.Load(), d.cuts.Load())
+		fmt.Fprint(d.e.stdout, chaos.FormatReports([]string{"idem on " + d.o.broker}, rep))
 	}
 	if !rep.OK() {
 		return rep.Err()
 	}
-	if !e.json {
-		fmt.Fprintf(e.stdout, "\nEvery payment committed once and every receipt was emailed; lost = 0, committed twice = 0.\n")
+	if !d.e.json {
+		fmt.Fprintf(d.e.stdout, "\nEvery payment committed once and every receipt was emailed; lost = 0, committed twice = 0.\n")
 	}
 	return nil
+}
+
+// json is the --json form of the run.
+func (d *demoRun) json(rep chaos.Report, elapsed time.Duration) demoJSON {
+	var out demoJSON
+	out.Broker, out.BrokerAddress, out.Schema, out.Seed, out.ElapsedSeconds = d.o.broker, d.ep.Addr, d.schema, d.o.seed, math.Round(elapsed.Seconds()*100)/100
+	if d.o.broker == payments.Kafka && d.o.kafkaBrokers != "" {
+		out.Topic = d.topic
+	}
+	out.Restarts, out.BackendCuts, out.ProducerDups = d.restarts.Load(), d.cuts.Load(), d.producerDups.Load()
+	r := &out.Report
+	r.Messages, r.CommittedOnce, r.CommittedTwice, r.Lost, r.Failed = rep.Messages, rep.CommittedOnce, rep.CommittedTwice, rep.Lost, rep.Failed
+	r.Deliveries, r.DuplicatesSuppressed = rep.Deliveries, rep.DuplicatesSuppressed
+	r.EffectsDone, r.EffectsDead, r.EffectsPending = rep.EffectsDone, rep.EffectsDead, rep.EffectsPending
+	r.SendsTotal, r.SendsOnce, r.SendsRepeated, r.SendsMissing = rep.SendsTotal, rep.SendsOnce, rep.SendsRepeated, rep.SendsMissing
+	out.OK = rep.OK()
+	return out
 }
 
 // publishRetry publishes a batch until it goes through: a producer keeps the
@@ -434,15 +529,6 @@ func publishRetry(ctx context.Context, pub message.Publisher, topic string, batc
 		}
 	}
 	return fmt.Errorf("publish: %w", err)
-}
-
-// progress draws the bar on stderr (not with --json).
-func progress(e *env, committed, emailed, n int, restarts, cuts int64, elapsed time.Duration) {
-	const width = 30
-	done := min(width, committed*width/max(n, 1))
-	fmt.Fprintf(e.notes(), "\r[%s%s] %d/%d committed, %d emails, %d restarts, %d cuts, %s ",
-		strings.Repeat("#", done), strings.Repeat(".", width-done), committed, n, emailed, restarts, cuts,
-		elapsed.Round(100*time.Millisecond))
 }
 
 func counterSum(reg *prometheus.Registry, name string) int64 {

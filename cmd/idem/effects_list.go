@@ -86,36 +86,26 @@ func runEffectsList(ctx context.Context, e *env, args []string, o effectsListOpt
 	if err != nil {
 		return usageIfBad(err)
 	}
-	if e.json {
-		if page.Next != "" {
-			e.nextPage("effects list", "effects", page.Next)
-		}
-		return e.writeJSON(page.Effects)
-	}
-	if len(page.Effects) == 0 {
-		what := o.state
-		if o.f.Stuck {
-			what = "stuck"
-		}
-		if o.f.Kind != "" {
-			what += " " + o.f.Kind
-		}
-		fmt.Fprintf(e.stdout, "no %s effects\n", what)
-		return nil
-	}
-	if err := e.effectsTable(page.Effects); err != nil {
-		return err
-	}
+	none := o.state
 	if o.f.Stuck {
-		fmt.Fprintln(e.stdout, "\nWhy each looks stuck:")
-		for _, x := range page.Effects {
-			fmt.Fprintf(e.stdout, "  %s: %s\n", printable(x.ID().String()), x.Stuck)
-		}
+		none = "stuck"
 	}
-	if page.Next != "" {
-		fmt.Fprintf(e.stdout, "(first %d shown; next page: --after %s)\n", len(page.Effects), page.Next)
+	if o.f.Kind != "" {
+		none += " " + o.f.Kind
 	}
-	return nil
+	return writePage(e, listPage[admin.Effect]{command: "effects list", what: "effects", items: page.Effects, next: page.Next},
+		"no "+none+" effects", func() error {
+			if err := e.effectsTable(page.Effects); err != nil {
+				return err
+			}
+			if o.f.Stuck {
+				fmt.Fprintln(e.stdout, "\nWhy each looks stuck:")
+				for _, x := range page.Effects {
+					fmt.Fprintf(e.stdout, "  %s: %s\n", printable(x.ID().String()), x.Stuck)
+				}
+			}
+			return nil
+		})
 }
 
 // usageIfBad makes a bad filter or cursor a usage error (exit 2).

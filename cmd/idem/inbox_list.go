@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"flag"
-	"fmt"
 
 	"github.com/idemkit/idem/admin"
 )
@@ -48,23 +47,8 @@ last line gives the --after cursor of the next page (with --json, on stderr, as
 			if err != nil {
 				return usageIfBad(err)
 			}
-			if e.json {
-				if page.Next != "" {
-					e.nextPage("inbox list", "keys", page.Next)
-				}
-				return e.writeJSON(page.Keys)
-			}
-			if len(page.Keys) == 0 {
-				fmt.Fprintln(e.stdout, "no inbox keys")
-				return nil
-			}
-			if err := e.inboxTable(page.Keys); err != nil {
-				return err
-			}
-			if page.Next != "" {
-				fmt.Fprintf(e.stdout, "(first %d shown; next page: --after %s)\n", len(page.Keys), page.Next)
-			}
-			return nil
+			return writePage(e, listPage[admin.InboxKey]{command: "inbox list", what: "keys", items: page.Keys, next: page.Next},
+				"no inbox keys", func() error { return e.inboxTable(page.Keys) })
 		}
 	},
 }

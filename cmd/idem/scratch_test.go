@@ -8,8 +8,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/internal/scratch"
 )
 
 // idem demo and idem bench refuse a schema they did not make, with exit code 2

@@ -92,24 +92,16 @@ func violations(pkgs map[string]pkg) []string {
 		}
 	}
 	// No non-test file under internal/ imports a public idem package, except test
-	// support that only test files import, and the tools' own code, which only
-	// cmd/ and tests import (it belongs under cmd/idem).
+	// support that only test files import.
 	testSupport := map[string]string{
 		"internal/pgtest": "it migrates each test's schema with package migrate",
-	}
-	toolCode := map[string]string{
-		"internal/benchkit": "idem bench's workload",
-		"internal/payments": "idem demo's scenario",
-		"internal/scratch":  "the scratch schemas of idem demo and bench",
 	}
 	for name, p := range pkgs {
 		if !internal(name) {
 			continue
 		}
 		for _, imp := range idem(p.Imports) {
-			_, test := testSupport[name]
-			_, tool := toolCode[name]
-			if !internal(imp) && !test && !tool {
+			if _, test := testSupport[name]; !test && !internal(imp) {
 				bad = append(bad, name+" imports "+imp+", a public idem package")
 			}
 		}
@@ -124,20 +116,17 @@ func violations(pkgs map[string]pkg) []string {
 			}
 		}
 	}
-	for name := range toolCode {
-		if _, ok := pkgs[name]; !ok {
-			bad = append(bad, name+" is gone: remove it from toolCode")
-		}
-		for importer, p := range pkgs {
-			if slices.Contains(idem(p.Imports), name) && !strings.HasPrefix(importer, "cmd/") && !internal(importer) {
-				bad = append(bad, importer+" imports the tools' "+name)
-			}
-		}
+	// Nothing outside cmd and examples imports them (with go.work, go list also
+	// lists their modules' packages, which import their own).
+	tool := func(rel string) bool {
+		return rel == "cmd" || strings.HasPrefix(rel, "cmd/") || rel == "examples" || strings.HasPrefix(rel, "examples/")
 	}
-	// Nothing imports cmd or examples.
 	for name, p := range pkgs {
+		if tool(name) {
+			continue
+		}
 		for _, imp := range idem(slices.Concat(p.Imports, p.TestImports, p.XTestImports)) {
-			if (imp == "cmd" || strings.HasPrefix(imp, "cmd/") || strings.HasPrefix(imp, "examples/")) && imp != name {
+			if tool(imp) {
 				bad = append(bad, name+" imports "+imp)
 			}
 		}

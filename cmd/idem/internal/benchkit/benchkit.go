@@ -168,7 +168,7 @@ func (o *Options) defaults() {
 
 // Prepare empties the schema's idem tables and the business table, before a series
 // of runs. The caller owns the schema: Prepare empties whatever schema it is given
-// (idem bench hands it only a scratch schema of its own, internal/scratch).
+// (idem bench hands it only a scratch schema of its own, package scratch).
 // Errors never show the database password.
 func Prepare(ctx context.Context, o Options) (err error) {
 	defer func() { err = redact.Error(err, o.DatabaseURL) }()
@@ -209,23 +209,14 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 	}
 	if setup == Batch {
 		o.Concurrency = o.BatchPartitions
-		o.MaxConns = cmp.Or(o.MaxConns, int32(cmp.Or(o.Workers, consumer.DefaultWorkers))+4)
+		o.batchConns()
 	}
-	counter := &commitCounter{}
-	pool, err := openPool(ctx, o, counter)
-	if err != nil {
-		return Result{}, err
-	}
-	defer pool.Close()
-	o.pool = pool
-	if err := reset(ctx, pool, o.Schema); err != nil {
-		return Result{}, err
-	}
-	handler, closeFn, err := build(setup, o)
+	counter, handler, closeFn, err := open(ctx, setup, &o)
 	if err != nil {
 		return Result{}, err
 	}
 	defer closeFn()
+	pool := o.pool
 
 	commitsBefore, tripsBefore := counter.n.Load(), counter.trips.Load()
 
@@ -345,6 +336,34 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 		return Result{}, err
 	}
 	return res, nil
+}
+
+// batchConns sizes the pool of a batch-handler setup: one connection for each
+// batch at once, and a few for the rest.
+func (o *Options) batchConns() {
+	o.MaxConns = cmp.Or(o.MaxConns, int32(cmp.Or(o.Workers, consumer.DefaultWorkers))+4)
+}
+
+// open readies a run of setup: a pool (o.pool) that counts commits and round
+// trips, the business table and the inbox emptied, and the setup's handler.
+// closeFn closes the handler and the pool.
+func open(ctx context.Context, setup Setup, o *Options) (counter *commitCounter, handler message.NoPublishHandlerFunc, closeFn func(), err error) {
+	counter = &commitCounter{}
+	pool, err := openPool(ctx, *o, counter)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	if err := reset(ctx, pool, o.Schema); err != nil {
+		pool.Close()
+		return nil, nil, nil, err
+	}
+	o.pool = pool
+	handler, closeHandler, err := build(setup, *o)
+	if err != nil {
+		pool.Close()
+		return nil, nil, nil, err
+	}
+	return counter, handler, func() { closeHandler(); pool.Close() }, nil
 }
 
 // countBusiness fills in the business rows, the messages committed twice and the

@@ -1,4 +1,4 @@
-package migrate_test
+package main
 
 // The README promises that the migration files work with goose and golang-migrate
 // as well as with idem's own Migrator. These tests apply them with each tool as a
@@ -212,7 +212,7 @@ func TestGolangMigrateAppliesTheMigrations(t *testing.T) {
 	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
 	// As the README's command: the directory on disk (with the goose directory
 	// inside it, which golang-migrate skips) and the pgx5 driver.
-	m, err := gomigrate.New("file://migrations", searchPathURL(t, "pgx5", schema))
+	m, err := gomigrate.New("file://"+srcDir, searchPathURL(t, "pgx5", schema))
 	require.NoError(t, err)
 	t.Cleanup(func() { _, _ = m.Close() })
 	newest := uint(len(migrate.Migrations()))
@@ -237,18 +237,18 @@ func TestGolangMigrateAppliesTheMigrations(t *testing.T) {
 
 // TestGooseFilesHoldTheUpAndDownFiles checks the embedded goose files without the
 // generator: each holds its version's up and down files unchanged, and only goose
-// annotations besides. (internal/goosegen's test checks the exact bytes.)
+// annotations besides. (TestGooseFilesAreCurrent checks the exact bytes.)
 func TestGooseFilesHoldTheUpAndDownFiles(t *testing.T) {
 	t.Parallel()
 	fsys := migrate.GooseMigrationsFS()
 	entries, err := fs.ReadDir(fsys, ".")
 	require.NoError(t, err)
 	ms := migrate.Migrations()
-	require.Len(t, entries, len(ms), "one goose file per version; run go generate ./inbox")
+	require.Len(t, entries, len(ms), "one goose file per version; run "+Regenerate)
 	for _, m := range ms {
 		name := fmt.Sprintf("%03d_%s.sql", m.Version, m.Name)
 		body, err := fs.ReadFile(fsys, name)
-		require.NoError(t, err, "run go generate ./inbox")
+		require.NoError(t, err, "run "+Regenerate)
 		_, rest, ok := strings.Cut(string(body), "\n-- +goose Up\n")
 		require.True(t, ok, name)
 		up, down, ok := strings.Cut(rest, "\n-- +goose Down\n")
@@ -262,8 +262,8 @@ func TestGooseFilesHoldTheUpAndDownFiles(t *testing.T) {
 			}
 			return strings.Join(keep, "\n")
 		}
-		require.Equal(t, strings.TrimRight(m.Up, "\n"), strings.TrimRight(strip(up), "\n"), "%s: up section; run go generate ./inbox", name)
-		require.Equal(t, strings.TrimRight(m.Down, "\n"), strings.TrimRight(strip(down), "\n"), "%s: down section; run go generate ./inbox", name)
+		require.Equal(t, strings.TrimRight(m.Up, "\n"), strings.TrimRight(strip(up), "\n"), "%s: up section; run "+Regenerate, name)
+		require.Equal(t, strings.TrimRight(m.Down, "\n"), strings.TrimRight(strip(down), "\n"), "%s: down section; run "+Regenerate, name)
 		require.Contains(t, m.Up+m.Down, ";")
 	}
 }

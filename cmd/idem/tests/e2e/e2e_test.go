@@ -24,7 +24,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/chaos"
-	"github.com/idemkit/idem/internal/payments"
+	"github.com/idemkit/idem/cmd/idem/internal/payments"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/internal/redact"
 )

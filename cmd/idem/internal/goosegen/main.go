@@ -1,14 +1,14 @@
 // Command goosegen writes goose's form of idem's migrations: for each version of
-// migrate/migrations/NNN_name.{up,down}.sql, one migrate/migrations/goose/NNN_name.sql
-// with "-- +goose Up" and "-- +goose Down" sections, and "-- +goose StatementBegin"
-// / "StatementEnd" around every statement that holds a semicolon of its own (a DO
-// block, a function body), which goose would otherwise cut in two.
+// NNN_name.{up,down}.sql in SourceDir, one NNN_name.sql in GooseDir (both named in
+// gen.go, from the repository's root) with "-- +goose Up" and "-- +goose Down"
+// sections, and "-- +goose StatementBegin" / "StatementEnd" around every statement
+// that holds a semicolon of its own (a DO block, a function body), which goose
+// would otherwise cut in two.
 //
 // The up and down files stay the single source: idem's Migrator and golang-migrate
 // read them as they are. The goose files are generated from them, byte for byte
 // the same SQL plus the annotations, so the two can never disagree. Run it with
-//
-//	go generate ./migrate
+// the go:generate line beside the migrations' embed (Regenerate in gen.go).
 //
 // The output depends only on the source files (no time, no paths), so a second run
 // changes nothing; a test fails when the goose files are stale. It deletes a .sql

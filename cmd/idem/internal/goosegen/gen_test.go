@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"testing/fstest"
@@ -10,24 +11,34 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-const (
-	srcDir   = "../../migrate/migrations"
-	gooseDir = "../../migrate/migrations/goose"
+// repoRoot is the repository's root, from this package's folder.
+const repoRoot = "../../../.."
+
+var (
+	srcDir   = filepath.Join(repoRoot, SourceDir)
+	gooseDir = filepath.Join(repoRoot, GooseDir)
 )
 
-// TestGooseFilesAreCurrent fails when migrate/migrations/goose does not hold exactly
-// what goosegen makes from the up and down files now.
+// generatedLine is the first line of a generated file, as Go's tools recognise it
+// (https://go.dev/s/generatedcode), in SQL's comment syntax.
+var generatedLine = regexp.MustCompile(`^-- Code generated .* DO NOT EDIT\.$`)
+
+// TestGooseFilesAreCurrent fails when the goose directory does not hold exactly
+// what goosegen makes from the up and down files now, or when a goose file does
+// not say on its first line that it is generated.
 func TestGooseFilesAreCurrent(t *testing.T) {
 	t.Parallel()
 	files, err := Generate(os.DirFS(srcDir))
 	require.NoError(t, err)
-	const fix = "migrate/migrations/goose is stale: run `go generate ./migrate` and commit the result"
+	fix := GooseDir + " is stale: run `" + Regenerate + "` and commit the result"
 	want := map[string]bool{}
 	for _, f := range files {
 		want[f.Name] = true
 		have, err := os.ReadFile(filepath.Join(gooseDir, f.Name))
 		require.NoError(t, err, "%s is missing; %s", f.Name, fix)
 		require.Equal(t, string(f.Body), string(have), "%s differs from its up and down files; %s", f.Name, fix)
+		first, _, _ := strings.Cut(string(have), "\n")
+		require.Regexp(t, generatedLine, first, "%s: the first line says the file is generated", f.Name)
 	}
 	entries, err := os.ReadDir(gooseDir)
 	require.NoError(t, err)
@@ -127,7 +138,7 @@ func TestGenerateHandlesAnyNumberOfVersions(t *testing.T) {
 	}
 	require.Equal(t, []string{"001_a.sql", "002_b.sql", "003_c.sql", "004_d.sql", "010_j.sql"}, names)
 	require.Equal(t, headerPrefix+`from 004_d.up.sql and 004_d.down.sql. DO NOT EDIT.
--- Edit those two files, then run: go generate ./migrate
+-- Edit those two files, then run: `+Regenerate+`
 --
 -- idem migration 004_d for goose. Apply it with the target schema first in
 -- search_path: each "/* schema */" marker is only a comment here.

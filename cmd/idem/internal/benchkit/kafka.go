@@ -1,7 +1,6 @@
 package benchkit
 
 import (
-	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -102,22 +101,13 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 
 	o.Concurrency = o.KafkaPartitions
 	o.BatchMaxBatch = o.KafkaMaxBatch
-	o.MaxConns = cmp.Or(o.MaxConns, int32(cmp.Or(o.Workers, consumer.DefaultWorkers))+4)
-	counter := &commitCounter{}
-	pool, err := openPool(ctx, o, counter)
-	if err != nil {
-		return Result{}, err
-	}
-	defer pool.Close()
-	o.pool = pool
-	if err := reset(ctx, pool, o.Schema); err != nil {
-		return Result{}, err
-	}
-	handler, closeFn, err := build(Batch, o)
+	o.batchConns()
+	counter, handler, closeFn, err := open(ctx, Batch, &o)
 	if err != nil {
 		return Result{}, err
 	}
 	defer closeFn()
+	pool := o.pool
 
 	subCfg := kafka.SubscriberConfig{
 		MaxInFlightPerPartition: o.KafkaInFlight,

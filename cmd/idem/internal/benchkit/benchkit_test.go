@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/internal/benchkit"
+	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 

@@ -10,5 +10,5 @@
 // (lost 0, committed twice 0) and every receipt emailed, repeated only after a
 // dispatcher died mid-send. N is IDEM_E2E_N (default 300, the CI size).
 //
-// The package has no non-test code; see internal/payments for the scenario.
+// The package has no non-test code; see cmd/idem/internal/payments for the scenario.
 package e2e

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -18,7 +19,10 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-const dashboardPath = "../../docs/grafana/idem-dashboard.json"
+// repoRoot is the repository's root, from this package's folder.
+const repoRoot = "../../../.."
+
+var dashboardPath = filepath.Join(repoRoot, "docs/grafana/idem-dashboard.json")
 
 // registerPlugins registers the SDK's panel and query schemas once: the SDK keeps
 // them in a package-level runtime that it replaces without a lock, so parallel
