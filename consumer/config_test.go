@@ -34,7 +34,7 @@ func TestConfigConvention(t *testing.T) {
 	require.NotNil(t, d.Logger)
 
 	// The deprecated name of a knob is honoured; the new one wins.
-	require.Equal(t, 5*time.Second, consumer.Config{LeaseDuration: 5 * time.Second}.WithDefaults().Lease) //nolint:staticcheck // the deprecated name is honoured
+	require.Equal(t, 5*time.Second, consumer.Config{LeaseDuration: 5 * time.Second}.WithDefaults().Lease)                   //nolint:staticcheck // the deprecated name is honoured
 	require.Equal(t, time.Second, consumer.Config{Lease: time.Second, LeaseDuration: 5 * time.Second}.WithDefaults().Lease) //nolint:staticcheck // the deprecated name is honoured
 
 	require.ErrorIs(t, consumer.Config{}.Validate(), consumer.ErrInvalidConfig)
