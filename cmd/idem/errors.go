@@ -10,6 +10,8 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"cmp"
+
 	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
@@ -111,7 +113,7 @@ func classify(err error) (exit int, code string) {
 	case errors.As(err, &ce):
 		return exitNoPostgres, codeNoPostgres
 	case errors.As(err, &ee):
-		return ee.code, cmpOr(ee.errCode, codeFailure)
+		return ee.code, cmp.Or(ee.errCode, codeFailure)
 	case errors.Is(err, scratch.ErrInUse):
 		return exitFailure, codeScratchBusy
 	case errors.Is(err, context.Canceled):

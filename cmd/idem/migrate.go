@@ -72,7 +72,10 @@ func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 			return err
 		}
 		if e.json {
-			return e.writeJSON(map[string]any{"schema": e.schema, "applied": nonNil(applied)})
+			if applied == nil {
+				applied = []int{} // JSON [] rather than null
+			}
+			return e.writeJSON(map[string]any{"schema": e.schema, "applied": applied})
 		}
 		if len(applied) == 0 {
 			fmt.Fprintf(e.stdout, "schema %s is up to date\n", e.schema)
