@@ -270,6 +270,12 @@ func TestListInboxFilters(t *testing.T) {
 	_, err = a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{After: "garbage"})
 	require.ErrorIs(t, err, admin.ErrBadCursor)
 	require.Equal(t, "bad_cursor", inbox.Code(err))
+	// A long cursor is clipped in the message, never inside a character: the
+	// message quotes whole characters, no \x escape of half of one.
+	_, err = a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{After: "a" + strings.Repeat("é", 40)})
+	require.ErrorIs(t, err, admin.ErrBadCursor)
+	require.NotContains(t, err.Error(), `\x`)
+	require.Contains(t, err.Error(), `"a`+strings.Repeat("é", 19)+`…"`)
 	page, err := a.ListEffects(ctx, admin.EffectFilter{}, admin.Page{})
 	require.NoError(t, err)
 	require.Empty(t, page.Next)
