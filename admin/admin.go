@@ -14,18 +14,19 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // DB is what the API runs its statements on: a *pgxpool.Pool, a *pgx.Conn or a
-// pgx.Tx (then every read and action is part of that transaction).
-type DB interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+// pgx.Tx (then every read and action is part of that transaction). It is
+// inbox.DBTX.
+type DB = inbox.DBTX
 
 // Defaults of Config.
 const (
+	// DefaultSchema holds the idem tables unless Config.Schema says otherwise.
+	DefaultSchema = inbox.DefaultSchema
 	// DefaultStuckAfter: a pending effect due for longer than this without a claim
 	// counts as stuck (no dispatcher is sending its kind, or they are far behind).
 	DefaultStuckAfter = time.Minute
@@ -40,7 +41,10 @@ const (
 
 // Config configures an Admin.
 type Config struct {
-	// Schema of the idem tables (inbox.DefaultSchema when empty).
+	// Pool runs the reads and actions: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx
+	// (then every read and action is part of that transaction). Required.
+	Pool DB
+	// Schema of the idem tables (DefaultSchema when empty).
 	Schema string
 	// Logger receives the audit line of every Forget, at warn level (nil: a quiet
 	// logger, which a caller that forgets keys should not want).
@@ -51,24 +55,24 @@ type Config struct {
 	StuckAttempts int
 }
 
-// WithDefaults returns c with its zero fields set to the defaults.
+// WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
 	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
-// Validate checks c.
+// Validate reports what New would refuse in c: no Pool, a bad schema, a negative
+// stuck threshold. It checks c.WithDefaults(), so a config with a Pool passes.
 func (c Config) Validate() error {
-	if err := inbox.ValidateSchema(c.Schema); err != nil {
+	c = c.WithDefaults()
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.StuckAfter < 0 || c.StuckAttempts < 0 {
-		return errors.New("StuckAfter and StuckAttempts must not be negative")
+		return errcode.InvalidConfig("StuckAfter and StuckAttempts must not be negative")
 	}
 	return nil
 }
@@ -86,46 +90,44 @@ type Admin struct {
 	old    queries
 }
 
-// New returns an Admin that runs on db.
-func New(db DB, cfg Config) (*Admin, error) {
-	if db == nil {
-		return nil, errors.New("invalid config: db is nil")
-	}
+// New returns an Admin that runs on cfg.Pool, or an error that wraps "invalid
+// config".
+func New(cfg Config) (*Admin, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	return &Admin{db: db, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}, nil
+	return &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}, nil
 }
 
 // Schema is the schema the Admin reads.
 func (a *Admin) Schema() string { return a.cfg.Schema }
 
-// Error is an admin error with a stable code; compare with errors.Is against the
-// sentinels.
-type Error struct {
-	code, msg string
-}
-
-// Error is the sentinel's message.
-func (e *Error) Error() string { return "idem: " + e.msg }
-
-// Code is the stable machine-readable code, such as "not_dead".
-func (e *Error) Code() string { return e.code }
+// Error is an idem error with a stable code, such as "not_dead"; compare with
+// errors.Is against the sentinels. It is the one coded error type of every idem
+// package (inbox.Error is the same type).
+type Error = errcode.Error
 
 // Sentinel errors.
 var (
-	// ErrNotFound: no inbox key or effect has that identity.
-	ErrNotFound = &Error{"not_found", "not found"}
-	// ErrNotDead: the effect exists but is not dead, so there is nothing to requeue.
-	ErrNotDead = &Error{"not_dead", "effect is not dead"}
-	// ErrLeaseHeld: Forget found the key processing under a lease that has not run
-	// out: a delivery is working on it right now.
-	ErrLeaseHeld = &Error{"lease_held", "a delivery holds the key's lease right now"}
-	// ErrBadCursor: Page.After is not a cursor that this list returned.
-	ErrBadCursor = &Error{"bad_cursor", "bad page cursor"}
-	// ErrBadFilter: a filter names an unknown state, or is otherwise invalid.
-	ErrBadFilter = &Error{"bad_filter", "bad filter"}
+	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+	// (code "invalid_config"), unless a more specific sentinel says what is wrong
+	// (inbox.ErrInvalidSchema). Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
+	// ErrNotFound is returned when no inbox key or effect has that identity.
+	ErrNotFound = errcode.Transient("not_found", "not found")
+	// ErrNotDead is returned when the effect exists but is not dead, so there is
+	// nothing to requeue.
+	ErrNotDead = errcode.Transient("not_dead", "effect is not dead")
+	// ErrLeaseHeld is returned when Forget found the key processing under a lease
+	// that has not run out: a delivery is working on it right now.
+	ErrLeaseHeld = errcode.Transient("lease_held", "a delivery holds the key's lease right now")
+	// ErrBadCursor is returned when Page.After is not a cursor that this list
+	// returned.
+	ErrBadCursor = errcode.Permanent("bad_cursor", "bad page cursor")
+	// ErrBadFilter is returned when a filter names an unknown state, or is
+	// otherwise invalid.
+	ErrBadFilter = errcode.Permanent("bad_filter", "bad filter")
 )
 
 // keyError is a sentinel with a message that names the key it is about.
@@ -138,7 +140,7 @@ func (e *keyError) Error() string { return "idem: " + e.msg }
 func (e *keyError) Unwrap() error { return e.sentinel }
 
 // Code is the sentinel's code.
-func (e *keyError) Code() string { return e.sentinel.code }
+func (e *keyError) Code() string { return e.sentinel.Code() }
 
 func errorf(sentinel *Error, format string, args ...any) error {
 	return &keyError{sentinel: sentinel, msg: fmt.Sprintf(format, args...)}

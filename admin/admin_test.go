@@ -55,7 +55,7 @@ func setup(t *testing.T) (*admin.Admin, *testBundle) {
 	t.Parallel()
 	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 4})
 	logs := &syncBuffer{}
-	a, err := admin.New(pool, admin.Config{Schema: schema, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
 	require.NoError(t, err)
 	return a, &testBundle{pool: pool, schema: schema, logs: logs}
 }
@@ -68,14 +68,26 @@ func (b *testBundle) exec(t *testing.T, sql string, args ...any) {
 
 func ptr[T any](v T) *T { return &v }
 
+// TestNewValidates: Validate passes on a config that sets only what is required
+// (it checks the defaulted config), WithDefaults fills every default, and New
+// refuses a config with "invalid config: " and a coded error.
 func TestNewValidates(t *testing.T) {
 	t.Parallel()
-	_, err := admin.New(nil, admin.Config{})
-	require.ErrorContains(t, err, "invalid config")
+	fresh := admin.Config{Pool: &pgxpool.Pool{}}
+	require.NoError(t, fresh.Validate())
+	d := fresh.WithDefaults()
+	require.Equal(t, admin.DefaultSchema, d.Schema)
+	require.Equal(t, admin.DefaultStuckAfter, d.StuckAfter)
+	require.Equal(t, admin.DefaultStuckAttempts, d.StuckAttempts)
+	require.NotNil(t, d.Logger)
+	_, err := admin.New(admin.Config{})
+	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())
+	require.ErrorIs(t, err, admin.ErrInvalidConfig)
+	require.Equal(t, "invalid_config", inbox.Code(err))
 	pool, _ := pgtest.Setup(t, pgtest.Options{MaxConns: 1, NoMigrate: true})
-	_, err = admin.New(pool, admin.Config{Schema: "Bad-Schema"})
+	_, err = admin.New(admin.Config{Pool: pool, Schema: "Bad-Schema"})
 	require.ErrorIs(t, err, inbox.ErrInvalidSchema)
-	a, err := admin.New(pool, admin.Config{})
+	a, err := admin.New(admin.Config{Pool: pool})
 	require.NoError(t, err)
 	require.Equal(t, inbox.DefaultSchema, a.Schema())
 }
@@ -122,7 +134,7 @@ func withoutTimes(s admin.ConsumerStats) admin.ConsumerStats {
 func TestStatsOnAMissingSchema(t *testing.T) {
 	t.Parallel()
 	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 1, NoMigrate: true})
-	a, err := admin.New(pool, admin.Config{Schema: schema})
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	_, err = a.Stats(context.Background())
 	require.ErrorIs(t, err, inbox.ErrSchemaMissing)
@@ -258,6 +270,12 @@ func TestListInboxFilters(t *testing.T) {
 	_, err = a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{After: "garbage"})
 	require.ErrorIs(t, err, admin.ErrBadCursor)
 	require.Equal(t, "bad_cursor", inbox.Code(err))
+	// A long cursor is clipped in the message, never inside a character: the
+	// message quotes whole characters, no \x escape of half of one.
+	_, err = a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{After: "a" + strings.Repeat("é", 40)})
+	require.ErrorIs(t, err, admin.ErrBadCursor)
+	require.NotContains(t, err.Error(), `\x`)
+	require.Contains(t, err.Error(), `"a`+strings.Repeat("é", 19)+`…"`)
 	page, err := a.ListEffects(ctx, admin.EffectFilter{}, admin.Page{})
 	require.NoError(t, err)
 	require.Empty(t, page.Next)
@@ -578,7 +596,7 @@ func TestInsideATransaction(t *testing.T) {
 	tx, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
 	defer tx.Rollback(ctx)
-	a, err := admin.New(tx, admin.Config{Schema: b.schema})
+	a, err := admin.New(admin.Config{Pool: tx, Schema: b.schema})
 	require.NoError(t, err)
 	_, err = tx.Exec(ctx, `INSERT INTO effects (kind, key, fingerprint, state) VALUES ('email', 'r', '\x00', 'dead')`)
 	require.NoError(t, err)

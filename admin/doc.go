@@ -26,7 +26,7 @@
 // business work may commit a second time. The effects that the first run made keep
 // their keys, so a re-run that enqueues the same effects enqueues nothing new.
 //
-// admin imports inbox, effects and pgx: it is the one place that reads both tables
-// together, which idem's design keeps out of inbox and effects (they import nothing
-// of idem) and out of cmd/ (no SQL there).
+// admin imports inbox, effects, pgx and idem's internal leaves: it is the one place
+// that reads both tables together, which idem's design keeps out of inbox and
+// effects (they import nothing public of idem) and out of cmd/ (no SQL there).
 package admin

@@ -14,6 +14,7 @@ import "github.com/jackc/pgx/v5"
 type queries struct {
 	consumerStats, effectStats string
 	listInbox, listEffects     string
+	getInbox                   string
 	getEffect, effectsBySource string
 	findInbox, findEffects     string
 	forget, inboxState         string
@@ -30,6 +31,14 @@ func inboxColumns(responses bool) string {
 	return cols + `, NULL::smallint, NULL::bytea, NULL::int, NULL::text`
 }
 
+// bodyColumn is the stored response's body, NULL without the response columns.
+func bodyColumn(responses bool) string {
+	if responses {
+		return `i.response_body`
+	}
+	return `NULL::bytea`
+}
+
 // effectColumns are an effect row's columns for scanEffect. The payload is read as
 // its size only.
 const effectColumns = `e.tenant, e.kind, e.key, e.state, e.attempts, e.max_attempts, e.in_flight,
@@ -43,6 +52,19 @@ const effectColumns = `e.tenant, e.kind, e.key, e.state, e.attempts, e.max_attem
 func stuckWhere(after, attempts string) string {
 	return `(e.state = 'pending' AND (e.in_flight OR e.next_attempt_at < now() - ` + after + `::interval
 		OR e.attempts >= ` + attempts + `))`
+}
+
+// pairsOf is a CTE "pairs" of the distinct (a, b) pairs of table, in order, found
+// by a loose index scan: one probe of the index that leads with (a, b) per pair.
+func pairsOf(table, a, b string) string {
+	return `WITH RECURSIVE pairs AS (
+				(SELECT ` + a + `, ` + b + ` FROM ` + table + ` ORDER BY ` + a + `, ` + b + ` LIMIT 1)
+				UNION ALL
+				SELECT n.` + a + `, n.` + b + ` FROM pairs p CROSS JOIN LATERAL (
+					SELECT ` + a + `, ` + b + ` FROM ` + table + `
+					WHERE (` + a + `, ` + b + `) > (p.` + a + `, p.` + b + `)
+					ORDER BY ` + a + `, ` + b + ` LIMIT 1) n
+			)`
 }
 
 func newQueries(schema string, responses bool) queries {
@@ -91,6 +113,9 @@ func newQueries(schema string, responses bool) queries {
 				AND (e.tenant, e.kind, e.key) > ($11, $12, $13)
 			ORDER BY e.tenant, e.kind, e.key
 			LIMIT $14`,
+		// One key with its stored response's body (scanInboxKey's extra column).
+		getInbox: `SELECT ` + icols + `, ` + bodyColumn(responses) + ` FROM ` + inbox + ` i
+			WHERE i.consumer = $1 AND i.tenant = $2 AND i.key = $3`,
 		getEffect: `SELECT ` + effectColumns + ` FROM ` + effects + ` e
 			WHERE e.tenant = $1 AND e.kind = $2 AND e.key = $3`,
 		// The effects a message or request made, through effects_source_idx.
@@ -102,27 +127,13 @@ func newQueries(schema string, responses bool) queries {
 		// distinct (consumer, tenant) pairs through the primary key's index, one
 		// probe each (a loose index scan), and look the key up under each pair: the
 		// cost grows with the number of pairs, not of rows.
-		findInbox: `WITH RECURSIVE pairs AS (
-				(SELECT consumer, tenant FROM ` + inbox + ` ORDER BY consumer, tenant LIMIT 1)
-				UNION ALL
-				SELECT n.consumer, n.tenant FROM pairs p CROSS JOIN LATERAL (
-					SELECT consumer, tenant FROM ` + inbox + `
-					WHERE (consumer, tenant) > (p.consumer, p.tenant)
-					ORDER BY consumer, tenant LIMIT 1) n
-			)
+		findInbox: pairsOf(inbox, "consumer", "tenant") + `
 			SELECT ` + icols + ` FROM pairs JOIN ` + inbox + ` i
 				ON i.consumer = pairs.consumer AND i.tenant = pairs.tenant AND i.key = $1
 			WHERE ($2::text IS NULL OR pairs.tenant = $2)
 			ORDER BY i.consumer, i.tenant
 			LIMIT $3`,
-		findEffects: `WITH RECURSIVE pairs AS (
-				(SELECT tenant, kind FROM ` + effects + ` ORDER BY tenant, kind LIMIT 1)
-				UNION ALL
-				SELECT n.tenant, n.kind FROM pairs p CROSS JOIN LATERAL (
-					SELECT tenant, kind FROM ` + effects + `
-					WHERE (tenant, kind) > (p.tenant, p.kind)
-					ORDER BY tenant, kind LIMIT 1) n
-			)
+		findEffects: pairsOf(effects, "tenant", "kind") + `
 			SELECT ` + effectColumns + ` FROM pairs JOIN ` + effects + ` e
 				ON e.tenant = pairs.tenant AND e.kind = pairs.kind AND e.key = $1
 			WHERE ($2::text IS NULL OR pairs.tenant = $2) AND ($3 = '' OR pairs.kind = $3)

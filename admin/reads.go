@@ -5,13 +5,13 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/text"
 )
 
 // Stats is the state of one schema's tables.
@@ -125,7 +125,7 @@ func decodeCursor(list, c string) ([]string, error) {
 		err = json.Unmarshal(b, &parts)
 	}
 	if err != nil || len(parts) != 4 || parts[0] != list {
-		return nil, errorf(ErrBadCursor, "page cursor %q is not one that the %s list returned", clip(c, 40), list)
+		return nil, errorf(ErrBadCursor, "page cursor %q is not one that the %s list returned", text.Clip(c, 40), list)
 	}
 	return parts[1:], nil
 }
@@ -280,31 +280,21 @@ func (a *Admin) InspectInbox(ctx context.Context, id inbox.ID, o InspectOptions)
 	if err := id.Validate(); err != nil {
 		return nil, err
 	}
-	store, err := inbox.NewStore(a.cfg.Schema)
-	if err != nil {
-		return nil, err
-	}
-	rec, resp, err := store.GetResponse(ctx, a.db, id)
-	if errors.Is(err, inbox.ErrSchemaMissing) {
-		rec, err = store.Get(ctx, a.db, id) // a schema from before migration 003: no responses
-	}
-	if errors.Is(err, inbox.ErrNotFound) {
+	var key *InboxKey
+	var body []byte
+	err := a.inboxQueries(func(q *queries) (err error) {
+		key, err = scanInboxKey(a.db.QueryRow(ctx, q.getInbox, id.Consumer, id.Tenant, id.Key), &body)
+		return err
+	})
+	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errorf(ErrNotFound, "no inbox key %s", formatID(id))
 	}
 	if err != nil {
 		return nil, err
 	}
-	out := &Inspection{InboxKey: InboxKey{
-		Consumer: rec.Consumer, Tenant: rec.Tenant, Key: rec.Key, State: string(rec.State),
-		Fingerprint: rec.Fingerprint, Attempts: rec.Attempts, ErrorCode: rec.ErrorCode, Error: rec.Error,
-		LeaseUntil: rec.LeaseUntil, Fence: rec.Fence, ReceivedAt: rec.ReceivedAt, CompletedAt: rec.CompletedAt,
-		ExpiresAt: rec.ExpiresAt, Now: rec.Now,
-	}}
-	if resp != nil {
-		out.Response = &Response{Status: resp.Status, Headers: resp.Header, BodyBytes: len(resp.Body), BodyRef: resp.BodyRef}
-		if o.Body {
-			out.Response.Body = resp.Body
-		}
+	out := &Inspection{InboxKey: *key}
+	if out.Response != nil && o.Body {
+		out.Response.Body = body
 	}
 	effs, err := a.collectEffects(a.db.Query(ctx, a.q.effectsBySource, id.Consumer, id.Tenant, id.Key))
 	if err != nil {
@@ -371,11 +361,4 @@ func nonNil[T any](s []T) []T {
 		return []T{}
 	}
 	return s
-}
-
-func clip(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return fmt.Sprintf("%s…", s[:n])
 }

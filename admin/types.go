@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 )
 
 // Hex is bytes that JSON shows as lower-case hex (a fingerprint).
@@ -142,20 +143,22 @@ func ago(d time.Duration) string {
 	return max(d, 0).Round(time.Second).String()
 }
 
-func scanInboxKey(row pgx.Row) (*InboxKey, error) {
+// scanInboxKey reads a row of inboxColumns, and then into extra, if given, the
+// columns the statement adds after them.
+func scanInboxKey(row pgx.Row, extra ...any) (*InboxKey, error) {
 	var k InboxKey
 	var status *int16
 	var header []byte
 	var bodyLen *int32
 	var ref *string
-	err := row.Scan(&k.Consumer, &k.Tenant, &k.Key, &k.Fingerprint, &k.State, &k.ErrorCode, &k.Error,
+	err := row.Scan(append([]any{&k.Consumer, &k.Tenant, &k.Key, &k.Fingerprint, &k.State, &k.ErrorCode, &k.Error,
 		&k.Attempts, &k.LeaseUntil, &k.Fence, &k.ReceivedAt, &k.CompletedAt, &k.ExpiresAt, &k.Now,
-		&status, &header, &bodyLen, &ref)
+		&status, &header, &bodyLen, &ref}, extra...)...)
 	if err != nil {
 		return nil, err
 	}
 	if status != nil {
-		k.Response = &Response{Status: int(*status), Headers: inbox.DecodeHeader(header)}
+		k.Response = &Response{Status: int(*status), Headers: inboxdb.DecodeHeader(header)}
 		if bodyLen != nil {
 			k.Response.BodyBytes = int(*bodyLen)
 		}

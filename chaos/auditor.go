@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"regexp"
 	"slices"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"cmp"
+
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Querier runs the Auditor's queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx do.
@@ -25,20 +28,38 @@ type Auditor struct {
 	queries auditQueries
 }
 
-var schemaRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+// DefaultSchema holds the idem tables unless AuditorConfig.Schema says otherwise.
+const DefaultSchema = pgschema.Default
 
-// NewAuditor returns an Auditor of the idem tables in schema ("" means "idem").
-func NewAuditor(db Querier, schema string) (*Auditor, error) {
-	if db == nil {
-		return nil, errors.New("invalid config: nil database")
+// AuditorConfig says which idem tables an Auditor reads.
+type AuditorConfig struct {
+	// Pool runs the Auditor's queries: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+	// Required.
+	Pool Querier
+	// Schema holds the idem tables (DefaultSchema when empty).
+	Schema string
+}
+
+// WithDefaults returns c with every unset field at its default.
+func (c AuditorConfig) WithDefaults() AuditorConfig {
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	return c
+}
+
+// Validate reports what NewAuditor would refuse in c: no Pool, or a bad schema
+// name; the empty schema is the default.
+func (c AuditorConfig) Validate() error {
+	return pgschema.ValidateDB(c.Pool, c.WithDefaults().Schema)
+}
+
+// NewAuditor returns an Auditor of the idem tables in cfg.Schema, or an error that
+// wraps "invalid config".
+func NewAuditor(cfg AuditorConfig) (*Auditor, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	if schema == "" {
-		schema = "idem"
-	}
-	if !schemaRe.MatchString(schema) {
-		return nil, fmt.Errorf("invalid config: schema %q is not a plain lower-case identifier", schema)
-	}
-	return &Auditor{db: db, schema: schema, queries: newAuditQueries(schema)}, nil
+	return &Auditor{db: cfg.Pool, schema: cfg.Schema, queries: newAuditQueries(cfg.Schema)}, nil
 }
 
 // AuditQuery says what to audit.

@@ -11,12 +11,12 @@ import (
 
 func TestAuditorRejectsBadSchema(t *testing.T) {
 	for _, s := range []string{`x"; DROP TABLE inbox; --`, "Upper", "1abc"} {
-		_, err := chaos.NewAuditor(nil, s)
+		_, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: nil, Schema: s})
 		require.Error(t, err, s)
 	}
 	pool, _ := setupPayments(t, 2)
 	for _, s := range []string{`x"; DROP TABLE inbox; --`, "Upper", "1abc"} {
-		_, err := chaos.NewAuditor(pool, s)
+		_, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: s})
 		require.ErrorContains(t, err, "invalid config", s)
 	}
 }
@@ -45,7 +45,7 @@ INSERT INTO effects (kind, key, fingerprint, state, source_consumer, source_tena
 INSERT INTO emails (effect_key) VALUES ('receipt:once'), ('receipt:twice'), ('receipt:twice');`)
 	require.NoError(t, err)
 
-	a, err := chaos.NewAuditor(pool, schema)
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	q := withSends(auditQuery(idemTransactional, []string{"once", "twice", "failed", "lost", "noeffect", "unsent"}, 10, 4), pool)
 	rep, err := a.Report(ctx, q)
@@ -99,7 +99,7 @@ INSERT INTO effects (tenant, kind, key, fingerprint, state, source_consumer, sou
   ('globex', 'email', 'receipt:p1', '\x00', 'done', 'payments', 'globex', 'p1');`)
 	require.NoError(t, err)
 
-	a, err := chaos.NewAuditor(pool, schema)
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	q := auditQuery(idemTransactional, []string{"p1"}, 1, 0)
 	q.Tenant = "acme"

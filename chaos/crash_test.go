@@ -93,7 +93,7 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 		require.Equal(t, 0, c.state.ExitCode(), c.stderrText())
 		require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM emails WHERE effect_key = $1`, "receipt:"+key))
 
-		a, err := chaos.NewAuditor(pool, schema)
+		a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
 		require.NoError(t, err)
 		q := withSends(auditQuery(idemTransactional, []string{key}, -1, -1), pool)
 		rep, err := a.Report(context.Background(), q)

@@ -110,7 +110,7 @@ func runGoChannelChaos(t *testing.T, f flavour, n int, seed int64) e2eResult {
 		require.NoError(t, err)
 	}
 	stats := sub.Stats()
-	a, err := chaos.NewAuditor(pool, schema)
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	suppressed := st.counter("idem_inbox_duplicates_total")
 	if f == peerDeduplicator {

@@ -162,7 +162,7 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 		_, err := sendEmails(ctx, pool, time.Second)
 		require.NoError(t, err)
 	}
-	a, err := chaos.NewAuditor(pool, schema)
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	q := withSends(auditQuery(f, keys, int64(run.deliveries), -1), pool)
 	run.report, err = a.Settled(ctx, q, chaos.SettleOptions{Quiet: 200 * time.Millisecond})

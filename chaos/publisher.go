@@ -1,7 +1,6 @@
 package chaos
 
 import (
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -9,6 +8,8 @@ import (
 	"sync/atomic"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/idem/internal/errcode"
 )
 
 // PublisherConfig says how often a Publisher sends a message twice.
@@ -19,6 +20,15 @@ type PublisherConfig struct {
 	// time, right after the first, with the same UUID, payload and metadata: a
 	// producer that retried a send whose acknowledgement it never saw.
 	DuplicateProbability float64
+}
+
+// WithDefaults returns c: no field has a default other than its zero value. It is
+// here so that every idem config has the same methods.
+func (c PublisherConfig) WithDefaults() PublisherConfig { return c }
+
+// Validate reports what NewPublisher would refuse in c.
+func (c PublisherConfig) Validate() error {
+	return validProbability("DuplicateProbability", c.DuplicateProbability)
 }
 
 // Publisher wraps a message.Publisher and publishes a fraction of the messages
@@ -38,10 +48,11 @@ var _ message.Publisher = (*Publisher)(nil)
 // NewPublisher wraps pub.
 func NewPublisher(pub message.Publisher, cfg PublisherConfig) (*Publisher, error) {
 	if pub == nil {
-		return nil, errors.New("invalid config: nil publisher")
+		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("nil publisher"))
 	}
-	if cfg.DuplicateProbability < 0 || cfg.DuplicateProbability > 1 {
-		return nil, fmt.Errorf("invalid config: DuplicateProbability %v is outside [0, 1]", cfg.DuplicateProbability)
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
 	}
 	return &Publisher{pub: pub, cfg: cfg, rng: rand.New(rand.NewPCG(uint64(cfg.Seed), 0x9e3779b97f4a7c15))}, nil
 }

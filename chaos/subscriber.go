@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/idem/internal/errcode"
 )
 
 // Defaults for Config.
@@ -72,36 +74,49 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-func (c *Config) setDefaults() {
+// WithDefaults returns c with every unset field at its default.
+func (c Config) WithDefaults() Config {
 	c.MaxCopies = cmp.Or(c.MaxCopies, DefaultMaxCopies)
 	c.RedeliverDelay = cmp.Or(c.RedeliverDelay, DefaultRedeliverDelay)
 	c.NackDelay = cmp.Or(c.NackDelay, DefaultNackDelay)
 	c.ReorderIdle = cmp.Or(c.ReorderIdle, DefaultReorderIdle)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
+	return c
 }
 
-// Validate checks the config after defaults.
-func (c *Config) Validate() error {
-	for name, p := range map[string]float64{
-		"DuplicateProbability": c.DuplicateProbability,
-		"RedeliverProbability": c.RedeliverProbability,
-	} {
-		if p < 0 || p > 1 {
-			return fmt.Errorf("%s %v is outside [0, 1]", name, p)
-		}
+// Validate reports what NewSubscriber would refuse in c. It checks
+// c.WithDefaults(), so the zero Config (no faults) passes.
+func (c Config) Validate() error {
+	c = c.WithDefaults()
+	if err := validProbability("DuplicateProbability", c.DuplicateProbability); err != nil {
+		return err
+	}
+	if err := validProbability("RedeliverProbability", c.RedeliverProbability); err != nil {
+		return err
 	}
 	switch {
 	case c.MaxCopies < 1:
-		return fmt.Errorf("MaxCopies %d is under 1", c.MaxCopies)
+		return errcode.InvalidConfig("MaxCopies %d is under 1", c.MaxCopies)
 	case c.RedeliverDelay < 0 || c.NackDelay < 0 || c.MaxDelay < 0 || c.ReorderIdle < 0:
-		return errors.New("delays must not be negative")
+		return errcode.InvalidConfig("delays must not be negative")
 	case c.ReorderWindow < 0:
-		return fmt.Errorf("ReorderWindow %d is negative", c.ReorderWindow)
+		return errcode.InvalidConfig("ReorderWindow %d is negative", c.ReorderWindow)
 	}
 	return nil
 }
+
+// validProbability refuses a probability outside [0, 1].
+func validProbability(name string, p float64) error {
+	if p < 0 || p > 1 {
+		return errcode.InvalidConfig("%s %v is outside [0, 1]", name, p)
+	}
+	return nil
+}
+
+// ErrInvalidConfig is wrapped by the error a constructor of this package returns
+// for a config it refuses (code "invalid_config"). Every idem package has the same
+// value.
+var ErrInvalidConfig = errcode.ErrInvalidConfig
 
 // EventKind names what happened to a delivery.
 type EventKind string
@@ -194,9 +209,9 @@ var _ message.Subscriber = (*Subscriber)(nil)
 // NewSubscriber wraps up.
 func NewSubscriber(up message.Subscriber, cfg Config) (*Subscriber, error) {
 	if up == nil {
-		return nil, errors.New("invalid config: nil upstream subscriber")
+		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("nil upstream subscriber"))
 	}
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}

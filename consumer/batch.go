@@ -257,14 +257,14 @@ func (g *groupCommitter) runSet(ctx context.Context, batch []*groupReq, prior []
 // round runs one round; see setRun.
 func (r *setRun) round(n int) roundEnd {
 	c := r.c
-	claims := make([]inbox.BatchClaim, 0, len(r.groups))
+	claims := make([]batchClaim, 0, len(r.groups))
 	owners := make([]int, 0, len(r.groups))
 	for _, grp := range r.groups {
 		if grp.rec != nil || grp.rep >= len(grp.copies) {
 			continue
 		}
 		i := grp.copies[grp.rep]
-		bc := inbox.BatchClaim{Claim: r.batch[i].req.claim}
+		bc := batchClaim{Claim: r.batch[i].req.claim}
 		if r.record[i] {
 			bc.Failed, bc.Code, bc.Error = true, failureCode(r.res[i].err), truncate(r.res[i].err.Error())
 		}
@@ -281,7 +281,7 @@ func (r *setRun) round(n int) roundEnd {
 		span.SetAttributes(tracing.BatchSize.Int(len(claims)), attribute.Int("idem.batch.round", n))
 	}
 	start := time.Now()
-	results, err := c.store.ClaimBatchTx(cctx, r.tx, prelude, claims)
+	results, err := c.batchStore.ClaimBatchTx(cctx, r.tx, prelude, claims)
 	endSpan(span, err)
 	if err != nil {
 		if n > 0 && savepointGone(err) && r.lastCall != nil {

@@ -3,7 +3,6 @@ package consumer
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -15,17 +14,27 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
-// Defaults.
+// Defaults of Config.
 const (
-	DefaultRetention   = inbox.DefaultRetention
+	// DefaultSchema holds the idem tables unless Config.Schema says otherwise.
+	DefaultSchema = inbox.DefaultSchema
+	// DefaultRetention is how long inbox rows live.
+	DefaultRetention = inbox.DefaultRetention
+	// DefaultLockTimeout bounds the wait for a concurrent delivery of one key.
 	DefaultLockTimeout = 5 * time.Second
-	DefaultBusyDelay   = 250 * time.Millisecond
-	DefaultLease       = 30 * time.Second
-	DefaultMaxBatch    = 32
-	DefaultMaxWait     = 2 * time.Millisecond
-	DefaultWorkers     = 2
+	// DefaultBusyDelay is the wait before a busy key's message is nacked.
+	DefaultBusyDelay = 250 * time.Millisecond
+	// DefaultLease is the lease of a key in Lease mode.
+	DefaultLease = 30 * time.Second
+	// DefaultMaxBatch and DefaultMaxWait bound a batch.
+	DefaultMaxBatch = 32
+	DefaultMaxWait  = 2 * time.Millisecond
+	// DefaultWorkers is how many batches run at once.
+	DefaultWorkers = 2
 	// DefaultCommitTimeout bounds a COMMIT that idem has sent. The message's own
 	// context never cuts a COMMIT in flight (its outcome would become unknown).
 	DefaultCommitTimeout = 30 * time.Second
@@ -183,6 +192,10 @@ type Config struct {
 	// at once (default 2).
 	Workers int
 	// Lease is the lease length in Lease mode (default 30 s).
+	Lease time.Duration
+	// LeaseDuration is the old name of Lease, honoured when Lease is not set.
+	//
+	// Deprecated: use Lease.
 	LeaseDuration time.Duration
 
 	// Logger gets structured logs (nil: quiet). Payloads are never logged.
@@ -206,8 +219,10 @@ type Config struct {
 	Propagator propagation.TextMapPropagator
 }
 
-func (c *Config) setDefaults() {
-	c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
+// WithDefaults returns c with every unset field at its default (and the
+// deprecated LeaseDuration moved to Lease).
+func (c Config) WithDefaults() Config {
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	if c.Key == nil {
 		c.Key = MessageUUID
 	}
@@ -222,18 +237,18 @@ func (c *Config) setDefaults() {
 	c.MaxBatch = cmp.Or(c.MaxBatch, DefaultMaxBatch)
 	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
 	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
-	c.LeaseDuration = cmp.Or(c.LeaseDuration, DefaultLease)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Lease = cmp.Or(c.Lease, c.LeaseDuration, DefaultLease)
+	c.LeaseDuration = 0
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
+	return c
 }
 
-// Validate checks the config after defaults.
-func (c *Config) Validate() error {
-	if c.Pool == nil {
-		return errors.New("Pool is required")
-	}
-	if err := inbox.ValidateSchema(c.Schema); err != nil {
+// Validate reports what New would refuse in c: no Pool, a bad schema or Name, a
+// retention or timeout too short, an unknown Mode. It checks c.WithDefaults(), so a
+// config that sets only Pool passes.
+func (c Config) Validate() error {
+	c = c.WithDefaults()
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.Name != "" {
@@ -242,19 +257,22 @@ func (c *Config) Validate() error {
 		}
 	}
 	if c.Retention < time.Minute {
-		return fmt.Errorf("Retention %s is under a minute; it must exceed the broker's redelivery window", c.Retention)
+		return errcode.InvalidConfig("Retention %s is under a minute; it must exceed the broker's redelivery window", c.Retention)
 	}
 	if c.LockTimeout < time.Millisecond {
-		return fmt.Errorf("LockTimeout %s is under a millisecond", c.LockTimeout)
+		return errcode.InvalidConfig("LockTimeout %s is under a millisecond", c.LockTimeout)
 	}
 	if c.CommitTimeout < time.Millisecond {
-		return fmt.Errorf("CommitTimeout %s is under a millisecond", c.CommitTimeout)
+		return errcode.InvalidConfig("CommitTimeout %s is under a millisecond", c.CommitTimeout)
+	}
+	if c.Lease < 10*time.Millisecond {
+		return errcode.InvalidConfig("Lease %s is under 10 ms", c.Lease)
 	}
 	if c.Mode < Transactional || c.Mode > Lease {
-		return fmt.Errorf("unknown Mode %d", c.Mode)
+		return errcode.InvalidConfig("unknown Mode %d", c.Mode)
 	}
 	if c.MaxBatch < 1 || c.Workers < 1 {
-		return errors.New("MaxBatch and Workers must be at least 1")
+		return errcode.InvalidConfig("MaxBatch and Workers must be at least 1")
 	}
 	return nil
 }

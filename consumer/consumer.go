@@ -18,20 +18,25 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"cmp"
+
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/text"
 	"github.com/idemkit/idem/internal/tracing"
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // Consumer runs Watermill messages through the inbox. Use its Middleware on a
 // router handler. It is safe for concurrent use.
 type Consumer struct {
-	cfg     Config
-	store   *inbox.Store
-	metrics *metrics
-	log     *slog.Logger
-	tracer  trace.Tracer
-	prop    propagation.TextMapPropagator
+	cfg        Config
+	store      *inbox.Store
+	batchStore *batchStore
+	metrics    *metrics
+	log        *slog.Logger
+	tracer     trace.Tracer
+	prop       propagation.TextMapPropagator
 
 	// prelude goes ahead of the first claim of a transaction, in its round trip.
 	prelude []string
@@ -52,7 +57,7 @@ type Consumer struct {
 
 // New validates cfg and returns a Consumer.
 func New(cfg Config) (*Consumer, error) {
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -64,12 +69,12 @@ func New(cfg Config) (*Consumer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	c := &Consumer{cfg: cfg, store: store, metrics: m, log: cfg.Logger,
+	c := &Consumer{cfg: cfg, store: store, batchStore: newBatchStore(cfg.Schema), metrics: m, log: cfg.Logger,
 		tracer: tracing.Tracer(cfg.TracerProvider), prop: tracing.Propagator(cfg.Propagator),
 		prelude: []string{
 			// SET LOCAL takes no bind parameters; the value is an integer we format.
 			"SET LOCAL lock_timeout = " + strconv.FormatInt(max(cfg.LockTimeout.Milliseconds(), 1), 10),
-			txMark,
+			txmark.Mark,
 		},
 	}
 	c.setPrelude = append(slices.Clone(c.prelude), guardSQL(cfg.Schema), "SAVEPOINT idem_batch")
@@ -579,8 +584,8 @@ func failureCode(err error) string {
 // truncate makes an error's text the inbox row's stored error: valid text for
 // Postgres (a NUL byte or invalid UTF-8 in a handler's error would make the insert
 // fail, and the permanent failure would never be recorded) and at most MaxErrorLen
-// bytes. See inbox.SanitizeText.
-func truncate(s string) string { return inbox.SanitizeText(s, MaxErrorLen) }
+// bytes.
+func truncate(s string) string { return text.Sanitize(s, MaxErrorLen) }
 
 // classify turns an error from Postgres or a handler into a transient outcome.
 func classify(err error) outcome {
@@ -636,7 +641,7 @@ func (c *Consumer) finish(req *request, o outcome) (err error) {
 		if Code(o.err) == "" && connectionLost(o.err) {
 			o.err = fmt.Errorf("%w: %w", ErrDatabaseUnavailable, o.err)
 		}
-		code := cmpOr(Code(o.err), "transient")
+		code := cmp.Or(Code(o.err), "transient")
 		c.metrics.transientNack.WithLabelValues(name, code).Inc()
 		if errors.Is(o.err, ErrMessageNotInBatch) {
 			c.log.Error("idem: the batch handler named a message that is not in its batch; nacking", append(req.attrs(), "err", o.err)...)
@@ -670,11 +675,4 @@ func (c *Consumer) hook(req *request, f Failure) {
 	}
 	f.Consumer, f.Tenant, f.Key = req.claim.Consumer, req.claim.Tenant, req.claim.Key
 	c.cfg.OnFailure(req.ctx, f)
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }

@@ -14,100 +14,117 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
 )
 
-// Re-exported inbox errors, so handler code needs one import.
+// Re-exported errors of other idem packages (the same values), so handler code
+// needs one import.
 var (
+	// ErrFingerprintMismatch is returned when a key comes again with a different
+	// payload fingerprint (inbox.ErrFingerprintMismatch).
 	ErrFingerprintMismatch = inbox.ErrFingerprintMismatch
-	ErrEmptyKey            = inbox.ErrEmptyKey
-	ErrKeyTooLong          = inbox.ErrKeyTooLong
-	ErrKeyInvalid          = inbox.ErrKeyInvalid
-	ErrNotJSON             = inbox.ErrNotJSON
-	ErrSchemaMissing       = inbox.ErrSchemaMissing
+	// ErrEmptyKey is returned when a message gives no key (inbox.ErrEmptyKey).
+	ErrEmptyKey = inbox.ErrEmptyKey
+	// ErrKeyTooLong is returned when a key is longer than inbox.MaxKeyLen bytes
+	// (inbox.ErrKeyTooLong).
+	ErrKeyTooLong = inbox.ErrKeyTooLong
+	// ErrKeyInvalid is returned when a key is not UTF-8 or holds a NUL byte
+	// (inbox.ErrKeyInvalid).
+	ErrKeyInvalid = inbox.ErrKeyInvalid
+	// ErrNotJSON is returned when a payload is not JSON under a canonical-JSON
+	// fingerprint (inbox.ErrNotJSON).
+	ErrNotJSON = inbox.ErrNotJSON
+	// ErrSchemaMissing is returned when the idem tables, or a column a newer
+	// migration adds, are not in the schema (inbox.ErrSchemaMissing); the message
+	// is nacked.
+	ErrSchemaMissing = inbox.ErrSchemaMissing
+	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+	// (code "invalid_config"), unless a more specific sentinel says what is wrong
+	// (such as inbox.ErrInvalidSchema). Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
 )
 
-// Error is a consumer error with a stable code.
-type Error struct {
-	code      string
-	msg       string
-	permanent bool
-}
-
-func (e *Error) Error() string   { return "idem: " + e.msg }
-func (e *Error) Code() string    { return e.code }
-func (e *Error) Permanent() bool { return e.permanent }
+// Error is an idem error with a stable code. Compare with errors.Is against the
+// sentinels. It is the one coded error type of every idem package (inbox.Error and
+// effects.Error are the same type).
+type Error = errcode.Error
 
 var (
-	// ErrBusy: another delivery of the same key is running right now and did not
-	// finish within LockTimeout (or holds a fresh lease). The message is nacked
-	// after BusyDelay; the redelivery finds the other delivery's result.
-	ErrBusy = &Error{code: "busy", msg: "another delivery of this key is in progress; nacked to retry later"}
-	// ErrCommitUnknown: COMMIT failed, so whether it happened is unknown (for
-	// example the connection was cut mid-commit). The message is nacked and the
-	// inbox settles it on redelivery: the row is there (a duplicate) or not (run
-	// again).
-	ErrCommitUnknown = &Error{code: "commit_unknown", msg: "commit outcome unknown; nacked so the redelivery settles it"}
-	// ErrNoPublishTopic: the handler returned messages but the Watermill handler has
-	// no publish topic to store them for.
-	ErrNoPublishTopic = &Error{code: "no_publish_topic", msg: "handler returned messages, but the router handler has no publish topic", permanent: true}
-	// ErrNoName: the consumer has no Name and the context has no handler name.
-	ErrNoName = &Error{code: "no_consumer_name", msg: "consumer has no Name and the message context names no Watermill handler"}
-	// ErrTxOwned: the handler called Commit or Rollback on the transaction idem
-	// gave it. Return nil to commit and an error to roll back.
-	ErrTxOwned = &Error{code: "tx_owned", msg: "the handler's transaction belongs to idem: return nil to commit, an error to roll back"}
-	// ErrExpiredRetry: the message is older than the consumer's retention, so its
-	// inbox row may be gone. Returned only with ExpiredRetryFail.
-	ErrExpiredRetry = &Error{code: "expired_retry", msg: "message is older than the inbox retention", permanent: true}
-	// ErrTxEnded: the handler ended idem's transaction itself, with raw SQL such as
-	// tx.Exec(ctx, "COMMIT") or "ROLLBACK" (perhaps followed by a BEGIN). Statements
-	// after that ran outside idem's transaction, each committing on its own, so
-	// running the handler again could write them twice. idem commits nothing more in
-	// that transaction, gives its connection back, and records the key as a
-	// permanent failure with this code in a fresh transaction, in every mode: no
-	// redelivery runs the handler again (a redelivery is a replayed failure, or a
-	// duplicate if the handler's own COMMIT committed the key's row). The delivery is
-	// answered as any recorded failure (acked, or a FailedError with
-	// PoisonOnPermanent; OnFailure and idem_inbox_failed_total see it). In a batch,
-	// the key of the handler that did it is recorded (for a BatchHandler, every
-	// message of the call that did it); its neighbours are run again or nacked.
-	// Never end idem's transaction yourself: return an error to roll back.
-	ErrTxEnded = &Error{code: "handler_ended_transaction", msg: "the handler ended idem's transaction itself (raw COMMIT or ROLLBACK); the key is recorded as failed; return an error to roll back instead", permanent: true}
-	// ErrTxAborted: a statement of the handler's transaction failed, but the handler
-	// returned nil (did it swallow an error, such as a unique violation?). Postgres
-	// rolls such a transaction back, so the message is nacked. Catch expected errors
-	// inside a savepoint (tx.Begin), or use ON CONFLICT.
-	ErrTxAborted = &Error{code: "tx_aborted", msg: "a statement in the handler's transaction failed but the handler returned nil; rolled back and nacked"}
-	// ErrBatchAborted: in GroupCommit mode, another message of the same batch broke
-	// the shared transaction (its error is in this one's text), so nothing of the
-	// batch is committed by idem and this message is nacked. Its redelivery finds its
-	// inbox row or runs it again.
-	ErrBatchAborted = &Error{code: "batch_aborted", msg: "another message of this group-commit batch broke the shared transaction; nacked"}
-	// ErrMessageNotInBatch: a BatchHandler returned an error that names
-	// (ForMessage) a message that is not one of the messages it was given. That is a
-	// bug in the handler, and idem cannot tell which message failed, so every
-	// message of that call is nacked with this code (logged at error level) and
-	// nothing is recorded for any of them; the redelivery runs them again.
-	ErrMessageNotInBatch = &Error{code: "message_not_in_batch", msg: "the batch handler named a message that is not in the batch it was given; a bug in the handler: nacked, nothing recorded"}
-	// ErrCanceled: the message's context was cancelled (a Kafka partition revoked, a
-	// router shutting down) before idem sent COMMIT, so nothing was committed and the
-	// message is nacked. A COMMIT already sent is never cancelled.
-	ErrCanceled = &Error{code: "canceled", msg: "the message's context was cancelled before COMMIT was sent; nothing was committed; nacked"}
-	// ErrClosed: the consumer was closed, so it takes no more messages; they are
-	// nacked. Close the router before the consumer.
-	ErrClosed = &Error{code: "closed", msg: "consumer closed; nacked"}
-	// ErrDatabaseUnavailable: Postgres could not be reached or refused the
-	// connection, or the connection broke (a restart, a failover, a terminated
-	// backend, a network cut) before idem sent COMMIT, so the delivery's
+	// ErrBusy is returned when another delivery of the same key is running right
+	// now and did not finish within LockTimeout (or holds a fresh lease). The
+	// message is nacked after BusyDelay; the redelivery finds the other delivery's
+	// result.
+	ErrBusy = errcode.Transient("busy", "another delivery of this key is in progress; nacked to retry later")
+	// ErrCommitUnknown is returned when COMMIT failed, so whether it happened is
+	// unknown (for example the connection was cut mid-commit). The message is
+	// nacked and the inbox settles it on redelivery: the row is there (a duplicate)
+	// or not (run again).
+	ErrCommitUnknown = errcode.Transient("commit_unknown", "commit outcome unknown; nacked so the redelivery settles it")
+	// ErrNoPublishTopic is returned when the handler returned messages but the
+	// Watermill handler has no publish topic to store them for.
+	ErrNoPublishTopic = errcode.Permanent("no_publish_topic", "handler returned messages, but the router handler has no publish topic")
+	// ErrNoName is returned when the consumer has no Name and the context has no
+	// handler name.
+	ErrNoName = errcode.Transient("no_consumer_name", "consumer has no Name and the message context names no Watermill handler")
+	// ErrTxOwned is returned when the handler called Commit or Rollback on the
+	// transaction idem gave it. Return nil to commit and an error to roll back.
+	ErrTxOwned = errcode.Transient("tx_owned", "the handler's transaction belongs to idem: return nil to commit, an error to roll back")
+	// ErrExpiredRetry is returned when the message is older than the consumer's
+	// retention, so its inbox row may be gone. Returned only with ExpiredRetryFail.
+	ErrExpiredRetry = errcode.Permanent("expired_retry", "message is older than the inbox retention")
+	// ErrTxEnded is returned when the handler ended idem's transaction itself, with
+	// raw SQL such as tx.Exec(ctx, "COMMIT") or "ROLLBACK" (perhaps followed by a
+	// BEGIN). Statements after that ran outside idem's transaction, each committing
+	// on its own, so running the handler again could write them twice. idem commits
+	// nothing more in that transaction, gives its connection back, and records the
+	// key as a permanent failure with this code in a fresh transaction, in every
+	// mode: no redelivery runs the handler again (a redelivery is a replayed
+	// failure, or a duplicate if the handler's own COMMIT committed the key's row).
+	// The delivery is answered as any recorded failure (acked, or a FailedError
+	// with PoisonOnPermanent; OnFailure and idem_inbox_failed_total see it). In a
+	// batch, the key of the handler that did it is recorded (for a BatchHandler,
+	// every message of the call that did it); its neighbours are run again or
+	// nacked. Never end idem's transaction yourself: return an error to roll back.
+	ErrTxEnded = errcode.Permanent("handler_ended_transaction", "the handler ended idem's transaction itself (raw COMMIT or ROLLBACK); the key is recorded as failed; return an error to roll back instead")
+	// ErrTxAborted is returned when a statement of the handler's transaction failed
+	// but the handler returned nil (did it swallow an error, such as a unique
+	// violation?). Postgres rolls such a transaction back, so the message is
+	// nacked. Catch expected errors inside a savepoint (tx.Begin), or use ON
+	// CONFLICT.
+	ErrTxAborted = errcode.Transient("tx_aborted", "a statement in the handler's transaction failed but the handler returned nil; rolled back and nacked")
+	// ErrBatchAborted is returned, in GroupCommit mode, when another message of the
+	// same batch broke the shared transaction (its error is in this one's text), so
+	// nothing of the batch is committed by idem and this message is nacked. Its
+	// redelivery finds its inbox row or runs it again.
+	ErrBatchAborted = errcode.Transient("batch_aborted", "another message of this group-commit batch broke the shared transaction; nacked")
+	// ErrMessageNotInBatch is returned when a BatchHandler returned an error that
+	// names (ForMessage) a message that is not one of the messages it was given.
+	// That is a bug in the handler, and idem cannot tell which message failed, so
+	// every message of that call is nacked with this code (logged at error level)
+	// and nothing is recorded for any of them; the redelivery runs them again.
+	ErrMessageNotInBatch = errcode.Transient("message_not_in_batch", "the batch handler named a message that is not in the batch it was given; a bug in the handler: nacked, nothing recorded")
+	// ErrCanceled is returned when the message's context was cancelled (a Kafka
+	// partition revoked, a router shutting down) before idem sent COMMIT, so
+	// nothing was committed and the message is nacked. A COMMIT already sent is
+	// never cancelled.
+	ErrCanceled = errcode.Transient("canceled", "the message's context was cancelled before COMMIT was sent; nothing was committed; nacked")
+	// ErrClosed is returned when the consumer was closed, so it takes no more
+	// messages; they are nacked. Close the router before the consumer.
+	ErrClosed = errcode.Transient("closed", "consumer closed; nacked")
+	// ErrDatabaseUnavailable is returned when Postgres could not be reached or
+	// refused the connection, or the connection broke (a restart, a failover, a
+	// terminated backend, a network cut) before idem sent COMMIT, so the delivery's
 	// transaction did not commit and the message is nacked; its redelivery runs it
 	// again. It wraps the driver's error, which errors.As still finds. A connection
 	// that breaks during COMMIT is ErrCommitUnknown instead.
-	ErrDatabaseUnavailable = &Error{code: "database_unavailable", msg: "Postgres is unreachable or the connection to it broke before COMMIT; nothing of the delivery's transaction committed; nacked"}
-	// ErrBusinessKey: the BusinessKey function failed, so the message has no key.
-	// It is permanent (retrying cannot help) but cannot be recorded in the inbox,
-	// because there is no key to record it under: the message is returned as an
-	// error, and is redelivered forever unless a middleware.PoisonQueue outside idem
-	// takes it. On Kafka a message redelivered forever stalls its partition.
-	ErrBusinessKey = &Error{code: "business_key", msg: "the business key function failed: no key, so the failure cannot be recorded; poison the message", permanent: true}
+	ErrDatabaseUnavailable = errcode.Transient("database_unavailable", "Postgres is unreachable or the connection to it broke before COMMIT; nothing of the delivery's transaction committed; nacked")
+	// ErrBusinessKey is returned when the BusinessKey function failed, so the
+	// message has no key. It is permanent (retrying cannot help) but cannot be
+	// recorded in the inbox, because there is no key to record it under: the
+	// message is returned as an error, and is redelivered forever unless a
+	// middleware.PoisonQueue outside idem takes it. On Kafka a message redelivered
+	// forever stalls its partition.
+	ErrBusinessKey = errcode.Permanent("business_key", "the business key function failed: no key, so the failure cannot be recorded; poison the message")
 )
 
 // PermanentError marks a handler failure that retrying cannot fix: a validation
@@ -139,19 +156,10 @@ func (e *PermanentError) Code() string {
 
 // IsPermanent reports whether err is a permanent failure: marked with Permanent, or
 // an idem validation error (bad key, non-JSON payload, mismatch, bad effect).
-func IsPermanent(err error) bool {
-	var p interface{ Permanent() bool }
-	return errors.As(err, &p) && p.Permanent()
-}
+func IsPermanent(err error) bool { return errcode.IsPermanent(err) }
 
 // Code returns the stable code of the first coded error in err's chain, or "".
-func Code(err error) string {
-	var c interface{ Code() string }
-	if errors.As(err, &c) {
-		return c.Code()
-	}
-	return ""
-}
+func Code(err error) string { return errcode.Code(err) }
 
 // FailedError is returned, under PoisonOnPermanent, for a permanent failure that
 // was recorded in the inbox, so that a PoisonQueue placed outside can route it.

@@ -13,8 +13,8 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 // A batch handler writes a whole batch's ledger rows with one INSERT … SELECT FROM
@@ -28,7 +28,7 @@ func ExampleConsumer_HandleBatch() {
 	defer pool.Close()
 	defer pool.Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`)
 
-	m, _ := inbox.NewMigrator(pool, schema)
+	m, _ := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if _, err := m.Up(ctx); err != nil {
 		fmt.Println(err)
 		return

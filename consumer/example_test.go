@@ -9,8 +9,8 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 // A payment handler behind the idem middleware. The same message delivered three
@@ -22,7 +22,7 @@ func Example() {
 	defer pool.Close()
 	defer pool.Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`)
 
-	m, _ := inbox.NewMigrator(pool, schema)
+	m, _ := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if _, err := m.Up(ctx); err != nil {
 		fmt.Println(err)
 		return

@@ -269,7 +269,7 @@ func TestCloseIsSafeAtAnyTimeAndFinal(t *testing.T) {
 func TestPanickingHandlerLeavesTheKeyFree(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.LeaseDuration = time.Hour })
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
 		var n atomic.Int64
 		h := c.Middleware(b.bizHandler(func(*message.Message) error {
 			if n.Add(1) == 1 {
@@ -304,7 +304,7 @@ func TestPanickingHandlerLeavesTheKeyFree(t *testing.T) {
 func TestContextCancelledBeforeCommit(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.LeaseDuration = time.Hour })
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
 		var cancelIt atomic.Bool
 		cancelIt.Store(true)
 		ctx, cancel := context.WithCancel(context.Background())
@@ -345,7 +345,7 @@ func TestContextCancelledBeforeCommit(t *testing.T) {
 func TestCommitInFlightIsNotCancelled(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.LeaseDuration = time.Hour })
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
 		ctx := context.Background()
 		_, err := b.pool.Exec(ctx, `
 			CREATE FUNCTION hold_commit() RETURNS trigger LANGUAGE plpgsql AS $$

@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/tracing"
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // handleLease is the lease mode. The claim commits first, as a processing row with a
@@ -26,7 +27,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	}
 	cctx, span := c.child(ctx, spanClaim)
 	start := time.Now()
-	res, err := c.store.Lease(cctx, db, req.claim, c.cfg.LeaseDuration)
+	res, err := c.store.Lease(cctx, db, req.claim, c.cfg.Lease)
 	c.metrics.lockWait.WithLabelValues(req.claim.Consumer).Observe(time.Since(start).Seconds())
 	if err == nil && span.IsRecording() {
 		span.SetAttributes(tracing.Outcome.String(claimOutcome(res)), attribute.Int64("idem.lease.fence", res.Fence))
@@ -52,7 +53,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	if _, err := tx.Exec(ctx, txMark); err != nil {
+	if _, err := tx.Exec(ctx, txmark.Mark); err != nil {
 		release()
 		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
 	}
@@ -116,7 +117,7 @@ func (c *Consumer) failLease(req *request, db inbox.DBTX, fence int64, cause err
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.ctx), c.cfg.CommitTimeout)
 	defer cancel()
 	err := c.store.FailLease(ctx, db, req.claim.ID, fence, c.cfg.Retention,
-		ErrTxEnded.code, truncate(cause.Error()))
+		ErrTxEnded.Code(), truncate(cause.Error()))
 	if err != nil {
 		// The lease stays; when it runs out the next delivery runs the handler again.
 		return outcome{kind: outTransient, err: fmt.Errorf("record the ended transaction (%v): %w", cause, err)}

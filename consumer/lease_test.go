@@ -17,7 +17,7 @@ import (
 
 func TestLeaseMode(t *testing.T) {
 	t.Parallel()
-	c, b := setup(t, consumer.Lease, func(cfg *consumer.Config) { cfg.LeaseDuration = 300 * time.Millisecond })
+	c, b := setup(t, consumer.Lease, func(cfg *consumer.Config) { cfg.Lease = 300 * time.Millisecond })
 	var n atomic.Int64
 	h := c.Middleware(b.bizHandler(func(m *message.Message) error {
 		switch string(m.Payload) {
@@ -58,7 +58,7 @@ func TestLeaseMode(t *testing.T) {
 func TestLeaseTakeoverAfterCrash(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c, b := setup(t, consumer.Lease, func(cfg *consumer.Config) { cfg.LeaseDuration = 300 * time.Millisecond })
+	c, b := setup(t, consumer.Lease, func(cfg *consumer.Config) { cfg.Lease = 300 * time.Millisecond })
 	store, err := inbox.NewStore(b.schema)
 	require.NoError(t, err)
 	claim := inbox.Claim{ID: inbox.ID{Consumer: "payments", Key: "l-crash"}, Fingerprint: mustFP("x")}

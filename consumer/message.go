@@ -3,6 +3,8 @@ package consumer
 import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+
+	"cmp"
 )
 
 // NewUUID returns a new UUIDv7. Version 7 IDs are ordered by time, so inbox inserts
@@ -34,5 +36,5 @@ func markErrorCode(msg *message.Message, err error) {
 	if msg.Metadata == nil {
 		msg.Metadata = message.Metadata{}
 	}
-	msg.Metadata.Set(MetadataErrorCode, cmpOr(Code(err), "transient"))
+	msg.Metadata.Set(MetadataErrorCode, cmp.Or(Code(err), "transient"))
 }

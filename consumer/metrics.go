@@ -1,11 +1,10 @@
 package consumer
 
 import (
-	"errors"
-
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/promreg"
 )
 
 // metrics are the consumer's Prometheus collectors. Several consumers in one process
@@ -53,27 +52,24 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"consumer", "code"}),
 	}
 	var err error
-	for _, f := range []func() error{
-		func() (e error) { m.processed, e = registerAs(reg, m.processed); return },
-		func() (e error) { m.duplicates, e = registerAs(reg, m.duplicates); return },
-		func() (e error) { m.duplicateAge, e = registerAs(reg, m.duplicateAge); return },
-		func() (e error) { m.mismatch, e = registerAs(reg, m.mismatch); return },
-		func() (e error) { m.failed, e = registerAs(reg, m.failed); return },
-		func() (e error) { m.lockWait, e = registerAs(reg, m.lockWait); return },
-		func() (e error) { m.expiredRetry, e = registerAs(reg, m.expiredRetry); return },
-		func() (e error) { m.transientNack, e = registerAs(reg, m.transientNack); return },
-	} {
-		if err = f(); err != nil {
-			return nil, err
-		}
+	m.processed = promreg.Register(reg, m.processed, &err)
+	m.duplicates = promreg.Register(reg, m.duplicates, &err)
+	m.duplicateAge = promreg.Register(reg, m.duplicateAge, &err)
+	m.mismatch = promreg.Register(reg, m.mismatch, &err)
+	m.failed = promreg.Register(reg, m.failed, &err)
+	m.lockWait = promreg.Register(reg, m.lockWait, &err)
+	m.expiredRetry = promreg.Register(reg, m.expiredRetry, &err)
+	m.transientNack = promreg.Register(reg, m.transientNack, &err)
+	if err != nil {
+		return nil, err
 	}
 	return m, nil
 }
 
 // nackCodes are the codes idem itself nacks with (idem_inbox_nacked_total).
 var nackCodes = []string{
-	"transient", ErrBusy.code, ErrCommitUnknown.code, ErrCanceled.code, ErrClosed.code, ErrDatabaseUnavailable.code,
-	ErrTxAborted.code, ErrBatchAborted.code, ErrMessageNotInBatch.code,
+	"transient", ErrBusy.Code(), ErrCommitUnknown.Code(), ErrCanceled.Code(), ErrClosed.Code(), ErrDatabaseUnavailable.Code(),
+	ErrTxAborted.Code(), ErrBatchAborted.Code(), ErrMessageNotInBatch.Code(),
 	inbox.ErrSchemaMissing.Code(), inbox.ErrLeaseLost.Code(),
 }
 
@@ -81,11 +77,11 @@ var nackCodes = []string{
 // replayable ones can also come back as replays of a recorded failure.
 var (
 	failCodes = []string{
-		ErrBusinessKey.code, inbox.ErrEmptyKey.Code(), inbox.ErrKeyTooLong.Code(),
+		ErrBusinessKey.Code(), inbox.ErrEmptyKey.Code(), inbox.ErrKeyTooLong.Code(),
 		inbox.ErrKeyInvalid.Code(), inbox.ErrTenantInvalid.Code(),
 	}
 	replayableFailCodes = []string{
-		"permanent", inbox.ErrNotJSON.Code(), ErrExpiredRetry.code, ErrNoPublishTopic.code, ErrTxEnded.code,
+		"permanent", inbox.ErrNotJSON.Code(), ErrExpiredRetry.Code(), ErrNoPublishTopic.Code(), ErrTxEnded.Code(),
 	}
 )
 
@@ -109,20 +105,4 @@ func (m *metrics) init(name string) {
 		m.failed.WithLabelValues(name, code, "false")
 		m.failed.WithLabelValues(name, code, "true")
 	}
-}
-
-// registerAs registers c, or returns the collector already registered under the
-// same name, so that two consumers on one registry share their metrics.
-func registerAs[T prometheus.Collector](reg prometheus.Registerer, c T) (T, error) {
-	if reg == nil {
-		return c, nil
-	}
-	err := reg.Register(c)
-	var are prometheus.AlreadyRegisteredError
-	if errors.As(err, &are) {
-		if existing, ok := are.ExistingCollector.(T); ok {
-			return existing, nil
-		}
-	}
-	return c, err
 }

@@ -8,6 +8,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
+	"cmp"
+
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/tracing"
 )
@@ -43,7 +45,7 @@ var noSpan = trace.SpanFromContext(context.Background())
 
 // startMessage starts msg's idem.consume span.
 func (c *Consumer) startMessage(msg *message.Message, name string) (context.Context, trace.Span) {
-	ctx, span := c.tracer.Start(tracing.MessageContext(msg, c.prop), spanConsume, consumerKind)
+	ctx, span := c.tracer.Start(tracing.MessageContext(msg.Context(), msg.Metadata, c.prop), spanConsume, consumerKind)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.Consumer.String(name), tracing.Mode.String(c.cfg.Mode.String()),
 			attribute.String("messaging.message.id", msg.UUID))
@@ -110,11 +112,11 @@ func outcomeName(o outcome) (name, code string, failed bool) {
 		}
 		return "replayed", "", false
 	case outMismatch:
-		return "mismatch", cmpOr(Code(o.err), "fingerprint_mismatch"), true
+		return "mismatch", cmp.Or(Code(o.err), "fingerprint_mismatch"), true
 	case outBusy:
 		return "busy", "busy", true
 	case outTransient:
-		return "nacked", cmpOr(Code(o.err), "transient"), true
+		return "nacked", cmp.Or(Code(o.err), "transient"), true
 	case outRecorded, outPermanent:
 		return "failed", failureCode(o.err), true
 	case outRejected:

@@ -4,18 +4,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // A handler holds idem's transaction and can end it with raw SQL
 // (tx.Exec(ctx, "COMMIT"), "ROLLBACK", even "COMMIT; BEGIN"). pgx's Tx cannot see
 // that, and a COMMIT sent afterwards would report success for a transaction that is
-// gone or is the handler's own. So every transaction idem begins carries a mark, a
-// transaction-local setting, and idem checks two things before a commit:
+// gone or is the handler's own. So every transaction idem begins carries a mark
+// (internal/txmark), and idem checks two things before a commit:
 //
 //   - after the handler returns, the connection's transaction status (pgconn's
 //     TxStatus, from the last ReadyForQuery, free to read) must be 'T'. 'I' means
@@ -33,19 +34,13 @@ import (
 // SAVEPOINT, fails if the handler's transaction is not the one that savepoint was
 // made in.
 const (
-	txMark        = "SET LOCAL idem.tx = 'on'"
-	txMarkMissing = "idem: the transaction idem began has ended"
-	// The CASE is not constant (current_setting is stable), so the cast runs, and
-	// fails, only when the mark is missing.
-	markCheck = "SELECT (CASE WHEN coalesce(current_setting('idem.tx', true), '') = 'on' THEN '0' ELSE '" +
-		txMarkMissing + "' END)::int"
-	commitSQL = markCheck + "; COMMIT"
+	commitSQL = txmark.Check + "; COMMIT"
 	// groupCommitSQL is the COMMIT of a group-commit batch. It also sets idem.commit,
 	// the one thing that lets the commit guard (migration 004) pass: a batch claims
 	// all of its keys before its handlers run, so a COMMIT that a handler sent
 	// itself must fail rather than commit the claims of messages whose handlers have
 	// not run. The guard row goes in with the batch's first statements (guardSQL).
-	groupCommitSQL = markCheck + "; SET LOCAL idem.commit = 'on'; COMMIT"
+	groupCommitSQL = txmark.Check + "; SET LOCAL idem.commit = 'on'; COMMIT"
 )
 
 // guardSQL is the statement that arms the commit guard of a batch's transaction.
@@ -54,7 +49,7 @@ func guardSQL(schema string) string {
 }
 
 // begin starts a transaction whose COMMIT checks the mark. The caller sets the mark
-// (txMark) before anything else.
+// (txmark.Mark) before anything else.
 func (c *Consumer) begin(ctx context.Context) (pgx.Tx, error) {
 	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: commitSQL})
 }
@@ -104,7 +99,7 @@ func (c *Consumer) commit(ctx context.Context, tx pgx.Tx) error {
 	switch {
 	case err == nil:
 		return nil
-	case markMissing(err):
+	case txmark.Missing(err):
 		return errTxReplaced
 	default:
 		return fmt.Errorf("%w: %v", ErrCommitUnknown, err)
@@ -114,13 +109,6 @@ func (c *Consumer) commit(ctx context.Context, tx pgx.Tx) error {
 // errTxReplaced: the handler ended idem's transaction and began another; idem found
 // out from its mark or its savepoint, and rolls the handler's one back.
 var errTxReplaced = fmt.Errorf("%w (a transaction the handler began was open in its place; it is rolled back)", ErrTxEnded)
-
-// markMissing reports whether err is the mark check of commitSQL failing.
-func markMissing(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InvalidTextRepresentation &&
-		strings.Contains(pgErr.Message, txMarkMissing)
-}
 
 // savepointGone reports whether err says a savepoint idem made, or the transaction
 // it was made in, no longer exists.

@@ -2,7 +2,6 @@ package effects
 
 import (
 	"cmp"
-	"errors"
 	"fmt"
 	"log/slog"
 	"math"
@@ -14,6 +13,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Defaults of Config.
@@ -118,9 +120,9 @@ type Backoff struct {
 	Jitter     float64       // DefaultBackoffJitter; in [0, 1]
 }
 
-// withDefaults fills unset fields. Jitter 0 means the default; a negative Jitter
-// means none.
-func (b Backoff) withDefaults() Backoff {
+// WithDefaults returns b with every unset field at its default. Jitter 0 means the
+// default; a negative Jitter means none.
+func (b Backoff) WithDefaults() Backoff {
 	b.Initial = cmp.Or(b.Initial, DefaultBackoffInitial)
 	b.Max = cmp.Or(b.Max, DefaultBackoffMax)
 	b.Multiplier = cmp.Or(b.Multiplier, DefaultBackoffMultiplier)
@@ -133,17 +135,19 @@ func (b Backoff) withDefaults() Backoff {
 	return b
 }
 
-// Validate checks the backoff's values.
+// Validate reports what a Dispatcher would refuse in b. It checks
+// b.WithDefaults(), so the zero Backoff passes.
 func (b Backoff) Validate() error {
+	b = b.WithDefaults()
 	switch {
 	case b.Initial <= 0:
-		return errors.New("backoff initial must be positive")
+		return errcode.InvalidConfig("backoff initial must be positive")
 	case b.Max < b.Initial:
-		return errors.New("backoff max must be at least initial")
+		return errcode.InvalidConfig("backoff max must be at least initial")
 	case b.Multiplier < 1:
-		return errors.New("backoff multiplier must be at least 1")
+		return errcode.InvalidConfig("backoff multiplier must be at least 1")
 	case b.Jitter < 0 || b.Jitter > 1:
-		return errors.New("backoff jitter must be in [0, 1]")
+		return errcode.InvalidConfig("backoff jitter must be in [0, 1]")
 	}
 	return nil
 }
@@ -163,60 +167,58 @@ func (c Config) WithDefaults() Config {
 	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.Lease = cmp.Or(c.Lease, DefaultLease)
-	c.Backoff = c.Backoff.withDefaults()
+	c.Backoff = c.Backoff.WithDefaults()
 	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
 	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, DefaultShutdownTimeout)
 	c.PendingRefresh = cmp.Or(c.PendingRefresh, DefaultPendingRefresh)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
-// Validate checks a Config after WithDefaults.
+// Validate reports what NewDispatcher would refuse in c: no Pool or Senders, a bad
+// schema or kind, a non-positive size or interval, a bad Backoff. It checks
+// c.WithDefaults(), so a config with a Pool and Senders passes.
 func (c Config) Validate() error {
-	if c.Pool == nil {
-		return errors.New("pool is nil")
-	}
-	if !schemaRe.MatchString(c.Schema) {
-		return fmt.Errorf("%w: got %q", ErrInvalidSchema, c.Schema)
+	c = c.WithDefaults()
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+		return err
 	}
 	if len(c.Senders) == 0 {
-		return errors.New("no senders registered")
+		return errcode.InvalidConfig("no Senders registered")
 	}
 	for kind, s := range c.Senders {
 		if !kindRe.MatchString(kind) {
 			return fmt.Errorf("sender for %q: %w", kind, ErrInvalidKind)
 		}
 		if s == nil {
-			return fmt.Errorf("sender for %q is nil", kind)
+			return errcode.InvalidConfig("sender for %q is nil", kind)
 		}
 	}
 	for kind, n := range c.Concurrency {
 		if _, ok := c.Senders[kind]; !ok {
-			return fmt.Errorf("concurrency for %q, which has no sender", kind)
+			return errcode.InvalidConfig("concurrency for %q, which has no sender", kind)
 		}
 		if n <= 0 {
-			return fmt.Errorf("concurrency for %q must be positive, got %d", kind, n)
+			return errcode.InvalidConfig("concurrency for %q must be positive, got %d", kind, n)
 		}
 	}
 	if c.BatchSize <= 0 {
-		return fmt.Errorf("batch size must be positive, got %d", c.BatchSize)
+		return errcode.InvalidConfig("batch size must be positive, got %d", c.BatchSize)
 	}
 	if c.Lease < 10*time.Millisecond {
-		return fmt.Errorf("lease must be at least 10ms, got %s", c.Lease)
+		return errcode.InvalidConfig("lease must be at least 10ms, got %s", c.Lease)
 	}
 	if c.MaxAttempts < 0 {
-		return fmt.Errorf("max attempts must not be negative, got %d", c.MaxAttempts)
+		return errcode.InvalidConfig("max attempts must not be negative, got %d", c.MaxAttempts)
 	}
 	if c.PollInterval <= 0 {
-		return fmt.Errorf("poll interval must be positive, got %s", c.PollInterval)
+		return errcode.InvalidConfig("poll interval must be positive, got %s", c.PollInterval)
 	}
 	if c.PendingRefresh <= 0 {
-		return fmt.Errorf("pending refresh must be positive, got %s", c.PendingRefresh)
+		return errcode.InvalidConfig("pending refresh must be positive, got %s", c.PendingRefresh)
 	}
 	if c.ShutdownTimeout <= 0 {
-		return fmt.Errorf("shutdown timeout must be positive, got %s", c.ShutdownTimeout)
+		return errcode.InvalidConfig("shutdown timeout must be positive, got %s", c.ShutdownTimeout)
 	}
 	if err := c.Backoff.Validate(); err != nil {
 		return err

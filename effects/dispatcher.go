@@ -20,10 +20,15 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/text"
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // ErrDispatcherRunning is returned by Run when the Dispatcher is already running.
-var ErrDispatcherRunning = errors.New("idem: dispatcher is already running")
+var ErrDispatcherRunning = errcode.Transient("dispatcher_running", "dispatcher is already running")
 
 // maxErrorLen caps the last_error stored for an effect.
 const maxErrorLen = 2000
@@ -131,8 +136,8 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders)),
 		log:    cfg.Logger,
 		m:      m,
-		tracer: tracerOf(cfg.TracerProvider),
-		prop:   propagatorOf(cfg.Propagator),
+		tracer: tracing.Tracer(cfg.TracerProvider),
+		prop:   tracing.Propagator(cfg.Propagator),
 		byKind: map[string]*lane{},
 		wake:   make(chan struct{}, 1),
 		freed:  make(chan struct{}, 1),
@@ -249,7 +254,7 @@ func (d *Dispatcher) claimLoop(ctx context.Context) {
 		if len(kinds) > 0 {
 			got, err := d.claim(ctx, kinds, limits)
 			if err != nil {
-				err = wrapSchema(err, d.cfg.Schema)
+				err = pgschema.Wrap(err, d.cfg.Schema)
 				if ctx.Err() != nil {
 					return
 				}
@@ -411,10 +416,10 @@ func (d *Dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
 	}
 	ctx, span := d.tracer.Start(c.batch.ctx, "idem.send", opts...)
 	if span.IsRecording() {
-		span.SetAttributes(attrKind.String(c.Kind), attrEffectKey.String(c.Key),
-			attrTenant.String(c.Tenant), attrAttempt.Int(c.Attempt))
+		span.SetAttributes(tracing.Kind.String(c.Kind), tracing.EffectKey.String(c.Key),
+			tracing.Tenant.String(c.Tenant), tracing.Attempt.Int(c.Attempt))
 		if c.Source.Consumer != "" {
-			span.SetAttributes(attrConsumer.String(c.Source.Consumer), attrKey.String(c.Source.Key))
+			span.SetAttributes(tracing.Consumer.String(c.Source.Consumer), tracing.Key.String(c.Source.Key))
 		}
 	}
 	return ctx, span
@@ -427,7 +432,7 @@ var sendSpanOptions = []trace.SpanStartOption{trace.WithNewRoot(), trace.WithSpa
 // or released (handed back unsent).
 func endSend(span trace.Span, o outcome) {
 	if span.IsRecording() {
-		span.SetAttributes(attrOutcome.String(o.label))
+		span.SetAttributes(tracing.Outcome.String(o.label))
 		if o.err != "" {
 			span.SetStatus(codes.Error, o.err)
 		}
@@ -543,7 +548,7 @@ func reconcileSafely(ctx context.Context, r Reconciler, dl Delivery) (done bool,
 // stored text. A sender's error may quote a binary response body or a panic value;
 // one NUL byte or invalid UTF-8 sequence in it would make Postgres reject the whole
 // outcome batch, so the text is sanitized and capped at maxErrorLen bytes.
-func storedError(err error) string { return sanitizeText(err.Error(), maxErrorLen) }
+func storedError(err error) string { return text.Sanitize(err.Error(), maxErrorLen) }
 
 // record writes outcomes in batches until the outcomes channel is closed: it takes
 // what is waiting, up to a limit, and records it in one statement.
@@ -708,7 +713,7 @@ func (d *Dispatcher) writeOneByOne(batch []outcome) []outcomeStatus {
 	for i, o := range batch {
 		one, err := d.writeOutcomes([]outcome{o})
 		if err != nil && isDataError(err) && o.err != "" {
-			o.err = "idem: this attempt's error text could not be stored (" + sanitizeText(err.Error(), 200) + ")"
+			o.err = "idem: this attempt's error text could not be stored (" + text.Sanitize(err.Error(), 200) + ")"
 			one, err = d.writeOutcomes([]outcome{o})
 		}
 		if err != nil {

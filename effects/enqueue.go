@@ -16,6 +16,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/trace"
+
+	"cmp"
+
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Limits on what Enqueue accepts.
@@ -27,15 +31,12 @@ const (
 	// DefaultMaxAttempts is how many times a sender tries an effect before it is dead.
 	DefaultMaxAttempts = 25
 	// DefaultSchema is the schema used when none is given.
-	DefaultSchema = "idem"
+	DefaultSchema = pgschema.Default
 )
 
 const kindPattern = `^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,254}$`
 
-var (
-	kindRe   = regexp.MustCompile(kindPattern)
-	schemaRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
-)
+var kindRe = regexp.MustCompile(kindPattern)
 
 // Effect is a side effect to carry out after the transaction commits.
 type Effect struct {
@@ -167,7 +168,7 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 			return Result{}, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
-			return Result{}, wrapSchema(err, schema)
+			return Result{}, pgschema.Wrap(err, schema)
 		}
 		// A conflict: the next statement sees the committed row (READ COMMITTED).
 		var have []byte
@@ -176,7 +177,7 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 			continue // deleted in between by the janitor: insert again
 		}
 		if err != nil {
-			return Result{}, wrapSchema(err, schema)
+			return Result{}, pgschema.Wrap(err, schema)
 		}
 		if !bytes.Equal(have, fp[:]) {
 			if tenant != "" {
@@ -190,12 +191,9 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 
 // checkItem validates an effect in its scope and returns the schema to write to.
 func checkItem(scope Scope, e Effect) (string, error) {
-	schema := scope.Schema
-	if schema == "" {
-		schema = DefaultSchema
-	}
-	if !validSchema(schema) {
-		return "", fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
+	schema := cmp.Or(scope.Schema, DefaultSchema)
+	if err := pgschema.Validate(schema); err != nil {
+		return "", err
 	}
 	if err := ValidateEffect(e); err != nil {
 		return "", err
@@ -249,23 +247,6 @@ func validKind(s string) bool {
 	return true
 }
 
-// validSchema is schemaRe.MatchString, likewise.
-func validSchema(s string) bool {
-	if len(s) == 0 || len(s) > 63 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch {
-		case 'a' <= c && c <= 'z', c == '_':
-		case i > 0 && '0' <= c && c <= '9':
-		default:
-			return false
-		}
-	}
-	return true
-}
-
 // enqueueQueriesCache holds the rendered statements of each schema, so that an
 // Enqueue does not build its SQL again on every call.
 var enqueueQueriesCache sync.Map // schema -> *enqueueQueries
@@ -277,17 +258,4 @@ func enqueueQueriesFor(schema string) *enqueueQueries {
 	q := newEnqueueQueries(schema)
 	v, _ := enqueueQueriesCache.LoadOrStore(schema, &q)
 	return v.(*enqueueQueries)
-}
-
-// wrapSchema turns a missing table (42P01) into ErrSchemaMissing, and a missing
-// column (42703) too: idem's own statements name only idem's columns, so the schema
-// lacks a newer migration (005's trace_context, for one) that this binary needs.
-func wrapSchema(err error, schema string) error {
-	if errIsUndefinedTable(err) {
-		return fmt.Errorf("%w (schema %q): %v", ErrSchemaMissing, schema, err)
-	}
-	if errIsUndefinedColumn(err) {
-		return fmt.Errorf("%w (schema %q lacks a column of a newer migration): %v", ErrSchemaMissing, schema, err)
-	}
-	return err
 }

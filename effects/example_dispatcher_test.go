@@ -9,8 +9,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 // exampleDB makes a migrated schema for an example; close drops it.
@@ -25,7 +25,7 @@ func exampleDB() (pool *pgxpool.Pool, schema string, close func()) {
 	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 		panic(err)
 	}
-	m, err := inbox.NewMigrator(pool, schema)
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if err != nil {
 		panic(err)
 	}

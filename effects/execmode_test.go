@@ -30,7 +30,7 @@ func TestQueryExecModes(t *testing.T) {
 			for _, col := range []string{"bytea", "json", "jsonb", "text"} {
 				_, err := pool.Exec(ctx, `CREATE TABLE ledger_`+col+` (effect_key text PRIMARY KEY, payload `+col+` NOT NULL)`)
 				require.NoError(t, err)
-				s, err := effects.LedgerSender(pool, effects.LedgerConfig{Table: schema + ".ledger_" + col})
+				s, err := effects.NewLedgerSender(effects.LedgerConfig{Pool: pool, Table: schema + ".ledger_" + col})
 				require.NoError(t, err)
 				senders["ledger-"+col] = s
 			}

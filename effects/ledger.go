@@ -5,12 +5,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"regexp"
 	"strings"
 	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Execer runs a statement: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
@@ -18,9 +20,21 @@ type Execer interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
-// LedgerConfig names the user table a LedgerSender writes to.
+// Defaults of LedgerConfig.
+const (
+	// DefaultLedgerKeyColumn holds the effect key unless LedgerConfig says otherwise.
+	DefaultLedgerKeyColumn = "effect_key"
+	// DefaultLedgerPayloadColumn receives the payload unless LedgerConfig says
+	// otherwise.
+	DefaultLedgerPayloadColumn = "payload"
+)
+
+// LedgerConfig configures a ledger sender: the database and the user table it
+// writes to.
 type LedgerConfig struct {
-	// Table is "table" or "schema.table", in lower-case identifiers.
+	// Pool runs the inserts: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx. Required.
+	Pool Execer
+	// Table is "table" or "schema.table", in lower-case identifiers. Required.
 	Table string
 	// KeyColumn holds the effect key and must be unique (a primary key or a unique
 	// constraint) (default "effect_key").
@@ -43,35 +57,51 @@ type LedgerConfig struct {
 	TenantColumn string
 }
 
-var identRe = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+// WithDefaults returns c with every unset field at its default.
+func (c LedgerConfig) WithDefaults() LedgerConfig {
+	c.KeyColumn = cmp.Or(c.KeyColumn, DefaultLedgerKeyColumn)
+	c.PayloadColumn = cmp.Or(c.PayloadColumn, DefaultLedgerPayloadColumn)
+	return c
+}
 
-// LedgerSender writes each effect as one row of a user table, keyed by the effect
-// key (and its tenant, with a TenantColumn): INSERT … ON CONFLICT (key) DO NOTHING.
-// It is idempotent by construction, so a repeated attempt changes nothing. Use it
-// for local effects, such as ledger entries kept in another database or schema than
-// the business write.
-func LedgerSender(db Execer, cfg LedgerConfig) (Sender, error) {
-	if db == nil {
-		return nil, fmt.Errorf("invalid config: ledger db is nil")
+// Validate reports what NewLedgerSender would refuse in c: no Pool, a table or
+// column name that is not a plain lower-case identifier. It checks
+// c.WithDefaults(), so a config with a Pool and a Table passes.
+func (c LedgerConfig) Validate() error {
+	c = c.WithDefaults()
+	if c.Pool == nil {
+		return errcode.InvalidConfig("Pool is required")
 	}
-	cfg.KeyColumn = cmp.Or(cfg.KeyColumn, "effect_key")
-	cfg.PayloadColumn = cmp.Or(cfg.PayloadColumn, "payload")
-	parts := strings.Split(cfg.Table, ".")
-	idents := append(parts[:len(parts):len(parts)], cfg.KeyColumn, cfg.PayloadColumn)
-	if cfg.KindColumn != "" {
-		idents = append(idents, cfg.KindColumn)
-	}
-	if cfg.TenantColumn != "" {
-		idents = append(idents, cfg.TenantColumn)
-	}
+	parts := strings.Split(c.Table, ".")
 	if len(parts) > 2 {
-		return nil, fmt.Errorf("invalid config: ledger table %q: want table or schema.table", cfg.Table)
+		return errcode.InvalidConfig("ledger table %q: want table or schema.table", c.Table)
 	}
-	for _, id := range idents {
-		if !identRe.MatchString(id) {
-			return nil, fmt.Errorf("invalid config: ledger identifier %q must match %s", id, identRe)
+	idents := append(parts, c.KeyColumn, c.PayloadColumn)
+	for _, optional := range []string{c.KindColumn, c.TenantColumn} {
+		if optional != "" {
+			idents = append(idents, optional)
 		}
 	}
+	for _, id := range idents {
+		if !pgschema.Valid(id) {
+			return errcode.InvalidConfig("ledger identifier %q must match ^[a-z_][a-z0-9_]{0,62}$", id)
+		}
+	}
+	return nil
+}
+
+// NewLedgerSender returns a Sender that writes each effect as one row of a user
+// table, keyed by the effect key (and its tenant, with a TenantColumn): INSERT …
+// ON CONFLICT (key) DO NOTHING. It is idempotent by construction, so a repeated
+// attempt changes nothing. Use it for local effects, such as ledger entries kept in
+// another database or schema than the business write.
+func NewLedgerSender(cfg LedgerConfig) (Sender, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	db := cfg.Pool
+	parts := strings.Split(cfg.Table, ".")
 	q := func(id string) string { return pgx.Identifier{id}.Sanitize() }
 	table := pgx.Identifier(parts).Sanitize()
 	cols := q(cfg.KeyColumn) + ", " + q(cfg.PayloadColumn)
@@ -169,4 +199,12 @@ func (c *columnType) isBytea(ctx context.Context) (bool, error) {
 	}
 	c.known = true
 	return c.binary, nil
+}
+
+// LedgerSender is NewLedgerSender with the database given apart.
+//
+// Deprecated: set LedgerConfig.Pool and call NewLedgerSender.
+func LedgerSender(db Execer, cfg LedgerConfig) (Sender, error) {
+	cfg.Pool = db
+	return NewLedgerSender(cfg)
 }

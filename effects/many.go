@@ -11,6 +11,8 @@ import (
 	"sync"
 
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Item is one effect of a set-based write (EnqueueItems), with the scope it belongs
@@ -144,10 +146,24 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 	if tx == nil {
 		return nil, ErrNoTx
 	}
-	results := make([]Result, len(items))
 	if len(items) == 0 {
-		return results, nil
+		return []Result{}, nil
 	}
+	schema, err := checkItems(items)
+	if err != nil {
+		return nil, err
+	}
+	var w itemsWrite // on the stack: EnqueueItems is a group-commit batch's hot path
+	w.plan(items, trace.SpanContextFromContext(ctx))
+	if err := w.write(ctx, tx, enqueueQueriesFor(schema)); err != nil {
+		return nil, pgschema.Wrap(err, schema)
+	}
+	return w.results()
+}
+
+// checkItems validates every item in its scope and returns the one schema they all
+// name.
+func checkItems(items []Item) (string, error) {
 	var schema string
 	for i, it := range items {
 		s, err := checkItem(it.Scope, it.Effect)
@@ -155,140 +171,219 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 			err = fmt.Errorf("%w: items name schemas %q and %q; write each schema's effects apart", ErrInvalidSchema, schema, s)
 		}
 		if err != nil {
-			return nil, &ItemErrors{Errs: itemErr(len(items), i, err)}
+			return "", &ItemErrors{Errs: itemErr(len(items), i, err)}
 		}
 		schema = s
 	}
-	q := enqueueQueriesFor(schema)
-	ctxTrace := trace.SpanContextFromContext(ctx)
+	return schema, nil
+}
 
-	// One row per identity: the first item that names it is the one written (its
-	// writer); the others are duplicates of it or mismatches. Sorting by identity
-	// puts each identity's items together, first one first, and gives the order in
-	// which the rows are inserted.
-	type identity struct{ tenant, kind, key string }
-	idOf := func(i int) identity {
-		return identity{items[i].Scope.Source.Tenant, items[i].Effect.Kind, items[i].Effect.Key}
-	}
-	fps := make([][]byte, len(items))
-	order := make([]int, len(items))
+// identity is an effect's identity: one row per identity.
+type identity struct{ tenant, kind, key string }
+
+// itemsWrite is one EnqueueItems call: which item writes each identity, and what
+// the rounds of inserts learned about each.
+type itemsWrite struct {
+	items []Item
+	// ctxTrace is the span of the call's context, for items without a Trace.
+	ctxTrace trace.SpanContext
+	// fps holds each item's payload fingerprint.
+	fps [][]byte
+	// writer is each item's writer: the first item that names its identity, whose
+	// row is the one written. The others are duplicates of it or mismatches.
+	writer []int
+	// writers are the writers, in (tenant, kind, key) order: the insert order.
+	writers []int
+	// stored is the fingerprint each writer's identity holds now, by writer; nil
+	// while unknown. inserted says the writer's own row went in.
+	stored   [][]byte
+	inserted []bool
+	// cols are the insert's columns, filled again for each round.
+	cols enqueueColumns
+}
+
+// plan fingerprints the items and picks each identity's writer. Sorting by
+// identity puts each identity's items together, first one first, and gives the
+// order in which the rows are inserted.
+func (w *itemsWrite) plan(items []Item, ctxTrace trace.SpanContext) {
+	n := len(items)
+	*w = itemsWrite{items: items, ctxTrace: ctxTrace, fps: make([][]byte, n), writer: make([]int, n),
+		writers: make([]int, 0, n), stored: make([][]byte, n), inserted: make([]bool, n)}
+	order := make([]int, n)
 	for i := range items {
 		fp := sha256.Sum256(items[i].Effect.Payload)
-		fps[i] = fp[:]
+		w.fps[i] = fp[:]
 		order[i] = i
 	}
 	slices.SortStableFunc(order, func(a, b int) int {
-		x, y := idOf(a), idOf(b)
+		x, y := w.id(a), w.id(b)
 		return cmp.Or(cmp.Compare(x.tenant, y.tenant), cmp.Compare(x.kind, y.kind), cmp.Compare(x.key, y.key))
 	})
-	writer := make([]int, len(items)) // each item's writer
-	var writers []int
 	for j, i := range order {
-		if j > 0 && idOf(order[j-1]) == idOf(i) {
-			writer[i] = writer[order[j-1]]
+		if j > 0 && w.id(order[j-1]) == w.id(i) {
+			w.writer[i] = w.writer[order[j-1]]
 			continue
 		}
-		writer[i] = i
-		writers = append(writers, i)
+		w.writer[i] = i
+		w.writers = append(w.writers, i)
 	}
+}
 
-	// stored is the fingerprint each writer's identity holds now, by writer; nil
-	// while unknown. inserted says the writer's own row went in.
-	stored := make([][]byte, len(items))
-	inserted := make([]bool, len(items))
-	todo := writers
+func (w *itemsWrite) id(i int) identity {
+	return identity{w.items[i].Scope.Source.Tenant, w.items[i].Effect.Kind, w.items[i].Effect.Key}
+}
+
+// write inserts the writers' rows, and reads the fingerprints of the rows that some
+// met instead. A row deleted between the two statements (the janitor) is inserted
+// again in the next round.
+func (w *itemsWrite) write(ctx context.Context, tx Tx, q *enqueueQueries) error {
+	todo := w.writers
 	for len(todo) > 0 {
-		n := len(todo)
-		tenants, kinds, keys := make([]string, n), make([]string, n), make([]string, n)
-		payloads, fpArr := make([][]byte, n), make([][]byte, n)
-		attempts := make([]int32, n)
-		delays := make([]int64, n)
-		srcC, srcT, srcK := make([]string, n), make([]string, n), make([]string, n)
-		traces := make([]string, n)
-		for j, i := range todo {
-			it := &items[i]
-			tenants[j], kinds[j], keys[j] = it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key
-			payloads[j], fpArr[j] = it.Effect.Payload, fps[i]
-			attempts[j] = int32(maxAttemptsOf(it.Effect))
-			delays[j] = it.Effect.Delay.Microseconds()
-			srcC[j], srcT[j], srcK[j] = it.Scope.Source.Consumer, it.Scope.Source.Tenant, it.Scope.Source.Key
-			if it.Trace.IsValid() {
-				traces[j] = encodeTrace(it.Trace)
-			} else {
-				traces[j] = encodeTrace(ctxTrace)
-			}
-		}
+		w.cols.fill(w, todo)
 		var count int
 		var gotT, gotK, gotY []string
-		err := tx.QueryRow(ctx, q.insertMany, tenants, kinds, keys, payloads, fpArr, attempts, delays,
-			srcC, srcT, srcK, n, traces).Scan(&count, &gotT, &gotK, &gotY)
-		if err != nil {
-			return nil, wrapSchema(err, schema)
+		if err := tx.QueryRow(ctx, q.insertMany, w.cols.args()...).Scan(&count, &gotT, &gotK, &gotY); err != nil {
+			return err
 		}
-		if count == n {
+		if count == len(todo) {
 			for _, i := range todo {
-				inserted[i], stored[i] = true, fps[i]
+				w.inserted[i], w.stored[i] = true, w.fps[i]
 			}
-			break
+			return nil
 		}
-		byID := make(map[identity]int, n)
+		byID := make(map[identity]int, len(todo))
 		for _, i := range todo {
-			byID[idOf(i)] = i
+			byID[w.id(i)] = i
 		}
 		for j := range gotT {
 			if i, ok := byID[identity{gotT[j], gotK[j], gotY[j]}]; ok {
-				inserted[i], stored[i] = true, fps[i]
+				w.inserted[i], w.stored[i] = true, w.fps[i]
 			}
 		}
-		// The rest met a row: read what it holds (a new statement, a new snapshot).
-		var conflictT, conflictK, conflictY []string
-		for _, i := range todo {
-			if !inserted[i] {
-				id := idOf(i)
-				conflictT, conflictK, conflictY = append(conflictT, id.tenant), append(conflictK, id.kind), append(conflictY, id.key)
-			}
-		}
-		var haveT, haveK, haveY []string
-		var haveFP [][]byte
-		if err := tx.QueryRow(ctx, q.fingerprintOf, conflictT, conflictK, conflictY).Scan(&haveT, &haveK, &haveY, &haveFP); err != nil {
-			return nil, wrapSchema(err, schema)
-		}
-		for j := range haveT {
-			if i, ok := byID[identity{haveT[j], haveK[j], haveY[j]}]; ok {
-				stored[i] = haveFP[j]
-			}
+		if err := w.readConflicts(ctx, tx, q, todo, byID); err != nil {
+			return err
 		}
 		var again []int
 		for _, i := range todo {
-			if stored[i] == nil {
+			if w.stored[i] == nil {
 				again = append(again, i) // deleted in between by the janitor: insert again
 			}
 		}
 		todo = again
 	}
+	return nil
+}
 
+// readConflicts reads what the rows that todo's writers met hold (a new statement,
+// a new snapshot, which sees rows a concurrent writer committed meanwhile).
+func (w *itemsWrite) readConflicts(ctx context.Context, tx Tx, q *enqueueQueries, todo []int, byID map[identity]int) error {
+	var conflictT, conflictK, conflictY []string
+	for _, i := range todo {
+		if !w.inserted[i] {
+			id := w.id(i)
+			conflictT, conflictK, conflictY = append(conflictT, id.tenant), append(conflictK, id.kind), append(conflictY, id.key)
+		}
+	}
+	var haveT, haveK, haveY []string
+	var haveFP [][]byte
+	if err := tx.QueryRow(ctx, q.fingerprintOf, conflictT, conflictK, conflictY).Scan(&haveT, &haveK, &haveY, &haveFP); err != nil {
+		return err
+	}
+	for j := range haveT {
+		if i, ok := byID[identity{haveT[j], haveK[j], haveY[j]}]; ok {
+			w.stored[i] = haveFP[j]
+		}
+	}
+	return nil
+}
+
+// results says what became of each item: written, a duplicate of what its identity
+// holds, or a mismatch.
+func (w *itemsWrite) results() ([]Result, error) {
+	results := make([]Result, len(w.items))
 	var errs []error
-	for i := range items {
-		w := writer[i]
-		if w == i && inserted[i] {
+	for i := range w.items {
+		wr := w.writer[i]
+		if wr == i && w.inserted[i] {
 			continue // written
 		}
-		id := idOf(i)
-		if bytes.Equal(stored[w], fps[i]) {
+		if bytes.Equal(w.stored[wr], w.fps[i]) {
 			results[i] = Result{Duplicate: true}
 			continue
 		}
 		if errs == nil {
-			errs = make([]error, len(items))
+			errs = make([]error, len(w.items))
 		}
-		if id.tenant != "" {
-			errs[i] = fmt.Errorf("%w: tenant %q kind %q key %q", ErrFingerprintMismatch, id.tenant, id.kind, id.key)
-		} else {
-			errs[i] = fmt.Errorf("%w: kind %q key %q", ErrFingerprintMismatch, id.kind, id.key)
-		}
+		errs[i] = mismatch(w.id(i))
 	}
 	if errs != nil {
 		return results, &ItemErrors{Errs: errs}
 	}
 	return results, nil
+}
+
+// mismatch is ErrFingerprintMismatch for an identity.
+func mismatch(id identity) error {
+	if id.tenant != "" {
+		return fmt.Errorf("%w: tenant %q kind %q key %q", ErrFingerprintMismatch, id.tenant, id.kind, id.key)
+	}
+	return fmt.Errorf("%w: kind %q key %q", ErrFingerprintMismatch, id.kind, id.key)
+}
+
+// enqueueColumns are insertMany's parallel columns, one entry per row to insert.
+// A round fills them again, reusing their arrays.
+type enqueueColumns struct {
+	tenants, kinds, keys   []string
+	payloads, fingerprints [][]byte
+	attempts               []int32
+	delays                 []int64
+	srcConsumer, srcTenant []string
+	srcKey, traces         []string
+	ctxTrace               string
+	ctxTraceDone           bool
+}
+
+// fill sets the columns to the rows of w's items at idx.
+func (c *enqueueColumns) fill(w *itemsWrite, idx []int) {
+	n := len(idx)
+	c.tenants, c.kinds, c.keys = resize(c.tenants, n), resize(c.kinds, n), resize(c.keys, n)
+	c.payloads, c.fingerprints = resize(c.payloads, n), resize(c.fingerprints, n)
+	c.attempts, c.delays = resize(c.attempts, n), resize(c.delays, n)
+	c.srcConsumer, c.srcTenant, c.srcKey = resize(c.srcConsumer, n), resize(c.srcTenant, n), resize(c.srcKey, n)
+	c.traces = resize(c.traces, n)
+	for j, i := range idx {
+		it := &w.items[i]
+		c.tenants[j], c.kinds[j], c.keys[j] = it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key
+		c.payloads[j], c.fingerprints[j] = it.Effect.Payload, w.fps[i]
+		c.attempts[j] = int32(maxAttemptsOf(it.Effect))
+		c.delays[j] = it.Effect.Delay.Microseconds()
+		c.srcConsumer[j], c.srcTenant[j], c.srcKey[j] = it.Scope.Source.Consumer, it.Scope.Source.Tenant, it.Scope.Source.Key
+		c.traces[j] = c.traceOf(it, w.ctxTrace)
+	}
+}
+
+// traceOf is the trace context an item's row keeps: its own span's, or the call's
+// (encoded once).
+func (c *enqueueColumns) traceOf(it *Item, ctxTrace trace.SpanContext) string {
+	if it.Trace.IsValid() {
+		return encodeTrace(it.Trace)
+	}
+	if !c.ctxTraceDone {
+		c.ctxTrace, c.ctxTraceDone = encodeTrace(ctxTrace), true
+	}
+	return c.ctxTrace
+}
+
+// args are insertMany's arguments.
+func (c *enqueueColumns) args() []any {
+	return []any{c.tenants, c.kinds, c.keys, c.payloads, c.fingerprints, c.attempts, c.delays,
+		c.srcConsumer, c.srcTenant, c.srcKey, len(c.tenants), c.traces}
+}
+
+// resize returns s with length n, reusing its array when it is large enough.
+func resize[T any](s []T, n int) []T {
+	if cap(s) >= n {
+		return s[:n]
+	}
+	return make([]T, n)
 }

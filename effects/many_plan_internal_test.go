@@ -8,6 +8,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"regexp"
+
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -72,8 +75,9 @@ func TestValidatorsMatchTheirPatterns(t *testing.T) {
 	}
 	gen(nil, 3)
 	cases = append(cases, strings.Repeat("a", 63), strings.Repeat("a", 64), strings.Repeat("k", 255), strings.Repeat("k", 256), "publish:orders", "_x9")
+	schemaRe := regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 	for _, s := range cases {
 		require.Equal(t, kindRe.MatchString(s), validKind(s), "kind %q", s)
-		require.Equal(t, schemaRe.MatchString(s), validSchema(s), "schema %q", s)
+		require.Equal(t, schemaRe.MatchString(s), pgschema.Valid(s), "schema %q", s)
 	}
 }

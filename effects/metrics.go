@@ -1,9 +1,9 @@
 package effects
 
 import (
-	"errors"
-
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemkit/idem/internal/promreg"
 )
 
 // metrics are the Dispatcher's Prometheus collectors. Without a Registerer they
@@ -50,17 +50,14 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Reconcile calls, by kind and result (done, not_done, error).",
 		}, []string{"kind", "result"}),
 	}
-	if reg == nil {
-		return m, nil
-	}
 	var err error
-	m.pending = register(reg, m.pending, &err)
-	m.attempts = register(reg, m.attempts, &err)
-	m.dead = register(reg, m.dead, &err)
-	m.lag = register(reg, m.lag, &err)
-	m.unknown = register(reg, m.unknown, &err)
-	m.lostLease = register(reg, m.lostLease, &err)
-	m.reconcile = register(reg, m.reconcile, &err)
+	m.pending = promreg.Register(reg, m.pending, &err)
+	m.attempts = promreg.Register(reg, m.attempts, &err)
+	m.dead = promreg.Register(reg, m.dead, &err)
+	m.lag = promreg.Register(reg, m.lag, &err)
+	m.unknown = promreg.Register(reg, m.unknown, &err)
+	m.lostLease = promreg.Register(reg, m.lostLease, &err)
+	m.reconcile = promreg.Register(reg, m.reconcile, &err)
 	return m, err
 }
 
@@ -85,19 +82,4 @@ func (m *metrics) precreate(kind string) {
 	for _, r := range reconcileResults {
 		m.reconcile.WithLabelValues(kind, r)
 	}
-}
-
-// register registers c, or returns the collector already registered under its
-// name, so that several Dispatchers can share one registry.
-func register[C prometheus.Collector](reg prometheus.Registerer, c C, errp *error) C {
-	if err := reg.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(C); ok {
-				return existing
-			}
-		}
-		*errp = errors.Join(*errp, err)
-	}
-	return c
 }

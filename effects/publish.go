@@ -7,6 +7,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 type propagatorKey struct{}
@@ -22,7 +24,7 @@ func propagatorFrom(ctx context.Context) propagation.TextMapPropagator {
 	if p, ok := ctx.Value(propagatorKey{}).(propagation.TextMapPropagator); ok {
 		return p
 	}
-	return propagatorOf(nil)
+	return tracing.Propagator(nil)
 }
 
 // TenantMetadataKey is the metadata field in which PublishSender passes on the

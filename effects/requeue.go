@@ -3,9 +3,10 @@ package effects
 import (
 	"context"
 	"errors"
-	"fmt"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Querier is what the requeue functions run on: a *pgxpool.Pool, a *pgx.Conn or a
@@ -39,8 +40,8 @@ func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter
 	if schema == "" {
 		schema = DefaultSchema
 	}
-	if !schemaRe.MatchString(schema) {
-		return 0, fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
+	if err := pgschema.Validate(schema); err != nil {
+		return 0, err
 	}
 	if f.Kind == "" && f.Key == "" && f.Tenant == "" && !f.TenantExact && !f.All {
 		return 0, errors.New("idem: requeue needs a kind, a key, a tenant, or All")
@@ -48,7 +49,7 @@ func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter
 	var n int64
 	err := db.QueryRow(ctx, newQueries(schema, 0).requeue, f.Kind, f.Key, schema, f.Tenant, f.TenantExact).Scan(&n, nil)
 	if err != nil {
-		return 0, wrapSchema(err, schema)
+		return 0, pgschema.Wrap(err, schema)
 	}
 	return n, nil
 }

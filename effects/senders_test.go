@@ -51,7 +51,7 @@ func TestLedgerSender(t *testing.T) {
 	ctx := context.Background()
 	_, err := pool.Exec(ctx, `CREATE TABLE ledger (effect_key text PRIMARY KEY, payload jsonb NOT NULL, kind text NOT NULL)`)
 	require.NoError(t, err)
-	ledger, err := effects.LedgerSender(pool, effects.LedgerConfig{Table: schema + ".ledger", KindColumn: "kind"})
+	ledger, err := effects.NewLedgerSender(effects.LedgerConfig{Pool: pool, Table: schema + ".ledger", KindColumn: "kind"})
 	require.NoError(t, err)
 
 	enqueue(t, pool, schema, effects.Effect{Kind: "ledger", Key: "credit:pay_789", Payload: []byte(`{"amount":1000}`)})
@@ -67,7 +67,7 @@ func TestLedgerSender(t *testing.T) {
 	require.True(t, effects.IsPermanent(err), "%v", err)
 
 	for _, bad := range []string{"", "Ledger", "a.b.c", `x"; DROP TABLE ledger; --`} {
-		_, err := effects.LedgerSender(pool, effects.LedgerConfig{Table: bad})
+		_, err := effects.NewLedgerSender(effects.LedgerConfig{Pool: pool, Table: bad})
 		require.ErrorContains(t, err, "invalid config", bad)
 	}
 }

@@ -143,7 +143,7 @@ func TestLedgerSenderTenantScope(t *testing.T) {
 	_, err := pool.Exec(ctx, `CREATE TABLE ledger (tenant text NOT NULL, effect_key text NOT NULL, payload jsonb NOT NULL,
 		PRIMARY KEY (tenant, effect_key))`)
 	require.NoError(t, err)
-	scoped, err := effects.LedgerSender(pool, effects.LedgerConfig{Table: schema + ".ledger", TenantColumn: "tenant"})
+	scoped, err := effects.NewLedgerSender(effects.LedgerConfig{Pool: pool, Table: schema + ".ledger", TenantColumn: "tenant"})
 	require.NoError(t, err)
 	for _, tenant := range []string{"acme", "globex", "acme"} {
 		require.NoError(t, scoped.Send(ctx, effects.Delivery{Tenant: tenant, Kind: "ledger", Key: "credit:1", Payload: []byte(`{"amount":1}`)}))
@@ -152,7 +152,7 @@ func TestLedgerSenderTenantScope(t *testing.T) {
 
 	_, err = pool.Exec(ctx, `CREATE TABLE plain (effect_key text PRIMARY KEY, payload jsonb NOT NULL)`)
 	require.NoError(t, err)
-	plain, err := effects.LedgerSender(pool, effects.LedgerConfig{Table: schema + ".plain"})
+	plain, err := effects.NewLedgerSender(effects.LedgerConfig{Pool: pool, Table: schema + ".plain"})
 	require.NoError(t, err)
 	require.NoError(t, plain.Send(ctx, effects.Delivery{Kind: "ledger", Key: "credit:1", Payload: []byte(`{}`)}))
 	err = plain.Send(ctx, effects.Delivery{Tenant: "acme", Kind: "ledger", Key: "credit:2", Payload: []byte(`{}`)})

@@ -4,44 +4,9 @@ import (
 	"context"
 	"encoding/json"
 
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 )
-
-// OpenTelemetry, kept here rather than shared with the consumer so that effects
-// imports nothing else of idem. The scope and the attribute keys are the same as
-// the consumer's.
-const tracerScope = "github.com/idemkit/idem"
-
-const (
-	attrConsumer  = attribute.Key("idem.consumer")
-	attrTenant    = attribute.Key("idem.tenant")
-	attrKey       = attribute.Key("idem.key")
-	attrOutcome   = attribute.Key("idem.outcome")
-	attrKind      = attribute.Key("idem.effect.kind")
-	attrEffectKey = attribute.Key("idem.effect.key")
-	attrAttempt   = attribute.Key("idem.effect.attempt")
-)
-
-// tracerOf returns the idem tracer of tp, or of the global provider when tp is nil
-// (a no-op until the application calls otel.SetTracerProvider, and that provider
-// from then on).
-func tracerOf(tp trace.TracerProvider) trace.Tracer {
-	if tp == nil {
-		tp = otel.GetTracerProvider()
-	}
-	return tp.Tracer(tracerScope)
-}
-
-// propagatorOf returns p, or the global propagator when p is nil.
-func propagatorOf(p propagation.TextMapPropagator) propagation.TextMapPropagator {
-	if p == nil {
-		return otel.GetTextMapPropagator()
-	}
-	return p
-}
 
 // w3c is the form effect rows keep trace context in, whatever propagator the
 // application uses: the column is for idem to read back, and W3C Trace Context is

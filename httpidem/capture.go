@@ -3,16 +3,17 @@ package httpidem
 import (
 	"bufio"
 	"bytes"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"strconv"
+
+	"github.com/idemkit/idem/internal/errcode"
 )
 
-// ErrHijack: a handler behind idem cannot hijack the connection, because its
-// response is held until the commit.
-var ErrHijack = errors.New("idem: a handler behind httpidem cannot hijack the connection (its response is held until the commit)")
+// ErrHijack is returned by Hijack: a handler behind idem cannot hijack the
+// connection, because its response is held until the commit.
+var ErrHijack = errcode.Permanent("hijack_refused", "a handler behind httpidem cannot hijack the connection (its response is held until the commit)")
 
 // recorder holds a handler's response until the transaction has committed: the
 // client must never see an answer whose work might still roll back.

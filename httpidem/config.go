@@ -3,7 +3,6 @@ package httpidem
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -16,6 +15,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // Defaults.
@@ -26,9 +27,15 @@ const (
 	// DefaultRetention is how long a key and its stored response live: a day, as
 	// payment APIs commonly keep theirs. A retry after it runs as a new request.
 	DefaultRetention = 24 * time.Hour
-	// DefaultWait bounds how long a request waits for another request with the same
-	// key to finish before it answers 409.
-	DefaultWait = 2 * time.Second
+	// DefaultSchema holds the idem tables unless Config.Schema says otherwise.
+	DefaultSchema = inbox.DefaultSchema
+	// DefaultLockTimeout bounds how long a request waits for another request with
+	// the same key to finish before it answers 409.
+	DefaultLockTimeout = 2 * time.Second
+	// DefaultWait is the old name of DefaultLockTimeout.
+	//
+	// Deprecated: use DefaultLockTimeout.
+	DefaultWait = DefaultLockTimeout
 	// DefaultRetryAfter is the Retry-After of 409 and 503 answers.
 	DefaultRetryAfter = time.Second
 	// DefaultMaxRequestBody is the largest request body read (and fingerprinted).
@@ -171,16 +178,25 @@ type Config struct {
 	// BodyReference, if set, stores references instead of 2xx and 3xx bodies.
 	BodyReference BodyReferencer
 
-	// Wait bounds the wait for a concurrent request with the same key (default
-	// 2 s); past it the answer is 409 with Retry-After.
+	// LockTimeout bounds the wait for a concurrent request with the same key
+	// (default 2 s); past it the answer is 409 with Retry-After. It is the claim's
+	// lock_timeout in transactional mode, as the consumer's LockTimeout is.
+	LockTimeout time.Duration
+	// Wait is the old name of LockTimeout, honoured when LockTimeout is not set.
+	//
+	// Deprecated: use LockTimeout.
 	Wait time.Duration
 	// RetryAfter is the Retry-After of 409 and 503 answers (default 1 s).
 	RetryAfter time.Duration
 	// Retention is how long keys and responses live (default 24 h).
 	Retention time.Duration
 
-	// LeaseDuration is the lease of a key in lease mode (default 30 s). It must
-	// exceed the handler's longest run.
+	// Lease is the lease of a key in lease mode (default 30 s). It must exceed the
+	// handler's longest run.
+	Lease time.Duration
+	// LeaseDuration is the old name of Lease, honoured when Lease is not set.
+	//
+	// Deprecated: use Lease.
 	LeaseDuration time.Duration
 	// Recover decides, in lease mode, what to do with a key whose lease ran out
 	// (see Stale). It runs in the request's transaction, as the handler does:
@@ -209,8 +225,10 @@ type Config struct {
 	TracerProvider trace.TracerProvider
 }
 
-func (c *Config) setDefaults() {
-	c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
+// WithDefaults returns c with every unset field at its default (and the
+// deprecated Wait and LeaseDuration moved to LockTimeout and Lease).
+func (c Config) WithDefaults() Config {
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	c.KeyHeader = http.CanonicalHeaderKey(cmp.Or(c.KeyHeader, DefaultKeyHeader))
 	if c.Operation == nil {
 		c.Operation = DefaultOperation
@@ -223,19 +241,24 @@ func (c *Config) setDefaults() {
 	}
 	c.MaxRequestBody = cmp.Or(c.MaxRequestBody, DefaultMaxRequestBody)
 	c.MaxResponseBody = cmp.Or(c.MaxResponseBody, DefaultMaxResponseBody)
-	c.Wait = cmp.Or(c.Wait, DefaultWait)
+	c.LockTimeout = cmp.Or(c.LockTimeout, c.Wait, DefaultLockTimeout)
+	c.Wait = 0
 	c.RetryAfter = cmp.Or(c.RetryAfter, DefaultRetryAfter)
 	c.Retention = cmp.Or(c.Retention, DefaultRetention)
-	c.LeaseDuration = cmp.Or(c.LeaseDuration, DefaultLease)
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
+	c.Lease = cmp.Or(c.Lease, c.LeaseDuration, DefaultLease)
+	c.LeaseDuration = 0
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
+	return c
 }
 
-// Validate checks the config after defaults.
-func (c *Config) Validate() error {
-	if c.Pool == nil {
-		return errors.New("Pool is required")
+// Validate reports what New would refuse in c: no Pool, no key scope chosen, a bad
+// schema or key header, a limit or bound out of range, a stored header that must
+// not be stored. It checks c.WithDefaults(), so a config that sets only Pool and
+// Tenant (or Unscoped) passes.
+func (c Config) Validate() error {
+	c = c.WithDefaults()
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+		return err
 	}
 	switch {
 	case c.Tenant == nil && !c.Unscoped:
@@ -243,38 +266,35 @@ func (c *Config) Validate() error {
 	case c.Tenant != nil && c.Unscoped:
 		return fmt.Errorf("%w: both are set", ErrScopeNotChosen)
 	}
-	if err := inbox.ValidateSchema(c.Schema); err != nil {
-		return err
-	}
 	if c.KeyHeader == "" || strings.ContainsAny(c.KeyHeader, " \t\r\n:") {
-		return fmt.Errorf("KeyHeader %q is not a header name", c.KeyHeader)
+		return errcode.InvalidConfig("KeyHeader %q is not a header name", c.KeyHeader)
 	}
 	switch c.KeyHeader {
 	case "Authorization", "Cookie", "Content-Type", "Content-Length":
-		return fmt.Errorf("KeyHeader %q is not a key header", c.KeyHeader)
+		return errcode.InvalidConfig("KeyHeader %q is not a key header", c.KeyHeader)
 	}
 	if c.MaxRequestBody < 0 {
-		return fmt.Errorf("MaxRequestBody %d is negative", c.MaxRequestBody)
+		return errcode.InvalidConfig("MaxRequestBody %d is negative", c.MaxRequestBody)
 	}
 	if c.MaxResponseBody < 0 || c.MaxResponseBody > MaxStoredBody {
-		return fmt.Errorf("MaxResponseBody %d is outside 0..%d", c.MaxResponseBody, MaxStoredBody)
+		return errcode.InvalidConfig("MaxResponseBody %d is outside 0..%d", c.MaxResponseBody, MaxStoredBody)
 	}
-	if c.Wait < time.Millisecond {
-		return fmt.Errorf("Wait %s is under a millisecond", c.Wait)
+	if c.LockTimeout < time.Millisecond {
+		return errcode.InvalidConfig("LockTimeout %s is under a millisecond", c.LockTimeout)
 	}
 	if c.RetryAfter < 0 {
-		return fmt.Errorf("RetryAfter %s is negative", c.RetryAfter)
+		return errcode.InvalidConfig("RetryAfter %s is negative", c.RetryAfter)
 	}
 	if c.Retention < time.Minute {
-		return fmt.Errorf("Retention %s is under a minute; it must exceed the longest time a client retries", c.Retention)
+		return errcode.InvalidConfig("Retention %s is under a minute; it must exceed the longest time a client retries", c.Retention)
 	}
-	if c.LeaseDuration < 10*time.Millisecond {
-		return fmt.Errorf("LeaseDuration %s is under 10 ms", c.LeaseDuration)
+	if c.Lease < 10*time.Millisecond {
+		return errcode.InvalidConfig("Lease %s is under 10 ms", c.Lease)
 	}
 	for _, h := range c.StoredHeaders {
 		switch http.CanonicalHeaderKey(h) {
 		case "Content-Length", "Transfer-Encoding", "Connection", ReplayedHeader:
-			return fmt.Errorf("StoredHeaders: %q is computed on every answer, never stored", h)
+			return errcode.InvalidConfig("StoredHeaders: %q is computed on every answer, never stored", h)
 		}
 		if !c.StoreSensitiveHeaders && slices.Contains(SensitiveHeaders, http.CanonicalHeaderKey(h)) {
 			return fmt.Errorf("%w: StoredHeaders names %q", ErrSensitiveHeader, h)

@@ -102,7 +102,7 @@ func TestOneConnectionPerRequest(t *testing.T) {
 	const n = 2
 	gate := &barrier{n: n}
 	b := setupPooled(t, n, func(c *httpidem.Config) {
-		c.LeaseDuration = time.Minute // stale leases are made by hand
+		c.Lease = time.Minute // stale leases are made by hand
 		c.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
 			mode := strings.TrimPrefix(s.Tenant, "lease-")
 			if mode == "stale" {
@@ -276,7 +276,7 @@ func staleKey(t *testing.T, b *bundle, store *inbox.Store, tenant, key, body str
 	r.Header.Set("Content-Type", "application/json")
 	fp, err := httpidem.DefaultFingerprint(inbox.JSONOptions{})(r, []byte(body))
 	require.NoError(t, err)
-	res, err := store.LeaseResponse(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: tenant, Key: key}, Fingerprint: fp}, time.Minute)
+	res, err := store.Lease(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: tenant, Key: key}, Fingerprint: fp}, time.Minute)
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
 	_, err = b.pool.Exec(ctx, `UPDATE inbox SET lease_until = now() - interval '1 millisecond' WHERE tenant = $1 AND key = $2`, tenant, key)

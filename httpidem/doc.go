@@ -33,7 +33,7 @@
 //     claimed by INSERT … ON CONFLICT as the first write of the request's
 //     transaction, before the handler runs, the response is stored in that transaction, and the answer is
 //     written only after COMMIT. A concurrent request with the key waits for the
-//     first one (up to Wait) and then gets its stored answer, or 409 with
+//     first one (up to LockTimeout) and then gets its stored answer, or 409 with
 //     Retry-After.
 //   - The same answer. A retry after a final answer gets the stored status, the
 //     allow-listed headers and the body byte for byte, with
@@ -60,7 +60,7 @@
 //     as effects (the Dispatcher sends them after the commit, with a stable key),
 //     or use lease mode.
 //   - A retry after the retention runs as a new request: keys and stored responses
-//     are deleted by the inbox janitor, and a key past its expiry is forgotten even
+//     are deleted by the janitor (package janitor), and a key past its expiry is forgotten even
 //     before the janitor comes.
 //   - Bodies over MaxResponseBody are not stored: such a request is rolled back and
 //     answered 500, every time. Raise the limit or store a reference
@@ -87,8 +87,8 @@
 // Lease mode (Route{Lease: true}) is for handlers that must call a provider
 // themselves and cannot hold a transaction open across the call. The key commits
 // first as in progress, with a lease and a fence; a request that finds a fresh
-// lease answers 409 after Wait. When a lease runs out (the server crashed, or the
-// handler outlived LeaseDuration, or answered a status that is not final), the next
+// lease answers 409 after LockTimeout. When a lease runs out (the server crashed, or the
+// handler outlived Lease, or answered a status that is not final), the next
 // request takes it over with a new fence and Config.Recover decides, in the
 // request's transaction (Tx(ctx), where it can write what the provider did): settle
 // the key with a response (it asked the provider, which had done the work), or run

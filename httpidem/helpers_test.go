@@ -88,8 +88,8 @@ func setupOn(t *testing.T, opts pgtest.Options, mutate ...func(*httpidem.Config)
 func baseConfig(pool *pgxpool.Pool, schema string) httpidem.Config {
 	return httpidem.Config{
 		Pool: pool, Schema: schema,
-		Tenant: func(r *http.Request) (string, error) { return r.Header.Get("X-Tenant"), nil },
-		Wait:   5 * time.Second,
+		Tenant:      func(r *http.Request) (string, error) { return r.Header.Get("X-Tenant"), nil },
+		LockTimeout: 5 * time.Second,
 	}
 }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/janitor"
 )
 
 // TestReplayAfterSuccess: the second request with the key runs nothing and gets
@@ -124,11 +125,11 @@ func TestConcurrentRequestsOneKey(t *testing.T) {
 	require.EqualValues(t, 1, b.calls.Load())
 }
 
-// TestConcurrentPastWait: a request that outwaits Wait gets 409 + Retry-After and
+// TestConcurrentPastWait: a request that outwaits LockTimeout gets 409 + Retry-After and
 // runs nothing; the key then replays.
 func TestConcurrentPastWait(t *testing.T) {
 	t.Parallel()
-	b := setup(t, func(c *httpidem.Config) { c.Wait = 50 * time.Millisecond; c.RetryAfter = 3 * time.Second })
+	b := setup(t, func(c *httpidem.Config) { c.LockTimeout = 50 * time.Millisecond; c.RetryAfter = 3 * time.Second })
 	entered, release := make(chan struct{}), make(chan struct{})
 	b.setHook(func(http.ResponseWriter, *http.Request) bool { close(entered); <-release; return false })
 	done := make(chan answer)
@@ -229,7 +230,7 @@ func TestExpiredKey(t *testing.T) {
 	// The janitor deletes an expired key and its response.
 	_, err = b.pool.Exec(ctx, `UPDATE inbox SET expires_at = now() - interval '1 second'`)
 	require.NoError(t, err)
-	j, err := inbox.NewJanitor(inbox.JanitorConfig{Pool: b.pool, Schema: b.schema})
+	j, err := janitor.New(janitor.Config{Pool: b.pool, Schema: b.schema})
 	require.NoError(t, err)
 	st, err := j.RunOnce(ctx)
 	require.NoError(t, err)

@@ -10,12 +10,13 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // serveLease is lease mode. The key commits first, as processing with a lease and a
 // fence; the handler then runs in a transaction that settles the key (with the
 // response) only if the fence still matches. A request that finds a fresh lease
-// waits up to Wait for it to settle, then answers 409. One that finds a lease that
+// waits up to LockTimeout for it to settle, then answers 409. One that finds a lease that
 // ran out takes it over (fence + 1) and asks Recover what to do, in the
 // transaction the handler would run in.
 //
@@ -26,7 +27,7 @@ func (m *Middleware) serveLease(q *request) {
 	ctx := q.r.Context()
 	cctx, span := m.startClaim(q)
 	start := time.Now()
-	res, err := m.store.LeaseResponse(cctx, m.cfg.Pool, q.claim, m.cfg.LeaseDuration)
+	res, err := m.store.LeaseResponse(cctx, m.cfg.Pool, q.claim, m.cfg.Lease)
 	if err == nil && !res.Claimed && !res.Mismatch && res.Existing.State == inbox.StateProcessing {
 		res, err = m.waitForLease(q, start)
 	}
@@ -169,7 +170,7 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 			case err == nil:
 				m.committed(q, resp, nil, outcome)
 				return
-			case errors.Is(err, inbox.ErrCommitUnknown):
+			case errors.Is(err, txmark.ErrCommitUnknown):
 				// The release is fenced and needs state processing: if the commit did
 				// happen it changes nothing, and if not the key is free at once.
 				m.releaseLease(q, fence)
@@ -186,9 +187,9 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 		case errors.Is(err, inbox.ErrLeaseLost):
 			// A newer holder took the key over; our work did not commit, and its
 			// answer is the key's answer.
-			m.log.Warn("idem: lease lost before the commit (the handler outlived LeaseDuration); rolled back", q.attrs()...)
+			m.log.Warn("idem: lease lost before the commit (the handler outlived Lease); rolled back", q.attrs()...)
 			m.inProgress(q)
-		case errors.Is(err, inbox.ErrTxReplaced):
+		case errors.Is(err, txmark.ErrTxReplaced):
 			m.releaseLease(q, fence)
 			m.answerFault(q, faultTxEnded)
 		case err == nil:
@@ -203,7 +204,7 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 			answer()
 			return
 		}
-		stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+		stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
 		conn, err := m.acquire(ctx, q)
 		if err == nil {
 			err = m.store.FailLeaseResponse(ctx, conn.conn, id, fence, m.cfg.Retention, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
@@ -233,25 +234,25 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 }
 
 // waitForLease polls a key held by a fresh lease until it settles, its lease runs
-// out (then this request takes it over), or Wait has passed since start.
-func (m *Middleware) waitForLease(q *request, start time.Time) (inbox.ResponseClaim, error) {
+// out (then this request takes it over), or LockTimeout has passed since start.
+func (m *Middleware) waitForLease(q *request, start time.Time) (responseClaim, error) {
 	ctx := q.r.Context()
 	if m.onLeaseWait != nil {
 		m.onLeaseWait(q.r)
 	}
 	pause := 10 * time.Millisecond
 	for {
-		left := m.cfg.Wait - time.Since(start)
+		left := m.cfg.LockTimeout - time.Since(start)
 		if left <= 0 {
-			return inbox.ResponseClaim{ClaimResult: inbox.ClaimResult{Existing: &inbox.Record{State: inbox.StateProcessing}}}, nil
+			return responseClaim{ClaimResult: inbox.ClaimResult{Existing: &inbox.Record{State: inbox.StateProcessing}}}, nil
 		}
 		select {
 		case <-ctx.Done():
-			return inbox.ResponseClaim{}, ctx.Err()
+			return responseClaim{}, ctx.Err()
 		case <-time.After(min(pause, left)):
 		}
 		pause = min(2*pause, 200*time.Millisecond)
-		res, err := m.store.LeaseResponse(ctx, m.cfg.Pool, q.claim, m.cfg.LeaseDuration)
+		res, err := m.store.LeaseResponse(ctx, m.cfg.Pool, q.claim, m.cfg.Lease)
 		if err != nil || res.Claimed || res.Mismatch || res.Existing.State != inbox.StateProcessing {
 			return res, err
 		}

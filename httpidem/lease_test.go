@@ -17,11 +17,11 @@ import (
 )
 
 // TestLeaseMode: the key commits as processing before the handler runs; a
-// concurrent request waits up to Wait and then replays or answers 409; a different
+// concurrent request waits up to LockTimeout and then replays or answers 409; a different
 // body is 422; a final answer is stored with the fence and replayed.
 func TestLeaseMode(t *testing.T) {
 	t.Parallel()
-	b := setup(t, func(c *httpidem.Config) { c.Wait = 100 * time.Millisecond })
+	b := setup(t, func(c *httpidem.Config) { c.LockTimeout = 100 * time.Millisecond })
 	entered, release := make(chan struct{}), make(chan struct{})
 	b.setHook(func(w http.ResponseWriter, r *http.Request) bool {
 		if id, ok := httpidem.KeyFrom(r.Context()); ok && id.Key == "slow" {
@@ -68,10 +68,10 @@ func TestLeaseMode(t *testing.T) {
 }
 
 // TestLeaseWaitThenReplay: a request that finds a fresh lease and waits gets the
-// stored answer as soon as the holder settles within Wait.
+// stored answer as soon as the holder settles within LockTimeout.
 func TestLeaseWaitThenReplay(t *testing.T) {
 	t.Parallel()
-	b := setup(t, func(c *httpidem.Config) { c.Wait = 30 * time.Second })
+	b := setup(t, func(c *httpidem.Config) { c.LockTimeout = 30 * time.Second })
 	entered, release := make(chan struct{}), make(chan struct{})
 	var once atomic.Bool
 	b.setHook(func(w http.ResponseWriter, r *http.Request) bool {
@@ -105,8 +105,8 @@ func TestLeaseStaleKey(t *testing.T) {
 	var decide atomic.Value // func(httpidem.Stale) (*httpidem.Response, error)
 	var stales []httpidem.Stale
 	b := setup(t, func(c *httpidem.Config) {
-		c.LeaseDuration = time.Minute // leases are run out by hand below, so no test races the clock
-		c.Wait = 50 * time.Millisecond
+		c.Lease = time.Minute // leases are run out by hand below, so no test races the clock
+		c.LockTimeout = 50 * time.Millisecond
 		c.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
 			stales = append(stales, s)
 			return decide.Load().(func(httpidem.Stale) (*httpidem.Response, error))(s)
@@ -154,7 +154,7 @@ func TestLeaseStaleKey(t *testing.T) {
 		r.Header.Set("Content-Type", "application/json")
 		fp, err := httpidem.DefaultFingerprint(inbox.JSONOptions{})(r, []byte(body))
 		require.NoError(t, err)
-		res, err := store.LeaseResponse(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: defaultTenant, Key: key}, Fingerprint: fp}, time.Minute)
+		res, err := store.Lease(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: defaultTenant, Key: key}, Fingerprint: fp}, time.Minute)
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
 		runOut(key)
@@ -193,7 +193,7 @@ func TestRecoverRunsInTheRequestsTransaction(t *testing.T) {
 	t.Parallel()
 	var fail atomic.Bool
 	b := setup(t, func(c *httpidem.Config) {
-		c.LeaseDuration = time.Minute
+		c.Lease = time.Minute
 		c.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
 			tx := httpidem.Tx(ctx)
 			if tx == nil {

@@ -1,10 +1,11 @@
 package httpidem
 
 import (
-	"errors"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemkit/idem/internal/promreg"
 )
 
 // Outcomes: the outcome label of idem_http_requests_total.
@@ -84,19 +85,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"operation", "decision"}),
 	}
 	var err error
-	if m.requests, err = registerAs(reg, m.requests); err != nil {
-		return nil, err
-	}
-	if m.replayAge, err = registerAs(reg, m.replayAge); err != nil {
-		return nil, err
-	}
-	if m.lockWait, err = registerAs(reg, m.lockWait); err != nil {
-		return nil, err
-	}
-	if m.expired, err = registerAs(reg, m.expired); err != nil {
-		return nil, err
-	}
-	if m.stale, err = registerAs(reg, m.stale); err != nil {
+	m.requests = promreg.Register(reg, m.requests, &err)
+	m.replayAge = promreg.Register(reg, m.replayAge, &err)
+	m.lockWait = promreg.Register(reg, m.lockWait, &err)
+	m.expired = promreg.Register(reg, m.expired, &err)
+	m.stale = promreg.Register(reg, m.stale, &err)
+	if err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -117,20 +111,4 @@ func (m *metrics) init(op string) {
 	m.replayAge.WithLabelValues(op)
 	m.lockWait.WithLabelValues(op)
 	m.expired.WithLabelValues(op)
-}
-
-// registerAs registers c, or returns the collector already registered under the
-// same name, so that two middlewares on one registry share their metrics.
-func registerAs[T prometheus.Collector](reg prometheus.Registerer, c T) (T, error) {
-	if reg == nil {
-		return c, nil
-	}
-	err := reg.Register(c)
-	var are prometheus.AlreadyRegisteredError
-	if errors.As(err, &are) {
-		if existing, ok := are.ExistingCollector.(T); ok {
-			return existing, nil
-		}
-	}
-	return c, err
 }

@@ -19,14 +19,16 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/tracing"
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // Middleware is the Idempotency-Key middleware. Wrap each route's handler with
 // Middleware (or Route, for per-route options). It is safe for concurrent use.
 type Middleware struct {
 	cfg     Config
-	store   *inbox.Store
+	store   *responseStore
 	metrics *metrics
 	log     *slog.Logger
 	tracer  trace.Tracer
@@ -43,11 +45,11 @@ type Middleware struct {
 
 // New validates cfg and returns a Middleware.
 func New(cfg Config) (*Middleware, error) {
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	store, err := inbox.NewStore(cfg.Schema)
+	store, err := newResponseStore(cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -95,8 +97,9 @@ type keyKey struct{}
 // not final (or panic) to roll back.
 type ownedTx struct{ pgx.Tx }
 
-// ErrTxOwned: the handler called Commit or Rollback on the transaction idem gave it.
-var ErrTxOwned = errors.New("idem: the request's transaction belongs to httpidem: answer with a final status to commit, with any other status to roll back")
+// ErrTxOwned is returned when the handler calls Commit or Rollback on the
+// transaction idem gave it. Its code is the consumer's for the same mistake.
+var ErrTxOwned = errcode.Transient("tx_owned", "the request's transaction belongs to httpidem: answer with a final status to commit, with any other status to roll back")
 
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
 func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
@@ -275,7 +278,7 @@ func (m *Middleware) serveTx(q *request) {
 	}
 	cctx, span := m.startClaim(q)
 	start := time.Now()
-	res, err := m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, max(m.cfg.Wait, time.Millisecond))
+	res, err := m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, max(m.cfg.LockTimeout, time.Millisecond))
 	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
 	endClaim(span, res.ClaimResult, err)
 	if err != nil {
@@ -308,7 +311,7 @@ func (m *Middleware) serveTx(q *request) {
 }
 
 // commitTx stores a success response in tx and commits, then answers.
-func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Response) {
+func (m *Middleware) commitTx(q *request, tx *connTx, row rowRef, resp *Response) {
 	ctx := q.r.Context()
 	stored, err := m.toStored(q, tx, resp)
 	if err == nil && ctx.Err() == nil {
@@ -317,7 +320,7 @@ func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Re
 		cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
 		err = tx.noteEnded(m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored))
 		endSpan(span, err)
-		if err == nil || errors.Is(err, inbox.ErrCommitUnknown) {
+		if err == nil || errors.Is(err, txmark.ErrCommitUnknown) {
 			m.committed(q, resp, err, OutcomeCommitted)
 			return
 		}
@@ -328,7 +331,7 @@ func (m *Middleware) commitTx(q *request, tx *connTx, row inbox.RowRef, resp *Re
 		return
 	}
 	switch {
-	case errors.Is(err, inbox.ErrTxReplaced):
+	case errors.Is(err, txmark.ErrTxReplaced):
 		m.answerFault(q, faultTxEnded)
 	case err == nil:
 		m.ended(q, ctx.Err())
@@ -347,7 +350,7 @@ func (m *Middleware) committed(q *request, resp *Response, err error, outcome st
 		}
 		m.count(q.claim.Consumer, outcome)
 		q.send(resp, false)
-	case errors.Is(err, inbox.ErrCommitUnknown):
+	case errors.Is(err, txmark.ErrCommitUnknown):
 		m.count(q.claim.Consumer, OutcomeError)
 		m.log.Warn("idem: COMMIT failed; whether the request took effect is unknown until a retry with the same key",
 			append(q.attrs(), "err", err)...)
@@ -403,7 +406,7 @@ func (m *Middleware) rollBack(q *request, tx *connTx, fence int64) (answer func(
 		var ok bool
 		ok, err = m.store.AnswerCommitted(ctx, conn.conn, q.claim, fence, CodeHandlerCommitted,
 			"the handler committed the request's transaction itself (raw SQL); its answer could not be stored",
-			&inbox.Response{Status: stored.Status, Header: stored.Header, Body: stored.Body})
+			&storedResponse{Status: stored.Status, Header: stored.Header, Body: stored.Body})
 		switch {
 		case err == nil && ok:
 			m.log.Error("idem: the handler committed the request's transaction itself (raw COMMIT): its work committed without its answer, so the key is settled with a stored handler_committed problem, and a transaction it began after that was rolled back. Never end the transaction httpidem.Tx gives",
@@ -441,9 +444,9 @@ func (m *Middleware) rollBack(q *request, tx *connTx, fence int64) (answer func(
 func (m *Middleware) settleEnded(ctx context.Context, q *request, conn *connTx, fence int64) (answer func()) {
 	const msg = "the handler ended the request's transaction itself (raw ROLLBACK or COMMIT); what it wrote after that committed on its own"
 	p := problemResponse(CodeHandlerEndedTransaction, handlerEndedDetail, 0)
-	stored := &inbox.Response{Status: p.Status, Header: p.Header, Body: p.Body}
+	stored := &storedResponse{Status: p.Status, Header: p.Header, Body: p.Body}
 	var (
-		res inbox.ResponseClaim
+		res responseClaim
 		err error
 	)
 	if fence > 0 {
@@ -584,8 +587,8 @@ func (m *Middleware) ended(q *request, err error) {
 
 // toStored is what is stored of resp: the allow-listed headers and the body, or a
 // reference to it.
-func (m *Middleware) toStored(q *request, tx pgx.Tx, resp *Response) (*inbox.Response, error) {
-	stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+func (m *Middleware) toStored(q *request, tx pgx.Tx, resp *Response) (*storedResponse, error) {
+	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
 	if m.cfg.BodyReference != nil && resp.Status < 400 {
 		ctx := context.WithValue(q.r.Context(), txKey{}, ownedTx{tx})
 		ref, err := m.cfg.BodyReference.Reference(ctx, q.r, resp)
@@ -618,9 +621,9 @@ func (m *Middleware) saveFailed(q *request, err error) {
 // request settled the key meanwhile, that outcome is the answer.
 func (m *Middleware) storeFailure(q *request, resp *Response) {
 	ctx := q.r.Context()
-	stored := &inbox.Response{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
 	conn, err := m.acquire(ctx, q)
-	var res inbox.ResponseClaim
+	var res responseClaim
 	if err == nil {
 		res, err = m.recordFailure(ctx, conn, q.claim, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)
 	}
@@ -639,9 +642,9 @@ func (m *Middleware) storeFailure(q *request, resp *Response) {
 // recordFailure records c as failed with code, msg and stored, in a transaction of
 // its own on conn (outside any transaction), waiting up to Wait for a concurrent
 // request with the key; if the key has a row, it returns that instead.
-func (m *Middleware) recordFailure(ctx context.Context, conn *connTx, c inbox.Claim, code, msg string, stored *inbox.Response) (res inbox.ResponseClaim, err error) {
+func (m *Middleware) recordFailure(ctx context.Context, conn *connTx, c inbox.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
 	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.Wait)); err != nil {
+		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.LockTimeout)); err != nil {
 			return err
 		}
 		var err error
@@ -660,7 +663,7 @@ func (m *Middleware) notFinal(q *request, resp *Response) {
 
 // answerExisting answers a request whose key has a row already. It gives the
 // connection back first: a BodyReferencer may use the pool.
-func (m *Middleware) answerExisting(q *request, res inbox.ResponseClaim) {
+func (m *Middleware) answerExisting(q *request, res responseClaim) {
 	q.release()
 	rec := res.Existing
 	switch {
@@ -679,7 +682,7 @@ func (m *Middleware) answerExisting(q *request, res inbox.ResponseClaim) {
 	}
 }
 
-func (m *Middleware) replay(q *request, rec *inbox.Record, stored *inbox.Response) {
+func (m *Middleware) replay(q *request, rec *inbox.Record, stored *storedResponse) {
 	body := stored.Body
 	if stored.BodyRef != "" {
 		var err error
@@ -707,7 +710,7 @@ func (m *Middleware) inProgress(q *request) {
 	q.problem(CodeInProgress, "a request with this key is still running; retry after Retry-After", m.cfg.RetryAfter)
 }
 
-func (m *Middleware) noteExpired(q *request, res inbox.ResponseClaim) {
+func (m *Middleware) noteExpired(q *request, res responseClaim) {
 	if res.ReplacedExpired {
 		m.metrics.expired.WithLabelValues(q.claim.Consumer).Inc()
 		m.log.Info("idem: key reused after its retention; running it as a new request", q.attrs()...)
@@ -759,7 +762,7 @@ func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseW
 	}
 	err = tx.Commit(context.WithoutCancel(ctx))
 	switch {
-	case errors.Is(err, inbox.ErrTxReplaced):
+	case errors.Is(err, txmark.ErrTxReplaced):
 		m.answerFault(q, faultTxEnded)
 		return
 	case err != nil:
@@ -773,7 +776,7 @@ func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseW
 }
 
 // begin begins a transaction on q's connection (acquired if q holds none), marked
-// with inbox.TxMark, in one round trip; withXID also takes the transaction's ID
+// with txmark.Mark, in one round trip; withXID also takes the transaction's ID
 // (lease mode, where rollBack needs it).
 func (m *Middleware) begin(ctx context.Context, q *request, withXID bool) (*connTx, error) {
 	tx, err := m.acquire(ctx, q)
@@ -782,7 +785,7 @@ func (m *Middleware) begin(ctx context.Context, q *request, withXID bool) (*conn
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	b.Queue(inbox.TxMark)
+	b.Queue(txmark.Mark)
 	if withXID {
 		b.Queue(xidSQL)
 	}

@@ -2,11 +2,12 @@ package httpidem
 
 import (
 	"encoding/json"
-	"errors"
 	"math"
 	"net/http"
 	"strconv"
 	"time"
+
+	"github.com/idemkit/idem/internal/errcode"
 )
 
 // ReplayedHeader marks a replayed response: "Idempotent-Replayed: true".
@@ -91,8 +92,9 @@ const (
 	CodeRecoveryFailed = "recovery_failed"
 )
 
-// ErrNoOperation: the request has no route pattern to name its operation by.
-var ErrNoOperation = errors.New("idem: no operation: the request has no http.ServeMux pattern (wrap each route's handler, not the mux) and Config.Operation is not set")
+// ErrNoOperation is returned by DefaultOperation when the request has no route
+// pattern to name its operation by. Its code is CodeNoOperation.
+var ErrNoOperation = errcode.Permanent(CodeNoOperation, "no operation: the request has no http.ServeMux pattern (wrap each route's handler, not the mux) and Config.Operation is not set")
 
 // Problem is an RFC 9457 problem details object, as idem writes it.
 type Problem struct {

@@ -155,7 +155,7 @@ func TestHandlerReplacesTransaction(t *testing.T) {
 // keeps the second request's answer and payment, which the first request gets too.
 func TestHandlerRollsBackUnderAConcurrentRequest(t *testing.T) {
 	t.Parallel()
-	b := setup(t, func(c *httpidem.Config) { c.Wait = 30 * time.Second })
+	b := setup(t, func(c *httpidem.Config) { c.LockTimeout = 30 * time.Second })
 	secondDone := make(chan struct{})
 	var calls atomic.Int64
 	b.setHook(func(w http.ResponseWriter, r *http.Request) bool {

@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // connTx is a transaction on one connection of the pool, which idem begins and
@@ -27,7 +27,7 @@ type connTx struct {
 	// transaction with raw SQL, its status (pg_xact_status) tells whether the
 	// handler's work committed.
 	xid string
-	// ended: a COMMIT idem sent found the mark gone (inbox.ErrTxReplaced), so the
+	// ended: a COMMIT idem sent found the mark gone (txmark.ErrTxReplaced), so the
 	// handler ended idem's transaction; the failed check left the connection's
 	// transaction failed, where the mark can no longer be asked.
 	ended bool
@@ -37,7 +37,7 @@ var _ pgx.Tx = (*connTx)(nil)
 
 // beginSQL starts every transaction idem opens: READ COMMITTED, which the claim
 // relies on to see a concurrent winner's row after waiting for it. Each is marked
-// with inbox.TxMark in the same round trip.
+// with txmark.Mark in the same round trip.
 const beginSQL = "begin isolation level read committed"
 
 // settleTimeout bounds the statements that settle a request after its handler's
@@ -90,12 +90,12 @@ func (t *connTx) Begin(ctx context.Context) (pgx.Tx, error) {
 }
 
 // Commit commits, if the transaction is still the one idem began (it carries
-// inbox.TxMark): a replacement the handler began is refused with
-// inbox.ErrTxReplaced, and left failed for release to roll back. An error from
+// txmark.Mark): a replacement the handler began is refused with
+// txmark.ErrTxReplaced, and left failed for release to roll back. An error from
 // COMMIT closes the connection, since the outcome is unknown.
 func (t *connTx) Commit(ctx context.Context) error {
-	err := t.noteEnded(inbox.CommitMarked(ctx, t.conn))
-	if errors.Is(err, inbox.ErrCommitUnknown) && !t.conn.IsClosed() && t.inTx() {
+	err := t.noteEnded(txmark.Commit(ctx, t.conn))
+	if errors.Is(err, txmark.ErrCommitUnknown) && !t.conn.IsClosed() && t.inTx() {
 		_ = t.conn.Close(ctx)
 	}
 	return err
@@ -106,7 +106,7 @@ type txEnd int
 
 const (
 	// txOpen: it was still the open transaction (in a transaction, carrying
-	// inbox.TxMark), and is now rolled back: nothing of the request committed.
+	// txmark.Mark), and is now rolled back: nothing of the request committed.
 	txOpen txEnd = iota
 	// txFailed: a statement failed in the open transaction (status 'E'), or the
 	// connection is gone. Postgres rolls such a transaction back; it cannot be asked
@@ -121,9 +121,9 @@ const (
 )
 
 // noteEnded records, from the error of a COMMIT idem sent, whether the handler
-// had ended idem's transaction (inbox.ErrTxReplaced), and returns err.
+// had ended idem's transaction (txmark.ErrTxReplaced), and returns err.
 func (t *connTx) noteEnded(err error) error {
-	if errors.Is(err, inbox.ErrTxReplaced) {
+	if errors.Is(err, txmark.ErrTxReplaced) {
 		t.ended = true
 	}
 	return err
@@ -145,7 +145,7 @@ func (t *connTx) rollbackMarked(ctx context.Context) txEnd {
 		return txEnded
 	case 'T':
 		if !t.ended {
-			marked, err := inbox.RollbackMarked(ctx, t.conn)
+			marked, err := txmark.Rollback(ctx, t.conn)
 			switch {
 			case err == nil && marked:
 				return txOpen

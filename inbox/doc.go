@@ -14,16 +14,13 @@
 // in lease mode; the consumer package does that. Rows live for their retention, and
 // a duplicate that arrives after its row expired is not recognised.
 //
-// ClaimBatchTx claims many keys with one statement, in (consumer, tenant, key) order so
-// that batches sharing keys cannot deadlock, and reads the committed rows of the keys
-// it did not claim in the same statement when its snapshot sees them; the consumer's
-// group commit uses it. Its commit guard (migration 004) is the consumer's.
+// The package holds what a user of the inbox calls: the Store and its claims, the
+// key, tenant and consumer rules, the fingerprints, and the coded errors. What only
+// idem's own packages use lives with them: the set-based batch claim in consumer,
+// the stored HTTP responses in httpidem, and the statements they share with the
+// Store in internal/inboxdb. The schema and its migrator are package migrate, the
+// janitor package janitor; the names that moved stay here as deprecated aliases.
 //
-// For package httpidem, a row may also hold the HTTP response given for its key
-// (inbox/response.go, migration 003): stored in the transaction that claims the key,
-// read back on a retry, and deleted by the janitor with the key.
-//
-// The package also holds the schema: numbered SQL migrations (MigrationsFS) and the
-// Migrator that applies them, for the inbox and the effects tables alike. inbox and
-// effects import pgx and nothing else of idem.
+// inbox imports pgx and idem's internal leaf packages, nothing public of idem but
+// the targets of those aliases.
 package inbox

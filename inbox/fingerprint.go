@@ -9,6 +9,8 @@ import (
 	"strings"
 	"unicode/utf16"
 	"unicode/utf8"
+
+	"github.com/idemkit/idem/internal/text"
 )
 
 // A Fingerprinter turns a payload into the fingerprint stored with its key. Two
@@ -629,10 +631,11 @@ func appendExponential(out, digits []byte, exp string) []byte {
 	return append(out, exp...)
 }
 
-// clipQuoted quotes s for an error message, cut to 32 bytes: payloads reach logs.
+// clipQuoted quotes s for an error message, cut to 32 bytes at a character
+// boundary: payloads reach logs.
 func clipQuoted(s string) string {
 	if len(s) > 32 {
-		return strconv.Quote(s[:32]) + "…"
+		return strconv.Quote(strings.TrimSuffix(text.Clip(s, 32), "…")) + "…"
 	}
 	return strconv.Quote(s)
 }

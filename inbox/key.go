@@ -2,9 +2,10 @@ package inbox
 
 import (
 	"fmt"
-	"regexp"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // MaxKeyLen is the longest key, tenant or consumer name the inbox accepts, in bytes.
@@ -43,15 +44,10 @@ func ValidateConsumer(name string) error {
 }
 
 // DefaultSchema is the Postgres schema idem uses unless told otherwise.
-const DefaultSchema = "idem"
+const DefaultSchema = pgschema.Default
 
-var schemaPattern = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
-
-// ValidateSchema checks a schema name. idem quotes it in SQL as well, but a plain
-// identifier keeps the name the same in psql, in logs and in a user's own tools.
-func ValidateSchema(schema string) error {
-	if !schemaPattern.MatchString(schema) {
-		return fmt.Errorf("%w: got %q", ErrInvalidSchema, schema)
-	}
-	return nil
-}
+// ValidateSchema checks a schema name: a plain lower-case identifier,
+// ^[a-z_][a-z0-9_]{0,62}$, or ErrInvalidSchema. idem quotes it in SQL as well, but a
+// plain identifier keeps the name the same in psql, in logs and in a user's own
+// tools.
+func ValidateSchema(schema string) error { return pgschema.Validate(schema) }

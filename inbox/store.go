@@ -3,11 +3,18 @@ package inbox
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"bytes"
+
+	"cmp"
+
+	"github.com/idemkit/idem/internal/inboxdb"
+	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/text"
 )
 
 // DBTX is what the store runs statements on: a pgx.Tx, a *pgx.Conn or a pool.
@@ -98,23 +105,22 @@ type ClaimResult struct {
 // Store runs the inbox's statements against the tables in one schema.
 type Store struct {
 	schema string
-	q      queries
+	q      inboxdb.Queries
 }
 
 // NewStore returns a Store for schema (DefaultSchema when empty).
 func NewStore(schema string) (*Store, error) {
-	if schema == "" {
-		schema = DefaultSchema
-	}
+	schema = cmp.Or(schema, DefaultSchema)
 	if err := ValidateSchema(schema); err != nil {
 		return nil, err
 	}
-	return &Store{schema: schema, q: newQueries(quoteIdent(schema))}, nil
+	return &Store{schema: schema, q: inboxdb.New(schema)}, nil
 }
 
 // Schema is the store's schema name.
 func (s *Store) Schema() string { return s.schema }
 
+// retentionOf is a claim's retention, DefaultRetention when it has none.
 func retentionOf(d time.Duration) time.Duration {
 	if d <= 0 {
 		return DefaultRetention
@@ -136,7 +142,7 @@ func (s *Store) ClaimTx(ctx context.Context, tx DBTX, c Claim) (ClaimResult, err
 	}
 	return s.insertOr(ctx, tx, c, func() (int64, error) {
 		var inserted bool
-		err := tx.QueryRow(ctx, s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
+		err := tx.QueryRow(ctx, s.q.Claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
 		return 0, err
 	})
 }
@@ -165,8 +171,8 @@ func (s *Store) insertOr(ctx context.Context, db DBTX, c Claim, insert func() (i
 		if err != nil {
 			return ClaimResult{}, err
 		}
-		if rec.expired() {
-			if _, err := db.Exec(ctx, s.q.deleteExpiredKey, c.Consumer, c.Tenant, c.Key); err != nil {
+		if rec.Expired() {
+			if _, err := db.Exec(ctx, s.q.DeleteExpiredKey, c.Consumer, c.Tenant, c.Key); err != nil {
 				return ClaimResult{}, s.wrap(err)
 			}
 			expired = true
@@ -176,9 +182,10 @@ func (s *Store) insertOr(ctx context.Context, db DBTX, c Claim, insert func() (i
 	}
 }
 
-// expired reports whether r is a settled row past its expires_at, by the
-// database's clock: such a key is forgotten. A processing row never is.
-func (r *Record) expired() bool {
+// Expired reports whether r is a settled (completed or failed) row past its
+// expires_at, by the database's clock (Now): such a key is forgotten, and its next
+// claim deletes the row and claims the key as new. A processing row never is.
+func (r *Record) Expired() bool {
 	return r.State != StateProcessing && r.ExpiresAt.Before(r.Now)
 }
 
@@ -202,14 +209,14 @@ func (s *Store) ClaimAfterTx(ctx context.Context, tx interface {
 	return s.insertOr(ctx, tx, c, func() (int64, error) {
 		var inserted bool
 		if pipelined { // a retry after the conflicting row vanished
-			return 0, tx.QueryRow(ctx, s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
+			return 0, tx.QueryRow(ctx, s.q.Claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&inserted)
 		}
 		pipelined = true
 		b := &pgx.Batch{}
 		for _, sql := range prelude {
 			b.Queue(sql)
 		}
-		b.Queue(s.q.claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+		b.Queue(s.q.Claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
 		br := tx.SendBatch(ctx, b)
 		for range prelude {
 			if _, err := br.Exec(); err != nil {
@@ -226,21 +233,21 @@ func (s *Store) ClaimAfterTx(ctx context.Context, tx interface {
 }
 
 func (s *Store) existing(rec *Record, fp []byte) ClaimResult {
-	return ClaimResult{Existing: rec, Mismatch: !bytesEqual(rec.Fingerprint, fp)}
+	return ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)}
 }
 
 // FailTx records a permanent failure for c.Key, unless the key already has a row. It
 // returns whether it wrote the row. Call it in a transaction of its own, after the
 // handler's transaction rolled back, so that nothing of the failed work is kept.
-// code and msg are stored through SanitizeText, so any bytes are accepted.
+// code and msg are sanitised (valid UTF-8, no NUL bytes), so any bytes are accepted.
 func (s *Store) FailTx(ctx context.Context, tx DBTX, c Claim, code, msg string) (ClaimResult, error) {
 	if err := c.Validate(); err != nil {
 		return ClaimResult{}, err
 	}
-	code, msg = SanitizeText(code, 0), SanitizeText(msg, 0)
+	code, msg = text.Sanitize(code, 0), text.Sanitize(msg, 0)
 	return s.insertOr(ctx, tx, c, func() (int64, error) {
 		var inserted bool
-		err := tx.QueryRow(ctx, s.q.fail, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg).Scan(&inserted)
+		err := tx.QueryRow(ctx, s.q.Fail, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg).Scan(&inserted)
 		return 0, err
 	})
 }
@@ -249,7 +256,7 @@ func (s *Store) FailTx(ctx context.Context, tx DBTX, c Claim, code, msg string) 
 func (s *Store) Get(ctx context.Context, db DBTX, id ID) (*Record, error) {
 	var r Record
 	var code, msg *string
-	err := db.QueryRow(ctx, s.q.get, id.Consumer, id.Tenant, id.Key).Scan(
+	err := db.QueryRow(ctx, s.q.Get, id.Consumer, id.Tenant, id.Key).Scan(
 		&r.Consumer, &r.Tenant, &r.Key, &r.Fingerprint, &r.State, &code, &msg, &r.Attempts,
 		&r.LeaseUntil, &r.Fence, &r.ReceivedAt, &r.CompletedAt, &r.ExpiresAt, &r.Now)
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -277,7 +284,7 @@ func (s *Store) Lease(ctx context.Context, db DBTX, c Claim, lease time.Duration
 	}
 	return s.insertOr(ctx, db, c, func() (int64, error) {
 		var fence int64
-		err := db.QueryRow(ctx, s.q.lease, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), lease).Scan(&fence)
+		err := db.QueryRow(ctx, s.q.Lease, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), lease).Scan(&fence)
 		return fence, err
 	})
 }
@@ -286,7 +293,7 @@ func (s *Store) Lease(ctx context.Context, db DBTX, c Claim, lease time.Duration
 // that holds the handler's work), if the fence still matches. Otherwise it returns
 // ErrLeaseLost and the caller must roll back.
 func (s *Store) CompleteLeaseTx(ctx context.Context, tx DBTX, id ID, fence int64, retention time.Duration) error {
-	tag, err := tx.Exec(ctx, s.q.completeLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention))
+	tag, err := tx.Exec(ctx, s.q.CompleteLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention))
 	if err != nil {
 		return s.wrap(err)
 	}
@@ -297,10 +304,10 @@ func (s *Store) CompleteLeaseTx(ctx context.Context, tx DBTX, id ID, fence int64
 }
 
 // FailLease records a permanent failure on a leased key if the fence still matches.
-// code and msg are stored through SanitizeText, so any bytes are accepted.
+// code and msg are sanitised (valid UTF-8, no NUL bytes), so any bytes are accepted.
 func (s *Store) FailLease(ctx context.Context, db DBTX, id ID, fence int64, retention time.Duration, code, msg string) error {
-	code, msg = SanitizeText(code, 0), SanitizeText(msg, 0)
-	tag, err := db.Exec(ctx, s.q.failLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention), code, msg)
+	code, msg = text.Sanitize(code, 0), text.Sanitize(msg, 0)
+	tag, err := db.Exec(ctx, s.q.FailLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention), code, msg)
 	if err != nil {
 		return s.wrap(err)
 	}
@@ -313,7 +320,7 @@ func (s *Store) FailLease(ctx context.Context, db DBTX, id ID, fence int64, rete
 // ReleaseLease ends a lease early after a transient failure, so that the next
 // delivery takes the key over at once instead of waiting out the lease.
 func (s *Store) ReleaseLease(ctx context.Context, db DBTX, id ID, fence int64) error {
-	_, err := db.Exec(ctx, s.q.releaseLease, id.Consumer, id.Tenant, id.Key, fence)
+	_, err := db.Exec(ctx, s.q.ReleaseLease, id.Consumer, id.Tenant, id.Key, fence)
 	return s.wrap(err)
 }
 
@@ -322,7 +329,7 @@ func (s *Store) ReleaseLease(ctx context.Context, db DBTX, id ID, fence int64) e
 // processing rows, and skips rows that another transaction has locked. Janitor
 // runs it in batches; call it yourself only to build a cleanup of your own.
 func (s *Store) DeleteExpired(ctx context.Context, db DBTX, limit int) (int64, error) {
-	tag, err := db.Exec(ctx, s.q.deleteExpired, limit)
+	tag, err := db.Exec(ctx, s.q.DeleteExpired, limit)
 	if err != nil {
 		return 0, s.wrap(err)
 	}
@@ -330,24 +337,4 @@ func (s *Store) DeleteExpired(ctx context.Context, db DBTX, limit int) (int64, e
 }
 
 // wrap turns a missing table into ErrSchemaMissing, which says what to do.
-func (s *Store) wrap(err error) error {
-	if err == nil {
-		return nil
-	}
-	if errIsUndefinedTable(err) {
-		return fmt.Errorf("%w (schema %q): %v", ErrSchemaMissing, s.schema, err)
-	}
-	return err
-}
-
-func bytesEqual(a, b []byte) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
-}
+func (s *Store) wrap(err error) error { return pgschema.Wrap(err, s.schema) }

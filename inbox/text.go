@@ -1,57 +1,12 @@
 package inbox
 
-import (
-	"strings"
-	"unicode/utf8"
-)
+import "github.com/idemkit/idem/internal/text"
 
 // SanitizeText returns s as text that a Postgres text column always accepts: valid
-// UTF-8 without NUL bytes. Use it wherever an error (a handler's, a sender's, a
-// panic value, a quoted binary response body) becomes stored text: one NUL byte or
-// invalid UTF-8 sequence would otherwise make Postgres reject the whole statement
-// (SQLSTATE 22021), losing every row written with it.
+// UTF-8 without NUL bytes, each NUL byte or invalid byte written as \xNN, and at
+// most maxBytes bytes (when maxBytes > 0), cut between two characters and ended
+// with "…". The Store applies it to every code and error text it records.
 //
-// A NUL byte becomes the four characters \x00, and each byte that is not part of a
-// valid UTF-8 sequence becomes \xNN, so the text keeps saying what was there. When
-// maxBytes > 0 the result is at most maxBytes bytes long: it is cut between two
-// characters (never inside an escape or a multi-byte character) and ends in "…".
-//
-// The effects package has its own copy (effects imports nothing of idem); a test
-// keeps the two identical.
-func SanitizeText(s string, maxBytes int) string {
-	if utf8.ValidString(s) && strings.IndexByte(s, 0) < 0 && (maxBytes <= 0 || len(s) <= maxBytes) {
-		return s
-	}
-	const ellipsis, hex = "…", "0123456789abcdef"
-	room := maxBytes // the most text before the ellipsis, if one is needed
-	if maxBytes > len(ellipsis) {
-		room -= len(ellipsis)
-	}
-	var b strings.Builder
-	fit := 0 // b.Len() at the last character boundary within room
-	for i := 0; i < len(s); {
-		r, size := utf8.DecodeRuneInString(s[i:])
-		if r == 0 || r == utf8.RuneError && size == 1 {
-			b.Write([]byte{'\\', 'x', hex[s[i]>>4], hex[s[i]&0xf]})
-		} else {
-			b.WriteString(s[i : i+size])
-		}
-		i += size
-		if maxBytes > 0 {
-			if b.Len() <= room {
-				fit = b.Len()
-			}
-			if b.Len() > maxBytes {
-				break // it will not fit whole
-			}
-		}
-	}
-	out := b.String()
-	if maxBytes <= 0 || len(out) <= maxBytes {
-		return out
-	}
-	if maxBytes > len(ellipsis) {
-		return out[:fit] + ellipsis
-	}
-	return out[:fit]
-}
+// Deprecated: idem sanitises the text it stores itself (FailTx, FailLease); nothing
+// else in the inbox needs it.
+func SanitizeText(s string, maxBytes int) string { return text.Sanitize(s, maxBytes) }

@@ -3,7 +3,6 @@ package kafka
 import (
 	"cmp"
 	"errors"
-	"fmt"
 	"math"
 	"time"
 
@@ -11,6 +10,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Publisher defaults. kafka-go's own defaults are tuned for throughput of
@@ -100,41 +102,32 @@ func PartitionKeyFromMetadata(field string) PartitionKeyFunc {
 	}
 }
 
-// PublisherConfig configures a Publisher. The fields mirror kafka.Writer;
-// unset fields get this package's defaults, not kafka-go's.
+// PublisherConfig configures a Publisher. It embeds kafka-go's own
+// kafka.WriterConfig, as SubscriberConfig embeds kafka.ReaderConfig, and adds
+// what idem needs. Unset fields get this package's defaults, not kafka-go's.
+//
+// WriterConfig carries kafka-go's knobs. The ones this package reads are Brokers
+// (required), Dialer (its DialFunc, ClientID, TLS and SASLMechanism, for the
+// connections to the brokers), Balancer, MaxAttempts, BatchSize, BatchBytes,
+// BatchTimeout, ReadTimeout, WriteTimeout, RebalanceInterval (how long the
+// brokers' topic metadata is cached), IdleConnTimeout, RequiredAcks, Async,
+// CompressionCodec, Logger and ErrorLogger. Topic must stay empty: the topic
+// comes from Publish. QueueCapacity has no effect. (kafka-go keeps WriterConfig
+// for compatibility and otherwise configures its Writer field by field; a Writer
+// holds a mutex and cannot be copied inside a config, so WriterConfig is the
+// kafka-go config that a config can carry.)
 type PublisherConfig struct {
-	// Brokers are the bootstrap addresses. Required.
-	Brokers []string
+	kafka.WriterConfig
 
 	// PartitionKey picks each record's key. Nil means no key (the balancer
 	// spreads records over partitions, so there is no order between them).
 	PartitionKey PartitionKeyFunc
 
-	// Balancer picks a partition from the key. Default: &kafka.Hash{} (the
-	// same key always lands on the same partition; records without a key
-	// are spread round robin).
-	Balancer kafka.Balancer
-
-	// RequiredAcks; default kafka.RequireAll. kafka.RequireNone cannot be
-	// chosen here: use Async if you do not want to wait.
-	RequiredAcks kafka.RequiredAcks
-	// Async makes Publish return before the broker acks. Failed writes are
-	// then only logged. Off by default: idem relies on Publish returning
-	// after the broker has the message.
-	Async bool
-
-	// The fields below mean what the kafka.Writer fields of the same name
-	// mean. Zero takes this package's default where there is one
-	// (MaxAttempts, BatchSize, BatchTimeout), and kafka-go's otherwise.
-	MaxAttempts     int
+	// WriteBackoffMin and WriteBackoffMax bound the pause between two attempts
+	// of a write: kafka.Writer's fields of those names, which WriterConfig
+	// lacks. Zero takes kafka-go's defaults.
 	WriteBackoffMin time.Duration
 	WriteBackoffMax time.Duration
-	BatchSize       int
-	BatchBytes      int64
-	BatchTimeout    time.Duration
-	ReadTimeout     time.Duration
-	WriteTimeout    time.Duration
-	Compression     kafka.Compression
 
 	// AllowAutoTopicCreation lets the broker create unknown topics on
 	// publish, if the broker allows it.
@@ -147,11 +140,12 @@ type PublisherConfig struct {
 	// trying again writes no record twice. Default: DefaultTopicWait.
 	TopicWait time.Duration
 
-	// Transport talks to the brokers. Default: a kafka.Transport with
-	// MetadataTTL = DefaultMetadataTTL whose metadata requests name only the
-	// topics this Publisher has published to, owned and closed by the
-	// Publisher. (kafka.DefaultTransport asks for every topic of the
-	// cluster at each refresh, which on a cluster with thousands of
+	// Transport, when set, talks to the brokers instead of the one this
+	// package makes: a kafka.Transport built from Dialer, with MetadataTTL =
+	// RebalanceInterval (DefaultMetadataTTL by default) and metadata requests
+	// that name only the topics this Publisher has published to, owned and
+	// closed by the Publisher. (kafka.DefaultTransport asks for every topic of
+	// the cluster at each refresh, which on a cluster with thousands of
 	// partitions is a large answer to wait for.)
 	Transport kafka.RoundTripper
 
@@ -162,40 +156,50 @@ type PublisherConfig struct {
 	// propagator from then on.
 	Propagator propagation.TextMapPropagator
 
-	// Logger; nil means quiet.
+	// Logger; nil means quiet. (WriterConfig's Logger and ErrorLogger, kafka-go's
+	// own, are passed to the Writer.)
 	Logger watermill.LoggerAdapter
 }
 
-func (c *PublisherConfig) setDefaults() {
-	c.Propagator = propagatorOrGlobal(c.Propagator)
+// WithDefaults returns c with every unset field at its default.
+func (c PublisherConfig) WithDefaults() PublisherConfig {
+	c.Propagator = tracing.Propagator(c.Propagator)
 	c.Balancer = cmp.Or[kafka.Balancer](c.Balancer, &kafka.Hash{})
-	c.RequiredAcks = cmp.Or(c.RequiredAcks, DefaultRequiredAcks)
+	c.RequiredAcks = cmp.Or(c.RequiredAcks, int(DefaultRequiredAcks))
 	c.MaxAttempts = cmp.Or(c.MaxAttempts, DefaultMaxAttempts)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.BatchTimeout = cmp.Or(c.BatchTimeout, DefaultBatchTimeout)
+	c.RebalanceInterval = cmp.Or(c.RebalanceInterval, DefaultMetadataTTL)
 	c.TopicWait = cmp.Or(c.TopicWait, DefaultTopicWait)
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
+	if c.Dialer == nil {
+		c.Dialer = kafka.DefaultDialer
 	}
+	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
+	return c
 }
 
-// Validate reports a config that cannot work.
-func (c *PublisherConfig) Validate() error {
+// Validate reports what NewPublisher would refuse in c, every problem at once. It
+// checks c.WithDefaults(), so a config that sets only Brokers passes.
+func (c PublisherConfig) Validate() error {
+	c = c.WithDefaults()
 	var errs []error
 	if len(c.Brokers) == 0 {
-		errs = append(errs, errors.New("Brokers is empty"))
+		errs = append(errs, errcode.InvalidConfig("Brokers is empty"))
+	}
+	if c.Topic != "" {
+		errs = append(errs, errcode.InvalidConfig("Topic must be empty: the topic comes from Publish"))
 	}
 	if c.MaxAttempts < 0 || c.BatchSize < 0 || c.BatchBytes < 0 {
-		errs = append(errs, errors.New("MaxAttempts, BatchSize and BatchBytes must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("MaxAttempts, BatchSize and BatchBytes must not be negative"))
 	}
-	if c.BatchTimeout < 0 || c.ReadTimeout < 0 || c.WriteTimeout < 0 ||
+	if c.BatchTimeout < 0 || c.ReadTimeout < 0 || c.WriteTimeout < 0 || c.RebalanceInterval < 0 || c.IdleConnTimeout < 0 ||
 		c.WriteBackoffMin < 0 || c.WriteBackoffMax < 0 || c.TopicWait < 0 {
-		errs = append(errs, errors.New("durations must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("durations must not be negative"))
 	}
-	switch c.RequiredAcks {
+	switch kafka.RequiredAcks(c.RequiredAcks) {
 	case kafka.RequireAll, kafka.RequireOne:
 	default:
-		errs = append(errs, fmt.Errorf("RequiredAcks %d is not RequireAll or RequireOne", c.RequiredAcks))
+		errs = append(errs, errcode.InvalidConfig("RequiredAcks %d is not RequireAll (-1) or RequireOne (1); use Async not to wait", c.RequiredAcks))
 	}
 	return errors.Join(errs...)
 }
@@ -287,8 +291,9 @@ type SubscriberConfig struct {
 	Propagator propagation.TextMapPropagator
 }
 
-func (c *SubscriberConfig) setDefaults() {
-	c.Propagator = propagatorOrGlobal(c.Propagator)
+// WithDefaults returns c with every unset field at its default.
+func (c SubscriberConfig) WithDefaults() SubscriberConfig {
+	c.Propagator = tracing.Propagator(c.Propagator)
 	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
 	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, DefaultHeartbeatInterval)
 	c.SessionTimeout = cmp.Or(c.SessionTimeout, DefaultSessionTimeout)
@@ -307,9 +312,8 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.Dialer == nil {
 		c.Dialer = kafka.DefaultDialer
 	}
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
+	return c
 }
 
 // maxGroupTimeout is the longest duration the group protocol can carry: an
@@ -321,7 +325,7 @@ const maxGroupTimeout = time.Duration(math.MaxInt32) * time.Millisecond
 // default, and group.max.session.timeout.ms, 30 min) cannot be known here;
 // a SessionTimeout outside them fails Subscribe with a GroupRefusedError
 // that names them.
-func (c *SubscriberConfig) validateGroupTimings() []error {
+func (c SubscriberConfig) validateGroupTimings() []error {
 	var errs []error
 	for _, d := range []struct {
 		name string
@@ -332,7 +336,7 @@ func (c *SubscriberConfig) validateGroupTimings() []error {
 		{"RebalanceTimeout", c.RebalanceTimeout},
 	} {
 		if d.v < time.Millisecond || d.v > maxGroupTimeout {
-			errs = append(errs, fmt.Errorf("%s %s must be between 1ms and %s: the group protocol carries it in whole milliseconds",
+			errs = append(errs, errcode.InvalidConfig("%s %s must be between 1ms and %s: the group protocol carries it in whole milliseconds",
 				d.name, d.v, maxGroupTimeout))
 		}
 	}
@@ -340,53 +344,56 @@ func (c *SubscriberConfig) validateGroupTimings() []error {
 	// one late or lost heartbeat does not cost the membership (and every
 	// member a rebalance).
 	if c.HeartbeatInterval > c.SessionTimeout/3 {
-		errs = append(errs, fmt.Errorf("HeartbeatInterval %s must be at most a third of SessionTimeout %s (that is, <= %s), "+
+		errs = append(errs, errcode.InvalidConfig("HeartbeatInterval %s must be at most a third of SessionTimeout %s (that is, <= %s), "+
 			"so that one late heartbeat does not end the membership", c.HeartbeatInterval, c.SessionTimeout, c.SessionTimeout/3))
 	}
 	return errs
 }
 
-// Validate reports a config that cannot work.
-func (c *SubscriberConfig) Validate() error {
+// Validate reports what NewSubscriber would refuse in c, every problem at once. It
+// checks c.WithDefaults(), so a config that sets only Brokers (and GroupID, to
+// join a group) passes.
+func (c SubscriberConfig) Validate() error {
+	c = c.WithDefaults()
 	var errs []error
 	if len(c.Brokers) == 0 {
-		errs = append(errs, errors.New("Brokers is empty"))
+		errs = append(errs, errcode.InvalidConfig("Brokers is empty"))
 	}
 	if c.Topic != "" || len(c.GroupTopics) > 0 || c.Partition != 0 {
-		errs = append(errs, errors.New("Topic, GroupTopics and Partition must be empty: the topic comes from Subscribe"))
+		errs = append(errs, errcode.InvalidConfig("Topic, GroupTopics and Partition must be empty: the topic comes from Subscribe"))
 	}
 	if c.GroupID != "" && len(c.Partitions) > 0 {
-		errs = append(errs, errors.New("Partitions is only for reading without a GroupID"))
+		errs = append(errs, errcode.InvalidConfig("Partitions is only for reading without a GroupID"))
 	}
 	if c.GroupID != "" && c.StartOffset != kafka.FirstOffset && c.StartOffset != kafka.LastOffset {
-		errs = append(errs, errors.New("with a GroupID, StartOffset must be kafka.FirstOffset or kafka.LastOffset"))
+		errs = append(errs, errcode.InvalidConfig("with a GroupID, StartOffset must be kafka.FirstOffset or kafka.LastOffset"))
 	}
 	if c.StartOffset < kafka.FirstOffset {
-		errs = append(errs, fmt.Errorf("StartOffset %d is not an offset", c.StartOffset))
+		errs = append(errs, errcode.InvalidConfig("StartOffset %d is not an offset", c.StartOffset))
 	}
 	for _, p := range c.Partitions {
 		if p < 0 {
-			errs = append(errs, fmt.Errorf("partition %d is negative", p))
+			errs = append(errs, errcode.InvalidConfig("partition %d is negative", p))
 		}
 	}
 	if c.MaxConcurrentPartitions < 0 {
-		errs = append(errs, errors.New("MaxConcurrentPartitions must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("MaxConcurrentPartitions must not be negative"))
 	}
 	if c.MaxInFlightPerPartition < 0 {
-		errs = append(errs, errors.New("MaxInFlightPerPartition must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("MaxInFlightPerPartition must not be negative"))
 	}
 	if c.NackBackoff < 0 || c.NackBackoffMax < 0 || c.CommitInterval < 0 || c.MaxWait < 0 ||
 		c.HeartbeatInterval < 0 || c.SessionTimeout < 0 || c.RebalanceTimeout < 0 {
-		errs = append(errs, errors.New("durations must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("durations must not be negative"))
 	}
 	if c.NackBackoffMax > 0 && c.NackBackoffMax < c.NackBackoff {
-		errs = append(errs, fmt.Errorf("NackBackoffMax %s must be at least NackBackoff %s", c.NackBackoffMax, c.NackBackoff))
+		errs = append(errs, errcode.InvalidConfig("NackBackoffMax %s must be at least NackBackoff %s", c.NackBackoffMax, c.NackBackoff))
 	}
 	if c.GroupID != "" {
 		errs = append(errs, c.validateGroupTimings()...)
 	}
 	if c.TopicPartitions < 1 {
-		errs = append(errs, errors.New("TopicPartitions must be at least 1"))
+		errs = append(errs, errcode.InvalidConfig("TopicPartitions must be at least 1"))
 	}
 	return errors.Join(errs...)
 }

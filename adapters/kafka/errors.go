@@ -8,10 +8,17 @@ import (
 	"time"
 
 	"github.com/segmentio/kafka-go"
+
+	"github.com/idemkit/idem/internal/errcode"
 )
 
 // ErrGroupRefused matches, through errors.Is, every GroupRefusedError.
 var ErrGroupRefused = errors.New("kafka: the consumer group refused this member")
+
+// ErrInvalidConfig is wrapped by the error NewPublisher or NewSubscriber returns
+// for a config it refuses (code "invalid_config"). Every idem package has the same
+// value.
+var ErrInvalidConfig = errcode.ErrInvalidConfig
 
 // CodeGroupRefused is the stable code of a GroupRefusedError, for logs and
 // metrics.

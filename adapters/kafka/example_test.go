@@ -33,10 +33,9 @@ func Example() {
 		panic(err)
 	}
 
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers:      brokers,
-		PartitionKey: kafka.PartitionKeyFromMetadata("order_id"),
-	})
+	pcfg := kafka.PublisherConfig{PartitionKey: kafka.PartitionKeyFromMetadata("order_id")}
+	pcfg.Brokers = brokers
+	pub, err := kafka.NewPublisher(pcfg)
 	if err != nil {
 		panic(err)
 	}

@@ -80,13 +80,15 @@ func testLogger() watermill.LoggerAdapter {
 func newPublisher(t testing.TB, brokers []string, key kafka.PartitionKeyFunc) *kafka.Publisher {
 	t.Helper()
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers:      brokers,
+		WriterConfig: kafkago.WriterConfig{
+			Brokers: brokers,
+			// kafka-go's 10 s are short for a JVM broker sharing two loaded
+			// cores with the tests: a write that times out fails Publish.
+			ReadTimeout:  30 * time.Second,
+			WriteTimeout: 30 * time.Second,
+		},
 		PartitionKey: key,
 		Logger:       testLogger(),
-		// kafka-go's 10 s are short for a JVM broker sharing two loaded
-		// cores with the tests: a write that times out fails Publish.
-		ReadTimeout:  30 * time.Second,
-		WriteTimeout: 30 * time.Second,
 	})
 	require.NoError(t, err)
 	return pub

@@ -7,6 +7,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // UUIDHeader is the record header that carries the Watermill message UUID.
@@ -60,7 +62,7 @@ func toRecord(topic string, key []byte, msg *message.Message, prop propagation.T
 		}
 		headers = append(headers, kafka.Header{Key: k, Value: []byte(v)})
 	}
-	injectTrace(msg.Context(), msg.Metadata, prop, func(k, v string) {
+	tracing.Inject(msg.Context(), msg.Metadata, prop, func(k, v string) {
 		headers = append(headers, kafka.Header{Key: k, Value: []byte(v)})
 	})
 	return kafka.Message{Topic: topic, Key: key, Value: msg.Payload, Headers: headers}

@@ -56,17 +56,19 @@ func mostDeliveries(steps []time.Duration, window time.Duration) int {
 func byKeyPublisher(t *testing.T, brokers []string) *kafka.Publisher {
 	t.Helper()
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers:      brokers,
+		WriterConfig: kafkago.WriterConfig{
+			Brokers: brokers,
+			Balancer: kafkago.BalancerFunc(func(m kafkago.Message, _ ...int) int {
+				if k := string(m.Key); k == "poison" || strings.HasPrefix(k, "p0-") {
+					return 0
+				}
+				return 1
+			}),
+			ReadTimeout:  30 * time.Second,
+			WriteTimeout: 30 * time.Second,
+		},
 		PartitionKey: kafka.PartitionKeyFromMetadata("key"),
-		Balancer: kafkago.BalancerFunc(func(m kafkago.Message, _ ...int) int {
-			if k := string(m.Key); k == "poison" || strings.HasPrefix(k, "p0-") {
-				return 0
-			}
-			return 1
-		}),
 		Logger:       testLogger(),
-		ReadTimeout:  30 * time.Second,
-		WriteTimeout: 30 * time.Second,
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pub.Close() })

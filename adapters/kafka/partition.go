@@ -9,6 +9,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/segmentio/kafka-go"
+
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // windowPerInFlight bounds how far a partition delivers past its oldest
@@ -372,7 +374,7 @@ func (p *partitionRun) add(step fetched) {
 func (p *partitionRun) prepare(ctx context.Context, e *entry) *candidate {
 	count := p.sub.deliveries.count(p.tp, e.rec.Offset) + 1
 	msg := fromRecord(*e.rec, count)
-	mctx, cancel := context.WithCancel(p.sub.s.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata)))
+	mctx, cancel := context.WithCancel(p.sub.s.cfg.Propagator.Extract(ctx, tracing.Metadata(msg.Metadata)))
 	msg.SetContext(mctx)
 	return &candidate{e: e, msg: msg, count: count, cancel: cancel}
 }

@@ -47,7 +47,7 @@ func (w *writer) covers(topic string) bool {
 
 // NewPublisher returns a Publisher. It does not connect until the first Publish.
 func NewPublisher(cfg PublisherConfig) (*Publisher, error) {
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -59,8 +59,13 @@ func (p *Publisher) newWriter(topics []string) *writer {
 	w := &writer{topics: topics}
 	transport := cfg.Transport
 	if transport == nil {
-		w.transport = &kafka.Transport{MetadataTTL: DefaultMetadataTTL, MetadataTopics: topics}
+		w.transport = dialerTransport(cfg.Dialer, cfg.RebalanceInterval, topics)
+		w.transport.IdleTimeout = cfg.IdleConnTimeout
 		transport = w.transport
+	}
+	var compression kafka.Compression
+	if cfg.CompressionCodec != nil {
+		compression = kafka.Compression(cfg.CompressionCodec.Code())
 	}
 	w.w = &kafka.Writer{
 		Addr:                   kafka.TCP(cfg.Brokers...),
@@ -69,13 +74,15 @@ func (p *Publisher) newWriter(topics []string) *writer {
 		WriteBackoffMin:        cfg.WriteBackoffMin,
 		WriteBackoffMax:        cfg.WriteBackoffMax,
 		BatchSize:              cfg.BatchSize,
-		BatchBytes:             cfg.BatchBytes,
+		BatchBytes:             int64(cfg.BatchBytes),
 		BatchTimeout:           cfg.BatchTimeout,
 		ReadTimeout:            cfg.ReadTimeout,
 		WriteTimeout:           cfg.WriteTimeout,
-		RequiredAcks:           cfg.RequiredAcks,
+		RequiredAcks:           kafka.RequiredAcks(cfg.RequiredAcks),
 		Async:                  cfg.Async,
-		Compression:            cfg.Compression,
+		Compression:            compression,
+		Logger:                 cfg.WriterConfig.Logger,
+		ErrorLogger:            cfg.ErrorLogger,
 		Transport:              transport,
 		AllowAutoTopicCreation: cfg.AllowAutoTopicCreation,
 	}

@@ -19,6 +19,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"net"
+
 	"github.com/idemkit/idem/adapters/kafka"
 )
 
@@ -108,7 +110,7 @@ func TestPublishWaitsForSlowMetadata(t *testing.T) {
 func TestPublishToMissingTopicFailsAfterTopicWait(t *testing.T) {
 	t.Parallel()
 	_, brokers := newCluster(t)
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers, TopicWait: 300 * time.Millisecond})
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{WriterConfig: kafkago.WriterConfig{Brokers: brokers}, TopicWait: 300 * time.Millisecond})
 	require.NoError(t, err)
 	defer pub.Close()
 
@@ -221,4 +223,25 @@ func TestPublisherTopicsConcurrentlyAndClose(t *testing.T) {
 	for i, topic := range topics {
 		require.Equal(t, written[i].Load(), recordsIn(t, brokers, topic), "topic %d", i)
 	}
+}
+
+// TestPublisherDialsThroughTheDialer: the Publisher's connections go through
+// WriterConfig.Dialer (its DialFunc, as its TLS, SASL and client ID), as the
+// Subscriber's do, so a TLS or SASL cluster is configured the same way for both.
+func TestPublisherDialsThroughTheDialer(t *testing.T) {
+	t.Parallel()
+	_, brokers := newCluster(t)
+	createTopics(t, brokers, "dialed")
+	var dials atomic.Int64
+	var d net.Dialer
+	dialer := &kafkago.Dialer{DialFunc: func(ctx context.Context, network, address string) (net.Conn, error) {
+		dials.Add(1)
+		return d.DialContext(ctx, network, address)
+	}}
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{WriterConfig: kafkago.WriterConfig{Brokers: brokers, Dialer: dialer}})
+	require.NoError(t, err)
+	defer pub.Close()
+	require.NoError(t, pub.Publish("dialed", newMessages(3)...))
+	require.Positive(t, dials.Load(), "the Publisher dialed through the Dialer")
+	require.Equal(t, int64(3), recordsIn(t, brokers, "dialed"))
 }

@@ -35,7 +35,7 @@ type Subscriber struct {
 
 // NewSubscriber returns a Subscriber. It does not connect until Subscribe.
 func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -178,17 +178,23 @@ func (s *Subscriber) Close() error {
 	return nil
 }
 
-// transport talks to the brokers as the Dialer would (TLS, SASL, client
-// ID), caching the metadata of topic only.
+// transport talks to the brokers as the Dialer would, caching the metadata of
+// topic only.
 func (s *Subscriber) transport(topic string) *kafka.Transport {
-	d := s.cfg.Dialer
+	return dialerTransport(s.cfg.Dialer, DefaultMetadataTTL, []string{topic})
+}
+
+// dialerTransport talks to the brokers as d would (its DialFunc, TLS, SASL and
+// client ID), caching the metadata of topics only, for metadataTTL. The
+// Publisher's and the Subscriber's transports are made here.
+func dialerTransport(d *kafka.Dialer, metadataTTL time.Duration, topics []string) *kafka.Transport {
 	return &kafka.Transport{
 		Dial:           d.DialFunc,
 		ClientID:       d.ClientID,
 		TLS:            d.TLS,
 		SASL:           d.SASLMechanism,
-		MetadataTTL:    DefaultMetadataTTL,
-		MetadataTopics: []string{topic},
+		MetadataTTL:    metadataTTL,
+		MetadataTopics: topics,
 	}
 }
 

@@ -26,7 +26,8 @@ func TestTraceContextTravels(t *testing.T) {
 		b := setup(t, brokers, 1)
 		tp := sdktrace.NewTracerProvider()
 		t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-		pubCfg := kafka.PublisherConfig{Brokers: brokers, Propagator: propagation.TraceContext{}, Logger: testLogger()}
+		pubCfg := kafka.PublisherConfig{Propagator: propagation.TraceContext{}, Logger: testLogger()}
+		pubCfg.Brokers = brokers
 		pub, err := kafka.NewPublisher(pubCfg)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = pub.Close() })

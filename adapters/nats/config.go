@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"context"
 	"errors"
-	"fmt"
 	"regexp"
 	"time"
 
@@ -12,6 +11,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Defaults. Each is used when the matching config field is left at its zero value.
@@ -96,7 +98,8 @@ type Topology struct {
 	Stream jetstream.StreamConfig
 }
 
-func (t *Topology) setDefaults() {
+// WithDefaults returns t with every unset field at its default.
+func (t Topology) WithDefaults() Topology {
 	if t.StreamName == nil {
 		t.StreamName = DefaultStreamName
 	}
@@ -104,6 +107,7 @@ func (t *Topology) setDefaults() {
 		t.Subject = func(topic string) string { return topic }
 	}
 	t.Stream.Duplicates = cmp.Or(t.Stream.Duplicates, DefaultDuplicateWindow)
+	return t
 }
 
 // streamConfig is the stream to provision for topic.
@@ -126,10 +130,10 @@ func DefaultStreamName(topic string) string {
 
 func validName(kind, name string) error {
 	if name == "" {
-		return fmt.Errorf("%s is empty", kind)
+		return errcode.InvalidConfig("%s is empty", kind)
 	}
 	if invalidNameChars.MatchString(name) {
-		return fmt.Errorf("%s %q holds a character other than letters, digits, '_' and '-'", kind, name)
+		return errcode.InvalidConfig("%s %q holds a character other than letters, digits, '_' and '-'", kind, name)
 	}
 	return nil
 }
@@ -173,28 +177,30 @@ type PublisherConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
-func (c *PublisherConfig) setDefaults() {
-	c.Topology.setDefaults()
-	c.Propagator = propagatorOrGlobal(c.Propagator)
+// WithDefaults returns c with every unset field at its default.
+func (c PublisherConfig) WithDefaults() PublisherConfig {
+	c.Topology = c.Topology.WithDefaults()
+	c.Propagator = tracing.Propagator(c.Propagator)
 	c.MaxInFlight = cmp.Or(c.MaxInFlight, DefaultMaxInFlight)
 	c.PublishTimeout = cmp.Or(c.PublishTimeout, DefaultPublishTimeout)
 	c.CloseTimeout = cmp.Or(c.CloseTimeout, DefaultCloseTimeout)
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
+	return c
 }
 
-// Validate reports the first problem with the config, after defaults are applied.
-func (c *PublisherConfig) Validate() error {
+// Validate reports what NewPublisher would refuse in c, every problem at once. It
+// checks c.WithDefaults(), so the zero PublisherConfig passes.
+func (c PublisherConfig) Validate() error {
+	c = c.WithDefaults()
 	var errs []error
 	if c.MaxInFlight < 1 {
-		errs = append(errs, errors.New("MaxInFlight must be at least 1"))
+		errs = append(errs, errcode.InvalidConfig("MaxInFlight must be at least 1"))
 	}
 	if c.PublishTimeout < 0 {
-		errs = append(errs, errors.New("PublishTimeout must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("PublishTimeout must not be negative"))
 	}
 	if c.CloseTimeout < 0 {
-		errs = append(errs, errors.New("CloseTimeout must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("CloseTimeout must not be negative"))
 	}
 	return errors.Join(errs...)
 }
@@ -279,9 +285,10 @@ type SubscriberConfig struct {
 	Propagator propagation.TextMapPropagator
 }
 
-func (c *SubscriberConfig) setDefaults() {
-	c.Topology.setDefaults()
-	c.Propagator = propagatorOrGlobal(c.Propagator)
+// WithDefaults returns c with every unset field at its default.
+func (c SubscriberConfig) WithDefaults() SubscriberConfig {
+	c.Topology = c.Topology.WithDefaults()
+	c.Propagator = tracing.Propagator(c.Propagator)
 	if c.ConsumerName == nil {
 		durable := c.Durable
 		c.ConsumerName = func(string) string { return durable }
@@ -296,43 +303,44 @@ func (c *SubscriberConfig) setDefaults() {
 	}
 	c.PullExpiry = cmp.Or(c.PullExpiry, DefaultPullExpiry)
 	c.AckTimeout = cmp.Or(c.AckTimeout, DefaultAckTimeout)
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
+	return c
 }
 
-// Validate reports the problems with the config, after defaults are applied.
-func (c *SubscriberConfig) Validate() error {
+// Validate reports what NewSubscriber would refuse in c, every problem at once. It
+// checks c.WithDefaults(), so a config that sets only Durable passes.
+func (c SubscriberConfig) Validate() error {
+	c = c.WithDefaults()
 	var errs []error
 	if err := validName("Durable", c.Durable); err != nil {
 		errs = append(errs, err)
 	}
 	if c.Concurrency < 1 {
-		errs = append(errs, errors.New("Concurrency must be at least 1"))
+		errs = append(errs, errcode.InvalidConfig("Concurrency must be at least 1"))
 	}
 	if c.FetchBatch < 1 {
-		errs = append(errs, errors.New("FetchBatch must be at least 1"))
+		errs = append(errs, errcode.InvalidConfig("FetchBatch must be at least 1"))
 	}
 	if c.Consumer.AckPolicy != jetstream.AckExplicitPolicy {
-		errs = append(errs, fmt.Errorf("Consumer.AckPolicy must be explicit, not %s", c.Consumer.AckPolicy))
+		errs = append(errs, errcode.InvalidConfig("Consumer.AckPolicy must be explicit, not %s", c.Consumer.AckPolicy))
 	}
 	if c.Consumer.DeliverSubject != "" {
-		errs = append(errs, errors.New("Consumer.DeliverSubject must be empty: the consumer is a pull consumer"))
+		errs = append(errs, errcode.InvalidConfig("Consumer.DeliverSubject must be empty: the consumer is a pull consumer"))
 	}
 	if c.Consumer.AckWait < 0 {
-		errs = append(errs, errors.New("Consumer.AckWait must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("Consumer.AckWait must not be negative"))
 	}
 	if c.ProgressInterval < 0 {
-		errs = append(errs, errors.New("ProgressInterval must not be negative"))
+		errs = append(errs, errcode.InvalidConfig("ProgressInterval must not be negative"))
 	}
 	if c.ProgressInterval > 0 && c.ProgressInterval >= c.Consumer.AckWait {
-		errs = append(errs, fmt.Errorf("ProgressInterval %s must be shorter than Consumer.AckWait %s", c.ProgressInterval, c.Consumer.AckWait))
+		errs = append(errs, errcode.InvalidConfig("ProgressInterval %s must be shorter than Consumer.AckWait %s", c.ProgressInterval, c.Consumer.AckWait))
 	}
 	if c.PullExpiry < 100*time.Millisecond {
-		errs = append(errs, errors.New("PullExpiry must be at least 100ms"))
+		errs = append(errs, errcode.InvalidConfig("PullExpiry must be at least 100ms"))
 	}
 	if c.AckTimeout <= 0 {
-		errs = append(errs, errors.New("AckTimeout must be positive"))
+		errs = append(errs, errcode.InvalidConfig("AckTimeout must be positive"))
 	}
 	return errors.Join(errs...)
 }

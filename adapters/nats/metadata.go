@@ -10,6 +10,8 @@ import (
 	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 // Metadata keys that the Subscriber sets on every message it delivers. They
@@ -90,7 +92,7 @@ func toNatsMsg(subject string, msg *message.Message, prop propagation.TextMapPro
 		}
 		h[k] = []string{v}
 	}
-	injectTrace(msg.Context(), msg.Metadata, prop, func(k, v string) { h[k] = []string{v} })
+	tracing.Inject(msg.Context(), msg.Metadata, prop, func(k, v string) { h[k] = []string{v} })
 	h[jetstream.MsgIDHeader] = []string{msg.UUID}
 	h[WatermillUUIDHeader] = []string{msg.UUID}
 	return &natsgo.Msg{Subject: subject, Header: h, Data: msg.Payload}

@@ -14,6 +14,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"cmp"
+
 	idemnats "github.com/idemkit/idem/adapters/nats"
 )
 
@@ -42,20 +44,12 @@ func setup(t *testing.T, url string) *testBundle {
 func (b *testBundle) subscriber(t *testing.T, cfg idemnats.SubscriberConfig) *idemnats.Subscriber {
 	t.Helper()
 	cfg.Topology = b.topo
-	cfg.Durable = cmpOr(cfg.Durable, "test")
-	cfg.PullExpiry = cmpOr(cfg.PullExpiry, 200*time.Millisecond)
+	cfg.Durable = cmp.Or(cfg.Durable, "test")
+	cfg.PullExpiry = cmp.Or(cfg.PullExpiry, 200*time.Millisecond)
 	s, err := idemnats.NewSubscriber(b.nc, cfg)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, s.Close()) })
 	return s
-}
-
-func cmpOr[T comparable](v, d T) T {
-	var zero T
-	if v == zero {
-		return d
-	}
-	return v
 }
 
 func (b *testBundle) publish(t *testing.T, n int) []*message.Message {

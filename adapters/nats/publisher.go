@@ -12,10 +12,17 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemkit/idem/internal/errcode"
 )
 
 // ErrClosed is returned by Publish and Subscribe after Close.
 var ErrClosed = errors.New("nats: closed")
+
+// ErrInvalidConfig is wrapped by the error NewPublisher or NewSubscriber returns
+// for a config it refuses (code "invalid_config"). Every idem package has the same
+// value.
+var ErrInvalidConfig = errcode.ErrInvalidConfig
 
 var _ message.Publisher = (*Publisher)(nil)
 
@@ -39,9 +46,9 @@ type Publisher struct {
 // NewPublisher makes a Publisher on nc.
 func NewPublisher(nc *natsgo.Conn, cfg PublisherConfig) (*Publisher, error) {
 	if nc == nil {
-		return nil, errors.New("invalid config: nil connection")
+		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("nil connection"))
 	}
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}

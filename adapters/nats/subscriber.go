@@ -12,6 +12,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/tracing"
 )
 
 var (
@@ -43,9 +46,9 @@ type Subscriber struct {
 // NewSubscriber makes a Subscriber on nc.
 func NewSubscriber(nc *natsgo.Conn, cfg SubscriberConfig) (*Subscriber, error) {
 	if nc == nil {
-		return nil, errors.New("invalid config: nil connection")
+		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("nil connection"))
 	}
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -376,7 +379,7 @@ func (sub *subscription) handle(jm jetstream.Msg) {
 	}
 	msg := fromNatsMsg(jm.Subject(), jm.Headers(), jm.Data())
 	setDeliveryMetadata(msg, md)
-	ctx, term := withTermFlag(sub.s.cfg.Propagator.Extract(sub.ctx, metadataCarrier(msg.Metadata)))
+	ctx, term := withTermFlag(sub.s.cfg.Propagator.Extract(sub.ctx, tracing.Metadata(msg.Metadata)))
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	msg.SetContext(ctx)

@@ -16,8 +16,11 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"cmp"
+
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/text"
 )
 
 const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
@@ -96,7 +99,7 @@ func (e *env) resolve(fs *flag.FlagSet) {
 		}
 	})
 	if !e.schemaGiven {
-		e.schema = cmpOr(os.Getenv("IDEM_SCHEMA"), inbox.DefaultSchema)
+		e.schema = cmp.Or(os.Getenv("IDEM_SCHEMA"), inbox.DefaultSchema)
 	}
 	if e.databaseURL == "" {
 		e.databaseURL = os.Getenv("DATABASE_URL")
@@ -113,13 +116,6 @@ func pgEnvSet() bool {
 		}
 	}
 	return false
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }
 
 // redactDSN is what error messages are masked against: the DSN, or in PG*-variable
@@ -294,7 +290,7 @@ func (e *env) admin(ctx context.Context) (*admin.Admin, error) {
 	if err != nil {
 		return nil, err
 	}
-	return admin.New(pool, admin.Config{Schema: e.schema, Logger: e.logger()})
+	return admin.New(admin.Config{Pool: pool, Schema: e.schema, Logger: e.logger()})
 }
 
 func (e *env) logger() *slog.Logger {
@@ -422,14 +418,8 @@ func clip(s string, n int) string {
 	if len(s) <= n {
 		return dash(s)
 	}
-	cut := n - 1
-	for cut > 0 && !utf8RuneStart(s[cut]) {
-		cut--
-	}
-	return s[:cut] + "…"
+	return text.Clip(s, n-1) // n-1 bytes and "…" fill about n columns
 }
-
-func utf8RuneStart(b byte) bool { return b&0xC0 != 0x80 }
 
 // printable replaces newlines and tabs with a space and every other control
 // character with \xNN.
@@ -458,13 +448,6 @@ func age(d time.Duration) string {
 		return fmt.Sprintf("%dd%dh", days, (d%(24*time.Hour))/time.Hour)
 	}
 	return d.String()
-}
-
-func nonNil[T any](s []T) []T {
-	if s == nil {
-		return []T{}
-	}
-	return s
 }
 
 func noArgs(args []string) error {

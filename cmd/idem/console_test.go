@@ -30,7 +30,7 @@ func (b *bundle) consoleServer(t *testing.T, readOnly bool) *httptest.Server {
 // loopback port.
 func (b *bundle) consoleServerWith(t *testing.T, cfg consoleConfig) *httptest.Server {
 	t.Helper()
-	a, err := admin.New(b.pool, admin.Config{Schema: b.schema})
+	a, err := admin.New(admin.Config{Pool: b.pool, Schema: b.schema})
 	require.NoError(t, err)
 	srv := httptest.NewUnstartedServer(nil)
 	cfg.Hosts = consoleHosts(srv.Listener.Addr(), "127.0.0.1")

@@ -285,7 +285,7 @@ const demoInstances = 3
 // the restarter and the backend cuts running, waits until the audit settles,
 // stops everything, and returns the audit of the stopped system.
 func (d *demoRun) run(ctx context.Context) (chaos.Report, time.Duration, error) {
-	a, err := chaos.NewAuditor(d.db, d.schema)
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: d.db, Schema: d.schema})
 	if err != nil {
 		return chaos.Report{}, 0, err
 	}

@@ -10,10 +10,13 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"cmp"
+
 	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/redact"
+	"github.com/idemkit/idem/janitor"
 )
 
 // Exit codes, the same for every command (README "The idem CLI").
@@ -110,7 +113,7 @@ func classify(err error) (exit int, code string) {
 	case errors.As(err, &ce):
 		return exitNoPostgres, codeNoPostgres
 	case errors.As(err, &ee):
-		return ee.code, cmpOr(ee.errCode, codeFailure)
+		return ee.code, cmp.Or(ee.errCode, codeFailure)
 	case errors.Is(err, scratch.ErrInUse):
 		return exitFailure, codeScratchBusy
 	case errors.Is(err, context.Canceled):
@@ -179,7 +182,7 @@ or point --database-url (or DATABASE_URL, or the PG* variables) at a server you 
 		(hasPg && (pgErr.Code == pgerrcode.UndefinedTable || pgErr.Code == pgerrcode.InvalidSchemaName)) {
 		return fmt.Sprintf("The idem tables are not in schema %q. Create them with:\n    idem migrate up --schema %s", e.schema, e.schema)
 	}
-	if errors.Is(err, inbox.ErrJanitorBusy) {
+	if errors.Is(err, janitor.ErrBusy) {
 		return "Another janitor (in a consumer or dispatcher process) is running a pass on this schema and is doing the work. Try again when it is done."
 	}
 	return ""

@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/janitor"
 )
 
 var gcCmd = &command{
@@ -17,10 +17,10 @@ var gcCmd = &command{
 	example: `idem gc
 idem gc --batch-size 5000 --pause 0s --effects-retention 3d --json`,
 	setup: func(fs *flag.FlagSet) runFunc {
-		var cfg inbox.JanitorConfig
-		fs.IntVar(&cfg.BatchSize, "batch-size", inbox.DefaultJanitorBatchSize, "rows per DELETE")
-		durationVar(fs, &cfg.Pause, "pause", inbox.DefaultJanitorPause, "pause between batches (0s for none)")
-		durationVar(fs, &cfg.EffectsRetention, "effects-retention", inbox.DefaultEffectsRetention, "how long done effects are kept after done_at")
+		var cfg janitor.Config
+		fs.IntVar(&cfg.BatchSize, "batch-size", janitor.DefaultBatchSize, "rows per DELETE")
+		durationVar(fs, &cfg.Pause, "pause", janitor.DefaultPause, "pause between batches (0s for none)")
+		durationVar(fs, &cfg.EffectsRetention, "effects-retention", janitor.DefaultEffectsRetention, "how long done effects are kept after done_at")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err
@@ -38,7 +38,7 @@ type gcJSON struct {
 	ElapsedSeconds float64 `json:"elapsed_seconds"`
 }
 
-func runGC(ctx context.Context, e *env, cfg inbox.JanitorConfig) error {
+func runGC(ctx context.Context, e *env, cfg janitor.Config) error {
 	if cfg.BatchSize < 1 {
 		return usagef("--batch-size must be at least 1")
 	}
@@ -53,7 +53,7 @@ func runGC(ctx context.Context, e *env, cfg inbox.JanitorConfig) error {
 	// Progress goes to stderr, at most once a second, so that stdout holds only
 	// the result; with --json, nowhere (stderr holds JSON only).
 	var last time.Time
-	cfg.OnBatch = func(s inbox.Stats) {
+	cfg.OnBatch = func(s janitor.Stats) {
 		if time.Since(last) < time.Second {
 			return
 		}
@@ -61,7 +61,7 @@ func runGC(ctx context.Context, e *env, cfg inbox.JanitorConfig) error {
 		fmt.Fprintf(e.notes(), "  deleted %d inbox rows, %d effects so far (%.0f rows/s)\n",
 			s.InboxDeleted, s.EffectsDeleted, float64(s.Deleted())/s.Elapsed.Seconds())
 	}
-	j, err := inbox.NewJanitor(cfg)
+	j, err := janitor.New(cfg)
 	if err != nil {
 		return usagef("%v", err)
 	}

@@ -16,8 +16,8 @@ import (
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 // bundle runs the CLI in-process against one test schema.
@@ -148,7 +148,7 @@ func TestMigrate(t *testing.T) {
 	r := b.idem("migrate", "list").ok(t)
 	require.Regexp(t, `001\s+core\s+no\s+-`, r.stdout)
 
-	all := inbox.Migrations()
+	all := migrate.Migrations()
 	var applied string
 	var versions []any
 	for _, m := range all {

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/migrate"
 )
 
 var migrateCmd = &command{
@@ -61,7 +61,7 @@ func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 	if err != nil {
 		return err
 	}
-	m, err := inbox.NewMigrator(pool, e.schema)
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: e.schema})
 	if err != nil {
 		return err
 	}
@@ -72,7 +72,10 @@ func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 			return err
 		}
 		if e.json {
-			return e.writeJSON(map[string]any{"schema": e.schema, "applied": nonNil(applied)})
+			if applied == nil {
+				applied = []int{} // JSON [] rather than null
+			}
+			return e.writeJSON(map[string]any{"schema": e.schema, "applied": applied})
 		}
 		if len(applied) == 0 {
 			fmt.Fprintf(e.stdout, "schema %s is up to date\n", e.schema)
@@ -114,7 +117,7 @@ func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 }
 
 func migrationLabel(v int) string {
-	for _, m := range inbox.Migrations() {
+	for _, m := range migrate.Migrations() {
 		if m.Version == v {
 			return fmt.Sprintf("%03d_%s", m.Version, m.Name)
 		}
@@ -142,7 +145,7 @@ type droppedColumnJSON struct {
 
 // migrateDown shows what reverting the newest migration drops, gets a yes (--yes,
 // or the schema name typed on a terminal), then reverts exactly that step.
-func migrateDown(ctx context.Context, e *env, m *inbox.Migrator, yes bool) error {
+func migrateDown(ctx context.Context, e *env, m *migrate.Migrator, yes bool) error {
 	plan, err := m.PlanDown(ctx)
 	if err != nil {
 		return err
@@ -194,7 +197,7 @@ type downPlanJSON struct {
 	DroppedColumns []droppedColumnJSON `json:"dropped_columns"`
 }
 
-func downJSON(schema string, plan inbox.DownPlan, label string) downPlanJSON {
+func downJSON(schema string, plan migrate.DownPlan, label string) downPlanJSON {
 	out := downPlanJSON{Schema: schema, Version: plan.Version, Migration: label,
 		Dropped: make([]droppedJSON, 0, len(plan.Tables)), DroppedColumns: make([]droppedColumnJSON, 0, len(plan.Columns))}
 	for _, t := range plan.Tables {
@@ -207,7 +210,7 @@ func downJSON(schema string, plan inbox.DownPlan, label string) downPlanJSON {
 }
 
 // describeDrops says which tables and columns go, and how much data each holds.
-func describeDrops(plan inbox.DownPlan) string {
+func describeDrops(plan migrate.DownPlan) string {
 	if len(plan.Tables) == 0 && len(plan.Columns) == 0 {
 		return "it drops no tables and no columns"
 	}

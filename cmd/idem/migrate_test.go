@@ -9,8 +9,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 // withParam adds a query parameter to a URL DSN.
@@ -40,7 +40,7 @@ func TestMigrateListIsReadOnly(t *testing.T) {
 	r = runCLI(t, "migrate", "list", "--json", "--schema", missing, "--database-url", readOnly).ok(t)
 	var list []migrationJSON
 	r.decode(t, &list)
-	require.Len(t, list, len(inbox.Migrations()))
+	require.Len(t, list, len(migrate.Migrations()))
 	require.False(t, list[0].Applied)
 	for _, args := range [][]string{{"migrate", "down"}, {"migrate", "down", "--yes"}} {
 		r = runCLI(t, append(args, "--schema", missing, "--database-url", pgtest.URL())...).ok(t)
@@ -58,9 +58,9 @@ func TestMigrateDownShowsWhatItDropsAndAsks(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	// Down to the first migration, whose down drops the inbox and the effects.
-	m, err := inbox.NewMigrator(b.pool, b.schema)
+	m, err := migrate.New(migrate.Config{Pool: b.pool, Schema: b.schema})
 	require.NoError(t, err)
-	for v := len(inbox.Migrations()); v > 1; v-- {
+	for v := len(migrate.Migrations()); v > 1; v-- {
 		_, err := m.Revert(ctx, v)
 		require.NoError(t, err)
 	}
@@ -113,7 +113,7 @@ func TestMigrateDownShowsWhatItDropsAndAsks(t *testing.T) {
 		Dropped  []droppedJSON `json:"dropped"`
 	}
 	b.idem("migrate", "down", "--yes", "--json").ok(t).decode(t, &down)
-	require.Equal(t, len(inbox.Migrations()), down.Reverted)
+	require.Equal(t, len(migrate.Migrations()), down.Reverted)
 
 	require.Equal(t, exitUsage, b.idem("migrate", "up", "--yes").code, "--yes is for down only")
 }
@@ -123,7 +123,7 @@ func TestMigrateDownShowsWhatItDropsAndAsks(t *testing.T) {
 func TestMigrateDownShowsDroppedColumns(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	require.Equal(t, 5, len(inbox.Migrations()), "this test reads migrations 005's and 003's plans; update it for a new migration")
+	require.Equal(t, 5, len(migrate.Migrations()), "this test reads migrations 005's and 003's plans; update it for a new migration")
 	// 005 drops the effects' trace context (the effects stay).
 	_, err := b.pool.Exec(ctx, `INSERT INTO effects (kind, key, fingerprint, trace_context)
 		VALUES ('email', 'a', '\x00', '{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}'),
@@ -137,7 +137,7 @@ func TestMigrateDownShowsDroppedColumns(t *testing.T) {
 	require.Equal(t, 1, pgtest.Count(t, b.pool, `SELECT count(*) FROM effects WHERE trace_context IS NOT NULL`))
 
 	// 004 goes next: its down drops only the commit guard, which never holds a row.
-	m, err := inbox.NewMigrator(b.pool, b.schema)
+	m, err := migrate.New(migrate.Config{Pool: b.pool, Schema: b.schema})
 	require.NoError(t, err)
 	for _, v := range []int{5, 4} {
 		_, err = m.Revert(ctx, v)

@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/cmd/idem/internal/scratch"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/migrate"
 )
 
 // scratchUser is a command that works in a scratch schema: the flag that names
@@ -31,7 +31,7 @@ func claimScratch(ctx context.Context, e *env, pool *pgxpool.Pool, schema string
 	if err != nil {
 		return nil, scratchError(u.flag, u.tool, u.defaultSchema, err)
 	}
-	m, err := inbox.NewMigrator(pool, schema)
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if err == nil {
 		_, err = m.Up(ctx)
 	}

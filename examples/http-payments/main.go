@@ -44,7 +44,8 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/janitor"
+	"github.com/idemkit/idem/migrate"
 )
 
 // Topic carries the payments.created messages.
@@ -92,7 +93,7 @@ func run(ctx context.Context, cfg Config, ln net.Listener) error {
 		return err
 	}
 	defer pool.Close()
-	if err := migrate(ctx, pool, cfg.Schema); err != nil {
+	if err := migrateSchema(ctx, pool, cfg.Schema); err != nil {
 		return err
 	}
 	if cfg.SMTPAddr == "" {
@@ -150,11 +151,11 @@ func run(ctx context.Context, cfg Config, ln net.Listener) error {
 
 	// The janitor deletes keys, stored responses and done effects after their
 	// retention.
-	janitor, err := inbox.NewJanitor(inbox.JanitorConfig{Pool: pool, Schema: cfg.Schema, Logger: log})
+	jan, err := janitor.New(janitor.Config{Pool: pool, Schema: cfg.Schema, Logger: log})
 	if err != nil {
 		return err
 	}
-	goRun("janitor", func() error { return janitor.Run(ctx) })
+	goRun("janitor", func() error { return jan.Run(ctx) })
 
 	// The API.
 	idem, err := httpidem.New(httpidem.Config{
@@ -326,8 +327,8 @@ func bookPayment(schema string) message.NoPublishHandlerFunc {
 	}
 }
 
-func migrate(ctx context.Context, pool *pgxpool.Pool, schema string) error {
-	m, err := inbox.NewMigrator(pool, schema)
+func migrateSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if err != nil {
 		return err
 	}

@@ -30,7 +30,7 @@ import (
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/migrate"
 )
 
 // Topic carries the orders.
@@ -89,12 +89,14 @@ func run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	defer pool.Close()
-	if err := migrate(ctx, pool, cfg.Schema); err != nil {
+	if err := migrateSchema(ctx, pool, cfg.Schema); err != nil {
 		return err
 	}
 	wlog := watermill.NewSlogLogger(cfg.Logger)
 
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: cfg.Brokers, Logger: wlog})
+	pcfg := kafka.PublisherConfig{Logger: wlog}
+	pcfg.Brokers = cfg.Brokers
+	pub, err := kafka.NewPublisher(pcfg)
 	if err != nil {
 		return err
 	}
@@ -161,8 +163,8 @@ func handleOrder(schema string) message.NoPublishHandlerFunc {
 	}
 }
 
-func migrate(ctx context.Context, pool *pgxpool.Pool, schema string) error {
-	m, err := inbox.NewMigrator(pool, schema)
+func migrateSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if err != nil {
 		return err
 	}

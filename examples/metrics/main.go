@@ -33,7 +33,8 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/janitor"
+	"github.com/idemkit/idem/migrate"
 )
 
 func main() {
@@ -77,7 +78,7 @@ func run(ctx context.Context, cfg config, ln net.Listener, logger *slog.Logger) 
 		return err
 	}
 	defer pool.Close()
-	m, err := inbox.NewMigrator(pool, cfg.schema)
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: cfg.schema})
 	if err != nil {
 		return err
 	}
@@ -133,7 +134,7 @@ func run(ctx context.Context, cfg config, ln net.Listener, logger *slog.Logger) 
 	if err != nil {
 		return err
 	}
-	janitor, err := inbox.NewJanitor(inbox.JanitorConfig{
+	jan, err := janitor.New(janitor.Config{
 		Pool: pool, Schema: cfg.schema, Interval: 10 * time.Second, Logger: logger, Registerer: reg,
 	})
 	if err != nil {
@@ -143,7 +144,7 @@ func run(ctx context.Context, cfg config, ln net.Listener, logger *slog.Logger) 
 	srv := &http.Server{Handler: promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}), ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	go func() { _ = dispatcher.Run(ctx) }()
-	go func() { _ = janitor.Run(ctx) }()
+	go func() { _ = jan.Run(ctx) }()
 	go produce(ctx, pubSub, cfg.every)
 
 	err = router.Run(ctx)

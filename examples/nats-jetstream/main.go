@@ -27,11 +27,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	natsgo "github.com/nats-io/nats.go"
+
 	"github.com/idemkit/idem/adapters/nats"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
-	natsgo "github.com/nats-io/nats.go"
+	"github.com/idemkit/idem/migrate"
 )
 
 // Topic carries the orders.
@@ -88,7 +89,7 @@ func run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	defer pool.Close()
-	if err := migrate(ctx, pool, cfg.Schema); err != nil {
+	if err := migrateSchema(ctx, pool, cfg.Schema); err != nil {
 		return err
 	}
 	wlog := watermill.NewSlogLogger(cfg.Logger)
@@ -164,8 +165,8 @@ func handleOrder(schema string) message.NoPublishHandlerFunc {
 	}
 }
 
-func migrate(ctx context.Context, pool *pgxpool.Pool, schema string) error {
-	m, err := inbox.NewMigrator(pool, schema)
+func migrateSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if err != nil {
 		return err
 	}

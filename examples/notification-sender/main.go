@@ -27,7 +27,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/migrate"
 )
 
 // EmailKind is the effect kind this worker sends.
@@ -81,7 +81,7 @@ func run(ctx context.Context, cfg Config) error {
 	}
 	defer pool.Close()
 	if cfg.Migrate {
-		m, err := inbox.NewMigrator(pool, cfg.Schema)
+		m, err := migrate.New(migrate.Config{Pool: pool, Schema: cfg.Schema})
 		if err != nil {
 			return err
 		}

@@ -1,6 +1,10 @@
 // Package pgtest gives each test its own schema on a real Postgres, migrated and
 // dropped afterwards, so tests run in parallel and leave nothing behind.
 //
+// It is test support: only _test.go files import it, and it is the one package
+// under internal/ that imports a public idem package (migrate, to build the
+// schema), which the import-rules test allows for it alone.
+//
 // The database is DATABASE_URL, or DefaultURL. Without a reachable Postgres the test
 // fails with a message that says how to start one; it is never skipped. Messages
 // never show the database password: it is masked (internal/redact).
@@ -21,8 +25,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/redact"
+	"github.com/idemkit/idem/migrate"
 )
 
 // DefaultURL is the test database when DATABASE_URL is unset.
@@ -127,7 +131,7 @@ func Setup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 	pool := NewPoolWith(tb, schema, o)
 	ctx := context.Background()
 	if !o.NoMigrate {
-		m, err := inbox.NewMigrator(pool, schema)
+		m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 		if err != nil {
 			fatalf(tb, "%v", err)
 		}

@@ -1,18 +1,19 @@
-// Package tracing holds what the consumer and httpidem share for OpenTelemetry:
-// the instrumentation scope, the attribute keys, the defaults (the global provider
-// and propagator, no-op until the application installs its own) and a carrier over
-// Watermill metadata. effects and the adapters keep their own few lines of it, so
-// that they import nothing of idem; the scope and keys are the same strings.
+// Package tracing is idem's one OpenTelemetry glue, shared by the consumer,
+// httpidem, effects and both broker adapters: the instrumentation scope, the
+// attribute keys, the defaults (the global provider and propagator, no-op until the
+// application installs its own), and a carrier over message metadata for reading
+// and writing trace context in a broker's headers.
 //
 // Only the OpenTelemetry API is imported here, never the SDK or an exporter: with
-// nothing installed by the application, every span is the API's no-op one.
+// nothing installed by the application, every span is the API's no-op one. It
+// imports nothing of idem and not Watermill (message metadata is a
+// map[string]string), so every package can use it.
 package tracing
 
 import (
 	"context"
 	"strings"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
@@ -56,10 +57,11 @@ func Propagator(p propagation.TextMapPropagator) propagation.TextMapPropagator {
 	return p
 }
 
-// Metadata is a propagation.TextMapCarrier over Watermill metadata. Get falls back to
-// a case-insensitive match, because a broker's headers may have been written in a
-// canonical form ("Traceparent"). Set writes the key as given.
-type Metadata message.Metadata
+// Metadata is a propagation.TextMapCarrier over message metadata (Watermill's
+// message.Metadata converts to it). Get falls back to a case-insensitive match,
+// because a broker's headers may have been written in a canonical form
+// ("Traceparent") by a producer's client. Set writes the key as given.
+type Metadata map[string]string
 
 // Get returns the value of key.
 func (m Metadata) Get(key string) string {
@@ -86,13 +88,36 @@ func (m Metadata) Keys() []string {
 	return out
 }
 
-// MessageContext is the context a received message's spans start from: msg's own
-// context when it carries a span already (an adapter or a middleware extracted or
-// started one), otherwise the trace context that p extracts from its metadata.
-func MessageContext(msg *message.Message, p propagation.TextMapPropagator) context.Context {
-	ctx := msg.Context()
-	if trace.SpanContextFromContext(ctx).IsValid() || len(msg.Metadata) == 0 {
+// MessageContext is the context a received message's spans start from: ctx, the
+// message's own context, when it carries a span already (an adapter or a
+// middleware extracted or started one), otherwise the trace context that p
+// extracts from the message's metadata md.
+func MessageContext(ctx context.Context, md map[string]string, p propagation.TextMapPropagator) context.Context {
+	if trace.SpanContextFromContext(ctx).IsValid() || len(md) == 0 {
 		return ctx
 	}
-	return p.Extract(ctx, Metadata(msg.Metadata))
+	return p.Extract(ctx, Metadata(md))
 }
+
+// Inject writes the trace context of ctx's span with p through set (a header of
+// the outgoing record), unless ctx carries no valid span or md, the message's
+// metadata, holds one of p's fields already: a trace context the producer set
+// itself is left as it is.
+func Inject(ctx context.Context, md map[string]string, p propagation.TextMapPropagator, set func(key, value string)) {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return
+	}
+	for _, f := range p.Fields() {
+		if Metadata(md).Get(f) != "" {
+			return
+		}
+	}
+	p.Inject(ctx, headerSetter(set))
+}
+
+// headerSetter is a write-only propagation.TextMapCarrier.
+type headerSetter func(key, value string)
+
+func (s headerSetter) Get(string) string     { return "" }
+func (s headerSetter) Set(key, value string) { s(key, value) }
+func (s headerSetter) Keys() []string        { return nil }

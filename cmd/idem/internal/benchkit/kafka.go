@@ -122,10 +122,9 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 	}
 	defer sub.Close()
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers:      brokers,
-		PartitionKey: func(_ string, m *message.Message) ([]byte, error) { return []byte(m.UUID), nil },
 		// A JVM broker sharing two loaded cores may answer slowly.
-		ReadTimeout: 30 * time.Second, WriteTimeout: 30 * time.Second,
+		WriterConfig: kafkago.WriterConfig{Brokers: brokers, ReadTimeout: 30 * time.Second, WriteTimeout: 30 * time.Second},
+		PartitionKey: func(_ string, m *message.Message) ([]byte, error) { return []byte(m.UUID), nil },
 	})
 	if err != nil {
 		return Result{}, err

@@ -14,9 +14,9 @@ import (
 // (the up and down files), its output (the goose files), and the command that
 // runs it (the go:generate line beside the migrations' embed).
 const (
-	SourceDir  = "inbox/migrations"
-	GooseDir   = "inbox/migrations/goose"
-	Regenerate = "go generate ./inbox"
+	SourceDir  = "migrate/migrations"
+	GooseDir   = "migrate/migrations/goose"
+	Regenerate = "go generate ./migrate"
 )
 
 // headerPrefix starts every generated file, on its first line, in the form Go's
@@ -32,7 +32,7 @@ const (
 )
 
 // sourceName is the golang-migrate naming that idem's own files use (the same
-// pattern as inbox's loader).
+// pattern as migrate's loader).
 var sourceName = regexp.MustCompile(`^(\d+)_([a-z0-9_]+)\.(up|down)\.sql$`)
 
 type pair struct {

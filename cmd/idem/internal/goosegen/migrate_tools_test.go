@@ -18,7 +18,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/golang-migrate/migrate/v4"
+	gomigrate "github.com/golang-migrate/migrate/v4"
 	_ "github.com/golang-migrate/migrate/v4/database/pgx/v5" // the pgx5:// driver
 	_ "github.com/golang-migrate/migrate/v4/source/file"     // the file:// source
 	"github.com/jackc/pgx/v5"
@@ -26,8 +26,8 @@ import (
 	"github.com/pressly/goose/v3"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 // bookkeeping are the tables in which each tool records what it applied; they
@@ -160,14 +160,14 @@ func TestGooseAppliesTheMigrations(t *testing.T) {
 	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
 	db := openDB(t, schema)
 
-	p, err := goose.NewProvider(goose.DialectPostgres, db, inbox.GooseMigrationsFS())
+	p, err := goose.NewProvider(goose.DialectPostgres, db, migrate.GooseMigrationsFS())
 	require.NoError(t, err)
 	var sources []string
 	for _, s := range p.ListSources() {
 		sources = append(sources, fmt.Sprintf("%d %s", s.Version, path.Base(s.Path)))
 	}
 	var known []string
-	for _, m := range inbox.Migrations() {
+	for _, m := range migrate.Migrations() {
 		known = append(known, fmt.Sprintf("%d %03d_%s.sql", m.Version, m.Version, m.Name))
 	}
 	require.Equal(t, known, sources, "goose sees every migration, with idem's version numbers")
@@ -202,7 +202,7 @@ func TestGooseAppliesTheMigrations(t *testing.T) {
 func TestGooseCannotReadTheUpDownFiles(t *testing.T) {
 	t.Parallel()
 	_, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
-	_, err := goose.NewProvider(goose.DialectPostgres, openDB(t, schema), inbox.MigrationsFS())
+	_, err := goose.NewProvider(goose.DialectPostgres, openDB(t, schema), migrate.MigrationsFS())
 	require.ErrorContains(t, err, "duplicate migration version")
 }
 
@@ -212,10 +212,10 @@ func TestGolangMigrateAppliesTheMigrations(t *testing.T) {
 	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
 	// As the README's command: the directory on disk (with the goose directory
 	// inside it, which golang-migrate skips) and the pgx5 driver.
-	m, err := migrate.New("file://"+srcDir, searchPathURL(t, "pgx5", schema))
+	m, err := gomigrate.New("file://"+srcDir, searchPathURL(t, "pgx5", schema))
 	require.NoError(t, err)
 	t.Cleanup(func() { _, _ = m.Close() })
-	newest := uint(len(inbox.Migrations()))
+	newest := uint(len(migrate.Migrations()))
 
 	for round := range 2 {
 		require.NoError(t, m.Up(), "round %d", round)
@@ -229,7 +229,7 @@ func TestGolangMigrateAppliesTheMigrations(t *testing.T) {
 		}
 		require.NoError(t, m.Down())
 		_, _, err = m.Version()
-		require.True(t, errors.Is(err, migrate.ErrNilVersion), "no version after down: %v", err)
+		require.True(t, errors.Is(err, gomigrate.ErrNilVersion), "no version after down: %v", err)
 		requireEmpty(t, pool, schema)
 	}
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM pg_tables WHERE tablename = 'schema_migrations' AND schemaname = $1`, schema))
@@ -240,10 +240,10 @@ func TestGolangMigrateAppliesTheMigrations(t *testing.T) {
 // annotations besides. (TestGooseFilesAreCurrent checks the exact bytes.)
 func TestGooseFilesHoldTheUpAndDownFiles(t *testing.T) {
 	t.Parallel()
-	fsys := inbox.GooseMigrationsFS()
+	fsys := migrate.GooseMigrationsFS()
 	entries, err := fs.ReadDir(fsys, ".")
 	require.NoError(t, err)
-	ms := inbox.Migrations()
+	ms := migrate.Migrations()
 	require.Len(t, entries, len(ms), "one goose file per version; run "+Regenerate)
 	for _, m := range ms {
 		name := fmt.Sprintf("%03d_%s.sql", m.Version, m.Name)

@@ -252,7 +252,7 @@ func connect(e Endpoint, logger watermill.LoggerAdapter, batched bool) (*Conn, e
 		return &Conn{Publisher: producer, Subscriber: sub, close: nc.Close, producer: producer}, nil
 	case Kafka:
 		brokers := strings.Split(e.Addr, ",")
-		pcfg := kafka.PublisherConfig{Brokers: brokers, Logger: logger}
+		pcfg := kafka.PublisherConfig{WriterConfig: kafkago.WriterConfig{Brokers: brokers}, Logger: logger}
 		if batched {
 			pcfg.PartitionKey = func(_ string, msg *message.Message) ([]byte, error) { return []byte(msg.UUID), nil }
 		}

@@ -10,8 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/cmd/idem/internal/scratch"
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 func setup(t *testing.T) (*pgxpool.Pool, string) {
@@ -45,7 +45,7 @@ func TestClaimCreatesMarksAndResets(t *testing.T) {
 	require.True(t, ok)
 	// What a demo leaves: idem's tables (indexes, a trigger and its function),
 	// and a ledger with a sequence and a view of its own.
-	m, err := inbox.NewMigrator(pool, name)
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: name})
 	require.NoError(t, err)
 	_, err = m.Up(ctx)
 	require.NoError(t, err)

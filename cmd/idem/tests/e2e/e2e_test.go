@@ -389,7 +389,7 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		}
 	})
 
-	a, err := chaos.NewAuditor(pool, schema)
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	q := payments.AuditQuery(schema, keys, box.Counts, peer)
 	start := time.Now()

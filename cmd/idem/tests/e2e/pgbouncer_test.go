@@ -22,9 +22,9 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/internal/redact"
+	"github.com/idemkit/idem/migrate"
 )
 
 // TestBehindPgBouncer runs idem through a PgBouncer in transaction pooling mode
@@ -221,13 +221,13 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	// The migrations apply through the pooler too (their lock is transaction-scoped).
 	fresh := pgtest.NewSchemaName()
 	t.Cleanup(func() { pgtest.DropSchema(t, fresh) })
-	m, err := inbox.NewMigrator(pool, fresh)
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: fresh})
 	require.NoError(t, err)
 	applied, err := m.Up(ctx)
 	require.NoError(t, err)
-	require.Len(t, applied, len(inbox.Migrations()))
+	require.Len(t, applied, len(migrate.Migrations()))
 
-	a, err := admin.New(pool, admin.Config{Schema: schema})
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	st, err := a.Stats(ctx)
 	require.NoError(t, err)

@@ -24,6 +24,7 @@ import (
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/janitor"
 )
 
 // appGrants is what the README tells users to grant the role their services run
@@ -150,7 +151,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	require.Equal(t, 4, pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'done'`), "one receipt per consumer")
 
 	// The operator API reads and acts; the janitor takes its lock and deletes.
-	a, err := admin.New(pool, admin.Config{Schema: schema})
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	_, err = a.Stats(ctx)
 	require.NoError(t, err)
@@ -160,7 +161,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	require.NoError(t, err)
 	_, err = owner.Exec(ctx, `UPDATE inbox SET expires_at = now() - interval '1 second' WHERE state IN ('completed', 'failed')`)
 	require.NoError(t, err)
-	j, err := inbox.NewJanitor(inbox.JanitorConfig{Pool: pool, Schema: schema})
+	j, err := janitor.New(janitor.Config{Pool: pool, Schema: schema})
 	require.NoError(t, err)
 	st, err := j.RunOnce(ctx)
 	require.NoError(t, err)

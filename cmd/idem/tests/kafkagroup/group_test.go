@@ -291,7 +291,7 @@ func runGroup(t *testing.T, broker string, brokers []string, modes map[string]st
 	})
 
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers:      brokers,
+		WriterConfig: kafkago.WriterConfig{Brokers: brokers},
 		PartitionKey: kafka.PartitionKeyFromMetadata("key"),
 	})
 	require.NoError(t, err)

@@ -19,8 +19,8 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/janitor"
 )
 
 // The names the components are built with. The dashboard's variables select
@@ -59,7 +59,7 @@ func build(t *testing.T) world {
 	_, err = effects.NewDispatcher(effects.Config{Pool: pool, Schema: schema, Senders: senders, Registerer: reg})
 	require.NoError(t, err)
 
-	_, err = inbox.NewJanitor(inbox.JanitorConfig{Pool: pool, Schema: schema, Registerer: reg})
+	_, err = janitor.New(janitor.Config{Pool: pool, Schema: schema, Registerer: reg})
 	require.NoError(t, err)
 
 	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true, Registerer: reg})

@@ -1,0 +1,285 @@
+package consumer
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"bytes"
+
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
+	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/text"
+)
+
+// batchStore claims the keys of a group-commit batch, or of a HandleBatch batch,
+// in the inbox of one schema, with the inbox table's statements (internal/inboxdb).
+type batchStore struct {
+	schema string
+	q      inboxdb.Queries
+}
+
+// newBatchStore returns the batch claimer for schema, which the Config has
+// validated.
+func newBatchStore(schema string) *batchStore {
+	return &batchStore{schema: schema, q: inboxdb.New(schema)}
+}
+
+// batchClaim is one key of a set-based claim (ClaimBatchTx).
+type batchClaim struct {
+	inbox.Claim
+	// Failed writes the row as failed, with Code and Error, instead of claiming the
+	// key for a handler: a permanent failure recorded in the batch's transaction, as
+	// FailTx records one. Code and Error are sanitised (valid UTF-8, no NUL bytes).
+	Failed      bool
+	Code, Error string
+}
+
+// ClaimBatchTx claims many keys inside the caller's transaction with one statement,
+// INSERT … SELECT FROM unnest(…) ON CONFLICT DO NOTHING, which writes each row as
+// completed (or as failed, for a batchClaim with Failed set): the rows become
+// visible only if the transaction commits, together with the handlers' work.
+// results[i] is claims[i]'s, with the meaning ClaimTx gives it.
+//
+// The keys are inserted in (consumer, tenant, key) order, whatever order claims
+// has, so two batches that share keys take their row locks in the same order and
+// cannot deadlock. A key that another transaction holds uncommitted makes the
+// statement wait for it, bounded by the caller's lock_timeout; a lock timeout fails
+// the whole statement (and aborts the transaction, or the savepoint the caller made
+// before it), without saying which key it was.
+//
+// The same statement reads the committed rows of the keys it did not insert, as
+// far as its snapshot sees them, so a redelivery of a long-committed key costs no
+// second statement. Only a key whose row was committed by a claimer that the
+// statement had to wait for is read by one more statement; at READ COMMITTED that
+// statement sees the row. A key whose row vanished in between (the janitor) is
+// claimed again. A key whose row is settled and past its expires_at is forgotten:
+// one statement deletes all such rows of the batch, in tx, and their keys are
+// claimed again (Expired).
+//
+// prelude statements go ahead of the claim in the same round trip, as in
+// ClaimAfterTx; with no claims, only the prelude is sent. claims must name
+// distinct keys.
+func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
+	inbox.DBTX
+	inbox.BatchSender
+}, prelude []string, claims []batchClaim) ([]inbox.ClaimResult, error) {
+	results := make([]inbox.ClaimResult, len(claims))
+	pos := make(map[inbox.ID]int, len(claims))
+	for i := range claims {
+		c := &claims[i]
+		if err := c.Validate(); err != nil {
+			return nil, err
+		}
+		k := c.ID
+		if _, dup := pos[k]; dup {
+			return nil, fmt.Errorf("idem: ClaimBatchTx given consumer %q key %q twice; claims must name distinct keys", c.Consumer, c.Key)
+		}
+		pos[k] = i
+	}
+	if len(claims) == 0 {
+		if len(prelude) == 0 {
+			return results, nil
+		}
+		b := &pgx.Batch{}
+		for _, sql := range prelude {
+			b.Queue(sql)
+		}
+		return results, pgschema.Wrap(tx.SendBatch(ctx, b).Close(), s.schema)
+	}
+
+	order := make([]int, len(claims))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int {
+		x, y := &claims[a], &claims[b]
+		return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Key, y.Key))
+	})
+
+	settled := make([]bool, len(claims))
+	// settle records what a row says about its claim. A key that comes back
+	// claimed wins over the same key's earlier row (deleted, then claimed again).
+	settle := func(claimed bool, rec *inbox.Record) {
+		i, ok := pos[inbox.ID{Consumer: rec.Consumer, Tenant: rec.Tenant, Key: rec.Key}]
+		switch {
+		case !ok:
+		case claimed:
+			results[i] = inbox.ClaimResult{Claimed: true}
+			settled[i] = true
+		case settled[i] && results[i].Claimed:
+		default:
+			r := *rec
+			results[i] = inbox.ClaimResult{Existing: &r, Mismatch: !bytes.Equal(r.Fingerprint, claims[i].Fingerprint)}
+			settled[i] = true
+		}
+	}
+	expired := make([]bool, len(claims))
+	todo := order
+	for first := true; len(todo) > 0; first = false {
+		p := prelude
+		if !first {
+			p = nil
+		}
+		if err := s.claimBatch(ctx, tx, p, claims, todo, settle); err != nil {
+			return nil, err
+		}
+		var unread []int
+		for _, i := range todo {
+			if !settled[i] {
+				unread = append(unread, i)
+			}
+		}
+		if len(unread) > 0 {
+			// Conflicts with claimers that committed while the INSERT waited: a new
+			// statement, with a new snapshot, sees their rows.
+			if err := s.getBatch(ctx, tx, claims, unread, settle); err != nil {
+				return nil, err
+			}
+		}
+		var gone []int
+		for _, i := range todo {
+			if settled[i] && !results[i].Claimed && results[i].Existing.Expired() {
+				settled[i], expired[i] = false, true
+				gone = append(gone, i)
+			}
+		}
+		if len(gone) > 0 {
+			if err := s.deleteExpiredBatch(ctx, tx, claims, gone); err != nil {
+				return nil, err
+			}
+		}
+		next := todo[:0:0]
+		for _, i := range todo {
+			if !settled[i] {
+				next = append(next, i) // deleted in between, or expired: claim it again
+			}
+		}
+		todo = next
+	}
+	for i := range results {
+		results[i].Expired = expired[i] && results[i].Claimed
+	}
+	return results, nil
+}
+
+// deleteExpiredBatch deletes the settled rows past their expiry of claims[idx].
+func (s *batchStore) deleteExpiredBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int) error {
+	n := len(idx)
+	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
+	for j, i := range idx {
+		consumers[j], tenants[j], keys[j] = claims[i].Consumer, claims[i].Tenant, claims[i].Key
+	}
+	_, err := db.Exec(ctx, s.q.DeleteExpiredKeys, consumers, tenants, keys)
+	return pgschema.Wrap(err, s.schema)
+}
+
+func (s *batchStore) claimBatch(ctx context.Context, tx interface {
+	inbox.DBTX
+	inbox.BatchSender
+}, prelude []string, claims []batchClaim, idx []int, settle func(bool, *inbox.Record)) error {
+	n := len(idx)
+	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
+	fps := make([][]byte, n)
+	retention := make([]int64, n)
+	// failed, codes and msgs stay nil (NULL arrays, which unnest pads with NULLs)
+	// unless some claim records a failure: the common batch sends less.
+	var failed []bool
+	var codes, msgs []string
+	for j, i := range idx {
+		c := &claims[i]
+		consumers[j], tenants[j], keys[j], fps[j] = c.Consumer, c.Tenant, c.Key, c.Fingerprint
+		if c.Failed {
+			if failed == nil {
+				failed, codes, msgs = make([]bool, n), make([]string, n), make([]string, n)
+			}
+			failed[j] = true
+			codes[j], msgs[j] = text.Sanitize(c.Code, 0), text.Sanitize(c.Error, 0)
+		}
+		retention[j] = cmp.Or(c.Retention, inbox.DefaultRetention).Microseconds()
+	}
+	args := []any{consumers, tenants, keys, fps, failed, codes, msgs, retention}
+	if len(prelude) == 0 {
+		rows, err := tx.Query(ctx, s.q.ClaimBatch, args...)
+		if err != nil {
+			return pgschema.Wrap(err, s.schema)
+		}
+		return s.scanBatch(rows, settle)
+	}
+	b := &pgx.Batch{}
+	for _, sql := range prelude {
+		b.Queue(sql)
+	}
+	b.Queue(s.q.ClaimBatch, args...)
+	br := tx.SendBatch(ctx, b)
+	for range prelude {
+		if _, err := br.Exec(); err != nil {
+			_ = br.Close()
+			return pgschema.Wrap(err, s.schema)
+		}
+	}
+	rows, err := br.Query()
+	if err != nil {
+		_ = br.Close()
+		return pgschema.Wrap(err, s.schema)
+	}
+	err = s.scanBatch(rows, settle)
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = pgschema.Wrap(cerr, s.schema)
+	}
+	return err
+}
+
+func (s *batchStore) getBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int, settle func(bool, *inbox.Record)) error {
+	n := len(idx)
+	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
+	for j, i := range idx {
+		consumers[j], tenants[j], keys[j] = claims[i].Consumer, claims[i].Tenant, claims[i].Key
+	}
+	rows, err := db.Query(ctx, s.q.GetBatch, consumers, tenants, keys)
+	if err != nil {
+		return pgschema.Wrap(err, s.schema)
+	}
+	return s.scanBatch(rows, settle)
+}
+
+// scanBatch hands each row of claimBatch or getBatch to settle: a key claimed, or
+// the row found.
+func (s *batchStore) scanBatch(rows pgx.Rows, settle func(claimed bool, rec *inbox.Record)) error {
+	defer rows.Close()
+	var rec inbox.Record
+	var claimed bool
+	var state, code, msg *string
+	var attempts *int
+	var fence *int64
+	var received, expires, now *time.Time
+	for rows.Next() {
+		rec = inbox.Record{}
+		if err := rows.Scan(&claimed, &rec.Consumer, &rec.Tenant, &rec.Key, &rec.Fingerprint,
+			&state, &code, &msg, &attempts, &rec.LeaseUntil, &fence,
+			&received, &rec.CompletedAt, &expires, &now); err != nil {
+			return pgschema.Wrap(err, s.schema)
+		}
+		if !claimed {
+			rec.State = inbox.State(deref(state))
+			rec.ErrorCode, rec.Error = deref(code), deref(msg)
+			rec.Attempts, rec.Fence = deref(attempts), deref(fence)
+			rec.ReceivedAt, rec.ExpiresAt, rec.Now = deref(received), deref(expires), deref(now)
+		}
+		settle(claimed, &rec)
+	}
+	return pgschema.Wrap(rows.Err(), s.schema)
+}
+
+func deref[T any](p *T) T {
+	var zero T
+	if p == nil {
+		return zero
+	}
+	return *p
+}

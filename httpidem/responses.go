@@ -1,0 +1,389 @@
+package httpidem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"cmp"
+
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
+	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/txmark"
+)
+
+// storedResponse is an HTTP response stored on its key's inbox row (migration
+// 003), so that a retry of the request gets it back.
+type storedResponse struct {
+	// Status is the status code.
+	Status int
+	// Header holds the stored headers under their canonical names (the same
+	// underlying type as http.Header).
+	Header map[string][]string
+	// Body is the body, nil when BodyRef is set.
+	Body []byte
+	// BodyRef, when not empty, stands for the body: the application stored a
+	// reference instead of a body that holds personal data, and resolves it on a
+	// replay.
+	BodyRef string
+}
+
+// responseClaim is what a claim that knows about stored responses found.
+type responseClaim struct {
+	inbox.ClaimResult
+	// Response is the existing row's stored response, if it has one.
+	Response *storedResponse
+	// ReplacedExpired: the key had a settled row past its expires_at; the claim
+	// deleted it and claimed the key as new, since a key past its retention is
+	// forgotten whether or not the janitor has come by yet.
+	ReplacedExpired bool
+	// Row locates the claimed row (ClaimResponseTx, when Claimed).
+	Row rowRef
+}
+
+// responseStore is the inbox with the HTTP response that a key's row may hold
+// (migration 003): stored in the transaction that claims the key, read back on a
+// retry, and deleted by the janitor with the key. The plain inbox operations
+// (ReleaseLease) are inbox.Store's.
+type responseStore struct {
+	*inbox.Store
+	q inboxdb.Queries
+}
+
+// newResponseStore returns the store for schema, which the Config has validated.
+func newResponseStore(schema string) (*responseStore, error) {
+	store, err := inbox.NewStore(schema)
+	if err != nil {
+		return nil, err
+	}
+	return &responseStore{Store: store, q: inboxdb.New(schema)}, nil
+}
+
+// wrap turns a missing table or column (migration 003 has not run) into
+// inbox.ErrSchemaMissing.
+func (s *responseStore) wrap(err error) error { return pgschema.Wrap(err, s.Schema()) }
+
+// retentionOf is a key's retention: d, or the inbox's default when d is 0.
+func retentionOf(d time.Duration) time.Duration { return cmp.Or(d, inbox.DefaultRetention) }
+
+// existing is what a claim that met rec says, for a claim of fingerprint fp.
+func existing(rec *inbox.Record, fp []byte) inbox.ClaimResult {
+	return inbox.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)}
+}
+
+// responseArgs are a response's column values, in column order.
+func responseArgs(r *storedResponse) []any {
+	if r == nil {
+		return []any{nil, nil, nil, nil}
+	}
+	var ref *string
+	if r.BodyRef != "" {
+		ref = &r.BodyRef
+	}
+	body := r.Body
+	if ref != nil {
+		body = nil
+	} else if body == nil {
+		body = []byte{} // an empty body, as opposed to none stored
+	}
+	return []any{int16(r.Status), inboxdb.EncodeHeader(r.Header), body, ref}
+}
+
+// validateStored checks what a stored response may hold.
+func validateStored(r *storedResponse) error {
+	if r.Status < 100 || r.Status > 599 {
+		return fmt.Errorf("response status %d is outside 100..599", r.Status)
+	}
+	if r.BodyRef != "" {
+		if err := inbox.ValidateKey(r.BodyRef); err != nil {
+			return fmt.Errorf("response body reference: %w", err)
+		}
+	}
+	return nil
+}
+
+// ClaimResponseTx is ClaimAfterTx for HTTP keys: in one round trip it sends the
+// prelude statements (BEGIN), marks the transaction with TxMark and sets its
+// lock_timeout to wait (the bound on waiting for a concurrent claim of the key;
+// 0 is no bound), and claims c. On a conflict it reads the existing row together with its stored
+// response. A settled row past its expires_at is deleted in tx and the key claimed
+// as new (ReplacedExpired). A claim returns Row, for SaveResponseCommit.
+func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
+	inbox.DBTX
+	inbox.BatchSender
+}, prelude []string, c inbox.Claim, wait time.Duration) (responseClaim, error) {
+	if err := c.Validate(); err != nil {
+		return responseClaim{}, err
+	}
+	var row rowRef
+	pipelined := false
+	res, err := s.insertOrResponse(ctx, tx, c, func() (int64, error) {
+		if pipelined {
+			return 0, tx.QueryRow(ctx, s.q.ClaimReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&row.tid)
+		}
+		pipelined = true
+		b := &pgx.Batch{}
+		for _, sql := range prelude {
+			b.Queue(sql)
+		}
+		b.Queue(s.q.MarkWait, strconv.FormatInt(max(wait.Milliseconds(), 0), 10))
+		b.Queue(s.q.ClaimReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+		br := tx.SendBatch(ctx, b)
+		for range len(prelude) + 1 {
+			if _, err := br.Exec(); err != nil {
+				_ = br.Close()
+				return 0, err
+			}
+		}
+		err := br.QueryRow().Scan(&row.tid)
+		if cerr := br.Close(); err == nil && cerr != nil {
+			err = cerr
+		}
+		return 0, err
+	})
+	if res.Claimed {
+		res.Row = row
+	}
+	return res, err
+}
+
+// rowRef locates a row that ClaimResponseTx inserted, inside the transaction that
+// inserted it: its ctid, which nothing but that transaction can change before it
+// ends. SaveResponseCommit finds the row by it without an index lookup. The zero
+// value locates nothing.
+type rowRef struct{ tid pgtype.TID }
+
+// LeaseResponse is Lease for HTTP keys: it commits a processing row with a lease
+// at once (db outside a transaction), or takes over a processing row whose lease
+// ran out (fence + 1, Attempts + 1). On a conflict it returns the existing row and
+// its stored response; a settled row past its expires_at is deleted and the key
+// leased as new.
+func (s *responseStore) LeaseResponse(ctx context.Context, db inbox.DBTX, c inbox.Claim, lease time.Duration) (responseClaim, error) {
+	if err := c.Validate(); err != nil {
+		return responseClaim{}, err
+	}
+	return s.insertOrResponse(ctx, db, c, func() (int64, error) {
+		var fence int64
+		err := db.QueryRow(ctx, s.q.Lease, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), lease).Scan(&fence)
+		return fence, err
+	})
+}
+
+// insertOrResponse is insertOr that reads the existing row with its response, and
+// replaces an expired settled row.
+func (s *responseStore) insertOrResponse(ctx context.Context, db inbox.DBTX, c inbox.Claim, insert func() (int64, error)) (responseClaim, error) {
+	var out responseClaim
+	for {
+		fence, err := insert()
+		if err == nil {
+			out.ClaimResult = inbox.ClaimResult{Claimed: true, Fence: fence}
+			return out, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return out, s.wrap(err)
+		}
+		rec, resp, err := s.GetResponse(ctx, db, c.ID)
+		if errors.Is(err, inbox.ErrNotFound) {
+			continue // deleted in between (a janitor, a released lease): insert again
+		}
+		if err != nil {
+			return out, err
+		}
+		if rec.Expired() {
+			if _, err := db.Exec(ctx, s.q.DeleteExpiredKey, c.Consumer, c.Tenant, c.Key); err != nil {
+				return out, s.wrap(err)
+			}
+			out.ReplacedExpired = true
+			continue
+		}
+		out.ClaimResult = existing(rec, c.Fingerprint)
+		out.Response = resp
+		return out, nil
+	}
+}
+
+// SaveResponseTx stores resp on id's row, in the transaction that claimed it with
+// ClaimResponseTx and holds the handler's work, so the response commits with the
+// work or not at all.
+func (s *responseStore) SaveResponseTx(ctx context.Context, tx inbox.DBTX, id inbox.ID, resp *storedResponse) error {
+	if err := validateStored(resp); err != nil {
+		return err
+	}
+	args := append([]any{id.Consumer, id.Tenant, id.Key}, responseArgs(resp)...)
+	tag, err := tx.Exec(ctx, s.q.SaveResponse, args...)
+	if err != nil {
+		return s.wrap(err)
+	}
+	if tag.RowsAffected() != 1 {
+		return fmt.Errorf("idem: no completed inbox row for consumer %q key %q to store the response on (was it claimed in this transaction?)", id.Consumer, id.Key)
+	}
+	return nil
+}
+
+// SaveResponseCommit stores resp on id's row and commits, in one round trip. conn
+// must be running the transaction that claimed id with ClaimResponseTx, whose Row
+// is row, begun with plain SQL ("begin") rather than through pgx's Tx, which would
+// not know that it ended. If the transaction is not that one any more
+// (ErrTxReplaced: it lost ClaimResponseTx's mark) or no completed row takes the
+// response, nothing commits: the COMMIT behind the failed statement is never
+// executed and the transaction is left failed, for the caller to roll back. A
+// failed COMMIT returns ErrCommitUnknown.
+func (s *responseStore) SaveResponseCommit(ctx context.Context, conn inbox.BatchSender, id inbox.ID, row rowRef, resp *storedResponse) error {
+	if err := validateStored(resp); err != nil {
+		return err
+	}
+	args := append([]any{id.Consumer, id.Tenant, id.Key, row.tid}, responseArgs(resp)...)
+	return s.commitAfter(ctx, conn, s.q.SaveResponseOrFail, args, func() error {
+		return fmt.Errorf("idem: no completed inbox row for consumer %q key %q to store the response on", id.Consumer, id.Key)
+	})
+}
+
+// CompleteLeaseResponseCommit is CompleteLeaseResponseTx and COMMIT in one round
+// trip, in a transaction marked with TxMark; a fence that no longer matches returns
+// inbox.ErrLeaseLost and a missing mark ErrTxReplaced, and neither commits anything.
+func (s *responseStore) CompleteLeaseResponseCommit(ctx context.Context, conn inbox.BatchSender, id inbox.ID, fence int64, retention time.Duration, resp *storedResponse) error {
+	if err := validateStored(resp); err != nil {
+		return err
+	}
+	args := append([]any{id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention)}, responseArgs(resp)...)
+	return s.commitAfter(ctx, conn, s.q.CompleteLeaseResponseOrFail, args, func() error { return inbox.ErrLeaseLost })
+}
+
+// commitAfter sends an "OrFail" statement and COMMIT in one batch. A missing mark
+// is ErrTxReplaced; a division by zero is noRow. Either way nothing commits: the
+// COMMIT behind a failed statement is never executed.
+func (s *responseStore) commitAfter(ctx context.Context, conn inbox.BatchSender, sql string, args []any, noRow func() error) error {
+	b := &pgx.Batch{}
+	b.Queue(sql, args...)
+	b.Queue("commit")
+	br := conn.SendBatch(ctx, b)
+	var one int
+	if err := br.QueryRow().Scan(&one); err != nil {
+		_ = br.Close()
+		var pgErr interface{ SQLState() string }
+		switch {
+		case txmark.Missing(err):
+			return txmark.ErrTxReplaced
+		case errors.As(err, &pgErr) && pgErr.SQLState() == "22012":
+			return noRow()
+		}
+		return s.wrap(err)
+	}
+	return txmark.CommitResult(br)
+}
+
+// AnswerCommitted stores resp, with code and msg as the row's error, on c's key
+// when the key was settled without its response: the request's handler ran its
+// own COMMIT, which committed the claim and part of its work, so the response can
+// no longer commit with them. With fence 0 the row is a ClaimResponseTx claim
+// (completed, with c's fingerprint, no response yet); with a fence it is the
+// processing row that LeaseResponse gave that fence, and it becomes completed. It
+// reports whether it found such a row: false means the claim never committed (tx
+// mode) or the lease was lost (lease mode). Run it outside the request's
+// transaction, after that has ended.
+func (s *responseStore) AnswerCommitted(ctx context.Context, db inbox.DBTX, c inbox.Claim, fence int64, code, msg string, resp *storedResponse) (bool, error) {
+	if err := c.Validate(); err != nil {
+		return false, err
+	}
+	if err := validateStored(resp); err != nil {
+		return false, err
+	}
+	sql, args := s.q.AnswerCommittedResponse, []any{c.Consumer, c.Tenant, c.Key, c.Fingerprint, code, msg}
+	if fence != 0 {
+		sql, args = s.q.AnswerCommittedLeaseResponse, []any{c.Consumer, c.Tenant, c.Key, fence, retentionOf(c.Retention), code, msg}
+	}
+	tag, err := db.Exec(ctx, sql, append(args, responseArgs(resp)...)...)
+	if err != nil {
+		return false, s.wrap(err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// FailResponseTx records c as failed with its response (a final client error),
+// unless the key already has a row, whose outcome and response it then returns.
+// Call it in a transaction of its own, after the handler's transaction rolled back.
+func (s *responseStore) FailResponseTx(ctx context.Context, tx inbox.DBTX, c inbox.Claim, code, msg string, resp *storedResponse) (responseClaim, error) {
+	if err := c.Validate(); err != nil {
+		return responseClaim{}, err
+	}
+	if err := validateStored(resp); err != nil {
+		return responseClaim{}, err
+	}
+	args := append([]any{c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg}, responseArgs(resp)...)
+	return s.insertOrResponse(ctx, tx, c, func() (int64, error) {
+		var inserted bool
+		return 0, tx.QueryRow(ctx, s.q.FailResponse, args...).Scan(&inserted)
+	})
+}
+
+// CompleteLeaseResponseTx is CompleteLeaseTx that stores resp on the row too.
+func (s *responseStore) CompleteLeaseResponseTx(ctx context.Context, tx inbox.DBTX, id inbox.ID, fence int64, retention time.Duration, resp *storedResponse) error {
+	if err := validateStored(resp); err != nil {
+		return err
+	}
+	args := append([]any{id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention)}, responseArgs(resp)...)
+	tag, err := tx.Exec(ctx, s.q.CompleteLeaseResponse, args...)
+	if err != nil {
+		return s.wrap(err)
+	}
+	if tag.RowsAffected() == 0 {
+		return inbox.ErrLeaseLost
+	}
+	return nil
+}
+
+// FailLeaseResponse is FailLease that stores resp on the row too.
+func (s *responseStore) FailLeaseResponse(ctx context.Context, db inbox.DBTX, id inbox.ID, fence int64, retention time.Duration, code, msg string, resp *storedResponse) error {
+	if err := validateStored(resp); err != nil {
+		return err
+	}
+	args := append([]any{id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention), code, msg}, responseArgs(resp)...)
+	tag, err := db.Exec(ctx, s.q.FailLeaseResponse, args...)
+	if err != nil {
+		return s.wrap(err)
+	}
+	if tag.RowsAffected() == 0 {
+		return inbox.ErrLeaseLost
+	}
+	return nil
+}
+
+// GetResponse reads one inbox row and its stored response (nil when it has none),
+// or returns inbox.ErrNotFound.
+func (s *responseStore) GetResponse(ctx context.Context, db inbox.DBTX, id inbox.ID) (*inbox.Record, *storedResponse, error) {
+	var r inbox.Record
+	var code, msg, ref *string
+	var status *int16
+	var header, body []byte
+	err := db.QueryRow(ctx, s.q.GetResponse, id.Consumer, id.Tenant, id.Key).Scan(
+		&r.Consumer, &r.Tenant, &r.Key, &r.Fingerprint, &r.State, &code, &msg, &r.Attempts,
+		&r.LeaseUntil, &r.Fence, &r.ReceivedAt, &r.CompletedAt, &r.ExpiresAt, &r.Now,
+		&status, &header, &body, &ref)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil, inbox.ErrNotFound
+	}
+	if err != nil {
+		return nil, nil, s.wrap(err)
+	}
+	if code != nil {
+		r.ErrorCode = *code
+	}
+	if msg != nil {
+		r.Error = *msg
+	}
+	if status == nil {
+		return &r, nil, nil
+	}
+	resp := &storedResponse{Status: int(*status), Header: inboxdb.DecodeHeader(header), Body: body}
+	if ref != nil {
+		resp.BodyRef = *ref
+	}
+	return &r, resp, nil
+}

@@ -1,0 +1,190 @@
+// Package inboxdb holds every statement idem runs on the inbox table to claim and
+// settle keys, and the encoding of the table's stored-response columns, in one
+// place: inbox.Store, the consumer's set-based batch claim, httpidem's stored
+// responses and the janitor all take their SQL from here, so that a key is claimed,
+// forgotten and expired by the same statements whoever asks. Every value is a bind
+// parameter; the schema is validated by the caller and quoted here. It imports
+// nothing public of idem.
+package inboxdb
+
+import (
+	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/txmark"
+)
+
+// Queries are the statements for the inbox table of one schema.
+type Queries struct {
+	Claim, Fail, Get                              string
+	ClaimBatch, GetBatch                          string
+	Lease, CompleteLease, FailLease, ReleaseLease string
+	DeleteExpiredKey, DeleteExpiredKeys           string
+	DeleteExpired                                 string
+
+	// The stored HTTP responses (httpidem).
+	ClaimReturningRow, MarkWait                           string
+	GetResponse, SaveResponse, FailResponse               string
+	CompleteLeaseResponse, FailLeaseResponse              string
+	SaveResponseOrFail, CompleteLeaseResponseOrFail       string
+	AnswerCommittedResponse, AnswerCommittedLeaseResponse string
+}
+
+// New renders the statements for schema, which the caller has validated.
+func New(schema string) Queries {
+	t := pgschema.Table(schema, "inbox")
+	// probe reads the rows of the keys in $1, $2, $3 (consumers, tenants, keys),
+	// one primary-key lookup each (see ClaimBatch), as claimBatch's rows.
+	probe := `SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
+			i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
+		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
+		CROSS JOIN LATERAL (
+			SELECT * FROM ` + t + ` i
+			WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
+			OFFSET 0
+		) i`
+	return Queries{
+		// Times come from the database (now()), never the application's clock.
+		Claim: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)
+			ON CONFLICT (consumer, tenant, key) DO NOTHING
+			RETURNING true`,
+		Fail: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
+			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7)
+			ON CONFLICT (consumer, tenant, key) DO NOTHING
+			RETURNING true`,
+		Get: `SELECT consumer, tenant, key, fingerprint, state, error_code, error, attempts,
+				lease_until, fence, received_at, completed_at, expires_at, now()
+			FROM ` + t + ` WHERE consumer = $1 AND tenant = $2 AND key = $3`,
+		// The set-based claim of a group-commit batch (the consumer's). The keys
+		// come sorted, and ORDER BY ord (free: unnest WITH ORDINALITY yields that order)
+		// keeps the inserts, and so the row locks and the waits for concurrent
+		// claimers, in that order: two batches that share keys cannot deadlock. A row
+		// comes back for each key it inserted (claimed true), and for each key whose
+		// row the statement's snapshot sees (claimed false): rows committed before it
+		// began, such as the original of a redelivered message. The probe unnests the
+		// keys again (a CTE shared with the INSERT would be materialized and sorted),
+		// and is a LATERAL subquery on the primary key, one index lookup per key
+		// whatever the statistics say: OFFSET 0 keeps the planner from flattening it
+		// into a join, which it plans (and pgx's prepared statement caches) as a hash
+		// join over a sequential scan of the whole inbox while the table is new and
+		// not yet analyzed (TestClaimBatchPlanNeedsNoStatistics). The probe cannot
+		// see a row that a concurrent claimer committed while this INSERT waited for
+		// it; GetBatch reads those afterwards. Times are the database's; retention is
+		// in microseconds. failed, error_code and error may be NULL arrays (no failure
+		// to record), which unnest pads with NULLs.
+		ClaimBatch: `WITH ins AS (
+				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
+				SELECT consumer, tenant, key, fingerprint,
+					CASE WHEN failed THEN 'failed' ELSE 'completed' END, now(),
+					now() + retention_us * interval '1 microsecond',
+					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END
+				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bool[],
+						$6::text[], $7::text[], $8::bigint[]) WITH ORDINALITY
+					AS u(consumer, tenant, key, fingerprint, failed, error_code, error, retention_us, ord)
+				ORDER BY ord
+				ON CONFLICT (consumer, tenant, key) DO NOTHING
+				RETURNING consumer, tenant, key
+			)
+			SELECT true, consumer, tenant, key, NULL::bytea, NULL::text, NULL::text, NULL::text, NULL::int,
+				NULL::timestamptz, NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz
+			FROM ins
+			UNION ALL
+			` + probe,
+		GetBatch: probe,
+		// A processing row whose lease ran out is taken over in the same statement,
+		// fence + 1, so two deliveries can never both believe they hold the key. The
+		// fingerprint must match: a different command never takes over a key.
+		Lease: `INSERT INTO ` + t + ` AS i (consumer, tenant, key, fingerprint, state, lease_until, fence, expires_at)
+			VALUES ($1, $2, $3, $4, 'processing', now() + $6::interval, 1, now() + $5::interval)
+			ON CONFLICT (consumer, tenant, key) DO UPDATE
+				SET fence = i.fence + 1, lease_until = EXCLUDED.lease_until, attempts = i.attempts + 1
+				WHERE i.state = 'processing' AND i.lease_until < now() AND i.fingerprint = EXCLUDED.fingerprint
+			RETURNING fence`,
+		CompleteLease: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+		FailLease: `UPDATE ` + t + ` SET state = 'failed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval, error_code = $6, error = $7
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+		ReleaseLease: `UPDATE ` + t + ` SET lease_until = now()
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+		// A claim that meets a settled row past its expiry deletes it and claims the
+		// key again (inbox.Store, the consumer's batch claim, httpidem): a key past its retention is forgotten
+		// whether or not the janitor has come by. Only such a row goes; a processing
+		// row never does. A row that a concurrent claimer deletes first makes this
+		// delete wait for it, then find nothing: the claim that follows meets that
+		// claimer's row.
+		DeleteExpiredKey: `DELETE FROM ` + t + `
+			WHERE consumer = $1 AND tenant = $2 AND key = $3
+				AND state IN ('completed', 'failed') AND expires_at < now()`,
+		DeleteExpiredKeys: `DELETE FROM ` + t + ` i
+			USING unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
+			WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
+				AND i.state IN ('completed', 'failed') AND i.expires_at < now()`,
+		// The janitor's delete picks a batch in expiry order through the partial
+		// index inbox_expires_at_idx, so no batch rescans the rows that earlier
+		// batches left dead, and deletes by ctid, which the row lock of the same
+		// statement pins. SKIP LOCKED: a row someone holds is left for the next
+		// pass rather than waited for. The state filter keeps processing rows out,
+		// always.
+		DeleteExpired: `DELETE FROM ` + t + ` WHERE ctid = ANY (ARRAY(
+				SELECT ctid FROM ` + t + `
+				WHERE state IN ('completed', 'failed') AND expires_at < now()
+				ORDER BY expires_at
+				LIMIT $1
+				FOR UPDATE SKIP LOCKED))
+			AND state IN ('completed', 'failed')`,
+		// The stored HTTP responses (httpidem). The claim returns where its row
+		// went (the ctid), for SaveResponseOrFail to find it without an index lookup.
+		ClaimReturningRow: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)
+			ON CONFLICT (consumer, tenant, key) DO NOTHING
+			RETURNING ctid`,
+		// txmark.Mark and SET LOCAL lock_timeout, in one statement.
+		MarkWait: `SELECT set_config('lock_timeout', $1, true), set_config('idem.tx', 'on', true)`,
+		GetResponse: `SELECT consumer, tenant, key, fingerprint, state, error_code, error, attempts,
+				lease_until, fence, received_at, completed_at, expires_at, now(),
+				response_status, response_headers, response_body, response_ref
+			FROM ` + t + ` WHERE consumer = $1 AND tenant = $2 AND key = $3`,
+		SaveResponse: `UPDATE ` + t + ` SET response_status = $4, response_headers = $5, response_body = $6, response_ref = $7
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed'`,
+		FailResponse: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
+				response_status, response_headers, response_body, response_ref)
+			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7, $8, $9, $10, $11)
+			ON CONFLICT (consumer, tenant, key) DO NOTHING
+			RETURNING true`,
+		CompleteLeaseResponse: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval,
+				response_status = $6, response_headers = $7, response_body = $8, response_ref = $9
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+		FailLeaseResponse: `UPDATE ` + t + ` SET state = 'failed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval, error_code = $6, error = $7,
+				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+		// The "OrFail" forms go to the server in one round trip with COMMIT: an
+		// update that matched no row, or a transaction without idem's mark (the
+		// handler ended idem's transaction and began another), must stop that
+		// COMMIT, so they fail the statement, which leaves the transaction failed
+		// and the COMMIT unexecuted: division by zero for no row, and txmark's guard
+		// for no mark. An update never runs in a transaction without the mark.
+		SaveResponseOrFail: `WITH saved AS (UPDATE ` + t + ` SET response_status = $5, response_headers = $6, response_body = $7, response_ref = $8
+				WHERE ctid = $4 AND consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed'
+					AND ` + txmark.Marked + ` RETURNING 1)
+			SELECT ` + txmark.Guard + `(1 / count(*))::text` + txmark.GuardEnd + ` FROM saved`,
+		CompleteLeaseResponseOrFail: `WITH saved AS (UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval,
+				response_status = $6, response_headers = $7, response_body = $8, response_ref = $9
+				WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'
+					AND ` + txmark.Marked + ` RETURNING 1)
+			SELECT ` + txmark.Guard + `(1 / count(*))::text` + txmark.GuardEnd + ` FROM saved`,
+		// A claim that committed without its response (the handler ran its own
+		// COMMIT): completed, no response yet, the same request.
+		AnswerCommittedResponse: `UPDATE ` + t + ` SET error_code = $5, error = $6,
+				response_status = $7, response_headers = $8, response_body = $9, response_ref = $10
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fingerprint = $4
+				AND state = 'completed' AND response_status IS NULL`,
+		AnswerCommittedLeaseResponse: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
+				expires_at = now() + $5::interval, error_code = $6, error = $7,
+				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
+			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
+	}
+}

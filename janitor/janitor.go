@@ -1,0 +1,320 @@
+package janitor
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/inboxdb"
+	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/promreg"
+)
+
+// Defaults of Config.
+const (
+	// DefaultSchema is the schema of the idem tables unless Config.Schema says
+	// otherwise.
+	DefaultSchema = pgschema.Default
+	// DefaultBatchSize is how many rows one DELETE removes. Small batches keep each
+	// transaction short, so a concurrent claim never waits long on it.
+	DefaultBatchSize = 2000
+	// DefaultPause is the pause between two batches, which leaves room for the
+	// other traffic and for autovacuum.
+	DefaultPause = 5 * time.Millisecond
+	// DefaultInterval is the time between two passes of Run.
+	DefaultInterval = time.Minute
+	// DefaultEffectsRetention is how long done effects are kept after done_at.
+	DefaultEffectsRetention = 7 * 24 * time.Hour
+)
+
+// Config configures a Janitor.
+type Config struct {
+	// Pool runs the deletes. Required. The janitor holds one of its connections
+	// for a whole pass, because the advisory lock belongs to that session.
+	Pool *pgxpool.Pool
+	// Schema holds the idem tables (default "idem").
+	Schema string
+	// BatchSize is the most rows one DELETE removes (default 2000).
+	BatchSize int
+	// Pause is the wait between batches (default 5 ms). A negative Pause means none.
+	Pause time.Duration
+	// EffectsRetention is how long done effects stay after done_at (default 7
+	// days). Pending and dead effects are never deleted.
+	EffectsRetention time.Duration
+	// Interval is the time between the passes of Run (default 1 minute).
+	Interval time.Duration
+	// OnBatch, if set, is called after every batch with the pass's totals so far,
+	// for progress reports.
+	OnBatch func(Stats)
+	// Logger gets structured logs (nil: quiet).
+	Logger *slog.Logger
+	// Registerer gets the janitor's Prometheus collectors (nil: not registered).
+	Registerer prometheus.Registerer
+}
+
+// WithDefaults returns c with every unset field at its default.
+func (c Config) WithDefaults() Config {
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
+	c.Pause = cmp.Or(c.Pause, DefaultPause)
+	c.EffectsRetention = cmp.Or(c.EffectsRetention, DefaultEffectsRetention)
+	c.Interval = cmp.Or(c.Interval, DefaultInterval)
+	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
+	return c
+}
+
+// Validate reports what New would refuse in c: no Pool, a bad schema, a batch size,
+// retention or interval out of range. It checks c.WithDefaults(), so a config with a
+// Pool passes.
+func (c Config) Validate() error {
+	c = c.WithDefaults()
+	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+		return err
+	}
+	if c.BatchSize < 1 || c.BatchSize > 100_000 {
+		return errcode.InvalidConfig("BatchSize %d is outside 1..100000", c.BatchSize)
+	}
+	if c.EffectsRetention < time.Minute {
+		return errcode.InvalidConfig("EffectsRetention %s is under a minute", c.EffectsRetention)
+	}
+	if c.Interval < time.Millisecond {
+		return errcode.InvalidConfig("Interval %s is under a millisecond", c.Interval)
+	}
+	return nil
+}
+
+// Stats is what one janitor pass did.
+type Stats struct {
+	// InboxDeleted counts expired completed and failed inbox rows deleted.
+	InboxDeleted int64
+	// EffectsDeleted counts done effects deleted after their retention.
+	EffectsDeleted int64
+	// Batches counts the DELETE statements that removed at least one row.
+	Batches int
+	// Elapsed is the pass's duration.
+	Elapsed time.Duration
+}
+
+// Deleted is the total number of rows deleted.
+func (s Stats) Deleted() int64 { return s.InboxDeleted + s.EffectsDeleted }
+
+// Janitor deletes what the retention lets go: inbox rows in state completed or
+// failed whose expires_at has passed, and effects in state done whose done_at is
+// older than EffectsRetention. It never deletes processing inbox rows, nor pending
+// or dead effects: those are work not yet settled.
+//
+// It deletes in batches of BatchSize, each its own short transaction, with Pause
+// between them. The rows are picked in expiry order through the partial indexes
+// that the migrations create for this, and locked with SKIP LOCKED, so the janitor
+// never waits on a row that someone else holds.
+//
+// A Postgres advisory lock (per schema) keeps it to one running pass at a time
+// across all processes, so every consumer and dispatcher process may run one.
+type Janitor struct {
+	cfg     Config
+	q       queries
+	deleted *prometheus.CounterVec
+	passes  *prometheus.CounterVec
+	lastOK  *prometheus.GaugeVec
+}
+
+// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+// (code "invalid_config"), unless a more specific sentinel says what is wrong
+// (inbox.ErrInvalidSchema). Every idem package has the same value.
+var ErrInvalidConfig = errcode.ErrInvalidConfig
+
+// ErrBusy is returned when another janitor holds the schema's advisory lock and is
+// running a pass. It is not a failure: that janitor does the work.
+var ErrBusy = errcode.Transient("janitor_busy", "another janitor is running a pass on this schema (it holds the advisory lock)")
+
+// New returns a Janitor, or an error that wraps "invalid config".
+func New(cfg Config) (*Janitor, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	j := &Janitor{
+		cfg: cfg,
+		q:   newQueries(cfg.Schema),
+		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_janitor_deleted_total",
+			Help: "Rows the janitor deleted after their retention, by table (inbox, effects).",
+		}, []string{"schema", "table"}),
+		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idem_janitor_passes_total",
+			Help: "Janitor passes, by result: ok, busy (another instance held the lock) or error.",
+		}, []string{"schema", "result"}),
+		lastOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "idem_janitor_last_success_timestamp_seconds",
+			Help: "Unix time when a janitor pass of this process last finished without error.",
+		}, []string{"schema"}),
+	}
+	var err error
+	j.deleted = promreg.Register(cfg.Registerer, j.deleted, &err)
+	j.passes = promreg.Register(cfg.Registerer, j.passes, &err)
+	j.lastOK = promreg.Register(cfg.Registerer, j.lastOK, &err)
+	if err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
+	// Every series exists from the start, at 0, so that a dashboard sees the schema
+	// before the first deletion and an alert on a janitor that never succeeded
+	// (time() - idem_janitor_last_success_timestamp_seconds > 3600) fires instead
+	// of finding no data.
+	for _, table := range []string{"inbox", "effects"} {
+		j.deleted.WithLabelValues(cfg.Schema, table)
+	}
+	for _, result := range []string{"ok", "busy", "error"} {
+		j.passes.WithLabelValues(cfg.Schema, result)
+	}
+	j.lastOK.WithLabelValues(cfg.Schema)
+	return j, nil
+}
+
+// Run runs a pass every Interval until ctx ends, then returns nil. A pass that
+// finds the lock taken is skipped; a pass that fails is logged and tried again at
+// the next interval, so a database restart does not stop the janitor. Use it inside
+// a consumer or dispatcher process: `go janitor.Run(ctx)`.
+func (j *Janitor) Run(ctx context.Context) error {
+	log := j.cfg.Logger.With("schema", j.cfg.Schema)
+	for {
+		st, err := j.RunOnce(ctx)
+		switch {
+		case ctx.Err() != nil:
+			return nil
+		case errors.Is(err, ErrBusy):
+			log.Debug("idem: janitor pass skipped; another instance holds the lock")
+		case err != nil:
+			log.Warn("idem: janitor pass failed; trying again at the next interval", "err", err, "next_in", j.cfg.Interval)
+		case st.Deleted() > 0:
+			log.Info("idem: janitor pass done", "inbox_deleted", st.InboxDeleted, "effects_deleted", st.EffectsDeleted,
+				"batches", st.Batches, "elapsed", st.Elapsed.Round(time.Millisecond))
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(j.cfg.Interval):
+		}
+	}
+}
+
+// RunOnce runs one pass to completion: it deletes batches until no expired row is
+// left, and returns what it deleted. It returns ErrBusy at once if another
+// janitor is running a pass on the same schema. `idem gc` calls it.
+func (j *Janitor) RunOnce(ctx context.Context) (st Stats, err error) {
+	start := time.Now()
+	defer func() {
+		st.Elapsed = time.Since(start)
+		switch {
+		case errors.Is(err, ErrBusy):
+			j.passes.WithLabelValues(j.cfg.Schema, "busy").Inc()
+		case err != nil:
+			j.passes.WithLabelValues(j.cfg.Schema, "error").Inc()
+		default:
+			j.passes.WithLabelValues(j.cfg.Schema, "ok").Inc()
+			j.lastOK.WithLabelValues(j.cfg.Schema).SetToCurrentTime()
+		}
+	}()
+	conn, err := j.cfg.Pool.Acquire(ctx)
+	if err != nil {
+		return st, err
+	}
+	var locked bool
+	if err := conn.QueryRow(ctx, j.q.tryLock, j.cfg.Schema).Scan(&locked); err != nil {
+		conn.Release()
+		return st, err
+	}
+	if !locked {
+		conn.Release()
+		return st, ErrBusy
+	}
+	defer func() {
+		// A session lock outlives the pass if the unlock fails (the context ended,
+		// say); closing the connection is then the only sure way to drop it.
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if _, uerr := conn.Exec(uctx, j.q.unlock, j.cfg.Schema); uerr != nil {
+			_ = conn.Hijack().Close(uctx)
+			return
+		}
+		conn.Release()
+	}()
+
+	inboxDone, effectsDone := false, false
+	limit := j.cfg.BatchSize
+	for !inboxDone || !effectsDone {
+		if !inboxDone {
+			tag, err := conn.Exec(ctx, j.q.inbox.DeleteExpired, limit)
+			if err != nil {
+				return st, pgschema.Wrap(err, j.cfg.Schema)
+			}
+			n := tag.RowsAffected()
+			inboxDone = n < int64(limit)
+			j.count(&st, "inbox", n, &st.InboxDeleted)
+		}
+		if !effectsDone {
+			tag, err := conn.Exec(ctx, j.q.deleteDoneEffects, limit, j.cfg.EffectsRetention)
+			if err != nil {
+				return st, pgschema.Wrap(err, j.cfg.Schema)
+			}
+			n := tag.RowsAffected()
+			effectsDone = n < int64(limit)
+			j.count(&st, "effects", n, &st.EffectsDeleted)
+		}
+		if j.cfg.OnBatch != nil {
+			st.Elapsed = time.Since(start)
+			j.cfg.OnBatch(st)
+		}
+		if (!inboxDone || !effectsDone) && j.cfg.Pause > 0 {
+			select {
+			case <-ctx.Done():
+				return st, ctx.Err()
+			case <-time.After(j.cfg.Pause):
+			}
+		}
+	}
+	return st, nil
+}
+
+func (j *Janitor) count(st *Stats, table string, n int64, total *int64) {
+	if n == 0 {
+		return
+	}
+	*total += n
+	st.Batches++
+	j.deleted.WithLabelValues(j.cfg.Schema, table).Add(float64(n))
+}
+
+// queries are the janitor's statements for one schema: the inbox's delete comes
+// from the inbox table's statements, the effects' and the lock are its own.
+type queries struct {
+	inbox             inboxdb.Queries
+	deleteDoneEffects string
+	tryLock, unlock   string
+}
+
+func newQueries(schema string) queries {
+	e := pgschema.Table(schema, "effects")
+	return queries{
+		inbox: inboxdb.New(schema),
+		// As the inbox's delete: a batch in done_at order through the partial
+		// index effects_done_at_idx, deleted by ctid, SKIP LOCKED. Pending and
+		// dead effects are never deleted.
+		deleteDoneEffects: `DELETE FROM ` + e + ` WHERE ctid = ANY (ARRAY(
+				SELECT ctid FROM ` + e + `
+				WHERE state = 'done' AND done_at < now() - $2::interval
+				ORDER BY done_at
+				LIMIT $1
+				FOR UPDATE SKIP LOCKED))
+			AND state = 'done'`,
+		// One lock per schema, in the same key space as the migrator's lock.
+		tryLock: `SELECT pg_try_advisory_lock(hashtextextended('idem.janitor:' || $1, 0))`,
+		unlock:  `SELECT pg_advisory_unlock(hashtextextended('idem.janitor:' || $1, 0))`,
+	}
+}
