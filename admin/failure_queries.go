@@ -137,6 +137,14 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 				AND ($4::timestamptz IS NULL OR (at, id) < ($4, nullif($5, '')::uuid))
 			ORDER BY at DESC, id DESC LIMIT $6`
 
+	// The failure metrics: one statement, index-only scans of the two group indexes
+	// (they hold the consumer and the kind) and the audit table.
+	q.failureMetrics = `SELECT 'inbox', consumer, count(*)::float8 FROM ` + inbox + ` WHERE state = 'failed' GROUP BY consumer
+			UNION ALL
+			SELECT 'effects', kind, count(*)::float8 FROM ` + effects + ` WHERE state = 'dead' GROUP BY kind
+			UNION ALL
+			SELECT 'action', action, sum(affected)::float8 FROM ` + actions + ` GROUP BY action`
+
 	// The backfill of failures recorded before the group columns existed: their
 	// error_group is NULL, which the group indexes find (IS NULL is an index
 	// condition of a B-tree). The write checks the error is still the one masked.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/admin"
@@ -292,4 +293,56 @@ func countOf(t *testing.T, b *testBundle, sql string) int {
 	var n int
 	require.NoError(t, b.pool.QueryRow(context.Background(), sql).Scan(&n))
 	return n
+}
+
+// TestFailureMetrics: every series exists at 0 before anything failed (the
+// configured consumers and kinds, every action), then counts the failures and the
+// repairs, whoever made them.
+func TestFailureMetrics(t *testing.T) {
+	_, b := setup(t)
+	ctx := context.Background()
+	reg := prometheus.NewRegistry()
+	a, err := admin.New(admin.Config{Pool: b.pool, Schema: b.schema, Registerer: reg,
+		Consumers: []string{"orders"}, Kinds: []string{"email", "sms"}, MetricsInterval: time.Nanosecond})
+	require.NoError(t, err)
+	read := func() map[string]float64 {
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		out := map[string]float64{}
+		for _, mf := range mfs {
+			for _, m := range mf.GetMetric() {
+				name := mf.GetName() + "{" + m.GetLabel()[0].GetValue() + "}"
+				out[name] = m.GetGauge().GetValue() + m.GetCounter().GetValue()
+			}
+		}
+		return out
+	}
+	require.Equal(t, map[string]float64{
+		"idem_inbox_failed_keys{orders}": 0, "idem_effects_dead_rows{email}": 0, "idem_effects_dead_rows{sms}": 0,
+		"idem_failures_repaired_total{retry}": 0, "idem_failures_repaired_total{discard}": 0, "idem_failures_repaired_total{release}": 0,
+	}, read())
+
+	b.failKeys(t, "orders", "", "o", "bad", 3, func(int) string { return "bad" })
+	b.failKeys(t, "billing", "", "o", "bad", 1, func(int) string { return "bad" })
+	b.killEffects(t, "email", "r", 2, func(string) error { return errors.New("no") })
+	m := read()
+	require.Equal(t, 3.0, m["idem_inbox_failed_keys{orders}"])
+	require.Equal(t, 1.0, m["idem_inbox_failed_keys{billing}"])
+	require.Equal(t, 2.0, m["idem_effects_dead_rows{email}"])
+
+	for _, g := range groupsOf(t, a, admin.GroupFilter{}) {
+		act := admin.GroupAction{ID: g.ID, Through: g.LastSeen, Note: admin.Audit{Who: "ops", Why: "fixed"}}
+		if g.Source == admin.SourceEffects {
+			_, err = a.RetryGroup(ctx, act)
+		} else {
+			_, err = a.ReleaseGroup(ctx, act)
+		}
+		require.NoError(t, err)
+	}
+	m = read()
+	require.Equal(t, 0.0, m["idem_inbox_failed_keys{orders}"], "a consumer seen once stays, at 0")
+	require.Equal(t, 0.0, m["idem_effects_dead_rows{email}"])
+	require.Equal(t, 2.0, m["idem_failures_repaired_total{retry}"])
+	require.Equal(t, 4.0, m["idem_failures_repaired_total{release}"])
+	require.Equal(t, 0.0, m["idem_failures_repaired_total{discard}"])
 }

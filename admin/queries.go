@@ -22,7 +22,7 @@ type queries struct {
 	// Failure groups (failures.go).
 	listGroups, getGroup, groupAttempts string
 	plan, act                           map[string]string
-	listActions                         string
+	listActions, failureMetrics         string
 	ungroupedInbox, groupInbox          string
 	ungroupedEffects, groupEffects      string
 }
@@ -94,6 +94,7 @@ func newQueries(schema string, responses bool) queries {
 				count(*) FILTER (WHERE e.state = 'pending' AND e.next_attempt_at <= now()),
 				count(*) FILTER (WHERE e.state = 'dead'),
 				count(*) FILTER (WHERE e.state = 'done'),
+				count(*) FILTER (WHERE e.state = 'discarded'),
 				count(*) FILTER (WHERE e.state = 'pending' AND e.in_flight),
 				count(*) FILTER (WHERE ` + stuckWhere("$1", "$2") + `),
 				coalesce(extract(epoch FROM now() - min(e.created_at) FILTER (WHERE e.state = 'pending')), 0)::float8
