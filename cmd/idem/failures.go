@@ -138,7 +138,7 @@ func runFailuresShow(ctx context.Context, e *env, args []string, seen admin.Time
 		g.ID, g.Source, place, printable(g.Place()), dash(printable(g.Tenant)), dash(printable(g.Code)), g.Count, ts(&g.FirstSeen), ts(&g.LastSeen))
 	fmt.Fprintf(w, "\nError (masked):\n  %s\nExample (newest, whole):\n  %s\n", printable(g.Masked), printable(g.Example))
 	fmt.Fprintf(w, "\nSample keys (newest first):\n")
-	for _, k := range g.SampleKeys {
+	for _, k := range g.SampleKeys[:min(len(g.SampleKeys), textPlanKeys)] {
 		fmt.Fprintf(w, "  %s\n", printable(k))
 	}
 	if len(g.Attempts) > 0 {
@@ -335,6 +335,9 @@ func nothingLeft(ctx context.Context, e *env, a *admin.Admin, fa failureAction, 
 	return nil
 }
 
+// textPlanKeys is how many keys a plan names on a terminal.
+const textPlanKeys = 10
+
 func (e *env) printPlan(fa failureAction, p *admin.ActionResult, mood string) {
 	e.printPlanTo(e.stdout, fa, p, mood)
 }
@@ -347,12 +350,14 @@ func (e *env) printPlanTo(w interface{ Write([]byte) (int, error) }, fa failureA
 	fmt.Fprintf(w, "idem failures %s %s %s"+fa.doing+",\nthe group's failures%s up to %s (--through %s)",
 		fa.verb, p.Group, mood, p.Rows, since, ts(&p.Through), p.Through.UTC().Format(time.RFC3339Nano))
 	if len(p.Keys) > 0 {
+		// A terminal gets the first few (--json has PlanKeys of them).
+		shown := p.Keys[:min(len(p.Keys), textPlanKeys)]
 		more := ""
-		if int64(len(p.Keys)) < p.Rows {
-			more = fmt.Sprintf(", and %d more", p.Rows-int64(len(p.Keys)))
+		if int64(len(shown)) < p.Rows {
+			more = fmt.Sprintf(", and %d more", p.Rows-int64(len(shown)))
 		}
-		keys := make([]string, len(p.Keys))
-		for i, k := range p.Keys {
+		keys := make([]string, len(shown))
+		for i, k := range shown {
 			keys[i] = printable(k)
 		}
 		fmt.Fprintf(w, ":\n  %s%s", strings.Join(keys, ", "), more)
