@@ -113,7 +113,7 @@ func (c *claimed) logAttrs() []any {
 // outcome is what to record for a claim.
 type outcome struct {
 	c        *claimed
-	state    string // pending, done or dead
+	state    string // pending, done or dead (an operator discards, never the Dispatcher)
 	delay    time.Duration
 	inFlight bool // the outcome is unknown: reconcile before the next attempt
 	undo     int  // 1: released without an attempt; give the attempt back
