@@ -4,16 +4,22 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/admin"
+	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
 )
 
@@ -345,4 +351,53 @@ func TestFailureMetrics(t *testing.T) {
 	require.Equal(t, 2.0, m["idem_failures_repaired_total{retry}"])
 	require.Equal(t, 4.0, m["idem_failures_repaired_total{release}"])
 	require.Equal(t, 0.0, m["idem_failures_repaired_total{discard}"])
+}
+
+// TestEveryWriterGroupsFailures: each path that records a failed key (a consumer in
+// each mode, httpidem in a transaction and in lease mode) and the Dispatcher's
+// dead outcome store the masked text and the group as they write, before anyone
+// reads the groups; two failures that differ in their numbers share a group.
+func TestEveryWriterGroupsFailures(t *testing.T) {
+	a, b := setup(t)
+	for _, mode := range []consumer.Mode{consumer.Transactional, consumer.GroupCommit, consumer.Lease} {
+		c, err := consumer.New(consumer.Config{Name: "orders-" + mode.String(), Pool: b.pool, Schema: b.schema, Mode: mode,
+			MaxWait: 20 * time.Millisecond})
+		require.NoError(t, err)
+		h := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
+			return nil, consumer.Permanent(fmt.Errorf("order %s refused", m.UUID))
+		})
+		for _, id := range []string{"1001", "2002"} {
+			_, err := h(message.NewMessage(id, []byte(`{}`)))
+			require.NoError(t, err, mode)
+		}
+		require.NoError(t, c.Close())
+	}
+	mw, err := httpidem.New(httpidem.Config{Pool: b.pool, Schema: b.schema, Unscoped: true})
+	require.NoError(t, err)
+	refuse := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, "no", http.StatusUnprocessableEntity)
+	})
+	mux := http.NewServeMux()
+	mux.Handle("POST /payments", mw.Middleware(refuse))
+	mux.Handle("POST /refunds", mw.Route(httpidem.Route{Lease: true})(refuse))
+	for _, path := range []string{"/payments", "/refunds"} {
+		for _, key := range []string{"k1", "k2"} {
+			req := httptest.NewRequest(http.MethodPost, path, strings.NewReader(`{}`))
+			req.Header.Set("Idempotency-Key", key)
+			rec := httptest.NewRecorder()
+			mux.ServeHTTP(rec, req)
+			require.Equal(t, http.StatusUnprocessableEntity, rec.Code, rec.Body.String())
+		}
+	}
+	b.killEffects(t, "email", "r", 2, func(key string) error { return errors.New("bounced " + key) })
+
+	require.Equal(t, 10, countOf(t, b, `SELECT count(*) FROM inbox WHERE state = 'failed'`))
+	require.Zero(t, countOf(t, b, `SELECT count(*) FROM inbox WHERE state = 'failed' AND (error_group IS NULL OR error_masked IS NULL)`),
+		"every writer groups its failures as it records them")
+	require.Zero(t, countOf(t, b, `SELECT count(*) FROM effects WHERE state = 'dead' AND (error_group IS NULL OR error_masked IS NULL OR dead_at IS NULL)`))
+	groups := groupsOf(t, a, admin.GroupFilter{})
+	require.Len(t, groups, 6, "one group per consumer, HTTP operation and kind")
+	for _, g := range groups {
+		require.Equal(t, int64(2), g.Count, "%s %s", g.Place(), g.Masked)
+	}
 }
