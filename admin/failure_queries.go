@@ -146,10 +146,15 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 			SELECT 'action', action, sum(affected)::float8 FROM ` + actions + ` GROUP BY action`
 
 	// The backfill of failures recorded before the group columns existed: their
-	// error_group is NULL, which the group indexes find (IS NULL is an index
-	// condition of a B-tree). The write checks the error is still the one masked.
-	q.ungroupedInbox = `SELECT consumer, tenant, key, coalesce(error, '') FROM ` + inbox + `
-			WHERE state = 'failed' AND error_group IS NULL LIMIT $1`
+	// error_group is NULL. They are read in the group index's order from its NULL
+	// end (a backward scan of inbox_failure_group_idx yields the NULLs first), so
+	// the read is a probe of the index whatever the statistics say: a plain
+	// "error_group IS NULL" filter is estimated from the whole table, where every
+	// completed key has a NULL group, and planned as a pass over the table that
+	// finds nothing. The caller keeps the rows whose group is NULL. The write
+	// checks that the row is still failed with the error that was masked.
+	q.ungroupedInbox = `SELECT consumer, tenant, key, coalesce(error, ''), error_group IS NULL FROM ` + inbox + `
+			WHERE state = 'failed' ORDER BY error_group DESC NULLS FIRST LIMIT $1`
 	q.groupInbox = `UPDATE ` + inbox + ` i SET error_masked = u.masked,
 				error_group = ` + failgroup.GroupSQL("i.consumer", "i.tenant", "i.error_code", "u.masked") + `
 			FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[]) AS u(consumer, tenant, key, err, masked)
@@ -157,8 +162,8 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 				AND i.state = 'failed' AND i.error_group IS NULL AND coalesce(i.error, '') = u.err`
 	// An effect that died before dead_at existed is taken to have died when its
 	// last claim's lease ended (next_attempt_at), the closest time it kept.
-	q.ungroupedEffects = `SELECT tenant, kind, key, coalesce(last_error, '') FROM ` + effects + `
-			WHERE state = 'dead' AND error_group IS NULL LIMIT $1`
+	q.ungroupedEffects = `SELECT tenant, kind, key, coalesce(last_error, ''), error_group IS NULL FROM ` + effects + `
+			WHERE state = 'dead' ORDER BY error_group DESC NULLS FIRST LIMIT $1`
 	q.groupEffects = `UPDATE ` + effects + ` e SET error_masked = u.masked,
 				error_group = ` + failgroup.GroupSQL("e.kind", "e.tenant", "e.error_code", "u.masked") + `,
 				dead_at = coalesce(e.dead_at, e.next_attempt_at)

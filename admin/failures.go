@@ -503,7 +503,8 @@ const backfillBatch = 1000
 
 // backfill puts the failed inbox keys and dead effects that have no failure group
 // yet (recorded before migration 006) in their groups: it reads a batch of them
-// through the group index (their group is NULL there), masks their errors with the
+// from the NULL end of the group index (one index probe when there are none),
+// masks their errors with the
 // same function the writers use, and writes the group back, one short statement
 // per batch, until none is left. It is idempotent and safe to run in several
 // processes at once (a row that another run grouped first is left alone). A role
@@ -513,15 +514,19 @@ func (a *Admin) backfill(ctx context.Context, inboxOn, effectsOn bool) error {
 		on          bool
 		read, write string
 	}{{inboxOn, a.q.ungroupedInbox, a.q.groupInbox}, {effectsOn, a.q.ungroupedEffects, a.q.groupEffects}} {
-		for on.on {
-			rows, err := a.db.Query(ctx, on.read, backfillBatch)
+		// The first read is a probe of one row: nearly always there is nothing to do.
+		for limit := 1; on.on; limit = backfillBatch {
+			rows, err := a.db.Query(ctx, on.read, limit)
 			if err != nil {
 				return a.wrap(err)
 			}
 			var aa, bb, cc, errs []string
 			var x, y, z, e string
-			_, err = pgx.ForEachRow(rows, []any{&x, &y, &z, &e}, func() error {
-				aa, bb, cc, errs = append(aa, x), append(bb, y), append(cc, z), append(errs, e)
+			var ungrouped bool
+			_, err = pgx.ForEachRow(rows, []any{&x, &y, &z, &e, &ungrouped}, func() error {
+				if ungrouped {
+					aa, bb, cc, errs = append(aa, x), append(bb, y), append(cc, z), append(errs, e)
+				}
 				return nil
 			})
 			if err != nil {
@@ -542,7 +547,7 @@ func (a *Admin) backfill(ctx context.Context, inboxOn, effectsOn bool) error {
 				}
 				return a.wrap(err)
 			}
-			if len(aa) < backfillBatch || tag.RowsAffected() == 0 {
+			if len(aa) < limit && limit > 1 || tag.RowsAffected() == 0 {
 				break // the last batch, or rows that changed under us: the next read takes them
 			}
 		}
