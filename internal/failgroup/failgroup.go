@@ -9,7 +9,7 @@
 // One masking function serves every writer (inbox.Store, the consumer's batch
 // claim, httpidem, the effects Dispatcher) and the operator API's backfill of rows
 // written before the columns existed, so a failure lands in the same group
-// whichever path wrote it. It imports nothing of idem.
+// whichever path wrote it. It imports only internal/text of idem.
 package failgroup
 
 import (
