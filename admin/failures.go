@@ -48,7 +48,16 @@ var (
 	// ErrNoteRequired is returned for an action (not a dry run) without an audit
 	// note that says who asks and why.
 	ErrNoteRequired = errcode.Permanent("note_required", "a repair action needs a note: who asks, and why")
+	// ErrGroupChanged is returned, and nothing was changed, when an action with
+	// AtMost would change more rows than that: failures within its bound appeared
+	// after the operator looked (a failure whose transaction was still committing).
+	// Look again.
+	ErrGroupChanged = errcode.Transient("group_changed", "the failure group holds more rows than the plan said; nothing was changed: look again")
 )
+
+// groupChanged is the text of the error an action's statement fails with past
+// GroupAction.AtMost.
+const groupChanged = "idem: failure group changed since the plan"
 
 // Group sample sizes.
 const (
@@ -316,6 +325,12 @@ type GroupAction struct {
 	// DryRun changes nothing and records nothing: the result says what the action
 	// would touch now.
 	DryRun bool
+	// AtMost, when above 0, is the most rows the action may change: pass the Rows
+	// of the dry run the operator confirmed. An action that would change more
+	// changes nothing and returns ErrGroupChanged. It closes the one gap Through
+	// leaves: a failure whose recording transaction began before the look (its
+	// time is that transaction's start) and committed after it.
+	AtMost int64
 	// Note says who asks and why; it is stored with the action, and Why is
 	// required unless DryRun.
 	Note Audit
@@ -393,14 +408,19 @@ func (a *Admin) act(ctx context.Context, action, source string, act GroupAction)
 		sql = a.q.plan[action]
 	} else {
 		sql = a.q.act[action]
-		args = append(args, who, why)
+		args = append(args, who, why, max(act.AtMost, 0))
 		if action == ActionRetry {
 			args = append(args, a.cfg.Schema) // the dispatchers' wake-up
 		}
 		out.Who, out.Why = who, why
 	}
 	var actionID *string
-	err = a.db.QueryRow(ctx, sql, args...).Scan(&out.Rows, &out.Keys, &out.At, &actionID)
+	var guard int
+	err = a.db.QueryRow(ctx, sql, args...).Scan(&out.Rows, &out.Keys, &out.At, &actionID, &guard)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "22P02" && strings.Contains(pgErr.Message, groupChanged) {
+		return nil, errorf(ErrGroupChanged, "%s of group %s would change more than the %d row(s) planned: failures arrived within the bound since; nothing was changed, look again", action, act.ID, act.AtMost)
+	}
 	if err != nil {
 		return nil, a.wrap(err)
 	}

@@ -231,8 +231,24 @@ func TestFailureGroupActions(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, again.Rows, "repeating the action changes nothing more")
 
+	// A failure whose recording transaction began before the look and committed
+	// after it carries a time within the bound: Through alone would take it, and
+	// AtMost (the plan's rows) refuses the action instead, changing nothing.
+	rplan, err := a.ReleaseGroup(ctx, admin.GroupAction{ID: ig.ID, Through: ig.LastSeen, DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, int64(3), rplan.Rows)
+	stored := countOf(t, b, `SELECT count(*) FROM failure_actions`)
+	b.failKeys(t, "orders", "", "late", "bad_payload", 1, func(int) string { return "order 77 invalid" })
+	b.exec(t, `UPDATE inbox SET completed_at = $1 WHERE key = 'late0'`, ig.FirstSeen)
+	_, err = a.ReleaseGroup(ctx, admin.GroupAction{ID: ig.ID, Through: ig.LastSeen, AtMost: rplan.Rows, Note: note})
+	require.ErrorIs(t, err, admin.ErrGroupChanged)
+	require.Equal(t, "group_changed", inbox.Code(err))
+	require.Equal(t, 4, countOf(t, b, `SELECT count(*) FROM inbox WHERE state = 'failed'`), "nothing was released")
+	require.Equal(t, stored, countOf(t, b, `SELECT count(*) FROM failure_actions`), "nor recorded")
+	b.exec(t, `DELETE FROM inbox WHERE key = 'late0'`)
+
 	// Release: the failed keys are gone; discard: the rest of the effects group.
-	rel, err := a.ReleaseGroup(ctx, admin.GroupAction{ID: ig.ID, Through: ig.LastSeen, Note: note})
+	rel, err := a.ReleaseGroup(ctx, admin.GroupAction{ID: ig.ID, Through: ig.LastSeen, AtMost: rplan.Rows, Note: note})
 	require.NoError(t, err)
 	require.Equal(t, int64(3), rel.Rows)
 	require.Zero(t, countOf(t, b, `SELECT count(*) FROM inbox`))

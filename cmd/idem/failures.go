@@ -302,6 +302,7 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 			return errors.New("cancelled; nothing was changed")
 		}
 	}
+	o.act.AtMost = plan.Rows // exactly what was shown and confirmed, or nothing
 	res, err := act(ctx, o.act)
 	if err != nil {
 		return usageIfBad(err)
@@ -310,7 +311,7 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 		return e.writeJSON(res)
 	}
 	fmt.Fprintf(e.stdout, fa.outcome+" (group %s, action %s)\n", res.Rows, id, res.ActionID)
-	if res.Rows < plan.Rows {
+	if res.Rows < plan.Rows { // never more: AtMost
 		fmt.Fprintf(e.stdout, "(%d of the planned rows had changed meanwhile: another operator, or a dispatcher, took them)\n", plan.Rows-res.Rows)
 	}
 	return nil
