@@ -232,6 +232,7 @@ func (r *run) walk(ctx context.Context) (*Result, error) {
 		return nil, err
 	}
 	r.say("   would release %d failed key(s) that failed up to %s", plan.Rows, plan.Through.UTC().Format(time.RFC3339Nano))
+	act.AtMost = plan.Rows // what the dry run showed, or nothing
 	done, err := r.admin.ReleaseGroup(ctx, act)
 	if err != nil {
 		return nil, err
