@@ -3,6 +3,8 @@ package kafka_test
 import (
 	"context"
 	"fmt"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -14,12 +16,8 @@ import (
 // Publish a message and consume it in a consumer group, acking it so that
 // its offset is committed.
 func Example() {
-	cluster, err := kfake.NewCluster(kfake.NumBrokers(1))
-	if err != nil {
-		panic(err)
-	}
-	defer cluster.Close()
-	brokers := cluster.ListenAddrs()
+	brokers, topic, cleanup := exampleBroker("orders")
+	defer cleanup()
 
 	cfg := kafka.SubscriberConfig{}
 	cfg.Brokers = brokers
@@ -29,7 +27,7 @@ func Example() {
 		panic(err)
 	}
 	defer sub.Close()
-	if err := sub.SubscribeInitialize("orders"); err != nil {
+	if err := sub.SubscribeInitialize(topic); err != nil {
 		panic(err)
 	}
 
@@ -42,22 +40,36 @@ func Example() {
 	defer pub.Close()
 	msg := message.NewMessage("0190f1c2-7d1e-7c3a-9d43-1f2a3b4c5d6e", []byte(`{"amount":42}`))
 	msg.Metadata.Set("order_id", "ord_1")
-	if err := pub.Publish("orders", msg); err != nil {
+	if err := pub.Publish(topic, msg); err != nil {
 		panic(err)
 	}
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	msgs, err := sub.Subscribe(ctx, "orders")
+	msgs, err := sub.Subscribe(ctx, topic)
 	if err != nil {
 		panic(err)
 	}
 	got := <-msgs
 	fmt.Println(got.UUID, string(got.Payload))
-	fmt.Println(kafka.PartitionOffsetKey(got), got.Metadata.Get(kafka.MetadataKey),
-		got.Metadata.Get(kafka.MetadataDeliveryCount))
+	fmt.Println("partition", got.Metadata.Get(kafka.MetadataPartition), "offset", got.Metadata.Get(kafka.MetadataOffset),
+		"key", got.Metadata.Get(kafka.MetadataKey), "delivery", got.Metadata.Get(kafka.MetadataDeliveryCount))
 	got.Ack()
 	// Output:
 	// 0190f1c2-7d1e-7c3a-9d43-1f2a3b4c5d6e {"amount":42}
-	// orders/0/0 ord_1 1
+	// partition 0 offset 0 key ord_1 delivery 1
+}
+
+// exampleBroker is the example's test plumbing: the brokers in KAFKA_BROKERS
+// with a fresh topic name, or else an in-process kfake cluster. cleanup stops
+// the cluster.
+func exampleBroker(topic string) (brokers []string, name string, cleanup func()) {
+	if v := os.Getenv("KAFKA_BROKERS"); v != "" {
+		return strings.Split(v, ","), fmt.Sprintf("%s-%d", topic, time.Now().UnixNano()), func() {}
+	}
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(1))
+	if err != nil {
+		panic(err)
+	}
+	return cluster.ListenAddrs(), topic, cluster.Close
 }

@@ -17,33 +17,21 @@ import (
 // A handler fails once, and the message comes back after the nak delay with
 // its delivery count; then a permanent failure ends it with Term.
 func Example() {
-	dir, _ := os.MkdirTemp("", "idem-nats-example")
-	defer os.RemoveAll(dir)
-	srv, _ := server.NewServer(&server.Options{Port: -1, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true})
-	go srv.Start()
-	srv.ReadyForConnections(10 * time.Second)
-	defer srv.WaitForShutdown()
-	defer srv.Shutdown()
-
-	nc, err := natsgo.Connect(srv.ClientURL())
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
-	defer nc.Close()
+	nc, topic, cleanup := exampleServer("orders")
+	defer cleanup()
 
 	topo := idemnats.Topology{AutoProvision: true}
 	pub, _ := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
 	defer pub.Close()
 	sub, _ := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
 		Topology: topo,
-		Durable:  "billing",
+		Durable:  "billing-" + topic,
 		NakDelay: func(uint64) time.Duration { return 100 * time.Millisecond },
 	})
 	defer sub.Close()
 
-	msgs, _ := sub.Subscribe(context.Background(), "orders")
-	_ = pub.Publish("orders", message.NewMessage("order-1", []byte(`{"total":42}`)))
+	msgs, _ := sub.Subscribe(context.Background(), topic)
+	_ = pub.Publish(topic, message.NewMessage("order-1", []byte(`{"total":42}`)))
 
 	handle := func(msg *message.Message) error {
 		fmt.Println(msg.UUID, "delivery", msg.Metadata.Get(idemnats.MetadataNumDelivered),
@@ -62,12 +50,55 @@ func Example() {
 			msg.Ack()
 		}
 	}
-	time.Sleep(100 * time.Millisecond)
 	st := sub.Stats()
+	for deadline := time.Now().Add(10 * time.Second); st.Terminated == 0 && time.Now().Before(deadline); st = sub.Stats() {
+		time.Sleep(10 * time.Millisecond) // the Term is sent after Nack returns
+	}
 	fmt.Println("acked", st.Acked, "nacked", st.Nacked, "terminated", st.Terminated)
 
 	// Output:
 	// order-1 delivery 1 seq 1
 	// order-1 delivery 2 seq 1
 	// acked 0 nacked 1 terminated 1
+}
+
+// exampleServer is the example's test plumbing: a connection to NATS_URL with a
+// fresh topic name, or else to an embedded JetStream server. cleanup closes the
+// connection, deletes the topic's stream from NATS_URL, and stops an embedded
+// server.
+func exampleServer(topic string) (nc *natsgo.Conn, name string, cleanup func()) {
+	if url := os.Getenv("NATS_URL"); url != "" {
+		nc, err := natsgo.Connect(url)
+		if err != nil {
+			panic(err)
+		}
+		name = fmt.Sprintf("%s_%d", topic, time.Now().UnixNano())
+		return nc, name, func() {
+			if js, err := nc.JetStream(); err == nil {
+				_ = js.DeleteStream(idemnats.DefaultStreamName(name))
+			}
+			nc.Close()
+		}
+	}
+	dir, err := os.MkdirTemp("", "idem-nats-example")
+	if err != nil {
+		panic(err)
+	}
+	srv, err := server.NewServer(&server.Options{Port: -1, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true})
+	if err != nil {
+		panic(err)
+	}
+	go srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		panic("embedded nats-server did not start")
+	}
+	if nc, err = natsgo.Connect(srv.ClientURL()); err != nil {
+		panic(err)
+	}
+	return nc, topic, func() {
+		nc.Close()
+		srv.Shutdown()
+		srv.WaitForShutdown()
+		os.RemoveAll(dir)
+	}
 }
