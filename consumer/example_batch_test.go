@@ -39,6 +39,9 @@ func ExampleConsumer_HandleBatch() {
 				continue
 			}
 			ids, amounts = append(ids, m.UUID), append(amounts, p.Amount)
+			// m.Context() carries the message's effects scope: the effect belongs to
+			// this message (and its tenant), and is written with the batch's others in
+			// one statement.
 			if _, err := effects.Enqueue(m.Context(), tx, effects.Effect{
 				Kind: "email", Key: "receipt:" + m.UUID, Payload: m.Payload,
 			}); err != nil {
@@ -46,7 +49,7 @@ func ExampleConsumer_HandleBatch() {
 			}
 		}
 		if len(failed) > 0 {
-			return errors.Join(failed...)
+			return errors.Join(failed...) // idem runs the batch again without these
 		}
 		_, err := tx.Exec(ctx, `INSERT INTO ledger SELECT * FROM unnest($1::text[], $2::bigint[])`, ids, amounts)
 		return err

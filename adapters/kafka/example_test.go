@@ -21,18 +21,21 @@ func Example() {
 
 	cfg := kafka.SubscriberConfig{}
 	cfg.Brokers = brokers
-	cfg.GroupID = "billing"
+	cfg.GroupID = "billing" // omit to read partitions without a group (tools, tests)
 	sub, err := kafka.NewSubscriber(cfg)
 	if err != nil {
 		panic(err)
 	}
 	defer sub.Close()
-	if err := sub.SubscribeInitialize(topic); err != nil {
+	if err := sub.SubscribeInitialize(topic); err != nil { // optional: creates the topic if missing
 		panic(err)
 	}
 
-	pcfg := kafka.PublisherConfig{PartitionKey: kafka.PartitionKeyFromMetadata("order_id")}
-	pcfg.Brokers = brokers
+	pcfg := kafka.PublisherConfig{
+		// Records with the same key land on the same partition, in order.
+		PartitionKey: kafka.PartitionKeyFromMetadata("order_id"),
+	}
+	pcfg.Brokers = brokers // kafka-go's WriterConfig, embedded
 	pub, err := kafka.NewPublisher(pcfg)
 	if err != nil {
 		panic(err)
@@ -40,6 +43,8 @@ func Example() {
 	defer pub.Close()
 	msg := message.NewMessage("0190f1c2-7d1e-7c3a-9d43-1f2a3b4c5d6e", []byte(`{"amount":42}`))
 	msg.Metadata.Set("order_id", "ord_1")
+	// Publish returns after the broker acked every record (acks=all); many
+	// messages in one call are written as one batch.
 	if err := pub.Publish(topic, msg); err != nil {
 		panic(err)
 	}
@@ -54,7 +59,7 @@ func Example() {
 	fmt.Println(got.UUID, string(got.Payload))
 	fmt.Println("partition", got.Metadata.Get(kafka.MetadataPartition), "offset", got.Metadata.Get(kafka.MetadataOffset),
 		"key", got.Metadata.Get(kafka.MetadataKey), "delivery", got.Metadata.Get(kafka.MetadataDeliveryCount))
-	got.Ack()
+	got.Ack() // commit-able; got.Nack() delivers it again after a pause that grows per record
 	// Output:
 	// 0190f1c2-7d1e-7c3a-9d43-1f2a3b4c5d6e {"amount":42}
 	// partition 0 offset 0 key ord_1 delivery 1

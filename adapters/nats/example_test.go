@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats-server/v2/server"
 	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	idemnats "github.com/idemkit/idem/adapters/nats"
 )
@@ -20,13 +21,17 @@ func Example() {
 	nc, topic, cleanup := exampleServer("orders")
 	defer cleanup()
 
-	topo := idemnats.Topology{AutoProvision: true}
+	// The connection is yours: Close on the adapters leaves it open.
+	topo := idemnats.Topology{AutoProvision: true} // one stream per topic, subject = topic
 	pub, _ := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
 	defer pub.Close()
 	sub, _ := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
-		Topology: topo,
-		Durable:  "billing-" + topic,
-		NakDelay: func(uint64) time.Duration { return 100 * time.Millisecond },
+		Topology:     topo,
+		Durable:      "billing-" + topic, // the consumer group; required
+		Concurrency:  16,                 // messages held at once; MaxAckPending follows
+		Consumer:     jetstream.ConsumerConfig{AckWait: 30 * time.Second, MaxDeliver: 20},
+		OnMaxDeliver: idemnats.PublishDeadLetter(pub, topic+".dead"),
+		NakDelay:     func(uint64) time.Duration { return 100 * time.Millisecond },
 	})
 	defer sub.Close()
 
