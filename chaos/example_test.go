@@ -28,10 +28,11 @@ func Example() {
 
 	broker := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
 	sub, err := chaos.NewSubscriber(broker, chaos.Config{
-		Seed:                 42, // same seed, same faults on the same messages
-		DuplicateProbability: 1, MaxCopies: 2,
-		RedeliverProbability: 1, RedeliverDelay: 20 * time.Millisecond,
-		ReorderWindow: 4,
+		Seed:                 42,              // same seed, same faults on the same messages
+		DuplicateProbability: 1, MaxCopies: 2, // extra copies next to the original
+		RedeliverProbability: 1, RedeliverDelay: 20 * time.Millisecond, // delivered again after it was acked
+		ReorderWindow: 4, // shuffled within 4 messages
+		MaxDelay:      5 * time.Millisecond,
 	})
 	if err != nil {
 		panic(err)
