@@ -76,7 +76,7 @@ func requireAnswerMatchesInbox(t *testing.T, b *bundle, key string, err error) {
 }
 
 // Issue 12, item 1. A handler that forwards the message it received must not have
-// that message's UUID rewritten: under the README's stack (Retry outside idem), a
+// that message's UUID rewritten: under the documented stack (Retry outside idem), a
 // commit that fails once is retried with the same key, and a later redelivery of
 // the message is a duplicate. Rewritten, the retry claimed the output UUID and the
 // redelivery ran the work a second time under the original key.
@@ -441,7 +441,7 @@ func TestBusinessKeyErrorIsCodedAndPoisonable(t *testing.T) {
 		require.Zero(t, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`), "nothing to record it under")
 		require.Equal(t, 1.0, series(t, b.reg, "idem_inbox_failed_total", map[string]string{"code": "business_key"}))
 
-		// With the README's stack, the poison topic takes it and the rest flows.
+		// With the documented stack, the poison topic takes it and the rest flows.
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
 		defer pubsub.Close()
 		poisoned, err := pubsub.Subscribe(context.Background(), "poison")
