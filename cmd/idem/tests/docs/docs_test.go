@@ -272,8 +272,8 @@ func docOf(d ast.Decl) *ast.CommentGroup {
 	return nil
 }
 
-// TestLinksResolve checks every link of every page that is not a URL with a
-// scheme: the file or folder it names exists, and its #anchor is a heading of
+// TestLinksResolve checks every link of every page, and of the examples'
+// READMEs, that is not a URL with a scheme: the file or folder it names exists, and its #anchor is a heading of
 // the target page under GitHub's rules.
 func TestLinksResolve(t *testing.T) {
 	anchors := map[string][]string{}
@@ -285,7 +285,15 @@ func TestLinksResolve(t *testing.T) {
 		anchors[page] = headingAnchors(src, doc)
 		return anchors[page]
 	}
-	for _, page := range pages(t) {
+	examples, err := filepath.Glob(filepath.Join(repoRoot, "examples", "*", "README.md"))
+	require.NoError(t, err)
+	all := pages(t)
+	for _, e := range examples {
+		rel, err := filepath.Rel(repoRoot, e)
+		require.NoError(t, err)
+		all = append(all, filepath.ToSlash(rel))
+	}
+	for _, page := range all {
 		t.Run(page, func(t *testing.T) {
 			_, doc := parse(t, page)
 			require.NoError(t, mdast.Walk(doc, func(n mdast.Node, entering bool) (mdast.WalkStatus, error) {
