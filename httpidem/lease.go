@@ -105,9 +105,9 @@ func (m *Middleware) serveLease(q *request) {
 // askRecover asks Config.Recover about a stale key, with the request's transaction
 // in its context as a handler has it. A panic rolls back (onPanic) and panics on.
 // A response is judged as a handler's is: it cannot be used if the request's
-// context ended or the transaction is no longer open and healthy; and a nil one
-// (run the handler) cannot be either, since the handler would run outside idem's
-// transaction.
+// context ended, nor if it is a success and the transaction is no longer open and
+// healthy; and a nil one (run the handler) cannot be either then, since the
+// handler would run outside idem's transaction.
 func (m *Middleware) askRecover(q *request, tx *connTx, fence int64, onPanic func()) (resp *Response, f fault, err error) {
 	ctx := q.r.Context()
 	hctx := m.handlerContext(ctx, q, tx)
@@ -129,7 +129,7 @@ func (m *Middleware) askRecover(q *request, tx *connTx, fence int64, onPanic fun
 		return nil, faultNone, err
 	case ctx.Err() != nil:
 		return nil, faultCanceled, nil
-	case tx.Conn().PgConn().TxStatus() != 'T':
+	case (resp == nil || m.success(resp.Status)) && tx.Conn().PgConn().TxStatus() != 'T':
 		return nil, faultTxEnded, nil
 	}
 	return resp, faultNone, nil

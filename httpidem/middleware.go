@@ -494,7 +494,7 @@ const (
 	faultNone     fault = iota
 	faultCanceled       // the request's context ended
 	faultOverflow       // the response is over MaxResponseBody
-	faultTxEnded        // a final response, and the transaction is not open and healthy
+	faultTxEnded        // a success, and the transaction is not open and healthy
 )
 
 // run runs the handler with tx in its context and returns its response, or the
@@ -535,8 +535,11 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 	// Only a transaction that is still open and healthy can commit what the handler
 	// meant: one it committed, rolled back (raw SQL) or broke with a failed
 	// statement cannot. (One it replaced with a BEGIN of its own is open: the mark
-	// checked with the COMMIT finds that out.)
-	if m.final(resp.Status) && tx.Conn().PgConn().TxStatus() != 'T' {
+	// checked with the COMMIT finds that out.) A final client error commits nothing
+	// of the handler's work, so it needs no such transaction: a 422 answered past a
+	// failed statement is stored like any other, after rollBack has found out
+	// whether the handler ended the transaction itself.
+	if m.success(resp.Status) && tx.Conn().PgConn().TxStatus() != 'T' {
 		return resp, faultTxEnded
 	}
 	return resp, faultNone
@@ -566,7 +569,7 @@ func (m *Middleware) answerFault(q *request, f fault) {
 		q.problem(CodeResponseTooLarge, fmt.Sprintf("the response is over %d bytes and cannot be stored; the request was rolled back", m.cfg.MaxResponseBody), 0)
 	case faultTxEnded:
 		m.count(q.claim.Consumer, OutcomeError)
-		m.log.Error("idem: the request's transaction cannot commit (a failed statement the handler answered past, or a raw COMMIT/ROLLBACK with no key to record); it is rolled back and nothing is stored",
+		m.log.Error("idem: the request's transaction cannot commit (a failed statement the handler answered a success past, or a raw COMMIT/ROLLBACK with no key to record); it is rolled back and nothing is stored",
 			q.attrs()...)
 		q.problem(CodeTransactionEnded, "the request's transaction failed or was ended by the handler; nothing of it was stored, and a retry runs the request again", 0)
 	}
