@@ -22,7 +22,7 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
-	"github.com/idemkit/idem/internal/meter"
+	"github.com/idemkit/idem/internal/cpustat"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -44,7 +44,7 @@ import (
 // replay. It reports the rates and the ratios idem/bare and idem/recipe.
 //
 // On a machine whose CPUs are busy, requests/s follow CPU time, so it also reports
-// per request and side (internal/meter): this process's CPU time ("go-µs/req": the
+// per request and side (internal/cpustat): this process's CPU time ("go-µs/req": the
 // HTTP server and client, pgx, the middleware), that of the pool's Postgres
 // backends ("pg-µs/req"; Linux with Postgres on the same host), and this process's
 // heap allocations ("allocs/req", "B/req"). "idem-overhead-go-µs/req" is idem's Go
@@ -76,6 +76,39 @@ func BenchmarkIdempotencyKeyRemoteDB(b *testing.B) {
 	}
 }
 
+// BenchmarkIdempotencyKeyAlone runs one side of BenchmarkIdempotencyKey on its
+// own (one-row write, loopback), for a CPU or allocation profile of that side
+// alone:
+//
+//	go test -run '^$' -bench 'IdempotencyKeyAlone/idem' -benchtime 20000x -cpuprofile cpu.out ./httpidem
+func BenchmarkIdempotencyKeyAlone(b *testing.B) {
+	for _, side := range benchSides {
+		b.Run(side, func(b *testing.B) {
+			s := newBenchServer(b, 0, 0)
+			s.run("/"+side+"/payments", 200)
+			ctx, app := context.Background(), "idem-test:"+s.schema
+			before := cpustat.Take(ctx, s.pool, app)
+			b.ResetTimer()
+			wall := s.run("/"+side+"/payments", b.N)
+			b.StopTimer()
+			reportCost(b, "", cpustat.Take(ctx, s.pool, app).Since(before), b.N)
+			b.ReportMetric(float64(b.N)/wall.Seconds(), "req/s")
+		})
+	}
+}
+
+// reportCost reports d over n requests, each figure's unit prefixed with prefix:
+// Go and Postgres CPU µs, the Go GC's share, heap allocations and bytes.
+func reportCost(b *testing.B, prefix string, d cpustat.Delta, n int) {
+	b.ReportMetric(cpustat.PerOp(d.Self, n), prefix+"go-µs/req")
+	b.ReportMetric(cpustat.PerOp(d.GC, n), prefix+"gc-µs/req")
+	if d.BackendsSeen {
+		b.ReportMetric(cpustat.PerOp(d.Backends, n), prefix+"pg-µs/req")
+	}
+	b.ReportMetric(float64(d.Mallocs)/float64(n), prefix+"allocs/req")
+	b.ReportMetric(float64(d.AllocBytes)/float64(n), prefix+"B/req")
+}
+
 // The benchmark's sides, by path.
 var benchSides = [...]string{"bare", "recipe", "idem"}
 
@@ -86,25 +119,23 @@ func benchIdempotencyKey(b *testing.B, nEffects int, rtt time.Duration) {
 	}
 	type result struct {
 		wall time.Duration
-		cost meter.Delta
-		runs int
+		cost cpustat.Delta
 	}
 	var res [len(benchSides)]result
+	app := "idem-test:" + s.schema // pgtest's application_name for the pool
 	run := func(i, n int) {
-		pids, err := meter.BackendPIDs(context.Background(), s.pool, "idem-test:"+s.schema)
-		if err != nil {
-			b.Fatal(err)
-		}
-		before := meter.Take(pids)
+		ctx := context.Background()
+		before := cpustat.Take(ctx, s.pool, app)
 		wall := s.run("/"+benchSides[i]+"/payments", n)
-		cost := meter.Take(pids).Since(before)
-		if res[i].runs == 0 {
-			res[i].cost = cost
-		} else {
-			res[i].cost = res[i].cost.Add(cost)
-		}
+		d := cpustat.Take(ctx, s.pool, app).Since(before)
+		c := &res[i].cost
+		c.Self += d.Self
+		c.Backends += d.Backends
+		c.BackendsSeen = c.BackendsSeen || d.BackendsSeen
+		c.Mallocs += d.Mallocs
+		c.AllocBytes += d.AllocBytes
+		c.GC += d.GC
 		res[i].wall += wall
-		res[i].runs++
 	}
 	// Many short rounds, in every order of the three sides in turn, so that the
 	// load of a shared machine falls on all alike.
@@ -122,18 +153,12 @@ func benchIdempotencyKey(b *testing.B, nEffects int, rtt time.Duration) {
 	var rate [len(benchSides)]float64
 	for i, side := range benchSides {
 		rate[i] = float64(n) / res[i].wall.Seconds()
-		c := res[i].cost.Per(n)
+		reportCost(b, side+"-", res[i].cost, n)
 		b.ReportMetric(rate[i], side+"-req/s")
-		b.ReportMetric(c.ProcessMicros, side+"-go-µs/req")
-		if c.PostgresSeen {
-			b.ReportMetric(c.PostgresMicros, side+"-pg-µs/req")
-		}
-		b.ReportMetric(c.Allocs, side+"-allocs/req")
-		b.ReportMetric(c.Bytes, side+"-B/req")
 	}
 	b.ReportMetric(rate[2]/rate[0], "idem/bare")
 	b.ReportMetric(rate[2]/rate[1], "idem/recipe")
-	b.ReportMetric(res[2].cost.Per(n).ProcessMicros-res[0].cost.Per(n).ProcessMicros, "idem-overhead-go-µs/req")
+	b.ReportMetric(cpustat.PerOp(res[2].cost.Self-res[0].cost.Self, n), "idem-overhead-go-µs/req")
 }
 
 // benchClients is the benchmark's concurrency: client connections, and requests in
