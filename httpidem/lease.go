@@ -163,7 +163,7 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 	case m.success(resp.Status):
 		stored, err := m.toStored(q, tx, resp)
 		if err == nil && ctx.Err() == nil {
-			cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
+			cctx, span := m.child(context.WithoutCancel(ctx), spanCommit)
 			err = tx.noteEnded(m.store.CompleteLeaseResponseCommit(cctx, tx.conn, id, fence, m.cfg.Retention, stored))
 			endSpan(span, err)
 			switch {

@@ -34,6 +34,9 @@ type Middleware struct {
 	tracer  trace.Tracer
 	// claimPrelude goes with the claim in its round trip: BEGIN.
 	claimPrelude []string
+	// prepared, if set, are the statements of transactional mode's two round
+	// trips, sent through pgconn (see preparedStmts).
+	prepared *preparedStmts
 
 	// afterCommit, if set, runs after a commit and before the answer is written
 	// (tests kill the process there).
@@ -57,10 +60,14 @@ func New(cfg Config) (*Middleware, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	return &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
+	m := &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
 		tracer:       tracing.Tracer(cfg.TracerProvider),
 		claimPrelude: []string{beginSQL},
-	}, nil
+	}
+	if usePrepared(cfg.Pool.Config().ConnConfig) {
+		m.prepared = newPreparedStmts(store)
+	}
+	return m, nil
 }
 
 // lockTimeoutSQL bounds the wait for a concurrent request with the key. SET LOCAL
@@ -127,6 +134,10 @@ type request struct {
 	next  http.Handler
 	body  []byte
 	claim inbox.Claim
+	// stmts are the prepared statements on conn, when the middleware uses them
+	// (prepared).
+	stmts    described
+	prepared bool
 	// conn is the one pool connection the request holds, or nil. Every statement
 	// of the request runs on it (acquire), and every answer is written after it
 	// went back to the pool (send, problem): a request never holds two
@@ -278,7 +289,14 @@ func (m *Middleware) serveTx(q *request) {
 	}
 	cctx, span := m.startClaim(q)
 	start := time.Now()
-	res, err := m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, max(m.cfg.LockTimeout, time.Millisecond))
+	var res responseClaim
+	wait := max(m.cfg.LockTimeout, time.Millisecond)
+	if m.prepared != nil {
+		res, q.stmts, err = m.store.ClaimResponsePrepared(cctx, tx.conn, m.prepared, q.claim, wait)
+		q.prepared = true
+	} else {
+		res, err = m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, wait)
+	}
 	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
 	endClaim(span, res.ClaimResult, err)
 	if err != nil {
@@ -317,8 +335,13 @@ func (m *Middleware) commitTx(q *request, tx *connTx, row rowRef, resp *Response
 	if err == nil && ctx.Err() == nil {
 		// Never cancelled once sent: a client leaving mid-commit must not turn a
 		// commit into an unknown.
-		cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
-		err = tx.noteEnded(m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored))
+		cctx, span := m.child(context.WithoutCancel(ctx), spanCommit)
+		if q.prepared {
+			err = m.store.saveCommitPrepared(cctx, tx.conn, q.stmts, q.claim.ID, row, stored)
+		} else {
+			err = m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored)
+		}
+		err = tx.noteEnded(err)
 		endSpan(span, err)
 		if err == nil || errors.Is(err, txmark.ErrCommitUnknown) {
 			m.committed(q, resp, err, OutcomeCommitted)
@@ -503,7 +526,7 @@ const (
 // back) and panics on.
 func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, fault) {
 	ctx := q.r.Context()
-	sctx, span := m.tracer.Start(ctx, spanHandler)
+	sctx, span := m.child(ctx, spanHandler)
 	defer span.End()
 	hr := q.r.WithContext(m.handlerContext(sctx, q, tx))
 	if q.body != nil {

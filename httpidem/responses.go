@@ -87,13 +87,19 @@ func responseArgs(r *storedResponse) []any {
 	if r.BodyRef != "" {
 		ref = &r.BodyRef
 	}
-	body := r.Body
-	if ref != nil {
-		body = nil
-	} else if body == nil {
-		body = []byte{} // an empty body, as opposed to none stored
+	var body []byte
+	if ref == nil {
+		body = nonNilBody(r.Body)
 	}
 	return []any{int16(r.Status), inboxdb.EncodeHeader(r.Header), body, ref}
+}
+
+// nonNilBody is body, or an empty body (as opposed to none stored) for nil.
+func nonNilBody(body []byte) []byte {
+	if body == nil {
+		return []byte{}
+	}
+	return body
 }
 
 // validateStored checks what a stored response may hold.
@@ -133,7 +139,7 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 		for _, sql := range prelude {
 			b.Queue(sql)
 		}
-		b.Queue(s.q.MarkWait, strconv.FormatInt(max(wait.Milliseconds(), 0), 10))
+		b.Queue(s.q.MarkWait, formatMillis(wait))
 		b.Queue(s.q.ClaimReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
 		br := tx.SendBatch(ctx, b)
 		for range len(prelude) + 1 {
@@ -153,6 +159,35 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 	}
 	return res, err
 }
+
+// ClaimResponsePrepared is ClaimResponseTx with BEGIN for its prelude, on conn
+// outside any transaction, through the prepared statements p (see
+// preparedStmts). It returns them as prepared on conn, for saveCommitPrepared.
+func (s *responseStore) ClaimResponsePrepared(ctx context.Context, conn *pgx.Conn, p *preparedStmts, c inbox.Claim, wait time.Duration) (responseClaim, described, error) {
+	if err := c.Validate(); err != nil {
+		return responseClaim{}, described{}, err
+	}
+	d, err := p.prepare(ctx, conn)
+	if err != nil {
+		return responseClaim{}, described{}, s.wrap(err)
+	}
+	var row rowRef
+	first := true
+	res, err := s.insertOrResponse(ctx, conn, c, func() (int64, error) {
+		if first {
+			first = false
+			return 0, s.claimPrepared(ctx, conn, d, c, wait, &row)
+		}
+		return 0, conn.QueryRow(ctx, s.q.ClaimReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&row.tid)
+	})
+	if res.Claimed {
+		res.Row = row
+	}
+	return res, d, err
+}
+
+// formatMillis is d in whole milliseconds, as lock_timeout takes it (0: no bound).
+func formatMillis(d time.Duration) string { return strconv.FormatInt(max(d.Milliseconds(), 0), 10) }
 
 // rowRef locates a row that ClaimResponseTx inserted, inside the transaction that
 // inserted it: its ctid, which nothing but that transaction can change before it
