@@ -97,11 +97,23 @@ func BenchmarkIdempotencyKeyAlone(b *testing.B) {
 	}
 }
 
+// addDelta sums the costs of two stretches of work: their GC shares weighted by
+// their CPU time.
+func addDelta(a, b cpustat.Delta) cpustat.Delta {
+	sum := cpustat.Delta{Self: a.Self + b.Self, Mallocs: a.Mallocs + b.Mallocs, AllocBytes: a.AllocBytes + b.AllocBytes,
+		Backends: a.Backends + b.Backends, BackendsSeen: a.BackendsSeen || b.BackendsSeen}
+	if sum.Self > 0 {
+		sum.GCShare = (a.GCShare*float64(a.Self) + b.GCShare*float64(b.Self)) / float64(sum.Self)
+	}
+	return sum
+}
+
 // reportCost reports d over n requests, each figure's unit prefixed with prefix:
-// Go and Postgres CPU µs, the Go GC's share, heap allocations and bytes.
+// Go and Postgres CPU µs, the Go GC's share of the Go µs (the runtime's
+// estimate), heap allocations and bytes.
 func reportCost(b *testing.B, prefix string, d cpustat.Delta, n int) {
 	b.ReportMetric(cpustat.PerOp(d.Self, n), prefix+"go-µs/req")
-	b.ReportMetric(cpustat.PerOp(d.GC, n), prefix+"gc-µs/req")
+	b.ReportMetric(d.GCShare*cpustat.PerOp(d.Self, n), prefix+"gc-µs/req")
 	if d.BackendsSeen {
 		b.ReportMetric(cpustat.PerOp(d.Backends, n), prefix+"pg-µs/req")
 	}
@@ -128,13 +140,7 @@ func benchIdempotencyKey(b *testing.B, nEffects int, rtt time.Duration) {
 		before := cpustat.Take(ctx, s.pool, app)
 		wall := s.run("/"+benchSides[i]+"/payments", n)
 		d := cpustat.Take(ctx, s.pool, app).Since(before)
-		c := &res[i].cost
-		c.Self += d.Self
-		c.Backends += d.Backends
-		c.BackendsSeen = c.BackendsSeen || d.BackendsSeen
-		c.Mallocs += d.Mallocs
-		c.AllocBytes += d.AllocBytes
-		c.GC += d.GC
+		res[i].cost = addDelta(res[i].cost, d)
 		res[i].wall += wall
 	}
 	// Many short rounds, in every order of the three sides in turn, so that the
