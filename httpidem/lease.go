@@ -31,7 +31,7 @@ func (m *Middleware) serveLease(q *request) {
 	if err == nil && !res.Claimed && !res.Mismatch && res.Existing.State == inbox.StateProcessing {
 		res, err = m.waitForLease(q, start)
 	}
-	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
+	m.metrics.op(q.claim.Consumer).lockWait.Observe(time.Since(start).Seconds())
 	endClaim(span, res.ClaimResult, err)
 	if err != nil {
 		m.dbFailed(q, "lease", err)
@@ -65,7 +65,7 @@ func (m *Middleware) serveLease(q *request) {
 			resp, f, rerr = m.askRecover(q, tx, fence, onPanic)
 			switch {
 			case rerr != nil:
-				m.metrics.stale.WithLabelValues(id.Consumer, "error").Inc()
+				m.metrics.op(id.Consumer).stale["error"].Inc()
 				if answer := m.rollBack(q, tx, fence); answer != nil {
 					answer()
 					return
@@ -82,7 +82,7 @@ func (m *Middleware) serveLease(q *request) {
 				m.log.Info("idem: Recover settled a stale key without running the handler", append(q.attrs(), "fence", fence, "status", resp.Status)...)
 			}
 		}
-		m.metrics.stale.WithLabelValues(id.Consumer, decision).Inc()
+		m.metrics.op(id.Consumer).stale[decision].Inc()
 		if decision == "rerun" {
 			m.log.Info("idem: running a stale key again", append(q.attrs(), "fence", fence)...)
 		}
@@ -204,7 +204,7 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 			answer()
 			return
 		}
-		stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+		stored := toStoredResponse(resp, m.storedNames)
 		conn, err := m.acquire(ctx, q)
 		if err == nil {
 			err = m.store.FailLeaseResponse(ctx, conn.conn, id, fence, m.cfg.Retention, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)

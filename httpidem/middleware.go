@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"runtime/debug"
@@ -34,6 +33,10 @@ type Middleware struct {
 	tracer  trace.Tracer
 	// claimPrelude goes with the claim in its round trip: BEGIN.
 	claimPrelude []string
+	// storedNames are cfg.StoredHeaders, canonical, sorted and unique.
+	storedNames []string
+	// fingerprint is DefaultFingerprint(cfg.Fields).
+	fingerprint func(r *http.Request, body []byte) ([]byte, error)
 	// prepared, if set, are the statements of transactional mode's two round
 	// trips, sent through pgconn (see preparedStmts).
 	prepared *preparedStmts
@@ -63,6 +66,8 @@ func New(cfg Config) (*Middleware, error) {
 	m := &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
 		tracer:       tracing.Tracer(cfg.TracerProvider),
 		claimPrelude: []string{beginSQL},
+		fingerprint:  DefaultFingerprint(cfg.Fields),
+		storedNames:  storedNames(cfg.StoredHeaders),
 	}
 	if usePrepared(cfg.Pool.Config().ConnConfig) {
 		m.prepared = newPreparedStmts(store)
@@ -88,7 +93,7 @@ func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 		if err := inbox.ValidateConsumer(rt.Operation); err != nil {
 			panic(fmt.Sprintf("httpidem: Route.Operation %q: %v", rt.Operation, err))
 		}
-		m.metrics.init(rt.Operation)
+		m.metrics.op(rt.Operation)
 	}
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(rt, next, w, r) })
@@ -103,6 +108,11 @@ type keyKey struct{}
 // stored in it, so Commit and Rollback are refused. Answer with a status that is
 // not final (or panic) to roll back.
 type ownedTx struct{ pgx.Tx }
+
+// bodyReader is the request body given back to the handler.
+type bodyReader struct{ bytes.Reader }
+
+func (*bodyReader) Close() error { return nil }
 
 // ErrTxOwned is returned when the handler calls Commit or Rollback on the
 // transaction idem gave it. Its code is the consumer's for the same mistake.
@@ -138,6 +148,11 @@ type request struct {
 	// (prepared).
 	stmts    described
 	prepared bool
+	// owned is the transaction the handler gets (Tx), rec holds its answer, and
+	// bodyReader gives it the body again.
+	owned      ownedTx
+	rec        recorder
+	bodyReader bodyReader
 	// conn is the one pool connection the request holds, or nil. Every statement
 	// of the request runs on it (acquire), and every answer is written after it
 	// went back to the pool (send, problem): a request never holds two
@@ -189,7 +204,7 @@ func (q *request) attrs() []any {
 }
 
 func (m *Middleware) count(op, outcome string) {
-	m.metrics.requests.WithLabelValues(op, outcome).Inc()
+	m.metrics.op(op).requests[outcome].Inc()
 }
 
 func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r *http.Request) {
@@ -209,7 +224,7 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 			return
 		}
 	}
-	m.metrics.init(op)
+	m.metrics.op(op)
 
 	key, err := parseKey(r.Header.Values(m.cfg.KeyHeader))
 	switch {
@@ -256,7 +271,7 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 			m.reject(w, op, CodeFingerprintFailed, "the request cannot be fingerprinted")
 			return
 		}
-	} else if q.claim.Fingerprint, err = DefaultFingerprint(m.cfg.Fields)(r, q.body); err != nil {
+	} else if q.claim.Fingerprint, err = m.fingerprint(r, q.body); err != nil {
 		m.reject(w, op, CodeBodyNotJSON, err.Error())
 		return
 	}
@@ -297,7 +312,7 @@ func (m *Middleware) serveTx(q *request) {
 	} else {
 		res, err = m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, wait)
 	}
-	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
+	m.metrics.op(q.claim.Consumer).lockWait.Observe(time.Since(start).Seconds())
 	endClaim(span, res.ClaimResult, err)
 	if err != nil {
 		m.dbFailed(q, "claim", err)
@@ -530,9 +545,11 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 	defer span.End()
 	hr := q.r.WithContext(m.handlerContext(sctx, q, tx))
 	if q.body != nil {
-		hr.Body = io.NopCloser(bytes.NewReader(q.body))
+		q.bodyReader.Reset(q.body)
+		hr.Body = &q.bodyReader
 	}
-	rec := newRecorder(q.w, m.cfg.MaxResponseBody)
+	q.rec = recorder{under: q.w, header: http.Header{}, limit: m.cfg.MaxResponseBody}
+	rec := &q.rec
 	func() {
 		defer func() {
 			if v := recover(); v != nil {
@@ -572,12 +589,30 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 // transaction (Tx), the key (KeyFrom) and the effects scope.
 func (m *Middleware) handlerContext(ctx context.Context, q *request, tx pgx.Tx) context.Context {
 	scope := effects.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
-	ctx = context.WithValue(ctx, txKey{}, ownedTx{tx})
 	if q.claim.Key != "" {
 		scope.Source = effects.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
-		ctx = context.WithValue(ctx, keyKey{}, q.claim.ID)
 	}
-	return effects.WithScope(ctx, scope)
+	q.owned = ownedTx{tx}
+	return &handlerCtx{Context: effects.WithScope(ctx, scope), q: q}
+}
+
+// handlerCtx answers Tx and KeyFrom from the request itself, so that they cost no
+// context (and boxed value) of their own.
+type handlerCtx struct {
+	context.Context
+	q *request
+}
+
+func (c *handlerCtx) Value(key any) any {
+	switch key.(type) {
+	case txKey:
+		return &c.q.owned
+	case keyKey:
+		if c.q.claim.Key != "" {
+			return c.q.claim.ID
+		}
+	}
+	return c.Context.Value(key)
 }
 
 // answerFault answers a request whose response cannot be used; its work was rolled
@@ -614,7 +649,7 @@ func (m *Middleware) ended(q *request, err error) {
 // toStored is what is stored of resp: the allow-listed headers and the body, or a
 // reference to it.
 func (m *Middleware) toStored(q *request, tx pgx.Tx, resp *Response) (*storedResponse, error) {
-	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+	stored := toStoredResponse(resp, m.storedNames)
 	if m.cfg.BodyReference != nil && resp.Status < 400 {
 		ctx := context.WithValue(q.r.Context(), txKey{}, ownedTx{tx})
 		ref, err := m.cfg.BodyReference.Reference(ctx, q.r, resp)
@@ -647,7 +682,7 @@ func (m *Middleware) saveFailed(q *request, err error) {
 // request settled the key meanwhile, that outcome is the answer.
 func (m *Middleware) storeFailure(q *request, resp *Response) {
 	ctx := q.r.Context()
-	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+	stored := toStoredResponse(resp, m.storedNames)
 	conn, err := m.acquire(ctx, q)
 	var res responseClaim
 	if err == nil {
@@ -725,7 +760,7 @@ func (m *Middleware) replay(q *request, rec *inbox.Record, stored *storedRespons
 		}
 	}
 	if rec.CompletedAt != nil {
-		m.metrics.replayAge.WithLabelValues(q.claim.Consumer).Observe(rec.Now.Sub(*rec.CompletedAt).Seconds())
+		m.metrics.op(q.claim.Consumer).replayAge.Observe(rec.Now.Sub(*rec.CompletedAt).Seconds())
 	}
 	m.count(q.claim.Consumer, OutcomeReplayed)
 	q.send(&Response{Status: stored.Status, Header: http.Header(stored.Header), Body: body}, true)
@@ -738,7 +773,7 @@ func (m *Middleware) inProgress(q *request) {
 
 func (m *Middleware) noteExpired(q *request, res responseClaim) {
 	if res.ReplacedExpired {
-		m.metrics.expired.WithLabelValues(q.claim.Consumer).Inc()
+		m.metrics.op(q.claim.Consumer).expired.Inc()
 		m.log.Info("idem: key reused after its retention; running it as a new request", q.attrs()...)
 	}
 }

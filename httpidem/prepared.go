@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/txmark"
 )
 
@@ -229,7 +228,7 @@ func (s *responseStore) saveCommitPrepared(ctx context.Context, conn *pgx.Conn, 
 	if err := validateStored(resp); err != nil {
 		return err
 	}
-	header := inboxdb.EncodeHeader(resp.Header)
+	header := resp.encodedHeader()
 	p := newParams(16 + len(id.Consumer) + len(id.Tenant) + len(id.Key) + len(resp.Body) + len(resp.BodyRef) + len(header))
 	p.text(id.Consumer)
 	p.text(id.Tenant)

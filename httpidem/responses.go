@@ -27,6 +27,9 @@ type storedResponse struct {
 	// Header holds the stored headers under their canonical names (the same
 	// underlying type as http.Header).
 	Header map[string][]string
+	// headerLines, when not nil, are the headers to store as the column holds
+	// them (inboxdb.AppendHeader), in place of Header.
+	headerLines []byte
 	// Body is the body, nil when BodyRef is set.
 	Body []byte
 	// BodyRef, when not empty, stands for the body: the application stored a
@@ -91,7 +94,15 @@ func responseArgs(r *storedResponse) []any {
 	if ref == nil {
 		body = nonNilBody(r.Body)
 	}
-	return []any{int16(r.Status), inboxdb.EncodeHeader(r.Header), body, ref}
+	return []any{int16(r.Status), r.encodedHeader(), body, ref}
+}
+
+// encodedHeader is the response_headers column of r.
+func (r *storedResponse) encodedHeader() []byte {
+	if r.headerLines != nil {
+		return r.headerLines
+	}
+	return inboxdb.EncodeHeader(r.Header)
 }
 
 // nonNilBody is body, or an empty body (as opposed to none stored) for nil.
