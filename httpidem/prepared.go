@@ -29,7 +29,7 @@ import (
 // would not see statements sent below pgx; otherwise the claim and the answer go
 // through pgx as before (ClaimResponseTx, SaveResponseCommit).
 type preparedStmts struct {
-	begin, markWait, claim, save, commit preparedStmt
+	begin, claim, save, commit preparedStmt
 }
 
 // preparedStmt is a statement and its name, sha256 of its text: one name per text,
@@ -43,11 +43,10 @@ func newPreparedStmt(sql string) preparedStmt {
 
 func newPreparedStmts(s *responseStore) *preparedStmts {
 	return &preparedStmts{
-		begin:    newPreparedStmt(beginSQL),
-		markWait: newPreparedStmt(s.q.MarkWait),
-		claim:    newPreparedStmt(s.q.ClaimReturningRow),
-		save:     newPreparedStmt(s.q.SaveResponseOrFail),
-		commit:   newPreparedStmt("commit"),
+		begin:  newPreparedStmt(beginSQL),
+		claim:  newPreparedStmt(s.q.ClaimMarkedReturningRow),
+		save:   newPreparedStmt(s.q.SaveResponseOrFail),
+		commit: newPreparedStmt("commit"),
 	}
 }
 
@@ -59,7 +58,7 @@ func usePrepared(cfg *pgx.ConnConfig) bool {
 
 // described are the statements as prepared on one connection.
 type described struct {
-	begin, markWait, claim, save, commit *pgconn.StatementDescription
+	begin, claim, save, commit *pgconn.StatementDescription
 }
 
 // prepare prepares the statements on conn, outside any transaction. pgx's Prepare
@@ -70,7 +69,7 @@ func (p *preparedStmts) prepare(ctx context.Context, conn *pgx.Conn) (described,
 	for _, it := range [...]struct {
 		into **pgconn.StatementDescription
 		stmt preparedStmt
-	}{{&d.begin, p.begin}, {&d.markWait, p.markWait}, {&d.claim, p.claim}, {&d.save, p.save}, {&d.commit, p.commit}} {
+	}{{&d.begin, p.begin}, {&d.claim, p.claim}, {&d.save, p.save}, {&d.commit, p.commit}} {
 		sd, err := conn.Prepare(ctx, it.stmt.name, it.stmt.sql)
 		if err != nil {
 			return described{}, err
@@ -82,7 +81,7 @@ func (p *preparedStmts) prepare(ctx context.Context, conn *pgx.Conn) (described,
 
 // Parameter and result formats: text for text, binary for the rest.
 var (
-	claimParamFormats = []int16{0, 0, 0, 1, 1}          // consumer, tenant, key, fingerprint, retention
+	claimParamFormats = []int16{0, 0, 0, 1, 1, 0}       // consumer, tenant, key, fingerprint, retention, lock_timeout
 	saveParamFormats  = []int16{0, 0, 0, 1, 1, 1, 1, 0} // consumer, tenant, key, ctid, status, headers, body, ref
 	binaryResult      = []int16{1}
 )
@@ -176,30 +175,26 @@ func runBatch(ctx context.Context, pc *pgconn.PgConn, b *pgconn.Batch, row func(
 	return done, tag, mrr.Close()
 }
 
-// claimPrepared sends BEGIN, the transaction's mark and lock_timeout, and c's
-// claim in one round trip on conn (outside any transaction), as ClaimResponseTx's
-// first round trip does, and fills row with the claimed row's ctid. A key that has
+// claimPrepared sends BEGIN and c's claim, which also sets the transaction's mark
+// and lock_timeout, in one round trip on conn (outside any transaction), as
+// ClaimResponseTx's first round trip does, and fills row with the claimed row's
+// ctid. A key that has
 // a row already is pgx.ErrNoRows, for insertOrResponse.
 func (s *responseStore) claimPrepared(ctx context.Context, conn *pgx.Conn, d described, c inbox.Claim, wait time.Duration, row *rowRef) error {
-	// One buffer for both statements' parameters: the wait, the key, the
-	// fingerprint and the retention.
-	p := newParams(32 + len(c.Consumer) + len(c.Tenant) + len(c.Key) + len(c.Fingerprint))
+	p := newParams(40 + len(c.Consumer) + len(c.Tenant) + len(c.Key) + len(c.Fingerprint))
+	p.text(c.Consumer)
+	p.text(c.Tenant)
+	p.text(c.Key)
+	p.bytes(c.Fingerprint)
+	p.interval(retentionOf(c.Retention))
 	p.text(formatMillis(wait))
-	waitParams := p.values()
-	cp := &params{buf: p.buf[len(p.buf):]}
-	cp.text(c.Consumer)
-	cp.text(c.Tenant)
-	cp.text(c.Key)
-	cp.bytes(c.Fingerprint)
-	cp.interval(retentionOf(c.Retention))
 	var b pgconn.Batch
 	b.ExecStatement(d.begin, nil, nil, nil)
-	b.ExecStatement(d.markWait, waitParams, nil, nil)
-	b.ExecStatement(d.claim, cp.values(), claimParamFormats, binaryResult)
+	b.ExecStatement(d.claim, p.values(), claimParamFormats, binaryResult)
 	claimed := false
 	var bad error
 	_, _, err := runBatch(ctx, conn.PgConn(), &b, func(i int, v [][]byte) {
-		if i != 2 {
+		if i != 1 {
 			return
 		}
 		if len(v) != 1 || len(v[0]) != 6 {

@@ -127,9 +127,9 @@ func validateStored(r *storedResponse) error {
 }
 
 // ClaimResponseTx is ClaimAfterTx for HTTP keys: in one round trip it sends the
-// prelude statements (BEGIN), marks the transaction with TxMark and sets its
-// lock_timeout to wait (the bound on waiting for a concurrent claim of the key;
-// 0 is no bound), and claims c. On a conflict it reads the existing row together with its stored
+// prelude statements (BEGIN) and claims c with the statement that also marks the
+// transaction (txmark.Mark) and sets its lock_timeout to wait (the bound on
+// waiting for a concurrent claim of the key; 0 is no bound). On a conflict it reads the existing row together with its stored
 // response. A settled row past its expires_at is deleted in tx and the key claimed
 // as new (ReplacedExpired). A claim returns Row, for SaveResponseCommit.
 func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
@@ -150,10 +150,9 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 		for _, sql := range prelude {
 			b.Queue(sql)
 		}
-		b.Queue(s.q.MarkWait, formatMillis(wait))
-		b.Queue(s.q.ClaimReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+		b.Queue(s.q.ClaimMarkedReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), formatMillis(wait))
 		br := tx.SendBatch(ctx, b)
-		for range len(prelude) + 1 {
+		for range prelude {
 			if _, err := br.Exec(); err != nil {
 				_ = br.Close()
 				return 0, err

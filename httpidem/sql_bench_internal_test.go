@@ -63,8 +63,9 @@ func BenchmarkRequestSQL(b *testing.B) {
 	table("inbox_noidx", `CREATE TABLE $t (LIKE inbox INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
 		ALTER TABLE $t ADD PRIMARY KEY (consumer, tenant, key)`)
 	// generic is the request's statements on table t, pipelined as the middleware
-	// does, through pgx: with the transaction's settings (mark), and the answer's
-	// UPDATE guarded as SaveResponseOrFail is (guard) or plain.
+	// does, through pgx, but with the transaction's settings in a statement of
+	// their own (mark) or none, and the answer's UPDATE guarded as
+	// SaveResponseOrFail is (guard) or plain.
 	generic := func(t string, mark, guard bool) func(conn *pgx.Conn) error {
 		claimSQL := `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
 			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)
@@ -79,7 +80,7 @@ func BenchmarkRequestSQL(b *testing.B) {
 			bt := &pgx.Batch{}
 			bt.Queue(beginSQL)
 			if mark {
-				bt.Queue(store.q.MarkWait, "2000")
+				bt.Queue(`SELECT set_config('lock_timeout', $1, true), set_config('idem.tx', 'on', true)`, "2000")
 			}
 			var tid pgtype.TID
 			bt.Queue(claimSQL, c.Consumer, c.Tenant, c.Key, c.Fingerprint, 24*time.Hour).QueryRow(func(r pgx.Row) error { return r.Scan(&tid) })
@@ -127,11 +128,9 @@ func BenchmarkRequestSQL(b *testing.B) {
 			append([]any{c.Consumer, c.Tenant, c.Key, *tid}, responseArgs(answer)...)...)
 		return err
 	}
-	// merged: the claim sets lock_timeout and the mark itself.
-	mergedClaim := `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
-		SELECT $1, $2, $3, $4, 'completed', now(), now() + $5::interval
-		FROM (SELECT set_config('lock_timeout', $6, true), set_config('idem.tx', 'on', true)) AS settings
-		ON CONFLICT (consumer, tenant, key) DO NOTHING RETURNING ctid`
+	// merged: the claim sets lock_timeout and the mark itself, as the middleware
+	// sends it.
+	mergedClaim := store.q.ClaimMarkedReturningRow
 	merged := func(conn *pgx.Conn) error {
 		c := claim()
 		bt := &pgx.Batch{}
@@ -177,8 +176,8 @@ func BenchmarkRequestSQL(b *testing.B) {
 			}
 			return store.saveCommitPrepared(ctx, conn, d, c.ID, res.Row, answer)
 		}},
-		{"pgx", generic("inbox", true, true)},
-		{"pgx-merged", merged},
+		{"pgx", merged},
+		{"pgx-settings-apart", generic("inbox", true, true)},
 		{"pgx-noguard", generic("inbox", true, false)},
 		{"pgx-collate-c", generic("inbox_c", true, true)},
 		{"pgx-nocheck", generic("inbox_nocheck", true, true)},
