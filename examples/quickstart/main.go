@@ -42,7 +42,8 @@ type Payment struct {
 	Amount int64  `json:"amount"`
 }
 
-// addPaymentsHandler is the usage the README shows.
+// addPaymentsHandler adds the payments handler behind idem, with Watermill's
+// PoisonQueue and Retry outside it.
 func addPaymentsHandler(router *message.Router, pool *pgxpool.Pool, schema string, sub message.Subscriber, pub message.Publisher) error {
 	idem, err := consumer.New(consumer.Config{Pool: pool, Schema: schema}) // Name: the handler's name
 	if err != nil {
