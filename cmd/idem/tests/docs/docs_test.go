@@ -76,6 +76,11 @@ func TestGoSnippetsMatchTheirSources(t *testing.T) {
 			}
 			var edits []edit
 			err := mdast.Walk(doc, func(n mdast.Node, entering bool) (mdast.WalkStatus, error) {
+				if indented, ok := n.(*mdast.CodeBlock); ok && entering && looksLikeGo(indentedText(src, indented)) {
+					t.Errorf("%s:%d: an indented block of Go: make it a fenced go block with a snippet or fragment marker", page,
+						bytes.Count(src[:indented.Lines().At(0).Start], []byte("\n"))+1)
+					return mdast.WalkContinue, nil
+				}
 				block, ok := n.(*mdast.FencedCodeBlock)
 				if !entering || !ok || string(block.Language(src)) != "go" {
 					return mdast.WalkContinue, nil
@@ -122,6 +127,29 @@ func TestGoSnippetsMatchTheirSources(t *testing.T) {
 			}
 		})
 	}
+}
+
+// looksLikeGo reports whether an indented code block is Go: it parses as Go
+// statements or declarations. Shell commands, program output and SQL do not.
+func looksLikeGo(code string) bool {
+	if strings.TrimSpace(code) == "" {
+		return false
+	}
+	fset := token.NewFileSet()
+	if _, err := parser.ParseFile(fset, "", "package p\nfunc _() {\n"+code+"\n}\n", 0); err == nil {
+		return true
+	}
+	_, err := parser.ParseFile(fset, "", "package p\n"+code, 0)
+	return err == nil
+}
+
+func indentedText(src []byte, block *mdast.CodeBlock) string {
+	var b strings.Builder
+	for i := 0; i < block.Lines().Len(); i++ {
+		seg := block.Lines().At(i)
+		b.Write(seg.Value(src))
+	}
+	return b.String()
 }
 
 // markerBefore returns the snippet or fragment marker of the HTML block right
