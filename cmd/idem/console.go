@@ -312,6 +312,7 @@ func newConsole(a *admin.Admin, cfg consoleConfig) (http.Handler, error) {
 	// says it comes from another site; the token covers old browsers that send
 	// neither.
 	mux.Handle("POST /api/requeue", http.NewCrossOriginProtection().Handler(http.HandlerFunc(c.requeue)))
+	c.failuresRoutes(mux)
 	if cfg.Token != "" {
 		mux.Handle("POST /api/login", http.NewCrossOriginProtection().Handler(http.HandlerFunc(c.login)))
 	}
@@ -346,7 +347,7 @@ func (c *console) guard(next http.Handler) http.Handler {
 }
 
 // publicPaths need no access token in remote mode.
-var publicPaths = map[string]bool{"/": true, "/index.html": true, "/app.js": true, "/style.css": true, "/api/login": true}
+var publicPaths = map[string]bool{"/": true, "/index.html": true, "/app.js": true, "/style.css": true, "/favicon.svg": true, "/api/login": true}
 
 func (c *console) hostAllowed(host string) bool {
 	for _, h := range c.cfg.Hosts {
@@ -461,8 +462,10 @@ func (c *console) fail(w http.ResponseWriter, r *http.Request, err error) {
 	switch {
 	case errors.Is(err, admin.ErrNotFound):
 		status = http.StatusNotFound
-	case errors.Is(err, admin.ErrNotDead):
+	case errors.Is(err, admin.ErrNotDead), errors.Is(err, admin.ErrGroupChanged):
 		status = http.StatusConflict
+	case errors.Is(err, admin.ErrWrongSource), errors.Is(err, admin.ErrNoteRequired):
+		status = http.StatusBadRequest
 	case isBadInput(err) || inbox.IsPermanent(err):
 		status = http.StatusBadRequest
 	case errors.Is(err, inbox.ErrSchemaMissing):
@@ -582,12 +585,7 @@ func (c *console) find(w http.ResponseWriter, r *http.Request) {
 }
 
 func (c *console) requeue(w http.ResponseWriter, r *http.Request) {
-	if c.cfg.ReadOnly {
-		writeError(w, http.StatusForbidden, "read_only", "this console is read-only (--read-only): it changes nothing")
-		return
-	}
-	if subtle.ConstantTimeCompare([]byte(r.Header.Get(tokenHeader)), []byte(c.token)) != 1 {
-		writeError(w, http.StatusForbidden, "bad_token", "missing or wrong "+tokenHeader+" header: reload the page")
+	if !c.writable(w, r) {
 		return
 	}
 	var id admin.EffectID

@@ -142,6 +142,7 @@ func TestConsoleInBrowser(t *testing.T) {
 
 	srv := b.consoleServer(t, false)
 	browser := newBrowser(t)
+	jsErrors(t, browser)
 	shots := screenshotDir(t)
 	shot := func(name string) {
 		t.Helper()
@@ -220,6 +221,7 @@ func TestConsoleInBrowserReadOnly(t *testing.T) {
 	require.NoError(t, err)
 	srv := b.consoleServer(t, true)
 	browser := newBrowser(t)
+	jsErrors(t, browser)
 	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL)))
 	_, err = chromedp.Run(browser, chromedp.Poll[bool](`document.body.dataset.ready === "1" && document.querySelectorAll("#dead tr.effect").length === 2`,
 		chromedp.WithPollingTimeout(time.Minute)))
