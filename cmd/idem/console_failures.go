@@ -25,6 +25,26 @@ func (c *console) failuresRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /api/failures", c.failureGroups)
 	mux.HandleFunc("GET /api/failures/group", c.failureGroup)
 	mux.Handle("POST /api/failures/action", http.NewCrossOriginProtection().Handler(http.HandlerFunc(c.failureAction)))
+	mux.HandleFunc("GET /api/activity", c.activity)
+}
+
+// activityWindows are the overview's charts: per minute, over the last hour or day.
+var activityWindows = map[string]time.Duration{"hour": time.Hour, "day": 24 * time.Hour}
+
+// activity answers the per-minute activity of the overview's charts.
+func (c *console) activity(w http.ResponseWriter, r *http.Request) {
+	name := cmp.Or(r.URL.Query().Get("window"), "hour")
+	window, ok := activityWindows[name]
+	if !ok {
+		writeError(w, http.StatusBadRequest, "bad_filter", fmt.Sprintf("window %q: use hour or day", clip(name, 20)))
+		return
+	}
+	a, err := c.admin.Activity(r.Context(), window)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, a)
 }
 
 func (c *console) failureGroups(w http.ResponseWriter, r *http.Request) {

@@ -301,3 +301,78 @@ func TestConsoleFailuresAPI(t *testing.T) {
 	require.Len(t, empty.Actions, 1)
 	require.Equal(t, "fixed", empty.Actions[0].Why)
 }
+
+// TestConsoleChartsInBrowser: the overview's charts, drawn as plain SVG from the
+// activity API, show a seeded minute: the keys completed and failed ten minutes
+// ago, the effects sent five minutes ago, the backlog and the age of its oldest
+// effect; over the last hour and over the last day, with no JavaScript error.
+func TestConsoleChartsInBrowser(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, completed_at, expires_at)
+		SELECT 'payments', 'k' || g, '\x00', CASE WHEN g <= 3 THEN 'completed' ELSE 'failed' END,
+			date_trunc('minute', now()) - interval '10 minutes' + g * interval '5 seconds', now() + interval '1 day'
+		FROM generate_series(1, 4) g;
+		INSERT INTO effects (kind, key, fingerprint, state, created_at, done_at) VALUES
+		('email', 'sent1', '\x00', 'done', date_trunc('minute', now()) - interval '7 minutes', date_trunc('minute', now()) - interval '5 minutes' + interval '10 seconds'),
+		('email', 'sent2', '\x00', 'done', date_trunc('minute', now()) - interval '7 minutes', date_trunc('minute', now()) - interval '5 minutes' + interval '20 seconds'),
+		('email', 'waiting', '\x00', 'pending', date_trunc('minute', now()) - interval '30 minutes', NULL)`)
+	require.NoError(t, err)
+	var m10, m5 time.Time
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT date_trunc('minute', now()) - interval '10 minutes', date_trunc('minute', now()) - interval '5 minutes'`).Scan(&m10, &m5))
+
+	srv := b.consoleServer(t, false)
+	browser := newBrowser(t)
+	jsErrors(t, browser)
+	js := func(expr string) string {
+		t.Helper()
+		s, err := chromedp.Run(browser, chromedp.Evaluate[string](expr))
+		require.NoError(t, err, expr)
+		return s
+	}
+	wait := func(expr string) {
+		t.Helper()
+		_, err := chromedp.Run(browser, chromedp.Poll[bool](expr, chromedp.WithPollingTimeout(time.Minute), chromedp.WithPollingInterval(100*time.Millisecond)))
+		require.NoError(t, err, "waiting for %s", expr)
+	}
+	// point is the value of series' dot at minute, "" when there is none.
+	point := func(chart, series string, minute time.Time) string {
+		return js(fmt.Sprintf(`(() => { const c = [...document.querySelectorAll('#chart-%s g[data-series="%s"] circle')].find((c) => new Date(c.dataset.at).getTime() === %d); return c ? c.dataset.value : ""; })()`,
+			chart, series, minute.UnixMilli()))
+	}
+	check := func(window string, minutes int) {
+		t.Helper()
+		wait(`document.getElementById("charts").dataset.window === "` + window + `" && document.querySelectorAll("#charts svg").length === 4`)
+		require.Equal(t, fmt.Sprint(minutes), js(`String(document.querySelector('#chart-inbox g[data-series="completed"] polyline').getAttribute("points").split(" ").length)`))
+		require.Equal(t, "3", point("inbox", "completed", m10))
+		require.Equal(t, "1", point("inbox", "failed", m10))
+		require.Equal(t, "", point("inbox", "completed", m5))
+		require.Equal(t, "2", point("effects", "sent", m5))
+		require.Equal(t, "", point("effects", "dead", m5))
+		// At the end of minute M-10 the two sent (enqueued at M-7) had not come
+		// yet: the one waiting since M-30 is the backlog, 21 minutes old.
+		require.Equal(t, "1", point("backlog", "pending", m10))
+		require.Equal(t, "3", point("backlog", "pending", m5.Add(-time.Minute)))
+		require.Equal(t, "1260", point("oldest", "oldest", m10))
+		require.Contains(t, js(`document.querySelector('#chart-inbox circle[data-value="3"] title').textContent`), "completed: 3")
+		require.Contains(t, js(`document.querySelector('#chart-oldest title').textContent`), "Oldest pending effect")
+	}
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL)))
+	wait(`document.body.dataset.ready === "1"`)
+	check("hour", 60)
+	shots := screenshotDir(t)
+	png, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(shots, "console-charts.png"), png, 0o644))
+
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.ID("window-day"))))
+	check("day", 1440)
+	require.Equal(t, "true", js(`document.getElementById("window-day").getAttribute("aria-pressed")`))
+	png, err = chromedp.Run(browser, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(shots, "console-charts-day.png"), png, 0o644))
+
+	r := call(t, srv, "GET", "/api/activity?window=week", "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, "bad_filter", r.code(t))
+}

@@ -12,6 +12,7 @@ const state = {
   group: null, // the failure group shown
   action: null, // the failure action the confirmation dialog is about, with its dry run
   followed: null, // the retried effects being followed
+  window: "hour", // the activity charts' window
 };
 
 // show makes any text visible as text: control characters become \xNN.
@@ -259,6 +260,72 @@ async function inspect(key, tenant) {
     detail));
 }
 
+// --- activity charts (plain SVG) ---
+
+const charts = [
+  { id: "inbox", title: "Inbox keys settled", series: [["completed", "completed"], ["failed", "failed"]] },
+  { id: "effects", title: "Effects", series: [["sent", "sent"], ["dead", "dead"]] },
+  { id: "backlog", title: "Pending effects (backlog at each minute's end)", series: [["pending", "pending"]] },
+  { id: "oldest", title: "Oldest pending effect, age", series: [["oldest_pending_seconds", "oldest"]], age: true },
+];
+
+const svgNS = "http://www.w3.org/2000/svg";
+
+function svgEl(tag, attrs, ...children) {
+  const e = document.createElementNS(svgNS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  for (const c of children) e.append(typeof c === "string" ? document.createTextNode(c) : c);
+  return e;
+}
+
+function fmtMinute(iso) {
+  const d = new Date(iso);
+  return d.toISOString().slice(11, 16) + "Z";
+}
+
+// drawChart draws one chart: a line per series over the window's minutes, and a
+// dot with a tooltip (and data-at, data-value) on each minute that is not 0.
+function drawChart(spec, minutes) {
+  const W = 640, H = 170, left = 48, right = 8, top = 10, bottom = 22;
+  const values = spec.series.map(([field]) => minutes.map((m) => m[field]));
+  const top_ = Math.max(1, ...values.flat());
+  const x = (i) => left + (minutes.length > 1 ? i * (W - left - right) / (minutes.length - 1) : 0);
+  const y = (v) => top + (H - top - bottom) * (1 - v / top_);
+  const label = (v) => spec.age ? fmtAge(v) : String(v);
+  const svg = svgEl("svg", { class: "chart", id: "chart-" + spec.id, viewBox: "0 0 " + W + " " + H, role: "img", "aria-labelledby": "chart-" + spec.id + "-title" },
+    svgEl("title", { id: "chart-" + spec.id + "-title" }, spec.title + ", per minute from " + fmtMinute(minutes[0].at) + " to " + fmtMinute(minutes[minutes.length - 1].at)),
+    svgEl("line", { class: "axis", x1: left, y1: H - bottom, x2: W - right, y2: H - bottom }),
+    svgEl("line", { class: "axis", x1: left, y1: top, x2: left, y2: H - bottom }),
+    svgEl("text", { x: left - 4, y: top + 8, "text-anchor": "end", class: "ymax" }, label(top_)),
+    svgEl("text", { x: left - 4, y: H - bottom, "text-anchor": "end" }, "0"),
+    svgEl("text", { x: left, y: H - 6 }, fmtMinute(minutes[0].at)),
+    svgEl("text", { x: W - right, y: H - 6, "text-anchor": "end" }, fmtMinute(minutes[minutes.length - 1].at)));
+  spec.series.forEach(([field, name], s) => {
+    const g = svgEl("g", { class: "s-" + name, "data-series": name });
+    g.append(svgEl("polyline", { points: values[s].map((v, i) => x(i).toFixed(1) + "," + y(v).toFixed(1)).join(" ") }));
+    values[s].forEach((v, i) => {
+      if (!v) return;
+      g.append(svgEl("circle", { cx: x(i).toFixed(1), cy: y(v).toFixed(1), r: minutes.length > 120 ? 1.5 : 2.5, "data-at": minutes[i].at, "data-value": v },
+        svgEl("title", {}, fmtMinute(minutes[i].at) + " " + name + ": " + label(v))));
+    });
+    svg.append(g);
+  });
+  const legend = el("div", { class: "legend" }, ...spec.series.map(([, name]) => el("span", { class: "s-" + name, text: name })));
+  return el("figure", { class: "chart" }, el("figcaption", { text: spec.title }), svg, legend);
+}
+
+async function loadActivity() {
+  const a = await api("/api/activity?" + query({ window: state.window }));
+  document.getElementById("charts").replaceChildren(...charts.map((spec) => drawChart(spec, a.minutes)));
+  document.getElementById("charts").dataset.window = state.window;
+}
+
+function chooseWindow(w) {
+  state.window = w;
+  for (const b of document.querySelectorAll(".window button")) b.setAttribute("aria-pressed", String(b.dataset.window === w));
+  loadActivity().catch(showError);
+}
+
 // --- failures ---
 
 const verbs = {
@@ -429,7 +496,7 @@ function showView() {
 
 async function refreshAll() {
   try {
-    const loads = [loadStats(), loadEffects("dead", false), loadEffects("stuck", false)];
+    const loads = [loadStats(), loadActivity(), loadEffects("dead", false), loadEffects("stuck", false)];
     if (document.body.dataset.view === "failures") {
       loads.push(loadGroups(false));
       if (state.group) loads.push(openGroup(state.group));
@@ -535,11 +602,14 @@ async function start() {
     loadGroups(false).catch(showError);
   });
   document.getElementById("groups-more").addEventListener("click", () => loadGroups(true).catch(showError));
+  for (const b of document.querySelectorAll(".window button")) b.addEventListener("click", () => chooseWindow(b.dataset.window));
   window.addEventListener("hashchange", showView);
   showView();
   await refreshAll();
   document.body.setAttribute("data-ready", "1");
   setInterval(() => loadStats().catch(showError), 10000);
+  // The hour's charts follow; the day's (a heavier read) change on Refresh.
+  setInterval(() => { if (document.body.dataset.view !== "failures" && state.window === "hour") loadActivity().catch(showError); }, 30000);
 }
 
 document.addEventListener("DOMContentLoaded", start);
