@@ -35,9 +35,10 @@ type Sample struct {
 	// Mallocs and AllocBytes are this process's heap allocations so far
 	// (runtime.MemStats' Mallocs and TotalAlloc).
 	Mallocs, AllocBytes uint64
-	// GC is the CPU time the garbage collector used so far (runtime/metrics'
-	// /cpu/classes/gc/total:cpu-seconds; an estimate, as the runtime's own).
-	GC time.Duration
+	// GC and Busy are the runtime's estimates of the CPU time its garbage
+	// collector, and all its non-idle work, used so far (runtime/metrics'
+	// /cpu/classes). Only their ratio is kept (Delta.GCShare).
+	GC, Busy time.Duration
 }
 
 // Take samples this process and the backends whose application_name is appName
@@ -47,7 +48,7 @@ func Take(ctx context.Context, q Querier, appName string) Sample {
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
 	s.Mallocs, s.AllocBytes = ms.Mallocs, ms.TotalAlloc
-	s.GC = gcCPU()
+	s.GC, s.Busy = runtimeCPU()
 	if q == nil || appName == "" {
 		return s
 	}
@@ -63,7 +64,9 @@ func Take(ctx context.Context, q Querier, appName string) Sample {
 type Delta struct {
 	Self                time.Duration
 	Mallocs, AllocBytes uint64
-	GC                  time.Duration
+	// GCShare is the garbage collector's share of this process's CPU time, by
+	// the runtime's estimates (0 when it ran nothing).
+	GCShare float64
 	// Backends is the CPU time of the backends, and BackendsSeen false when none
 	// could be read in the later sample (Postgres on another host, or no /proc).
 	Backends     time.Duration
@@ -75,7 +78,10 @@ type Delta struct {
 // of its time (warm a pool up before the first sample to leave its start-up out). A
 // backend that ended in between is not counted.
 func (a Sample) Since(b Sample) Delta {
-	d := Delta{Self: a.Self - b.Self, Mallocs: a.Mallocs - b.Mallocs, AllocBytes: a.AllocBytes - b.AllocBytes, GC: a.GC - b.GC}
+	d := Delta{Self: a.Self - b.Self, Mallocs: a.Mallocs - b.Mallocs, AllocBytes: a.AllocBytes - b.AllocBytes}
+	if busy := a.Busy - b.Busy; busy > 0 {
+		d.GCShare = min(float64(a.GC-b.GC)/float64(busy), 1)
+	}
 	for pid, t := range a.Backends {
 		d.Backends += t - b.Backends[pid]
 		d.BackendsSeen = true

@@ -59,3 +59,17 @@ func TestSinceCountsNewBackends(t *testing.T) {
 	require.InDelta(t, 2.5, cpustat.PerOp(5*time.Microsecond, 2), 1e-9)
 	require.Zero(t, cpustat.PerOp(time.Second, 0))
 }
+
+// TestGCShare: a window that collects garbage has a GC share between 0 and 1.
+func TestGCShare(t *testing.T) {
+	before := cpustat.Take(context.Background(), nil, "")
+	var keep []byte
+	for range 2000 {
+		keep = make([]byte, 64<<10)
+	}
+	runtime.GC()
+	runtime.KeepAlive(keep)
+	d := cpustat.Take(context.Background(), nil, "").Since(before)
+	require.Greater(t, d.GCShare, 0.0)
+	require.LessOrEqual(t, d.GCShare, 1.0)
+}

@@ -21,8 +21,8 @@ type CPU struct {
 	// GoMicros is this process's CPU time per delivery, in µs: idem, Watermill,
 	// pgx and the benchmark's own producers (and kfake in the kafka setup).
 	GoMicros float64 `json:"go_cpu_us"`
-	// GCMicros is the part of GoMicros the garbage collector spent (the runtime's
-	// estimate).
+	// GCMicros is the part of GoMicros the garbage collector spent, by the
+	// runtime's estimate of its share.
 	GCMicros float64 `json:"gc_cpu_us"`
 	// PgMicros is the CPU time per delivery of the run's own Postgres backends
 	// (its pool's, found by application_name); nil when they cannot be read
@@ -87,7 +87,8 @@ func (m *meter) stop(ctx context.Context, n int) (CPU, error) {
 		errs = append(errs, m.cpu.Close(), writeAllocs(m.prefix+".allocs.pprof"))
 		m.cpu = nil
 	}
-	c := CPU{GoMicros: cpustat.PerOp(d.Self, n), GCMicros: cpustat.PerOp(d.GC, n)}
+	c := CPU{GoMicros: cpustat.PerOp(d.Self, n)}
+	c.GCMicros = c.GoMicros * d.GCShare
 	if n > 0 {
 		c.Allocs, c.AllocBytes = float64(d.Mallocs)/float64(n), float64(d.AllocBytes)/float64(n)
 	}
