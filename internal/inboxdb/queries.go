@@ -56,9 +56,12 @@ func New(schema string) Queries {
 				lease_until, fence, received_at, completed_at, expires_at, now()
 			FROM ` + t + ` WHERE consumer = $1 AND tenant = $2 AND key = $3`,
 		// The set-based claim of a group-commit batch (the consumer's). The keys
-		// come sorted, and ORDER BY ord (free: unnest WITH ORDINALITY yields that order)
-		// keeps the inserts, and so the row locks and the waits for concurrent
-		// claimers, in that order: two batches that share keys cannot deadlock.
+		// come sorted, and the INSERT takes them in that order, and so the row locks
+		// and the waits for concurrent claimers: two batches that share keys cannot
+		// deadlock. The arrays are unnested in a select list, which yields their
+		// elements row by row, in order and in step (unnest in FROM would first copy
+		// every row into a tuplestore), with nothing between it and the INSERT that
+		// could reorder them; NULL arrays (no failure to record) pad with NULLs.
 		//
 		// It answers with a row for each key it did not insert, and none for the
 		// keys it claimed, which are most of them: ord (the key's place in the
@@ -75,18 +78,17 @@ func New(schema string) Queries {
 		// join, which it plans (and pgx's prepared statement caches) as a hash join
 		// over a sequential scan of the whole inbox while the table is new and not
 		// yet analyzed (TestClaimBatchPlanNeedsNoStatistics). Times are the
-		// database's; retention is in microseconds. failed, error_code and error may
-		// be NULL arrays (no failure to record), which unnest pads with NULLs.
+		// database's; retention is in microseconds.
 		ClaimBatch: `WITH ins AS (
 				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
 				SELECT consumer, tenant, key, fingerprint,
 					CASE WHEN failed THEN 'failed' ELSE 'completed' END, now(),
 					now() + retention_us * interval '1 microsecond',
 					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END
-				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bool[],
-						$6::text[], $7::text[], $8::bigint[]) WITH ORDINALITY
-					AS u(consumer, tenant, key, fingerprint, failed, error_code, error, retention_us, ord)
-				ORDER BY ord
+				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
+						unnest($4::bytea[]) AS fingerprint, unnest($5::bool[]) AS failed,
+						unnest($6::text[]) AS error_code, unnest($7::text[]) AS error,
+						unnest($8::bigint[]) AS retention_us) u
 				ON CONFLICT (consumer, tenant, key) DO NOTHING
 				RETURNING consumer, tenant, key
 			)
@@ -94,7 +96,8 @@ func New(schema string) Queries {
 				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
 			FROM (
 				SELECT u.*, (u.consumer, u.tenant, u.key) IN (SELECT consumer, tenant, key FROM ins) AS claimed
-				FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(consumer, tenant, key, ord)
+				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
+						generate_subscripts($1::text[], 1) AS ord) u
 				OFFSET 0
 			) k
 			LEFT JOIN LATERAL (
