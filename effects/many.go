@@ -38,6 +38,8 @@ type Buffer struct {
 	mu     sync.Mutex
 	items  []Item
 	closed bool
+	// first holds the first item, which is often the only one: no allocation.
+	first [1]Item
 }
 
 // NewBuffer returns an empty, open Buffer.
@@ -49,6 +51,9 @@ func (b *Buffer) add(scope Scope, e Effect, sc trace.SpanContext) error {
 	defer b.mu.Unlock()
 	if b.closed {
 		return ErrBufferClosed
+	}
+	if b.items == nil {
+		b.items = b.first[:0]
 	}
 	b.items = append(b.items, Item{Scope: scope, Effect: e, Trace: sc})
 	return nil
