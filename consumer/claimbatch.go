@@ -12,6 +12,7 @@ import (
 	"bytes"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgarray"
 	"github.com/idemkit/idem/internal/pgschema"
@@ -192,20 +193,21 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 	// failed, codes and msgs stay nil (NULL arrays, which unnest pads with NULLs)
 	// unless some claim records a failure: the common batch sends less.
 	var failed []bool
-	var codes, msgs pgarray.Text
+	var codes, msgs, masked pgarray.Text
 	for j, i := range idx {
 		c := &claims[i]
 		fps[j] = c.Fingerprint
 		if c.Failed {
 			if failed == nil {
-				failed, codes, msgs = make([]bool, n), make(pgarray.Text, n), make(pgarray.Text, n)
+				failed, codes, msgs, masked = make([]bool, n), make(pgarray.Text, n), make(pgarray.Text, n), make(pgarray.Text, n)
 			}
 			failed[j] = true
 			codes[j], msgs[j] = text.Sanitize(c.Code, 0), text.Sanitize(c.Error, 0)
+			masked[j] = failgroup.Mask(msgs[j])
 		}
 		retention[j] = cmp.Or(c.Retention, inbox.DefaultRetention).Microseconds()
 	}
-	args := []any{consumers, tenants, keys, fps, failed, codes, msgs, retention}
+	args := []any{consumers, tenants, keys, fps, failed, codes, msgs, retention, masked}
 	scan := func(rows pgx.Rows) error {
 		return s.scanRows(rows, idx, func(i int, rec *inbox.Record) {
 			if rec == nil {

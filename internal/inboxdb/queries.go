@@ -8,6 +8,7 @@
 package inboxdb
 
 import (
+	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/txmark"
 )
@@ -31,6 +32,11 @@ type Queries struct {
 // New renders the statements for schema, which the caller has validated.
 func New(schema string) Queries {
 	t := pgschema.Table(schema, "inbox")
+	// group is the failure group's ID of a failed row (package failgroup), from
+	// its consumer, tenant, code and masked error text.
+	group := func(consumer, tenant, code, masked string) string {
+		return failgroup.GroupSQL(consumer, tenant, code, masked)
+	}
 	// probe reads the rows of the keys in $1, $2, $3 (consumers, tenants, keys),
 	// one primary-key lookup each (see ClaimBatch), with the place of each key in
 	// the arrays (from 1), as ClaimBatch's rows.
@@ -48,8 +54,10 @@ func New(schema string) Queries {
 			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)
 			ON CONFLICT (consumer, tenant, key) DO NOTHING
 			RETURNING true`,
-		Fail: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
-			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7)
+		// A failure keeps its masked error text ($8, failgroup.Mask) and its group.
+		Fail: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
+				error_masked, error_group)
+			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7, $8, ` + group("$1", "$2", "$6", "$8") + `)
 			ON CONFLICT (consumer, tenant, key) DO NOTHING
 			RETURNING true`,
 		Get: `SELECT consumer, tenant, key, fingerprint, state, error_code, error, attempts,
@@ -61,7 +69,8 @@ func New(schema string) Queries {
 		// deadlock. The arrays are unnested in a select list, which yields their
 		// elements row by row, in order and in step (unnest in FROM would first copy
 		// every row into a tuplestore), with nothing between it and the INSERT that
-		// could reorder them; NULL arrays (no failure to record) pad with NULLs.
+		// could reorder them; NULL arrays (failed, error_code, error and masked: no
+		// failure to record) pad with NULLs.
 		//
 		// It answers with a row for each key it did not insert, and none for the
 		// keys it claimed, which are most of them: ord (the key's place in the
@@ -80,15 +89,18 @@ func New(schema string) Queries {
 		// yet analyzed (TestClaimBatchPlanNeedsNoStatistics). Times are the
 		// database's; retention is in microseconds.
 		ClaimBatch: `WITH ins AS (
-				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
+				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
+					error_masked, error_group)
 				SELECT consumer, tenant, key, fingerprint,
 					CASE WHEN failed THEN 'failed' ELSE 'completed' END, now(),
 					now() + retention_us * interval '1 microsecond',
-					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END
+					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END,
+					CASE WHEN failed THEN masked END,
+					CASE WHEN failed THEN ` + group("consumer", "tenant", "error_code", "masked") + ` END
 				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
 						unnest($4::bytea[]) AS fingerprint, unnest($5::bool[]) AS failed,
 						unnest($6::text[]) AS error_code, unnest($7::text[]) AS error,
-						unnest($8::bigint[]) AS retention_us) u
+						unnest($8::bigint[]) AS retention_us, unnest($9::text[]) AS masked) u
 				ON CONFLICT (consumer, tenant, key) DO NOTHING
 				RETURNING consumer, tenant, key
 			)
@@ -120,7 +132,8 @@ func New(schema string) Queries {
 				expires_at = now() + $5::interval
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		FailLease: `UPDATE ` + t + ` SET state = 'failed', completed_at = now(), lease_until = NULL,
-				expires_at = now() + $5::interval, error_code = $6, error = $7
+				expires_at = now() + $5::interval, error_code = $6, error = $7,
+				error_masked = $8, error_group = ` + group("consumer", "tenant", "$6", "$8") + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		ReleaseLease: `UPDATE ` + t + ` SET lease_until = now()
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
@@ -165,8 +178,9 @@ func New(schema string) Queries {
 		SaveResponse: `UPDATE ` + t + ` SET response_status = $4, response_headers = $5, response_body = $6, response_ref = $7
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed'`,
 		FailResponse: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
-				response_status, response_headers, response_body, response_ref)
-			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7, $8, $9, $10, $11)
+				response_status, response_headers, response_body, response_ref, error_masked, error_group)
+			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7, $8, $9, $10, $11,
+				$12, ` + group("$1", "$2", "$6", "$12") + `)
 			ON CONFLICT (consumer, tenant, key) DO NOTHING
 			RETURNING true`,
 		CompleteLeaseResponse: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
@@ -175,7 +189,8 @@ func New(schema string) Queries {
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		FailLeaseResponse: `UPDATE ` + t + ` SET state = 'failed', completed_at = now(), lease_until = NULL,
 				expires_at = now() + $5::interval, error_code = $6, error = $7,
-				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
+				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11,
+				error_masked = $12, error_group = ` + group("consumer", "tenant", "$6", "$12") + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		// The "OrFail" forms go to the server in one round trip with COMMIT: an
 		// update that matched no row, or a transaction without idem's mark (the
