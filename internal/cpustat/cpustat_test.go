@@ -25,11 +25,15 @@ func TestSampleCountsWork(t *testing.T) {
 	require.NoError(t, pool.Ping(ctx))
 	before := cpustat.Take(ctx, pool, app)
 
+	// A fixed amount of work (about 50 ms of CPU here), not a fixed time: on a
+	// busy machine a 50 ms loop may get a few ms of CPU.
 	sum := sha256.Sum256(nil)
 	var keep [][]byte
-	for start := time.Now(); time.Since(start) < 50*time.Millisecond; {
+	for i := range 200_000 {
 		sum = sha256.Sum256(sum[:])
-		keep = append(keep, make([]byte, 64))
+		if i%10 == 0 {
+			keep = append(keep, make([]byte, 64))
+		}
 	}
 	runtime.KeepAlive(keep)
 	_, err := pool.Exec(ctx, `SELECT count(*) FROM generate_series(1, 2000000)`)

@@ -200,6 +200,11 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 	var ms runtime.MemStats
 	step := max(o.N/100, 1)
 	chunk := make([]*message.Message, 0, o.KafkaChunk)
+	m, err := startMeter(ctx, o, setup, pool)
+	if err != nil {
+		return Result{}, err
+	}
+	defer m.close()
 	start := time.Now()
 	add := func(m *message.Message) bool {
 		select {
@@ -258,6 +263,9 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 		return Result{}, fmt.Errorf("%s: %w", res.Broker, err)
 	}
 	elapsed := time.Since(start)
+	if res.CPU, err = m.stop(ctx, total); err != nil {
+		return Result{}, err
+	}
 	if o.Progress != nil {
 		o.Progress(total, total)
 	}
