@@ -105,7 +105,7 @@ func TestGoSnippetsMatchTheirSources(t *testing.T) {
 				start, stop, got := blockText(src, block)
 				if got != want {
 					if *update {
-						edits = append(edits, edit{start, stop, want})
+						edits = append(edits, edit{start, stop, indent(want, fenceIndent(src, block))})
 						return mdast.WalkContinue, nil
 					}
 					t.Errorf("%s:%d: the block differs from %s; run go test ./tests/docs -update in cmd/idem to copy the source in\n--- page\n%s\n--- source\n%s", page, line, arg, got, want)
@@ -172,6 +172,34 @@ func markerBefore(src []byte, block *mdast.FencedCodeBlock) (kind, arg string) {
 	return m[1], m[2]
 }
 
+// fenceIndent is the indentation of a fenced block's opening line (a block in a
+// list item is indented to the item's content), which its content lines repeat.
+func fenceIndent(src []byte, block *mdast.FencedCodeBlock) string {
+	i := block.Info.Segment.Start
+	for i > 0 && src[i-1] != '\n' {
+		i--
+	}
+	j := i
+	for j < len(src) && (src[j] == ' ' || src[j] == '\t') {
+		j++
+	}
+	return string(src[i:j])
+}
+
+// indent prefixes every non-empty line of text with prefix.
+func indent(text, prefix string) string {
+	if prefix == "" {
+		return text
+	}
+	lines := strings.SplitAfter(text, "\n")
+	for i, l := range lines {
+		if strings.TrimSpace(l) != "" {
+			lines[i] = prefix + l
+		}
+	}
+	return strings.Join(lines, "")
+}
+
 // blockText returns a fenced block's content and its byte range in src.
 func blockText(src []byte, block *mdast.FencedCodeBlock) (start, stop int, content string) {
 	lines := block.Lines()
@@ -188,7 +216,11 @@ func blockText(src []byte, block *mdast.FencedCodeBlock) (start, stop int, conte
 		seg := lines.At(i)
 		b.Write(seg.Value(src))
 	}
-	return lines.At(0).Start - lines.At(0).Padding, lines.At(lines.Len() - 1).Stop, b.String()
+	start = lines.At(0).Start
+	for start > 0 && src[start-1] != '\n' {
+		start-- // the whole first line, with its indentation
+	}
+	return start, lines.At(lines.Len() - 1).Stop, b.String()
 }
 
 func lineOf(src []byte, block *mdast.FencedCodeBlock) int {
