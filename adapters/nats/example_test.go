@@ -23,9 +23,12 @@ func Example() {
 
 	// The connection is yours: Close on the adapters leaves it open.
 	topo := idemnats.Topology{AutoProvision: true} // one stream per topic, subject = topic
-	pub, _ := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
+	pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
+	if err != nil {
+		panic(err)
+	}
 	defer pub.Close()
-	sub, _ := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
+	sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
 		Topology:     topo,
 		Durable:      "billing-" + topic, // the consumer group; required
 		Concurrency:  16,                 // messages held at once; MaxAckPending follows
@@ -33,10 +36,18 @@ func Example() {
 		OnMaxDeliver: idemnats.PublishDeadLetter(pub, topic+".dead"),
 		NakDelay:     func(uint64) time.Duration { return 100 * time.Millisecond },
 	})
+	if err != nil {
+		panic(err)
+	}
 	defer sub.Close()
 
-	msgs, _ := sub.Subscribe(context.Background(), topic)
-	_ = pub.Publish(topic, message.NewMessage("order-1", []byte(`{"total":42}`)))
+	msgs, err := sub.Subscribe(context.Background(), topic)
+	if err != nil {
+		panic(err)
+	}
+	if err := pub.Publish(topic, message.NewMessage("order-1", []byte(`{"total":42}`))); err != nil {
+		panic(err)
+	}
 
 	handle := func(msg *message.Message) error {
 		fmt.Println(msg.UUID, "delivery", msg.Metadata.Get(idemnats.MetadataNumDelivered),
