@@ -1,6 +1,6 @@
 package consumer_test
 
-// Tests of the batch handler (issue 13, item 2).
+// Tests of the batch handler (Consumer.HandleBatch).
 
 import (
 	"context"
@@ -382,7 +382,7 @@ func TestBatchHandlerInARouter(t *testing.T) {
 			require.NoError(t, pubsub.Publish(topic, message.NewMessage(id, fmt.Appendf(nil, `{"n":%d}`, i))))
 		}
 	}
-	eventually(t, "1,000 messages", func() bool {
+	pgtest.WaitFor(t, time.Minute, "1,000 messages", func() bool {
 		return pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`) == n
 	})
 	require.Equal(t, n, pgtest.Count(t, b.pool, `SELECT count(DISTINCT key) FROM biz`))

@@ -65,7 +65,7 @@ func TestEnqueueTenantScope(t *testing.T) {
 
 	rec := newRecorder(nil)
 	start(t, fastConfig(pool, schema, map[string]effects.Sender{"mail": rec}))
-	waitFor(t, 20*time.Second, "all four sent", func() bool { return countState(t, pool, "done") == 4 })
+	pgtest.WaitFor(t, 20*time.Second, "all four sent", func() bool { return countState(t, pool, "done") == 4 })
 	rec.mu.Lock()
 	sends := slices.Clone(rec.sends["receipt:123"])
 	rec.mu.Unlock()

@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 func newTracing(t *testing.T) (*sdktrace.TracerProvider, *tracetest.SpanRecorder) {
@@ -165,7 +166,7 @@ func TestTracingSendSpans(t *testing.T) {
 	waitState(t, pool, "publish:out", out.UUID, "done", 30*time.Second)
 
 	sends := map[string][]sdktrace.ReadOnlySpan{}
-	waitFor(t, 30*time.Second, "four send spans", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "four send spans", func() bool {
 		sends = map[string][]sdktrace.ReadOnlySpan{}
 		for _, s := range rec.Ended() {
 			if s.Name() == "idem.send" {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/janitor"
 )
 
@@ -93,7 +94,7 @@ func TestConcurrentRequestsOneKey(t *testing.T) {
 		})
 	}
 	// Every request is in: one in the handler, the others waiting on its key.
-	waitFor(t, 30*time.Second, "the 19 others to wait on the key", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the 19 others to wait on the key", func() bool {
 		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = $1`, "idem-test:"+b.schema) == n-1
 	})
 	close(release)
@@ -321,7 +322,7 @@ func TestClientDisconnects(t *testing.T) {
 	<-inHandler
 	cancel()
 	require.ErrorIs(t, <-errc, context.Canceled)
-	waitFor(t, 30*time.Second, "the rollback to be counted", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the rollback to be counted", func() bool {
 		return counter(t, b.reg, "idem_http_requests_total", "POST /payments", "disconnected") == 1
 	})
 	require.Equal(t, 0, b.payments(t))

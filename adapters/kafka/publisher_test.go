@@ -22,6 +22,7 @@ import (
 	"net"
 
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // newCluster starts a kfake cluster of its own, for a test that watches or
@@ -208,14 +209,14 @@ func TestPublisherTopicsConcurrentlyAndClose(t *testing.T) {
 			}
 		}()
 	}
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, receiveTimeout, "every topic written", func() bool {
 		for i := range written {
 			if written[i].Load() == 0 {
 				return false
 			}
 		}
 		return true
-	}, receiveTimeout, 10*time.Millisecond, "every topic written")
+	})
 	require.NoError(t, pub.Close())
 	require.NoError(t, pub.Close(), "Close twice")
 	wg.Wait()

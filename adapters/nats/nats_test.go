@@ -17,6 +17,7 @@ import (
 	"cmp"
 
 	idemnats "github.com/idemkit/idem/adapters/nats"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 type testBundle struct {
@@ -294,11 +295,11 @@ func TestSubscribersShareADurable(t *testing.T) {
 			}()
 		}
 		b.publish(t, n)
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, 20*time.Second, "every message seen", func() bool {
 			mu.Lock()
 			defer mu.Unlock()
 			return len(seen) == n
-		}, 20*time.Second, 20*time.Millisecond)
+		})
 		cancel()
 		wg.Wait()
 		assert.Positive(t, perSub[0])

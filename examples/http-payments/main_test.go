@@ -105,13 +105,13 @@ func TestHTTPPayments(t *testing.T) {
 	// The Dispatcher sends the receipt once and publishes payments.created, which
 	// the consumer books once.
 	pool := pgtest.NewPool(t, schema, 2)
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the payment booked in the ledger", func() bool {
 		var booked bool
 		err := pool.QueryRow(context.Background(), `SELECT count(*) >= 1 FROM ledger WHERE payment_id = $1`, p.ID).Scan(&booked)
 		mu.Lock()
 		defer mu.Unlock()
 		return err == nil && booked && len(mails) >= 1
-	}, 30*time.Second, 50*time.Millisecond)
+	})
 	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM ledger WHERE payment_id = $1`, p.ID), "booked once")
 	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM payments`))
 	require.Equal(t, 2, count(t, pool, `SELECT count(*) FROM effects WHERE state = 'done'`))

@@ -164,9 +164,19 @@ func NewPoolWith(tb testing.TB, schema string, opts Options) *pgxpool.Pool {
 // Change it (another user, another address) and open it with OpenPool.
 func PoolConfig(tb testing.TB, schema string, opts Options) *pgxpool.Config {
 	tb.Helper()
+	cfg, err := ConfigFor(schema, opts)
+	if err != nil {
+		fatalf(tb, "%v", err)
+	}
+	return cfg
+}
+
+// ConfigFor is PoolConfig for code that has no test to fail: a child process
+// (internal/childproc) opens its pool on the parent's schema with it.
+func ConfigFor(schema string, opts Options) (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(URL())
 	if err != nil {
-		fatalf(tb, "parse DATABASE_URL: %v", err)
+		return nil, fmt.Errorf("parse DATABASE_URL: %w", err)
 	}
 	cfg.MaxConns = cmp.Or(opts.MaxConns, 8)
 	if opts.QueryExecMode != 0 {
@@ -177,7 +187,7 @@ func PoolConfig(tb testing.TB, schema string, opts Options) *pgxpool.Config {
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
-	return cfg
+	return cfg, nil
 }
 
 // OpenPool opens cfg; the pool closes when the test ends.

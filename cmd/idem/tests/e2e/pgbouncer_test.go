@@ -201,14 +201,14 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- d.Run(runCtx) }()
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "every effect done", func() bool {
 		return pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(keys)
-	}, 30*time.Second, 20*time.Millisecond)
+	})
 	require.NoError(t, hb(message.NewMessage("after-start", []byte(`{}`))))
 	keys = append(keys, "after-start")
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "woken by NOTIFY through the direct LISTEN connection", func() bool {
 		return pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(keys)
-	}, 30*time.Second, 20*time.Millisecond, "woken by NOTIFY through the direct LISTEN connection")
+	})
 	stop()
 	require.NoError(t, <-done)
 	mu.Lock()

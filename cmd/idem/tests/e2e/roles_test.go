@@ -137,15 +137,15 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	_, err = effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "mail", Key: "receipt:dead"})
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 20*time.Second, "no effect pending", func() bool {
 		return pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'pending'`) == 0
-	}, 20*time.Second, 20*time.Millisecond)
+	})
 	n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail"})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 20*time.Second, "the requeued effect dead again", func() bool {
 		return pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'dead'`) == 1
-	}, 20*time.Second, 20*time.Millisecond)
+	})
 	stop()
 	require.NoError(t, <-done)
 	require.Equal(t, 4, pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'done'`), "one receipt per consumer")
