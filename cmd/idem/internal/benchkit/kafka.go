@@ -24,7 +24,7 @@ import (
 )
 
 // Defaults of the Kafka setups, from measurements on kfake (docs/architecture.md,
-// "Performance work (issue 13)"): the cost a message in the Go process falls with
+// "Performance: the batch path"): the cost a message in the Go process falls with
 // fewer partitions (fewer produce batches, fetches and broker requests a message),
 // and MaxInFlightPerPartition keeps batches full from few partitions.
 const (
