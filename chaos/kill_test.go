@@ -65,7 +65,6 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 	}
 	acked := map[string]bool{}
 	redelivered := map[string]bool{}
-	finishing := false
 	killer := time.NewTicker(100 * time.Millisecond)
 	defer killer.Stop()
 	cutAt := []int{n / 3, 2 * n / 3}
@@ -85,10 +84,7 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 			}
 		}
 	}
-	for {
-		if len(acked) == n && len(queue) == 0 && allEmpty(inflight) {
-			break
-		}
+	for len(acked) < n || len(queue) > 0 || !allEmpty(inflight) {
 		dispatch()
 		select {
 		case <-ctx.Done():
@@ -115,7 +111,7 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 		case c := <-exits:
 			if c.Killed() {
 				run.sigkills++
-			} else if !finishing {
+			} else {
 				t.Fatalf("child %d exited on its own (%v):\n%s", c.id, c.State(), c.Output())
 			}
 			for k, m := range inflight[c] {
@@ -143,7 +139,6 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 			}
 		}
 	}
-	finishing = true
 	for _, c := range live {
 		_ = c.Stdin.Close()
 	}

@@ -449,7 +449,7 @@ func TestConfigValidation(t *testing.T) {
 
 func TestPublisherSendsSomeMessagesTwice(t *testing.T) {
 	gc := newGoChannel(t)
-	defer gc.Close()
+	defer func() { require.NoError(t, gc.Close()) }()
 	in, err := gc.Subscribe(context.Background(), "payments")
 	require.NoError(t, err)
 	p, err := chaos.NewPublisher(gc, chaos.PublisherConfig{Seed: 11, DuplicateProbability: 0.3})

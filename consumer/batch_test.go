@@ -355,7 +355,7 @@ func TestBatchHandlerInARouter(t *testing.T) {
 	bb := &batchBiz{b: b}
 	h := c.HandleBatch(bb.handle)
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
-	defer pubsub.Close()
+	defer func() { require.NoError(t, pubsub.Close()) }()
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
 	require.NoError(t, err)
 	poison, err := middleware.PoisonQueueWithFilter(pubsub, "poison", consumer.IsPermanent)

@@ -420,7 +420,7 @@ func TestUnreachablePostgresNacks(t *testing.T) {
 		reg := prometheus.NewRegistry()
 		c, err := consumer.New(consumer.Config{Name: "x", Pool: pool, Mode: mode, Registerer: reg})
 		require.NoError(t, err)
-		defer c.Close()
+		defer func() { require.NoError(t, c.Close()) }()
 		var calls atomic.Int64
 		h := c.Middleware(func(*message.Message) ([]*message.Message, error) {
 			calls.Add(1)

@@ -98,7 +98,7 @@ func TestBusinessKeyErrorIsCodedAndPoisonable(t *testing.T) {
 
 		// With the README's stack, the poison topic takes it and the rest flows.
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
-		defer pubsub.Close()
+		defer func() { require.NoError(t, pubsub.Close()) }()
 		poisoned, err := pubsub.Subscribe(context.Background(), "poison")
 		require.NoError(t, err)
 		poison, err := middleware.PoisonQueueWithFilter(pubsub, "poison", consumer.IsPermanent)

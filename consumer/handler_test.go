@@ -64,7 +64,7 @@ func TestForwardingHandlerKeepsItsInputsIdentity(t *testing.T) {
 			return []*message.Message{msg, other}, nil // forward the input as it is
 		}
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
-		defer pubsub.Close()
+		defer func() { require.NoError(t, pubsub.Close()) }()
 		retry := middleware.Retry{MaxRetries: 5, InitialInterval: time.Millisecond, ShouldRetry: consumer.ShouldRetry}
 		runRouter(t, pubsub, forward, retry.Middleware, c.Middleware)
 

@@ -68,7 +68,7 @@ func TestMetricSeriesExistFromTheStart(t *testing.T) {
 		t.Run("Name from the handler", func(t *testing.T) {
 			c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Name = "" })
 			pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
-			defer pubsub.Close()
+			defer func() { require.NoError(t, pubsub.Close()) }()
 			runRouter(t, pubsub, b.bizHandler(nil), c.Middleware)
 			require.NoError(t, pubsub.Publish("in", message.NewMessage("first", []byte(`{}`))))
 			pgtest.WaitFor(t, time.Minute, "the first message", func() bool { return b.counter("idem_inbox_processed_total") == 1 })

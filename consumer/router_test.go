@@ -50,7 +50,7 @@ func TestRouterEndToEndThousandTimesThree(t *testing.T) {
 			cfg.MaxWait = 200 * time.Microsecond
 		})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 4096}, watermill.NopLogger{})
-		defer pubsub.Close()
+		defer func() { require.NoError(t, pubsub.Close()) }()
 		runRouter(t, pubsub, b.bizHandler(nil), c.Middleware)
 
 		const n = 1000
@@ -84,7 +84,7 @@ func TestOutputMessagesStoredOnceWithStableUUIDs(t *testing.T) {
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
 		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Name = "" })
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
-		defer pubsub.Close()
+		defer func() { require.NoError(t, pubsub.Close()) }()
 		published, err := pubsub.Subscribe(context.Background(), "out")
 		require.NoError(t, err)
 
@@ -149,7 +149,7 @@ func TestMiddlewareOrderWithRetryAndPoisonQueue(t *testing.T) {
 			cfg.OnPermanent = consumer.PoisonOnPermanent
 		})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
-		defer pubsub.Close()
+		defer func() { require.NoError(t, pubsub.Close()) }()
 		poisoned, err := pubsub.Subscribe(context.Background(), "poison")
 		require.NoError(t, err)
 		poison, err := middleware.PoisonQueueWithFilter(pubsub, "poison", consumer.IsPermanent)

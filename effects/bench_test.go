@@ -215,7 +215,7 @@ func drainBacklog(b *testing.B, stats string) {
 		// index entries marked dead, until it ends.
 		conn, err := pgx.Connect(ctx, pgtest.URL())
 		require.NoError(b, err)
-		b.Cleanup(func() { conn.Close(context.Background()) })
+		b.Cleanup(func() { require.NoError(b, conn.Close(context.Background())) })
 		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 		require.NoError(b, err)
 		_, err = tx.Exec(ctx, `SELECT 1 FROM pg_class LIMIT 1`)
@@ -401,7 +401,7 @@ func (m *cpuMeter) report(b *testing.B, effects int) {
 	b.ReportMetric(100*float64(idle)/float64(idle+busy), "machine-idle-%")
 	conn, err := pgx.Connect(context.Background(), pgtest.URL())
 	require.NoError(b, err)
-	defer conn.Close(context.Background())
+	defer func() { require.NoError(b, conn.Close(context.Background())) }()
 	rows, err := conn.Query(context.Background(), `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, "idem-bench:"+m.schema)
 	require.NoError(b, err)
 	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])

@@ -288,7 +288,9 @@ func TestTwoDispatchersNeverSendTheSameEffectAtOnce(t *testing.T) {
 			t.Errorf("key %s sent by two dispatchers at once", d.Key)
 		}
 		var i int
-		fmt.Sscanf(d.Key, "k%d", &i)
+		if _, err := fmt.Sscanf(d.Key, "k%d", &i); err != nil {
+			return err
+		}
 		counts[i].Add(1)
 		time.Sleep(time.Duration(rand.IntN(500)) * time.Microsecond)
 		active.Delete(d.Key)
@@ -599,7 +601,9 @@ func TestDispatchersUnderAnyDefaultIsolation(t *testing.T) {
 			counts := make([]atomic.Int32, n)
 			sender := effects.SenderFunc(func(_ context.Context, d effects.Delivery) error {
 				var i int
-				fmt.Sscanf(d.Key, "k%d", &i)
+				if _, err := fmt.Sscanf(d.Key, "k%d", &i); err != nil {
+					return err
+				}
 				counts[i].Add(1)
 				return nil
 			})

@@ -165,7 +165,7 @@ func TestLedgerSenderTenantScope(t *testing.T) {
 func TestPublishSenderPassesTenant(t *testing.T) {
 	t.Parallel()
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10}, watermill.NopLogger{})
-	defer pubsub.Close()
+	defer func() { require.NoError(t, pubsub.Close()) }()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	msgs, err := pubsub.Subscribe(ctx, "orders")

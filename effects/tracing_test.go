@@ -247,7 +247,7 @@ func enqueueCtx(t *testing.T, ctx context.Context, pool *pgxpool.Pool, schema st
 func attrOf(s sdktrace.ReadOnlySpan, key string) string {
 	for _, kv := range s.Attributes() {
 		if string(kv.Key) == key {
-			return kv.Value.Emit()
+			return kv.Value.String()
 		}
 	}
 	return ""

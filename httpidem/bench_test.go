@@ -240,7 +240,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 	mux.HandleFunc("POST /bare/payments", func(w http.ResponseWriter, r *http.Request) {
 		tx, err := pool.Begin(r.Context())
 		if err != nil {
-			http.Error(w, err.Error(), 500)
+			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		defer tx.Rollback(context.WithoutCancel(r.Context()))
@@ -249,7 +249,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 			err = tx.Commit(r.Context())
 		}
 		if err != nil {
-			http.Error(w, err.Error(), 500)
+			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		answer(w, id, amount)
@@ -257,7 +257,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 	mux.Handle("POST /idem/payments", mw.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		id, amount, err := insert(r, httpidem.Tx(r.Context()))
 		if err != nil {
-			http.Error(w, err.Error(), 500)
+			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		answer(w, id, amount)
@@ -285,7 +285,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 						return
 					}
 					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
+					_ = resp.Body.Close()
 					if resp.StatusCode != http.StatusCreated {
 						b.Errorf("%s: status %d", path, resp.StatusCode)
 						return

@@ -208,7 +208,7 @@ func postTo(ctx context.Context, c *http.Client, base, path, key, body string, h
 	if err != nil {
 		return answer{}, err
 	}
-	defer resp.Body.Close()
+	defer func() { _ = resp.Body.Close() }()
 	raw, err := io.ReadAll(resp.Body)
 	if err != nil {
 		return answer{}, err

@@ -169,7 +169,7 @@ func TestJanitorOneInstanceAtATime(t *testing.T) {
 	// Another process holds the schema's janitor lock.
 	other, err := pgx.Connect(ctx, pgtest.URL())
 	require.NoError(t, err)
-	defer other.Close(ctx)
+	defer func() { require.NoError(t, other.Close(ctx)) }()
 	_, err = other.Exec(ctx, `SELECT pg_advisory_lock(hashtextextended('idem.janitor:' || $1, 0))`, schema)
 	require.NoError(t, err)
 
@@ -349,7 +349,7 @@ func BenchmarkJanitor(b *testing.B) {
 	}
 
 	var withJanitor, baseline []time.Duration
-	for i := 0; i < b.N; i++ {
+	for range b.N {
 		b.StopTimer()
 		_, err := pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, completed_at, expires_at)
 			SELECT 'bench', 'k' || i, '\x0102030405060708', 'completed', now() - interval '8 days',

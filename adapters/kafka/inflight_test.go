@@ -263,7 +263,7 @@ func (c *orderChecker) verifyCommits(samples []commitSample) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, s := range samples {
-		for o := int64(0); o < s.committed; o++ {
+		for o := range s.committed {
 			at, ok := c.ackedAt[partOff{s.partition, o}]
 			if !ok || !at.Before(s.seen) {
 				return fmt.Errorf("partition %d: offset %d was committed (read at %s) but offset %d had not been acked by then (acked later: %v)",

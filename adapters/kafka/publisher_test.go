@@ -98,7 +98,7 @@ func TestPublishWaitsForSlowMetadata(t *testing.T) {
 	})
 
 	pub := newPublisher(t, brokers, nil)
-	defer pub.Close()
+	defer func() { require.NoError(t, pub.Close()) }()
 	start := time.Now()
 	require.NoError(t, pub.Publish(topic, newMessages(5)...))
 	require.Positive(t, slowed.Load(), "the broker answered metadata slowly")
@@ -113,7 +113,7 @@ func TestPublishToMissingTopicFailsAfterTopicWait(t *testing.T) {
 	_, brokers := newCluster(t)
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{WriterConfig: kafkago.WriterConfig{Brokers: brokers}, TopicWait: 300 * time.Millisecond})
 	require.NoError(t, err)
-	defer pub.Close()
+	defer func() { require.NoError(t, pub.Close()) }()
 
 	start := time.Now()
 	err = pub.Publish("no-such-topic", newMessages(1)...)
@@ -241,7 +241,7 @@ func TestPublisherDialsThroughTheDialer(t *testing.T) {
 	}}
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{WriterConfig: kafkago.WriterConfig{Brokers: brokers, Dialer: dialer}})
 	require.NoError(t, err)
-	defer pub.Close()
+	defer func() { require.NoError(t, pub.Close()) }()
 	require.NoError(t, pub.Publish("dialed", newMessages(3)...))
 	require.Positive(t, dials.Load(), "the Publisher dialed through the Dialer")
 	require.Equal(t, int64(3), recordsIn(t, brokers, "dialed"))

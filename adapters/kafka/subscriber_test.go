@@ -272,7 +272,7 @@ func TestWithoutGroupAndForeignRecords(t *testing.T) {
 			BatchTimeout: time.Millisecond,
 			RequiredAcks: kafkago.RequireAll,
 		}
-		defer w.Close()
+		defer func() { require.NoError(t, w.Close()) }()
 		var records []kafkago.Message
 		for i := range 5 {
 			records = append(records, kafkago.Message{

@@ -424,7 +424,7 @@ func TestWithoutAutoProvisionTheServerConfigIsUsed(t *testing.T) {
 
 		sub, err := idemnats.NewSubscriber(b.nc, idemnats.SubscriberConfig{Topology: topo, Durable: "ops", PullExpiry: 200 * time.Millisecond})
 		require.NoError(t, err)
-		defer sub.Close()
+		defer func() { require.NoError(t, sub.Close()) }()
 		require.ErrorIs(t, sub.SubscribeInitialize(b.topic), jetstream.ErrConsumerNotFound)
 
 		_, err = b.js.CreateOrUpdateConsumer(context.Background(), topo.StreamName(b.topic), jetstream.ConsumerConfig{Durable: "ops", AckPolicy: jetstream.AckNonePolicy})

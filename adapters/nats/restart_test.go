@@ -72,7 +72,7 @@ func TestServerRestartKeepsAcksAndUnackedMessages(t *testing.T) {
 		Consumer: jetstream.ConsumerConfig{AckWait: 2 * time.Second},
 	})
 	require.NoError(t, err)
-	defer sub.Close()
+	defer func() { require.NoError(t, sub.Close()) }()
 	msgs, err = sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 
@@ -106,10 +106,10 @@ func TestSubscriberSurvivesServerRestart(t *testing.T) {
 	nc := connect(t, srv.ClientURL())
 	pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
 	require.NoError(t, err)
-	defer pub.Close()
+	defer func() { require.NoError(t, pub.Close()) }()
 	sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{Topology: topo, Durable: "reconnect", PullExpiry: 200 * time.Millisecond})
 	require.NoError(t, err)
-	defer sub.Close()
+	defer func() { require.NoError(t, sub.Close()) }()
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 

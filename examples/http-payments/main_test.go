@@ -48,7 +48,12 @@ func TestHTTPPayments(t *testing.T) {
 	defer client.CloseIdleConnections()
 
 	account := "acct_1"
-	post := func(key, body string) (*http.Response, []byte) {
+	// post sends a payment and returns the answer's status and header, and its body.
+	type answer struct {
+		StatusCode int
+		Header     http.Header
+	}
+	post := func(key, body string) (answer, []byte) {
 		req, err := http.NewRequest(http.MethodPost, base+"/payments", strings.NewReader(body))
 		require.NoError(t, err)
 		req.Header.Set("Content-Type", "application/json")
@@ -66,10 +71,10 @@ func TestHTTPPayments(t *testing.T) {
 			req.Body = io.NopCloser(strings.NewReader(body)) // the server is still starting
 		}
 		require.NoError(t, err)
-		defer resp.Body.Close()
+		defer func() { require.NoError(t, resp.Body.Close()) }()
 		b, err := io.ReadAll(resp.Body)
 		require.NoError(t, err)
-		return resp, b
+		return answer{resp.StatusCode, resp.Header}, b
 	}
 
 	body := `{"amount": "12.50", "currency": "EUR", "email": "ann@example.com"}`
@@ -125,7 +130,7 @@ func TestHTTPPayments(t *testing.T) {
 	resp, err := client.Do(get)
 	require.NoError(t, err)
 	require.Empty(t, resp.Header.Get("Idempotent-Replayed"))
-	defer resp.Body.Close()
+	defer func() { require.NoError(t, resp.Body.Close()) }()
 	var shown Payment
 	require.NoError(t, json.NewDecoder(resp.Body).Decode(&shown))
 	require.True(t, *shown.Booked)

@@ -2,6 +2,7 @@ package importrules_test
 
 import (
 	"encoding/json"
+	"errors"
 	"os/exec"
 	"slices"
 	"strings"
@@ -24,7 +25,7 @@ type pkg struct {
 func listPackages(t *testing.T) map[string]pkg {
 	t.Helper()
 	out, err := exec.Command("go", "list", "-json=ImportPath,Imports,TestImports,XTestImports", module+"/...").Output()
-	if ee, ok := err.(*exec.ExitError); ok {
+	if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
 		t.Fatalf("go list: %v\n%s", err, ee.Stderr)
 	}
 	require.NoError(t, err)

@@ -64,7 +64,7 @@ func ping(url string) error {
 	if err != nil {
 		return err
 	}
-	defer conn.Close(ctx)
+	defer func() { _ = conn.Close(ctx) }()
 	return conn.Ping(ctx)
 }
 
@@ -210,7 +210,7 @@ func DropSchema(tb testing.TB, schema string) {
 		errorf(tb, "drop schema %s: %v", schema, err)
 		return
 	}
-	defer conn.Close(ctx)
+	defer func() { _ = conn.Close(ctx) }()
 	if _, err := conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`); err != nil {
 		errorf(tb, "drop schema %s: %v", schema, err)
 	}
@@ -225,7 +225,7 @@ func TerminateBackends(tb testing.TB, schema string) int {
 	if err != nil {
 		fatalf(tb, "connect to Postgres: %v", err)
 	}
-	defer conn.Close(ctx)
+	defer func() { _ = conn.Close(ctx) }()
 	var n int
 	err = conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 		WHERE application_name = $1 AND pid <> pg_backend_pid()`, "idem-test:"+schema).Scan(&n)

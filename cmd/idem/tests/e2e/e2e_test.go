@@ -78,7 +78,7 @@ func runWorker(ctx context.Context, p childproc.Params) error {
 		if err != nil {
 			return err
 		}
-		defer counts.Close()
+		defer func() { _ = counts.Close() }()
 		onDelivery := func(ran bool, err error) {
 			if !ran && err == nil {
 				_, _ = counts.Write([]byte{'s'})
@@ -334,7 +334,6 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		live[i] = startProc(t, role, paramsOf(), envOf(role), exits)
 	}
 	killed := map[*proc]bool{}
-	stopping := false
 	// done is set once the work is done (idem: everything settled; the peer: the
 	// figures have stopped moving). The killer then stops, so that a Kafka group
 	// whose members keep dying before they commit does not keep the broker from
@@ -358,9 +357,6 @@ loop:
 			rep, _ := a.Report(context.Background(), q)
 			t.Fatalf("%s run did not settle in time; last report:\n%s", tg, rep)
 		case p := <-exits:
-			if stopping {
-				continue
-			}
 			switch {
 			case killed[p]:
 				r.kills[p.Role]++
@@ -435,7 +431,6 @@ loop:
 		}
 	}
 	r.elapsed = time.Since(start)
-	stopping = true
 	killer.Stop()
 	for _, p := range live {
 		_ = p.Signal(syscall.SIGTERM)

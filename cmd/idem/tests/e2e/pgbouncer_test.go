@@ -126,7 +126,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	require.Equal(t, len(keys), pgtest.Count(t, direct, `SELECT count(*) FROM `+biz))
 
 	// httpidem: eight concurrent requests with one key, in each mode.
-	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true, Wait: 10 * time.Second})
+	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true, LockTimeout: 10 * time.Second})
 	require.NoError(t, err)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := "http" + r.URL.Path + "-" + r.Header.Get("Idempotency-Key")
@@ -161,7 +161,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 						return
 					}
 					body, _ := io.ReadAll(resp.Body)
-					resp.Body.Close()
+					_ = resp.Body.Close()
 					if resp.StatusCode == http.StatusConflict {
 						time.Sleep(20 * time.Millisecond) // still running: retry, as a client does
 						continue

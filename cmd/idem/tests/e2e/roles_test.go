@@ -112,7 +112,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 			resp, err := srv.Client().Do(req)
 			require.NoError(t, err)
 			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
+			require.NoError(t, resp.Body.Close())
 			require.Equal(t, http.StatusCreated, resp.StatusCode, "%s: %s", path, body)
 			require.Equal(t, i == 1, resp.Header.Get("Idempotent-Replayed") == "true", path)
 		}
@@ -189,7 +189,7 @@ func appRolePool(t *testing.T, owner *pgxpool.Pool, schema string) *pgxpool.Pool
 			t.Errorf("drop role %s: %v", role, err)
 			return
 		}
-		defer conn.Close(ctx)
+		defer func() { _ = conn.Close(ctx) }()
 		// The role owns nothing; DROP OWNED also revokes its grants, which
 		// DROP ROLE needs gone.
 		if _, err := conn.Exec(ctx, `DROP OWNED BY `+roleID); err != nil {

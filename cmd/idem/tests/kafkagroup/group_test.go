@@ -642,7 +642,7 @@ func verifyCommits(rec *recorder, samples []sample) error {
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
 	for _, s := range samples {
-		for o := int64(0); o < s.committed; o++ {
+		for o := range s.committed {
 			at, ok := rec.acks[partOff{s.partition, o}]
 			if !ok || !at.Before(s.seen) {
 				return fmt.Errorf("partition %d: offset %d was committed (read at %s) but offset %d had not been acked by then (acked later: %v, at %s)",
