@@ -11,11 +11,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/promreg"
 )
 
 // DB is what the API runs its statements on: a *pgxpool.Pool, a *pgx.Conn or a
@@ -53,6 +55,18 @@ type Config struct {
 	// (DefaultStuckAfter, DefaultStuckAttempts when 0).
 	StuckAfter    time.Duration
 	StuckAttempts int
+	// Registerer gets the failure metrics (nil: none): idem_inbox_failed_keys by
+	// consumer, idem_effects_dead_rows by kind and idem_failures_repaired_total by
+	// action, read from the tables when scraped. Register them in one process per
+	// schema (the one that runs the janitor, say): every process would report the
+	// same numbers.
+	Registerer prometheus.Registerer
+	// Consumers and Kinds are reported by the failure metrics at 0 before anything
+	// failed, so that a dashboard has its series from the start.
+	Consumers, Kinds []string
+	// MetricsInterval is how long the failure metrics reuse one reading of the
+	// tables (DefaultMetricsInterval when 0).
+	MetricsInterval time.Duration
 }
 
 // WithDefaults returns c with every unset field at its default.
@@ -60,6 +74,7 @@ func (c Config) WithDefaults() Config {
 	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
 	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
+	c.MetricsInterval = cmp.Or(c.MetricsInterval, DefaultMetricsInterval)
 	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
@@ -73,6 +88,9 @@ func (c Config) Validate() error {
 	}
 	if c.StuckAfter < 0 || c.StuckAttempts < 0 {
 		return errcode.InvalidConfig("StuckAfter and StuckAttempts must not be negative")
+	}
+	if c.MetricsInterval < 0 {
+		return errcode.InvalidConfig("MetricsInterval must not be negative")
 	}
 	return nil
 }
@@ -97,7 +115,13 @@ func New(cfg Config) (*Admin, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	return &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}, nil
+	a := &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}
+	var err error
+	promreg.Register(cfg.Registerer, newFailureMetrics(a), &err)
+	if err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
+	return a, nil
 }
 
 // Schema is the schema the Admin reads.

@@ -12,6 +12,11 @@
 //     consumer and every effect kind.
 //   - Requeue and RequeueDead: dead effects back to pending (effects.RequeueDead).
 //   - Forget: delete one inbox key, audited in the log.
+//   - Failure groups: ListGroups and Group show failed inbox keys and dead effects
+//     grouped by consumer or kind, tenant, code and masked error text;
+//     RetryGroup, DiscardGroup and ReleaseGroup act on a group's failures up to a
+//     snapshot bound, with a dry run and an audit note stored in failure_actions
+//     (ListActions). With Config.Registerer, metrics of the failures and repairs.
 //
 // What it guarantees: every statement is SQL of this package with bind parameters,
 // on a validated and quoted schema; reads take no locks that a consumer or a

@@ -18,6 +18,13 @@ type queries struct {
 	getEffect, effectsBySource string
 	findInbox, findEffects     string
 	forget, inboxState         string
+
+	// Failure groups (failures.go).
+	listGroups, getGroup, groupAttempts string
+	plan, act                           map[string]string
+	listActions, failureMetrics         string
+	ungroupedInbox, groupInbox          string
+	ungroupedEffects, groupEffects      string
 }
 
 // inboxColumns are an inbox row's columns for scanInboxKey. Without the response
@@ -71,7 +78,7 @@ func newQueries(schema string, responses bool) queries {
 	t := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
 	inbox, effects := t("inbox"), t("effects")
 	icols := inboxColumns(responses)
-	return queries{
+	q := queries{
 		// Stats read whole tables: they answer an operator's question, not a scrape
 		// every few seconds (the Prometheus metrics do that).
 		consumerStats: `SELECT consumer, count(*),
@@ -87,6 +94,7 @@ func newQueries(schema string, responses bool) queries {
 				count(*) FILTER (WHERE e.state = 'pending' AND e.next_attempt_at <= now()),
 				count(*) FILTER (WHERE e.state = 'dead'),
 				count(*) FILTER (WHERE e.state = 'done'),
+				count(*) FILTER (WHERE e.state = 'discarded'),
 				count(*) FILTER (WHERE e.state = 'pending' AND e.in_flight),
 				count(*) FILTER (WHERE ` + stuckWhere("$1", "$2") + `),
 				coalesce(extract(epoch FROM now() - min(e.created_at) FILTER (WHERE e.state = 'pending')), 0)::float8
@@ -149,4 +157,6 @@ func newQueries(schema string, responses bool) queries {
 		inboxState: `SELECT state, lease_until FROM ` + inbox + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3`,
 	}
+	failureQueries(&q, inbox, effects, t("failure_actions"))
+	return q
 }

@@ -45,6 +45,9 @@ type KindStats struct {
 	Due  int64 `json:"due"`
 	Dead int64 `json:"dead"`
 	Done int64 `json:"done"`
+	// Discarded are dead effects an operator discarded (DiscardGroup): never
+	// sent, deleted by the janitor after the retention.
+	Discarded int64 `json:"discarded"`
 	// InFlight are pending effects claimed by a dispatcher, outcome not recorded yet.
 	InFlight int64 `json:"in_flight"`
 	// Stuck are pending effects that look stuck (see Effect.Stuck).
@@ -80,7 +83,7 @@ func (a *Admin) Stats(ctx context.Context) (*Stats, error) {
 	}
 	ks, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (KindStats, error) {
 		var s KindStats
-		err := r.Scan(&s.Kind, &s.Pending, &s.Due, &s.Dead, &s.Done, &s.InFlight, &s.Stuck, &s.OldestPendingSeconds)
+		err := r.Scan(&s.Kind, &s.Pending, &s.Due, &s.Dead, &s.Done, &s.Discarded, &s.InFlight, &s.Stuck, &s.OldestPendingSeconds)
 		return s, err
 	})
 	if err != nil {
@@ -207,7 +210,7 @@ type EffectFilter struct {
 	// Tenant, when not nil, keeps that tenant's effects ("" is the unscoped ones).
 	Tenant *string
 	Kind   string
-	// State is pending, done or dead.
+	// State is pending, done, dead or discarded.
 	State string
 	// Stuck keeps the pending effects that look stuck (Effect.Stuck).
 	Stuck     bool
@@ -226,13 +229,13 @@ type EffectPage struct {
 	Next string `json:"next,omitempty"`
 }
 
-var effectStates = []string{"", "pending", "done", "dead"}
+var effectStates = []string{"", "pending", "done", "dead", "discarded"}
 
 // ListEffects returns one page of the effects that f picks, in primary key order,
 // paged by keyset like ListInbox.
 func (a *Admin) ListEffects(ctx context.Context, f EffectFilter, p Page) (*EffectPage, error) {
 	if !slices.Contains(effectStates, f.State) {
-		return nil, errorf(ErrBadFilter, "effect state %q: use pending, done or dead", f.State)
+		return nil, errorf(ErrBadFilter, "effect state %q: use pending, done, dead or discarded", f.State)
 	}
 	if f.Stuck && f.State != "" && f.State != "pending" {
 		return nil, errorf(ErrBadFilter, "stuck effects are pending ones, not %s", f.State)

@@ -12,6 +12,7 @@ import (
 	"bytes"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/text"
@@ -190,20 +191,21 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 	// failed, codes and msgs stay nil (NULL arrays, which unnest pads with NULLs)
 	// unless some claim records a failure: the common batch sends less.
 	var failed []bool
-	var codes, msgs []string
+	var codes, msgs, masked []string
 	for j, i := range idx {
 		c := &claims[i]
 		consumers[j], tenants[j], keys[j], fps[j] = c.Consumer, c.Tenant, c.Key, c.Fingerprint
 		if c.Failed {
 			if failed == nil {
-				failed, codes, msgs = make([]bool, n), make([]string, n), make([]string, n)
+				failed, codes, msgs, masked = make([]bool, n), make([]string, n), make([]string, n), make([]string, n)
 			}
 			failed[j] = true
 			codes[j], msgs[j] = text.Sanitize(c.Code, 0), text.Sanitize(c.Error, 0)
+			masked[j] = failgroup.Mask(msgs[j])
 		}
 		retention[j] = cmp.Or(c.Retention, inbox.DefaultRetention).Microseconds()
 	}
-	args := []any{consumers, tenants, keys, fps, failed, codes, msgs, retention}
+	args := []any{consumers, tenants, keys, fps, failed, codes, msgs, retention, masked}
 	if len(prelude) == 0 {
 		rows, err := tx.Query(ctx, s.q.ClaimBatch, args...)
 		if err != nil {

@@ -22,6 +22,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/text"
 	"github.com/idemkit/idem/internal/tracing"
@@ -112,12 +113,15 @@ func (c *claimed) logAttrs() []any {
 // outcome is what to record for a claim.
 type outcome struct {
 	c        *claimed
-	state    string // pending, done or dead
+	state    string // pending, done or dead (an operator discards, never the Dispatcher)
 	delay    time.Duration
 	inFlight bool // the outcome is unknown: reconcile before the next attempt
 	undo     int  // 1: released without an attempt; give the attempt back
 	err      string
 	label    string // attempts_total outcome label
+	// code and masked are a dead effect's error code and masked error text
+	// (failgroup.Mask), which place it in its failure group.
+	code, masked string
 }
 
 // NewDispatcher checks cfg and returns a Dispatcher. Call Run to start it.
@@ -517,7 +521,9 @@ func (d *Dispatcher) failed(c *claimed, err error, log *slog.Logger) outcome {
 
 func (d *Dispatcher) dead(c *claimed, err error, inFlight bool, log *slog.Logger) outcome {
 	log.Error("effect dead", "error", err)
-	return outcome{c: c, state: "dead", inFlight: inFlight, err: storedError(err), label: "dead"}
+	stored := storedError(err)
+	return outcome{c: c, state: "dead", inFlight: inFlight, err: stored, label: "dead",
+		code: text.Sanitize(errcode.Code(err), 0), masked: failgroup.Mask(stored)}
 }
 
 // release gives a claim back unsent: due now, the attempt returned, and in_flight
@@ -658,6 +664,7 @@ const (
 func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 	n := len(batch)
 	tenants, kinds, keys, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
+	codes, masked := make([]*string, n), make([]*string, n)
 	fences, delays := make([]int64, n), make([]int64, n)
 	inFlight, undo := make([]bool, n), make([]int32, n)
 	for i, o := range batch {
@@ -665,6 +672,9 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 		delays[i], inFlight[i], undo[i] = o.delay.Milliseconds(), o.inFlight, int32(o.undo)
 		if o.err != "" {
 			errs[i] = &o.err
+		}
+		if o.state == "dead" {
+			codes[i], masked[i] = &batch[i].code, &batch[i].masked
 		}
 	}
 	status := make([]outcomeStatus, n)
@@ -684,7 +694,7 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 		b.Queue(recordSettings)
 		q := record
 		record = d.q.recordAgain // a retry may find this run committed
-		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs).Query(func(rows pgx.Rows) error {
+		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, codes, masked).Query(func(rows pgx.Rows) error {
 			var i int64
 			_, err := pgx.ForEachRow(rows, []any{&i}, func() error {
 				if i < 1 || i > int64(n) {

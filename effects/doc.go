@@ -13,7 +13,10 @@
 //     enqueued by a tenant-scoped consumer belongs to the message's tenant ("" when
 //     unscoped), so two tenants' "receipt:123" are two effects.
 //   - No effect is lost. Each one ends done or dead, never silently gone. A dead
-//     effect keeps its last_error and comes back with RequeueDead.
+//     effect keeps its last_error (and its error's code, masked text and failure
+//     group, for the operator API) and comes back with RequeueDead; an operator may
+//     instead discard it (state discarded: never sent, deleted after the
+//     retention).
 //   - One attempt at a time. A claim holds an effect for a lease; a Send's context
 //     ends before the lease does, and a claim that waited too long in the queue is
 //     handed back unsent. Every state change after a claim checks the claim's fence,

@@ -132,7 +132,7 @@ func planStatements(t *testing.T, pool *pgxpool.Pool, schema string) []planState
 	})
 	require.NoError(t, err)
 	require.Len(t, keys, 2000)
-	recordArgs := []any{tenants, kinds, keys, fences, states, delays, inFlight, undo, errs}
+	recordArgs := []any{tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, errs, errs}
 	q := newQueries(schema, 2*DefaultBatchSize)
 	pkey := []string{"((tenant = d.tenant) AND (kind = d.kind) AND (key = d.key))"}
 	return []planStatement{

@@ -4,6 +4,8 @@ import (
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/internal/failgroup"
 )
 
 // notifyChannel is the channel the effects trigger notifies, with the schema name
@@ -17,7 +19,8 @@ type queries struct {
 }
 
 // recordSet and recordWhere are the outcome update's SET and WHERE, shared by
-// record and recordAgain; d is the outcome row.
+// record and recordAgain; d is the outcome row. A dead effect keeps its error's
+// code, its masked text and its failure group (package failgroup), and when it died.
 //
 // recordWhere tests the state as "not finished" rather than state = 'pending', the
 // same thing under the table's CHECK: that form would let the planner use
@@ -25,7 +28,7 @@ type queries struct {
 // table never analyzed (where a partial index built on the empty table is taken
 // to hold no rows) it did, reading every pending row of the kind for each outcome:
 // 200 effects/s instead of 15,000 with 100,000 pending.
-const (
+var (
 	recordSet = `state = d.state,
 				done_at = CASE WHEN d.state = 'done' THEN now() END,
 				next_attempt_at = CASE WHEN d.state = 'pending'
@@ -33,9 +36,13 @@ const (
 				in_flight = d.in_flight,
 				attempts = e.attempts - d.undo,
 				last_error = coalesce(d.err, e.last_error),
-				recorded_fence = d.fence`
+				recorded_fence = d.fence,
+				error_code = CASE WHEN d.state = 'dead' THEN d.code END,
+				error_masked = CASE WHEN d.state = 'dead' THEN d.masked END,
+				error_group = CASE WHEN d.state = 'dead' THEN ` + failgroup.GroupSQL("e.kind", "e.tenant", "d.code", "d.masked") + ` END,
+				dead_at = CASE WHEN d.state = 'dead' THEN now() END`
 	recordWhere = `e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
-				AND e.fence = d.fence AND e.state NOT IN ('done', 'dead') AND e.recorded_fence <> d.fence`
+				AND e.fence = d.fence AND e.state NOT IN ('done', 'dead', 'discarded') AND e.recorded_fence <> d.fence`
 )
 
 // claimSettings and recordSettings are run, as one statement each, first in the
@@ -197,8 +204,8 @@ func newQueries(schema string, claimLimit int) queries {
 		record: `UPDATE ` + t + ` e
 			SET ` + recordSet + `
 			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-					$6::bigint[], $7::bool[], $8::int[], $9::text[]) WITH ORDINALITY
-				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, i)
+					$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
 			WHERE ` + recordWhere + `
 			RETURNING d.i`,
 		// recordAgain is record for a retry of the same write, whose first run may
@@ -212,8 +219,8 @@ func newQueries(schema string, claimLimit int) queries {
 		// less.
 		recordAgain: `WITH d AS (
 				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-						$6::bigint[], $7::bool[], $8::int[], $9::text[]) WITH ORDINALITY
-					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, i)
+						$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
 			), applied AS (
 				UPDATE ` + t + ` e
 				SET ` + recordSet + `

@@ -14,6 +14,7 @@ import (
 	"cmp"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/txmark"
@@ -317,6 +318,7 @@ func (s *responseStore) FailResponseTx(ctx context.Context, tx inbox.DBTX, c inb
 		return responseClaim{}, err
 	}
 	args := append([]any{c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg}, responseArgs(resp)...)
+	args = append(args, failgroup.Mask(msg))
 	return s.insertOrResponse(ctx, tx, c, func() (int64, error) {
 		var inserted bool
 		return 0, tx.QueryRow(ctx, s.q.FailResponse, args...).Scan(&inserted)
@@ -345,6 +347,7 @@ func (s *responseStore) FailLeaseResponse(ctx context.Context, db inbox.DBTX, id
 		return err
 	}
 	args := append([]any{id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention), code, msg}, responseArgs(resp)...)
+	args = append(args, failgroup.Mask(msg))
 	tag, err := db.Exec(ctx, s.q.FailLeaseResponse, args...)
 	if err != nil {
 		return s.wrap(err)

@@ -12,6 +12,7 @@ import (
 
 	"cmp"
 
+	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/text"
@@ -248,7 +249,7 @@ func (s *Store) FailTx(ctx context.Context, tx DBTX, c Claim, code, msg string) 
 	code, msg = text.Sanitize(code, 0), text.Sanitize(msg, 0)
 	return s.insertOr(ctx, tx, c, func() (int64, error) {
 		var inserted bool
-		err := tx.QueryRow(ctx, s.q.Fail, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg).Scan(&inserted)
+		err := tx.QueryRow(ctx, s.q.Fail, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), code, msg, failgroup.Mask(msg)).Scan(&inserted)
 		return 0, err
 	})
 }
@@ -308,7 +309,7 @@ func (s *Store) CompleteLeaseTx(ctx context.Context, tx DBTX, id ID, fence int64
 // code and msg are sanitised (valid UTF-8, no NUL bytes), so any bytes are accepted.
 func (s *Store) FailLease(ctx context.Context, db DBTX, id ID, fence int64, retention time.Duration, code, msg string) error {
 	code, msg = text.Sanitize(code, 0), text.Sanitize(msg, 0)
-	tag, err := db.Exec(ctx, s.q.FailLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention), code, msg)
+	tag, err := db.Exec(ctx, s.q.FailLease, id.Consumer, id.Tenant, id.Key, fence, retentionOf(retention), code, msg, failgroup.Mask(msg))
 	if err != nil {
 		return s.wrap(err)
 	}

@@ -45,8 +45,8 @@ type Config struct {
 	BatchSize int
 	// Pause is the wait between batches (default 5 ms). A negative Pause means none.
 	Pause time.Duration
-	// EffectsRetention is how long done effects stay after done_at (default 7
-	// days). Pending and dead effects are never deleted.
+	// EffectsRetention is how long done and discarded effects stay after done_at
+	// (default 7 days). Pending and dead effects are never deleted.
 	EffectsRetention time.Duration
 	// Interval is the time between the passes of Run (default 1 minute).
 	Interval time.Duration
@@ -94,7 +94,8 @@ func (c Config) Validate() error {
 type Stats struct {
 	// InboxDeleted counts expired completed and failed inbox rows deleted.
 	InboxDeleted int64
-	// EffectsDeleted counts done effects deleted after their retention.
+	// EffectsDeleted counts done and discarded effects deleted after their
+	// retention.
 	EffectsDeleted int64
 	// Batches counts the DELETE statements that removed at least one row.
 	Batches int
@@ -106,8 +107,8 @@ type Stats struct {
 func (s Stats) Deleted() int64 { return s.InboxDeleted + s.EffectsDeleted }
 
 // Janitor deletes what the retention lets go: inbox rows in state completed or
-// failed whose expires_at has passed, and effects in state done whose done_at is
-// older than EffectsRetention. It never deletes processing inbox rows, nor pending
+// failed whose expires_at has passed, and effects in state done or discarded whose
+// done_at is older than EffectsRetention. It never deletes processing inbox rows, nor pending
 // or dead effects: those are work not yet settled.
 //
 // It deletes in batches of BatchSize, each its own short transaction, with Pause
@@ -246,9 +247,9 @@ func (j *Janitor) RunOnce(ctx context.Context) (st Stats, err error) {
 		conn.Release()
 	}()
 
-	inboxDone, effectsDone := false, false
+	inboxDone, effectsDone, discardedDone := false, false, false
 	limit := j.cfg.BatchSize
-	for !inboxDone || !effectsDone {
+	for !inboxDone || !effectsDone || !discardedDone {
 		if !inboxDone {
 			tag, err := conn.Exec(ctx, j.q.inbox.DeleteExpired, limit)
 			if err != nil {
@@ -267,11 +268,20 @@ func (j *Janitor) RunOnce(ctx context.Context) (st Stats, err error) {
 			effectsDone = n < int64(limit)
 			j.count(&st, "effects", n, &st.EffectsDeleted)
 		}
+		if !discardedDone {
+			tag, err := conn.Exec(ctx, j.q.deleteDiscardedEffects, limit, j.cfg.EffectsRetention)
+			if err != nil {
+				return st, pgschema.Wrap(err, j.cfg.Schema)
+			}
+			n := tag.RowsAffected()
+			discardedDone = n < int64(limit)
+			j.count(&st, "effects", n, &st.EffectsDeleted)
+		}
 		if j.cfg.OnBatch != nil {
 			st.Elapsed = time.Since(start)
 			j.cfg.OnBatch(st)
 		}
-		if (!inboxDone || !effectsDone) && j.cfg.Pause > 0 {
+		if (!inboxDone || !effectsDone || !discardedDone) && j.cfg.Pause > 0 {
 			select {
 			case <-ctx.Done():
 				return st, ctx.Err()
@@ -294,9 +304,9 @@ func (j *Janitor) count(st *Stats, table string, n int64, total *int64) {
 // queries are the janitor's statements for one schema: the inbox's delete comes
 // from the inbox table's statements, the effects' and the lock are its own.
 type queries struct {
-	inbox             inboxdb.Queries
-	deleteDoneEffects string
-	tryLock, unlock   string
+	inbox                                     inboxdb.Queries
+	deleteDoneEffects, deleteDiscardedEffects string
+	tryLock, unlock                           string
 }
 
 func newQueries(schema string) queries {
@@ -313,6 +323,15 @@ func newQueries(schema string) queries {
 				LIMIT $1
 				FOR UPDATE SKIP LOCKED))
 			AND state = 'done'`,
+		// Discarded effects (an operator settled them unsent) go the same way,
+		// through effects_discarded_idx.
+		deleteDiscardedEffects: `DELETE FROM ` + e + ` WHERE ctid = ANY (ARRAY(
+				SELECT ctid FROM ` + e + `
+				WHERE state = 'discarded' AND done_at < now() - $2::interval
+				ORDER BY done_at
+				LIMIT $1
+				FOR UPDATE SKIP LOCKED))
+			AND state = 'discarded'`,
 		// One lock per schema, in the same key space as the migrator's lock.
 		tryLock: `SELECT pg_try_advisory_lock(hashtextextended('idem.janitor:' || $1, 0))`,
 		unlock:  `SELECT pg_advisory_unlock(hashtextextended('idem.janitor:' || $1, 0))`,

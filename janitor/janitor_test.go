@@ -427,3 +427,22 @@ func TestJanitorMetricsExistFromStart(t *testing.T) {
 		require.Zero(t, v, want)
 	}
 }
+
+// TestJanitorDeletesDiscardedEffects: an effect an operator discarded goes after
+// the retention of done effects, counted from when it was discarded; a recent one
+// stays, and so does a dead one however old.
+func TestJanitorDeletesDiscardedEffects(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.Setup(t)
+	_, err := pool.Exec(context.Background(), `INSERT INTO effects (kind, key, fingerprint, state, done_at, created_at) VALUES
+		('email', 'gone-1', '\x00', 'discarded', now() - interval '8 days', now() - interval '30 days'),
+		('email', 'gone-2', '\x00', 'discarded', now() - interval '9 days', now() - interval '30 days'),
+		('email', 'keep-1', '\x00', 'discarded', now() - interval '1 day', now() - interval '30 days'),
+		('email', 'keep-2', '\x00', 'dead', now() - interval '30 days', now() - interval '30 days')`)
+	require.NoError(t, err)
+	st, err := newJanitor(t, pool, schema, func(c *janitor.Config) { c.BatchSize = 1 }).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.EqualValues(t, 2, st.EffectsDeleted)
+	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE key LIKE 'keep-%'`))
+	require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE key LIKE 'gone-%'`))
+}

@@ -230,14 +230,47 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 	_, err = pool.Exec(ctx, `UPDATE inbox SET response_status = 201, response_body = '\x7b7d' WHERE key = 'k1'`)
 	require.NoError(t, err)
 
+	// One effect is dead in a failure group, and one repair action is recorded
+	// (migration 006).
+	_, err = pool.Exec(ctx, `UPDATE effects SET state = 'dead', error_masked = 'x', error_group = '\x0102030405060708', dead_at = now() WHERE key = 'b'`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO failure_actions (action, source, group_id, place, tenant, through, affected, who, why)
+		VALUES ('retry', 'effects', '\x0102030405060708', 'email', '', now(), 1, 'ops', 'fixed')`)
+	require.NoError(t, err)
+
 	plan, err := m.PlanDown(ctx)
 	require.NoError(t, err)
 	require.Equal(t, newest, plan.Version)
-	require.Equal(t, 5, newest, "the plans below are migrations 005's, 004's and 003's; update this test for a new migration")
+	require.Equal(t, 6, newest, "the plans below are migrations 006's, 005's, 004's and 003's; update this test for a new migration")
+	require.Equal(t, []migrate.TableRows{{Table: "failure_actions", Rows: 1}}, plan.Tables, "006's down drops the audit of repair actions")
+	require.Equal(t, []migrate.ColumnValues{
+		{Table: "effects", Column: "dead_at", Rows: 1},
+		{Table: "effects", Column: "error_group", Rows: 1},
+		{Table: "effects", Column: "error_masked", Rows: 1},
+		{Table: "effects", Column: "error_code", Rows: 0},
+		{Table: "inbox", Column: "error_group", Rows: 0},
+		{Table: "inbox", Column: "error_masked", Rows: 0},
+	}, plan.Columns)
+	// A discarded effect stops the revert, which then changes nothing.
+	_, err = pool.Exec(ctx, `UPDATE effects SET state = 'discarded', done_at = now() WHERE key = 'b'`)
+	require.NoError(t, err)
+	_, err = m.Revert(ctx, newest)
+	require.ErrorContains(t, err, "some effects are discarded")
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM failure_actions`))
+	_, err = pool.Exec(ctx, `UPDATE effects SET state = 'dead' WHERE key = 'b'`)
+	require.NoError(t, err)
+	_, err = m.Revert(ctx, newest)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE effects SET state = 'discarded' WHERE key = 'b'`)
+	require.ErrorContains(t, err, "effects_state_check", "the old CHECK is back")
+
+	plan, err = m.PlanDown(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 5, plan.Version)
 	require.Empty(t, plan.Tables, "005's down drops no table")
 	require.Equal(t, []migrate.ColumnValues{{Table: "effects", Column: "trace_context", Rows: 1}}, plan.Columns,
 		"005's down drops the effects' trace context, and says so")
-	_, err = m.Revert(ctx, newest)
+	_, err = m.Revert(ctx, 5)
 	require.NoError(t, err)
 
 	plan, err = m.PlanDown(ctx)

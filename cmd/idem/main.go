@@ -1,6 +1,7 @@
 // Command idem operates the idem tables: it migrates the schema, answers "was this
 // message processed?" (inspect, find, inbox list), shows the backlog (stats), runs
-// the janitor once (gc), lists and requeues effects, forgets an inbox key, and
+// the janitor once (gc), lists and requeues effects, forgets an inbox key, lists
+// failure groups and retries, discards or releases them (failures), and
 // serves a web console over the same operator API (package admin). "idem demo"
 // shows the guarantee under chaos on the user's own machine.
 //
@@ -36,6 +37,11 @@ func init() {
 		effectsListCmd,
 		effectsRequeueCmd,
 		forgetCmd,
+		failuresCmd,
+		failuresShowCmd,
+		failuresRetryCmd,
+		failuresDiscardCmd,
+		failuresReleaseCmd,
 		consoleCmd,
 		benchCmd,
 		demoCmd,
@@ -193,7 +199,8 @@ Exit codes:
   0  success
   1  failure (the error says what to do next)
   2  bad usage: unknown command or flag, a missing or bad value, a bad DSN,
-     a dangerous command (migrate down, forget) without --yes
+     a dangerous command (migrate down, forget, failures retry|discard|release)
+     without --yes
   3  cannot connect to Postgres (not running, unreachable, login refused, no such database)
 
 Run 'idem <command> --help' for the command's flags and an example.

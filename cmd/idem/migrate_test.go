@@ -123,13 +123,22 @@ func TestMigrateDownShowsWhatItDropsAndAsks(t *testing.T) {
 func TestMigrateDownShowsDroppedColumns(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	require.Equal(t, 5, len(migrate.Migrations()), "this test reads migrations 005's and 003's plans; update it for a new migration")
+	require.Equal(t, 6, len(migrate.Migrations()), "this test reads migrations 006's, 005's and 003's plans; update it for a new migration")
+	// 006 drops the audit of repair actions, with its rows.
+	r := b.idem("migrate", "down")
+	require.Equal(t, exitUsage, r.code, r.stderr)
+	require.Contains(t, r.stderr, "reverting 006_failure_groups in schema "+b.schema)
+	require.Contains(t, r.stderr, "failure_actions")
+	m, err := migrate.New(migrate.Config{Pool: b.pool, Schema: b.schema})
+	require.NoError(t, err)
+	_, err = m.Revert(ctx, 6)
+	require.NoError(t, err)
 	// 005 drops the effects' trace context (the effects stay).
-	_, err := b.pool.Exec(ctx, `INSERT INTO effects (kind, key, fingerprint, trace_context)
+	_, err = b.pool.Exec(ctx, `INSERT INTO effects (kind, key, fingerprint, trace_context)
 		VALUES ('email', 'a', '\x00', '{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}'),
 		       ('email', 'b', '\x00', NULL)`)
 	require.NoError(t, err)
-	r := b.idem("migrate", "down")
+	r = b.idem("migrate", "down")
 	require.Equal(t, exitUsage, r.code, r.stderr)
 	require.Contains(t, r.stderr, "reverting 005_trace_context in schema "+b.schema+
 		": dropping column effects.trace_context (1 rows hold a value)")
@@ -137,8 +146,6 @@ func TestMigrateDownShowsDroppedColumns(t *testing.T) {
 	require.Equal(t, 1, pgtest.Count(t, b.pool, `SELECT count(*) FROM effects WHERE trace_context IS NOT NULL`))
 
 	// 004 goes next: its down drops only the commit guard, which never holds a row.
-	m, err := migrate.New(migrate.Config{Pool: b.pool, Schema: b.schema})
-	require.NoError(t, err)
 	for _, v := range []int{5, 4} {
 		_, err = m.Revert(ctx, v)
 		require.NoError(t, err)

@@ -34,8 +34,8 @@ func TestClaimBatchPlanNeedsNoStatistics(t *testing.T) {
 			q := inboxdb.New(schema)
 			claimSQL, getSQL := q.ClaimBatch, q.GetBatch
 			stmts := map[string]struct{ sql, types, args string }{
-				"claimBatch": {claimSQL, "text[], text[], text[], bytea[], bool[], text[], text[], bigint[]",
-					`'{c,c}', '{"",""}', '{k1,k2}', '{"\\x00","\\x00"}', NULL, NULL, NULL, '{1,1}'`},
+				"claimBatch": {claimSQL, "text[], text[], text[], bytea[], bool[], text[], text[], bigint[], text[]",
+					`'{c,c}', '{"",""}', '{k1,k2}', '{"\\x00","\\x00"}', NULL, NULL, NULL, '{1,1}', NULL`},
 				"getBatch": {getSQL, "text[], text[], text[]", `'{c,c}', '{"",""}', '{k1,k2}'`},
 			}
 			for name, st := range stmts {

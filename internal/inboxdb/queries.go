@@ -8,6 +8,7 @@
 package inboxdb
 
 import (
+	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/txmark"
 )
@@ -31,6 +32,11 @@ type Queries struct {
 // New renders the statements for schema, which the caller has validated.
 func New(schema string) Queries {
 	t := pgschema.Table(schema, "inbox")
+	// group is the failure group's ID of a failed row (package failgroup), from
+	// its consumer, tenant, code and masked error text.
+	group := func(consumer, tenant, code, masked string) string {
+		return failgroup.GroupSQL(consumer, tenant, code, masked)
+	}
 	// probe reads the rows of the keys in $1, $2, $3 (consumers, tenants, keys),
 	// one primary-key lookup each (see ClaimBatch), as claimBatch's rows.
 	probe := `SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
@@ -47,8 +53,10 @@ func New(schema string) Queries {
 			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)
 			ON CONFLICT (consumer, tenant, key) DO NOTHING
 			RETURNING true`,
-		Fail: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
-			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7)
+		// A failure keeps its masked error text ($8, failgroup.Mask) and its group.
+		Fail: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
+				error_masked, error_group)
+			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7, $8, ` + group("$1", "$2", "$6", "$8") + `)
 			ON CONFLICT (consumer, tenant, key) DO NOTHING
 			RETURNING true`,
 		Get: `SELECT consumer, tenant, key, fingerprint, state, error_code, error, attempts,
@@ -69,17 +77,20 @@ func New(schema string) Queries {
 		// not yet analyzed (TestClaimBatchPlanNeedsNoStatistics). The probe cannot
 		// see a row that a concurrent claimer committed while this INSERT waited for
 		// it; GetBatch reads those afterwards. Times are the database's; retention is
-		// in microseconds. failed, error_code and error may be NULL arrays (no failure
-		// to record), which unnest pads with NULLs.
+		// in microseconds. failed, error_code, error and masked may be NULL arrays (no
+		// failure to record), which unnest pads with NULLs.
 		ClaimBatch: `WITH ins AS (
-				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error)
+				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
+					error_masked, error_group)
 				SELECT consumer, tenant, key, fingerprint,
 					CASE WHEN failed THEN 'failed' ELSE 'completed' END, now(),
 					now() + retention_us * interval '1 microsecond',
-					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END
+					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END,
+					CASE WHEN failed THEN masked END,
+					CASE WHEN failed THEN ` + group("consumer", "tenant", "error_code", "masked") + ` END
 				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bool[],
-						$6::text[], $7::text[], $8::bigint[]) WITH ORDINALITY
-					AS u(consumer, tenant, key, fingerprint, failed, error_code, error, retention_us, ord)
+						$6::text[], $7::text[], $8::bigint[], $9::text[]) WITH ORDINALITY
+					AS u(consumer, tenant, key, fingerprint, failed, error_code, error, retention_us, masked, ord)
 				ORDER BY ord
 				ON CONFLICT (consumer, tenant, key) DO NOTHING
 				RETURNING consumer, tenant, key
@@ -103,7 +114,8 @@ func New(schema string) Queries {
 				expires_at = now() + $5::interval
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		FailLease: `UPDATE ` + t + ` SET state = 'failed', completed_at = now(), lease_until = NULL,
-				expires_at = now() + $5::interval, error_code = $6, error = $7
+				expires_at = now() + $5::interval, error_code = $6, error = $7,
+				error_masked = $8, error_group = ` + group("consumer", "tenant", "$6", "$8") + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		ReleaseLease: `UPDATE ` + t + ` SET lease_until = now()
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
@@ -148,8 +160,9 @@ func New(schema string) Queries {
 		SaveResponse: `UPDATE ` + t + ` SET response_status = $4, response_headers = $5, response_body = $6, response_ref = $7
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed'`,
 		FailResponse: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
-				response_status, response_headers, response_body, response_ref)
-			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7, $8, $9, $10, $11)
+				response_status, response_headers, response_body, response_ref, error_masked, error_group)
+			VALUES ($1, $2, $3, $4, 'failed', now(), now() + $5::interval, $6, $7, $8, $9, $10, $11,
+				$12, ` + group("$1", "$2", "$6", "$12") + `)
 			ON CONFLICT (consumer, tenant, key) DO NOTHING
 			RETURNING true`,
 		CompleteLeaseResponse: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
@@ -158,7 +171,8 @@ func New(schema string) Queries {
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		FailLeaseResponse: `UPDATE ` + t + ` SET state = 'failed', completed_at = now(), lease_until = NULL,
 				expires_at = now() + $5::interval, error_code = $6, error = $7,
-				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11
+				response_status = $8, response_headers = $9, response_body = $10, response_ref = $11,
+				error_masked = $12, error_group = ` + group("consumer", "tenant", "$6", "$12") + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		// The "OrFail" forms go to the server in one round trip with COMMIT: an
 		// update that matched no row, or a transaction without idem's mark (the

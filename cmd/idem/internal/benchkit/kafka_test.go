@@ -134,18 +134,40 @@ func testExternal(t *testing.T, brokers []string, private bool) {
 	}
 }
 
+// listLastOffsets reads the end offsets of topic's two partitions into s[0:2].
+func listLastOffsets(ctx context.Context, client *kafkago.Client, topic string, s *[4]int64) error {
+	lo, err := client.ListOffsets(ctx, &kafkago.ListOffsetsRequest{Topics: map[string][]kafkago.OffsetRequest{
+		topic: {kafkago.LastOffsetOf(0), kafkago.LastOffsetOf(1)}}})
+	if err != nil {
+		return err
+	}
+	if len(lo.Topics[topic]) != 2 {
+		return fmt.Errorf("%d partitions answered, want 2", len(lo.Topics[topic]))
+	}
+	for _, p := range lo.Topics[topic] {
+		if p.Error != nil {
+			return fmt.Errorf("partition %d: %w", p.Partition, p.Error)
+		}
+		s[p.Partition] = p.LastOffset
+	}
+	return nil
+}
+
 // otherState is the end offsets and the group's committed offsets of topic's two
 // partitions.
 func otherState(t *testing.T, client *kafkago.Client, topic string) [4]int64 {
 	t.Helper()
 	ctx := context.Background()
-	lo, err := client.ListOffsets(ctx, &kafkago.ListOffsetsRequest{Topics: map[string][]kafkago.OffsetRequest{
-		topic: {kafkago.LastOffsetOf(0), kafkago.LastOffsetOf(1)}}})
-	require.NoError(t, err)
 	var s [4]int64
-	for _, p := range lo.Topics[topic] {
-		require.NoError(t, p.Error)
-		s[p.Partition] = p.LastOffset
+	// A broker that has just started (CI's) can answer a partition of a new topic
+	// with a transient error ("unexpected server error"): ask again until each
+	// partition answers, for a while.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		err := listLastOffsets(ctx, client, topic, &s)
+		if err == nil {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "list offsets of %s: %v", topic, err)
 	}
 	of, err := client.OffsetFetch(ctx, &kafkago.OffsetFetchRequest{GroupID: topic, Topics: map[string][]int{topic: {0, 1}}})
 	require.NoError(t, err)

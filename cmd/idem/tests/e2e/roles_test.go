@@ -37,7 +37,8 @@ const appGrants = `GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
 // and DELETE on its tables (and on the application's own table): a consumer in each
 // mode and with a batch handler, the commit guard of the set-based batch, the
 // Dispatcher with its LISTEN, RequeueDead, httpidem in both modes, the janitor's
-// advisory lock and deletes, and the operator API.
+// advisory lock and deletes, and the operator API (a failure group's release and
+// its stored audit row included).
 func TestLeastPrivilegeRole(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -159,6 +160,24 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	require.NoError(t, err)
 	_, err = a.Forget(ctx, inbox.ID{Consumer: "orders-batch", Key: "batch"}, admin.Audit{Who: "test", Why: "least privilege"})
 	require.NoError(t, err)
+	// Failure groups: listed, one released with its audit row stored (a UUID key:
+	// no sequence to grant).
+	groups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, groups.Groups, 4, "the failed key of each consumer mode, and the dead receipt")
+	note := admin.Audit{Who: "test", Why: "least privilege"}
+	for _, g := range groups.Groups {
+		act := a.ReleaseGroup
+		if g.Source == admin.SourceEffects {
+			act = a.DiscardGroup
+		}
+		res, err := act(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, Note: note})
+		require.NoError(t, err)
+		require.Equal(t, int64(1), res.Rows)
+	}
+	acts, err := a.ListActions(ctx, admin.ActionFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, acts.Actions, 4)
 	_, err = owner.Exec(ctx, `UPDATE inbox SET expires_at = now() - interval '1 second' WHERE state IN ('completed', 'failed')`)
 	require.NoError(t, err)
 	j, err := janitor.New(janitor.Config{Pool: pool, Schema: schema})

@@ -1,7 +1,8 @@
 // Package metricsaudit holds tests, and nothing else, that keep idem's Prometheus
 // metrics, their documentation and the Grafana dashboard in step:
 //
-//   - every component (consumer, effects Dispatcher, janitor, httpidem), built on
+//   - every component (consumer, effects Dispatcher, janitor, httpidem, admin's
+//     failure metrics), built on
 //     one registry, makes every series a dashboard needs at 0 before any work, and
 //     every metric family the spec's Observability section names (a list in the
 //     test: the spec lives outside the repository) and the README's Metrics

@@ -16,6 +16,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
@@ -38,8 +39,9 @@ type world struct {
 	families map[string]*dto.MetricFamily
 }
 
-// build makes a consumer (with a Name), a Dispatcher (with two kinds), a janitor
-// and an httpidem middleware (with a route that names its operation) on one
+// build makes a consumer (with a Name), a Dispatcher (with two kinds), a janitor,
+// an httpidem middleware (with a route that names its operation) and the operator
+// API's failure metrics (naming the consumer and the kinds) on one
 // registry, and gathers it without sending, consuming or deleting anything.
 func build(t *testing.T) world {
 	t.Helper()
@@ -66,6 +68,9 @@ func build(t *testing.T) world {
 	require.NoError(t, err)
 	mw.Route(httpidem.Route{Operation: operation})(http.NotFoundHandler())
 
+	_, err = admin.New(admin.Config{Pool: pool, Schema: schema, Registerer: reg, Consumers: []string{consumerName}, Kinds: kinds})
+	require.NoError(t, err)
+
 	mfs, err := reg.Gather()
 	require.NoError(t, err)
 	w := world{schema: schema, families: map[string]*dto.MetricFamily{}}
@@ -87,6 +92,8 @@ func (w world) ownerLabel(family string) (string, []string) {
 		return "schema", []string{w.schema}
 	case strings.HasPrefix(family, "idem_http_"):
 		return "operation", []string{operation}
+	case strings.HasPrefix(family, "idem_failures_"):
+		return "action", admin.Actions
 	}
 	return "", nil
 }

@@ -1,0 +1,576 @@
+package admin
+
+import (
+	"cmp"
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/failgroup"
+)
+
+// Sources of failures, the two kinds of failure group.
+const (
+	// SourceInbox groups failed inbox keys, by consumer and tenant.
+	SourceInbox = "inbox"
+	// SourceEffects groups dead effects, by kind and tenant.
+	SourceEffects = "effects"
+)
+
+// Repair actions on a failure group.
+const (
+	// ActionRetry brings a group's dead effects back to pending, attempts from 0.
+	ActionRetry = "retry"
+	// ActionDiscard settles a group's dead effects as discarded: never sent, and
+	// deleted by the janitor after the retention of done effects.
+	ActionDiscard = "discard"
+	// ActionRelease deletes a group's failed inbox keys, so that the next delivery
+	// of each (a redelivery, or a republish) runs its handler again.
+	ActionRelease = "release"
+)
+
+// Actions are the repair actions, in the order the metrics list them.
+var Actions = []string{ActionRetry, ActionDiscard, ActionRelease}
+
+var (
+	// ErrWrongSource is returned for an action that does not apply to the group's
+	// source: retry and discard act on dead effects, release on failed inbox keys.
+	ErrWrongSource = errcode.Permanent("wrong_source", "the action does not apply to this failure group")
+	// ErrNoteRequired is returned for an action (not a dry run) without an audit
+	// note that says who asks and why.
+	ErrNoteRequired = errcode.Permanent("note_required", "a repair action needs a note: who asks, and why")
+	// ErrGroupChanged is returned, and nothing was changed, when an action with
+	// AtMost would change more rows than that: failures within its bound appeared
+	// after the operator looked (a failure whose transaction was still committing).
+	// Look again.
+	ErrGroupChanged = errcode.Transient("group_changed", "the failure group holds more rows than the plan said; nothing was changed: look again")
+)
+
+// groupChanged is the text of the error an action's statement fails with past
+// GroupAction.AtMost.
+const groupChanged = "idem: failure group changed since the plan"
+
+// Group sample sizes.
+const (
+	// ListSamples is how many sample keys each group of a list carries.
+	ListSamples = 3
+	// GroupSamples is how many sample keys Group returns.
+	GroupSamples = 20
+	// PlanKeys is the most keys an action's result names (all of them are counted).
+	PlanKeys = 100
+)
+
+// FailureGroup is the failures of one consumer (or effect kind) and tenant that
+// share an error code and a masked error text: most likely one cause.
+type FailureGroup struct {
+	// ID is stable: the same failures make the same group, in every process and
+	// after a restart. "i-" and 16 hex digits for an inbox group, "e-" for effects.
+	ID     string `json:"id"`
+	Source string `json:"source"`
+	// Consumer is an inbox group's consumer (or HTTP operation); Kind an effects
+	// group's kind.
+	Consumer string `json:"consumer,omitempty"`
+	Kind     string `json:"kind,omitempty"`
+	Tenant   string `json:"tenant"`
+	Code     string `json:"code"`
+	// Masked is the error text with its variable parts masked (numbers, UUIDs,
+	// quoted values, hex), the same for every failure of the group.
+	Masked string `json:"masked_error"`
+	// Example is the whole error text of the group's most recent failure.
+	Example string `json:"example_error"`
+	// Count is how many failures the group holds (in the time range asked for).
+	Count int64 `json:"count"`
+	// FirstSeen and LastSeen are when its oldest and newest failure happened. Pass
+	// LastSeen as an action's Through, so that the action touches no failure that
+	// arrived after this read.
+	FirstSeen time.Time `json:"first_seen"`
+	LastSeen  time.Time `json:"last_seen"`
+	// SampleKeys are a few of its keys (inbox keys, or effect keys), newest first.
+	SampleKeys []string `json:"sample_keys"`
+	// Attempts is an effects group's distribution of attempts made (Group only).
+	Attempts []AttemptsCount `json:"attempts,omitempty"`
+	// Actions are the repair actions taken on the group so far, newest first
+	// (Group only).
+	Actions []FailureAction `json:"actions,omitempty"`
+}
+
+// Place is the group's consumer or kind.
+func (g *FailureGroup) Place() string { return cmp.Or(g.Consumer, g.Kind) }
+
+// AttemptsCount is how many dead effects of a group made that many attempts.
+type AttemptsCount struct {
+	Attempts int   `json:"attempts"`
+	Effects  int64 `json:"effects"`
+}
+
+// Group orders.
+const (
+	// ByCount lists the largest groups first.
+	ByCount = "count"
+	// ByRecent lists the groups with the most recent failure first.
+	ByRecent = "recent"
+)
+
+// GroupFilter picks failure groups; zero fields do not filter.
+type GroupFilter struct {
+	// Source is SourceInbox or SourceEffects; "" lists both.
+	Source string
+	// Consumer keeps that consumer's inbox groups, Kind that kind's effects groups.
+	// Naming only one of them lists only its source.
+	Consumer string
+	Kind     string
+	// Tenant, when not nil, keeps that tenant's groups ("" is the unscoped ones).
+	Tenant *string
+	// Seen counts only the failures that happened in the range: a group with none
+	// there is left out.
+	Seen TimeRange
+	// Order is ByCount (the default) or ByRecent. Ties go by ID.
+	Order string
+}
+
+// GroupPage is one page of failure groups.
+type GroupPage struct {
+	Groups []FailureGroup `json:"groups"`
+	// Next is the cursor of the next page, empty on the last one.
+	Next string `json:"next,omitempty"`
+}
+
+// groupID is a parsed FailureGroup.ID.
+type groupID struct {
+	source string
+	hash   []byte
+}
+
+func (g groupID) String() string { return g.source[:1] + "-" + hex.EncodeToString(g.hash) }
+
+func formatGroupID(source string, hash []byte) string { return groupID{source, hash}.String() }
+
+func parseGroupID(id string) (groupID, error) {
+	var g groupID
+	switch {
+	case strings.HasPrefix(id, "i-"):
+		g.source = SourceInbox
+	case strings.HasPrefix(id, "e-"):
+		g.source = SourceEffects
+	}
+	h, err := hex.DecodeString(id[min(len(id), 2):])
+	if g.source == "" || err != nil || len(h) != 8 {
+		return g, errorf(ErrBadFilter, "failure group ID %q: want i- or e- and 16 hex digits, as the list of groups shows", clip(id))
+	}
+	g.hash = h
+	return g, nil
+}
+
+func clip(s string) string {
+	if len(s) > 40 {
+		return s[:40] + "…"
+	}
+	return s
+}
+
+// ListGroups returns one page of the failure groups that f picks: failed inbox keys
+// by consumer, tenant, code and masked text, and dead effects by kind, tenant, code
+// and masked text. Each group carries its counts, first and last seen, a few sample
+// keys, its masked text and one full example. Paging is by keyset over the order
+// (count or recency, then ID); a group whose count changes between two pages may
+// move across the cursor, never appear twice on one page.
+//
+// Failures recorded before the schema had failure groups (migration 006) are put
+// in their groups first, in batches, if the API's role may update them.
+func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
+	inboxOn, effectsOn, err := f.sources()
+	if err != nil {
+		return nil, err
+	}
+	order := cmp.Or(f.Order, ByCount)
+	if order != ByCount && order != ByRecent {
+		return nil, errorf(ErrBadFilter, "group order %q: use %s or %s", f.Order, ByCount, ByRecent)
+	}
+	limit, err := p.limit()
+	if err != nil {
+		return nil, err
+	}
+	// The cursor is the order, the last group's count (or last seen, in
+	// microseconds) and its ID.
+	after, err := decodeCursor("groups", p.After)
+	if err != nil {
+		return nil, err
+	}
+	var afterValue int64 = -1
+	afterID := ""
+	if p.After != "" {
+		if after[0] != order {
+			return nil, errorf(ErrBadCursor, "page cursor of the %s order used with the %s order", after[0], order)
+		}
+		if _, err := fmt.Sscan(after[1], &afterValue); err != nil {
+			return nil, errorf(ErrBadCursor, "page cursor %q is not one that the groups list returned", clip(p.After))
+		}
+		afterID = after[2]
+	}
+	if err := a.backfill(ctx, inboxOn, effectsOn); err != nil {
+		return nil, err
+	}
+	since, until := f.Seen.args()
+	rows, err := a.db.Query(ctx, a.q.listGroups, inboxOn, effectsOn, f.Consumer, f.Kind, f.Tenant, since, until,
+		order == ByRecent, p.After != "", afterValue, afterID, limit+1, ListSamples)
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	groups, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (FailureGroup, error) { return scanGroup(r) })
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	out := &GroupPage{Groups: nonNil(groups)}
+	if len(groups) > limit {
+		out.Groups = groups[:limit]
+		last := groups[limit-1]
+		v := last.Count
+		if order == ByRecent {
+			v = last.LastSeen.UnixMicro()
+		}
+		out.Next = encodeCursor("groups", order, fmt.Sprint(v), last.ID)
+	}
+	return out, nil
+}
+
+func (f GroupFilter) sources() (inboxOn, effectsOn bool, err error) {
+	switch f.Source {
+	case "", SourceInbox, SourceEffects:
+	default:
+		return false, false, errorf(ErrBadFilter, "failure source %q: use %s or %s", f.Source, SourceInbox, SourceEffects)
+	}
+	inboxOn = f.Source != SourceEffects && !(f.Kind != "" && f.Consumer == "")
+	effectsOn = f.Source != SourceInbox && !(f.Consumer != "" && f.Kind == "")
+	if !inboxOn && !effectsOn {
+		return false, false, errorf(ErrBadFilter, "a consumer filters inbox groups, a kind effects groups: source %s lists neither", f.Source)
+	}
+	return inboxOn, effectsOn, nil
+}
+
+func scanGroup(r pgx.Row) (FailureGroup, error) {
+	var g FailureGroup
+	var hash []byte
+	var place string
+	err := r.Scan(&g.Source, &hash, &place, &g.Tenant, &g.Count, &g.FirstSeen, &g.LastSeen,
+		&g.Code, &g.Masked, &g.Example, &g.SampleKeys)
+	if err != nil {
+		return g, err
+	}
+	g.ID = formatGroupID(g.Source, hash)
+	if g.Source == SourceInbox {
+		g.Consumer = place
+	} else {
+		g.Kind = place
+	}
+	g.SampleKeys = nonNil(g.SampleKeys)
+	return g, nil
+}
+
+// Group reads one failure group by ID: what a list shows, with more sample keys,
+// for effects the distribution of attempts, and the repair actions taken on it.
+// seen counts only the failures in that range, as GroupFilter.Seen does. A group
+// that holds no failure (in the range) is ErrNotFound; its actions stay readable
+// with ListActions.
+func (a *Admin) Group(ctx context.Context, id string, seen TimeRange) (*FailureGroup, error) {
+	g, err := parseGroupID(id)
+	if err != nil {
+		return nil, err
+	}
+	if err := a.backfill(ctx, g.source == SourceInbox, g.source == SourceEffects); err != nil {
+		return nil, err
+	}
+	since, until := seen.args()
+	out, err := scanGroup(a.db.QueryRow(ctx, a.q.getGroup, g.source == SourceInbox, g.hash, since, until, GroupSamples))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, errorf(ErrNotFound, "no failures in group %s (released, retried or discarded, or never there)", id)
+	}
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	if g.source == SourceEffects {
+		rows, err := a.db.Query(ctx, a.q.groupAttempts, g.hash, since, until)
+		if err != nil {
+			return nil, a.wrap(err)
+		}
+		out.Attempts, err = pgx.CollectRows(rows, pgx.RowToStructByPos[AttemptsCount])
+		if err != nil {
+			return nil, a.wrap(err)
+		}
+	}
+	acts, err := a.ListActions(ctx, ActionFilter{Group: id}, Page{Limit: 20})
+	if err != nil {
+		return nil, err
+	}
+	out.Actions = acts.Actions
+	return &out, nil
+}
+
+// GroupAction names the failures a repair action acts on: those of group ID that
+// failed in [Since, Through]. Through is required: pass the LastSeen of the group
+// as it was shown, so that a failure that arrived after the operator looked is not
+// swept in unseen (Since, when the list was filtered by Seen.Since).
+type GroupAction struct {
+	ID      string
+	Since   time.Time
+	Through time.Time
+	// DryRun changes nothing and records nothing: the result says what the action
+	// would touch now.
+	DryRun bool
+	// AtMost, when above 0, is the most rows the action may change: pass the Rows
+	// of the dry run the operator confirmed. An action that would change more
+	// changes nothing and returns ErrGroupChanged. It closes the one gap Through
+	// leaves: a failure whose recording transaction began before the look (its
+	// time is that transaction's start) and committed after it.
+	AtMost int64
+	// Note says who asks and why; it is stored with the action, and Why is
+	// required unless DryRun.
+	Note Audit
+}
+
+// ActionResult is what a repair action did, or would do on a dry run.
+type ActionResult struct {
+	// ActionID is the stored action's ID; empty on a dry run.
+	ActionID string    `json:"action_id,omitempty"`
+	Action   string    `json:"action"`
+	Group    string    `json:"group"`
+	DryRun   bool      `json:"dry_run"`
+	Since    time.Time `json:"since,omitzero"`
+	Through  time.Time `json:"through"`
+	// Rows is how many failures it changed (would change, on a dry run).
+	Rows int64 `json:"rows"`
+	// Keys are the keys it changed, sorted, at most PlanKeys of them.
+	Keys []string  `json:"keys"`
+	Who  string    `json:"who,omitempty"`
+	Why  string    `json:"why,omitempty"`
+	At   time.Time `json:"at"`
+}
+
+// RetryGroup brings the dead effects of an effects group that died in the action's
+// range back to pending: attempts from 0, due now, dispatchers notified. Each
+// effect is requeued once, however many operators retry the group at once: the
+// UPDATE takes only rows that are still dead when it locks them.
+func (a *Admin) RetryGroup(ctx context.Context, act GroupAction) (*ActionResult, error) {
+	return a.act(ctx, ActionRetry, SourceEffects, act)
+}
+
+// DiscardGroup settles the dead effects of an effects group that died in the
+// action's range as discarded: never sent, and deleted by the janitor after the
+// retention of done effects. An effect that a concurrent retry took is left to it,
+// so each effect ends either pending or discarded, never both.
+func (a *Admin) DiscardGroup(ctx context.Context, act GroupAction) (*ActionResult, error) {
+	return a.act(ctx, ActionDiscard, SourceEffects, act)
+}
+
+// ReleaseGroup deletes the failed inbox keys of an inbox group that failed in the
+// action's range, so that the next delivery of each, a broker's redelivery or a
+// republish (Watermill's requeuer, a NATS or Kafka publish with the same message
+// ID), runs its handler again. Use it after the cause is fixed. Effects the failed
+// runs enqueued (none, since a failure rolls the handler's work back) are not
+// touched. A copy of the message being handled while the key is released commits
+// once: the inbox claim settles which copy runs.
+func (a *Admin) ReleaseGroup(ctx context.Context, act GroupAction) (*ActionResult, error) {
+	return a.act(ctx, ActionRelease, SourceInbox, act)
+}
+
+func (a *Admin) act(ctx context.Context, action, source string, act GroupAction) (*ActionResult, error) {
+	g, err := parseGroupID(act.ID)
+	if err != nil {
+		return nil, err
+	}
+	if g.source != source {
+		verbs := map[string]string{SourceInbox: "release", SourceEffects: "retry or discard"}
+		return nil, errorf(ErrWrongSource, "%s acts on %s groups, and %s is an %s group: %s it", action, source, act.ID, g.source, verbs[g.source])
+	}
+	if act.Through.IsZero() {
+		return nil, errorf(ErrBadFilter, "%s needs Through, the last failure time of the group as it was shown", action)
+	}
+	who, why := cmp.Or(strings.TrimSpace(act.Note.Who), "unknown"), strings.TrimSpace(act.Note.Why)
+	if !act.DryRun && why == "" {
+		return nil, errorf(ErrNoteRequired, "%s of group %s: say why in the note", action, act.ID)
+	}
+	var since *time.Time
+	if !act.Since.IsZero() {
+		since = &act.Since
+	}
+	out := &ActionResult{Action: action, Group: act.ID, DryRun: act.DryRun, Since: act.Since, Through: act.Through}
+	var sql string
+	args := []any{g.hash, since, act.Through, PlanKeys}
+	if act.DryRun {
+		sql = a.q.plan[action]
+	} else {
+		sql = a.q.act[action]
+		args = append(args, who, why, max(act.AtMost, 0))
+		if action == ActionRetry {
+			args = append(args, a.cfg.Schema) // the dispatchers' wake-up
+		}
+		out.Who, out.Why = who, why
+	}
+	var actionID *string
+	var guard int
+	err = a.db.QueryRow(ctx, sql, args...).Scan(&out.Rows, &out.Keys, &out.At, &actionID, &guard)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "22P02" && strings.Contains(pgErr.Message, groupChanged) {
+		return nil, errorf(ErrGroupChanged, "%s of group %s would change more than the %d row(s) planned: failures arrived within the bound since; nothing was changed, look again", action, act.ID, act.AtMost)
+	}
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	if actionID != nil {
+		out.ActionID = *actionID
+	}
+	out.Keys = nonNil(out.Keys)
+	if !act.DryRun {
+		a.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: failure group "+action,
+			slog.String("schema", a.cfg.Schema), slog.String("group", act.ID), slog.Int64("rows", out.Rows),
+			slog.Time("through", act.Through), slog.String("who", who), slog.String("why", why))
+	}
+	return out, nil
+}
+
+// FailureAction is one stored repair action: who did what to which group, when,
+// why, and how many rows it changed.
+type FailureAction struct {
+	ID      string    `json:"id"`
+	At      time.Time `json:"at"`
+	Action  string    `json:"action"`
+	Group   string    `json:"group"`
+	Source  string    `json:"source"`
+	Place   string    `json:"place"`
+	Tenant  string    `json:"tenant"`
+	Through time.Time `json:"through"`
+	Rows    int64     `json:"rows"`
+	Who     string    `json:"who"`
+	Why     string    `json:"why"`
+}
+
+// ActionFilter picks stored repair actions; zero fields do not filter.
+type ActionFilter struct {
+	// Group keeps the actions on that group.
+	Group string
+	// At filters on when the action was taken.
+	At TimeRange
+}
+
+// ActionPage is one page of repair actions, newest first.
+type ActionPage struct {
+	Actions []FailureAction `json:"actions"`
+	Next    string          `json:"next,omitempty"`
+}
+
+// ListActions returns one page of the stored repair actions, newest first: the
+// audit trail of retries, discards and releases.
+func (a *Admin) ListActions(ctx context.Context, f ActionFilter, p Page) (*ActionPage, error) {
+	var hash []byte
+	if f.Group != "" {
+		g, err := parseGroupID(f.Group)
+		if err != nil {
+			return nil, err
+		}
+		hash = g.hash
+	}
+	limit, err := p.limit()
+	if err != nil {
+		return nil, err
+	}
+	after, err := decodeCursor("actions", p.After)
+	if err != nil {
+		return nil, err
+	}
+	var afterAt *time.Time
+	if p.After != "" {
+		var us int64
+		if _, err := fmt.Sscan(after[0], &us); err != nil {
+			return nil, errorf(ErrBadCursor, "page cursor %q is not one that the actions list returned", clip(p.After))
+		}
+		t := time.UnixMicro(us)
+		afterAt = &t
+	}
+	since, until := f.At.args()
+	rows, err := a.db.Query(ctx, a.q.listActions, hash, since, until, afterAt, after[1], limit+1)
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	acts, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (FailureAction, error) {
+		var x FailureAction
+		var h []byte
+		err := r.Scan(&x.ID, &x.At, &x.Action, &x.Source, &h, &x.Place, &x.Tenant, &x.Through, &x.Rows, &x.Who, &x.Why)
+		x.Group = formatGroupID(x.Source, h)
+		return x, err
+	})
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	out := &ActionPage{Actions: nonNil(acts)}
+	if len(acts) > limit {
+		out.Actions = acts[:limit]
+		last := acts[limit-1]
+		out.Next = encodeCursor("actions", fmt.Sprint(last.At.UnixMicro()), last.ID, "")
+	}
+	return out, nil
+}
+
+// backfillBatch is how many old failures one backfill statement groups.
+const backfillBatch = 1000
+
+// backfill puts the failed inbox keys and dead effects that have no failure group
+// yet (recorded before migration 006) in their groups: it reads a batch of them
+// from the NULL end of the group index (one index probe when there are none),
+// masks their errors with the
+// same function the writers use, and writes the group back, one short statement
+// per batch, until none is left. It is idempotent and safe to run in several
+// processes at once (a row that another run grouped first is left alone). A role
+// that may not update the tables leaves them out of the groups, and the lists go on.
+func (a *Admin) backfill(ctx context.Context, inboxOn, effectsOn bool) error {
+	for _, on := range []struct {
+		on          bool
+		read, write string
+	}{{inboxOn, a.q.ungroupedInbox, a.q.groupInbox}, {effectsOn, a.q.ungroupedEffects, a.q.groupEffects}} {
+		// The first read is a probe of one row: nearly always there is nothing to do.
+		for limit := 1; on.on; limit = backfillBatch {
+			rows, err := a.db.Query(ctx, on.read, limit)
+			if err != nil {
+				return a.wrap(err)
+			}
+			var aa, bb, cc, errs []string
+			var x, y, z, e string
+			var ungrouped bool
+			_, err = pgx.ForEachRow(rows, []any{&x, &y, &z, &e, &ungrouped}, func() error {
+				if ungrouped {
+					aa, bb, cc, errs = append(aa, x), append(bb, y), append(cc, z), append(errs, e)
+				}
+				return nil
+			})
+			if err != nil {
+				return a.wrap(err)
+			}
+			if len(aa) == 0 {
+				break
+			}
+			masked := make([]string, len(errs))
+			for i, e := range errs {
+				masked[i] = failgroup.Mask(e)
+			}
+			tag, err := a.db.Exec(ctx, on.write, aa, bb, cc, errs, masked)
+			if err != nil {
+				var pgErr *pgconn.PgError
+				if errors.As(err, &pgErr) && slices.Contains([]string{"42501", "25006"}, pgErr.Code) {
+					break // insufficient privilege, or a read-only transaction
+				}
+				return a.wrap(err)
+			}
+			if len(aa) < limit && limit > 1 || tag.RowsAffected() == 0 {
+				break // the last batch, or rows that changed under us: the next read takes them
+			}
+		}
+	}
+	return nil
+}
