@@ -230,7 +230,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 	mux.HandleFunc("POST /bare/payments", func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
-			http.Error(w, err.Error(), 400)
+			http.Error(w, err.Error(), http.StatusBadRequest)
 			return
 		}
 		tx, err := pool.Begin(r.Context())
@@ -262,7 +262,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 	mux.Handle("POST /idem/payments", mw.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
-			http.Error(w, err.Error(), 400)
+			http.Error(w, err.Error(), http.StatusBadRequest)
 			return
 		}
 		id, amount, err := insert(r.Context(), body, httpidem.Tx(r.Context()))
