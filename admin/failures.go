@@ -248,8 +248,8 @@ func (f GroupFilter) sources() (inboxOn, effectsOn bool, err error) {
 	default:
 		return false, false, errorf(ErrBadFilter, "failure source %q: use %s or %s", f.Source, SourceInbox, SourceEffects)
 	}
-	inboxOn = f.Source != SourceEffects && !(f.Kind != "" && f.Consumer == "")
-	effectsOn = f.Source != SourceInbox && !(f.Consumer != "" && f.Kind == "")
+	inboxOn = f.Source != SourceEffects && (f.Kind == "" || f.Consumer != "")
+	effectsOn = f.Source != SourceInbox && (f.Consumer == "" || f.Kind != "")
 	if !inboxOn && !effectsOn {
 		return false, false, errorf(ErrBadFilter, "a consumer filters inbox groups, a kind effects groups: source %s lists neither", f.Source)
 	}

@@ -720,7 +720,7 @@ func messageErrors(err error) []*MessageError {
 	var out []*MessageError
 	var walk func(error)
 	walk = func(err error) {
-		switch e := err.(type) {
+		switch e := err.(type) { //nolint:errorlint // it walks the tree itself, to stop at each MessageError
 		case nil:
 		case *MessageError:
 			out = append(out, e)

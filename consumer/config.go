@@ -50,7 +50,7 @@ const (
 	// the handler's writes and its effects commit together, then the message is
 	// acked.
 	Transactional Mode = iota
-	// GroupCommit: messages handled at the same moment share one transaction and
+	// GroupCommit mode: messages handled at the same moment share one transaction and
 	// are acked after its one commit. The batch is set-based: one statement claims
 	// all of its keys, the handlers run one after another without savepoints, one
 	// statement writes all the effects they enqueued and the messages they
@@ -61,7 +61,7 @@ const (
 	// savepoint. Handler code is the same as in Transactional mode, except that
 	// effects.Enqueue answers Result{Deferred: true} (see effects.Buffer).
 	GroupCommit
-	// Lease: the inbox row commits first as processing, with a lease and a fence,
+	// Lease mode: the inbox row commits first as processing, with a lease and a fence,
 	// for handlers that must call the outside world themselves. See the README for
 	// what this mode cannot promise.
 	Lease
@@ -87,7 +87,7 @@ const (
 	// AckOnPermanent (the default): record the failure and ack. Redeliveries are
 	// acked too, and the failure is replayed to OnFailure and the metrics.
 	AckOnPermanent PermanentPolicy = iota
-	// PoisonOnPermanent: record the failure and return a *FailedError, so that a
+	// PoisonOnPermanent records the failure and returns a *FailedError, so that a
 	// middleware.PoisonQueue placed outside publishes the message to a poison topic
 	// (and acks it). Redeliveries of a recorded failure are acked, not poisoned
 	// again.
@@ -101,7 +101,7 @@ const (
 	// ExpiredRetryWarn (the default): count it, log a warning, and process it. Its
 	// inbox row may already be gone, so a duplicate could commit twice.
 	ExpiredRetryWarn ExpiredRetryPolicy = iota
-	// ExpiredRetryFail: count it and fail it permanently (ErrExpiredRetry).
+	// ExpiredRetryFail counts it and fails it permanently (ErrExpiredRetry).
 	ExpiredRetryFail
 )
 

@@ -26,17 +26,20 @@ func ExampleConsumer_HandleBatch() {
 	schema := pgtest.NewSchemaName() // use "idem" (the default) in your service
 	pool, _ := pgxpool.New(ctx, pgtest.URL())
 	defer pool.Close()
-	defer pool.Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`)
+	defer func() { _, _ = pool.Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`) }()
 
 	m, _ := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if _, err := m.Up(ctx); err != nil {
 		fmt.Println(err)
 		return
 	}
-	pool.Exec(ctx, `CREATE TABLE `+schema+`.ledger (payment text PRIMARY KEY, amount bigint)`)
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+schema+`.ledger (payment text PRIMARY KEY, amount bigint)`); err != nil {
+		fmt.Println(err)
+		return
+	}
 
 	idem, _ := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: schema, MaxBatch: 256})
-	defer idem.Close()
+	defer func() { _ = idem.Close() }()
 	handler := idem.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
 		var ids []string
 		var amounts []int64
@@ -74,9 +77,15 @@ func ExampleConsumer_HandleBatch() {
 	}
 	wg.Wait()
 	var ledger, emails, failed int
-	pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.ledger`).Scan(&ledger)
-	pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.effects`).Scan(&emails)
-	pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.inbox WHERE state = 'failed'`).Scan(&failed)
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.ledger`).Scan(&ledger); err != nil {
+		fmt.Println(err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.effects`).Scan(&emails); err != nil {
+		fmt.Println(err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.inbox WHERE state = 'failed'`).Scan(&failed); err != nil {
+		fmt.Println(err)
+	}
 	fmt.Println("ledger rows:", ledger, "email effects:", emails, "recorded failures:", failed)
 	// Output: ledger rows: 3 email effects: 3 recorded failures: 1
 }

@@ -20,14 +20,17 @@ func Example() {
 	schema := pgtest.NewSchemaName() // use "idem" (the default) in your service
 	pool, _ := pgxpool.New(ctx, pgtest.URL())
 	defer pool.Close()
-	defer pool.Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`)
+	defer func() { _, _ = pool.Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`) }()
 
 	m, _ := migrate.New(migrate.Config{Pool: pool, Schema: schema})
 	if _, err := m.Up(ctx); err != nil {
 		fmt.Println(err)
 		return
 	}
-	pool.Exec(ctx, `CREATE TABLE `+schema+`.ledger (payment text, amount int)`)
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+schema+`.ledger (payment text, amount int)`); err != nil {
+		fmt.Println(err)
+		return
+	}
 
 	idem, _ := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: schema})
 	handler := idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -48,8 +51,12 @@ func Example() {
 		}
 	}
 	var ledger, emails int
-	pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.ledger`).Scan(&ledger)
-	pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.effects`).Scan(&emails)
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.ledger`).Scan(&ledger); err != nil {
+		fmt.Println(err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.effects`).Scan(&emails); err != nil {
+		fmt.Println(err)
+	}
 	fmt.Println("ledger rows:", ledger, "email effects:", emails)
 	// Output: ledger rows: 1 email effects: 1
 }

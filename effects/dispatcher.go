@@ -332,7 +332,7 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
-	defer br.Close()
+	defer func() { _ = br.Close() }() // every result is read below; Close releases the connection
 	for range 2 {
 		if _, err := br.Exec(); err != nil {
 			return nil, err

@@ -555,7 +555,7 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 			if v := recover(); v != nil {
 				onPanic()
 				m.count(q.claim.Consumer, OutcomePanic)
-				if v != http.ErrAbortHandler {
+				if err, _ := v.(error); !errors.Is(err, http.ErrAbortHandler) {
 					m.log.Error("idem: handler panicked; its work is rolled back and nothing is stored",
 						append(q.attrs(), "panic", fmt.Sprint(v), "stack", string(debug.Stack()))...)
 				}

@@ -28,7 +28,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	defer sub.Close()
+	defer func() { _ = sub.Close() }()
 	if err := sub.SubscribeInitialize("orders"); err != nil {
 		panic(err)
 	}
@@ -39,7 +39,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	defer pub.Close()
+	defer func() { _ = pub.Close() }()
 	msg := message.NewMessage("0190f1c2-7d1e-7c3a-9d43-1f2a3b4c5d6e", []byte(`{"amount":42}`))
 	msg.Metadata.Set("order_id", "ord_1")
 	if err := pub.Publish("orders", msg); err != nil {

@@ -18,7 +18,7 @@ import (
 // its delivery count; then a permanent failure ends it with Term.
 func Example() {
 	dir, _ := os.MkdirTemp("", "idem-nats-example")
-	defer os.RemoveAll(dir)
+	defer func() { _ = os.RemoveAll(dir) }()
 	srv, _ := server.NewServer(&server.Options{Port: -1, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true})
 	go srv.Start()
 	srv.ReadyForConnections(10 * time.Second)
@@ -34,13 +34,13 @@ func Example() {
 
 	topo := idemnats.Topology{AutoProvision: true}
 	pub, _ := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
-	defer pub.Close()
+	defer func() { _ = pub.Close() }()
 	sub, _ := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
 		Topology: topo,
 		Durable:  "billing",
 		NakDelay: func(uint64) time.Duration { return 100 * time.Millisecond },
 	})
-	defer sub.Close()
+	defer func() { _ = sub.Close() }()
 
 	msgs, _ := sub.Subscribe(context.Background(), "orders")
 	_ = pub.Publish("orders", message.NewMessage("order-1", []byte(`{"total":42}`)))

@@ -137,7 +137,7 @@ func runConsole(ctx context.Context, e *env, o consoleOptions) error {
 	h, err := newConsole(a, consoleConfig{ReadOnly: o.readOnly, Logger: logger,
 		Hosts: consoleHosts(ln.Addr(), host), Names: o.allowHosts, Token: token})
 	if err != nil {
-		ln.Close()
+		_ = ln.Close()
 		return err
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(logger.Handler(), slog.LevelWarn)}

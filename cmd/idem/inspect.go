@@ -117,9 +117,10 @@ func (e *env) effectsTable(effs []admin.Effect) error {
 	tw := e.table("TENANT", "KIND", "KEY", "STATE", "ATTEMPTS", "CREATED", "NEXT ATTEMPT / DONE", "LAST ERROR")
 	for _, x := range effs {
 		when := ts(&x.NextAttemptAt)
-		if x.State == "done" {
+		switch x.State {
+		case "done":
 			when = ts(x.DoneAt)
-		} else if x.State == "dead" {
+		case "dead":
 			when = "-"
 		}
 		row(tw, dash(printable(x.Tenant)), x.Kind, printable(x.Key), x.State, fmt.Sprintf("%d/%d", x.Attempts, x.MaxAttempts),

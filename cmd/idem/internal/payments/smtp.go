@@ -99,7 +99,7 @@ func (s *session) Data(r io.Reader) error {
 func MessageID(key string) string {
 	var b strings.Builder
 	b.WriteByte('<')
-	for i := 0; i < len(key); i++ {
+	for i := range len(key) {
 		c := key[i]
 		if c < 0x80 && (c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$&'*+-/=?^_`{|}~.", c) >= 0) {
 			b.WriteByte(c)
@@ -157,7 +157,7 @@ func (s *SMTPSender) Send(ctx context.Context, d effects.Delivery) error {
 	dl, _ := ctx.Deadline()
 	_ = conn.SetDeadline(dl)
 	c := smtp.NewClient(conn)
-	defer c.Close()
+	defer func() { _ = c.Close() }() // after Quit, or on a failure already returned
 	if err := c.Mail("shop@example.com", nil); err != nil {
 		return err
 	}

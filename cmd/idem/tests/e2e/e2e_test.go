@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"flag"
@@ -9,13 +8,10 @@ import (
 	"maps"
 	"math/rand/v2"
 	"os"
-	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,19 +21,8 @@ import (
 
 	"github.com/idemkit/idem/chaos"
 	"github.com/idemkit/idem/cmd/idem/internal/payments"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/internal/redact"
-)
-
-// Environment of a re-executed test binary playing a worker process.
-const (
-	envRole     = "IDEM_E2E_ROLE" // consumer | dispatcher
-	envEndpoint = "IDEM_E2E_ENDPOINT"
-	envSchema   = "IDEM_E2E_SCHEMA"
-	envSMTP     = "IDEM_E2E_SMTP"
-	envPeer     = "IDEM_E2E_PEER"
-	envCounts   = "IDEM_E2E_COUNTS" // directory where consumers count their deliveries
-	envMode     = "IDEM_E2E_MODE"   // payments.Mode of the consumers
 )
 
 // consumerGrace is how long a consumer process lives before the killer may pick it.
@@ -62,52 +47,51 @@ func envInt(name string, def int) int {
 }
 
 func TestMain(m *testing.M) {
-	if role := os.Getenv(envRole); role != "" {
-		os.Exit(runChild(role))
-	}
+	childproc.Main(map[string]childproc.Role{"consumer": runWorker, "dispatcher": runWorker})
 	os.Exit(m.Run())
 }
 
-// runChild is a worker process. It runs until it is killed (SIGKILL, by the parent
-// or by an armed crash point) or told to stop (SIGTERM), then exits 0.
-func runChild(role string) int {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	schema := os.Getenv(envSchema)
-	fail := func(err error) int { fmt.Fprintf(os.Stderr, "%s: %v\n", role, err); return 2 }
+// runWorker is a worker process (internal/childproc), a consumer or a dispatcher
+// on the schema p["schema"]. It runs until it is killed (SIGKILL, by the parent or
+// by an armed crash point) or told to stop (SIGTERM), then exits 0. A consumer
+// reads p["endpoint"] in p["mode"] (a payments.Mode), as the peer if p["peer"] is
+// "1", and counts its deliveries in the directory p["counts"]; both send their
+// emails to the SMTP server p["smtp"].
+func runWorker(ctx context.Context, p childproc.Params) error {
+	schema := p["schema"]
 	pool, err := payments.NewPool(ctx, pgtest.URL(), payments.ApplicationName(schema), 4)
 	if err != nil {
-		return fail(err)
+		return err
 	}
 	defer pool.Close()
-	switch role {
+	switch p["role"] {
 	case "consumer":
-		ep, err := payments.ParseEndpoint(os.Getenv(envEndpoint))
+		ep, err := payments.ParseEndpoint(p["endpoint"])
 		if err != nil {
-			return fail(err)
+			return err
 		}
 		// One byte per delivery as it reaches the handler chain ('r'), and one
 		// more, before its ack, for a copy that was suppressed ('s': the handler
 		// did not run and it was acked). A write is in the kernel once it
 		// returns, so a SIGKILL loses none.
-		counts, err := os.OpenFile(filepath.Join(os.Getenv(envCounts), fmt.Sprintf("consumer-%d", os.Getpid())), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		counts, err := os.OpenFile(filepath.Join(p["counts"], fmt.Sprintf("consumer-%d", os.Getpid())), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
 		if err != nil {
-			return fail(err)
+			return err
 		}
-		defer counts.Close()
+		defer func() { _ = counts.Close() }()
 		onDelivery := func(ran bool, err error) {
 			if !ran && err == nil {
 				_, _ = counts.Write([]byte{'s'})
 			}
 		}
-		mode := payments.Mode(os.Getenv(envMode))
+		mode := payments.Mode(p["mode"])
 		connect := payments.Connect
 		if mode != payments.Transactional {
 			// A batch needs many messages in flight: several records of a Kafka
 			// partition at once, a batched fetch on NATS.
 			connect = payments.ConnectBatched
 		}
-		return retry(ctx, role, func() error {
+		return retry(ctx, func() error {
 			c, err := connect(ep, nil)
 			if err != nil {
 				return err
@@ -115,84 +99,58 @@ func runChild(role string) int {
 			defer c.Close()
 			return payments.RunConsumer(ctx, payments.ConsumerConfig{
 				Pool: pool, Schema: schema, Subscriber: c.Subscriber, Topic: ep.TopicName(),
-				Peer: os.Getenv(envPeer) == "1", PeerSender: &payments.SMTPSender{Addr: os.Getenv(envSMTP)},
+				Peer: p["peer"] == "1", PeerSender: &payments.SMTPSender{Addr: p["smtp"]},
 				Mode: mode, OnDelivery: onDelivery, OnReceive: func() { _, _ = counts.Write([]byte{'r'}) },
 			})
 		})
 	case "dispatcher":
-		return retry(ctx, role, func() error {
-			d, err := payments.NewDispatcher(pool, schema, os.Getenv(envSMTP), 2*time.Second, nil, nil)
+		return retry(ctx, func() error {
+			d, err := payments.NewDispatcher(pool, schema, p["smtp"], 2*time.Second, nil, nil)
 			if err != nil {
 				return err
 			}
 			return d.Run(ctx)
 		})
 	}
-	return fail(fmt.Errorf("unknown role"))
+	return fmt.Errorf("unknown role %q", p["role"])
 }
 
 // retry runs a worker until ctx ends. A worker that fails on its own (a subscribe
 // that timed out on a loaded machine, a connection cut at start) runs again, as
-// under a supervisor; ten failures in a row end the process with exit code 2,
-// which fails the test.
-func retry(ctx context.Context, role string, work func() error) int {
+// under a supervisor; ten failures in a row end the process with an error (exit
+// code 2), which fails the test.
+func retry(ctx context.Context, work func() error) error {
 	for failures := 0; ; failures++ {
 		err := work()
 		if ctx.Err() != nil {
-			return 0
+			return nil
 		}
-		fmt.Fprintf(os.Stderr, "%s: %v\n", role, err)
+		fmt.Fprintln(os.Stderr, err)
 		if failures == 9 {
-			return 2
+			return err
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 }
 
 // proc is a worker process seen from the parent.
-type proc struct {
-	role    string
-	started time.Time
-	cmd     *exec.Cmd
-	done    chan struct{}
-	mu      sync.Mutex
-	stderr  []string
-}
+type proc struct{ *childproc.Child }
 
 // stderrTail is the worker's last lines of stderr, with the database password
 // masked.
-func (p *proc) stderrTail() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return redact.Text(strings.Join(p.stderr, "\n"), pgtest.URL())
+func (p proc) stderrTail() string {
+	lines := strings.Split(strings.TrimRight(p.Output(), "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-40):], "\n")
 }
 
-func (p *proc) sigkilled() bool {
-	ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus)
-	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
-}
-
-func startProc(t *testing.T, role string, env []string, exits chan<- *proc) *proc {
+// startProc starts a worker process in role with params and env; its exit is
+// announced on exits.
+func startProc(t *testing.T, role string, params childproc.Params, env []string, exits chan<- *proc) *proc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), append([]string{envRole + "=" + role}, env...)...)
-	dieWithParent(cmd)
-	stderr, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	p := &proc{role: role, cmd: cmd, done: make(chan struct{}), started: time.Now()}
-	require.NoError(t, cmd.Start())
+	params["role"] = role
+	p := &proc{childproc.Start(t, role, childproc.Options{Params: params, Env: env})}
 	go func() {
-		sc := bufio.NewScanner(stderr)
-		for sc.Scan() {
-			p.mu.Lock()
-			p.stderr = append(p.stderr, sc.Text())
-			if len(p.stderr) > 40 {
-				p.stderr = p.stderr[1:]
-			}
-			p.mu.Unlock()
-		}
-		_ = cmd.Wait()
-		close(p.done)
+		<-p.Done()
 		exits <- p
 	}()
 	return p
@@ -360,11 +318,11 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		if role == "dispatcher" {
 			crash = fmt.Sprintf("mid-send:%g", p)
 		}
-		return []string{
-			envEndpoint + "=" + ep.String(), envSchema + "=" + schema, envSMTP + "=" + box.Addr(), envPeer + "=" + peerFlag,
-			envCounts + "=" + countsDir, envMode + "=" + string(mode),
-			chaos.EnvCrash + "=" + crash, chaos.EnvCrashSeed + "=" + strconv.FormatInt(rng.Int64(), 10),
-		}
+		return []string{chaos.EnvCrash + "=" + crash, chaos.EnvCrashSeed + "=" + strconv.FormatInt(rng.Int64(), 10)}
+	}
+	paramsOf := func() childproc.Params {
+		return childproc.Params{"endpoint": ep.String(), "schema": schema, "smtp": box.Addr(), "peer": peerFlag,
+			"counts": countsDir, "mode": string(mode)}
 	}
 	exits := make(chan *proc, 16)
 	roles := []string{"consumer", "consumer", "consumer", "dispatcher", "dispatcher"}
@@ -373,21 +331,14 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	}
 	live := make([]*proc, len(roles))
 	for i, role := range roles {
-		live[i] = startProc(t, role, envOf(role), exits)
+		live[i] = startProc(t, role, paramsOf(), envOf(role), exits)
 	}
 	killed := map[*proc]bool{}
-	stopping := false
 	// done is set once the work is done (idem: everything settled; the peer: the
 	// figures have stopped moving). The killer then stops, so that a Kafka group
 	// whose members keep dying before they commit does not keep the broker from
 	// draining, and the run ends when the broker has nothing left for the group.
 	done := false
-	t.Cleanup(func() {
-		for _, p := range live {
-			_ = p.cmd.Process.Kill()
-			<-p.done
-		}
-	})
 
 	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
 	require.NoError(t, err)
@@ -406,19 +357,16 @@ loop:
 			rep, _ := a.Report(context.Background(), q)
 			t.Fatalf("%s run did not settle in time; last report:\n%s", tg, rep)
 		case p := <-exits:
-			if stopping {
-				continue
-			}
 			switch {
 			case killed[p]:
-				r.kills[p.role]++
-			case p.sigkilled():
-				r.selfKills[p.role]++
+				r.kills[p.Role]++
+			case p.Killed():
+				r.selfKills[p.Role]++
 			default:
-				t.Fatalf("%s process exited on its own (%v):\n%s", p.role, p.cmd.ProcessState, p.stderrTail())
+				t.Fatalf("%s process exited on its own (%v):\n%s", p.Role, p.State(), p.stderrTail())
 			}
 			i := slices.Index(live, p)
-			live[i] = startProc(t, p.role, envOf(p.role), exits)
+			live[i] = startProc(t, p.Role, paramsOf(), envOf(p.Role), exits)
 			r.restarts++
 		case <-killer.C:
 			// A consumer is a target once it has lived consumerGrace: a Kafka group
@@ -427,14 +375,14 @@ loop:
 			// not a finding about idem. Dispatchers are targets at any age.
 			var targets []*proc
 			for _, p := range live {
-				if p.role != "consumer" || time.Since(p.started) >= consumerGrace {
+				if p.Role != "consumer" || time.Since(p.Started) >= consumerGrace {
 					targets = append(targets, p)
 				}
 			}
 			if len(targets) > 0 && !done {
 				p := targets[rng.IntN(len(targets))]
 				killed[p] = true
-				_ = p.cmd.Process.Kill() // SIGKILL
+				_ = p.Kill() // SIGKILL
 			}
 			killer.Reset(time.Duration(350+rng.IntN(300)) * time.Millisecond)
 		case <-audit.C:
@@ -483,17 +431,16 @@ loop:
 		}
 	}
 	r.elapsed = time.Since(start)
-	stopping = true
 	killer.Stop()
 	for _, p := range live {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		_ = p.Signal(syscall.SIGTERM)
 	}
 	for _, p := range live {
 		select {
-		case <-p.done:
+		case <-p.Done():
 		case <-time.After(20 * time.Second):
-			_ = p.cmd.Process.Kill()
-			<-p.done
+			_ = p.Kill()
+			<-p.Done()
 		}
 	}
 	r.report, err = a.Report(context.Background(), q)
