@@ -49,6 +49,9 @@ func New(cfg Config) (*Middleware, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
+	if cfg.Shards != nil {
+		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("Shards is not supported here yet"))
+	}
 	store, err := newResponseStore(cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)

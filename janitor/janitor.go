@@ -15,6 +15,7 @@ import (
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/promreg"
+	"github.com/idemkit/idem/shard"
 )
 
 // Defaults of Config.
@@ -41,6 +42,9 @@ type Config struct {
 	Pool *pgxpool.Pool
 	// Schema holds the idem tables (default "idem").
 	Schema string
+	// Shards, in place of Pool and Schema, spreads the work over several databases
+	// by tenant (see package shard). Pool and Schema must then be unset.
+	Shards *shard.Map
 	// BatchSize is the most rows one DELETE removes (default 2000).
 	BatchSize int
 	// Pause is the wait between batches (default 5 ms). A negative Pause means none.
@@ -61,7 +65,9 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	if c.Shards == nil {
+		c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	}
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.Pause = cmp.Or(c.Pause, DefaultPause)
 	c.EffectsRetention = cmp.Or(c.EffectsRetention, DefaultEffectsRetention)
@@ -75,7 +81,11 @@ func (c Config) WithDefaults() Config {
 // Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if c.Shards != nil {
+		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
+			return err
+		}
+	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {
@@ -140,6 +150,9 @@ func New(cfg Config) (*Janitor, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if cfg.Shards != nil {
+		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("Shards is not supported here yet"))
 	}
 	j := &Janitor{
 		cfg: cfg,
