@@ -138,7 +138,12 @@ type Config struct {
 	// Schema holds the idem tables (default "idem").
 	Schema string
 	// Shards, in place of Pool and Schema, spreads the work over several databases
-	// by tenant (see package shard). Pool and Schema must then be unset.
+	// by tenant (see package shard); Pool and Schema must then be unset, and Tenant
+	// set. A message's tenant picks its shard before the claim, and the handler
+	// gets a transaction on that shard. Each shard has its own group-commit and
+	// batch workers (Workers a shard), so a batch holds one shard's messages. A
+	// shard that is down nacks its own messages with ErrDatabaseUnavailable while
+	// the others commit. A failed route returns an error wrapping shard.ErrRoute.
 	Shards *shard.Map
 	// Key gives the idempotency key (default: the message UUID). See MetadataKey
 	// and BusinessKey.

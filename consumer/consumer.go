@@ -22,7 +22,6 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/text"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
@@ -54,6 +53,10 @@ type Consumer struct {
 	group    *groupCommitter   // GroupCommit mode, started by the first message
 	batches  []*groupCommitter // one per HandleBatch, each started by its first message
 	stop     sync.Once
+
+	// shards, with a shard map, routes each message to its shard's Consumer; the
+	// fields above are then unused.
+	shards *shards
 }
 
 // New validates cfg and returns a Consumer.
@@ -63,7 +66,7 @@ func New(cfg Config) (*Consumer, error) {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
 	if cfg.Shards != nil {
-		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("Shards is not supported here yet"))
+		return newSharded(cfg)
 	}
 	store, err := inbox.NewStore(cfg.Schema)
 	if err != nil {
@@ -94,6 +97,9 @@ func New(cfg Config) (*Consumer, error) {
 // It is safe to call at any time, from any goroutine, and more than once; it is
 // final. Close the router first, so that no message is refused needlessly.
 func (c *Consumer) Close() error {
+	if c.shards != nil {
+		return c.shards.close()
+	}
 	c.stop.Do(func() {
 		c.mu.Lock()
 		c.closed = true
@@ -167,6 +173,9 @@ func Tx(ctx context.Context) pgx.Tx {
 
 // Middleware is the Watermill handler middleware.
 func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	if c.shards != nil {
+		return c.shards.middleware(h)
+	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		req, err := c.prepare(msg)
 		if err != nil {
