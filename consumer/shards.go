@@ -31,6 +31,7 @@ func newSharded(cfg Config) (*Consumer, error) {
 		one.Shards = nil
 		one.Pool = sh.Pool
 		one.Schema = sh.SchemaName()
+		one.Logger = cfg.Logger.With("shard", sh.Name)
 		c, err := New(one)
 		if err != nil {
 			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)

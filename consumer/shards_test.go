@@ -361,6 +361,34 @@ func crashMidStream(t *testing.T, m *shard.Map, ctl *pgtest.ShardCtl, sb *shardB
 		require.Equal(t, map[string]int{want: 1}, sb.rows(t, "inbox", it.key))
 		require.Equal(t, map[string]int{want: 1}, effectRows(t, sb, "mail:"+it.key))
 	}
+
+	// One Dispatcher over the shards sends every effect once.
+	var sentMu sync.Mutex
+	sent := map[string]int{}
+	d, err := effects.NewDispatcher(effects.Config{Shards: m, PollInterval: 50 * time.Millisecond,
+		Senders: map[string]effects.Sender{"email": effects.SenderFunc(func(_ context.Context, d effects.Delivery) error {
+			sentMu.Lock()
+			sent[d.Key]++
+			sentMu.Unlock()
+			return nil
+		})}})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { _ = d.Run(ctx) })
+	require.Eventually(t, func() bool {
+		sentMu.Lock()
+		defer sentMu.Unlock()
+		return len(sent) >= len(all)
+	}, 30*time.Second, 10*time.Millisecond)
+	cancel()
+	wg.Wait()
+	for _, it := range all {
+		require.Equal(t, 1, sent["mail:"+it.key], "effect of %s sent once", it.key)
+	}
+	for _, s := range m.Shards {
+		require.Zero(t, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE state <> 'done' AND key LIKE $1`, "mail:"+mode.String()+"-%"))
+	}
 }
 
 func effectRows(t *testing.T, sb *shardBiz, key string) map[string]int {

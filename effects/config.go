@@ -59,8 +59,14 @@ type Config struct {
 	ListenConnConfig *pgx.ConnConfig
 	// Schema holds the idem tables (DefaultSchema if empty).
 	Schema string
-	// Shards, in place of Pool and Schema, spreads the work over several databases
-	// by tenant (see package shard). Pool and Schema must then be unset.
+	// Shards, in place of Pool and Schema, serves several databases (see package
+	// shard); Pool, Schema and ListenConnConfig must then be unset. Run runs one
+	// claim loop, LISTEN connection and set of lanes a shard (Concurrency is per
+	// shard), sharing the Senders. A shard that goes down holds up only its own
+	// effects: its LISTEN connection reconnects with backoff while its poll goes on,
+	// and it is served again once it is back, without a restart. Enqueue writes
+	// through the transaction it is given: begin it on the tenant's shard
+	// (shard.Map.Pick).
 	Shards *shard.Map
 	// Senders maps each kind to its Sender. Effects of kinds without one are left
 	// alone for a dispatcher that has it; they are never failed. PublishSenders

@@ -55,6 +55,13 @@ type Dispatcher struct {
 	outcomes chan outcome  // made by each Run, closed when it ends
 	sendCtx  context.Context
 	released atomic.Int64 // claims handed back unsent at shutdown, in this Run
+
+	// shards, with a shard map, runs one Dispatcher a shard; the fields above
+	// but cfg, log and m are then unused.
+	shards *shardSet
+	// noPending: a shard's Dispatcher leaves idem_effects_pending to its sharded
+	// Dispatcher, which sums the shards.
+	noPending bool
 }
 
 // lane is one kind's sender, its workers' queue and its count of claims held.
@@ -131,7 +138,7 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
 	if cfg.Shards != nil {
-		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("Shards is not supported here yet"))
+		return newShardedDispatcher(cfg)
 	}
 	m, err := newMetrics(cfg.Registerer)
 	if err != nil {
@@ -175,6 +182,9 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		return ErrDispatcherRunning
 	}
 	defer d.running.Store(false)
+	if d.shards != nil {
+		return d.shards.run(ctx, d)
+	}
 
 	// Sends outlive ctx by up to ShutdownTimeout, so they get a context of their own.
 	d.outcomes = make(chan outcome, 4*d.cfg.BatchSize)
@@ -191,7 +201,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 
 	var background sync.WaitGroup
 	background.Go(func() { d.listen(ctx) })
-	if d.cfg.Registerer != nil {
+	if d.cfg.Registerer != nil && !d.noPending {
 		background.Go(func() { d.refreshPendingLoop(ctx) })
 	}
 

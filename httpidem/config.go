@@ -121,8 +121,9 @@ type Config struct {
 	Pool *pgxpool.Pool
 	// Schema holds the idem tables (default "idem"), migrated to 003 or later.
 	Schema string
-	// Shards, in place of Pool and Schema, spreads the work over several databases
-	// by tenant (see package shard). Pool and Schema must then be unset.
+	// Shards, in place of Pool and Schema, spreads the requests over several
+	// databases (see package shard); Pool and Schema must then be unset, and Tenant
+	// set: the request's tenant picks its shard before the claim.
 	Shards *shard.Map
 
 	// KeyHeader names the key's header (default "Idempotency-Key"). A value that

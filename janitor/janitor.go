@@ -42,8 +42,10 @@ type Config struct {
 	Pool *pgxpool.Pool
 	// Schema holds the idem tables (default "idem").
 	Schema string
-	// Shards, in place of Pool and Schema, spreads the work over several databases
-	// by tenant (see package shard). Pool and Schema must then be unset.
+	// Shards, in place of Pool and Schema, cleans several databases (see package
+	// shard); Pool and Schema must then be unset. Each shard has its own advisory
+	// lock; RunOnce passes over them one after another and adds up the Stats, and
+	// Run runs a loop a shard.
 	Shards *shard.Map
 	// BatchSize is the most rows one DELETE removes (default 2000).
 	BatchSize int
@@ -134,6 +136,8 @@ type Janitor struct {
 	deleted *prometheus.CounterVec
 	passes  *prometheus.CounterVec
 	lastOK  *prometheus.GaugeVec
+	// shards, with a shard map, runs one Janitor a shard.
+	shards *shardSet
 }
 
 // ErrInvalidConfig is wrapped by the error New returns for a config it refuses
@@ -152,7 +156,7 @@ func New(cfg Config) (*Janitor, error) {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
 	if cfg.Shards != nil {
-		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("Shards is not supported here yet"))
+		return newSharded(cfg)
 	}
 	j := &Janitor{
 		cfg: cfg,
@@ -196,6 +200,9 @@ func New(cfg Config) (*Janitor, error) {
 // the next interval, so a database restart does not stop the janitor. Use it inside
 // a consumer or dispatcher process: `go janitor.Run(ctx)`.
 func (j *Janitor) Run(ctx context.Context) error {
+	if j.shards != nil {
+		return j.shards.run(ctx)
+	}
 	log := j.cfg.Logger.With("schema", j.cfg.Schema)
 	for {
 		st, err := j.RunOnce(ctx)
@@ -222,6 +229,9 @@ func (j *Janitor) Run(ctx context.Context) error {
 // left, and returns what it deleted. It returns ErrBusy at once if another
 // janitor is running a pass on the same schema. `idem gc` calls it.
 func (j *Janitor) RunOnce(ctx context.Context) (st Stats, err error) {
+	if j.shards != nil {
+		return j.shards.runOnce(ctx)
+	}
 	start := time.Now()
 	defer func() {
 		st.Elapsed = time.Since(start)

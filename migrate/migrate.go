@@ -139,8 +139,8 @@ type Config struct {
 	Pool Beginner
 	// Schema is the schema to migrate (DefaultSchema when empty). Up creates it.
 	Schema string
-	// Shards, in place of Pool and Schema, spreads the work over several databases
-	// by tenant (see package shard). Pool and Schema must then be unset.
+	// Shards, in place of Pool and Schema, migrates every shard of the map (see
+	// package shard, and New); Pool and Schema must then be unset.
 	Shards *shard.Map
 }
 
