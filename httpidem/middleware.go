@@ -41,6 +41,9 @@ type Middleware struct {
 	// onLeaseWait, if set, runs when a lease-mode request starts to wait for a held
 	// key (tests).
 	onLeaseWait func(r *http.Request)
+
+	// shards, with a shard map, routes each request to its shard's Middleware.
+	shards *shardSet
 }
 
 // New validates cfg and returns a Middleware.
@@ -50,7 +53,7 @@ func New(cfg Config) (*Middleware, error) {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
 	if cfg.Shards != nil {
-		return nil, fmt.Errorf("invalid config: %w", errcode.InvalidConfig("Shards is not supported here yet"))
+		return newSharded(cfg)
 	}
 	store, err := newResponseStore(cfg.Schema)
 	if err != nil {
@@ -85,6 +88,9 @@ func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 			panic(fmt.Sprintf("httpidem: Route.Operation %q: %v", rt.Operation, err))
 		}
 		m.metrics.init(rt.Operation)
+	}
+	if m.shards != nil {
+		return func(next http.Handler) http.Handler { return m.shards.route(rt, next) }
 	}
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(rt, next, w, r) })
