@@ -86,16 +86,28 @@ type enqueueQueries struct {
 
 func newEnqueueQueries(schema string) enqueueQueries {
 	t := pgx.Identifier{schema, "effects"}.Sanitize()
+	// wake notifies once if ins inserted a row. The schema is a plain lower-case
+	// identifier (pgschema.Valid), so it is safe as a literal.
+	wake := `wake AS (SELECT pg_notify('` + notifyChannel + `', '` + schema + `') FROM (SELECT FROM ins LIMIT 1) one)`
 	return enqueueQueries{
 		// The due time is clock_timestamp() + delay: the database's time when this
 		// statement runs, not now(), which is the start of the transaction and would
 		// make a delay count from before the Enqueue call.
-		insert: `INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
-				next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
-			VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval, $8, $9, $10,
-				nullif($11::text, '')::jsonb)
-			ON CONFLICT (tenant, kind, key) DO NOTHING
-			RETURNING true`,
+		//
+		// An insert wakes the dispatchers itself (wake): NOTIFY is delivered at
+		// commit, and Postgres folds identical notifications of one transaction
+		// into one, so a transaction of many inserts costs one. The payload is the
+		// schema, so one channel serves every schema of a database. A duplicate
+		// inserts nothing and notifies nothing.
+		insert: `WITH ins AS (
+				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
+					next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
+				VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval, $8, $9, $10,
+					nullif($11::text, '')::jsonb)
+				ON CONFLICT (tenant, kind, key) DO NOTHING
+				RETURNING true AS ok
+			), ` + wake + `
+			SELECT ok FROM ins LEFT JOIN wake ON true`,
 		fingerprint: `SELECT fingerprint FROM ` + t + ` WHERE tenant = $1 AND kind = $2 AND key = $3`,
 		// EnqueueItems: many effects in one statement, in the order given (the caller
 		// sorts them by identity, so that two batches wait for each other's keys in
@@ -118,12 +130,12 @@ func newEnqueueQueries(schema string) enqueueQueries {
 				ORDER BY ord
 				ON CONFLICT (tenant, kind, key) DO NOTHING
 				RETURNING tenant, kind, key
-			)
+			), ` + wake + `
 			SELECT count(*)::int,
 				CASE WHEN count(*) < $11 THEN coalesce(array_agg(tenant), '{}') END,
 				CASE WHEN count(*) < $11 THEN coalesce(array_agg(kind), '{}') END,
 				CASE WHEN count(*) < $11 THEN coalesce(array_agg(key), '{}') END
-			FROM ins`,
+			FROM ins LEFT JOIN wake ON true`,
 		// The stored fingerprints of the effects an insertMany did not insert: a new
 		// statement, so at READ COMMITTED it sees rows that a concurrent transaction
 		// committed while the insert waited for it. LATERAL on the primary key, kept
