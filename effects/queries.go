@@ -45,8 +45,10 @@ var (
 				AND e.fence = d.fence AND e.state NOT IN ('done', 'dead', 'discarded') AND e.recorded_fence <> d.fence`
 )
 
-// claimSettings and recordSettings are run, as one statement each, first in the
-// claim's and in the outcome write's transactions. They make the plans of those
+// claimSettings and recordSettings are run, as SET LOCAL statements pipelined in
+// the same round trip, first in the claim's and in the outcome write's
+// transactions (SET LOCAL rather than set_config, so that a distributed Postgres
+// passes them on with the transaction). They make the plans of those
 // statements the same whatever the table's statistics say: a burst of effects
 // lands in a table that was small (or new, and never analyzed) and is drained
 // before autovacuum analyzes it, or while it does.
@@ -68,14 +70,15 @@ var (
 //     outcomes.
 //
 // The plans are in TestPlansNeedNoStatistics.
-const (
-	planSettings = `set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),
-		set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
-		set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true),
-		set_config('enable_sort', 'off', true)`
-	claimSettings = `SELECT ` + planSettings
+var (
+	claimSettings = []string{
+		"SET LOCAL plan_cache_mode = force_generic_plan", "SET LOCAL jit = off",
+		"SET LOCAL enable_seqscan = off", "SET LOCAL enable_bitmapscan = off",
+		"SET LOCAL enable_hashjoin = off", "SET LOCAL enable_mergejoin = off",
+		"SET LOCAL enable_sort = off",
+	}
 	// The outcome commits without waiting for its WAL flush: see writeOutcomes.
-	recordSettings = `SELECT set_config('synchronous_commit', 'off', true), ` + planSettings
+	recordSettings = append([]string{"SET LOCAL synchronous_commit = off"}, claimSettings...)
 )
 
 // enqueueQueries are Enqueue's statements for one schema.
@@ -166,8 +169,8 @@ func newQueries(schema string, claimLimit int) queries {
 		// unknown; the old next_attempt_at is when the effect became due (for lag).
 		// Times are the database's now(), never the application's clock.
 		//
-		// The plan is fixed by the statement's shape and planSettings, not by
-		// statistics (see planSettings): per kind, a LATERAL range scan of
+		// The plan is fixed by the statement's shape and claimSettings, not by
+		// statistics (see claimSettings): per kind, a LATERAL range scan of
 		// effects_due_idx (kind, next_attempt_at) in index order, which stops after
 		// n rows; then the update of each row it locked, found by its ctid (a TID
 		// scan: no index at all). The row's ctid cannot change while this
@@ -212,7 +215,7 @@ func newQueries(schema string, claimLimit int) queries {
 		// recordAgain.
 		//
 		// The only index this statement can use is the primary key (see recordWhere),
-		// probed once per outcome in a nested loop; planSettings rule out the rest.
+		// probed once per outcome in a nested loop; claimSettings rule out the rest.
 		record: `UPDATE ` + t + ` e
 			SET ` + recordSet + `
 			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
