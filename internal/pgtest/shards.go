@@ -85,6 +85,11 @@ func CrashableShards(tb testing.TB, opts ...Options) (*shard.Map, *ShardCtl) {
 func (c *ShardCtl) Crash(i int) {
 	c.tb.Helper()
 	services(c.tb, "crash", i)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if pingURL(ctx, ShardURLs(c.tb)[i]) == nil {
+		c.tb.Fatalf("shard %d still answers after scripts/services crash shard%d; the crash tests need the clusters that scripts/services start shards started", i+1, i+1)
+	}
 }
 
 // Start starts shard i again and waits until it answers.
