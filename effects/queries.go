@@ -89,8 +89,10 @@ type enqueueQueries struct {
 
 func newEnqueueQueries(schema string) enqueueQueries {
 	t := pgx.Identifier{schema, "effects"}.Sanitize()
-	// wake notifies once if ins inserted a row. The schema is a plain lower-case
-	// identifier (pgschema.Valid), so it is safe as a literal.
+	// wake notifies once if ins inserted a row. The statements read it in a
+	// condition that always holds (an InitPlan, run once per statement, rather
+	// than a join, which would cost a step per inserted row). The schema is a
+	// plain lower-case identifier (pgschema.Valid), so it is safe as a literal.
 	wake := `wake AS (SELECT pg_notify('` + notifyChannel + `', '` + schema + `') FROM (SELECT FROM ins LIMIT 1) one)`
 	return enqueueQueries{
 		// The due time is clock_timestamp() + delay: the database's time when this
@@ -110,7 +112,7 @@ func newEnqueueQueries(schema string) enqueueQueries {
 				ON CONFLICT (tenant, kind, key) DO NOTHING
 				RETURNING true AS ok
 			), ` + wake + `
-			SELECT ok FROM ins LEFT JOIN wake ON true`,
+			SELECT ok FROM ins WHERE (SELECT true FROM wake) IS NOT FALSE`,
 		fingerprint: `SELECT fingerprint FROM ` + t + ` WHERE tenant = $1 AND kind = $2 AND key = $3`,
 		// EnqueueItems: many effects in one statement, in the order given (the caller
 		// sorts them by identity, so that two batches wait for each other's keys in
@@ -143,7 +145,7 @@ func newEnqueueQueries(schema string) enqueueQueries {
 				CASE WHEN count(*) < $10 THEN coalesce(array_agg(tenant), '{}') END,
 				CASE WHEN count(*) < $10 THEN coalesce(array_agg(kind), '{}') END,
 				CASE WHEN count(*) < $10 THEN coalesce(array_agg(key), '{}') END
-			FROM ins LEFT JOIN wake ON true`,
+			FROM ins HAVING (SELECT true FROM wake) IS NOT FALSE`,
 		// The stored fingerprints of the effects an insertMany did not insert: a new
 		// statement, so at READ COMMITTED it sees rows that a concurrent transaction
 		// committed while the insert waited for it. LATERAL on the primary key, kept
