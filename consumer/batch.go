@@ -97,6 +97,9 @@ func (c *Consumer) HandleBatch(h BatchHandler) message.NoPublishHandlerFunc {
 	if c.cfg.Mode == Lease {
 		panic("idem: HandleBatch needs Transactional or GroupCommit mode; Lease mode has no batches")
 	}
+	if c.shards != nil {
+		return c.shards.handleBatch(h)
+	}
 	var slot *groupCommitter
 	return func(msg *message.Message) error {
 		req, err := c.prepare(msg)

@@ -58,9 +58,10 @@ func standard(imp string) bool { return !strings.Contains(strings.SplitN(imp, "/
 // violations checks pkgs against the rules and returns what breaks them.
 func violations(pkgs map[string]pkg) []string {
 	var bad []string
-	// inbox and effects import nothing public of idem: only internal leaves, and
-	// for inbox the packages its deprecated aliases point to.
-	allowed := map[string][]string{"inbox": {"migrate", "janitor"}, "effects": nil}
+	// inbox, effects and shard import nothing public of idem: only internal
+	// leaves, for inbox the packages its deprecated aliases point to, and for
+	// effects the shard map its Config takes.
+	allowed := map[string][]string{"inbox": {"migrate", "janitor"}, "effects": {"shard"}, "shard": nil}
 	for name, extra := range allowed {
 		for _, imp := range idem(pkgs[name].Imports) {
 			if !internal(imp) && !slices.Contains(extra, imp) {
