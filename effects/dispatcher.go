@@ -341,12 +341,14 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	b.Queue(claimSettings)
+	for _, s := range claimSettings {
+		b.Queue(s)
+	}
 	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
 	defer br.Close()
-	for range 2 {
+	for range 1 + len(claimSettings) {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
 		}
@@ -704,7 +706,9 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 		// plan, as for the claim.
 		b := &pgx.Batch{}
 		b.Queue(beginSQL)
-		b.Queue(recordSettings)
+		for _, s := range recordSettings {
+			b.Queue(s)
+		}
 		q := record
 		record = d.q.recordAgain // a retry may find this run committed
 		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, codes, masked).Query(func(rows pgx.Rows) error {
