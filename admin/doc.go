@@ -17,6 +17,9 @@
 //     RetryGroup, DiscardGroup and ReleaseGroup act on a group's failures up to a
 //     snapshot bound, with a dry run and an audit note stored in failure_actions
 //     (ListActions). With Config.Registerer, metrics of the failures and repairs.
+//   - Activity: per-minute inbox keys completed and failed, effects sent and dead,
+//     and the pending backlog with its oldest age, over the last hour or day, each
+//     read from a range of a partial index (the console's charts).
 //
 // What it guarantees: every statement is SQL of this package with bind parameters,
 // on a validated and quoted schema; reads take no locks that a consumer or a

@@ -25,6 +25,9 @@ type queries struct {
 	listActions, failureMetrics         string
 	ungroupedInbox, groupInbox          string
 	ungroupedEffects, groupEffects      string
+
+	// Activity (activity.go).
+	activityInbox, activityEffects, activityBacklog string
 }
 
 // inboxColumns are an inbox row's columns for scanInboxKey. Without the response
@@ -158,5 +161,6 @@ func newQueries(schema string, responses bool) queries {
 			WHERE consumer = $1 AND tenant = $2 AND key = $3`,
 	}
 	failureQueries(&q, inbox, effects, t("failure_actions"))
+	activityQueries(&q, inbox, effects)
 	return q
 }

@@ -153,6 +153,7 @@ type setRun struct {
 	c      *Consumer
 	ctx    context.Context
 	tx     pgx.Tx
+	owned  pgx.Tx      // tx as handlers see it (ownedTx), boxed once
 	batch  []*groupReq // sorted by (consumer, tenant, key); copies in arrival order
 	res    []outcome   // by batch index
 	record []bool      // by batch index: failed permanently, recorded by the next claim
@@ -220,14 +221,21 @@ func (g *groupCommitter) runSet(ctx context.Context, batch []*groupReq, prior []
 			r.res[i], r.record[i] = p, true
 		}
 	}
+	// The batch is sorted, so the copies of a key are next to each other: each
+	// group's copies are a slice of one array of batch indexes, and the groups
+	// come from one array too.
+	seq := make([]int, len(batch))
+	slab := make([]keyGroup, 0, len(batch))
 	for i, gr := range batch {
+		seq[i] = i
 		if i > 0 && batch[i-1].req.claim.ID == gr.req.claim.ID {
 			grp := r.group[i-1]
-			grp.copies = append(grp.copies, i)
+			grp.copies = seq[grp.copies[0] : i+1 : i+1]
 			r.group[i] = grp
 			continue
 		}
-		grp := &keyGroup{copies: []int{i}}
+		slab = append(slab, keyGroup{copies: seq[i : i+1 : i+1]})
+		grp := &slab[len(slab)-1]
 		r.groups = append(r.groups, grp)
 		r.group[i] = grp
 	}
@@ -238,7 +246,7 @@ func (g *groupCommitter) runSet(ctx context.Context, batch []*groupReq, prior []
 		}
 		return r.res, nil
 	}
-	r.tx = tx
+	r.tx, r.owned = tx, ownedTx{tx}
 	defer func() { _ = tx.Rollback(r.ctx) }()
 	for n, full := 0, 0; full < maxSetRounds; n++ {
 		isolating := r.suspect
@@ -459,10 +467,11 @@ func outcomeOf(err error) outcome {
 func (r *setRun) runHandlers() ([]effects.Item, []int, roundEnd) {
 	var items []effects.Item
 	var owners []int
-	for _, i := range r.claimed {
+	bufs := make([]effects.Buffer, len(r.claimed)) // one allocation for the round's buffers
+	for j, i := range r.claimed {
 		gr := r.batch[i]
-		buf := effects.NewBuffer()
-		o := r.guarded(func() outcome { return r.c.runHandlerBuffered(gr.req, r.tx, gr.h, buf) })
+		buf := &bufs[j]
+		o := r.guarded(func() outcome { return r.c.runHandlerBuffered(gr.req, r.tx, r.owned, gr.h, buf) })
 		got := buf.Close()
 		if o.kind == outEnded {
 			// Nothing more may go into a transaction the handler ended; the commit
@@ -501,18 +510,17 @@ func (r *setRun) call(idx []int) callResult {
 	c := r.c
 	r.lastCall = idx
 	msgs := make([]*message.Message, len(idx))
-	bufs := make([]*effects.Buffer, len(idx))
+	bufs := make([]effects.Buffer, len(idx)) // one allocation for the call's buffers
 	for j, i := range idx {
 		req := r.batch[i].req
-		bufs[j] = effects.NewBuffer()
-		req.msg.SetContext(c.handlerContext(req.ctx, r.tx, c.scope(req, bufs[j])))
+		req.msg.SetContext(c.handlerContext(req.ctx, r.owned, c.scope(req, &bufs[j])))
 		msgs[j] = req.msg
 	}
 	sctx, span := c.child(r.ctx, spanHandler)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.BatchSize.Int(len(msgs)))
 	}
-	bctx := effects.WithScope(context.WithValue(sctx, txKey{}, ownedTx{r.tx}),
+	bctx := effects.WithScope(context.WithValue(sctx, txKey{}, r.owned),
 		effects.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
 	var cr callResult
 	func() {
@@ -525,7 +533,7 @@ func (r *setRun) call(idx []int) callResult {
 				cr.err = fmt.Errorf("batch handler panicked: %v", p)
 			}
 		}()
-		cr.err = r.g.batch(bctx, ownedTx{r.tx}, msgs)
+		cr.err = r.g.batch(bctx, r.owned, msgs)
 	}()
 	endSpan(span, cr.err)
 	cr.state = txState(r.tx)

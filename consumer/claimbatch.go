@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/inboxdb"
+	"github.com/idemkit/idem/internal/pgarray"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/text"
 )
@@ -71,17 +72,10 @@ func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 	inbox.BatchSender
 }, prelude []string, claims []batchClaim) ([]inbox.ClaimResult, error) {
 	results := make([]inbox.ClaimResult, len(claims))
-	pos := make(map[inbox.ID]int, len(claims))
 	for i := range claims {
-		c := &claims[i]
-		if err := c.Validate(); err != nil {
+		if err := claims[i].Validate(); err != nil {
 			return nil, err
 		}
-		k := c.ID
-		if _, dup := pos[k]; dup {
-			return nil, fmt.Errorf("idem: ClaimBatchTx given consumer %q key %q twice; claims must name distinct keys", c.Consumer, c.Key)
-		}
-		pos[k] = i
 	}
 	if len(claims) == 0 {
 		if len(prelude) == 0 {
@@ -98,27 +92,25 @@ func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 	for i := range order {
 		order[i] = i
 	}
-	slices.SortFunc(order, func(a, b int) int {
+	cmpID := func(a, b int) int {
 		x, y := &claims[a], &claims[b]
 		return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Key, y.Key))
-	})
-
-	settled := make([]bool, len(claims))
-	// settle records what a row says about its claim. A key that comes back
-	// claimed wins over the same key's earlier row (deleted, then claimed again).
-	settle := func(claimed bool, rec *inbox.Record) {
-		i, ok := pos[inbox.ID{Consumer: rec.Consumer, Tenant: rec.Tenant, Key: rec.Key}]
-		switch {
-		case !ok:
-		case claimed:
-			results[i] = inbox.ClaimResult{Claimed: true}
-			settled[i] = true
-		case settled[i] && results[i].Claimed:
-		default:
-			r := *rec
-			results[i] = inbox.ClaimResult{Existing: &r, Mismatch: !bytes.Equal(r.Fingerprint, claims[i].Fingerprint)}
-			settled[i] = true
+	}
+	slices.SortFunc(order, cmpID)
+	for j := 1; j < len(order); j++ {
+		if cmpID(order[j-1], order[j]) == 0 {
+			c := &claims[order[j]]
+			return nil, fmt.Errorf("idem: ClaimBatchTx given consumer %q key %q twice; claims must name distinct keys", c.Consumer, c.Key)
 		}
+	}
+
+	// settled[i]: results[i] holds what the last statement found for claims[i].
+	settled := make([]bool, len(claims))
+	found := func(i int, rec *inbox.Record) {
+		c := &claims[i]
+		rec.Consumer, rec.Tenant, rec.Key = c.Consumer, c.Tenant, c.Key
+		results[i] = inbox.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, c.Fingerprint)}
+		settled[i] = true
 	}
 	expired := make([]bool, len(claims))
 	todo := order
@@ -127,19 +119,19 @@ func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 		if !first {
 			p = nil
 		}
-		if err := s.claimBatch(ctx, tx, p, claims, todo, settle); err != nil {
+		unread, err := s.claimBatch(ctx, tx, p, claims, todo, found)
+		if err != nil {
 			return nil, err
 		}
-		var unread []int
 		for _, i := range todo {
-			if !settled[i] {
-				unread = append(unread, i)
+			if !settled[i] && !slices.Contains(unread, i) {
+				results[i], settled[i] = inbox.ClaimResult{Claimed: true}, true
 			}
 		}
 		if len(unread) > 0 {
 			// Conflicts with claimers that committed while the INSERT waited: a new
 			// statement, with a new snapshot, sees their rows.
-			if err := s.getBatch(ctx, tx, claims, unread, settle); err != nil {
+			if err := s.getBatch(ctx, tx, claims, unread, found); err != nil {
 				return nil, err
 			}
 		}
@@ -169,35 +161,45 @@ func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 	return results, nil
 }
 
-// deleteExpiredBatch deletes the settled rows past their expiry of claims[idx].
-func (s *batchStore) deleteExpiredBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int) error {
+// keyColumns are the consumers, tenants and keys of claims[idx], as ClaimBatch,
+// GetBatch and DeleteExpiredKeys take them.
+func keyColumns(claims []batchClaim, idx []int) (consumers, tenants, keys pgarray.Text) {
 	n := len(idx)
-	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
+	consumers, tenants, keys = make(pgarray.Text, n), make(pgarray.Text, n), make(pgarray.Text, n)
 	for j, i := range idx {
 		consumers[j], tenants[j], keys[j] = claims[i].Consumer, claims[i].Tenant, claims[i].Key
 	}
+	return consumers, tenants, keys
+}
+
+// deleteExpiredBatch deletes the settled rows past their expiry of claims[idx].
+func (s *batchStore) deleteExpiredBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int) error {
+	consumers, tenants, keys := keyColumns(claims, idx)
 	_, err := db.Exec(ctx, s.q.DeleteExpiredKeys, consumers, tenants, keys)
 	return pgschema.Wrap(err, s.schema)
 }
 
+// claimBatch runs the claim of claims[idx] (prelude first, in the same round trip)
+// and hands each row it read to found. It returns the keys it neither claimed nor
+// read (unread): their rows were committed while the claim waited for them.
 func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 	inbox.DBTX
 	inbox.BatchSender
-}, prelude []string, claims []batchClaim, idx []int, settle func(bool, *inbox.Record)) error {
+}, prelude []string, claims []batchClaim, idx []int, found func(int, *inbox.Record)) (unread []int, err error) {
 	n := len(idx)
-	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
-	fps := make([][]byte, n)
-	retention := make([]int64, n)
+	consumers, tenants, keys := keyColumns(claims, idx)
+	fps := make(pgarray.Bytea, n)
+	retention := make(pgarray.Int8, n)
 	// failed, codes and msgs stay nil (NULL arrays, which unnest pads with NULLs)
 	// unless some claim records a failure: the common batch sends less.
 	var failed []bool
-	var codes, msgs, masked []string
+	var codes, msgs, masked pgarray.Text
 	for j, i := range idx {
 		c := &claims[i]
-		consumers[j], tenants[j], keys[j], fps[j] = c.Consumer, c.Tenant, c.Key, c.Fingerprint
+		fps[j] = c.Fingerprint
 		if c.Failed {
 			if failed == nil {
-				failed, codes, msgs, masked = make([]bool, n), make([]string, n), make([]string, n), make([]string, n)
+				failed, codes, msgs, masked = make([]bool, n), make(pgarray.Text, n), make(pgarray.Text, n), make(pgarray.Text, n)
 			}
 			failed[j] = true
 			codes[j], msgs[j] = text.Sanitize(c.Code, 0), text.Sanitize(c.Error, 0)
@@ -206,12 +208,21 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 		retention[j] = cmp.Or(c.Retention, inbox.DefaultRetention).Microseconds()
 	}
 	args := []any{consumers, tenants, keys, fps, failed, codes, msgs, retention, masked}
+	scan := func(rows pgx.Rows) error {
+		return s.scanRows(rows, idx, func(i int, rec *inbox.Record) {
+			if rec == nil {
+				unread = append(unread, i)
+				return
+			}
+			found(i, rec)
+		})
+	}
 	if len(prelude) == 0 {
 		rows, err := tx.Query(ctx, s.q.ClaimBatch, args...)
 		if err != nil {
-			return pgschema.Wrap(err, s.schema)
+			return nil, pgschema.Wrap(err, s.schema)
 		}
-		return s.scanBatch(rows, settle)
+		return unread, scan(rows)
 	}
 	b := &pgx.Batch{}
 	for _, sql := range prelude {
@@ -222,58 +233,62 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 	for range prelude {
 		if _, err := br.Exec(); err != nil {
 			_ = br.Close()
-			return pgschema.Wrap(err, s.schema)
+			return nil, pgschema.Wrap(err, s.schema)
 		}
 	}
 	rows, err := br.Query()
 	if err != nil {
 		_ = br.Close()
-		return pgschema.Wrap(err, s.schema)
+		return nil, pgschema.Wrap(err, s.schema)
 	}
-	err = s.scanBatch(rows, settle)
+	err = scan(rows)
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = pgschema.Wrap(cerr, s.schema)
 	}
-	return err
+	return unread, err
 }
 
-func (s *batchStore) getBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int, settle func(bool, *inbox.Record)) error {
-	n := len(idx)
-	consumers, tenants, keys := make([]string, n), make([]string, n), make([]string, n)
-	for j, i := range idx {
-		consumers[j], tenants[j], keys[j] = claims[i].Consumer, claims[i].Tenant, claims[i].Key
-	}
+// getBatch reads the rows of claims[idx] and hands each to found.
+func (s *batchStore) getBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int, found func(int, *inbox.Record)) error {
+	consumers, tenants, keys := keyColumns(claims, idx)
 	rows, err := db.Query(ctx, s.q.GetBatch, consumers, tenants, keys)
 	if err != nil {
 		return pgschema.Wrap(err, s.schema)
 	}
-	return s.scanBatch(rows, settle)
+	return s.scanRows(rows, idx, func(i int, rec *inbox.Record) {
+		if rec != nil {
+			found(i, rec)
+		}
+	})
 }
 
-// scanBatch hands each row of claimBatch or getBatch to settle: a key claimed, or
-// the row found.
-func (s *batchStore) scanBatch(rows pgx.Rows, settle func(claimed bool, rec *inbox.Record)) error {
+// scanRows hands each row of ClaimBatch or GetBatch to row: the claim it is about
+// (idx[ord-1]) and the inbox row read, nil when none was.
+func (s *batchStore) scanRows(rows pgx.Rows, idx []int, row func(i int, rec *inbox.Record)) error {
 	defer rows.Close()
-	var rec inbox.Record
-	var claimed bool
+	var ord int
 	var state, code, msg *string
 	var attempts *int
 	var fence *int64
 	var received, expires, now *time.Time
 	for rows.Next() {
-		rec = inbox.Record{}
-		if err := rows.Scan(&claimed, &rec.Consumer, &rec.Tenant, &rec.Key, &rec.Fingerprint,
-			&state, &code, &msg, &attempts, &rec.LeaseUntil, &fence,
+		rec := &inbox.Record{}
+		if err := rows.Scan(&ord, &rec.Fingerprint, &state, &code, &msg, &attempts, &rec.LeaseUntil, &fence,
 			&received, &rec.CompletedAt, &expires, &now); err != nil {
 			return pgschema.Wrap(err, s.schema)
 		}
-		if !claimed {
-			rec.State = inbox.State(deref(state))
-			rec.ErrorCode, rec.Error = deref(code), deref(msg)
-			rec.Attempts, rec.Fence = deref(attempts), deref(fence)
-			rec.ReceivedAt, rec.ExpiresAt, rec.Now = deref(received), deref(expires), deref(now)
+		if ord < 1 || ord > len(idx) {
+			return fmt.Errorf("idem: the batch claim returned key number %d of %d", ord, len(idx))
 		}
-		settle(claimed, &rec)
+		if state == nil {
+			row(idx[ord-1], nil)
+			continue
+		}
+		rec.State = inbox.State(*state)
+		rec.ErrorCode, rec.Error = deref(code), deref(msg)
+		rec.Attempts, rec.Fence = deref(attempts), deref(fence)
+		rec.ReceivedAt, rec.ExpiresAt, rec.Now = deref(received), deref(expires), deref(now)
+		row(idx[ord-1], rec)
 	}
 	return pgschema.Wrap(rows.Err(), s.schema)
 }

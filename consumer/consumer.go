@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -46,6 +47,9 @@ type Consumer struct {
 
 	// seen holds the consumer names whose metric series exist (Name unset).
 	seen sync.Map
+	// defaultFP: the fingerprint is the default, the payload's SHA-256, which
+	// prepare writes into the request itself (no allocation).
+	defaultFP bool
 
 	mu       sync.Mutex
 	closed   bool
@@ -61,6 +65,7 @@ type Consumer struct {
 
 // New validates cfg and returns a Consumer.
 func New(cfg Config) (*Consumer, error) {
+	defaultFP := cfg.Fingerprint == nil
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
@@ -84,6 +89,7 @@ func New(cfg Config) (*Consumer, error) {
 			txmark.Mark,
 		},
 	}
+	c.defaultFP = defaultFP
 	c.setPrelude = append(slices.Clone(c.prelude), guardSQL(cfg.Schema), "SAVEPOINT idem_batch")
 	if cfg.Name != "" {
 		m.init(cfg.Name)
@@ -219,6 +225,8 @@ type request struct {
 	// already (its message is older than the retention, or a claim of it forgot an
 	// expired row), so it is not counted again.
 	expiredCounted bool
+	// sum holds claim.Fingerprint with the default fingerprint.
+	sum [sha256.Size]byte
 }
 
 // noteExpired counts a delivery whose claim forgot its key's expired row, once per
@@ -294,6 +302,11 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 		}
 	}
 
+	if c.defaultFP {
+		req.sum = sha256.Sum256(msg.Payload)
+		req.claim.Fingerprint = req.sum[:]
+		return req, nil
+	}
 	fp, err := c.cfg.Fingerprint(msg.Payload)
 	if err != nil {
 		// The key is good, so the failure is recorded under it, with the raw
@@ -408,7 +421,7 @@ func (c *Consumer) runInTx(req *request, tx pgx.Tx, prelude []string, h message.
 
 // runHandler runs h with tx in its context and stores what it returns.
 func (c *Consumer) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) outcome {
-	return c.runHandlerBuffered(req, tx, h, nil)
+	return c.runHandlerBuffered(req, tx, ownedTx{tx}, h, nil)
 }
 
 // scope is the effects scope of req's handler. With buf, Enqueue adds effects to
@@ -422,18 +435,18 @@ func (c *Consumer) scope(req *request, buf *effects.Buffer) effects.Scope {
 	}
 }
 
-// handlerContext is the context req's handler runs with: tx (as idem's ownedTx) and
-// its effects scope.
-func (c *Consumer) handlerContext(ctx context.Context, tx pgx.Tx, scope effects.Scope) context.Context {
-	return effects.WithScope(context.WithValue(ctx, txKey{}, ownedTx{tx}), scope)
+// handlerContext is the context a handler runs with: its transaction as idem's
+// ownedTx (owned, wrapped once by the caller) and its effects scope.
+func (c *Consumer) handlerContext(ctx context.Context, owned pgx.Tx, scope effects.Scope) context.Context {
+	return effects.WithScope(context.WithValue(ctx, txKey{}, owned), scope)
 }
 
 // runHandlerBuffered is runHandler with effects and output messages going to buf
-// (written now when buf is nil).
-func (c *Consumer) runHandlerBuffered(req *request, tx pgx.Tx, h message.HandlerFunc, buf *effects.Buffer) outcome {
+// (written now when buf is nil). owned is tx as the handler sees it (ownedTx).
+func (c *Consumer) runHandlerBuffered(req *request, tx, owned pgx.Tx, h message.HandlerFunc, buf *effects.Buffer) outcome {
 	scope := c.scope(req, buf)
 	sctx, span := c.child(req.ctx, spanHandler)
-	hctx := c.handlerContext(sctx, tx, scope)
+	hctx := c.handlerContext(sctx, owned, scope)
 	out, err := func() (out []*message.Message, err error) {
 		req.msg.SetContext(hctx)
 		defer req.msg.SetContext(req.msgCtx) // even if h panics: the message is not ours

@@ -23,10 +23,15 @@ import (
 type groupCommitter struct {
 	c     *Consumer
 	batch BatchHandler // nil: each request carries its own handler
-	reqs  chan *groupReq
-	stop  chan struct{}
-	wg    sync.WaitGroup
-	close func()
+	// single is g.single as a handler, made once (a method value costs an
+	// allocation each time it is taken).
+	single message.HandlerFunc
+	reqs   chan *groupReq
+	stop   chan struct{}
+	wg     sync.WaitGroup
+	close  func()
+	// free holds groupReqs, with their done channels, to reuse.
+	free sync.Pool
 }
 
 type groupReq struct {
@@ -37,6 +42,7 @@ type groupReq struct {
 
 func newGroupCommitter(c *Consumer, batch BatchHandler) *groupCommitter {
 	g := &groupCommitter{c: c, batch: batch, reqs: make(chan *groupReq), stop: make(chan struct{})}
+	g.single = g.runSingle
 	g.close = sync.OnceFunc(func() {
 		close(g.stop)
 		g.wg.Wait()
@@ -57,19 +63,27 @@ func (g *groupCommitter) submit(req *request, h message.HandlerFunc) error {
 	if h == nil {
 		h = g.single
 	}
-	gr := &groupReq{req: req, h: h, done: make(chan outcome, 1)}
+	gr, _ := g.free.Get().(*groupReq)
+	if gr == nil {
+		gr = &groupReq{done: make(chan outcome, 1)}
+	}
+	gr.req, gr.h = req, h
 	select {
 	case g.reqs <- gr:
 	case <-g.stop:
 		return g.c.finish(req, outcome{kind: outTransient, err: ErrClosed})
 	}
-	return g.c.finish(req, <-gr.done)
+	o := <-gr.done
+	// The batch sends one outcome and keeps nothing of gr after it.
+	*gr = groupReq{done: gr.done}
+	g.free.Put(gr)
+	return g.c.finish(req, o)
 }
 
-// single runs the batch handler on one message, as a message handler: the
+// runSingle runs the batch handler on one message, as a message handler: the
 // savepoint path's way of running a batch handler. An error that names msg is
 // msg's own; one that names another message is ErrMessageNotInBatch.
-func (g *groupCommitter) single(msg *message.Message) ([]*message.Message, error) {
+func (g *groupCommitter) runSingle(msg *message.Message) ([]*message.Message, error) {
 	ctx := msg.Context()
 	err := g.batch(ctx, Tx(ctx), []*message.Message{msg})
 	named, foreign := pinned(err, map[*message.Message]int{msg: 0})

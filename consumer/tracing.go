@@ -43,9 +43,15 @@ var consumerKind = trace.WithSpanKind(trace.SpanKindConsumer)
 // record.
 var noSpan = trace.SpanFromContext(context.Background())
 
-// startMessage starts msg's idem.consume span.
+// startMessage starts msg's idem.consume span. With tracing off (no provider
+// installed, tracing.Off) it starts none, at no allocation: the context is the
+// message's, with any trace context its metadata carried.
 func (c *Consumer) startMessage(msg *message.Message, name string) (context.Context, trace.Span) {
-	ctx, span := c.tracer.Start(tracing.MessageContext(msg.Context(), msg.Metadata, c.prop), spanConsume, consumerKind)
+	ctx := tracing.MessageContext(msg.Context(), msg.Metadata, c.prop)
+	if tracing.Off(c.cfg.TracerProvider) {
+		return ctx, noSpan
+	}
+	ctx, span := c.tracer.Start(ctx, spanConsume, consumerKind)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.Consumer.String(name), tracing.Mode.String(c.cfg.Mode.String()),
 			attribute.String("messaging.message.id", msg.UUID))
@@ -145,6 +151,9 @@ func endSpan(span trace.Span, err error) {
 // startBatch starts the idem.batch span of a sorted batch and links it and each
 // message's span both ways.
 func (c *Consumer) startBatch(batch []*groupReq) (context.Context, trace.Span) {
+	if tracing.Off(c.cfg.TracerProvider) {
+		return context.Background(), noSpan
+	}
 	var links []trace.Link
 	probe := batch[0].req.span
 	if probe != nil && probe.IsRecording() {

@@ -3,23 +3,21 @@ package effects_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"os"
-	"strconv"
-	"syscall"
-
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/cpustat"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -258,7 +256,7 @@ func drainBacklog(b *testing.B, stats string) {
 		BatchSize: benchBatch, Concurrency: map[string]int{"noop": benchConcurrency}}
 	b.ResetTimer()
 	begin := time.Now()
-	cpu := startCPU(b, schema)
+	cpu := startCPU(b, pool, schema)
 	stop := start(b, cfg)
 	if stats == "midway" {
 		<-half
@@ -359,16 +357,17 @@ func tracedPool(b *testing.B, schema string, maxConns int32, tr *stmtTracer) *pg
 }
 
 // cpuMeter measures the CPU time this process and the Postgres backends of one
-// schema's benchmark pool spent, so a figure can be read apart from the machine's
-// other load.
+// schema's benchmark pool spent (internal/cpustat), so a figure can be read apart
+// from the machine's other load.
 type cpuMeter struct {
+	pool       *pgxpool.Pool
 	schema     string
-	goCPU      time.Duration
+	before     cpustat.Sample
 	idle, busy int64 // the machine's, in clock ticks
 }
 
-func startCPU(b *testing.B, schema string) *cpuMeter {
-	m := &cpuMeter{schema: schema, goCPU: processCPU(b)}
+func startCPU(b *testing.B, pool *pgxpool.Pool, schema string) *cpuMeter {
+	m := &cpuMeter{pool: pool, schema: schema, before: cpustat.Take(context.Background(), pool, "idem-bench:"+schema)}
 	m.idle, m.busy = machineCPU(b)
 	return m
 }
@@ -392,48 +391,18 @@ func machineCPU(b *testing.B) (idle, busy int64) {
 }
 
 // report adds the Go process's and the backends' CPU time per effect (µs) to b's
-// metrics, and how much of the machine's CPU stood idle meanwhile. The backends are read before the pool closes; a backend that started
-// during the run counts from its start.
+// metrics, and how much of the machine's CPU stood idle meanwhile. The backends
+// are read before the pool closes; a backend that started during the run counts
+// from its start.
 func (m *cpuMeter) report(b *testing.B, effects int) {
-	goCPU := processCPU(b) - m.goCPU
+	d := cpustat.Take(context.Background(), m.pool, "idem-bench:"+m.schema).Since(m.before)
 	idle, busy := machineCPU(b)
 	idle, busy = idle-m.idle, busy-m.busy
 	b.ReportMetric(100*float64(idle)/float64(idle+busy), "machine-idle-%")
-	conn, err := pgx.Connect(context.Background(), pgtest.URL())
-	require.NoError(b, err)
-	defer conn.Close(context.Background())
-	rows, err := conn.Query(context.Background(), `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, "idem-bench:"+m.schema)
-	require.NoError(b, err)
-	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
-	require.NoError(b, err)
-	var pgCPU time.Duration
-	for _, pid := range pids {
-		pgCPU += pidCPU(b, int(pid))
-	}
-	b.ReportMetric(float64(goCPU.Microseconds())/float64(effects), "go-cpu-µs/effect")
-	b.ReportMetric(float64(pgCPU.Microseconds())/float64(effects), "pg-cpu-µs/effect")
-}
-
-func processCPU(b *testing.B) time.Duration {
-	var ru syscall.Rusage
-	require.NoError(b, syscall.Getrusage(syscall.RUSAGE_SELF, &ru))
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
-
-// pidCPU is the user and system CPU time of a process of this host, from
-// /proc/<pid>/stat (clock ticks of 10 ms); 0 if it is gone.
-func pidCPU(b *testing.B, pid int) time.Duration {
-	raw, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0
-	}
-	s := string(raw)
-	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
-	utime, err1 := strconv.ParseInt(fields[11], 10, 64)
-	stime, err2 := strconv.ParseInt(fields[12], 10, 64)
-	require.NoError(b, err1)
-	require.NoError(b, err2)
-	return time.Duration(utime+stime) * 10 * time.Millisecond
+	require.True(b, d.BackendsSeen, "the benchmark's Postgres backends could not be read")
+	b.ReportMetric(cpustat.PerOp(d.Self, effects), "go-cpu-µs/effect")
+	b.ReportMetric(cpustat.PerOp(d.Backends, effects), "pg-cpu-µs/effect")
+	b.ReportMetric(float64(d.Mallocs)/float64(effects), "allocs/effect")
 }
 
 // BenchmarkEnqueueItems: one EnqueueItems call of 100 effects in a transaction

@@ -427,6 +427,9 @@ func (d *Dispatcher) attempt(c *claimed) outcome {
 // retried), linked to the trace context its row kept. The Sender gets it in ctx,
 // so its own spans (an HTTP client's, a publish) nest under it.
 func (d *Dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
+	if tracing.Off(d.cfg.TracerProvider) {
+		return c.batch.ctx, noSpan // no provider installed: no span, no allocation
+	}
 	opts := sendSpanOptions
 	if c.trace != "" {
 		if sc := decodeTrace(c.trace); sc.IsValid() {
@@ -443,6 +446,9 @@ func (d *Dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
 	}
 	return ctx, span
 }
+
+// noSpan is a span that does nothing.
+var noSpan = trace.SpanFromContext(context.Background())
 
 // sendSpanOptions are made once: options made per call cost allocations.
 var sendSpanOptions = []trace.SpanStartOption{trace.WithNewRoot(), trace.WithSpanKind(trace.SpanKindProducer)}

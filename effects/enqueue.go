@@ -158,7 +158,10 @@ func EnqueueScoped(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, e
 	q := enqueueQueriesFor(schema)
 	var src [3]*string
 	if scope.Source.Consumer != "" {
-		src = [3]*string{&scope.Source.Consumer, &scope.Source.Tenant, &scope.Source.Key}
+		// Copies, so that scope itself does not escape (it would cost the buffered
+		// path above an allocation on every call).
+		consumer, srcTenant, key := scope.Source.Consumer, scope.Source.Tenant, scope.Source.Key
+		src = [3]*string{&consumer, &srcTenant, &key}
 	}
 	for {
 		var inserted bool

@@ -12,6 +12,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/pgarray"
 	"github.com/idemkit/idem/internal/pgschema"
 )
 
@@ -37,6 +38,8 @@ type Buffer struct {
 	mu     sync.Mutex
 	items  []Item
 	closed bool
+	// first holds the first item, which is often the only one: no allocation.
+	first [1]Item
 }
 
 // NewBuffer returns an empty, open Buffer.
@@ -48,6 +51,9 @@ func (b *Buffer) add(scope Scope, e Effect, sc trace.SpanContext) error {
 	defer b.mu.Unlock()
 	if b.closed {
 		return ErrBufferClosed
+	}
+	if b.items == nil {
+		b.items = b.first[:0]
 	}
 	b.items = append(b.items, Item{Scope: scope, Effect: e, Trace: sc})
 	return nil
@@ -210,9 +216,12 @@ func (w *itemsWrite) plan(items []Item, ctxTrace trace.SpanContext) {
 	*w = itemsWrite{items: items, ctxTrace: ctxTrace, fps: make([][]byte, n), writer: make([]int, n),
 		writers: make([]int, 0, n), stored: make([][]byte, n), inserted: make([]bool, n)}
 	order := make([]int, n)
+	sums := make([]byte, n*sha256.Size) // one allocation for every fingerprint
 	for i := range items {
-		fp := sha256.Sum256(items[i].Effect.Payload)
-		w.fps[i] = fp[:]
+		fp := sums[i*sha256.Size : (i+1)*sha256.Size : (i+1)*sha256.Size]
+		h := sha256.Sum256(items[i].Effect.Payload)
+		copy(fp, h[:])
+		w.fps[i] = fp
 		order[i] = i
 	}
 	slices.SortStableFunc(order, func(a, b int) int {
@@ -331,14 +340,15 @@ func mismatch(id identity) error {
 }
 
 // enqueueColumns are insertMany's parallel columns, one entry per row to insert.
-// A round fills them again, reusing their arrays.
+// A round fills them again, reusing their arrays. attempts, delays and traces
+// stay nil (NULL arrays) while every row has the default.
 type enqueueColumns struct {
-	tenants, kinds, keys   []string
-	payloads, fingerprints [][]byte
+	tenants, kinds, keys   pgarray.Text
+	payloads, fingerprints pgarray.Bytea
 	attempts               []int32
 	delays                 []int64
-	srcConsumer, srcTenant []string
-	srcKey, traces         []string
+	srcConsumer, srcKey    pgarray.Text
+	traces                 pgarray.Text
 	ctxTrace               string
 	ctxTraceDone           bool
 }
@@ -348,18 +358,36 @@ func (c *enqueueColumns) fill(w *itemsWrite, idx []int) {
 	n := len(idx)
 	c.tenants, c.kinds, c.keys = resize(c.tenants, n), resize(c.kinds, n), resize(c.keys, n)
 	c.payloads, c.fingerprints = resize(c.payloads, n), resize(c.fingerprints, n)
-	c.attempts, c.delays = resize(c.attempts, n), resize(c.delays, n)
-	c.srcConsumer, c.srcTenant, c.srcKey = resize(c.srcConsumer, n), resize(c.srcTenant, n), resize(c.srcKey, n)
-	c.traces = resize(c.traces, n)
+	c.srcConsumer, c.srcKey = resize(c.srcConsumer, n), resize(c.srcKey, n)
+	c.attempts, c.delays, c.traces = c.attempts[:0], c.delays[:0], c.traces[:0]
 	for j, i := range idx {
 		it := &w.items[i]
 		c.tenants[j], c.kinds[j], c.keys[j] = it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key
 		c.payloads[j], c.fingerprints[j] = it.Effect.Payload, w.fps[i]
-		c.attempts[j] = int32(maxAttemptsOf(it.Effect))
-		c.delays[j] = it.Effect.Delay.Microseconds()
-		c.srcConsumer[j], c.srcTenant[j], c.srcKey[j] = it.Scope.Source.Consumer, it.Scope.Source.Tenant, it.Scope.Source.Key
-		c.traces[j] = c.traceOf(it, w.ctxTrace)
+		c.srcConsumer[j], c.srcKey[j] = it.Scope.Source.Consumer, it.Scope.Source.Key
+		if a := maxAttemptsOf(it.Effect); a != DefaultMaxAttempts || len(c.attempts) > 0 {
+			c.attempts = setAt(c.attempts, n, j, int32(a), DefaultMaxAttempts)
+		}
+		if d := it.Effect.Delay.Microseconds(); d != 0 || len(c.delays) > 0 {
+			c.delays = setAt(c.delays, n, j, d, 0)
+		}
+		if tc := c.traceOf(it, w.ctxTrace); tc != "" || len(c.traces) > 0 {
+			c.traces = setAt(c.traces, n, j, tc, "")
+		}
 	}
+}
+
+// setAt sets s[j] to v, first making s n long with def in every place, when it
+// is still empty (every row so far had the default).
+func setAt[T any](s []T, n, j int, v, def T) []T {
+	if len(s) == 0 {
+		s = resize(s, n)
+		for k := range s {
+			s[k] = def
+		}
+	}
+	s[j] = v
+	return s
 }
 
 // traceOf is the trace context an item's row keeps: its own span's, or the call's
@@ -374,16 +402,24 @@ func (c *enqueueColumns) traceOf(it *Item, ctxTrace trace.SpanContext) string {
 	return c.ctxTrace
 }
 
-// args are insertMany's arguments.
+// args are insertMany's arguments. The columns left empty go as NULL arrays.
 func (c *enqueueColumns) args() []any {
-	return []any{c.tenants, c.kinds, c.keys, c.payloads, c.fingerprints, c.attempts, c.delays,
-		c.srcConsumer, c.srcTenant, c.srcKey, len(c.tenants), c.traces}
+	return []any{c.tenants, c.kinds, c.keys, c.payloads, c.fingerprints, nilIfEmpty(c.attempts), nilIfEmpty(c.delays),
+		c.srcConsumer, c.srcKey, len(c.tenants), pgarray.Text(nilIfEmpty(c.traces))}
+}
+
+// nilIfEmpty is s, or nil (a NULL array) when it is empty.
+func nilIfEmpty[S ~[]T, T any](s S) S {
+	if len(s) == 0 {
+		return nil
+	}
+	return s
 }
 
 // resize returns s with length n, reusing its array when it is large enough.
-func resize[T any](s []T, n int) []T {
+func resize[S ~[]T, T any](s S, n int) S {
 	if cap(s) >= n {
 		return s[:n]
 	}
-	return make([]T, n)
+	return make(S, n)
 }

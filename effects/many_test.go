@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/internal/pgtest"
@@ -178,4 +179,59 @@ func TestEnqueueManySortsSoWritersCannotDeadlock(t *testing.T) {
 	require.Equal(t, 3, dups, "the second writer met the first one's rows")
 	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM effects
 		WHERE source_consumer IS NULL AND source_tenant IS NULL AND source_key IS NULL`), "no source recorded without a consumer")
+}
+
+// EnqueueItems sends the columns in which every effect has the default as NULL
+// arrays: each row still gets its own max_attempts, delay and trace context
+// whether the others have the default or not, in whichever order they come, and
+// an effect with a source keeps its tenant as the source's.
+func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t)
+	traced := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{1}, SpanID: trace.SpanID{2}, TraceFlags: trace.FlagsSampled})
+	src := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "c", Tenant: "acme", Key: "m1"}}
+	plain := effects.Scope{Schema: schema}
+	items := []effects.Item{
+		{Scope: src, Effect: effects.Effect{Kind: "k", Key: "1-default"}},
+		{Scope: src, Effect: effects.Effect{Kind: "k", Key: "2-attempts", MaxAttempts: 3}},
+		{Scope: plain, Effect: effects.Effect{Kind: "k", Key: "3-delay", Delay: time.Hour}},
+		{Scope: src, Effect: effects.Effect{Kind: "k", Key: "4-traced"}, Trace: traced},
+		{Scope: plain, Effect: effects.Effect{Kind: "k", Key: "5-default"}},
+	}
+	for _, order := range [][]int{{0, 1, 2, 3, 4}, {4, 3, 2, 1, 0}} {
+		_, err := pool.Exec(ctx, `TRUNCATE effects`)
+		require.NoError(t, err)
+		var batch []effects.Item
+		for _, i := range order {
+			batch = append(batch, items[i])
+		}
+		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := effects.EnqueueItems(ctx, tx, batch)
+			return err
+		}))
+		rows, err := pool.Query(ctx, `SELECT key, tenant, max_attempts, next_attempt_at > now() + interval '50 minutes',
+				trace_context IS NOT NULL, coalesce(source_tenant, '-'), coalesce(source_key, '-')
+			FROM effects ORDER BY key`)
+		require.NoError(t, err)
+		type row struct {
+			key, tenant       string
+			attempts          int
+			delayed, traced   bool
+			srcTenant, srcKey string
+		}
+		got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (row, error) {
+			var x row
+			err := r.Scan(&x.key, &x.tenant, &x.attempts, &x.delayed, &x.traced, &x.srcTenant, &x.srcKey)
+			return x, err
+		})
+		require.NoError(t, err)
+		require.Equal(t, []row{
+			{"1-default", "acme", effects.DefaultMaxAttempts, false, false, "acme", "m1"},
+			{"2-attempts", "acme", 3, false, false, "acme", "m1"},
+			{"3-delay", "", effects.DefaultMaxAttempts, true, false, "-", "-"},
+			{"4-traced", "acme", effects.DefaultMaxAttempts, false, true, "acme", "m1"},
+			{"5-default", "", effects.DefaultMaxAttempts, false, false, "-", "-"},
+		}, got, "order %v", order)
+	}
 }

@@ -116,28 +116,33 @@ func newEnqueueQueries(schema string) enqueueQueries {
 		// sorts them by identity, so that two batches wait for each other's keys in
 		// the same order and cannot deadlock). It answers with how many it inserted
 		// and, only when that is not all of them, which ones, as three arrays (so
-		// QueryRow is enough). The delay is in microseconds; an empty source consumer
-		// means no source (consumer names are never empty).
+		// QueryRow is enough). The arrays are unnested in the select list, which
+		// yields their elements in order and in step, row by row: unnest in FROM
+		// would first copy every row into a tuplestore. The delay is in microseconds;
+		// an empty source consumer means no source (consumer names are never empty),
+		// and the source's tenant is the effect's own. max_attempts, delay_us and
+		// trace_context may be NULL arrays (every effect has the default): the
+		// select list pads a shorter set with NULLs, which stand for the default.
 		insertMany: `WITH ins AS (
 				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
 					next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
-				SELECT tenant, kind, key, payload, fingerprint, max_attempts,
-					clock_timestamp() + delay_us * interval '1 microsecond', nullif(source_consumer, ''),
-					CASE WHEN source_consumer <> '' THEN source_tenant END,
+				SELECT tenant, kind, key, payload, fingerprint, coalesce(max_attempts, ` + strconv.Itoa(DefaultMaxAttempts) + `),
+					clock_timestamp() + coalesce(delay_us, 0) * interval '1 microsecond', nullif(source_consumer, ''),
+					CASE WHEN source_consumer <> '' THEN tenant END,
 					CASE WHEN source_consumer <> '' THEN source_key END,
 					nullif(trace_context, '')::jsonb
-				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bytea[], $6::int[],
-						$7::bigint[], $8::text[], $9::text[], $10::text[], $12::text[]) WITH ORDINALITY
-					AS u(tenant, kind, key, payload, fingerprint, max_attempts, delay_us,
-						source_consumer, source_tenant, source_key, trace_context, ord)
-				ORDER BY ord
+				FROM (SELECT unnest($1::text[]) AS tenant, unnest($2::text[]) AS kind, unnest($3::text[]) AS key,
+						unnest($4::bytea[]) AS payload, unnest($5::bytea[]) AS fingerprint,
+						unnest($6::int[]) AS max_attempts, unnest($7::bigint[]) AS delay_us,
+						unnest($8::text[]) AS source_consumer, unnest($9::text[]) AS source_key,
+						unnest($11::text[]) AS trace_context) u
 				ON CONFLICT (tenant, kind, key) DO NOTHING
 				RETURNING tenant, kind, key
 			), ` + wake + `
 			SELECT count(*)::int,
-				CASE WHEN count(*) < $11 THEN coalesce(array_agg(tenant), '{}') END,
-				CASE WHEN count(*) < $11 THEN coalesce(array_agg(kind), '{}') END,
-				CASE WHEN count(*) < $11 THEN coalesce(array_agg(key), '{}') END
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(tenant), '{}') END,
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(kind), '{}') END,
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(key), '{}') END
 			FROM ins LEFT JOIN wake ON true`,
 		// The stored fingerprints of the effects an insertMany did not insert: a new
 		// statement, so at READ COMMITTED it sees rows that a concurrent transaction

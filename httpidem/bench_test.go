@@ -1,12 +1,14 @@
 package httpidem_test
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,28 +22,39 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/internal/cpustat"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// BenchmarkIdempotencyKey compares requests/s through the middleware with a bare
-// handler that does the same write in its own transaction, side by side in one
-// run: the same server, client, pool and concurrency, in alternating rounds so
-// that drift on a shared machine hits both. It reports both rates and their ratio
-// (idem/bare). Each idem request has a new key: the cost measured is a first run
-// (claim, write, stored response, commit), not a cheap replay.
+// BenchmarkIdempotencyKey compares requests/s through the middleware with two
+// handlers that do the same write without it, side by side in one run: the same
+// server, client, pool and concurrency, in rounds whose order turns through every
+// permutation so that drift on a shared machine hits all three alike. The sides:
+//
+//   - bare: the write in a transaction of its own (BEGIN, write, COMMIT, then the
+//     answer), with no key at all;
+//   - recipe: the claim-first recipe written by hand, as the articles idem grew
+//     from describe it, on a table of the inbox's shape (LIKE inbox INCLUDING ALL):
+//     BEGIN, INSERT of the key row (ON CONFLICT DO NOTHING; a conflict reads the
+//     stored answer and replays it, or answers 422 for another body), the write,
+//     an UPDATE with the answer, COMMIT, then the answer;
+//   - idem: the same handler as bare's, behind the middleware.
+//
+// Each keyed request has a new key: the cost measured is a first run, not a cheap
+// replay. It reports the rates and the ratios idem/bare and idem/recipe.
 //
 // On a machine whose CPUs are busy, requests/s follow CPU time, so it also reports
-// the CPU time per request of each side: this process's ("go-µs/req": the HTTP
-// server and client, pgx, the middleware) and, on Linux with Postgres on the same
-// host, that of the pool's Postgres backends ("pg-µs/req", from
-// /proc/<pid>/schedstat). They say where idem's cost goes, and move less than the
-// rates when other work shares the machine.
+// per request and side (internal/cpustat): this process's CPU time ("go-µs/req": the
+// HTTP server and client, pgx, the middleware), that of the pool's Postgres
+// backends ("pg-µs/req"; Linux with Postgres on the same host), and this process's
+// heap allocations ("allocs/req", "B/req"). "idem-overhead-go-µs/req" is idem's Go
+// CPU less bare's: what the middleware adds, its statements' client side included.
 //
 // Two writes: one row ("row"), and what examples/http-payments does, a payment row
 // and two effects ("payment+effects"). idem's cost per request is fixed (claim,
 // stored response), so the heavier the write, the closer the ratio comes to 1.
 //
-//	go test -run '^$' -bench IdempotencyKey -benchtime 20000x ./httpidem
+//	go test -run '^$' -bench 'IdempotencyKey$' -benchtime 12000x ./httpidem
 func BenchmarkIdempotencyKey(b *testing.B) {
 	b.Run("write=row", func(b *testing.B) { benchIdempotencyKey(b, 0, 0) })
 	b.Run("write=payment+effects", func(b *testing.B) { benchIdempotencyKey(b, 2, 0) })
@@ -51,10 +64,11 @@ func BenchmarkIdempotencyKey(b *testing.B) {
 // network round trip away (pg-rtt: 0.5, 1 and 2 ms, added by pgtest.Proxy, which
 // holds each chunk of bytes half of it in each direction), as it is for most
 // services. The middleware adds no round trip to the bare handler's three (BEGIN
-// goes with the claim, COMMIT with the stored answer), only CPU; the further the
-// database, the more of a request's time is waiting, and the closer the two rates.
+// goes with the claim, COMMIT with the stored answer), only CPU; the recipe, with
+// pgx's Tx, takes five. The further the database, the more of a request's time is
+// waiting, and the closer idem's rate comes to bare's.
 //
-//	go test -run '^$' -bench IdempotencyKeyRemoteDB -benchtime 10000x ./httpidem
+//	go test -run '^$' -bench IdempotencyKeyRemoteDB -benchtime 6000x ./httpidem
 func BenchmarkIdempotencyKeyRemoteDB(b *testing.B) {
 	for _, rtt := range []time.Duration{500 * time.Microsecond, time.Millisecond, 2 * time.Millisecond} {
 		b.Run("write=row/pg-rtt="+rtt.String(), func(b *testing.B) { benchIdempotencyKey(b, 0, rtt) })
@@ -62,129 +76,103 @@ func BenchmarkIdempotencyKeyRemoteDB(b *testing.B) {
 	}
 }
 
-func benchIdempotencyKey(b *testing.B, nEffects int, rtt time.Duration) {
-	s := newBenchServer(b, nEffects, rtt)
-	s.run("/bare/payments", 200) // warm up connections and plans
-	s.run("/idem/payments", 200)
-	type side struct {
-		wall   time.Duration
-		goCPU  time.Duration
-		pgCPU  time.Duration
-		pgSeen bool
-	}
-	var bare, idem side
-	run := func(path string, n int, into *side) {
-		before := s.cpu()
-		into.wall += s.run(path, n)
-		after := s.cpu()
-		into.goCPU += after.self - before.self
-		if d, ok := after.backendsSince(before); ok {
-			into.pgCPU += d
-			into.pgSeen = true
-		}
-	}
-	b.ResetTimer()
-	// Many short rounds, in ABBA order, so that the load of a shared machine
-	// falls on both sides alike.
-	const rounds = 20
-	per := max(b.N/rounds, 1)
-	for r := range rounds {
-		if r%4 == 0 || r%4 == 3 {
-			run("/bare/payments", per, &bare)
-			run("/idem/payments", per, &idem)
-		} else {
-			run("/idem/payments", per, &idem)
-			run("/bare/payments", per, &bare)
-		}
-	}
-	b.StopTimer()
-	n := float64(per * rounds)
-	bareRate, idemRate := n/bare.wall.Seconds(), n/idem.wall.Seconds()
-	b.ReportMetric(bareRate, "bare-req/s")
-	b.ReportMetric(idemRate, "idem-req/s")
-	b.ReportMetric(idemRate/bareRate, "idem/bare")
-	perReq := func(d time.Duration) float64 { return float64(d.Microseconds()) / n }
-	b.ReportMetric(perReq(bare.goCPU), "bare-go-µs/req")
-	b.ReportMetric(perReq(idem.goCPU), "idem-go-µs/req")
-	if bare.pgSeen && idem.pgSeen {
-		b.ReportMetric(perReq(bare.pgCPU), "bare-pg-µs/req")
-		b.ReportMetric(perReq(idem.pgCPU), "idem-pg-µs/req")
+// BenchmarkIdempotencyKeyAlone runs one side of BenchmarkIdempotencyKey on its
+// own (one-row write, loopback), for a CPU or allocation profile of that side
+// alone:
+//
+//	go test -run '^$' -bench 'IdempotencyKeyAlone/idem' -benchtime 20000x -cpuprofile cpu.out ./httpidem
+func BenchmarkIdempotencyKeyAlone(b *testing.B) {
+	for _, side := range benchSides {
+		b.Run(side, func(b *testing.B) {
+			s := newBenchServer(b, 0, 0)
+			s.run("/"+side+"/payments", 200)
+			ctx, app := context.Background(), "idem-test:"+s.schema
+			before := cpustat.Take(ctx, s.pool, app)
+			b.ResetTimer()
+			wall := s.run("/"+side+"/payments", b.N)
+			b.StopTimer()
+			reportCost(b, "", cpustat.Take(ctx, s.pool, app).Since(before), b.N)
+			b.ReportMetric(float64(b.N)/wall.Seconds(), "req/s")
+		})
 	}
 }
 
-// cpuSample is the CPU time used so far by this process and by each of the pool's
-// Postgres backends that could be read.
-type cpuSample struct {
-	self     time.Duration
-	backends map[int]time.Duration
-}
-
-// backendsSince is the CPU time the backends present in both samples used between
-// them; false if none could be read (Postgres on another host, or not Linux).
-func (a cpuSample) backendsSince(b cpuSample) (time.Duration, bool) {
-	var sum time.Duration
-	seen := false
-	for pid, t := range a.backends {
-		if t0, ok := b.backends[pid]; ok {
-			sum += t - t0
-			seen = true
-		}
-	}
-	return sum, seen
-}
-
-// cpu samples the CPU time of this process and of the pool's backends.
-func (s *benchServer) cpu() cpuSample {
-	out := cpuSample{self: threadsCPU("/proc/self/task"), backends: map[int]time.Duration{}}
-	rows, err := s.pool.Query(context.Background(), `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, "idem-test:"+s.schema)
-	if err != nil {
-		return out
-	}
-	pids, err := pgx.CollectRows(rows, pgx.RowTo[int])
-	if err != nil {
-		return out
-	}
-	for _, pid := range pids {
-		if t, ok := schedstat("/proc/" + strconv.Itoa(pid) + "/schedstat"); ok {
-			out.backends[pid] = t
-		}
-	}
-	return out
-}
-
-// threadsCPU sums the CPU time of the threads under a /proc/<pid>/task directory
-// (0 where there is no /proc).
-func threadsCPU(dir string) time.Duration {
-	ents, _ := os.ReadDir(dir)
-	var sum time.Duration
-	for _, e := range ents {
-		if t, ok := schedstat(dir + "/" + e.Name() + "/schedstat"); ok {
-			sum += t
-		}
+// addDelta sums the costs of two stretches of work: their GC shares weighted by
+// their CPU time.
+func addDelta(a, b cpustat.Delta) cpustat.Delta {
+	sum := cpustat.Delta{Self: a.Self + b.Self, Mallocs: a.Mallocs + b.Mallocs, AllocBytes: a.AllocBytes + b.AllocBytes,
+		Backends: a.Backends + b.Backends, BackendsSeen: a.BackendsSeen || b.BackendsSeen}
+	if sum.Self > 0 {
+		sum.GCShare = (a.GCShare*float64(a.Self) + b.GCShare*float64(b.Self)) / float64(sum.Self)
 	}
 	return sum
 }
 
-// schedstat reads the time on CPU from a schedstat file: its first field, in ns.
-func schedstat(path string) (time.Duration, bool) {
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return 0, false
+// reportCost reports d over n requests, each figure's unit prefixed with prefix:
+// Go and Postgres CPU µs, the Go GC's share of the Go µs (the runtime's
+// estimate), heap allocations and bytes.
+func reportCost(b *testing.B, prefix string, d cpustat.Delta, n int) {
+	b.ReportMetric(cpustat.PerOp(d.Self, n), prefix+"go-µs/req")
+	b.ReportMetric(d.GCShare*cpustat.PerOp(d.Self, n), prefix+"gc-µs/req")
+	if d.BackendsSeen {
+		b.ReportMetric(cpustat.PerOp(d.Backends, n), prefix+"pg-µs/req")
 	}
-	f := strings.Fields(string(raw))
-	if len(f) == 0 {
-		return 0, false
+	b.ReportMetric(float64(d.Mallocs)/float64(n), prefix+"allocs/req")
+	b.ReportMetric(float64(d.AllocBytes)/float64(n), prefix+"B/req")
+}
+
+// The benchmark's sides, by path.
+var benchSides = [...]string{"bare", "recipe", "idem"}
+
+func benchIdempotencyKey(b *testing.B, nEffects int, rtt time.Duration) {
+	s := newBenchServer(b, nEffects, rtt)
+	for _, side := range benchSides {
+		s.run("/"+side+"/payments", 200) // warm up connections and plans
 	}
-	ns, err := strconv.ParseInt(f[0], 10, 64)
-	return time.Duration(ns), err == nil
+	type result struct {
+		wall time.Duration
+		cost cpustat.Delta
+	}
+	var res [len(benchSides)]result
+	app := "idem-test:" + s.schema // pgtest's application_name for the pool
+	run := func(i, n int) {
+		ctx := context.Background()
+		before := cpustat.Take(ctx, s.pool, app)
+		wall := s.run("/"+benchSides[i]+"/payments", n)
+		d := cpustat.Take(ctx, s.pool, app).Since(before)
+		res[i].cost = addDelta(res[i].cost, d)
+		res[i].wall += wall
+	}
+	// Many short rounds, in every order of the three sides in turn, so that the
+	// load of a shared machine falls on all alike.
+	orders := [][3]int{{0, 1, 2}, {2, 1, 0}, {1, 2, 0}, {0, 2, 1}, {2, 0, 1}, {1, 0, 2}}
+	const rounds = 24
+	per := max(b.N/rounds, 1)
+	b.ResetTimer()
+	for r := range rounds {
+		for _, i := range orders[r%len(orders)] {
+			run(i, per)
+		}
+	}
+	b.StopTimer()
+	n := per * rounds
+	var rate [len(benchSides)]float64
+	for i, side := range benchSides {
+		rate[i] = float64(n) / res[i].wall.Seconds()
+		reportCost(b, side+"-", res[i].cost, n)
+		b.ReportMetric(rate[i], side+"-req/s")
+	}
+	b.ReportMetric(rate[2]/rate[0], "idem/bare")
+	b.ReportMetric(rate[2]/rate[1], "idem/recipe")
+	b.ReportMetric(cpustat.PerOp(res[2].cost.Self-res[0].cost.Self, n), "idem-overhead-go-µs/req")
 }
 
 // benchClients is the benchmark's concurrency: client connections, and requests in
 // flight.
 const benchClients = 16
 
-// benchServer is the benchmark's server, with POST /bare/payments and POST
-// /idem/payments doing the same write.
+// benchServer is the benchmark's server, with POST /bare/payments, POST
+// /recipe/payments and POST /idem/payments doing the same write.
 type benchServer struct {
 	pool   *pgxpool.Pool
 	schema string
@@ -193,14 +181,20 @@ type benchServer struct {
 	run func(path string, n int) time.Duration
 }
 
+// recipeOperation is the operation name of the recipe's key rows.
+const recipeOperation = "POST /payments"
+
 func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer {
 	const clients = benchClients
 	pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: clients + 2})
 	ctx := context.Background()
-	_, err := pool.Exec(ctx, `CREATE TABLE payments (id bigserial PRIMARY KEY, tenant text NOT NULL, amount numeric NOT NULL)`)
+	// The recipe's key table has the inbox's shape: its columns, defaults, CHECK,
+	// primary key and expiry index.
+	_, err := pool.Exec(ctx, `CREATE TABLE payments (id bigserial PRIMARY KEY, tenant text NOT NULL, amount numeric NOT NULL);
+		CREATE TABLE recipe_keys (LIKE inbox INCLUDING ALL)`)
 	require.NoError(b, err)
 	if rtt > 0 {
-		// Both handlers and the CPU sampling use the remote pool; its backends are
+		// Every handler and the CPU sampling use the remote pool; its backends are
 		// the ones measured.
 		pool.Close()
 		pool = pgtest.NewProxy(b, rtt).Pool(b, schema, pgtest.Options{MaxConns: clients + 2})
@@ -208,25 +202,21 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true})
 	require.NoError(b, err)
 
-	// Both handlers read the body, insert one row and answer 201 with it; the bare
-	// one commits first and then answers, as a careful handler must.
-	insert := func(r *http.Request, tx pgx.Tx) (int64, string, error) {
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			return 0, "", err
-		}
+	// Every side inserts one row (and nEffects effects) and answers 201 with it,
+	// after its commit.
+	insert := func(ctx context.Context, body []byte, tx pgx.Tx) (int64, string, error) {
 		amount := strings.TrimSuffix(strings.TrimPrefix(string(body), `{"amount":`), `}`)
 		var id int64
-		err = tx.QueryRow(r.Context(), `INSERT INTO payments (tenant, amount) VALUES ('', $1::numeric) RETURNING id`, amount).Scan(&id)
+		err := tx.QueryRow(ctx, `INSERT INTO payments (tenant, amount) VALUES ('', $1::numeric) RETURNING id`, amount).Scan(&id)
 		scope := effects.Scope{Schema: schema} // the middleware's scope, when there is one
-		if s, ok := effects.ScopeFrom(r.Context()); ok {
+		if s, ok := effects.ScopeFrom(ctx); ok {
 			scope = s
 		}
 		for i := range nEffects {
 			if err != nil {
 				break
 			}
-			_, err = effects.EnqueueScoped(r.Context(), tx, scope, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:%d:%d", id, i), Payload: body})
+			_, err = effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:%d:%d", id, i), Payload: body})
 		}
 		return id, amount, err
 	}
@@ -238,13 +228,18 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /bare/payments", func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), 400)
+			return
+		}
 		tx, err := pool.Begin(r.Context())
 		if err != nil {
 			http.Error(w, err.Error(), 500)
 			return
 		}
 		defer tx.Rollback(context.WithoutCancel(r.Context()))
-		id, amount, err := insert(r, tx)
+		id, amount, err := insert(r.Context(), body, tx)
 		if err == nil {
 			err = tx.Commit(r.Context())
 		}
@@ -254,8 +249,23 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 		}
 		answer(w, id, amount)
 	})
+	mux.HandleFunc("POST /recipe/payments", func(w http.ResponseWriter, r *http.Request) {
+		recipe(w, r, pool, func(ctx context.Context, tx pgx.Tx, body []byte) (*recipeAnswer, error) {
+			id, amount, err := insert(ctx, body, tx)
+			if err != nil {
+				return nil, err
+			}
+			return &recipeAnswer{status: http.StatusCreated, location: "/payments/" + strconv.FormatInt(id, 10),
+				body: fmt.Appendf(nil, `{"id":%d,"amount":%s}`, id, amount)}, nil
+		})
+	})
 	mux.Handle("POST /idem/payments", mw.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		id, amount, err := insert(r, httpidem.Tx(r.Context()))
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), 400)
+			return
+		}
+		id, amount, err := insert(r.Context(), body, httpidem.Tx(r.Context()))
 		if err != nil {
 			http.Error(w, err.Error(), 500)
 			return
@@ -297,4 +307,92 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 		return time.Since(start)
 	}
 	return &benchServer{pool: pool, schema: schema, run: run}
+}
+
+// recipeAnswer is what the recipe's business logic answers.
+type recipeAnswer struct {
+	status   int
+	location string
+	body     []byte
+}
+
+// recipe is the claim-first recipe written by hand, as a careful user would,
+// with what it can promise: the key row goes in first, in the request's
+// transaction (a concurrent request with the key waits on its unique index, then
+// finds it), the work runs, the answer is stored on the row, and the transaction
+// commits before the answer goes out. A key that has a row is answered from it:
+// the stored answer, 422 if the body's hash differs, 409 if it has no answer. It
+// runs the work in pgx's Tx (BEGIN and COMMIT each a round trip of its own).
+func recipe(w http.ResponseWriter, r *http.Request, pool *pgxpool.Pool, work func(context.Context, pgx.Tx, []byte) (*recipeAnswer, error)) {
+	ctx := r.Context()
+	key := r.Header.Get("Idempotency-Key")
+	if key == "" {
+		http.Error(w, "Idempotency-Key required", http.StatusBadRequest)
+		return
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	hash := sha256.Sum256(body)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		return
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	var claimed bool
+	err = tx.QueryRow(ctx, `INSERT INTO recipe_keys (consumer, key, fingerprint, state, expires_at)
+		VALUES ($1, $2, $3, 'processing', now() + interval '24 hours')
+		ON CONFLICT (consumer, tenant, key) DO NOTHING RETURNING true`, recipeOperation, key, hash[:]).Scan(&claimed)
+	if errors.Is(err, pgx.ErrNoRows) {
+		var (
+			fp, headers, stored []byte
+			status              *int16
+		)
+		err = tx.QueryRow(ctx, `SELECT fingerprint, response_status, response_headers, response_body FROM recipe_keys
+			WHERE consumer = $1 AND tenant = '' AND key = $2`, recipeOperation, key).Scan(&fp, &status, &headers, &stored)
+		switch {
+		case err != nil:
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		case !bytes.Equal(fp, hash[:]):
+			http.Error(w, "key reused with another body", http.StatusUnprocessableEntity)
+		case status == nil:
+			http.Error(w, "in progress", http.StatusConflict)
+		default:
+			for line := range strings.SplitSeq(strings.TrimSuffix(string(headers), "\r\n"), "\r\n") {
+				name, value, _ := strings.Cut(line, ": ")
+				w.Header().Add(name, value)
+			}
+			w.Header().Set("Idempotent-Replayed", "true")
+			w.WriteHeader(int(*status))
+			_, _ = w.Write(stored)
+		}
+		return
+	}
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		return
+	}
+	a, err := work(ctx, tx, body)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	headers := "Content-Type: application/json\r\nLocation: " + a.location + "\r\n"
+	if _, err := tx.Exec(ctx, `UPDATE recipe_keys SET state = 'completed', completed_at = now(),
+			response_status = $3, response_headers = $4, response_body = $5
+		WHERE consumer = $1 AND tenant = '' AND key = $2`, recipeOperation, key, int16(a.status), []byte(headers), a.body); err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	if err := tx.Commit(ctx); err != nil {
+		http.Error(w, err.Error(), http.StatusServiceUnavailable)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Location", a.location)
+	w.WriteHeader(a.status)
+	_, _ = w.Write(a.body)
 }

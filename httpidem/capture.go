@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/inboxdb"
 )
 
 // ErrHijack is returned by Hijack: a handler behind idem cannot hijack the
@@ -24,10 +26,6 @@ type recorder struct {
 	body     bytes.Buffer
 	limit    int
 	overflow bool
-}
-
-func newRecorder(under http.ResponseWriter, limit int) *recorder {
-	return &recorder{under: under, header: http.Header{}, limit: limit}
 }
 
 func (rec *recorder) Header() http.Header { return rec.header }
@@ -119,13 +117,19 @@ func writeResponse(w http.ResponseWriter, resp *Response, replayed bool) {
 	}
 }
 
-// storedHeader keeps the allow-listed headers of h.
-func storedHeader(h http.Header, allow []string) map[string][]string {
-	out := map[string][]string{}
+// storedNames is an allow-list of stored headers as AppendHeader takes it:
+// canonical, sorted, unique.
+func storedNames(allow []string) []string {
+	names := make([]string, 0, len(allow))
 	for _, name := range allow {
-		if v, ok := h[http.CanonicalHeaderKey(name)]; ok && len(v) > 0 {
-			out[http.CanonicalHeaderKey(name)] = v
-		}
+		names = append(names, http.CanonicalHeaderKey(name))
 	}
-	return out
+	slices.Sort(names)
+	return slices.Compact(names)
+}
+
+// toStoredResponse is what is stored of resp, with the headers named in names
+// (storedNames) and its body.
+func toStoredResponse(resp *Response, names []string) *storedResponse {
+	return &storedResponse{Status: resp.Status, headerLines: inboxdb.AppendHeader(nil, resp.Header, names), Body: resp.Body}
 }

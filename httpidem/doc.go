@@ -79,7 +79,9 @@
 //     handler_ended_transaction otherwise (a failed row, recorded in a fresh
 //     transaction; message consumers record the same code). These are the only
 //     5xx idem stores. A statement that fails inside the transaction is not an
-//     end: Postgres rolls it all back, nothing is stored, and a retry runs again.
+//     end: Postgres rolls it all back; a final client error the handler answers
+//     past it (a 422 for a unique violation) is stored like any other, and
+//     anything else is not, so a retry runs again.
 //     A crash between the handler's end of the transaction and the stored answer
 //     leaves a key whose retries get 500 response_not_stored (after a COMMIT) or
 //     run it again (after a ROLLBACK).

@@ -728,6 +728,8 @@ func TestDefaultFingerprintIsStable(t *testing.T) {
 	fp := httpidem.DefaultFingerprint(inbox.JSONOptions{})
 	for _, c := range []struct{ contentType, body, want string }{
 		{"application/json", `{"b": 1.50, "a": [true, null]}`, "02015885726e824779095f98b36747ec8792196fb530684a7db90597443a3396"},
+		// Its canonical form, which is hashed as it comes (inbox.IsCanonical).
+		{"application/json", `{"a":[true,null],"b":1.5}`, "02015885726e824779095f98b36747ec8792196fb530684a7db90597443a3396"},
 		{"application/x-www-form-urlencoded", "b=2&a=1", "17978c783c846c5fe7dfb81e3f0c616b2de8d4b3183bd8f55e16f0f509ce4e79"},
 		{"application/xml", "<x/>", "d4ab387f75394c4afd520b83113e7da488da89fa9a4418a7243ed28690751d17"},
 		{"", "", "5078562686025fe7cbf01f56152fac6f13de15d76b3d31b2a260426a2a91d5ef"},

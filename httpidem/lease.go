@@ -31,7 +31,7 @@ func (m *Middleware) serveLease(q *request) {
 	if err == nil && !res.Claimed && !res.Mismatch && res.Existing.State == inbox.StateProcessing {
 		res, err = m.waitForLease(q, start)
 	}
-	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
+	m.metrics.op(q.claim.Consumer).lockWait.Observe(time.Since(start).Seconds())
 	endClaim(span, res.ClaimResult, err)
 	if err != nil {
 		m.dbFailed(q, "lease", err)
@@ -65,7 +65,7 @@ func (m *Middleware) serveLease(q *request) {
 			resp, f, rerr = m.askRecover(q, tx, fence, onPanic)
 			switch {
 			case rerr != nil:
-				m.metrics.stale.WithLabelValues(id.Consumer, "error").Inc()
+				m.metrics.op(id.Consumer).stale["error"].Inc()
 				if answer := m.rollBack(q, tx, fence); answer != nil {
 					answer()
 					return
@@ -82,7 +82,7 @@ func (m *Middleware) serveLease(q *request) {
 				m.log.Info("idem: Recover settled a stale key without running the handler", append(q.attrs(), "fence", fence, "status", resp.Status)...)
 			}
 		}
-		m.metrics.stale.WithLabelValues(id.Consumer, decision).Inc()
+		m.metrics.op(id.Consumer).stale[decision].Inc()
 		if decision == "rerun" {
 			m.log.Info("idem: running a stale key again", append(q.attrs(), "fence", fence)...)
 		}
@@ -105,9 +105,9 @@ func (m *Middleware) serveLease(q *request) {
 // askRecover asks Config.Recover about a stale key, with the request's transaction
 // in its context as a handler has it. A panic rolls back (onPanic) and panics on.
 // A response is judged as a handler's is: it cannot be used if the request's
-// context ended or the transaction is no longer open and healthy; and a nil one
-// (run the handler) cannot be either, since the handler would run outside idem's
-// transaction.
+// context ended, nor if it is a success and the transaction is no longer open and
+// healthy; and a nil one (run the handler) cannot be either then, since the
+// handler would run outside idem's transaction.
 func (m *Middleware) askRecover(q *request, tx *connTx, fence int64, onPanic func()) (resp *Response, f fault, err error) {
 	ctx := q.r.Context()
 	hctx := m.handlerContext(ctx, q, tx)
@@ -129,7 +129,7 @@ func (m *Middleware) askRecover(q *request, tx *connTx, fence int64, onPanic fun
 		return nil, faultNone, err
 	case ctx.Err() != nil:
 		return nil, faultCanceled, nil
-	case tx.Conn().PgConn().TxStatus() != 'T':
+	case (resp == nil || m.success(resp.Status)) && tx.Conn().PgConn().TxStatus() != 'T':
 		return nil, faultTxEnded, nil
 	}
 	return resp, faultNone, nil
@@ -163,7 +163,7 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 	case m.success(resp.Status):
 		stored, err := m.toStored(q, tx, resp)
 		if err == nil && ctx.Err() == nil {
-			cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
+			cctx, span := m.child(context.WithoutCancel(ctx), spanCommit)
 			err = tx.noteEnded(m.store.CompleteLeaseResponseCommit(cctx, tx.conn, id, fence, m.cfg.Retention, stored))
 			endSpan(span, err)
 			switch {
@@ -204,7 +204,7 @@ func (m *Middleware) settleLease(q *request, fence int64, tx *connTx, resp *Resp
 			answer()
 			return
 		}
-		stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+		stored := toStoredResponse(resp, m.storedNames)
 		conn, err := m.acquire(ctx, q)
 		if err == nil {
 			err = m.store.FailLeaseResponse(ctx, conn.conn, id, fence, m.cfg.Retention, "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status), stored)

@@ -212,6 +212,12 @@ func TestRecoverRunsInTheRequestsTransaction(t *testing.T) {
 			switch {
 			case fail.Load():
 				return nil, errors.New("provider unreachable")
+			case s.Key == "refuse":
+				// A failed statement it catches, answered with a final 422.
+				if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
+					return nil, errors.New("1/0 succeeded")
+				}
+				return &httpidem.Response{Status: http.StatusUnprocessableEntity, Header: http.Header{"Content-Type": {"text/plain"}}, Body: []byte("refused")}, nil
 			case s.Key == "settle":
 				return &httpidem.Response{Status: http.StatusCreated, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"id":"p-1"}`)}, nil
 			}
@@ -232,6 +238,17 @@ func TestRecoverRunsInTheRequestsTransaction(t *testing.T) {
 		AND source_tenant = $1 AND source_key = 'settle'`, defaultTenant))
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE key = 'settle' AND state = 'completed' AND fence = 2 AND response_status = 201`))
 	requireSameAnswer(t, got, b.post(t, "/leased/payments", "settle", body))
+
+	// A final 422 past a failed statement: stored as Recover's answer, its writes
+	// rolled back with the transaction, and the handler never runs.
+	staleKey(t, b, store, defaultTenant, "refuse", body)
+	got = b.post(t, "/leased/payments", "refuse", body)
+	require.Equal(t, http.StatusUnprocessableEntity, got.Status, "%s", got)
+	require.Equal(t, "refused", string(got.Body))
+	requireSameAnswer(t, got, b.post(t, "/leased/payments", "refuse", body))
+	require.EqualValues(t, 0, b.calls.Load())
+	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM audit WHERE note = 'provider state of refuse'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE key = 'refuse' AND state = 'failed' AND fence = 2 AND response_status = 422`))
 
 	// Run again: Recover's writes and the handler's commit together.
 	staleKey(t, b, store, defaultTenant, "rerun", body)

@@ -1,7 +1,9 @@
 package httpidem
 
 import (
+	"maps"
 	"sync"
+	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -56,7 +58,19 @@ type metrics struct {
 	lockWait  *prometheus.HistogramVec
 	expired   *prometheus.CounterVec
 	stale     *prometheus.CounterVec
-	seen      sync.Map // operations whose series exist
+
+	// ops are each operation's series, looked up once: a request finds its own
+	// without hashing label values. Copied on write; operations are few.
+	ops atomic.Pointer[map[string]*opMetrics]
+	mu  sync.Mutex // serializes writers of ops
+}
+
+// opMetrics are one operation's series.
+type opMetrics struct {
+	requests            map[string]prometheus.Counter // by outcome
+	stale               map[string]prometheus.Counter // by decision
+	replayAge, lockWait prometheus.Observer
+	expired             prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -93,22 +107,33 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	if err != nil {
 		return nil, err
 	}
+	m.ops.Store(&map[string]*opMetrics{})
 	return m, nil
 }
 
-// init creates every series of an operation at 0, so that dashboards and rate()
-// see them before the first event.
-func (m *metrics) init(op string) {
-	if _, seen := m.seen.LoadOrStore(op, true); seen {
-		return
+// op returns an operation's series, creating every one of them at 0 the first
+// time, so that dashboards and rate() see them before the first event.
+func (m *metrics) op(op string) *opMetrics {
+	if o, ok := (*m.ops.Load())[op]; ok {
+		return o
 	}
-	for _, o := range allOutcomes {
-		m.requests.WithLabelValues(op, o)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	cur := *m.ops.Load()
+	if o, ok := cur[op]; ok {
+		return o
+	}
+	o := &opMetrics{requests: map[string]prometheus.Counter{}, stale: map[string]prometheus.Counter{},
+		replayAge: m.replayAge.WithLabelValues(op), lockWait: m.lockWait.WithLabelValues(op),
+		expired: m.expired.WithLabelValues(op)}
+	for _, out := range allOutcomes {
+		o.requests[out] = m.requests.WithLabelValues(op, out)
 	}
 	for _, d := range staleDecisions {
-		m.stale.WithLabelValues(op, d)
+		o.stale[d] = m.stale.WithLabelValues(op, d)
 	}
-	m.replayAge.WithLabelValues(op)
-	m.lockWait.WithLabelValues(op)
-	m.expired.WithLabelValues(op)
+	next := maps.Clone(cur)
+	next[op] = o
+	m.ops.Store(&next)
+	return o
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"runtime/debug"
@@ -34,6 +33,13 @@ type Middleware struct {
 	tracer  trace.Tracer
 	// claimPrelude goes with the claim in its round trip: BEGIN.
 	claimPrelude []string
+	// storedNames are cfg.StoredHeaders, canonical, sorted and unique.
+	storedNames []string
+	// fingerprint is DefaultFingerprint(cfg.Fields).
+	fingerprint func(r *http.Request, body []byte) ([]byte, error)
+	// prepared, if set, are the statements of transactional mode's two round
+	// trips, sent through pgconn (see preparedStmts).
+	prepared *preparedStmts
 
 	// afterCommit, if set, runs after a commit and before the answer is written
 	// (tests kill the process there).
@@ -63,10 +69,16 @@ func New(cfg Config) (*Middleware, error) {
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	return &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
+	m := &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
 		tracer:       tracing.Tracer(cfg.TracerProvider),
 		claimPrelude: []string{beginSQL},
-	}, nil
+		fingerprint:  DefaultFingerprint(cfg.Fields),
+		storedNames:  storedNames(cfg.StoredHeaders),
+	}
+	if usePrepared(cfg.Pool.Config().ConnConfig) {
+		m.prepared = newPreparedStmts(store)
+	}
+	return m, nil
 }
 
 // lockTimeoutSQL bounds the wait for a concurrent request with the key. SET LOCAL
@@ -87,7 +99,7 @@ func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 		if err := inbox.ValidateConsumer(rt.Operation); err != nil {
 			panic(fmt.Sprintf("httpidem: Route.Operation %q: %v", rt.Operation, err))
 		}
-		m.metrics.init(rt.Operation)
+		m.metrics.op(rt.Operation)
 	}
 	if m.shards != nil {
 		return func(next http.Handler) http.Handler { return m.shards.route(rt, next) }
@@ -105,6 +117,11 @@ type keyKey struct{}
 // stored in it, so Commit and Rollback are refused. Answer with a status that is
 // not final (or panic) to roll back.
 type ownedTx struct{ pgx.Tx }
+
+// bodyReader is the request body given back to the handler.
+type bodyReader struct{ bytes.Reader }
+
+func (*bodyReader) Close() error { return nil }
 
 // ErrTxOwned is returned when the handler calls Commit or Rollback on the
 // transaction idem gave it. Its code is the consumer's for the same mistake.
@@ -136,6 +153,15 @@ type request struct {
 	next  http.Handler
 	body  []byte
 	claim inbox.Claim
+	// stmts are the prepared statements on conn, when the middleware uses them
+	// (prepared).
+	stmts    described
+	prepared bool
+	// owned is the transaction the handler gets (Tx), rec holds its answer, and
+	// bodyReader gives it the body again.
+	owned      ownedTx
+	rec        recorder
+	bodyReader bodyReader
 	// conn is the one pool connection the request holds, or nil. Every statement
 	// of the request runs on it (acquire), and every answer is written after it
 	// went back to the pool (send, problem): a request never holds two
@@ -187,7 +213,7 @@ func (q *request) attrs() []any {
 }
 
 func (m *Middleware) count(op, outcome string) {
-	m.metrics.requests.WithLabelValues(op, outcome).Inc()
+	m.metrics.op(op).requests[outcome].Inc()
 }
 
 func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r *http.Request) {
@@ -207,7 +233,7 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 			return
 		}
 	}
-	m.metrics.init(op)
+	m.metrics.op(op)
 
 	key, err := parseKey(r.Header.Values(m.cfg.KeyHeader))
 	switch {
@@ -254,7 +280,7 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 			m.reject(w, op, CodeFingerprintFailed, "the request cannot be fingerprinted")
 			return
 		}
-	} else if q.claim.Fingerprint, err = DefaultFingerprint(m.cfg.Fields)(r, q.body); err != nil {
+	} else if q.claim.Fingerprint, err = m.fingerprint(r, q.body); err != nil {
 		m.reject(w, op, CodeBodyNotJSON, err.Error())
 		return
 	}
@@ -287,8 +313,15 @@ func (m *Middleware) serveTx(q *request) {
 	}
 	cctx, span := m.startClaim(q)
 	start := time.Now()
-	res, err := m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, max(m.cfg.LockTimeout, time.Millisecond))
-	m.metrics.lockWait.WithLabelValues(q.claim.Consumer).Observe(time.Since(start).Seconds())
+	var res responseClaim
+	wait := max(m.cfg.LockTimeout, time.Millisecond)
+	if m.prepared != nil {
+		res, q.stmts, err = m.store.ClaimResponsePrepared(cctx, tx.conn, m.prepared, q.claim, wait)
+		q.prepared = true
+	} else {
+		res, err = m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, wait)
+	}
+	m.metrics.op(q.claim.Consumer).lockWait.Observe(time.Since(start).Seconds())
 	endClaim(span, res.ClaimResult, err)
 	if err != nil {
 		m.dbFailed(q, "claim", err)
@@ -326,8 +359,13 @@ func (m *Middleware) commitTx(q *request, tx *connTx, row rowRef, resp *Response
 	if err == nil && ctx.Err() == nil {
 		// Never cancelled once sent: a client leaving mid-commit must not turn a
 		// commit into an unknown.
-		cctx, span := m.tracer.Start(context.WithoutCancel(ctx), spanCommit)
-		err = tx.noteEnded(m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored))
+		cctx, span := m.child(context.WithoutCancel(ctx), spanCommit)
+		if q.prepared {
+			err = m.store.saveCommitPrepared(cctx, tx.conn, q.stmts, q.claim.ID, row, stored)
+		} else {
+			err = m.store.SaveResponseCommit(cctx, tx.conn, q.claim.ID, row, stored)
+		}
+		err = tx.noteEnded(err)
 		endSpan(span, err)
 		if err == nil || errors.Is(err, txmark.ErrCommitUnknown) {
 			m.committed(q, resp, err, OutcomeCommitted)
@@ -503,7 +541,7 @@ const (
 	faultNone     fault = iota
 	faultCanceled       // the request's context ended
 	faultOverflow       // the response is over MaxResponseBody
-	faultTxEnded        // a final response, and the transaction is not open and healthy
+	faultTxEnded        // a success, and the transaction is not open and healthy
 )
 
 // run runs the handler with tx in its context and returns its response, or the
@@ -512,13 +550,15 @@ const (
 // back) and panics on.
 func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, fault) {
 	ctx := q.r.Context()
-	sctx, span := m.tracer.Start(ctx, spanHandler)
+	sctx, span := m.child(ctx, spanHandler)
 	defer span.End()
 	hr := q.r.WithContext(m.handlerContext(sctx, q, tx))
 	if q.body != nil {
-		hr.Body = io.NopCloser(bytes.NewReader(q.body))
+		q.bodyReader.Reset(q.body)
+		hr.Body = &q.bodyReader
 	}
-	rec := newRecorder(q.w, m.cfg.MaxResponseBody)
+	q.rec = recorder{under: q.w, header: http.Header{}, limit: m.cfg.MaxResponseBody}
+	rec := &q.rec
 	func() {
 		defer func() {
 			if v := recover(); v != nil {
@@ -544,8 +584,11 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 	// Only a transaction that is still open and healthy can commit what the handler
 	// meant: one it committed, rolled back (raw SQL) or broke with a failed
 	// statement cannot. (One it replaced with a BEGIN of its own is open: the mark
-	// checked with the COMMIT finds that out.)
-	if m.final(resp.Status) && tx.Conn().PgConn().TxStatus() != 'T' {
+	// checked with the COMMIT finds that out.) A final client error commits nothing
+	// of the handler's work, so it needs no such transaction: a 422 answered past a
+	// failed statement is stored like any other, after rollBack has found out
+	// whether the handler ended the transaction itself.
+	if m.success(resp.Status) && tx.Conn().PgConn().TxStatus() != 'T' {
 		return resp, faultTxEnded
 	}
 	return resp, faultNone
@@ -555,12 +598,30 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 // transaction (Tx), the key (KeyFrom) and the effects scope.
 func (m *Middleware) handlerContext(ctx context.Context, q *request, tx pgx.Tx) context.Context {
 	scope := effects.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
-	ctx = context.WithValue(ctx, txKey{}, ownedTx{tx})
 	if q.claim.Key != "" {
 		scope.Source = effects.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
-		ctx = context.WithValue(ctx, keyKey{}, q.claim.ID)
 	}
-	return effects.WithScope(ctx, scope)
+	q.owned = ownedTx{tx}
+	return &handlerCtx{Context: effects.WithScope(ctx, scope), q: q}
+}
+
+// handlerCtx answers Tx and KeyFrom from the request itself, so that they cost no
+// context (and boxed value) of their own.
+type handlerCtx struct {
+	context.Context
+	q *request
+}
+
+func (c *handlerCtx) Value(key any) any {
+	switch key.(type) {
+	case txKey:
+		return &c.q.owned
+	case keyKey:
+		if c.q.claim.Key != "" {
+			return c.q.claim.ID
+		}
+	}
+	return c.Context.Value(key)
 }
 
 // answerFault answers a request whose response cannot be used; its work was rolled
@@ -575,7 +636,7 @@ func (m *Middleware) answerFault(q *request, f fault) {
 		q.problem(CodeResponseTooLarge, fmt.Sprintf("the response is over %d bytes and cannot be stored; the request was rolled back", m.cfg.MaxResponseBody), 0)
 	case faultTxEnded:
 		m.count(q.claim.Consumer, OutcomeError)
-		m.log.Error("idem: the request's transaction cannot commit (a failed statement the handler answered past, or a raw COMMIT/ROLLBACK with no key to record); it is rolled back and nothing is stored",
+		m.log.Error("idem: the request's transaction cannot commit (a failed statement the handler answered a success past, or a raw COMMIT/ROLLBACK with no key to record); it is rolled back and nothing is stored",
 			q.attrs()...)
 		q.problem(CodeTransactionEnded, "the request's transaction failed or was ended by the handler; nothing of it was stored, and a retry runs the request again", 0)
 	}
@@ -597,7 +658,7 @@ func (m *Middleware) ended(q *request, err error) {
 // toStored is what is stored of resp: the allow-listed headers and the body, or a
 // reference to it.
 func (m *Middleware) toStored(q *request, tx pgx.Tx, resp *Response) (*storedResponse, error) {
-	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+	stored := toStoredResponse(resp, m.storedNames)
 	if m.cfg.BodyReference != nil && resp.Status < 400 {
 		ctx := context.WithValue(q.r.Context(), txKey{}, ownedTx{tx})
 		ref, err := m.cfg.BodyReference.Reference(ctx, q.r, resp)
@@ -630,7 +691,7 @@ func (m *Middleware) saveFailed(q *request, err error) {
 // request settled the key meanwhile, that outcome is the answer.
 func (m *Middleware) storeFailure(q *request, resp *Response) {
 	ctx := q.r.Context()
-	stored := &storedResponse{Status: resp.Status, Header: storedHeader(resp.Header, m.cfg.StoredHeaders), Body: resp.Body}
+	stored := toStoredResponse(resp, m.storedNames)
 	conn, err := m.acquire(ctx, q)
 	var res responseClaim
 	if err == nil {
@@ -708,7 +769,7 @@ func (m *Middleware) replay(q *request, rec *inbox.Record, stored *storedRespons
 		}
 	}
 	if rec.CompletedAt != nil {
-		m.metrics.replayAge.WithLabelValues(q.claim.Consumer).Observe(rec.Now.Sub(*rec.CompletedAt).Seconds())
+		m.metrics.op(q.claim.Consumer).replayAge.Observe(rec.Now.Sub(*rec.CompletedAt).Seconds())
 	}
 	m.count(q.claim.Consumer, OutcomeReplayed)
 	q.send(&Response{Status: stored.Status, Header: http.Header(stored.Header), Body: body}, true)
@@ -721,7 +782,7 @@ func (m *Middleware) inProgress(q *request) {
 
 func (m *Middleware) noteExpired(q *request, res responseClaim) {
 	if res.ReplacedExpired {
-		m.metrics.expired.WithLabelValues(q.claim.Consumer).Inc()
+		m.metrics.op(q.claim.Consumer).expired.Inc()
 		m.log.Info("idem: key reused after its retention; running it as a new request", q.attrs()...)
 	}
 }

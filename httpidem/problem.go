@@ -45,8 +45,8 @@ const (
 	CodeResponseTooLarge = "response_too_large"
 	// CodeTransactionEnded (500): the handler's transaction cannot commit and
 	// nothing of the request committed, so nothing is stored and a retry runs it
-	// again: a statement failed in it and the handler answered a final status
-	// anyway; or, on a route without a key, the handler ended it with raw SQL (a
+	// again: a statement failed in it and the handler answered a success anyway (a
+	// final client error answered past it is stored as any other); or, on a route without a key, the handler ended it with raw SQL (a
 	// keyed request is settled instead: CodeHandlerCommitted,
 	// CodeHandlerEndedTransaction); or the key of a handler that ended it could not
 	// be recorded.

@@ -50,7 +50,8 @@ func parseKey(values []string) (string, error) {
 // errBodyTooLarge: the body is over the limit.
 var errBodyTooLarge = errors.New("request body too large")
 
-// readBody reads the whole body, up to limit bytes.
+// readBody reads the whole body, up to limit bytes, into one buffer: of the
+// declared Content-Length (and a byte to see the end), or growing from 512 bytes.
 func readBody(r *http.Request, limit int64) ([]byte, error) {
 	if r.ContentLength > limit {
 		return nil, errBodyTooLarge
@@ -58,14 +59,27 @@ func readBody(r *http.Request, limit int64) ([]byte, error) {
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
 	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
-	if err != nil {
-		return nil, err
+	size := int64(512)
+	if r.ContentLength > 0 {
+		size = r.ContentLength + 1
 	}
-	if int64(len(body)) > limit {
-		return nil, errBodyTooLarge
+	body := make([]byte, 0, min(size, limit+1))
+	for {
+		if len(body) == cap(body) {
+			body = append(body, 0)[:len(body)] // grow
+		}
+		n, err := r.Body.Read(body[len(body):min(cap(body), int(limit)+1)])
+		body = body[:len(body)+n]
+		if int64(len(body)) > limit {
+			return nil, errBodyTooLarge
+		}
+		if err == io.EOF {
+			return body, nil
+		}
+		if err != nil {
+			return nil, err
+		}
 	}
-	return body, nil
 }
 
 // ErrBodyNotJSON is what the default fingerprint returns for a body that declares
@@ -85,21 +99,29 @@ var ErrBodyNotJSON = inbox.ErrNotJSON
 // /accounts/1/payments and POST /accounts/2/payments are one operation, and the
 // same key and body on both are two different commands.
 func DefaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byte) ([]byte, error) {
+	selects := len(opts.Include) > 0 || len(opts.Exclude) > 0
 	return func(r *http.Request, body []byte) ([]byte, error) {
-		h := sha256.New()
-		var buf [24]byte
-		// Each field is "<length>:<bytes>\x00" (it was written with fmt.Fprintf,
-		// which cost more than the hash). The form is part of every stored key: it
-		// must never change (TestDefaultFingerprintIsStable).
-		field := func(s string) {
-			h.Write(append(strconv.AppendInt(buf[:0], int64(len(s)), 10), ':'))
-			io.WriteString(h, s)
-			h.Write(nul[:])
+		// The fields are laid out in one buffer and hashed at once. Each is
+		// "<length>:<bytes>\x00". The form is part of every stored key: it must never
+		// change (TestDefaultFingerprintIsStable).
+		buf := make([]byte, 0, 128+len(r.URL.RawPath)+len(r.URL.Path)+len(r.URL.RawQuery)+len(body))
+		buf = appendField(buf, "idem-http-1")
+		buf = appendField(buf, r.Method)
+		buf = appendField(buf, r.URL.EscapedPath())
+		buf = appendField(buf, sortedQuery(r.URL.RawQuery))
+		if len(body) == 0 {
+			buf = appendField(buf, "empty")
+			return sum(buf), nil
 		}
-		field("idem-http-1")
-		field(r.Method)
-		field(r.URL.EscapedPath())
-		field(sortedQuery(r.URL.RawQuery))
+		if !selects && inbox.IsCanonical(body) { // already canonical: no parse tree
+			buf = appendField(buf, "json")
+			return sum(appendField(buf, body)), nil
+		}
+		canon, err := inbox.Canonicalize(body, opts)
+		if err == nil {
+			buf = appendField(buf, "json")
+			return sum(appendField(buf, canon)), nil
+		}
 		mediaType := ""
 		if ct := r.Header.Get("Content-Type"); ct != "" {
 			mt, _, err := mime.ParseMediaType(ct)
@@ -108,34 +130,41 @@ func DefaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byt
 			}
 			mediaType = mt
 		}
-		if len(body) == 0 {
-			field("empty")
-			return h.Sum(nil), nil
-		}
-		canon, err := inbox.Canonicalize(body, opts)
 		switch {
-		case err == nil:
-			field("json")
-			field(string(canon))
 		case mediaType == "application/json" || strings.HasSuffix(mediaType, "+json"):
 			return nil, err
 		case mediaType == "application/x-www-form-urlencoded":
-			field("form")
-			field(sortedQuery(string(body)))
+			buf = appendField(buf, "form")
+			buf = appendField(buf, sortedQuery(string(body)))
 		default:
-			field("raw")
-			field(mediaType)
-			field(string(body))
+			buf = appendField(buf, "raw")
+			buf = appendField(buf, mediaType)
+			buf = appendField(buf, body)
 		}
-		return h.Sum(nil), nil
+		return sum(buf), nil
 	}
 }
 
-var nul = [1]byte{0}
+// appendField appends one field of the default fingerprint: its length, a colon,
+// its bytes and a NUL.
+func appendField[T string | []byte](buf []byte, v T) []byte {
+	buf = strconv.AppendInt(buf, int64(len(v)), 10)
+	buf = append(buf, ':')
+	buf = append(buf, v...)
+	return append(buf, 0)
+}
+
+func sum(b []byte) []byte {
+	s := sha256.Sum256(b)
+	return s[:]
+}
 
 // sortedQuery is a query or form with its parameters sorted by name (values keep
 // their order), or the text as it is if it does not parse.
 func sortedQuery(raw string) string {
+	if raw == "" {
+		return ""
+	}
 	q, err := url.ParseQuery(raw)
 	if err != nil {
 		return raw

@@ -28,6 +28,9 @@ type storedResponse struct {
 	// Header holds the stored headers under their canonical names (the same
 	// underlying type as http.Header).
 	Header map[string][]string
+	// headerLines, when not nil, are the headers to store as the column holds
+	// them (inboxdb.AppendHeader), in place of Header.
+	headerLines []byte
 	// Body is the body, nil when BodyRef is set.
 	Body []byte
 	// BodyRef, when not empty, stands for the body: the application stored a
@@ -88,13 +91,27 @@ func responseArgs(r *storedResponse) []any {
 	if r.BodyRef != "" {
 		ref = &r.BodyRef
 	}
-	body := r.Body
-	if ref != nil {
-		body = nil
-	} else if body == nil {
-		body = []byte{} // an empty body, as opposed to none stored
+	var body []byte
+	if ref == nil {
+		body = nonNilBody(r.Body)
 	}
-	return []any{int16(r.Status), inboxdb.EncodeHeader(r.Header), body, ref}
+	return []any{int16(r.Status), r.encodedHeader(), body, ref}
+}
+
+// encodedHeader is the response_headers column of r.
+func (r *storedResponse) encodedHeader() []byte {
+	if r.headerLines != nil {
+		return r.headerLines
+	}
+	return inboxdb.EncodeHeader(r.Header)
+}
+
+// nonNilBody is body, or an empty body (as opposed to none stored) for nil.
+func nonNilBody(body []byte) []byte {
+	if body == nil {
+		return []byte{}
+	}
+	return body
 }
 
 // validateStored checks what a stored response may hold.
@@ -111,9 +128,9 @@ func validateStored(r *storedResponse) error {
 }
 
 // ClaimResponseTx is ClaimAfterTx for HTTP keys: in one round trip it sends the
-// prelude statements (BEGIN), marks the transaction with TxMark and sets its
-// lock_timeout to wait (the bound on waiting for a concurrent claim of the key;
-// 0 is no bound), and claims c. On a conflict it reads the existing row together with its stored
+// prelude statements (BEGIN) and claims c with the statement that also marks the
+// transaction (txmark.Mark) and sets its lock_timeout to wait (the bound on
+// waiting for a concurrent claim of the key; 0 is no bound). On a conflict it reads the existing row together with its stored
 // response. A settled row past its expires_at is deleted in tx and the key claimed
 // as new (ReplacedExpired). A claim returns Row, for SaveResponseCommit.
 func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
@@ -134,10 +151,9 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 		for _, sql := range prelude {
 			b.Queue(sql)
 		}
-		b.Queue(s.q.MarkWait, strconv.FormatInt(max(wait.Milliseconds(), 0), 10))
-		b.Queue(s.q.ClaimReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+		b.Queue(s.q.ClaimMarkedReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), formatMillis(wait))
 		br := tx.SendBatch(ctx, b)
-		for range len(prelude) + 1 {
+		for range prelude {
 			if _, err := br.Exec(); err != nil {
 				_ = br.Close()
 				return 0, err
@@ -154,6 +170,35 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 	}
 	return res, err
 }
+
+// ClaimResponsePrepared is ClaimResponseTx with BEGIN for its prelude, on conn
+// outside any transaction, through the prepared statements p (see
+// preparedStmts). It returns them as prepared on conn, for saveCommitPrepared.
+func (s *responseStore) ClaimResponsePrepared(ctx context.Context, conn *pgx.Conn, p *preparedStmts, c inbox.Claim, wait time.Duration) (responseClaim, described, error) {
+	if err := c.Validate(); err != nil {
+		return responseClaim{}, described{}, err
+	}
+	d, err := p.prepare(ctx, conn)
+	if err != nil {
+		return responseClaim{}, described{}, s.wrap(err)
+	}
+	var row rowRef
+	first := true
+	res, err := s.insertOrResponse(ctx, conn, c, func() (int64, error) {
+		if first {
+			first = false
+			return 0, s.claimPrepared(ctx, conn, d, c, wait, &row)
+		}
+		return 0, conn.QueryRow(ctx, s.q.ClaimReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)).Scan(&row.tid)
+	})
+	if res.Claimed {
+		res.Row = row
+	}
+	return res, d, err
+}
+
+// formatMillis is d in whole milliseconds, as lock_timeout takes it (0: no bound).
+func formatMillis(d time.Duration) string { return strconv.FormatInt(max(d.Milliseconds(), 0), 10) }
 
 // rowRef locates a row that ClaimResponseTx inserted, inside the transaction that
 // inserted it: its ctid, which nothing but that transaction can change before it

@@ -390,3 +390,103 @@ func TestCommitChecksTheMark(t *testing.T) {
 	require.NoError(t, txmark.Commit(ctx, c))
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
 }
+
+// TestPreparedRoundTrips: the claim and the stored answer through the prepared
+// statements (ClaimResponsePrepared, saveCommitPrepared) behave as their pgx forms
+// do: the answer lands on the claimed row byte for byte and commits with the work;
+// a taken key reads the existing row and its answer; no row, or a transaction
+// that lost the mark, commits nothing. Each statement is prepared once per
+// connection, under its own name, and the pool's query mode and tracer choose the
+// path.
+func TestPreparedRoundTrips(t *testing.T) {
+	store, pool := setupResponses(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE work (n int)`)
+	require.NoError(t, err)
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	c := conn.Conn()
+	p := newPreparedStmts(store)
+	answer := &storedResponse{Status: 201, headerLines: []byte("Content-Type: application/json\r\nX-Bin: \xff\x00\r\n"), Body: []byte("{\"id\":1}\x00\xff")}
+
+	res, d, err := store.ClaimResponsePrepared(ctx, c, p, httpClaim("k", "fp"), time.Second)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	require.True(t, res.Row.tid.Valid)
+	require.Equal(t, byte('T'), c.PgConn().TxStatus(), "BEGIN went with the claim")
+	var timeout string
+	require.NoError(t, c.QueryRow(ctx, `SELECT current_setting('lock_timeout')`).Scan(&timeout))
+	require.Equal(t, "1s", timeout)
+	_, err = c.Exec(ctx, `INSERT INTO work VALUES (1)`)
+	require.NoError(t, err)
+	require.NoError(t, store.saveCommitPrepared(ctx, c, d, httpClaim("k", "").ID, res.Row, answer))
+	require.Equal(t, byte('I'), c.PgConn().TxStatus())
+	rec, resp, err := store.GetResponse(ctx, pool, httpClaim("k", "").ID)
+	require.NoError(t, err)
+	require.Equal(t, inbox.StateCompleted, rec.State)
+	require.Equal(t, []byte("fp"), rec.Fingerprint)
+	require.Equal(t, answer.Body, resp.Body)
+	require.Equal(t, map[string][]string{"Content-Type": {"application/json"}, "X-Bin": {"\xff\x00"}}, resp.Header)
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key = 'k' AND expires_at > now() + interval '23 hours'`),
+		"the retention, sent as a binary interval")
+
+	// The key is taken: the existing row and its answer, read in the transaction.
+	res, _, err = store.ClaimResponsePrepared(ctx, c, p, httpClaim("k", "other"), time.Second)
+	require.NoError(t, err)
+	require.False(t, res.Claimed)
+	require.True(t, res.Mismatch)
+	require.Equal(t, answer.Body, res.Response.Body)
+	_, err = c.Exec(ctx, "rollback")
+	require.NoError(t, err)
+
+	// No claimed row at that ctid: an error, and nothing of the transaction commits.
+	res, d, err = store.ClaimResponsePrepared(ctx, c, p, httpClaim("k2", "fp"), time.Second)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, `INSERT INTO work VALUES (2)`)
+	require.NoError(t, err)
+	wrong := res.Row
+	wrong.tid.OffsetNumber += 100
+	err = store.saveCommitPrepared(ctx, c, d, httpClaim("k2", "").ID, wrong, answer)
+	require.ErrorContains(t, err, "no completed inbox row")
+	require.NotErrorIs(t, err, txmark.ErrCommitUnknown)
+	require.Equal(t, byte('E'), c.PgConn().TxStatus(), "the transaction is failed, not committed")
+	_, err = c.Exec(ctx, "rollback")
+	require.NoError(t, err)
+
+	// The handler ended the transaction and began another: nothing of it commits.
+	res, d, err = store.ClaimResponsePrepared(ctx, c, p, httpClaim("k3", "fp"), time.Second)
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, "COMMIT; BEGIN")
+	require.NoError(t, err)
+	_, err = c.Exec(ctx, `INSERT INTO work VALUES (3)`)
+	require.NoError(t, err)
+	require.ErrorIs(t, store.saveCommitPrepared(ctx, c, d, httpClaim("k3", "").ID, res.Row, answer), txmark.ErrTxReplaced)
+	_, err = c.Exec(ctx, "rollback")
+	require.NoError(t, err)
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM work`))
+
+	var names []string
+	rows, err := c.Query(ctx, `SELECT name FROM pg_prepared_statements WHERE name LIKE 'idem\_%' ORDER BY name`)
+	require.NoError(t, err)
+	names, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Len(t, names, 4, "BEGIN, the claim, the answer, COMMIT: prepared once")
+
+	cfg := pool.Config().ConnConfig
+	require.True(t, usePrepared(cfg), "the default query mode")
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeExec
+	require.False(t, usePrepared(cfg), "a mode that prepares nothing (PgBouncer)")
+	cfg = pool.Config().ConnConfig
+	cfg.Tracer = tracerFunc(nil)
+	require.False(t, usePrepared(cfg), "a pgx tracer sees only what goes through pgx")
+}
+
+// tracerFunc is a pgx.QueryTracer that does nothing.
+type tracerFunc func()
+
+func (tracerFunc) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (tracerFunc) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}

@@ -10,16 +10,33 @@ import (
 	"github.com/idemkit/idem/internal/tracing"
 )
 
-// The spans of a keyed request, under the span in the request's context.
+// The spans of a keyed request, under the span in the request's context when that
+// one records.
 const (
 	spanClaim   = "idem.claim"
 	spanHandler = "idem.handler"
 	spanCommit  = "idem.commit"
 )
 
+// noSpan is a span that does nothing, for the children of a span that does not
+// record.
+var noSpan = trace.SpanFromContext(context.Background())
+
+// child starts a span under the span in ctx, only if that one records: without
+// one (no tracing middleware outside idem, the default no-op provider, or a
+// sampler that dropped the request's trace) the children would record nothing
+// either, or be roots of traces of their own, and would cost a context and a
+// span value each. ctx is returned as it is then.
+func (m *Middleware) child(ctx context.Context, name string) (context.Context, trace.Span) {
+	if !trace.SpanFromContext(ctx).IsRecording() {
+		return ctx, noSpan
+	}
+	return m.tracer.Start(ctx, name)
+}
+
 // startClaim starts the span of q's claim, named after its key.
 func (m *Middleware) startClaim(q *request) (context.Context, trace.Span) {
-	ctx, span := m.tracer.Start(q.r.Context(), spanClaim)
+	ctx, span := m.child(q.r.Context(), spanClaim)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.Consumer.String(q.claim.Consumer), tracing.Tenant.String(q.claim.Tenant),
 			tracing.Key.String(q.claim.Key))

@@ -65,6 +65,22 @@ func TestTracing(t *testing.T) {
 	}
 }
 
+// Without a recording span in the request's context (no tracing middleware in
+// front of idem), idem makes no spans of its own, even with a provider that
+// records: they would each be the root of a trace of their own.
+func TestNoSpansWithoutARequestSpan(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	b := setup(t, func(c *httpidem.Config) { c.TracerProvider = tp })
+	for _, path := range []string{"/payments", "/leased/payments"} {
+		require.Equal(t, http.StatusCreated, b.post(t, path, "k", `{"amount": 5}`).Status, path)
+	}
+	require.Empty(t, rec.Ended())
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM effects WHERE trace_context IS NULL`), "nothing traced, nothing stored")
+}
+
 func lastSpan(t *testing.T, rec *tracetest.SpanRecorder, name string) sdktrace.ReadOnlySpan {
 	t.Helper()
 	var last sdktrace.ReadOnlySpan

@@ -81,10 +81,11 @@ func TestHandlerEndingTheTransactionRunsOnce(t *testing.T) {
 
 // TestFailedStatementIsNotEndedTransaction: a statement that fails inside idem's
 // transaction (a unique violation) leaves it failed, not ended: Postgres rolls it
-// back whole, nothing of the request commits, and the key is not settled. A 500
-// answer is sent as it is; a final 422 past the failed statement is 500
-// transaction_ended; either way nothing is stored and the retry runs the handler
-// again. Both modes, on a pool of one connection.
+// back whole and nothing of the handler's work commits. A 500 answer is sent as it
+// is and settles nothing: the retry runs the handler again. A final 422, the
+// handler's answer to the violation it caught, is stored like any other final
+// client error (its work is rolled back either way): the retry gets it replayed
+// and the handler never runs again. Both modes, on a pool of one connection.
 func TestFailedStatementIsNotEndedTransaction(t *testing.T) {
 	t.Parallel()
 	b := setupPooled(t, 1)
@@ -97,6 +98,7 @@ func TestFailedStatementIsNotEndedTransaction(t *testing.T) {
 			t.Error("the duplicate payment was inserted")
 		}
 		status, _ := strconv.Atoi(r.Header.Get("X-Status"))
+		w.Header().Set("Content-Type", "text/plain")
 		w.WriteHeader(status)
 		_, _ = w.Write([]byte("duplicate"))
 		return true
@@ -109,24 +111,31 @@ func TestFailedStatementIsNotEndedTransaction(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 				defer cancel()
 				calls := b.calls.Load()
-				for i := range 2 {
+				var answers []answer
+				for range 2 {
 					a, err := b.tryPost(ctx, path, "k", `{"amount": 1}`, hdr...)
 					require.NoError(t, err, "answered on a pool of one connection")
-					if status == http.StatusUnprocessableEntity {
-						problem(t, a, http.StatusInternalServerError, httpidem.CodeTransactionEnded)
-					} else {
-						require.Equal(t, status, a.Status, "%s", a)
-						require.Equal(t, "duplicate", string(a.Body))
-						require.False(t, a.Replayed)
+					answers = append(answers, a)
+				}
+				first, retry := answers[0], answers[1]
+				require.Equal(t, status, first.Status, "%s", first)
+				require.Equal(t, "duplicate", string(first.Body))
+				require.False(t, first.Replayed)
+				if status == http.StatusUnprocessableEntity {
+					requireSameAnswer(t, first, retry)
+					require.Equal(t, calls+1, b.calls.Load(), "the retry gets the stored 422")
+					require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE tenant = $1 AND key = 'k' AND state = 'failed'
+						AND error_code = 'http_422' AND response_status = 422 AND response_body = 'duplicate' AND lease_until IS NULL`, tenant))
+				} else {
+					require.Equal(t, first, retry, "not stored: the retry runs again and answers alike")
+					require.Equal(t, calls+2, b.calls.Load(), "the retry runs the handler again")
+					require.Zero(t, b.count(t, `SELECT count(*) FROM inbox WHERE tenant = $1 AND state <> 'processing'`, tenant), "the key is not settled")
+					if path == "/leased/payments" {
+						require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE tenant = $1 AND lease_until <= now()`, tenant), "the lease was given back")
 					}
-					require.Equal(t, calls+int64(i)+1, b.calls.Load(), "the retry runs the handler again")
 				}
 				require.Zero(t, b.count(t, `SELECT count(*) FROM payments WHERE tenant = $1`, tenant), "rolled back")
 				require.Zero(t, b.count(t, `SELECT count(*) FROM effects WHERE source_tenant = $1`, tenant), "rolled back")
-				require.Zero(t, b.count(t, `SELECT count(*) FROM inbox WHERE tenant = $1 AND state <> 'processing'`, tenant), "the key is not settled")
-				if path == "/leased/payments" {
-					require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE tenant = $1 AND lease_until <= now()`, tenant), "the lease was given back")
-				}
 				waitFor(t, 10*time.Second, "the connection back in the pool", func() bool { return b.mwPool.Stat().AcquiredConns() == 0 })
 			})
 		}

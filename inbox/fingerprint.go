@@ -70,6 +70,14 @@ const MaxJSONDepth = 10000
 // output is byte for byte the same as JCS's, so fingerprints made by earlier
 // versions stay valid. Numbers out of a double's range (1e400) are accepted.
 func Canonicalize(payload []byte, opts JSONOptions) ([]byte, error) {
+	if len(opts.Include) == 0 && len(opts.Exclude) == 0 && IsCanonical(payload) {
+		return slices.Clone(payload), nil
+	}
+	return canonicalize(payload, opts)
+}
+
+// canonicalize is Canonicalize without the shortcut for canonical payloads.
+func canonicalize(payload []byte, opts JSONOptions) ([]byte, error) {
 	p := parser{in: payload}
 	v, err := p.document()
 	if err != nil {

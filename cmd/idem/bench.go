@@ -58,6 +58,7 @@ idem bench --compare-shards 3 -n 10000`,
 			"Kafka brokers of the kafka-external setup, comma-separated (default $KAFKA_BROKERS; empty: that setup is not run)")
 		fs.StringVar(&setups, "setups", "", "setups to run, comma-separated (default all: "+joinSetups(benchkit.AllSetups)+
 			"; kafka-external only with --kafka-brokers)")
+		fs.StringVar(&o.ProfileDir, "profile-dir", "", "write a CPU profile and allocation profiles of each setup's timed part to this folder: <setup>.cpu.pprof, <setup>.allocs-start.pprof and <setup>.allocs.pprof (their difference: go tool pprof -sample_index=alloc_space -diff_base <setup>.allocs-start.pprof <setup>.allocs.pprof)")
 		fs.StringVar(&schema, "bench-schema", benchSchema, "schema the benchmark creates, marks as its own, and drops on its next run (it refuses any schema it did not create)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if b := strings.TrimSpace(kafkaBrokers); b != "" {
@@ -191,21 +192,30 @@ func runBench(ctx context.Context, e *env, o benchkit.Options, setupList, schema
 		}
 		return e.writeJSON(out)
 	}
-	tw := e.table("SETUP", "MSGS/S", "× BARE", "P50", "P99", "COMMITS/MSG", "ROUND TRIPS/MSG", "COMMITTED TWICE", "LOST", "PEAK HEAP")
+	tw := e.table("SETUP", "MSGS/S", "× BARE", "P50", "P99", "COMMITS/MSG", "ROUND TRIPS/MSG", "COMMITTED TWICE", "LOST", "PEAK HEAP",
+		"GO µs/MSG (GC)", "PG µs/MSG", "ALLOCS/MSG", "BYTES/MSG")
 	for _, r := range results {
 		ratio := "-"
 		if bare > 0 && r.Setup != benchkit.Drain {
 			ratio = fmt.Sprintf("%.2f", r.MsgsPerSec/bare)
 		}
-		fmt.Fprintf(tw, "%s\t%.0f\t%s\t%s\t%s\t%.2f\t%.2f\t%d\t%d\t%s\n", label(r.Setup), r.MsgsPerSec, ratio,
-			roundDur(r.P50), roundDur(r.P99), r.CommitsPerMsg, r.TripsPerMsg, r.CommittedTwice, r.Lost, mib(r.PeakHeapBytes))
+		pg := "-"
+		if r.CPU.PgMicros != nil {
+			pg = fmt.Sprintf("%.1f", *r.CPU.PgMicros)
+		}
+		fmt.Fprintf(tw, "%s\t%.0f\t%s\t%s\t%s\t%.2f\t%.2f\t%d\t%d\t%s\t%.1f (%.1f)\t%s\t%.0f\t%.0f\n", label(r.Setup), r.MsgsPerSec, ratio,
+			roundDur(r.P50), roundDur(r.P99), r.CommitsPerMsg, r.TripsPerMsg, r.CommittedTwice, r.Lost, mib(r.PeakHeapBytes),
+			r.CPU.GoMicros, r.CPU.GCMicros, pg, r.CPU.Allocs, r.CPU.AllocBytes)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintf(e.stdout, "\nmsgs/s counts deliveries (duplicates included); the dispatcher row counts effects and its\n"+
 		"latency is from the effect's commit to its send. Committed twice is expected only for the bare\n"+
-		"handler, which has no dedupe. Process max RSS: %s.\n", mib(uint64(maxRSS)))
+		"handler, which has no dedupe. The last four columns are per delivery (per effect for the\n"+
+		"dispatcher), over the timed part of each run: CPU time of this process (of it, the garbage\n"+
+		"collector's) and of the run's own Postgres backends (- when Postgres is not on this host),\n"+
+		"and this process's heap allocations. Process max RSS: %s.\n", mib(uint64(maxRSS)))
 	kafkaRows := false
 	for _, r := range results {
 		if r.Broker != "" {

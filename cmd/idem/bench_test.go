@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -54,6 +55,13 @@ func TestBench(t *testing.T) {
 			require.Zero(t, res.CommittedTwice, res.Setup)
 			require.Positive(t, res.RatioToBare)
 		}
+		// The cost per delivery: this process's CPU and allocations, and the CPU
+		// of the run's own Postgres backends (on this host in the tests).
+		require.Positive(t, res.CPU.GoMicros, res.Setup)
+		require.Positive(t, res.CPU.Allocs, res.Setup)
+		require.Positive(t, res.CPU.AllocBytes, res.Setup)
+		require.NotNil(t, res.CPU.PgMicros, res.Setup)
+		require.Positive(t, *res.CPU.PgMicros, res.Setup)
 		if res.Setup == benchkit.Kafka {
 			require.Contains(t, res.Broker, "kfake")
 			require.True(t, strings.HasPrefix(res.Topic, benchkit.TopicPrefix), res.Topic)
@@ -63,10 +71,21 @@ func TestBench(t *testing.T) {
 	require.Equal(t, 300, out.N)
 	require.Equal(t, 4, out.KafkaPartitions)
 
-	table := runCLI(t, "bench", "-n", "50", "--concurrency", "2", "--setups", "bare,idem",
+	profiles := t.TempDir()
+	table := runCLI(t, "bench", "-n", "50", "--concurrency", "2", "--setups", "bare,idem", "--profile-dir", profiles,
 		"--database-url", pgtest.URL(), "--bench-schema", benchSchema).ok(t)
 	require.Contains(t, table.stdout, "(b) idem")
 	require.Contains(t, table.stdout, "× BARE")
+	require.Contains(t, table.stdout, "GO µs/MSG (GC)")
+	require.Contains(t, table.stdout, "PG µs/MSG")
+	require.Contains(t, table.stdout, "ALLOCS/MSG")
+	for _, s := range []string{"bare", "idem"} {
+		for _, suffix := range []string{".cpu.pprof", ".allocs-start.pprof", ".allocs.pprof"} {
+			fi, err := os.Stat(filepath.Join(profiles, s+suffix))
+			require.NoError(t, err)
+			require.Positive(t, fi.Size(), s+suffix)
+		}
+	}
 	require.Contains(t, table.stderr, "idem bench: 50 messages per setup", "without --json, the notes and progress go to stderr")
 
 	bad := runCLI(t, "bench", "--setups", "nope", "--database-url", pgtest.URL(), "--bench-schema", benchSchema)

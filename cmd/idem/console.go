@@ -39,7 +39,7 @@ const defaultConsoleAddr = "127.0.0.1:8080"
 var consoleCmd = &command{
 	name:    "console",
 	args:    "[--addr HOST:PORT] [--read-only] [--allow-remote] [--allow-host NAME] [flags]",
-	summary: "Serve a web console: stats, dead and stuck effects with their errors, any key across inbox and effects, requeue",
+	summary: "Serve a web console: per-minute charts, stats, dead and stuck effects, any key across inbox and effects, requeue, failure groups with retry, discard and release",
 	example: `idem console                                 # http://127.0.0.1:8080/
 idem console --addr 127.0.0.1:9000 --read-only --schema idem
 IDEM_CONSOLE_TOKEN=$(openssl rand -hex 32) idem console --allow-remote --addr 0.0.0.0:8080 --allow-host idem.internal
@@ -52,13 +52,14 @@ request, reads included: $IDEM_CONSOLE_TOKEN (at least 32 characters), or one
 generated at start and printed on stderr with a URL to open
 (http://HOST:PORT/#token=...: the fragment never reaches a server or a log).
 Scripts send "Authorization: Bearer TOKEN". It serves plain HTTP: put a TLS
-proxy in front. --read-only hides the requeue button and refuses requeue
-requests on the server. A requeue needs the page's token and a same-origin
-request (CSRF protection); every requeue is logged on stderr.`,
+proxy in front. --read-only hides the requeue, retry, discard and release
+buttons and refuses those requests on the server. Each of them needs the
+page's token and a same-origin request (CSRF protection), and is logged on
+stderr; a failure group's action is also stored with its note.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var o consoleOptions
 		fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "address to listen on")
-		fs.BoolVar(&o.readOnly, "read-only", false, "show, but never change anything: no requeue")
+		fs.BoolVar(&o.readOnly, "read-only", false, "show, but never change anything: no requeue, retry, discard or release")
 		fs.BoolVar(&o.allowRemote, "allow-remote", false, "allow a non-loopback --addr, and require the access token ($"+consoleTokenEnv+", else generated and printed) for every API request")
 		fs.Var(&o.allowHosts, "allow-host", "a host name or IP address clients use to reach the console, accepted in the Host header besides its own address (repeatable, or comma-separated)")
 		return func(ctx context.Context, e *env, args []string) error {
@@ -182,9 +183,9 @@ func announceConsole(e *env, logger *slog.Logger, o consoleOptions, addr net.Add
 	const warning = "idem console: WARNING: --allow-remote: other machines may reach this console, over plain HTTP " +
 		"(put a TLS proxy in front of it, or use an SSH tunnel instead). Every API request needs the access token, " +
 		"and whoever has it can read the idem tables"
-	write := ", and requeue dead effects."
+	write := ", requeue dead effects, and retry, discard or release failure groups."
 	if o.readOnly {
-		write = " (read-only: no requeue)."
+		write = " (read-only: no requeue, retry, discard or release)."
 	}
 	hosts := strings.Join(append(consoleHosts(addr, host), o.allowHosts...), ", ")
 	login := url + "#token="
@@ -312,6 +313,7 @@ func newConsole(a *admin.Admin, cfg consoleConfig) (http.Handler, error) {
 	// says it comes from another site; the token covers old browsers that send
 	// neither.
 	mux.Handle("POST /api/requeue", http.NewCrossOriginProtection().Handler(http.HandlerFunc(c.requeue)))
+	c.failuresRoutes(mux)
 	if cfg.Token != "" {
 		mux.Handle("POST /api/login", http.NewCrossOriginProtection().Handler(http.HandlerFunc(c.login)))
 	}
@@ -346,7 +348,7 @@ func (c *console) guard(next http.Handler) http.Handler {
 }
 
 // publicPaths need no access token in remote mode.
-var publicPaths = map[string]bool{"/": true, "/index.html": true, "/app.js": true, "/style.css": true, "/api/login": true}
+var publicPaths = map[string]bool{"/": true, "/index.html": true, "/app.js": true, "/style.css": true, "/favicon.svg": true, "/api/login": true}
 
 func (c *console) hostAllowed(host string) bool {
 	for _, h := range c.cfg.Hosts {
@@ -461,8 +463,10 @@ func (c *console) fail(w http.ResponseWriter, r *http.Request, err error) {
 	switch {
 	case errors.Is(err, admin.ErrNotFound):
 		status = http.StatusNotFound
-	case errors.Is(err, admin.ErrNotDead):
+	case errors.Is(err, admin.ErrNotDead), errors.Is(err, admin.ErrGroupChanged):
 		status = http.StatusConflict
+	case errors.Is(err, admin.ErrWrongSource), errors.Is(err, admin.ErrNoteRequired):
+		status = http.StatusBadRequest
 	case isBadInput(err) || inbox.IsPermanent(err):
 		status = http.StatusBadRequest
 	case errors.Is(err, inbox.ErrSchemaMissing):
@@ -582,12 +586,7 @@ func (c *console) find(w http.ResponseWriter, r *http.Request) {
 }
 
 func (c *console) requeue(w http.ResponseWriter, r *http.Request) {
-	if c.cfg.ReadOnly {
-		writeError(w, http.StatusForbidden, "read_only", "this console is read-only (--read-only): it changes nothing")
-		return
-	}
-	if subtle.ConstantTimeCompare([]byte(r.Header.Get(tokenHeader)), []byte(c.token)) != 1 {
-		writeError(w, http.StatusForbidden, "bad_token", "missing or wrong "+tokenHeader+" header: reload the page")
+	if !c.writable(w, r) {
 		return
 	}
 	var id admin.EffectID

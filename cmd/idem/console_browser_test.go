@@ -142,6 +142,7 @@ func TestConsoleInBrowser(t *testing.T) {
 
 	srv := b.consoleServer(t, false)
 	browser := newBrowser(t)
+	jsErrors(t, browser)
 	shots := screenshotDir(t)
 	shot := func(name string) {
 		t.Helper()
@@ -220,6 +221,7 @@ func TestConsoleInBrowserReadOnly(t *testing.T) {
 	require.NoError(t, err)
 	srv := b.consoleServer(t, true)
 	browser := newBrowser(t)
+	jsErrors(t, browser)
 	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL)))
 	_, err = chromedp.Run(browser, chromedp.Poll[bool](`document.body.dataset.ready === "1" && document.querySelectorAll("#dead tr.effect").length === 2`,
 		chromedp.WithPollingTimeout(time.Minute)))
@@ -230,6 +232,17 @@ func TestConsoleInBrowserReadOnly(t *testing.T) {
 	mode, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.getElementById("mode").textContent`))
 	require.NoError(t, err)
 	require.Equal(t, "read-only", mode)
+	// The Failures page shows the groups and a group's detail, with no action.
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL+"/#failures")))
+	_, err = chromedp.Run(browser, chromedp.Poll[bool](`document.body.dataset.ready === "1" && document.querySelectorAll("#groups tr.group").length === 2`,
+		chromedp.WithPollingTimeout(time.Minute)))
+	require.NoError(t, err)
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.CSS(`#groups tr.group button.open`))))
+	_, err = chromedp.Run(browser, chromedp.Poll[bool](`document.getElementById("group-facts") !== null`, chromedp.WithPollingTimeout(30*time.Second)))
+	require.NoError(t, err)
+	n, err = chromedp.Run(browser, chromedp.Evaluate[int](`document.querySelectorAll("#group-detail button").length`))
+	require.NoError(t, err)
+	require.Zero(t, n)
 }
 
 // A console run with --allow-remote, in Chromium. Without the token the page

@@ -52,7 +52,8 @@ func TestConsoleRemoteNeedsToken(t *testing.T) {
 	}
 	reads := []string{"/api/session", "/api/stats", "/api/effects?state=dead", "/api/effects?stuck=1",
 		"/api/effect?tenant=acme&kind=email&key=receipt:1", "/api/inbox", "/api/inbox/key?consumer=c&key=k",
-		"/api/find?key=receipt:1", "/favicon.ico"}
+		"/api/find?key=receipt:1", "/api/activity", "/api/activity?window=day", "/api/failures",
+		"/api/failures/group?id=e-0102030405060708", "/favicon.ico"}
 	for name, h := range refused {
 		for _, path := range reads {
 			r := call(t, srv, "GET", path, "", h)
@@ -66,6 +67,9 @@ func TestConsoleRemoteNeedsToken(t *testing.T) {
 			post[k] = v
 		}
 		r := call(t, srv, "POST", "/api/requeue", `{"tenant": "acme", "kind": "email", "key": "receipt:1"}`, post)
+		require.Equal(t, http.StatusUnauthorized, r.status, "%s: %s", name, r.body)
+		require.Equal(t, "unauthorized", r.code(t))
+		r = call(t, srv, "POST", "/api/failures/action", `{"id": "e-0102030405060708", "action": "retry", "through": "2030-01-01T00:00:00Z", "why": "x"}`, post)
 		require.Equal(t, http.StatusUnauthorized, r.status, "%s: %s", name, r.body)
 		require.Equal(t, "unauthorized", r.code(t))
 	}

@@ -17,16 +17,35 @@ func EncodeHeader(h map[string][]string) []byte {
 		names = append(names, name)
 	}
 	slices.Sort(names)
-	var b bytes.Buffer
+	return AppendHeader(nil, h, names)
+}
+
+// AppendHeader appends to dst the lines EncodeHeader writes for the headers of h
+// named in names, which are sorted and unique (a stored-header allow-list), so
+// that storing a response's allow-listed headers needs no map of its own.
+func AppendHeader(dst []byte, h map[string][]string, names []string) []byte {
+	size := 0
 	for _, name := range names {
 		for _, v := range h[name] {
-			b.WriteString(name)
-			b.WriteString(": ")
-			b.WriteString(headerNewlines.Replace(v))
-			b.WriteString("\r\n")
+			size += len(name) + len(v) + 4
 		}
 	}
-	return b.Bytes()
+	if size == 0 {
+		return dst
+	}
+	dst = slices.Grow(dst, size)
+	for _, name := range names {
+		for _, v := range h[name] {
+			dst = append(dst, name...)
+			dst = append(dst, ": "...)
+			if strings.ContainsAny(v, "\r\n") {
+				v = headerNewlines.Replace(v)
+			}
+			dst = append(dst, v...)
+			dst = append(dst, "\r\n"...)
+		}
+	}
+	return dst
 }
 
 // DecodeHeader reads what EncodeHeader wrote.

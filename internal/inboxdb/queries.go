@@ -22,7 +22,7 @@ type Queries struct {
 	DeleteExpired                                 string
 
 	// The stored HTTP responses (httpidem).
-	ClaimReturningRow, MarkWait                           string
+	ClaimReturningRow, ClaimMarkedReturningRow            string
 	GetResponse, SaveResponse, FailResponse               string
 	CompleteLeaseResponse, FailLeaseResponse              string
 	SaveResponseOrFail, CompleteLeaseResponseOrFail       string
@@ -38,10 +38,11 @@ func New(schema string) Queries {
 		return failgroup.GroupSQL(consumer, tenant, code, masked)
 	}
 	// probe reads the rows of the keys in $1, $2, $3 (consumers, tenants, keys),
-	// one primary-key lookup each (see ClaimBatch), as claimBatch's rows.
-	probe := `SELECT false, i.consumer, i.tenant, i.key, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
+	// one primary-key lookup each (see ClaimBatch), with the place of each key in
+	// the arrays (from 1), as ClaimBatch's rows.
+	probe := `SELECT u.ord::int, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
 			i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
-		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
+		FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(consumer, tenant, key, ord)
 		CROSS JOIN LATERAL (
 			SELECT * FROM ` + t + ` i
 			WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
@@ -63,22 +64,30 @@ func New(schema string) Queries {
 				lease_until, fence, received_at, completed_at, expires_at, now()
 			FROM ` + t + ` WHERE consumer = $1 AND tenant = $2 AND key = $3`,
 		// The set-based claim of a group-commit batch (the consumer's). The keys
-		// come sorted, and ORDER BY ord (free: unnest WITH ORDINALITY yields that order)
-		// keeps the inserts, and so the row locks and the waits for concurrent
-		// claimers, in that order: two batches that share keys cannot deadlock. A row
-		// comes back for each key it inserted (claimed true), and for each key whose
-		// row the statement's snapshot sees (claimed false): rows committed before it
-		// began, such as the original of a redelivered message. The probe unnests the
-		// keys again (a CTE shared with the INSERT would be materialized and sorted),
-		// and is a LATERAL subquery on the primary key, one index lookup per key
-		// whatever the statistics say: OFFSET 0 keeps the planner from flattening it
-		// into a join, which it plans (and pgx's prepared statement caches) as a hash
-		// join over a sequential scan of the whole inbox while the table is new and
-		// not yet analyzed (TestClaimBatchPlanNeedsNoStatistics). The probe cannot
-		// see a row that a concurrent claimer committed while this INSERT waited for
-		// it; GetBatch reads those afterwards. Times are the database's; retention is
-		// in microseconds. failed, error_code, error and masked may be NULL arrays (no
-		// failure to record), which unnest pads with NULLs.
+		// come sorted, and the INSERT takes them in that order, and so the row locks
+		// and the waits for concurrent claimers: two batches that share keys cannot
+		// deadlock. The arrays are unnested in a select list, which yields their
+		// elements row by row, in order and in step (unnest in FROM would first copy
+		// every row into a tuplestore), with nothing between it and the INSERT that
+		// could reorder them; NULL arrays (failed, error_code, error and masked: no
+		// failure to record) pad with NULLs.
+		//
+		// It answers with a row for each key it did not insert, and none for the
+		// keys it claimed, which are most of them: ord (the key's place in the
+		// arrays, from 1) and, when the statement's snapshot sees the key's row (one
+		// committed before it began, such as the original of a redelivered message),
+		// that row; NULLs when it sees none (a concurrent claimer committed the row
+		// while this INSERT waited for it: GetBatch reads those afterwards). Whether
+		// a key was inserted is a lookup in a hash of the INSERT's own rows (the
+		// hashed subplan of IN), so the primary key is probed only for the keys
+		// that were not: the probe of a key inserted by the same statement would
+		// find its index entry and then read an invisible row. The probe is a
+		// LATERAL subquery on the primary key, one index lookup per key whatever
+		// the statistics say: OFFSET 0 keeps the planner from flattening it into a
+		// join, which it plans (and pgx's prepared statement caches) as a hash join
+		// over a sequential scan of the whole inbox while the table is new and not
+		// yet analyzed (TestClaimBatchPlanNeedsNoStatistics). Times are the
+		// database's; retention is in microseconds.
 		ClaimBatch: `WITH ins AS (
 				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
 					error_masked, error_group)
@@ -88,18 +97,27 @@ func New(schema string) Queries {
 					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END,
 					CASE WHEN failed THEN masked END,
 					CASE WHEN failed THEN ` + group("consumer", "tenant", "error_code", "masked") + ` END
-				FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bool[],
-						$6::text[], $7::text[], $8::bigint[], $9::text[]) WITH ORDINALITY
-					AS u(consumer, tenant, key, fingerprint, failed, error_code, error, retention_us, masked, ord)
-				ORDER BY ord
+				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
+						unnest($4::bytea[]) AS fingerprint, unnest($5::bool[]) AS failed,
+						unnest($6::text[]) AS error_code, unnest($7::text[]) AS error,
+						unnest($8::bigint[]) AS retention_us, unnest($9::text[]) AS masked) u
 				ON CONFLICT (consumer, tenant, key) DO NOTHING
 				RETURNING consumer, tenant, key
 			)
-			SELECT true, consumer, tenant, key, NULL::bytea, NULL::text, NULL::text, NULL::text, NULL::int,
-				NULL::timestamptz, NULL::bigint, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz
-			FROM ins
-			UNION ALL
-			` + probe,
+			SELECT k.ord::int, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
+				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
+			FROM (
+				SELECT u.*, (u.consumer, u.tenant, u.key) IN (SELECT consumer, tenant, key FROM ins) AS claimed
+				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
+						generate_subscripts($1::text[], 1) AS ord) u
+				OFFSET 0
+			) k
+			LEFT JOIN LATERAL (
+				SELECT * FROM ` + t + ` i
+				WHERE i.consumer = k.consumer AND i.tenant = k.tenant AND i.key = k.key
+				OFFSET 0
+			) i ON true
+			WHERE NOT k.claimed`,
 		GetBatch: probe,
 		// A processing row whose lease ran out is taken over in the same statement,
 		// fence + 1, so two deliveries can never both believe they hold the key. The
@@ -151,8 +169,17 @@ func New(schema string) Queries {
 			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)
 			ON CONFLICT (consumer, tenant, key) DO NOTHING
 			RETURNING ctid`,
-		// txmark.Mark and SET LOCAL lock_timeout, in one statement.
-		MarkWait: `SELECT set_config('lock_timeout', $1, true), set_config('idem.tx', 'on', true)`,
+		// The first claim of a request's transaction: ClaimReturningRow that also
+		// sets the transaction's lock_timeout ($6, in ms) and txmark.Mark, one
+		// statement where two cost each side a statement's work more. The settings
+		// come from the one row the INSERT reads, so they are in force before it can
+		// wait for a concurrent claimer of the key; set_config is volatile, so the
+		// planner neither drops nor pulls up that subquery.
+		ClaimMarkedReturningRow: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+			SELECT $1::text, $2::text, $3::text, $4::bytea, 'completed', now(), now() + $5::interval
+			FROM (SELECT set_config('lock_timeout', $6::text, true), set_config('idem.tx', 'on', true)) AS settings
+			ON CONFLICT (consumer, tenant, key) DO NOTHING
+			RETURNING ctid`,
 		GetResponse: `SELECT consumer, tenant, key, fingerprint, state, error_code, error, attempts,
 				lease_until, fence, received_at, completed_at, expires_at, now(),
 				response_status, response_headers, response_body, response_ref

@@ -12,12 +12,14 @@ package tracing
 
 import (
 	"context"
+	"reflect"
 	"strings"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // ScopeName is the instrumentation scope of every idem span.
@@ -47,6 +49,41 @@ func Tracer(tp trace.TracerProvider) trace.Tracer {
 	}
 	return tp.Tracer(ScopeName)
 }
+
+// Off reports whether tracing is off for tp (the global provider when tp is nil):
+// tp is the API's no-op provider, or the global provider is still OpenTelemetry's
+// default because the application has installed none. Every span started then
+// would be a no-op value that records nothing, and starting one still costs a
+// context and a span value (allocations on every message), so idem starts none:
+// the caller keeps its context as it is (which still carries any span context a
+// message brought, for effects to keep). It costs no allocation, and follows the
+// global provider: once the application installs one, Off reports false.
+//
+// OpenTelemetry's eBPF auto-instrumentation, which hooks the default global
+// tracer rather than installing a provider, sees none of idem's spans.
+func Off(tp trace.TracerProvider) bool {
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	switch tp.(type) {
+	case noop.TracerProvider, *noop.TracerProvider:
+		return true
+	}
+	// The default global provider (tp, or one captured before the application
+	// installed its own, which it delegates to from then on) is off until then.
+	return reflect.TypeOf(tp) == defaultGlobal && reflect.TypeOf(otel.GetTracerProvider()) == defaultGlobal
+}
+
+// defaultGlobal is the type of OpenTelemetry's default global provider, which
+// delegates to the provider the application installs; nil if one was installed
+// before this package was initialized (the default is never returned again then).
+var defaultGlobal = func() reflect.Type {
+	t := reflect.TypeOf(otel.GetTracerProvider())
+	if t.Kind() == reflect.Pointer && t.Elem().PkgPath() == "go.opentelemetry.io/otel/internal/global" {
+		return t
+	}
+	return nil
+}()
 
 // Propagator returns p, or the global propagator when p is nil (a no-op until the
 // application calls otel.SetTextMapPropagator, and following it from then on).

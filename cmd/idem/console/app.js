@@ -7,8 +7,12 @@
 
 const state = {
   session: null,
-  cursors: { dead: "", stuck: "" },
+  cursors: { dead: "", stuck: "", groups: "" },
   pending: null, // the effect the confirmation dialog is about
+  group: null, // the failure group shown
+  action: null, // the failure action the confirmation dialog is about, with its dry run
+  followed: null, // the retried effects being followed
+  window: "hour", // the activity charts' window
 };
 
 // show makes any text visible as text: control characters become \xNN.
@@ -256,11 +260,248 @@ async function inspect(key, tenant) {
     detail));
 }
 
+// --- activity charts (plain SVG) ---
+
+const charts = [
+  { id: "inbox", title: "Inbox keys settled", series: [["completed", "completed"], ["failed", "failed"]] },
+  { id: "effects", title: "Effects", series: [["sent", "sent"], ["dead", "dead"]] },
+  { id: "backlog", title: "Pending effects (backlog at each minute's end)", series: [["pending", "pending"]] },
+  { id: "oldest", title: "Oldest pending effect, age", series: [["oldest_pending_seconds", "oldest"]], age: true },
+];
+
+const svgNS = "http://www.w3.org/2000/svg";
+
+function svgEl(tag, attrs, ...children) {
+  const e = document.createElementNS(svgNS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  for (const c of children) e.append(typeof c === "string" ? document.createTextNode(c) : c);
+  return e;
+}
+
+function fmtMinute(iso) {
+  const d = new Date(iso);
+  return d.toISOString().slice(11, 16) + "Z";
+}
+
+// drawChart draws one chart: a line per series over the window's minutes, and a
+// dot with a tooltip (and data-at, data-value) on each minute that is not 0.
+function drawChart(spec, minutes) {
+  const W = 640, H = 170, left = 48, right = 8, top = 10, bottom = 22;
+  const values = spec.series.map(([field]) => minutes.map((m) => m[field]));
+  const top_ = Math.max(1, ...values.flat());
+  const x = (i) => left + (minutes.length > 1 ? i * (W - left - right) / (minutes.length - 1) : 0);
+  const y = (v) => top + (H - top - bottom) * (1 - v / top_);
+  const label = (v) => spec.age ? fmtAge(v) : String(v);
+  const svg = svgEl("svg", { class: "chart", id: "chart-" + spec.id, viewBox: "0 0 " + W + " " + H, role: "img", "aria-labelledby": "chart-" + spec.id + "-title" },
+    svgEl("title", { id: "chart-" + spec.id + "-title" }, spec.title + ", per minute from " + fmtMinute(minutes[0].at) + " to " + fmtMinute(minutes[minutes.length - 1].at)),
+    svgEl("line", { class: "axis", x1: left, y1: H - bottom, x2: W - right, y2: H - bottom }),
+    svgEl("line", { class: "axis", x1: left, y1: top, x2: left, y2: H - bottom }),
+    svgEl("text", { x: left - 4, y: top + 8, "text-anchor": "end", class: "ymax" }, label(top_)),
+    svgEl("text", { x: left - 4, y: H - bottom, "text-anchor": "end" }, "0"),
+    svgEl("text", { x: left, y: H - 6 }, fmtMinute(minutes[0].at)),
+    svgEl("text", { x: W - right, y: H - 6, "text-anchor": "end" }, fmtMinute(minutes[minutes.length - 1].at)));
+  spec.series.forEach(([field, name], s) => {
+    const g = svgEl("g", { class: "s-" + name, "data-series": name });
+    g.append(svgEl("polyline", { points: values[s].map((v, i) => x(i).toFixed(1) + "," + y(v).toFixed(1)).join(" ") }));
+    values[s].forEach((v, i) => {
+      if (!v) return;
+      g.append(svgEl("circle", { cx: x(i).toFixed(1), cy: y(v).toFixed(1), r: minutes.length > 120 ? 1.5 : 2.5, "data-at": minutes[i].at, "data-value": v },
+        svgEl("title", {}, fmtMinute(minutes[i].at) + " " + name + ": " + label(v))));
+    });
+    svg.append(g);
+  });
+  const legend = el("div", { class: "legend" }, ...spec.series.map(([, name]) => el("span", { class: "s-" + name, text: name })));
+  return el("figure", { class: "chart" }, el("figcaption", { text: spec.title }), svg, legend);
+}
+
+async function loadActivity() {
+  const a = await api("/api/activity?" + query({ window: state.window }));
+  document.getElementById("charts").replaceChildren(...charts.map((spec) => drawChart(spec, a.minutes)));
+  document.getElementById("charts").dataset.window = state.window;
+}
+
+function chooseWindow(w) {
+  state.window = w;
+  for (const b of document.querySelectorAll(".window button")) b.setAttribute("aria-pressed", String(b.dataset.window === w));
+  loadActivity().catch(showError);
+}
+
+// --- failures ---
+
+const verbs = {
+  retry: { button: "Retry", title: "Retry this group's dead effects?", plan: "requeue {n} dead effect(s): back to pending with their attempts reset, due now; a dispatcher sends them again with the same keys", done: "Requeued {n} dead effect(s)" },
+  discard: { button: "Discard", title: "Discard this group's dead effects?", plan: "discard {n} dead effect(s): they are never sent, and the janitor deletes them after the retention", done: "Discarded {n} dead effect(s)" },
+  release: { button: "Release", title: "Release this group's failed inbox keys?", plan: "release {n} failed inbox key(s): the next delivery or a republish of each runs the handler again", done: "Released {n} failed inbox key(s)" },
+};
+
+function sayN(text, n) { return text.replace("{n}", String(n)); }
+
+async function loadGroups(more) {
+  const params = { limit: "50", order: document.getElementById("groups-order").value };
+  const source = document.getElementById("groups-source").value;
+  if (source) params.source = source;
+  if (more) params.after = state.cursors.groups;
+  const page = await api("/api/failures?" + query(params));
+  const body = document.querySelector("#groups tbody");
+  if (!more) body.replaceChildren();
+  for (const g of page.groups) {
+    body.append(el("tr", { class: "group" + (g.id === state.group ? " selected" : ""), "data-group": g.id, "data-source": g.source },
+      td(g.id, "mono"), td(g.source === "inbox" ? "failed keys" : "dead effects"),
+      td(show(g.consumer || g.kind)), td(show(g.tenant)), td(show(g.code)), td(String(g.count), "num count"),
+      td(fmtTime(g.last_seen), "time"), td(show(g.masked_error), "err"),
+      el("td", {}, el("button", { type: "button", class: "open", text: "Open", onclick: () => openGroup(g.id).catch(showError) }))));
+  }
+  if (!more && page.groups.length === 0) {
+    body.append(el("tr", {}, el("td", { colspan: "9", class: "empty", text: "no failures: no failed inbox keys and no dead effects" })));
+  }
+  state.cursors.groups = page.next || "";
+  document.getElementById("groups-more").hidden = !page.next;
+}
+
+// openGroup shows one group: its counts, texts, sample keys, attempts and the
+// actions taken on it, with its repair buttons.
+async function openGroup(id) {
+  state.group = id;
+  for (const tr of document.querySelectorAll("#groups tr.group")) tr.classList.toggle("selected", tr.dataset.group === id);
+  const g = await api("/api/failures/group?" + query({ id }));
+  const out = document.getElementById("group-detail");
+  const effects = g.source === "effects";
+  const pairs = [
+    ["Group", g.id], ["Source", effects ? "dead effects" : "failed inbox keys"],
+    [effects ? "Kind" : "Consumer", show(g.consumer || g.kind)], ["Tenant", show(g.tenant)],
+    ["Count", String(g.count)],
+  ];
+  if (g.count > 0) {
+    pairs.push(["Code", show(g.code)], ["First seen", fmtTime(g.first_seen)], ["Last seen", fmtTime(g.last_seen)],
+      ["Error (masked)", show(g.masked_error)], ["Example (newest)", show(g.example_error)]);
+  }
+  const parts = [el("h3", { text: "Group " + g.id }), detailList(pairs)];
+  const dl = parts[1];
+  dl.id = "group-facts";
+  if (g.count === 0) parts.push(el("p", { class: "muted", text: "This group holds no failures now." }));
+  if (g.count > 0 && state.session && !state.session.read_only) {
+    const buttons = el("div", { class: "buttons" });
+    for (const action of effects ? ["retry", "discard"] : ["release"]) {
+      buttons.append(el("button", { type: "button", class: "action-" + action + (action === "discard" ? " danger" : ""),
+        text: verbs[action].button + "…", onclick: () => planAction(g, action).catch(showError) }));
+    }
+    parts.push(buttons);
+  }
+  if (g.sample_keys.length) {
+    parts.push(el("h3", { text: "Sample keys (newest first)" }), el("p", { class: "mono sample-keys", text: g.sample_keys.map(show).join(", ") }));
+  }
+  if (g.attempts && g.attempts.length) {
+    const t = el("table", { class: "attempts" }, el("thead", {}, el("tr", {}, el("th", { class: "num", text: "Attempts made" }), el("th", { class: "num", text: "Effects" }))), el("tbody"));
+    for (const a of g.attempts) t.tBodies[0].append(el("tr", {}, td(String(a.attempts), "num"), td(String(a.effects), "num")));
+    parts.push(el("h3", { text: "Attempts" }), t);
+  }
+  if (g.actions && g.actions.length) {
+    const t = el("table", { id: "group-actions" },
+      el("thead", {}, el("tr", {}, ...["At", "Action", "Rows", "Through", "By", "Note"].map((h) => el("th", { text: h })))), el("tbody"));
+    for (const x of g.actions) {
+      t.tBodies[0].append(el("tr", {}, td(fmtTime(x.at), "time"), td(x.action), td(String(x.rows), "num"),
+        td(fmtTime(x.through), "time"), td(show(x.who)), td(show(x.why), "err")));
+    }
+    parts.push(el("h3", { text: "Actions taken (newest first)" }), t);
+  }
+  const followed = state.followed && state.followed.group === id ? state.followed.node : null;
+  out.replaceChildren(...present(...parts, followed));
+}
+
+// planAction asks for the dry run of an action, bound to the group's last
+// failure as it was shown, and opens the confirmation with what it would touch.
+async function planAction(g, action) {
+  const plan = await api("/api/failures/action", {
+    method: "POST",
+    headers: { "Content-Type": "application/json", "X-Idem-Token": state.session.token },
+    body: JSON.stringify({ id: g.id, action, through: g.last_seen, dry_run: true }),
+  });
+  if (plan.rows === 0) {
+    showError(new Error("group " + g.id + " has no failures up to " + fmtTime(plan.through) + ": nothing to " + action));
+    return;
+  }
+  state.action = { g, action, plan };
+  document.getElementById("failure-confirm-title").textContent = verbs[action].title;
+  document.getElementById("failure-confirm-plan").textContent =
+    "This will " + sayN(verbs[action].plan, plan.rows) + ". Only the group's failures up to " + fmtTime(plan.through) +
+    " are taken; if more arrived since, nothing is changed and you are asked to look again.";
+  const more = plan.rows > plan.keys.length ? ", and " + (plan.rows - plan.keys.length) + " more" : "";
+  document.getElementById("failure-confirm-keys").textContent = "Keys: " + plan.keys.map(show).join(", ") + more;
+  document.getElementById("failure-note").value = "";
+  document.getElementById("failure-ok").textContent = verbs[action].button + " " + plan.rows;
+  const dialog = document.getElementById("failure-confirm");
+  dialog.dataset.rows = String(plan.rows);
+  dialog.showModal();
+}
+
+async function takeAction(p) {
+  const { g, action, plan } = p;
+  const res = await api("/api/failures/action", {
+    method: "POST",
+    headers: { "Content-Type": "application/json", "X-Idem-Token": state.session.token },
+    body: JSON.stringify({
+      id: g.id, action, through: plan.through, at_most: plan.rows,
+      who: document.getElementById("failure-who").value, why: document.getElementById("failure-note").value,
+    }),
+  });
+  showError(null);
+  state.followed = null;
+  if (action === "retry" && res.keys.length) {
+    // Follow the requeued effects (the first ones the plan names) until sent.
+    const t = el("table", { id: "followed", class: "effects" },
+      el("thead", {}, el("tr", {}, ...["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error"].map((h) => el("th", { text: h })))), el("tbody"));
+    const node = el("div", {}, el("h3", { text: sayN(verbs[action].done, res.rows) + ": following them" }), t);
+    state.followed = { group: g.id, node };
+    for (const key of res.keys) {
+      t.tBodies[0].append(effectRow({ tenant: g.tenant, kind: g.kind, key, state: "pending", attempts: 0, max_attempts: "?", created_at: null, last_error: "" }, {}));
+    }
+    followRetried(g, t);
+  }
+  const note = el("p", { id: "action-result", class: "result", text: sayN(verbs[action].done, res.rows) + " (action " + res.action_id + ")" });
+  await Promise.all([loadGroups(false), openGroup(g.id)]);
+  document.getElementById("group-detail").prepend(note);
+}
+
+// followRetried polls the retried effects until none is pending, for up to two
+// minutes.
+async function followRetried(g, table) {
+  const deadline = Date.now() + 120000;
+  while (Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 500));
+    let pending = 0;
+    for (const tr of table.tBodies[0].rows) {
+      let e;
+      try { e = await api("/api/effect?" + query({ tenant: tr.dataset.tenant, kind: tr.dataset.kind, key: tr.dataset.key })); } catch (err) { showError(err); return; }
+      fillEffectRow(tr, e, {});
+      if (e.state === "pending") pending++;
+    }
+    if (pending === 0) break;
+  }
+  loadStats().catch(showError);
+}
+
+// --- pages ---
+
+function showView() {
+  const view = location.hash === "#failures" ? "failures" : "overview";
+  document.body.dataset.view = view;
+  for (const v of ["overview", "failures"]) {
+    const a = document.getElementById("nav-" + v);
+    if (v === view) a.setAttribute("aria-current", "page"); else a.removeAttribute("aria-current");
+  }
+  if (view === "failures") loadGroups(false).catch(showError);
+}
+
 // --- start ---
 
 async function refreshAll() {
   try {
-    await Promise.all([loadStats(), loadEffects("dead", false), loadEffects("stuck", false)]);
+    const loads = [loadStats(), loadActivity(), loadEffects("dead", false), loadEffects("stuck", false)];
+    if (document.body.dataset.view === "failures") {
+      loads.push(loadGroups(false));
+      if (state.group) loads.push(openGroup(state.group));
+    }
+    await Promise.all(loads);
     showError(null);
   } catch (err) {
     showError(err);
@@ -350,9 +591,25 @@ async function start() {
     state.pending = null;
     if (p && dialog.returnValue === "ok") requeue(p);
   });
+  const failureDialog = document.getElementById("failure-confirm");
+  failureDialog.addEventListener("close", () => {
+    const p = state.action;
+    state.action = null;
+    if (p && failureDialog.returnValue === "ok") takeAction(p).catch((err) => { showError(err); openGroup(p.g.id).catch(showError); });
+  });
+  document.getElementById("groups-filter").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    loadGroups(false).catch(showError);
+  });
+  document.getElementById("groups-more").addEventListener("click", () => loadGroups(true).catch(showError));
+  for (const b of document.querySelectorAll(".window button")) b.addEventListener("click", () => chooseWindow(b.dataset.window));
+  window.addEventListener("hashchange", showView);
+  showView();
   await refreshAll();
   document.body.setAttribute("data-ready", "1");
   setInterval(() => loadStats().catch(showError), 10000);
+  // The hour's charts follow; the day's (a heavier read) change on Refresh.
+  setInterval(() => { if (document.body.dataset.view !== "failures" && state.window === "hour") loadActivity().catch(showError); }, 30000);
 }
 
 document.addEventListener("DOMContentLoaded", start);

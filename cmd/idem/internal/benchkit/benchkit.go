@@ -118,6 +118,12 @@ type Options struct {
 	KafkaMinBytes  int
 	KafkaFetchWait time.Duration
 
+	// ProfileDir, when set, receives a CPU profile and allocation profiles of
+	// each setup's timed part: <setup>.cpu.pprof, and <setup>.allocs-start.pprof
+	// and <setup>.allocs.pprof, whose difference is the run's allocations
+	// (go tool pprof -sample_index=alloc_space -diff_base <setup>.allocs-start.pprof <setup>.allocs.pprof).
+	ProfileDir string
+
 	pool *pgxpool.Pool
 }
 
@@ -138,6 +144,9 @@ type Result struct {
 	CommittedTwice int    `json:"committed_twice"`
 	Lost           int    `json:"lost"`
 	PeakHeapBytes  uint64 `json:"peak_heap_bytes"`
+	// CPU is the run's cost per delivery (per effect for the Dispatcher): CPU
+	// time of this process and of the run's Postgres backends, and allocations.
+	CPU CPU `json:"per_delivery"`
 	// Broker is the broker a Kafka setup ran on, and Topic the topic and consumer
 	// group it made (and deleted).
 	Broker string `json:"broker,omitempty"`
@@ -283,6 +292,11 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 	expected := int(float64(o.N) * (1 + o.DupRate))
 	var peak uint64
 	var ms runtime.MemStats
+	m, err := startMeter(ctx, o, setup, pool)
+	if err != nil {
+		return Result{}, err
+	}
+	defer m.close()
 	start := time.Now()
 	step := max(o.N/100, 1)
 	for i := range o.N {
@@ -321,6 +335,10 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 		time.Sleep(time.Millisecond)
 	}
 	elapsed := time.Since(start)
+	cpu, err := m.stop(ctx, total)
+	if err != nil {
+		return Result{}, err
+	}
 	if o.Progress != nil {
 		o.Progress(total, total)
 	}
@@ -329,7 +347,7 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 
 	res = Result{Setup: setup, Messages: o.N, Deliveries: total, Elapsed: elapsed,
 		MsgsPerSec: float64(total) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),
-		PeakHeapBytes: peak}
+		PeakHeapBytes: peak, CPU: cpu}
 	res.CommitsPerMsg = float64(counter.n.Load()-commitsBefore) / float64(total)
 	res.TripsPerMsg = float64(counter.trips.Load()-tripsBefore) / float64(total)
 	if err := countBusiness(ctx, pool, o, &res); err != nil {
@@ -425,6 +443,8 @@ func openPool(ctx context.Context, o Options, tracer pgx.QueryTracer) (*pgxpool.
 	}
 	cfg.MaxConns = cmp.Or(o.MaxConns, int32(o.Concurrency)+4)
 	cfg.ConnConfig.Tracer = tracer
+	// The run's own backends, whose CPU time the meter reads.
+	cfg.ConnConfig.RuntimeParams["application_name"] = newAppName()
 	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
@@ -544,6 +564,11 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, 1)
+	m, err := startMeter(ctx, o, Drain, pool)
+	if err != nil {
+		return Result{}, err
+	}
+	defer m.close()
 	start := time.Now()
 	before, tripsBefore := counter.n.Load(), counter.trips.Load()
 	go func() { done <- d.Run(runCtx) }()
@@ -570,6 +595,10 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 		}
 	}
 	elapsed := time.Since(start)
+	cpu, err := m.stop(ctx, pending)
+	if err != nil {
+		return Result{}, err
+	}
 	cancel()
 	<-done
 	n := int(sent.Load())
@@ -577,7 +606,7 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 		MsgsPerSec: float64(pending) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),
 		CommitsPerMsg:  float64(counter.n.Load()-before) / float64(pending),
 		TripsPerMsg:    float64(counter.trips.Load()-tripsBefore) / float64(pending),
-		CommittedTwice: n - pending}, nil
+		CommittedTwice: n - pending, CPU: cpu}, nil
 }
 
 // histogram keeps latencies in log-spaced buckets (about 2% wide), so memory is

@@ -6,12 +6,14 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	mrand "math/rand/v2"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -198,6 +200,11 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 	var ms runtime.MemStats
 	step := max(o.N/100, 1)
 	chunk := make([]*message.Message, 0, o.KafkaChunk)
+	m, err := startMeter(ctx, o, setup, pool)
+	if err != nil {
+		return Result{}, err
+	}
+	defer m.close()
 	start := time.Now()
 	add := func(m *message.Message) bool {
 		select {
@@ -256,6 +263,9 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 		return Result{}, fmt.Errorf("%s: %w", res.Broker, err)
 	}
 	elapsed := time.Since(start)
+	if res.CPU, err = m.stop(ctx, total); err != nil {
+		return Result{}, err
+	}
 	if o.Progress != nil {
 		o.Progress(total, total)
 	}
@@ -275,18 +285,37 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 }
 
 // createTopic makes topic, and fails if it exists: a Kafka setup never writes to
-// a topic it did not make.
+// a topic it did not make. A request that fails in transport (a broker that
+// closed an idle connection: broken pipe, reset, EOF) is sent again, twice at
+// most; if the lost request had made the topic, the retry finds it existing, and
+// since the name carries the run's random id, that topic is this run's own.
 func createTopic(ctx context.Context, client *kafkago.Client, topic string, partitions int) error {
-	r, err := client.CreateTopics(ctx, &kafkago.CreateTopicsRequest{Topics: []kafkago.TopicConfig{{
-		Topic: topic, NumPartitions: partitions, ReplicationFactor: -1,
-	}}})
-	if err != nil {
-		return fmt.Errorf("create topic %s: %w", topic, err)
+	for attempt := 0; ; attempt++ {
+		r, err := client.CreateTopics(ctx, &kafkago.CreateTopicsRequest{Topics: []kafkago.TopicConfig{{
+			Topic: topic, NumPartitions: partitions, ReplicationFactor: -1,
+		}}})
+		if err != nil {
+			if attempt < 2 && transient(err) {
+				continue
+			}
+			return fmt.Errorf("create topic %s: %w", topic, err)
+		}
+		err = r.Errors[topic]
+		if err != nil && attempt > 0 && errors.Is(err, kafkago.TopicAlreadyExists) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("create topic %s: %w", topic, err)
+		}
+		return nil
 	}
-	if err := r.Errors[topic]; err != nil {
-		return fmt.Errorf("create topic %s: %w", topic, err)
-	}
-	return nil
+}
+
+// transient reports whether err is a connection lost in transport, which a
+// request can be sent again after.
+func transient(err error) bool {
+	return errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 // cleanupKafka deletes the run's consumer group and topic (they share a name).

@@ -1,4 +1,4 @@
--- idem 007: the effects' wake-up is sent by the statements that insert effects
+-- idem 008: the effects' wake-up is sent by the statements that insert effects
 -- (pg_notify in the insert), not by a statement trigger on the table, so every
 -- statement idem issues stays a plain single-shard statement that a distributed
 -- Postgres could route (a trigger on a sharded table runs on the workers, whose

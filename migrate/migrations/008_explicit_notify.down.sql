@@ -1,4 +1,4 @@
--- Reverts 007: the statement trigger that wakes the dispatchers comes back, for
+-- Reverts 008: the statement trigger that wakes the dispatchers comes back, for
 -- binaries that do not notify themselves.
 CREATE FUNCTION /* schema */idem_effects_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$

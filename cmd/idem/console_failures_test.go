@@ -1,0 +1,378 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/chromedp/cdproto/log"
+	"github.com/chromedp/cdproto/runtime"
+	"github.com/chromedp/chromedp"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/admin"
+	"github.com/idemkit/idem/effects"
+)
+
+// jsErrors collects what the page reports as an error: an uncaught exception, a
+// console.error, and a browser log entry of level error (a blocked script, a
+// resource that failed to load, a CSP violation). The test fails on any at its end.
+func jsErrors(t *testing.T, browser context.Context) {
+	t.Helper()
+	var mu sync.Mutex
+	var errs []string
+	require.NoError(t, chromedp.Listen(browser, func(ev any) {
+		var msg string
+		switch ev := ev.(type) {
+		case *runtime.EventExceptionThrown:
+			msg = "exception: " + ev.ExceptionDetails.Text
+			if ev.ExceptionDetails.Exception != nil {
+				msg += " " + ev.ExceptionDetails.Exception.Description
+			}
+		case *runtime.EventConsoleAPICalled:
+			if ev.Type != runtime.ConsoleAPICalledTypeError && ev.Type != runtime.ConsoleAPICalledTypeAssert {
+				return
+			}
+			var parts []string
+			for _, a := range ev.Args {
+				parts = append(parts, string(a.Value)+a.Description)
+			}
+			msg = "console." + string(ev.Type) + ": " + strings.Join(parts, " ")
+		case *log.EventEntryAdded:
+			if ev.Entry.Level != log.EntryLevelError {
+				return
+			}
+			msg = "log: " + ev.Entry.Text + " " + ev.Entry.URL
+		default:
+			return
+		}
+		mu.Lock()
+		errs = append(errs, msg)
+		mu.Unlock()
+	}))
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(errs) > 0 {
+			t.Errorf("the page reported %d JavaScript error(s):\n%s", len(errs), strings.Join(errs, "\n"))
+		}
+	})
+}
+
+// TestConsoleFailuresInBrowser drives the Failures page in headless Chromium. A
+// provider rejects every receipt (one group of dead effects), the SMS provider
+// every number (another), and a payment fails for good (a group of failed inbox
+// keys). The provider is fixed; the operator opens the receipts' group, sees the
+// dry run's count in the confirmation, gives a note, and retries it: a real
+// Dispatcher sends each receipt once more, the page follows them to done, and the
+// group's count falls to 0. The other groups are untouched, and the page logs no
+// JavaScript error.
+func TestConsoleFailuresInBrowser(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+
+	var broken atomic.Bool
+	broken.Store(true)
+	var mu sync.Mutex
+	sends := map[string]int{}
+	count := func(d effects.Delivery) {
+		mu.Lock()
+		defer mu.Unlock()
+		sends[d.Kind+" "+d.Key]++
+	}
+	email := effects.SenderFunc(func(ctx context.Context, d effects.Delivery) error {
+		count(d)
+		if broken.Load() {
+			return effects.Permanent(fmt.Errorf(`provider: 422 payload rejected: field "amount" of %s must be an integer`, d.Key))
+		}
+		return nil
+	})
+	sms := effects.SenderFunc(func(ctx context.Context, d effects.Delivery) error {
+		count(d)
+		return effects.Permanent(fmt.Errorf("twilio: 21211 invalid To number %s", d.Key))
+	})
+	d, err := effects.NewDispatcher(effects.Config{Pool: b.pool, Schema: b.schema,
+		Senders: map[string]effects.Sender{"email": email, "sms": sms}, PollInterval: 200 * time.Millisecond})
+	require.NoError(t, err)
+	dctx, stopDispatcher := context.WithCancel(ctx)
+	dispatched := make(chan error, 1)
+	go func() { dispatched <- d.Run(dctx) }()
+	t.Cleanup(func() {
+		stopDispatcher()
+		require.NoError(t, <-dispatched)
+	})
+
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	scope := effects.Scope{Schema: b.schema, Source: effects.Source{Tenant: "acme"}}
+	for i := 1; i <= 3; i++ {
+		_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:pay_%d", i), Payload: []byte(`{"amount":"12.00"}`)})
+		require.NoError(t, err)
+	}
+	for i := 1; i <= 2; i++ {
+		_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "sms", Key: fmt.Sprintf("text:+4470000000%d", i), Payload: []byte(`{}`)})
+		require.NoError(t, err)
+	}
+	require.NoError(t, tx.Commit(ctx))
+	b.process("acme", "pay_bad", "bad")
+	deadCount := func(kind string) int {
+		var n int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE kind = $1 AND state = 'dead'`, kind).Scan(&n))
+		return n
+	}
+	deadline := time.Now().Add(time.Minute)
+	for deadCount("email") != 3 || deadCount("sms") != 2 {
+		require.True(t, time.Now().Before(deadline), "the effects did not go dead")
+		time.Sleep(50 * time.Millisecond)
+	}
+	broken.Store(false) // the provider is fixed
+
+	a, err := admin.New(admin.Config{Pool: b.pool, Schema: b.schema})
+	require.NoError(t, err)
+	groups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, groups.Groups, 3)
+	ids := map[string]string{}
+	for _, g := range groups.Groups {
+		ids[g.Place()] = g.ID
+	}
+	emailGroup, smsGroup, inboxGroup := ids["email"], ids["sms"], ids["payments"]
+	require.NotEmpty(t, emailGroup)
+	require.NotEmpty(t, smsGroup)
+	require.NotEmpty(t, inboxGroup)
+
+	srv := b.consoleServer(t, false)
+	browser := newBrowser(t)
+	jsErrors(t, browser)
+	shots := screenshotDir(t)
+	shot := func(name string) {
+		t.Helper()
+		png, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
+		require.NoError(t, err)
+		path := filepath.Join(shots, name)
+		require.NoError(t, os.WriteFile(path, png, 0o644))
+		t.Logf("screenshot: %s", path)
+	}
+	js := func(expr string) string {
+		t.Helper()
+		s, err := chromedp.Run(browser, chromedp.Evaluate[string](expr))
+		require.NoError(t, err, expr)
+		return s
+	}
+	wait := func(expr string, timeout time.Duration) {
+		t.Helper()
+		_, err := chromedp.Run(browser, chromedp.Poll[bool](expr, chromedp.WithPollingTimeout(timeout), chromedp.WithPollingInterval(100*time.Millisecond)))
+		require.NoError(t, err, "waiting for %s", expr)
+	}
+	groupRow := func(id string) string { return `#groups tr[data-group="` + id + `"]` }
+
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL+"/#failures")))
+	wait(`document.body.dataset.ready === "1" && document.querySelectorAll("#groups tr.group").length === 3`, time.Minute)
+	require.Equal(t, "failures", js(`document.body.dataset.view`))
+	require.Equal(t, "none", js(`getComputedStyle(document.getElementById("dead-section")).display`), "one page at a time")
+	require.Equal(t, "3", js(`document.querySelector('`+groupRow(emailGroup)+` td.count').textContent`))
+	require.Equal(t, "2", js(`document.querySelector('`+groupRow(smsGroup)+` td.count').textContent`))
+	require.Contains(t, js(`document.querySelector('`+groupRow(emailGroup)+` td.err').textContent`), `provider: <n> payload rejected: field "…" of receipt:pay_<n> must be an integer`)
+	shot("failures.png")
+
+	// The inbox group offers release only; the effects group retry and discard.
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.CSS(groupRow(inboxGroup)+` button.open`))))
+	wait(`document.querySelector("#group-detail h3") && document.querySelector("#group-detail h3").textContent === "Group `+inboxGroup+`"`, 30*time.Second)
+	require.Equal(t, "1 0 0", js(`[".action-release", ".action-retry", ".action-discard"].map((s) => document.querySelectorAll("#group-detail " + s).length).join(" ")`))
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.CSS(groupRow(emailGroup)+` button.open`))))
+	wait(`document.querySelector("#group-detail h3").textContent === "Group `+emailGroup+`"`, 30*time.Second)
+	require.Contains(t, js(`document.querySelector("#group-detail .sample-keys").textContent`), "receipt:pay_3")
+	require.Equal(t, "0 1 1", js(`[".action-release", ".action-retry", ".action-discard"].map((s) => document.querySelectorAll("#group-detail " + s).length).join(" ")`))
+
+	// Retry: the confirmation shows the dry run's count and keys, and wants a note.
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.CSS(`#group-detail .action-retry`))))
+	wait(`document.getElementById("failure-confirm").open`, 10*time.Second)
+	require.Equal(t, "3", js(`document.getElementById("failure-confirm").dataset.rows`))
+	require.Contains(t, js(`document.getElementById("failure-confirm-plan").textContent`), "requeue 3 dead effect(s)")
+	require.Equal(t, "Keys: receipt:pay_1, receipt:pay_2, receipt:pay_3", js(`document.getElementById("failure-confirm-keys").textContent`))
+	require.Equal(t, "Retry 3", js(`document.getElementById("failure-ok").textContent`))
+	// Without a note the form does not submit: nothing changes.
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.ID("failure-ok"))))
+	require.Equal(t, "true", js(`String(document.getElementById("failure-confirm").open)`))
+	require.Equal(t, 3, deadCount("email"), "nothing happens before the confirmation")
+	require.NoError(t, chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.ID("failure-who"), "ann"),
+		chromedp.SendKeys(chromedp.ID("failure-note"), "INC-42: the provider takes string amounts again"),
+	))
+	shot("failures-confirm.png")
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.ID("failure-ok"))))
+
+	// The Dispatcher sends them, the page follows them to done, and the group's
+	// count falls to 0 with its action on record.
+	wait(`document.querySelectorAll("#followed tbody tr").length === 3 && [...document.querySelectorAll("#followed td.state")].every((c) => c.textContent === "done")`, 2*time.Minute)
+	wait(`(() => { const dt = [...document.querySelectorAll("#group-facts dt")].find((d) => d.textContent === "Count"); return dt && dt.nextElementSibling.textContent === "0"; })()`, 30*time.Second)
+	require.Contains(t, js(`document.getElementById("action-result").textContent`), "Requeued 3 dead effect(s)")
+	require.Contains(t, js(`document.querySelector("#group-actions tbody").textContent`), "INC-42: the provider takes string amounts again")
+	require.Equal(t, "0", js(`String(document.querySelectorAll('`+groupRow(emailGroup)+`').length)`), "the emptied group leaves the list")
+	require.Equal(t, "2", js(`document.querySelector('`+groupRow(smsGroup)+` td.count').textContent`))
+	require.Equal(t, "1", js(`String(document.querySelectorAll('`+groupRow(inboxGroup)+`').length)`))
+	shot("failures-retried.png")
+
+	// In the tables: each receipt sent once more (one failed send, one good one),
+	// the SMS and the failed payment untouched, one audited action.
+	var done int
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE kind = 'email' AND state = 'done' AND attempts = 1`).Scan(&done))
+	require.Equal(t, 3, done)
+	require.Equal(t, 2, deadCount("sms"))
+	var failed int
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM inbox WHERE state = 'failed'`).Scan(&failed))
+	require.Equal(t, 1, failed)
+	mu.Lock()
+	require.Equal(t, map[string]int{"email receipt:pay_1": 2, "email receipt:pay_2": 2, "email receipt:pay_3": 2,
+		"sms text:+44700000001": 1, "sms text:+44700000002": 1}, sends)
+	mu.Unlock()
+	var who, why string
+	var rows int64
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT who, why, affected FROM failure_actions WHERE action = 'retry'`).Scan(&who, &why, &rows))
+	require.Equal(t, int64(3), rows)
+	require.True(t, strings.HasPrefix(who, "ann (console, 127.0.0.1)"), who)
+	require.Equal(t, "INC-42: the provider takes string amounts again", why)
+	t.Logf("screenshots are in %s", shots)
+}
+
+// The failures API of the console: the list and one group read; an action needs
+// the page's token, a writable console, the right source and a note, and its dry
+// run changes nothing.
+func TestConsoleFailuresAPI(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	b.process("acme", "pay_bad", "bad")
+	srv := b.consoleServer(t, false)
+	var session sessionJSON
+	require.NoError(t, json.Unmarshal(call(t, srv, "GET", "/api/session", "", nil).body, &session))
+
+	r := call(t, srv, "GET", "/api/failures", "", nil)
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	var groups admin.GroupPage
+	require.NoError(t, json.Unmarshal(r.body, &groups))
+	require.Len(t, groups.Groups, 1)
+	g := groups.Groups[0]
+	require.Equal(t, int64(1), g.Count)
+	r = call(t, srv, "GET", "/api/failures/group?id="+g.ID, "", nil)
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	require.Equal(t, "bad_filter", call(t, srv, "GET", "/api/failures/group?id=nope", "", nil).code(t))
+
+	through := g.LastSeen.Format(time.RFC3339Nano)
+	body := func(action string, dry bool, why string) string {
+		return fmt.Sprintf(`{"id":%q,"action":%q,"through":%q,"dry_run":%t,"at_most":1,"who":"ann","why":%q}`, g.ID, action, through, dry, why)
+	}
+	token := map[string]string{"X-Idem-Token": session.Token, "Content-Type": "application/json"}
+	require.Equal(t, "bad_token", call(t, srv, "POST", "/api/failures/action", body("release", false, "fixed"), nil).code(t))
+	require.Equal(t, "wrong_source", call(t, srv, "POST", "/api/failures/action", body("retry", false, "fixed"), token).code(t))
+	require.Equal(t, "note_required", call(t, srv, "POST", "/api/failures/action", body("release", false, ""), token).code(t))
+	require.Equal(t, "bad_request", call(t, srv, "POST", "/api/failures/action", body("explode", false, "x"), token).code(t))
+	r = call(t, srv, "POST", "/api/failures/action", body("release", true, ""), token)
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	var plan admin.ActionResult
+	require.NoError(t, json.Unmarshal(r.body, &plan))
+	require.Equal(t, int64(1), plan.Rows)
+	require.Equal(t, []string{"pay_bad"}, plan.Keys)
+	var n int
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM inbox WHERE state = 'failed'`).Scan(&n))
+	require.Equal(t, 1, n, "a dry run changes nothing")
+
+	ro := b.consoleServer(t, true)
+	require.Equal(t, "read_only", call(t, ro, "POST", "/api/failures/action", body("release", false, "fixed"), token).code(t))
+
+	r = call(t, srv, "POST", "/api/failures/action", body("release", false, "fixed"), token)
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM inbox WHERE state = 'failed'`).Scan(&n))
+	require.Zero(t, n)
+	// The emptied group still answers, with its count at 0 and its action.
+	r = call(t, srv, "GET", "/api/failures/group?id="+g.ID, "", nil)
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	var empty admin.FailureGroup
+	require.NoError(t, json.Unmarshal(r.body, &empty))
+	require.Zero(t, empty.Count)
+	require.Equal(t, "payments", empty.Consumer)
+	require.Len(t, empty.Actions, 1)
+	require.Equal(t, "fixed", empty.Actions[0].Why)
+}
+
+// TestConsoleChartsInBrowser: the overview's charts, drawn as plain SVG from the
+// activity API, show a seeded minute: the keys completed and failed ten minutes
+// ago, the effects sent five minutes ago, the backlog and the age of its oldest
+// effect; over the last hour and over the last day, with no JavaScript error.
+func TestConsoleChartsInBrowser(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, completed_at, expires_at)
+		SELECT 'payments', 'k' || g, '\x00', CASE WHEN g <= 3 THEN 'completed' ELSE 'failed' END,
+			date_trunc('minute', now()) - interval '10 minutes' + g * interval '5 seconds', now() + interval '1 day'
+		FROM generate_series(1, 4) g;
+		INSERT INTO effects (kind, key, fingerprint, state, created_at, done_at) VALUES
+		('email', 'sent1', '\x00', 'done', date_trunc('minute', now()) - interval '7 minutes', date_trunc('minute', now()) - interval '5 minutes' + interval '10 seconds'),
+		('email', 'sent2', '\x00', 'done', date_trunc('minute', now()) - interval '7 minutes', date_trunc('minute', now()) - interval '5 minutes' + interval '20 seconds'),
+		('email', 'waiting', '\x00', 'pending', date_trunc('minute', now()) - interval '30 minutes', NULL)`)
+	require.NoError(t, err)
+	var m10, m5 time.Time
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT date_trunc('minute', now()) - interval '10 minutes', date_trunc('minute', now()) - interval '5 minutes'`).Scan(&m10, &m5))
+
+	srv := b.consoleServer(t, false)
+	browser := newBrowser(t)
+	jsErrors(t, browser)
+	js := func(expr string) string {
+		t.Helper()
+		s, err := chromedp.Run(browser, chromedp.Evaluate[string](expr))
+		require.NoError(t, err, expr)
+		return s
+	}
+	wait := func(expr string) {
+		t.Helper()
+		_, err := chromedp.Run(browser, chromedp.Poll[bool](expr, chromedp.WithPollingTimeout(time.Minute), chromedp.WithPollingInterval(100*time.Millisecond)))
+		require.NoError(t, err, "waiting for %s", expr)
+	}
+	// point is the value of series' dot at minute, "" when there is none.
+	point := func(chart, series string, minute time.Time) string {
+		return js(fmt.Sprintf(`(() => { const c = [...document.querySelectorAll('#chart-%s g[data-series="%s"] circle')].find((c) => new Date(c.dataset.at).getTime() === %d); return c ? c.dataset.value : ""; })()`,
+			chart, series, minute.UnixMilli()))
+	}
+	check := func(window string, minutes int) {
+		t.Helper()
+		wait(`document.getElementById("charts").dataset.window === "` + window + `" && document.querySelectorAll("#charts svg").length === 4`)
+		require.Equal(t, fmt.Sprint(minutes), js(`String(document.querySelector('#chart-inbox g[data-series="completed"] polyline').getAttribute("points").split(" ").length)`))
+		require.Equal(t, "3", point("inbox", "completed", m10))
+		require.Equal(t, "1", point("inbox", "failed", m10))
+		require.Equal(t, "", point("inbox", "completed", m5))
+		require.Equal(t, "2", point("effects", "sent", m5))
+		require.Equal(t, "", point("effects", "dead", m5))
+		// At the end of minute M-10 the two sent (enqueued at M-7) had not come
+		// yet: the one waiting since M-30 is the backlog, 21 minutes old.
+		require.Equal(t, "1", point("backlog", "pending", m10))
+		require.Equal(t, "3", point("backlog", "pending", m5.Add(-time.Minute)))
+		require.Equal(t, "1260", point("oldest", "oldest", m10))
+		require.Contains(t, js(`document.querySelector('#chart-inbox circle[data-value="3"] title').textContent`), "completed: 3")
+		require.Contains(t, js(`document.querySelector('#chart-oldest title').textContent`), "Oldest pending effect")
+	}
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL)))
+	wait(`document.body.dataset.ready === "1"`)
+	check("hour", 60)
+	shots := screenshotDir(t)
+	png, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(shots, "console-charts.png"), png, 0o644))
+
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.ID("window-day"))))
+	check("day", 1440)
+	require.Equal(t, "true", js(`document.getElementById("window-day").getAttribute("aria-pressed")`))
+	png, err = chromedp.Run(browser, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(shots, "console-charts-day.png"), png, 0o644))
+
+	r := call(t, srv, "GET", "/api/activity?window=week", "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, "bad_filter", r.code(t))
+}
