@@ -162,6 +162,8 @@ func flagKind(f *flag.Flag) (string, string) {
 		name = "string"
 	case *hostList:
 		name = "name"
+	case *shardFlags:
+		name = "name=URL[,schema=S]"
 	}
 	return name, usage
 }

@@ -114,7 +114,7 @@ func responseSummary(r *admin.Response) string {
 
 // effectsTable prints effects as a table: inspect, find and effects list share it.
 func (e *env) effectsTable(effs []admin.Effect) error {
-	tw := e.table("TENANT", "KIND", "KEY", "STATE", "ATTEMPTS", "CREATED", "NEXT ATTEMPT / DONE", "LAST ERROR")
+	tw := e.rowsTable("TENANT", "KIND", "KEY", "STATE", "ATTEMPTS", "CREATED", "NEXT ATTEMPT / DONE", "LAST ERROR")
 	for _, x := range effs {
 		when := ts(&x.NextAttemptAt)
 		switch x.State {
@@ -123,7 +123,7 @@ func (e *env) effectsTable(effs []admin.Effect) error {
 		case "dead":
 			when = "-"
 		}
-		row(tw, dash(printable(x.Tenant)), x.Kind, printable(x.Key), x.State, fmt.Sprintf("%d/%d", x.Attempts, x.MaxAttempts),
+		e.shardRow(tw, x.Shard, dash(printable(x.Tenant)), x.Kind, printable(x.Key), x.State, fmt.Sprintf("%d/%d", x.Attempts, x.MaxAttempts),
 			ts(&x.CreatedAt), when, clip(x.LastError, 60))
 	}
 	return tw.Flush()
