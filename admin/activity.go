@@ -98,6 +98,9 @@ func (a *Admin) Activity(ctx context.Context, window time.Duration) (*Activity, 
 	if window < MinActivityWindow || window > MaxActivityWindow {
 		return nil, errorf(ErrBadFilter, "activity window %s: use from %s to %s", window, MinActivityWindow, MaxActivityWindow)
 	}
+	if a.shards != nil {
+		return a.shardedActivity(ctx, window)
+	}
 	n := int((window + time.Minute - 1) / time.Minute)
 	var now, minute time.Time
 	if err := a.db.QueryRow(ctx, `SELECT now(), date_trunc('minute', now())`).Scan(&now, &minute); err != nil {

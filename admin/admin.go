@@ -18,6 +18,7 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/promreg"
+	"github.com/idemkit/idem/shard"
 )
 
 // DB is what the API runs its statements on: a *pgxpool.Pool, a *pgx.Conn or a
@@ -67,6 +68,11 @@ type Config struct {
 	// MetricsInterval is how long the failure metrics reuse one reading of the
 	// tables (DefaultMetricsInterval when 0).
 	MetricsInterval time.Duration
+	// Shards, in place of Pool and Schema, makes the Admin read and act on every
+	// shard of the map: lists merge the shards' rows in key order with a cursor
+	// that carries each shard's position, and every row names its shard. A shard
+	// that does not answer is an error naming it (see ErrShardUnavailable).
+	Shards *shard.Map
 }
 
 // WithDefaults returns c with every unset field at its default.
@@ -82,6 +88,12 @@ func (c Config) WithDefaults() Config {
 // Validate reports what New would refuse in c: no Pool, a bad schema, a negative
 // stuck threshold. It checks c.WithDefaults(), so a config with a Pool passes.
 func (c Config) Validate() error {
+	if c.Shards != nil {
+		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
+			return err
+		}
+		c.Pool = c.Shards.Shards[0].Pool
+	}
 	c = c.WithDefaults()
 	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
@@ -106,16 +118,30 @@ type Admin struct {
 	// the statements without them.
 	legacy atomic.Bool
 	old    queries
+	// shards are the Admins of each shard of Config.Shards (nil for one
+	// database); name is a shard Admin's shard.
+	shards []*Admin
+	name   string
 }
 
 // New returns an Admin that runs on cfg.Pool, or an error that wraps "invalid
 // config".
 func New(cfg Config) (*Admin, error) {
-	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	a := &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}
+	cfg = cfg.WithDefaults()
+	var a *Admin
+	if cfg.Shards != nil {
+		a = &Admin{cfg: cfg}
+		for _, s := range cfg.Shards.Shards {
+			c := cfg
+			c.Shards, c.Pool, c.Schema, c.Registerer = nil, s.Pool, s.SchemaName(), nil
+			a.shards = append(a.shards, newAdmin(c, s.Name))
+		}
+	} else {
+		a = newAdmin(cfg, "")
+	}
 	var err error
 	promreg.Register(cfg.Registerer, newFailureMetrics(a), &err)
 	if err != nil {
@@ -124,7 +150,12 @@ func New(cfg Config) (*Admin, error) {
 	return a, nil
 }
 
-// Schema is the schema the Admin reads.
+func newAdmin(cfg Config, name string) *Admin {
+	return &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false), name: name}
+}
+
+// Schema is the schema the Admin reads (with Config.Shards, the default one: each
+// shard has its own).
 func (a *Admin) Schema() string { return a.cfg.Schema }
 
 // Error is an idem error with a stable code, such as "not_dead"; compare with
@@ -208,6 +239,9 @@ func (a *Admin) inboxQueries(fn func(q *queries) error) error {
 // dispatchers are notified. An effect that is not dead is ErrNotDead, one that does
 // not exist ErrNotFound; either way nothing changed.
 func (a *Admin) Requeue(ctx context.Context, id EffectID) error {
+	if a.shards != nil {
+		return a.shardedRequeue(ctx, id)
+	}
 	n, err := effects.RequeueDead(ctx, a.db, a.cfg.Schema, effects.RequeueFilter{
 		Tenant: id.Tenant, TenantExact: true, Kind: id.Kind, Key: id.Key,
 	})
@@ -227,6 +261,9 @@ func (a *Admin) Requeue(ctx context.Context, id EffectID) error {
 // RequeueDead brings every dead effect that f picks back to pending and returns how
 // many; see effects.RequeueDead for the filter's rules.
 func (a *Admin) RequeueDead(ctx context.Context, f effects.RequeueFilter) (int64, error) {
+	if a.shards != nil {
+		return a.shardedRequeueDead(ctx, f)
+	}
 	n, err := effects.RequeueDead(ctx, a.db, a.cfg.Schema, f)
 	return n, a.wrap(err)
 }
@@ -251,6 +288,9 @@ type Audit struct {
 // ErrLeaseHeld; a missing one is ErrNotFound. Every forget is logged at warn level
 // with the key, its state and fingerprint, who and why.
 func (a *Admin) Forget(ctx context.Context, id inbox.ID, audit Audit) (*InboxKey, error) {
+	if a.shards != nil {
+		return a.shardedForget(ctx, id, audit)
+	}
 	if err := id.Validate(); err != nil {
 		return nil, err
 	}

@@ -468,7 +468,7 @@ func TestInspectHTTPKey(t *testing.T) {
 	req.Header.Set("Idempotency-Key", "k-1")
 	resp, err := srv.Client().Do(req)
 	require.NoError(t, err)
-	resp.Body.Close()
+	require.NoError(t, resp.Body.Close())
 
 	id := inbox.ID{Consumer: "POST /payments", Tenant: "acct_42", Key: "k-1"}
 	got, err := a.InspectInbox(ctx, id, admin.InspectOptions{})

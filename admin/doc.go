@@ -21,6 +21,12 @@
 //     and the pending backlog with its oldest age, over the last hour or day, each
 //     read from a range of a partial index (the console's charts).
 //
+// Over a shard map (Config.Shards) every read and action runs on each shard: lists
+// merge the shards' pages with a cursor carrying each shard's position, Stats sums
+// and lists each shard, one key is looked up on every shard, a failure group acts
+// on each shard's rows; a shard that does not answer is an error naming it
+// (ShardError, ErrShardUnavailable), never a silent gap. See shards.go.
+//
 // What it guarantees: every statement is SQL of this package with bind parameters,
 // on a validated and quoted schema; reads take no locks that a consumer or a
 // dispatcher waits on; times (ages, leases, "stuck") are the database's clock. An

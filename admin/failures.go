@@ -101,6 +101,9 @@ type FailureGroup struct {
 	// Actions are the repair actions taken on the group so far, newest first
 	// (Group only).
 	Actions []FailureAction `json:"actions,omitempty"`
+	// Shard is the shard the group was read on (an Admin over a shard map); Group
+	// names every shard that holds some of its failures, comma-separated.
+	Shard string `json:"shard,omitempty"`
 }
 
 // Place is the group's consumer or kind.
@@ -187,6 +190,9 @@ func clip(s string) string {
 // Failures recorded before the schema had failure groups (migration 006) are put
 // in their groups first, in batches, if the API's role may update them.
 func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
+	if a.shards != nil {
+		return a.shardedListGroups(ctx, f, p)
+	}
 	inboxOn, effectsOn, err := f.sources()
 	if err != nil {
 		return nil, err
@@ -248,8 +254,8 @@ func (f GroupFilter) sources() (inboxOn, effectsOn bool, err error) {
 	default:
 		return false, false, errorf(ErrBadFilter, "failure source %q: use %s or %s", f.Source, SourceInbox, SourceEffects)
 	}
-	inboxOn = f.Source != SourceEffects && !(f.Kind != "" && f.Consumer == "")
-	effectsOn = f.Source != SourceInbox && !(f.Consumer != "" && f.Kind == "")
+	inboxOn = f.Source != SourceEffects && (f.Kind == "" || f.Consumer != "")
+	effectsOn = f.Source != SourceInbox && (f.Consumer == "" || f.Kind != "")
 	if !inboxOn && !effectsOn {
 		return false, false, errorf(ErrBadFilter, "a consumer filters inbox groups, a kind effects groups: source %s lists neither", f.Source)
 	}
@@ -281,6 +287,9 @@ func scanGroup(r pgx.Row) (FailureGroup, error) {
 // that holds no failure (in the range) is ErrNotFound; its actions stay readable
 // with ListActions.
 func (a *Admin) Group(ctx context.Context, id string, seen TimeRange) (*FailureGroup, error) {
+	if a.shards != nil {
+		return a.shardedGroup(ctx, id, seen)
+	}
 	g, err := parseGroupID(id)
 	if err != nil {
 		return nil, err
@@ -352,6 +361,9 @@ type ActionResult struct {
 	Who  string    `json:"who,omitempty"`
 	Why  string    `json:"why,omitempty"`
 	At   time.Time `json:"at"`
+	// Shards are the rows changed on each shard (an Admin over a shard map); the
+	// ActionID is then "shard/id" of each shard's stored action, comma-separated.
+	Shards map[string]int64 `json:"shards,omitempty"`
 }
 
 // RetryGroup brings the dead effects of an effects group that died in the action's
@@ -382,6 +394,9 @@ func (a *Admin) ReleaseGroup(ctx context.Context, act GroupAction) (*ActionResul
 }
 
 func (a *Admin) act(ctx context.Context, action, source string, act GroupAction) (*ActionResult, error) {
+	if a.shards != nil {
+		return a.shardedAct(ctx, action, source, act)
+	}
 	g, err := parseGroupID(act.ID)
 	if err != nil {
 		return nil, err
@@ -450,6 +465,8 @@ type FailureAction struct {
 	Rows    int64     `json:"rows"`
 	Who     string    `json:"who"`
 	Why     string    `json:"why"`
+	// Shard is the shard that stored it (an Admin over a shard map).
+	Shard string `json:"shard,omitempty"`
 }
 
 // ActionFilter picks stored repair actions; zero fields do not filter.
@@ -469,6 +486,9 @@ type ActionPage struct {
 // ListActions returns one page of the stored repair actions, newest first: the
 // audit trail of retries, discards and releases.
 func (a *Admin) ListActions(ctx context.Context, f ActionFilter, p Page) (*ActionPage, error) {
+	if a.shards != nil {
+		return a.shardedListActions(ctx, f, p)
+	}
 	var hash []byte
 	if f.Group != "" {
 		g, err := parseGroupID(f.Group)

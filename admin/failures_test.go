@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // failKeys records n failed inbox keys of consumer through the inbox store, the
@@ -69,11 +70,11 @@ func (b *testBundle) dispatchUntil(t *testing.T, senders map[string]effects.Send
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 20*time.Second, cond, func() bool {
 		var ok bool
 		require.NoError(t, b.pool.QueryRow(context.Background(), cond).Scan(&ok))
 		return ok
-	}, 20*time.Second, 10*time.Millisecond, cond)
+	})
 	cancel()
 	require.NoError(t, <-done)
 }

@@ -2,6 +2,7 @@ package admin
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"time"
 
@@ -89,29 +90,44 @@ func (m *failureMetrics) Collect(ch chan<- prometheus.Metric) {
 func (m *failureMetrics) read() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	rows, err := m.a.db.Query(ctx, m.a.q.failureMetrics)
-	if err != nil {
-		return m.a.wrap(err)
+	// Over a shard map, the figures are the sums of every shard's, and a shard
+	// that does not answer keeps the last values of all.
+	parts := m.a.shards
+	if parts == nil {
+		parts = []*Admin{m.a}
+	}
+	inbox, effects, actions := map[string]float64{}, map[string]float64{}, map[string]float64{}
+	for _, a := range parts {
+		rows, err := a.db.Query(ctx, a.q.failureMetrics)
+		if err != nil {
+			return a.wrap(err)
+		}
+		var what, name string
+		var n float64
+		_, err = pgx.ForEachRow(rows, []any{&what, &name, &n}, func() error {
+			switch what {
+			case SourceInbox:
+				inbox[name] += n
+			case SourceEffects:
+				effects[name] += n
+			default:
+				actions[name] += n
+			}
+			return nil
+		})
+		if err != nil {
+			return a.wrap(err)
+		}
 	}
 	// A consumer or kind seen once stays, at 0 when it has nothing left.
 	for c := range m.inbox {
-		m.inbox[c] = 0
+		m.inbox[c] = inbox[c]
 	}
 	for k := range m.effects {
-		m.effects[k] = 0
+		m.effects[k] = effects[k]
 	}
-	var what, name string
-	var n float64
-	_, err = pgx.ForEachRow(rows, []any{&what, &name, &n}, func() error {
-		switch what {
-		case SourceInbox:
-			m.inbox[name] = n
-		case SourceEffects:
-			m.effects[name] = n
-		default:
-			m.actions[name] = n
-		}
-		return nil
-	})
-	return m.a.wrap(err)
+	maps.Copy(m.inbox, inbox)
+	maps.Copy(m.effects, effects)
+	maps.Copy(m.actions, actions)
+	return nil
 }

@@ -19,6 +19,9 @@ type Stats struct {
 	Schema    string          `json:"schema"`
 	Consumers []ConsumerStats `json:"consumers"`
 	Effects   []KindStats     `json:"effects"`
+	// Shards are each shard's own figures, and which shard did not answer (an
+	// Admin over a shard map; the figures above are their sums).
+	Shards []ShardStats `json:"shards,omitempty"`
 }
 
 // ConsumerStats counts one consumer's inbox rows by state.
@@ -65,6 +68,9 @@ func (k KindStats) OldestPendingAge() time.Duration {
 // Stats counts the inbox rows per consumer and state, and the effects per kind and
 // state, with the age of the oldest pending one. It scans both tables.
 func (a *Admin) Stats(ctx context.Context) (*Stats, error) {
+	if a.shards != nil {
+		return a.shardedStats(ctx)
+	}
 	rows, err := a.db.Query(ctx, a.q.consumerStats)
 	if err != nil {
 		return nil, a.wrap(err)
@@ -174,6 +180,9 @@ var inboxStates = []string{"", string(inbox.StateCompleted), string(inbox.StateF
 // Paging is by keyset: a key inserted or deleted between two pages never makes
 // another key appear twice or go missing.
 func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*InboxPage, error) {
+	if a.shards != nil {
+		return a.shardedListInbox(ctx, f, p)
+	}
 	if !slices.Contains(inboxStates, f.State) {
 		return nil, errorf(ErrBadFilter, "inbox state %q: use completed, failed or processing", f.State)
 	}
@@ -234,6 +243,9 @@ var effectStates = []string{"", "pending", "done", "dead", "discarded"}
 // ListEffects returns one page of the effects that f picks, in primary key order,
 // paged by keyset like ListInbox.
 func (a *Admin) ListEffects(ctx context.Context, f EffectFilter, p Page) (*EffectPage, error) {
+	if a.shards != nil {
+		return a.shardedListEffects(ctx, f, p)
+	}
 	if !slices.Contains(effectStates, f.State) {
 		return nil, errorf(ErrBadFilter, "effect state %q: use pending, done, dead or discarded", f.State)
 	}
@@ -280,6 +292,9 @@ type Inspection struct {
 // InspectInbox reads one inbox key, its stored HTTP response if it has one, and the
 // effects that its message or request made. A missing key is ErrNotFound.
 func (a *Admin) InspectInbox(ctx context.Context, id inbox.ID, o InspectOptions) (*Inspection, error) {
+	if a.shards != nil {
+		return a.shardedInspectInbox(ctx, id, o)
+	}
 	if err := id.Validate(); err != nil {
 		return nil, err
 	}
@@ -309,6 +324,9 @@ func (a *Admin) InspectInbox(ctx context.Context, id inbox.ID, o InspectOptions)
 
 // InspectEffect reads one effect; a missing one is ErrNotFound.
 func (a *Admin) InspectEffect(ctx context.Context, id EffectID) (*Effect, error) {
+	if a.shards != nil {
+		return a.shardedInspectEffect(ctx, id)
+	}
 	e, err := a.scanEffect(a.db.QueryRow(ctx, a.q.getEffect, id.Tenant, id.Kind, id.Key))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errorf(ErrNotFound, "no effect %s", id)
@@ -339,6 +357,9 @@ type FindFilter struct {
 // most FindLimit of each. It probes the primary keys once per distinct (consumer,
 // tenant) and (tenant, kind) pair, so it does not scan the tables.
 func (a *Admin) Find(ctx context.Context, key string, f FindFilter) (*Found, error) {
+	if a.shards != nil {
+		return a.shardedFind(ctx, key, f)
+	}
 	if key == "" {
 		return nil, errorf(ErrBadFilter, "find needs a key")
 	}

@@ -47,6 +47,8 @@ type InboxKey struct {
 	// Response is the stored answer of an HTTP key (package httpidem); nil for a
 	// message's key.
 	Response *Response `json:"response,omitempty"`
+	// Shard is the shard the row was read on (an Admin over a shard map).
+	Shard string `json:"shard,omitempty"`
 	// Now is the database's clock when the row was read: compare ages and leases
 	// with it, never with the local clock.
 	Now time.Time `json:"-"`
@@ -109,6 +111,8 @@ type Effect struct {
 	// Stuck says why a pending effect looks stuck, "" when it does not (see
 	// Config.StuckAfter and StuckAttempts).
 	Stuck string `json:"stuck,omitempty"`
+	// Shard is the shard the row was read on (an Admin over a shard map).
+	Shard string `json:"shard,omitempty"`
 	// Now is the database's clock when the row was read.
 	Now time.Time `json:"-"`
 }

@@ -328,6 +328,62 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 	return r, nil
 }
 
+// Sum adds up reports of disjoint key sets: the tenants of a run, or the shards of
+// a run over several databases, each audited on its own. Deliveries and
+// DuplicatesSuppressed are added where every report measured them, and are -1
+// otherwise. The result is named consumer.
+func Sum(consumer string, reports ...Report) Report {
+	s := Report{Consumer: consumer, businessKnown: true, effectsKnown: true, sendsKnown: true}
+	for i, r := range reports {
+		if i == 0 {
+			s.Deliveries, s.DuplicatesSuppressed = r.Deliveries, r.DuplicatesSuppressed
+		} else {
+			s.Deliveries = addMeasured(s.Deliveries, r.Deliveries)
+			s.DuplicatesSuppressed = addMeasured(s.DuplicatesSuppressed, r.DuplicatesSuppressed)
+		}
+		s.Messages += r.Messages
+		s.InboxCompleted += r.InboxCompleted
+		s.InboxFailed += r.InboxFailed
+		s.InboxProcessing += r.InboxProcessing
+		s.CommittedOnce += r.CommittedOnce
+		s.CommittedTwice += r.CommittedTwice
+		s.Failed += r.Failed
+		s.Lost += r.Lost
+		s.Unexpected += r.Unexpected
+		s.EffectsDone += r.EffectsDone
+		s.EffectsDead += r.EffectsDead
+		s.EffectsPending += r.EffectsPending
+		s.EffectsMissing += r.EffectsMissing
+		s.SendsOnce += r.SendsOnce
+		s.SendsRepeated += r.SendsRepeated
+		s.SendsMissing += r.SendsMissing
+		s.SendsTotal += r.SendsTotal
+		for _, k := range r.LostKeys {
+			s.LostKeys = sample(s.LostKeys, k)
+		}
+		for _, k := range r.DuplicatedKeys {
+			s.DuplicatedKeys = sample(s.DuplicatedKeys, k)
+		}
+		for _, k := range r.MissingEffectKeys {
+			s.MissingEffectKeys = sample(s.MissingEffectKeys, k)
+		}
+		for _, k := range r.MissingSendKeys {
+			s.MissingSendKeys = sample(s.MissingSendKeys, k)
+		}
+		s.businessKnown = s.businessKnown && r.businessKnown
+		s.effectsKnown = s.effectsKnown && r.effectsKnown
+		s.sendsKnown = s.sendsKnown && r.sendsKnown
+	}
+	return s
+}
+
+func addMeasured(a, b int64) int64 {
+	if a < 0 || b < 0 {
+		return -1
+	}
+	return a + b
+}
+
 func sample(keys []string, k string) []string {
 	if len(keys) < 10 {
 		keys = append(keys, k)

@@ -72,6 +72,20 @@ INSERT INTO emails (effect_key) VALUES ('receipt:once'), ('receipt:twice'), ('re
 	}
 	require.Contains(t, rep.String(), "FAIL")
 
+	// Reports of disjoint key sets (the shards of a run) add up, failures and all;
+	// a report whose deliveries were not measured leaves the sum unmeasured.
+	ok := chaos.Report{Consumer: "payments", Messages: 2, CommittedOnce: 2, Deliveries: 5, DuplicatesSuppressed: 3}
+	sum := chaos.Sum("all shards", rep, ok)
+	require.Equal(t, "all shards", sum.Consumer)
+	require.Equal(t, [4]int{8, 5, 1, 1}, [4]int{sum.Messages, sum.CommittedOnce, sum.CommittedTwice, sum.Lost})
+	require.Equal(t, []string{"lost"}, sum.LostKeys)
+	require.Equal(t, [2]int{2, 3}, [2]int{sum.EffectsMissing, sum.SendsMissing})
+	require.EqualValues(t, 5+q.Deliveries, sum.Deliveries)
+	require.False(t, sum.OK())
+	require.ErrorContains(t, sum.Err(), "1 lost")
+	require.EqualValues(t, -1, chaos.Sum("x", rep, chaos.Report{Deliveries: -1}).Deliveries)
+	require.True(t, chaos.Sum("x", ok, ok).OK())
+
 	// Without a business count the inbox stands in for it.
 	q.BusinessSQL = ""
 	rep, err = a.Report(ctx, q)

@@ -4,12 +4,9 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -17,11 +14,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// A re-executed test binary plays a worker process that the parent test kills.
-// TestMain sends it here when envChild is set. Roles:
+// A child process (internal/childproc) plays a worker that the parent test kills,
+// on the parent's schema. Roles:
 //
 //	consumer: reads one key per line on stdin, runs the payment message through
 //	          the flavour's stack (crash middleware outside, idem or the peer
@@ -30,46 +28,39 @@ import (
 //	sender:   sends the due email effects once, then exits 0.
 //
 // Crash points come from chaos.EnvCrash, as in a user's own test.
-const (
-	envSchema  = "IDEM_CHAOS_TEST_SCHEMA"
-	envFlavour = "IDEM_CHAOS_TEST_FLAVOUR"
-	// childWorkers is how many messages a consumer process handles at once.
-	childWorkers = 3
-)
-
-func runChild(role string) int {
-	ctx := context.Background()
-	schema := os.Getenv(envSchema)
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	if err != nil {
-		return fail(err)
-	}
-	cfg.MaxConns = childWorkers
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return fail(err)
-	}
-	defer pool.Close()
-	switch role {
-	case "sender":
-		if _, err := sendEmails(ctx, pool, 200*time.Millisecond); err != nil {
-			return fail(err)
+var childRoles = map[string]childproc.Role{
+	"consumer": func(ctx context.Context, p childproc.Params) error {
+		pool, err := childPool(ctx, p["schema"])
+		if err != nil {
+			return err
 		}
-		return 0
-	case "consumer":
-		return runConsumerChild(pool, schema, flavour(os.Getenv(envFlavour)))
+		defer pool.Close()
+		runConsumerChild(pool, p["schema"], flavour(p["flavour"]))
+		return nil
+	},
+	"sender": func(ctx context.Context, p childproc.Params) error {
+		pool, err := childPool(ctx, p["schema"])
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		_, err = sendEmails(ctx, pool, 200*time.Millisecond)
+		return err
+	},
+}
+
+// childWorkers is how many messages a consumer process handles at once.
+const childWorkers = 3
+
+func childPool(ctx context.Context, schema string) (*pgxpool.Pool, error) {
+	cfg, err := pgtest.ConfigFor(schema, pgtest.Options{MaxConns: childWorkers})
+	if err != nil {
+		return nil, err
 	}
-	return fail(fmt.Errorf("unknown child role %q", role))
+	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
-func fail(err error) int {
-	fmt.Fprintln(os.Stderr, "child:", err)
-	return 2
-}
-
-func runConsumerChild(pool *pgxpool.Pool, schema string, f flavour) int {
+func runConsumerChild(pool *pgxpool.Pool, schema string, f flavour) {
 	st := newStack(f, pool, schema, nil, nil)
 	defer st.close()
 	keys := make(chan string)
@@ -97,18 +88,12 @@ func runConsumerChild(pool *pgxpool.Pool, schema string, f flavour) int {
 	}
 	close(keys)
 	wg.Wait()
-	return 0
 }
 
 // child is a running worker process, seen from the parent.
 type child struct {
-	id    int
-	cmd   *exec.Cmd
-	stdin io.WriteCloser
-	// exited is closed when the process has ended; state is then set.
-	exited chan struct{}
-	state  *os.ProcessState
-	stderr strings.Builder
+	id int
+	*childproc.Child
 }
 
 // childLine is a line a consumer child wrote.
@@ -118,83 +103,29 @@ type childLine struct {
 	key    string
 }
 
-// startChild re-executes the test binary in role. Lines go to lines (if not nil);
-// exits are announced on exits (if not nil).
-func startChild(t *testing.T, id int, role string, env []string, lines chan<- childLine, exits chan<- *child) *child {
+// startChild runs a worker process in role on schema, with the flavour f, the crash
+// points crash (chaos.EnvCrash) and seed. Lines go to lines (if not nil); exits
+// are announced on exits (if not nil).
+func startChild(t *testing.T, id int, role, schema string, f flavour, crash string, seed int64,
+	lines chan<- childLine, exits chan<- *child) *child {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), append([]string{envChild + "=" + role}, env...)...)
-	c := &child{id: id, cmd: cmd, exited: make(chan struct{})}
-	cmd.Stderr = &syncWriter{b: &c.stderr}
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.stdin = stdin
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			answer, key, _ := strings.Cut(sc.Text(), " ")
+	c := &child{id: id}
+	c.Child = childproc.Start(t, role, childproc.Options{
+		Params: childproc.Params{"schema": schema, "flavour": string(f)},
+		Env:    []string{chaos.EnvCrash + "=" + crash, fmt.Sprintf("%s=%d", chaos.EnvCrashSeed, seed)},
+		Stdin:  true,
+		OnLine: func(line string) {
+			answer, key, _ := strings.Cut(line, " ")
 			if lines != nil {
 				lines <- childLine{c: c, answer: answer, key: key}
 			}
-		}
-		_ = cmd.Wait()
-		c.state = cmd.ProcessState
-		close(c.exited)
-		if exits != nil {
+		},
+	})
+	if exits != nil {
+		go func() {
+			<-c.Done()
 			exits <- c
-		}
-	}()
+		}()
+	}
 	return c
-}
-
-// killedBySIGKILL reports whether the process died of SIGKILL.
-func (c *child) killedBySIGKILL() bool {
-	ws, ok := c.state.Sys().(syscall.WaitStatus)
-	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
-}
-
-func (c *child) wait(t *testing.T, d time.Duration) {
-	t.Helper()
-	select {
-	case <-c.exited:
-	case <-time.After(d):
-		_ = c.cmd.Process.Kill()
-		t.Fatalf("child %d did not end within %s; stderr:\n%s", c.id, d, c.stderrText())
-	}
-}
-
-func (c *child) stderrText() string {
-	w := c.cmd.Stderr.(*syncWriter)
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.String()
-}
-
-type syncWriter struct {
-	mu sync.Mutex
-	b  *strings.Builder
-}
-
-func (w *syncWriter) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(p)
-}
-
-func childEnv(schema string, f flavour, crash string, seed int64) []string {
-	return []string{
-		envSchema + "=" + schema,
-		envFlavour + "=" + string(f),
-		chaos.EnvCrash + "=" + crash,
-		fmt.Sprintf("%s=%d", chaos.EnvCrashSeed, seed),
-	}
 }

@@ -21,15 +21,15 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 	// feed runs one consumer process over one key and returns it, ended.
 	feed := func(t *testing.T, schema, crash string) (*child, []childLine) {
 		lines := make(chan childLine, 4)
-		c := startChild(t, 1, "consumer", childEnv(schema, idemTransactional, crash, 1), lines, nil)
-		_, err := c.stdin.Write([]byte(key + "\n"))
+		c := startChild(t, 1, "consumer", schema, idemTransactional, crash, 1, lines, nil)
+		_, err := c.Stdin.Write([]byte(key + "\n"))
 		require.NoError(t, err)
 		var got []childLine
 		if crash == "" {
 			got = append(got, <-lines)
-			require.NoError(t, c.stdin.Close())
+			require.NoError(t, c.Stdin.Close())
 		}
-		c.wait(t, 20*time.Second)
+		c.Wait(t, 20*time.Second)
 		for len(lines) > 0 {
 			got = append(got, <-lines)
 		}
@@ -40,15 +40,15 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 		t.Parallel()
 		pool, schema := setupPayments(t, 2)
 		c, lines := feed(t, schema, "before-commit:nth=1")
-		require.True(t, c.killedBySIGKILL(), "state %v; stderr:\n%s", c.state, c.stderrText())
-		require.Contains(t, c.stderrText(), "crash point before-commit fired")
+		require.True(t, c.Killed(), "state %v; stderr:\n%s", c.State(), c.Output())
+		require.Contains(t, c.Output(), "crash point before-commit fired")
 		require.Empty(t, lines, "no answer before the crash")
 		require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM inbox`), "nothing committed")
 		require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM ledger`))
 		require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM effects`))
 
 		c, lines = feed(t, schema, "")
-		require.Equal(t, 0, c.state.ExitCode())
+		require.Equal(t, 0, c.ExitCode())
 		require.Equal(t, []string{"ack"}, answers(lines))
 		require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM ledger WHERE key = $1`, key))
 	})
@@ -57,7 +57,7 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 		t.Parallel()
 		pool, schema := setupPayments(t, 2)
 		c, lines := feed(t, schema, "after-commit-before-ack:nth=1")
-		require.True(t, c.killedBySIGKILL(), "state %v; stderr:\n%s", c.state, c.stderrText())
+		require.True(t, c.Killed(), "state %v; stderr:\n%s", c.State(), c.Output())
 		require.Empty(t, lines, "killed before the ack")
 		require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE state = 'completed'`), "committed")
 		require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM ledger`))
@@ -65,7 +65,7 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 
 		// The broker redelivers the un-acked message to a new process: a duplicate.
 		c, lines = feed(t, schema, "")
-		require.Equal(t, 0, c.state.ExitCode())
+		require.Equal(t, 0, c.ExitCode())
 		require.Equal(t, []string{"ack"}, answers(lines))
 		require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM ledger`), "still once")
 	})
@@ -78,19 +78,19 @@ func TestCrashPointsKillTheProcess(t *testing.T) {
 		_, err := st.handler(message.NewMessage(key, paymentPayload(key)))
 		require.NoError(t, err)
 
-		c := startChild(t, 1, "sender", childEnv(schema, idemTransactional, "mid-send:nth=1", 1), nil, nil)
-		c.wait(t, 20*time.Second)
-		require.True(t, c.killedBySIGKILL(), "state %v; stderr:\n%s", c.state, c.stderrText())
+		c := startChild(t, 1, "sender", schema, idemTransactional, "mid-send:nth=1", 1, nil, nil)
+		c.Wait(t, 20*time.Second)
+		require.True(t, c.Killed(), "state %v; stderr:\n%s", c.State(), c.Output())
 		require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM emails`), "sent")
 		require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'pending'`), "not marked")
 
 		// After the lease, a new sender sends it again, under the same effect key.
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, 30*time.Second, "the lease ran out", func() bool {
 			return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'pending' AND next_attempt_at <= now()`) == 1
-		}, 30*time.Second, 20*time.Millisecond, "the lease ran out")
-		c = startChild(t, 2, "sender", childEnv(schema, idemTransactional, "", 1), nil, nil)
-		c.wait(t, 20*time.Second)
-		require.Equal(t, 0, c.state.ExitCode(), c.stderrText())
+		})
+		c = startChild(t, 2, "sender", schema, idemTransactional, "", 1, nil, nil)
+		c.Wait(t, 20*time.Second)
+		require.Equal(t, 0, c.ExitCode(), c.Output())
 		require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM emails WHERE effect_key = $1`, "receipt:"+key))
 
 		a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})

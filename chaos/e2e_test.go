@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // e2eResult is one flavour's run.
@@ -78,7 +79,7 @@ func runGoChannelChaos(t *testing.T, f flavour, n int, seed int64) e2eResult {
 		if i == n/2 {
 			// Let the first half land, then restart: memory is gone, the broker's
 			// redeliveries of acked messages keep coming.
-			require.Eventually(t, func() bool { return sub.Stats().UpstreamAcked >= int64(n/2) }, 20*time.Second, time.Millisecond)
+			pgtest.WaitFor(t, 20*time.Second, "half of the messages acked upstream", func() bool { return sub.Stats().UpstreamAcked >= int64(n/2) })
 			st.restart()
 		}
 		require.NoError(t, pub.Publish("payments", message.NewMessage(k, paymentPayload(k))))

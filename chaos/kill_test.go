@@ -56,7 +56,7 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 	start := func(slot int) {
 		nextID++
 		crash := fmt.Sprintf("after-commit-before-ack:nth=%d,before-commit:0.02", 4+rng.IntN(20))
-		c := startChild(t, nextID, "consumer", childEnv(schema, f, crash, seed+int64(nextID)), lines, exits)
+		c := startChild(t, nextID, "consumer", schema, f, crash, seed+int64(nextID), lines, exits)
 		live[slot] = c
 		inflight[c] = map[string]int{}
 	}
@@ -65,7 +65,6 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 	}
 	acked := map[string]bool{}
 	redelivered := map[string]bool{}
-	finishing := false
 	killer := time.NewTicker(100 * time.Millisecond)
 	defer killer.Stop()
 	cutAt := []int{n / 3, 2 * n / 3}
@@ -81,14 +80,11 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 				inflight[c][k]++
 				run.deliveries++
 				// A write to a process that just died fails; its exit redelivers.
-				_, _ = c.stdin.Write([]byte(k + "\n"))
+				_, _ = c.Stdin.Write([]byte(k + "\n"))
 			}
 		}
 	}
-	for {
-		if len(acked) == n && len(queue) == 0 && allEmpty(inflight) {
-			break
-		}
+	for len(acked) < n || len(queue) > 0 || !allEmpty(inflight) {
 		dispatch()
 		select {
 		case <-ctx.Done():
@@ -113,10 +109,10 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 				run.pgCuts++
 			}
 		case c := <-exits:
-			if c.killedBySIGKILL() {
+			if c.Killed() {
 				run.sigkills++
-			} else if !finishing {
-				t.Fatalf("child %d exited on its own (%v):\n%s", c.id, c.state, c.stderrText())
+			} else {
+				t.Fatalf("child %d exited on its own (%v):\n%s", c.id, c.State(), c.Output())
 			}
 			for k, m := range inflight[c] {
 				for range m {
@@ -139,18 +135,17 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 				}
 			}
 			if len(busy) > 0 {
-				_ = busy[rng.IntN(len(busy))].cmd.Process.Kill() // SIGKILL
+				_ = busy[rng.IntN(len(busy))].Kill() // SIGKILL
 			}
 		}
 	}
-	finishing = true
 	for _, c := range live {
-		_ = c.stdin.Close()
+		_ = c.Stdin.Close()
 	}
 	for _, c := range live {
-		c.wait(t, 20*time.Second)
-		if !c.killedBySIGKILL() {
-			require.Equal(t, 0, c.state.ExitCode(), c.stderrText())
+		c.Wait(t, 20*time.Second)
+		if !c.Killed() {
+			require.Equal(t, 0, c.ExitCode(), c.Output())
 		}
 	}
 

@@ -1,19 +1,17 @@
 package chaos_test
 
 import (
-	"os"
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/internal/childproc"
 )
 
-// envChild names the role of a re-executed test binary (see child_test.go).
-const envChild = "IDEM_CHAOS_TEST_CHILD"
-
+// TestMain runs a worker's role in a child process (child_test.go), and otherwise
+// the tests, checking for leaked goroutines.
 func TestMain(m *testing.M) {
-	if role := os.Getenv(envChild); role != "" {
-		os.Exit(runChild(role))
-	}
+	childproc.Main(childRoles)
 	goleak.VerifyTestMain(m,
 		// Watermill's in-memory deduplicator repository (the peer) starts a
 		// cleanup goroutine that nothing can stop.

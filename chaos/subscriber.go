@@ -483,7 +483,6 @@ func (sub *subscription) send() {
 		case <-readerDone:
 			// The upstream channel ended: the subscription is over. Pending
 			// copies are dropped, as a broker's would be when the consumer leaves.
-			readerDone = nil
 			return
 		case <-sub.wake:
 		case <-timerC:

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // prefetch is an upstream subscriber that hands out every message at once, without
@@ -256,7 +257,7 @@ func TestSubscriberAckAndNackReachUpstreamOnlyFromTheOriginal(t *testing.T) {
 
 	// The original's ack reaches upstream, once.
 	orig.msg.Ack()
-	require.Eventually(t, func() bool { a, _ := up.answers("m-000"); return a == 1 }, 30*time.Second, time.Millisecond)
+	pgtest.WaitFor(t, 30*time.Second, "m-000 acked upstream", func() bool { a, _ := up.answers("m-000"); return a == 1 })
 	acks, nacks = up.answers("m-000")
 	require.Equal(t, [2]int{1, 0}, [2]int{acks, nacks})
 	st := s.Stats()
@@ -269,7 +270,7 @@ func TestSubscriberNackOfTheOriginalNacksUpstream(t *testing.T) {
 	s, ch := newChaos(t, up, chaos.Config{})
 	g := recv(t, ch)
 	g.msg.Nack()
-	require.Eventually(t, func() bool { _, n := up.answers("m-000"); return n == 1 }, 30*time.Second, time.Millisecond)
+	pgtest.WaitFor(t, 30*time.Second, "m-000 nacked upstream", func() bool { _, n := up.answers("m-000"); return n == 1 })
 	require.NoError(t, s.Close())
 	acks, nacks := up.answers("m-000")
 	require.Equal(t, [2]int{0, 1}, [2]int{acks, nacks})
@@ -325,7 +326,7 @@ func TestSubscriberReordersWithinTheWindow(t *testing.T) {
 	s, ch := newChaos(t, up, chaos.Config{Seed: 9, ReorderWindow: 8, ReorderIdle: time.Second})
 	all := drain(t, ch, 200)
 	for i := range 200 {
-		require.Eventually(t, func() bool { a, _ := up.answers(fmt.Sprintf("m-%03d", i)); return a == 1 }, 30*time.Second, time.Millisecond)
+		pgtest.WaitFor(t, 30*time.Second, "the message acked upstream", func() bool { a, _ := up.answers(fmt.Sprintf("m-%03d", i)); return a == 1 })
 	}
 	require.NoError(t, s.Close())
 	var order []string
@@ -448,7 +449,7 @@ func TestConfigValidation(t *testing.T) {
 
 func TestPublisherSendsSomeMessagesTwice(t *testing.T) {
 	gc := newGoChannel(t)
-	defer gc.Close()
+	defer func() { require.NoError(t, gc.Close()) }()
 	in, err := gc.Subscribe(context.Background(), "payments")
 	require.NoError(t, err)
 	p, err := chaos.NewPublisher(gc, chaos.PublisherConfig{Seed: 11, DuplicateProbability: 0.3})
@@ -466,7 +467,7 @@ func TestPublisherSendsSomeMessagesTwice(t *testing.T) {
 		}
 	})
 	publish(t, p, 500)
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "every message delivered", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		n := 0
@@ -474,7 +475,7 @@ func TestPublisherSendsSomeMessagesTwice(t *testing.T) {
 			n += c
 		}
 		return n == 500+int(p.Duplicates())
-	}, 30*time.Second, 5*time.Millisecond)
+	})
 	require.NoError(t, p.Close())
 	wg.Wait()
 	require.Len(t, counts, 500)

@@ -97,6 +97,9 @@ func (c *Consumer) HandleBatch(h BatchHandler) message.NoPublishHandlerFunc {
 	if c.cfg.Mode == Lease {
 		panic("idem: HandleBatch needs Transactional or GroupCommit mode; Lease mode has no batches")
 	}
+	if c.shards != nil {
+		return c.shards.handleBatch(h)
+	}
 	var slot *groupCommitter
 	return func(msg *message.Message) error {
 		req, err := c.prepare(msg)
@@ -720,7 +723,7 @@ func messageErrors(err error) []*MessageError {
 	var out []*MessageError
 	var walk func(error)
 	walk = func(err error) {
-		switch e := err.(type) {
+		switch e := err.(type) { //nolint:errorlint // it walks the tree itself, to stop at each MessageError
 		case nil:
 		case *MessageError:
 			out = append(out, e)

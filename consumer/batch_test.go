@@ -1,6 +1,6 @@
 package consumer_test
 
-// Tests of the batch handler (issue 13, item 2).
+// Tests of the batch handler (Consumer.HandleBatch).
 
 import (
 	"context"
@@ -355,7 +355,7 @@ func TestBatchHandlerInARouter(t *testing.T) {
 	bb := &batchBiz{b: b}
 	h := c.HandleBatch(bb.handle)
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
-	defer pubsub.Close()
+	defer func() { require.NoError(t, pubsub.Close()) }()
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
 	require.NoError(t, err)
 	poison, err := middleware.PoisonQueueWithFilter(pubsub, "poison", consumer.IsPermanent)
@@ -382,7 +382,7 @@ func TestBatchHandlerInARouter(t *testing.T) {
 			require.NoError(t, pubsub.Publish(topic, message.NewMessage(id, fmt.Appendf(nil, `{"n":%d}`, i))))
 		}
 	}
-	eventually(t, "1,000 messages", func() bool {
+	pgtest.WaitFor(t, time.Minute, "1,000 messages", func() bool {
 		return pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`) == n
 	})
 	require.Equal(t, n, pgtest.Count(t, b.pool, `SELECT count(DISTINCT key) FROM biz`))

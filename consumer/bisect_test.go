@@ -44,13 +44,13 @@ func (s *savepointCounter) see(conn *pgx.Conn, sql string) {
 		if m == nil {
 			continue
 		}
-		switch kw := strings.ToLower(strings.Join(strings.Fields(m[1]), " ")); {
-		case kw == "begin" || kw == "start transaction":
+		switch strings.ToLower(strings.Join(strings.Fields(m[1]), " ")) {
+		case "begin", "start transaction":
 			s.open[conn] = 0
-		case kw == "savepoint":
+		case "savepoint":
 			s.open[conn]++
 			s.max = max(s.max, s.open[conn])
-		case kw == "rollback to":
+		case "rollback to":
 		default: // commit, end, rollback, abort
 			if n := s.open[conn]; n > 0 {
 				s.txs++

@@ -186,10 +186,10 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 				done <- a
 			}()
 			// The batch waits for the other transaction's key.
-			require.Eventually(t, func() bool {
+			pgtest.WaitFor(t, 30*time.Second, "the batch claim to wait on the lock", func() bool {
 				return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
 					WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND application_name = $1`, "idem-test:"+schema) > 0
-			}, 30*time.Second, 10*time.Millisecond)
+			})
 			select {
 			case a := <-done:
 				t.Fatalf("the claim did not wait: %+v", a)
@@ -258,10 +258,10 @@ func TestClaimBatchTxSortsKeysSoBatchesCannotDeadlock(t *testing.T) {
 			})
 		})
 	}
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "both batches wait", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
 			WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND application_name = $1`, "idem-test:"+schema) >= 2
-	}, 30*time.Second, 10*time.Millisecond, "both batches wait")
+	})
 	require.NoError(t, holder.Rollback(ctx))
 	wg.Wait()
 	for _, err := range errs {

@@ -16,6 +16,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/shard"
 )
 
 // Defaults of Config.
@@ -50,7 +51,7 @@ const (
 	// the handler's writes and its effects commit together, then the message is
 	// acked.
 	Transactional Mode = iota
-	// GroupCommit: messages handled at the same moment share one transaction and
+	// GroupCommit mode: messages handled at the same moment share one transaction and
 	// are acked after its one commit. The batch is set-based: one statement claims
 	// all of its keys, the handlers run one after another without savepoints, one
 	// statement writes all the effects they enqueued and the messages they
@@ -87,7 +88,7 @@ const (
 	// AckOnPermanent (the default): record the failure and ack. Redeliveries are
 	// acked too, and the failure is replayed to OnFailure and the metrics.
 	AckOnPermanent PermanentPolicy = iota
-	// PoisonOnPermanent: record the failure and return a *FailedError, so that a
+	// PoisonOnPermanent records the failure and returns a *FailedError, so that a
 	// middleware.PoisonQueue placed outside publishes the message to a poison topic
 	// (and acks it). Redeliveries of a recorded failure are acked, not poisoned
 	// again.
@@ -101,7 +102,7 @@ const (
 	// ExpiredRetryWarn (the default): count it, log a warning, and process it. Its
 	// inbox row may already be gone, so a duplicate could commit twice.
 	ExpiredRetryWarn ExpiredRetryPolicy = iota
-	// ExpiredRetryFail: count it and fail it permanently (ErrExpiredRetry).
+	// ExpiredRetryFail counts it and fails it permanently (ErrExpiredRetry).
 	ExpiredRetryFail
 )
 
@@ -136,6 +137,14 @@ type Config struct {
 	Pool Beginner
 	// Schema holds the idem tables (default "idem").
 	Schema string
+	// Shards, in place of Pool and Schema, spreads the work over several databases
+	// by tenant (see package shard); Pool and Schema must then be unset, and Tenant
+	// set. A message's tenant picks its shard before the claim, and the handler
+	// gets a transaction on that shard. Each shard has its own group-commit and
+	// batch workers (Workers a shard), so a batch holds one shard's messages. A
+	// shard that is down nacks its own messages with ErrDatabaseUnavailable while
+	// the others commit. A failed route returns an error wrapping shard.ErrRoute.
+	Shards *shard.Map
 	// Key gives the idempotency key (default: the message UUID). See MetadataKey
 	// and BusinessKey.
 	Key KeyFunc
@@ -222,7 +231,9 @@ type Config struct {
 // WithDefaults returns c with every unset field at its default (and the
 // deprecated LeaseDuration moved to Lease).
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	if c.Shards == nil {
+		c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	}
 	if c.Key == nil {
 		c.Key = MessageUUID
 	}
@@ -248,7 +259,14 @@ func (c Config) WithDefaults() Config {
 // config that sets only Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if c.Shards != nil {
+		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
+			return err
+		}
+		if c.Tenant == nil {
+			return errcode.InvalidConfig("Shards routes by tenant: set Tenant")
+		}
+	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.Name != "" {

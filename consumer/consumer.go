@@ -57,6 +57,10 @@ type Consumer struct {
 	group    *groupCommitter   // GroupCommit mode, started by the first message
 	batches  []*groupCommitter // one per HandleBatch, each started by its first message
 	stop     sync.Once
+
+	// shards, with a shard map, routes each message to its shard's Consumer; the
+	// fields above are then unused.
+	shards *shards
 }
 
 // New validates cfg and returns a Consumer.
@@ -65,6 +69,9 @@ func New(cfg Config) (*Consumer, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if cfg.Shards != nil {
+		return newSharded(cfg)
 	}
 	store, err := inbox.NewStore(cfg.Schema)
 	if err != nil {
@@ -96,6 +103,9 @@ func New(cfg Config) (*Consumer, error) {
 // It is safe to call at any time, from any goroutine, and more than once; it is
 // final. Close the router first, so that no message is refused needlessly.
 func (c *Consumer) Close() error {
+	if c.shards != nil {
+		return c.shards.close()
+	}
 	c.stop.Do(func() {
 		c.mu.Lock()
 		c.closed = true
@@ -169,6 +179,9 @@ func Tx(ctx context.Context) pgx.Tx {
 
 // Middleware is the Watermill handler middleware.
 func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	if c.shards != nil {
+		return c.shards.middleware(h)
+	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		req, err := c.prepare(msg)
 		if err != nil {

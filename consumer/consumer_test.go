@@ -110,6 +110,53 @@ func forModes(t *testing.T, fn func(t *testing.T, mode consumer.Mode)) {
 	}
 }
 
+var allModes = []consumer.Mode{consumer.Transactional, consumer.GroupCommit, consumer.Lease}
+
+func forAllModes(t *testing.T, fn func(t *testing.T, mode consumer.Mode)) {
+	for _, mode := range allModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			fn(t, mode)
+		})
+	}
+}
+
+// batched makes GroupCommit gather the messages a test sends together into one
+// batch; it changes nothing in the other modes.
+func batched(cfg *consumer.Config) {
+	cfg.MaxWait = 300 * time.Millisecond
+	cfg.Workers = 1
+}
+
+// inboxState is the committed inbox row of key: "" when there is none.
+func inboxState(t *testing.T, b *bundle, key string) (state, code string) {
+	t.Helper()
+	rows, err := b.pool.Query(context.Background(), `SELECT state, coalesce(error_code, '') FROM inbox WHERE key = $1`, key)
+	require.NoError(t, err)
+	defer rows.Close()
+	for rows.Next() {
+		require.NoError(t, rows.Scan(&state, &code))
+	}
+	require.NoError(t, rows.Err())
+	return state, code
+}
+
+// requireAnswerMatchesInbox is the contract between the middleware's answer and the
+// database: an ack (nil) means the key's row and its work are committed; a nack
+// carries a stable code.
+func requireAnswerMatchesInbox(t *testing.T, b *bundle, key string, err error) {
+	t.Helper()
+	if err == nil {
+		state, _ := inboxState(t, b, key)
+		require.Contains(t, []string{"completed", "failed"}, state, "%s was acked, so its inbox row must be committed", key)
+		if state == "completed" {
+			require.Equal(t, 1, b.bizRows(t, key), "%s was acked as completed, so its work must be committed", key)
+		}
+		return
+	}
+	require.NotEmpty(t, consumer.Code(err), "%s: every nack has a stable code: %v", key, err)
+}
+
 func TestDeliveredTenTimesCommitsOnce(t *testing.T) {
 	t.Parallel()
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
@@ -373,7 +420,7 @@ func TestUnreachablePostgresNacks(t *testing.T) {
 		reg := prometheus.NewRegistry()
 		c, err := consumer.New(consumer.Config{Name: "x", Pool: pool, Mode: mode, Registerer: reg})
 		require.NoError(t, err)
-		defer c.Close()
+		defer func() { require.NoError(t, c.Close()) }()
 		var calls atomic.Int64
 		h := c.Middleware(func(*message.Message) ([]*message.Message, error) {
 			calls.Add(1)

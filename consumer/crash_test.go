@@ -1,14 +1,13 @@
 package consumer_test
 
 import (
-	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
-	"syscall"
+	"sync"
 	"testing"
 	"time"
 
@@ -18,21 +17,20 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// The crash tests re-run this test binary as a child that handles one message and
-// stops at a chosen point, where the parent kills it with SIGKILL. The parent then
-// redelivers the message, as the broker would, and counts the business rows.
-const (
-	envCrashRole   = "IDEM_TEST_CRASH_ROLE"
-	envCrashSchema = "IDEM_TEST_CRASH_SCHEMA"
-	envCrashMode   = "IDEM_TEST_CRASH_MODE"
-	envCrashBatch  = "IDEM_TEST_CRASH_BATCH" // "1": a batch handler (HandleBatch)
-	// envCrashN is how many messages the child sends at once, as one batch (default
-	// 1, key "pay-crash"; above 1, keys crashKeys(n)).
-	envCrashN = "IDEM_TEST_CRASH_N"
-)
+// The crash tests run this test binary again as a child process
+// (internal/childproc) that handles one message, or one batch, and stops at a
+// chosen point, where the parent kills it with SIGKILL. The parent then redelivers
+// the message, as the broker would, and counts the business rows.
+//
+// The child's parameters: "point" (mid-handler, before-commit or
+// after-commit-before-ack), "schema", "mode" (a consumer.Mode), "batch" ("1": a
+// batch handler, HandleBatch) and "n", how many messages it sends at once, as one
+// batch (1: key "pay-crash"; above 1: keys crashKeys(n)).
+var childRoles = map[string]childproc.Role{"crash": crashChild}
 
 // crashKeys are the keys of a child that sends n messages as one batch.
 func crashKeys(n int) []string {
@@ -62,36 +60,42 @@ func (commitBlocker) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Tra
 func (commitBlocker) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
 func TestMain(m *testing.M) {
-	if role := os.Getenv(envCrashRole); role != "" {
-		crashChild(role)
-		return
-	}
+	childproc.Main(childRoles)
 	os.Exit(m.Run())
 }
 
-// crashChild handles one message and blocks at the point named by role, printing a
-// marker so the parent knows where it is.
-func crashChild(role string) {
-	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	must(err)
-	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv(envCrashSchema)
+// crashChild handles one message, or one batch, and blocks at the point named by
+// p["point"], printing a marker so the parent knows where it is.
+func crashChild(ctx context.Context, p childproc.Params) error {
+	role, schema := p["point"], p["schema"]
+	cfg, err := pgtest.ConfigFor(schema, pgtest.Options{})
+	if err != nil {
+		return err
+	}
 	if role == "before-commit" {
 		cfg.ConnConfig.Tracer = commitBlocker{}
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	must(err)
-	var mode consumer.Mode
-	_, err = fmt.Sscan(os.Getenv(envCrashMode), (*int)(&mode))
-	must(err)
-	n, _ := strconv.Atoi(os.Getenv(envCrashN))
+	if err != nil {
+		return err
+	}
+	mode, err := strconv.Atoi(p["mode"])
+	if err != nil {
+		return err
+	}
+	n, err := strconv.Atoi(p["n"])
+	if err != nil {
+		return err
+	}
 	keys := crashKeys(n)
-	ccfg := consumer.Config{Name: "payments", Pool: pool, Schema: os.Getenv(envCrashSchema), Mode: mode}
+	ccfg := consumer.Config{Name: "payments", Pool: pool, Schema: schema, Mode: consumer.Mode(mode)}
 	if len(keys) > 1 {
 		batched(&ccfg) // the messages sent together make one batch
 	}
 	c, err := consumer.New(ccfg)
-	must(err)
+	if err != nil {
+		return err
+	}
 	h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		if _, err := consumer.Tx(ctx).Exec(ctx, `INSERT INTO biz (key) VALUES ($1)`, msg.UUID); err != nil {
@@ -105,7 +109,7 @@ func crashChild(role string) {
 		}
 		return nil, nil
 	})
-	if os.Getenv(envCrashBatch) == "1" {
+	if p["batch"] == "1" {
 		bh := c.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
 			keys := make([]string, len(msgs))
 			for i, m := range msgs {
@@ -126,18 +130,11 @@ func crashChild(role string) {
 	for i, k := range keys {
 		msgs[i] = message.NewMessage(k, []byte(`{}`))
 	}
-	for _, err := range sendTogether(middlewareFunc(h), msgs...) {
-		must(err)
+	if err := errors.Join(sendTogether(middlewareFunc(h), msgs...)...); err != nil {
+		return err
 	}
 	fmt.Println("COMMITTED") // committed, not acked: the ack never happens
 	select {}
-}
-
-func must(err error) {
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "crash child:", err)
-		os.Exit(3)
-	}
 }
 
 func TestCrash(t *testing.T) {
@@ -176,40 +173,26 @@ func TestCrash(t *testing.T) {
 // handler if batch) and SIGKILLs it when it reports point.
 func killChildAt(t *testing.T, point, schema string, mode consumer.Mode, batch bool, n int) {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	batchFlag := "0"
-	if batch {
-		batchFlag = "1"
-	}
-	cmd.Env = append(os.Environ(), envCrashRole+"="+point, envCrashSchema+"="+schema,
-		fmt.Sprintf("%s=%d", envCrashMode, int(mode)), envCrashBatch+"="+batchFlag, fmt.Sprintf("%s=%d", envCrashN, n))
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	cmd.Stderr = os.Stderr
-	require.NoError(t, cmd.Start())
 	want := map[string]string{"mid-handler": "IN_HANDLER", "before-commit": "BEFORE_COMMIT", "after-commit-before-ack": "COMMITTED"}[point]
-	reached := make(chan bool, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			if strings.TrimSpace(sc.Text()) == want {
-				reached <- true
-				return
+	reached := make(chan struct{})
+	var once sync.Once
+	child := childproc.Start(t, "crash", childproc.Options{
+		Params: childproc.Params{"point": point, "schema": schema, "mode": strconv.Itoa(int(mode)),
+			"batch": map[bool]string{false: "0", true: "1"}[batch], "n": strconv.Itoa(n)},
+		OnLine: func(line string) {
+			if strings.TrimSpace(line) == want {
+				once.Do(func() { close(reached) })
 			}
-		}
-		reached <- false
-	}()
+		},
+	})
 	select {
-	case ok := <-reached:
-		require.True(t, ok, "child exited before reaching %s", want)
+	case <-reached:
+	case <-child.Done():
+		t.Fatalf("child exited before reaching %s (%v)", want, child.State())
 	case <-time.After(60 * time.Second):
-		_ = cmd.Process.Kill()
 		t.Fatalf("child never reached %s", want)
 	}
-	require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
-	err = cmd.Wait()
-	ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
-	require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "child died by SIGKILL: %v", err)
+	child.KillAndWait(t)
 }
 
 // TestCrashSetBasedBatch SIGKILLs a process in the middle of a set-based batch of

@@ -1,8 +1,8 @@
 package consumer_test
 
-// Tests of issue 12 items 8 and 11 as the consumer sees them: stored error text, and
-// the tenant scope reaching effects. Self-contained (their own setup), so that they
-// do not depend on the helpers of consumer_test.go.
+// Stored error text and the tenant scope reaching effects, as the consumer sees
+// them. Self-contained (their own setup), so that they do not depend on the
+// helpers of consumer_test.go.
 
 import (
 	"context"

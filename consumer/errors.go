@@ -142,8 +142,10 @@ func Permanent(err error) error {
 	return &PermanentError{Err: err}
 }
 
-func (e *PermanentError) Error() string   { return "permanent: " + e.Err.Error() }
-func (e *PermanentError) Unwrap() error   { return e.Err }
+func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent reports true: retrying the message cannot succeed.
 func (e *PermanentError) Permanent() bool { return true }
 
 // Code is the wrapped error's code, or "permanent".
@@ -173,7 +175,9 @@ type FailedError struct {
 func (e *FailedError) Error() string {
 	return fmt.Sprintf("idem: consumer %q key %q failed permanently: %v", e.Consumer, e.Key, e.Err)
 }
-func (e *FailedError) Unwrap() error   { return e.Err }
+func (e *FailedError) Unwrap() error { return e.Err }
+
+// Permanent reports true: the failure is recorded, and a retry only replays it.
 func (e *FailedError) Permanent() bool { return true }
 
 // ShouldRetry is for middleware.Retry's ShouldRetry field: it retries transient

@@ -27,7 +27,7 @@ func ExampleConsumer_HandleBatch() {
 	if err != nil {
 		panic(err)
 	}
-	defer idem.Close()
+	defer func() { _ = idem.Close() }()
 	handler := idem.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
 		var ids []string
 		var amounts []int64

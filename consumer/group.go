@@ -213,9 +213,9 @@ func (g *groupCommitter) settleEnded(batch []*groupReq, res []outcome) {
 	}
 }
 
-// runSavepoints handles a sorted batch the way group commit did before the set-based
-// path, which now falls back to it: each message in its own savepoint with its own
-// claim, effects written as the handler enqueues them. It isolates any failing
+// runSavepoints handles a sorted batch, as the set-based path's fallback: each
+// message in its own savepoint with its own claim, effects written as the handler
+// enqueues them. It isolates any failing
 // message, at about three round trips a message. A transaction holds at most
 // maxSavepoints messages: a larger batch runs as several transactions, one after
 // another, so that no transaction overflows Postgres's subtransaction cache.

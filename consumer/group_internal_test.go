@@ -64,7 +64,7 @@ func TestGroupBatchesClaimKeysInSortedOrder(t *testing.T) {
 	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM biz`))
 }
 
-// Issue 12, item 5: a message racing Close may start the group-commit workers, but
+// A message racing Close may start the group-commit workers, but
 // Close still stops them, and no message after Close starts new ones.
 func TestCloseStopsWorkersARacingMessageStarted(t *testing.T) {
 	t.Parallel()

@@ -40,17 +40,6 @@ func runRouter(t *testing.T, pubsub *gochannel.GoChannel, h message.HandlerFunc,
 	})
 }
 
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // 1,000 messages, each published three times in shuffled order, through a real
 // Router: exactly 1,000 business rows and 2,000 counted duplicates.
 func TestRouterEndToEndThousandTimesThree(t *testing.T) {
@@ -61,7 +50,7 @@ func TestRouterEndToEndThousandTimesThree(t *testing.T) {
 			cfg.MaxWait = 200 * time.Microsecond
 		})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 4096}, watermill.NopLogger{})
-		defer pubsub.Close()
+		defer func() { require.NoError(t, pubsub.Close()) }()
 		runRouter(t, pubsub, b.bizHandler(nil), c.Middleware)
 
 		const n = 1000
@@ -76,7 +65,7 @@ func TestRouterEndToEndThousandTimesThree(t *testing.T) {
 		rng.Shuffle(len(msgs), func(i, j int) { msgs[i], msgs[j] = msgs[j], msgs[i] })
 		require.NoError(t, pubsub.Publish("in", msgs...))
 
-		eventually(t, "3,000 deliveries", func() bool {
+		pgtest.WaitFor(t, time.Minute, "3,000 deliveries", func() bool {
 			return b.counter("idem_inbox_processed_total")+b.counter("idem_inbox_duplicates_total") >= 3*n
 		})
 		require.Equal(t, n, pgtest.Count(t, b.pool, `SELECT count(*) FROM biz`))
@@ -95,7 +84,7 @@ func TestOutputMessagesStoredOnceWithStableUUIDs(t *testing.T) {
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
 		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Name = "" })
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
-		defer pubsub.Close()
+		defer func() { require.NoError(t, pubsub.Close()) }()
 		published, err := pubsub.Subscribe(context.Background(), "out")
 		require.NoError(t, err)
 
@@ -116,7 +105,7 @@ func TestOutputMessagesStoredOnceWithStableUUIDs(t *testing.T) {
 		for range 3 {
 			require.NoError(t, pubsub.Publish("in", message.NewMessage("order-7", []byte(`{}`))))
 		}
-		eventually(t, "the deliveries to settle", func() bool {
+		pgtest.WaitFor(t, time.Minute, "the deliveries to settle", func() bool {
 			return b.counter("idem_inbox_processed_total") == 1 && b.counter("idem_inbox_duplicates_total") == 2
 		})
 		require.EqualValues(t, 2, runs.Load(), "the failed run and the committed one")
@@ -160,7 +149,7 @@ func TestMiddlewareOrderWithRetryAndPoisonQueue(t *testing.T) {
 			cfg.OnPermanent = consumer.PoisonOnPermanent
 		})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
-		defer pubsub.Close()
+		defer func() { require.NoError(t, pubsub.Close()) }()
 		poisoned, err := pubsub.Subscribe(context.Background(), "poison")
 		require.NoError(t, err)
 		poison, err := middleware.PoisonQueueWithFilter(pubsub, "poison", consumer.IsPermanent)
@@ -192,8 +181,8 @@ func TestMiddlewareOrderWithRetryAndPoisonQueue(t *testing.T) {
 		case <-time.After(30 * time.Second):
 			t.Fatal("the permanent failure was not poisoned")
 		}
-		eventually(t, "the flaky message to commit", func() bool { return b.bizRows(t, "m-flaky") == 1 })
-		eventually(t, "the replayed failure", func() bool {
+		pgtest.WaitFor(t, time.Minute, "the flaky message to commit", func() bool { return b.bizRows(t, "m-flaky") == 1 })
+		pgtest.WaitFor(t, time.Minute, "the replayed failure", func() bool {
 			return b.counter("idem_inbox_failed_total") == 2
 		})
 		select {

@@ -1,9 +1,9 @@
 package consumer_test
 
-// Tests of the set-based group commit (issue 13, item 1): the shape of a batch's
-// statements, and how a failing message is isolated without savepoints on the hot
-// path. The correctness table (consumer_test.go, hardening_test.go, crash_test.go)
-// runs in GroupCommit mode as well.
+// Tests of the set-based group commit: the shape of a batch's statements, and how
+// a failing message is isolated without savepoints on the hot path. The
+// correctness table (consumer_test.go, handler_test.go, cancel_test.go,
+// errors_test.go, crash_test.go) runs in GroupCommit mode as well.
 
 import (
 	"context"

@@ -62,7 +62,7 @@ func spans(rec *tracetest.SpanRecorder, name string) []sdktrace.ReadOnlySpan {
 func attr(s sdktrace.ReadOnlySpan, key string) string {
 	for _, kv := range s.Attributes() {
 		if string(kv.Key) == key {
-			return kv.Value.Emit()
+			return kv.Value.String()
 		}
 	}
 	return ""

@@ -213,7 +213,7 @@ func drainBacklog(b *testing.B, stats string) {
 		// index entries marked dead, until it ends.
 		conn, err := pgx.Connect(ctx, pgtest.URL())
 		require.NoError(b, err)
-		b.Cleanup(func() { conn.Close(context.Background()) })
+		b.Cleanup(func() { require.NoError(b, conn.Close(context.Background())) })
 		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 		require.NoError(b, err)
 		_, err = tx.Exec(ctx, `SELECT 1 FROM pg_class LIMIT 1`)

@@ -1,19 +1,14 @@
 package effects_test
 
 import (
-	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
-	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -21,96 +16,79 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// The multi-process tests re-execute the test binary; TestMain sees childRoleEnv
-// and runs runChild instead of the tests.
-const (
-	childRoleEnv     = "IDEM_EFFECTS_TEST_CHILD"
-	childSchemaEnv   = "IDEM_EFFECTS_TEST_SCHEMA"
-	childMarkerEnv   = "IDEM_EFFECTS_TEST_MARKER"
-	childReceiverEnv = "IDEM_EFFECTS_TEST_RECEIVER"
-)
-
-// Child roles.
-const (
-	// roleBlock: a dispatcher whose "mail" sender hands the effect to the receiver
+// The multi-process tests run this test binary again as dispatcher processes
+// (internal/childproc), in one of these roles, on the parent's schema.
+var childRoles = map[string]childproc.Role{
+	// block: a dispatcher whose "mail" sender hands the effect to the receiver
 	// (the received table), writes the marker file, then hangs until it is killed.
-	roleBlock = "block"
-	// roleWorker: a dispatcher whose "notify" sender POSTs the key to the HTTP
-	// receiver.
+	roleBlock: func(ctx context.Context, p childproc.Params) error {
+		return runDispatcherChild(ctx, p["schema"], func(pool *pgxpool.Pool, cfg *effects.Config) {
+			cfg.Senders = map[string]effects.Sender{"mail": effects.SenderFunc(func(ctx context.Context, d effects.Delivery) error {
+				if err := receive(ctx, pool, d.Key); err != nil {
+					return err
+				}
+				if err := os.WriteFile(p["marker"], []byte(d.Key), 0o600); err != nil {
+					return err
+				}
+				select {} // hang mid-send until SIGKILL
+			})}
+		})
+	},
+	// worker: a dispatcher whose "notify" sender POSTs the key to the HTTP receiver.
+	roleWorker: func(ctx context.Context, p childproc.Params) error {
+		client := &http.Client{}
+		return runDispatcherChild(ctx, p["schema"], func(_ *pgxpool.Pool, cfg *effects.Config) {
+			cfg.Concurrency = map[string]int{"notify": 8}
+			cfg.Senders = map[string]effects.Sender{"notify": effects.SenderFunc(func(ctx context.Context, d effects.Delivery) error {
+				req, err := http.NewRequestWithContext(ctx, http.MethodPost, p["receiver"], strings.NewReader(d.Key))
+				if err != nil {
+					return err
+				}
+				resp, err := client.Do(req)
+				if err != nil {
+					return err
+				}
+				_ = resp.Body.Close()
+				if resp.StatusCode != http.StatusNoContent {
+					return fmt.Errorf("receiver: %s", resp.Status)
+				}
+				return nil
+			})}
+		})
+	},
+}
+
+const (
+	roleBlock  = "block"
 	roleWorker = "worker"
 )
 
 const childLease = 2 * time.Second
 
-func runChild(role string) int {
-	schema := os.Getenv(childSchemaEnv)
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+// runDispatcherChild runs a Dispatcher on schema, with the senders that withSenders
+// sets, until ctx ends.
+func runDispatcherChild(ctx context.Context, schema string, withSenders func(*pgxpool.Pool, *effects.Config)) error {
+	pcfg, err := pgtest.ConfigFor(schema, pgtest.Options{MaxConns: 1})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return err
 	}
-	cfg.MaxConns = 1
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
-	defer stop()
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return err
 	}
 	defer pool.Close()
-
-	dcfg := effects.Config{Pool: pool, Schema: schema, Lease: childLease, PollInterval: 100 * time.Millisecond,
+	cfg := effects.Config{Pool: pool, Schema: schema, Lease: childLease, PollInterval: 100 * time.Millisecond,
 		Backoff: effects.Backoff{Initial: 10 * time.Millisecond, Max: 100 * time.Millisecond}}
-	switch role {
-	case roleBlock:
-		marker := os.Getenv(childMarkerEnv)
-		dcfg.Senders = map[string]effects.Sender{"mail": effects.SenderFunc(func(ctx context.Context, d effects.Delivery) error {
-			if err := receive(ctx, pool, d.Key); err != nil {
-				return err
-			}
-			if err := os.WriteFile(marker, []byte(d.Key), 0o600); err != nil {
-				return err
-			}
-			select {} // hang mid-send until SIGKILL
-		})}
-	case roleWorker:
-		url := os.Getenv(childReceiverEnv)
-		client := &http.Client{}
-		dcfg.Concurrency = map[string]int{"notify": 8}
-		dcfg.Senders = map[string]effects.Sender{"notify": effects.SenderFunc(func(ctx context.Context, d effects.Delivery) error {
-			req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(d.Key))
-			if err != nil {
-				return err
-			}
-			resp, err := client.Do(req)
-			if err != nil {
-				return err
-			}
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusNoContent {
-				return fmt.Errorf("receiver: %s", resp.Status)
-			}
-			return nil
-		})}
-	default:
-		fmt.Fprintln(os.Stderr, "unknown child role", role)
-		return 2
-	}
-	d, err := effects.NewDispatcher(dcfg)
+	withSenders(pool, &cfg)
+	d, err := effects.NewDispatcher(cfg)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return err
 	}
-	if err := d.Run(ctx); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	return 0
+	return d.Run(ctx)
 }
 
 // receive is the receiving end of the "mail" effects: it counts each key.
@@ -126,27 +104,6 @@ func createReceived(t testing.TB, pool *pgxpool.Pool) {
 	require.NoError(t, err)
 }
 
-// startChild runs the test binary as a dispatcher process in role.
-func startChild(t testing.TB, role, schema string, env ...string) *exec.Cmd {
-	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childRoleEnv+"="+role, childSchemaEnv+"="+schema)
-	cmd.Env = append(cmd.Env, env...)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		}
-		if t.Failed() && out.Len() > 0 {
-			t.Logf("child %s (pid %d) output:\n%s", role, cmd.Process.Pid, out.String())
-		}
-	})
-	return cmd
-}
-
 // killMidSend starts a dispatcher process, waits until its sender has handed
 // "order:1" to the receiver and hangs, and kills it with SIGKILL.
 func killMidSend(t *testing.T) (*pgxpool.Pool, string) {
@@ -154,15 +111,12 @@ func killMidSend(t *testing.T) (*pgxpool.Pool, string) {
 	createReceived(t, pool)
 	enqueue(t, pool, schema, effects.Effect{Kind: "mail", Key: "order:1", Payload: []byte(`{"to":"a@example.com"}`)})
 	marker := filepath.Join(t.TempDir(), "sent")
-	child := startChild(t, roleBlock, schema, childMarkerEnv+"="+marker)
-	waitFor(t, 20*time.Second, "the child to send", func() bool {
+	child := childproc.Start(t, roleBlock, childproc.Options{Params: childproc.Params{"schema": schema, "marker": marker}})
+	pgtest.WaitFor(t, 20*time.Second, "the child to send", func() bool {
 		_, err := os.Stat(marker)
 		return err == nil
 	})
-	require.NoError(t, child.Process.Signal(syscall.SIGKILL))
-	err := child.Wait()
-	var exit *exec.ExitError
-	require.True(t, errors.As(err, &exit), "child ended by the kill: %v", err)
+	child.KillAndWait(t)
 	r := getEffect(t, pool, "mail", "order:1")
 	require.Equal(t, "pending", r.State)
 	require.True(t, r.InFlight, "the killed claim is still marked in flight")

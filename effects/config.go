@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/shard"
 )
 
 // Defaults of Config.
@@ -58,6 +59,15 @@ type Config struct {
 	ListenConnConfig *pgx.ConnConfig
 	// Schema holds the idem tables (DefaultSchema if empty).
 	Schema string
+	// Shards, in place of Pool and Schema, serves several databases (see package
+	// shard); Pool, Schema and ListenConnConfig must then be unset. Run runs one
+	// claim loop, LISTEN connection and set of lanes a shard (Concurrency is per
+	// shard), sharing the Senders. A shard that goes down holds up only its own
+	// effects: its LISTEN connection reconnects with backoff while its poll goes on,
+	// and it is served again once it is back, without a restart. Enqueue writes
+	// through the transaction it is given: begin it on the tenant's shard
+	// (shard.Map.Pick).
+	Shards *shard.Map
 	// Senders maps each kind to its Sender. Effects of kinds without one are left
 	// alone for a dispatcher that has it; they are never failed. PublishSenders
 	// builds the entries for "publish:<topic>" kinds.
@@ -164,7 +174,9 @@ func (b Backoff) Delay(n int) time.Duration {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	if c.Shards == nil {
+		c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	}
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.Lease = cmp.Or(c.Lease, DefaultLease)
 	c.Backoff = c.Backoff.WithDefaults()
@@ -180,7 +192,14 @@ func (c Config) WithDefaults() Config {
 // c.WithDefaults(), so a config with a Pool and Senders passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if c.Shards != nil {
+		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
+			return err
+		}
+		if c.ListenConnConfig != nil {
+			return errcode.InvalidConfig("ListenConnConfig names one database; with Shards each shard's LISTEN uses its pool's config")
+		}
+	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if len(c.Senders) == 0 {

@@ -51,6 +51,6 @@ func TestConfigConvention(t *testing.T) {
 	_, err := effects.NewLedgerSender(effects.LedgerConfig{Table: "ledger"})
 	require.ErrorIs(t, err, effects.ErrInvalidConfig)
 	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())
-	_, err = effects.LedgerSender(&pgxpool.Pool{}, effects.LedgerConfig{Table: "ledger"}) //nolint:staticcheck // the deprecated constructor keeps working
+	_, err = effects.LedgerSender(&pgxpool.Pool{}, effects.LedgerConfig{Table: "ledger"})
 	require.NoError(t, err)
 }

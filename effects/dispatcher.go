@@ -55,6 +55,13 @@ type Dispatcher struct {
 	outcomes chan outcome  // made by each Run, closed when it ends
 	sendCtx  context.Context
 	released atomic.Int64 // claims handed back unsent at shutdown, in this Run
+
+	// shards, with a shard map, runs one Dispatcher a shard; the fields above
+	// but cfg, log and m are then unused.
+	shards *shardSet
+	// noPending: a shard's Dispatcher leaves idem_effects_pending to its sharded
+	// Dispatcher, which sums the shards.
+	noPending bool
 }
 
 // lane is one kind's sender, its workers' queue and its count of claims held.
@@ -130,6 +137,9 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
+	if cfg.Shards != nil {
+		return newShardedDispatcher(cfg)
+	}
 	m, err := newMetrics(cfg.Registerer)
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
@@ -172,6 +182,9 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 		return ErrDispatcherRunning
 	}
 	defer d.running.Store(false)
+	if d.shards != nil {
+		return d.shards.run(ctx, d)
+	}
 
 	// Sends outlive ctx by up to ShutdownTimeout, so they get a context of their own.
 	d.outcomes = make(chan outcome, 4*d.cfg.BatchSize)
@@ -188,7 +201,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 
 	var background sync.WaitGroup
 	background.Go(func() { d.listen(ctx) })
-	if d.cfg.Registerer != nil {
+	if d.cfg.Registerer != nil && !d.noPending {
 		background.Go(func() { d.refreshPendingLoop(ctx) })
 	}
 
@@ -328,12 +341,14 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	b.Queue(claimSettings)
+	for _, s := range claimSettings {
+		b.Queue(s)
+	}
 	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
-	defer br.Close()
-	for range 2 {
+	defer func() { _ = br.Close() }() // every result is read below; Close releases the connection
+	for range 1 + len(claimSettings) {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
 		}
@@ -697,7 +712,9 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 		// plan, as for the claim.
 		b := &pgx.Batch{}
 		b.Queue(beginSQL)
-		b.Queue(recordSettings)
+		for _, s := range recordSettings {
+			b.Queue(s)
+		}
 		q := record
 		record = d.q.recordAgain // a retry may find this run committed
 		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, codes, masked).Query(func(rows pgx.Rows) error {

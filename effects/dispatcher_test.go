@@ -118,7 +118,7 @@ func TestDispatcherSendsEffects(t *testing.T) {
 	require.Equal(t, "pending", orphan.State)
 	require.Equal(t, 0, orphan.Attempts)
 
-	waitFor(t, 30*time.Second, "attempts metric", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "attempts metric", func() bool {
 		return metricValue(t, reg, "idem_effects_attempts_total", "mail", "done") == 2
 	})
 }
@@ -180,7 +180,7 @@ func TestDispatcherBackoffWaits(t *testing.T) {
 	cfg.Backoff = effects.Backoff{Initial: time.Hour, Max: time.Hour, Jitter: -1}
 	start(t, cfg)
 	enqueue(t, pool, schema, effects.Effect{Kind: "slowretry", Key: "k"})
-	waitFor(t, 30*time.Second, "a failed attempt", func() bool { return getEffect(t, pool, "slowretry", "k").LastError != "" })
+	pgtest.WaitFor(t, 30*time.Second, "a failed attempt", func() bool { return getEffect(t, pool, "slowretry", "k").LastError != "" })
 	r := getEffect(t, pool, "slowretry", "k")
 	require.Equal(t, "pending", r.State)
 	require.InDelta(t, time.Hour.Seconds(), r.DueIn.Seconds(), 60, "next attempt an hour away, by the database's clock")
@@ -207,7 +207,7 @@ func TestDispatcherPermanentThenRequeue(t *testing.T) {
 	r := waitState(t, pool, "mail", "m:1", "dead", 30*time.Second)
 	require.Equal(t, 1, r.Attempts, "a permanent failure is not retried")
 	require.Contains(t, r.LastError, "mailbox does not exist")
-	waitFor(t, 30*time.Second, "dead metric", func() bool { return metricValue(t, reg, "idem_effects_dead_total", "mail") == 1 })
+	pgtest.WaitFor(t, 30*time.Second, "dead metric", func() bool { return metricValue(t, reg, "idem_effects_dead_total", "mail") == 1 })
 
 	fail.Store(false)
 	n, err := effects.RequeueDead(context.Background(), pool, schema, effects.RequeueFilter{Kind: "mail", Key: "m:1"})
@@ -288,7 +288,9 @@ func TestTwoDispatchersNeverSendTheSameEffectAtOnce(t *testing.T) {
 			t.Errorf("key %s sent by two dispatchers at once", d.Key)
 		}
 		var i int
-		fmt.Sscanf(d.Key, "k%d", &i)
+		if _, err := fmt.Sscanf(d.Key, "k%d", &i); err != nil {
+			return err
+		}
 		counts[i].Add(1)
 		time.Sleep(time.Duration(rand.IntN(500)) * time.Microsecond)
 		active.Delete(d.Key)
@@ -302,7 +304,7 @@ func TestTwoDispatchersNeverSendTheSameEffectAtOnce(t *testing.T) {
 		start(t, cfg)
 	}
 	enqueueMany(t, pool, "k", "k", n)
-	waitFor(t, 30*time.Second, "every effect done", func() bool { return countState(t, pool, "done") == n })
+	pgtest.WaitFor(t, 30*time.Second, "every effect done", func() bool { return countState(t, pool, "done") == n })
 	for i := range counts {
 		require.EqualValues(t, 1, counts[i].Load(), "key k%d", i)
 	}
@@ -327,10 +329,10 @@ func TestDispatcherShutdownReleasesClaims(t *testing.T) {
 	enqueueMany(t, pool, "slow", "s", 5)
 	stop := start(t, cfg)
 	first := <-started
-	waitFor(t, 30*time.Second, "two claims", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "two claims", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE in_flight`) == 2
 	})
-	waitFor(t, 30*time.Second, "LISTEN connection up", func() bool { return listenerUp(t, pool, schema) })
+	pgtest.WaitFor(t, 30*time.Second, "LISTEN connection up", func() bool { return listenerUp(t, pool, schema) })
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
 	// Only once Run's context has ended may the send in flight finish (within the
@@ -447,7 +449,7 @@ func TestDispatcherReconcile(t *testing.T) {
 	require.Equal(t, 2, getEffect(t, pool, "pay", "happened").Attempts)
 	require.Equal(t, 3, getEffect(t, pool, "pay", "unknown-once").Attempts)
 	require.Contains(t, getEffect(t, pool, "pay", "unknown-once").LastError, "provider query API down")
-	waitFor(t, 30*time.Second, "metrics", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "metrics", func() bool {
 		return metricValue(t, reg, "idem_effects_unknown_total", "pay") == 1 &&
 			metricValue(t, reg, "idem_effects_attempts_total", "pay", "reconciled") == 1
 	})
@@ -487,7 +489,7 @@ func TestDispatcherNoReconcilerResends(t *testing.T) {
 	start(t, cfg)
 	waitState(t, pool, "mail", "m", "done", 30*time.Second)
 	require.Equal(t, []int{2}, rec.attempts("m"))
-	waitFor(t, 30*time.Second, "unknown metric", func() bool { return metricValue(t, reg, "idem_effects_unknown_total", "mail") == 1 })
+	pgtest.WaitFor(t, 30*time.Second, "unknown metric", func() bool { return metricValue(t, reg, "idem_effects_unknown_total", "mail") == 1 })
 }
 
 // TestDispatcherLostLease: a sender that overruns its lease (ignoring ctx) cannot
@@ -514,7 +516,7 @@ func TestDispatcherLostLease(t *testing.T) {
 	waitState(t, pool, "x", "k", "done", 30*time.Second)
 	// At least the late one: on a loaded machine the attempt that took over may
 	// overrun its 300 ms lease as well.
-	waitFor(t, 30*time.Second, "lost lease counted", func() bool { return metricValue(t, reg, "idem_effects_lost_lease_total", "x") >= 1 })
+	pgtest.WaitFor(t, 30*time.Second, "lost lease counted", func() bool { return metricValue(t, reg, "idem_effects_lost_lease_total", "x") >= 1 })
 	r := getEffect(t, pool, "x", "k")
 	require.Equal(t, "done", r.State, "the late failure did not overwrite done")
 	require.NotContains(t, r.LastError, "late failure")
@@ -533,12 +535,12 @@ func TestDispatcherWakesOnNotify(t *testing.T) {
 	// effect committed before, without a notification.
 	admin := pgtest.NewPool(t, "public", 1)
 	var first int32
-	waitFor(t, 30*time.Second, "LISTEN connection up", func() bool { first = listener(t, admin, schema); return first != 0 })
+	pgtest.WaitFor(t, 30*time.Second, "LISTEN connection up", func() bool { first = listener(t, admin, schema); return first != 0 })
 	enqueue(t, pool, schema, effects.Effect{Kind: "n", Key: "first"})
 	waitState(t, pool, "n", "first", "done", 30*time.Second)
 
 	require.Equal(t, first, cutListener(t, admin, schema))
-	waitFor(t, 30*time.Second, "LISTEN connection up again", func() bool { return listenerUp(t, admin, schema, first) })
+	pgtest.WaitFor(t, 30*time.Second, "LISTEN connection up again", func() bool { return listenerUp(t, admin, schema, first) })
 	enqueue(t, pool, schema, effects.Effect{Kind: "n", Key: "second"})
 	waitState(t, pool, "n", "second", "done", 30*time.Second)
 }
@@ -552,7 +554,7 @@ func TestDispatcherPendingGauge(t *testing.T) {
 	cfg := fastConfig(pool, schema, map[string]effects.Sender{"other": newRecorder(nil)})
 	cfg.Registerer = reg
 	start(t, cfg)
-	waitFor(t, 30*time.Second, "pending gauge", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "pending gauge", func() bool {
 		return metricValue(t, reg, "idem_effects_pending", "unsent") == 7
 	})
 }
@@ -568,7 +570,7 @@ func TestDispatcherRunAgain(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
-	waitFor(t, 30*time.Second, "running", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "running", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN idem_effects' AND application_name = $1`, "idem-test:"+schema) == 1
 	})
 	require.ErrorIs(t, d.Run(ctx), effects.ErrDispatcherRunning)
@@ -599,7 +601,9 @@ func TestDispatchersUnderAnyDefaultIsolation(t *testing.T) {
 			counts := make([]atomic.Int32, n)
 			sender := effects.SenderFunc(func(_ context.Context, d effects.Delivery) error {
 				var i int
-				fmt.Sscanf(d.Key, "k%d", &i)
+				if _, err := fmt.Sscanf(d.Key, "k%d", &i); err != nil {
+					return err
+				}
 				counts[i].Add(1)
 				return nil
 			})
@@ -612,7 +616,7 @@ func TestDispatchersUnderAnyDefaultIsolation(t *testing.T) {
 				start(t, cfg)
 			}
 			enqueueMany(t, pool, "k", "k", n)
-			waitFor(t, 30*time.Second, "every effect done", func() bool { return countState(t, pool, "done") == n })
+			pgtest.WaitFor(t, 30*time.Second, "every effect done", func() bool { return countState(t, pool, "done") == n })
 			for i := range counts {
 				require.EqualValues(t, 1, counts[i].Load(), "key k%d", i)
 			}

@@ -238,7 +238,7 @@ func validKind(s string) bool {
 	if len(s) == 0 || len(s) > 255 {
 		return false
 	}
-	for i := 0; i < len(s); i++ {
+	for i := range len(s) {
 		c := s[i]
 		switch {
 		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':

@@ -179,7 +179,7 @@ func TestSchemaBehindANewerMigration(t *testing.T) {
 		Senders: map[string]effects.Sender{"email": effects.SenderFunc(func(context.Context, effects.Delivery) error { return nil })},
 		Logger:  slog.New(slog.NewTextHandler(&logs, nil))})
 	defer stop()
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the Dispatcher's claim error, naming the cure, in its log", func() bool {
 		return strings.Contains(logs.String(), "claim failed") && strings.Contains(logs.String(), "idem migrate up")
-	}, 30*time.Second, 20*time.Millisecond, "the Dispatcher's claim error names the cure: %s", logs.String())
+	})
 }

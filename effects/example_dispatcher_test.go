@@ -13,8 +13,9 @@ import (
 	"github.com/idemkit/idem/migrate"
 )
 
-// exampleDB makes a migrated schema for an example; close drops it.
-func exampleDB() (pool *pgxpool.Pool, schema string, close func()) {
+// exampleDB makes a migrated schema for an example; drop drops it and closes the
+// pool.
+func exampleDB() (pool *pgxpool.Pool, schema string, drop func()) {
 	ctx := context.Background()
 	schema = pgtest.NewSchemaName()
 	cfg, err := pgxpool.ParseConfig(pgtest.URL())

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 
@@ -76,7 +77,7 @@ func (c LedgerConfig) Validate() error {
 	if len(parts) > 2 {
 		return errcode.InvalidConfig("ledger table %q: want table or schema.table", c.Table)
 	}
-	idents := append(parts, c.KeyColumn, c.PayloadColumn)
+	idents := slices.Concat(parts, []string{c.KeyColumn, c.PayloadColumn})
 	for _, optional := range []string{c.KindColumn, c.TenantColumn} {
 		if optional != "" {
 			idents = append(idents, optional)

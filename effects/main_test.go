@@ -14,15 +14,14 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// TestMain runs the child roles of the multi-process tests when the test binary is
-// re-executed with childRoleEnv set, and checks for leaked goroutines otherwise.
+// TestMain runs a child role of the multi-process tests in a child process, and
+// otherwise the tests, checking for leaked goroutines.
 func TestMain(m *testing.M) {
-	if role := os.Getenv(childRoleEnv); role != "" {
-		os.Exit(runChild(role))
-	}
+	childproc.Main(childRoles)
 	goleak.VerifyTestMain(m)
 }
 
@@ -120,18 +119,6 @@ func getEffect(t testing.TB, pool *pgxpool.Pool, kind, key string) effectRow {
 	return r
 }
 
-// waitFor polls cond until it holds or the timeout passes.
-func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 func countState(t testing.TB, pool *pgxpool.Pool, state string) int {
 	return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = $1`, state)
 }
@@ -139,7 +126,7 @@ func countState(t testing.TB, pool *pgxpool.Pool, state string) int {
 func waitState(t testing.TB, pool *pgxpool.Pool, kind, key, state string, timeout time.Duration) effectRow {
 	t.Helper()
 	var r effectRow
-	waitFor(t, timeout, fmt.Sprintf("%s/%s to be %s", kind, key, state), func() bool {
+	pgtest.WaitFor(t, timeout, fmt.Sprintf("%s/%s to be %s", kind, key, state), func() bool {
 		r = getEffect(t, pool, kind, key)
 		return r.State == state
 	})

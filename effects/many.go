@@ -405,7 +405,7 @@ func (c *enqueueColumns) traceOf(it *Item, ctxTrace trace.SpanContext) string {
 // args are insertMany's arguments. The columns left empty go as NULL arrays.
 func (c *enqueueColumns) args() []any {
 	return []any{c.tenants, c.kinds, c.keys, c.payloads, c.fingerprints, nilIfEmpty(c.attempts), nilIfEmpty(c.delays),
-		c.srcConsumer, c.srcKey, len(c.tenants), pgarray.Text(nilIfEmpty(c.traces))}
+		c.srcConsumer, c.srcKey, len(c.tenants), nilIfEmpty(c.traces)}
 }
 
 // nilIfEmpty is s, or nil (a NULL array) when it is empty.

@@ -157,10 +157,10 @@ func TestEnqueueManySortsSoWritersCannotDeadlock(t *testing.T) {
 			})
 		})
 	}
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "both writers wait", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
 			WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND application_name = $1`, "idem-test:"+schema) >= 2
-	}, 30*time.Second, 10*time.Millisecond, "both writers wait")
+	})
 	require.NoError(t, holder.Rollback(ctx))
 	wg.Wait()
 	dups := 0

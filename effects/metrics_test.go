@@ -93,11 +93,11 @@ func TestDispatcherPendingGaugeFallsToZero(t *testing.T) {
 	cfg.Registerer = reg
 	cfg.PendingRefresh = 50 * time.Millisecond
 	start(t, cfg)
-	waitFor(t, 30*time.Second, "pending 5", func() bool { return metricValue(t, reg, "idem_effects_pending", "elsewhere") == 5 })
+	pgtest.WaitFor(t, 30*time.Second, "pending 5", func() bool { return metricValue(t, reg, "idem_effects_pending", "elsewhere") == 5 })
 	// Another dispatcher sends them.
 	_, err := pool.Exec(context.Background(), `UPDATE effects SET state = 'done', done_at = now() WHERE kind = 'elsewhere'`)
 	require.NoError(t, err)
-	waitFor(t, 30*time.Second, "pending 0", func() bool { return metricValue(t, reg, "idem_effects_pending", "elsewhere") == 0 })
+	pgtest.WaitFor(t, 30*time.Second, "pending 0", func() bool { return metricValue(t, reg, "idem_effects_pending", "elsewhere") == 0 })
 	require.Zero(t, metricValue(t, reg, "idem_effects_pending", "mine"))
 }
 
@@ -176,7 +176,7 @@ func TestListenBackoffResetsAfterReconnect(t *testing.T) {
 	for i := range cuts {
 		// Cut only a connection that got as far as LISTEN (idle after it), and
 		// each one once.
-		waitFor(t, 30*time.Second, "LISTEN connection up", func() bool {
+		pgtest.WaitFor(t, 30*time.Second, "LISTEN connection up", func() bool {
 			if i%2 == 1 {
 				pid := listener(t, admin, schema, gone...)
 				if pid != 0 {
@@ -194,7 +194,7 @@ func TestListenBackoffResetsAfterReconnect(t *testing.T) {
 	}
 	// The Dispatcher logs a lost connection before it reconnects, so once it
 	// listens again every cut has been logged.
-	waitFor(t, 30*time.Second, "LISTEN connection up again", func() bool { return listenerUp(t, admin, schema, gone...) })
+	pgtest.WaitFor(t, 30*time.Second, "LISTEN connection up again", func() bool { return listenerUp(t, admin, schema, gone...) })
 	require.Positive(t, proxy.Refused(), "a reconnect failed")
 	waits := logs.retryWaits()
 	shortest := 0
@@ -243,7 +243,7 @@ func cutListener(t testing.TB, admin *pgxpool.Pool, schema string, gone ...int32
 // Run's context has ended.
 func waitListenerGone(t testing.TB, admin *pgxpool.Pool, schema string) {
 	t.Helper()
-	waitFor(t, 30*time.Second, "Run's context ended", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "Run's context ended", func() bool {
 		return pgtest.Count(t, admin, `SELECT count(*) FROM pg_stat_activity
 			WHERE application_name = $1 AND query = 'LISTEN idem_effects'`, "idem-test:"+schema) == 0
 	})
@@ -263,7 +263,7 @@ func TestDispatcherListenConnConfig(t *testing.T) {
 	cfg.ListenConnConfig = listen
 	start(t, cfg)
 	admin := pgtest.NewPool(t, "public", 1)
-	waitFor(t, 30*time.Second, "LISTEN on the configured connection", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "LISTEN on the configured connection", func() bool {
 		return pgtest.Count(t, admin, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN idem_effects'`,
 			"idem-test-listen:"+schema) == 1
 	})

@@ -2,12 +2,13 @@ package effects_test
 
 import (
 	"net/http/httptest"
-	"os/exec"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/childproc"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // TestDispatcherFourProcesses: 10,000 effects across 4 dispatcher processes, one of
@@ -22,25 +23,23 @@ func TestDispatcherFourProcesses(t *testing.T) {
 	defer srv.Close()
 	enqueueMany(t, pool, "notify", "n", n)
 
-	env := childReceiverEnv + "=" + srv.URL
-	children := []*exec.Cmd{}
+	worker := childproc.Options{Params: childproc.Params{"schema": schema, "receiver": srv.URL}}
+	children := []*childproc.Child{}
 	for range 4 {
-		children = append(children, startChild(t, roleWorker, schema, env))
+		children = append(children, childproc.Start(t, roleWorker, worker))
 	}
-	waitFor(t, 60*time.Second, "a quarter of the keys received", func() bool {
+	pgtest.WaitFor(t, 60*time.Second, "a quarter of the keys received", func() bool {
 		d, _ := rc.stats()
 		return d >= n/4
 	})
 	_, dupesBeforeKill := rc.stats()
 	require.Empty(t, dupesBeforeKill, "no key is received twice before a kill")
-	require.NoError(t, children[0].Process.Signal(syscall.SIGKILL))
-	_ = children[0].Wait()
-	children[0] = startChild(t, roleWorker, schema, env)
+	children[0].KillAndWait(t)
+	children[0] = childproc.Start(t, roleWorker, worker)
 
-	waitFor(t, 90*time.Second, "every effect done", func() bool { return countState(t, pool, "done") == n })
+	pgtest.WaitFor(t, 90*time.Second, "every effect done", func() bool { return countState(t, pool, "done") == n })
 	for _, c := range children {
-		require.NoError(t, c.Process.Signal(syscall.SIGTERM))
-		require.NoError(t, c.Wait(), "graceful exit on SIGTERM")
+		c.Stop(t, 30*time.Second) // a graceful exit on SIGTERM
 	}
 	distinct, dupes := rc.stats()
 	require.Equal(t, n, distinct, "every key reached the receiver")

@@ -59,7 +59,7 @@ func TestDispatcherBinaryErrorTextIsStored(t *testing.T) {
 	require.Equal(t, 2, r.Attempts)
 	r = waitState(t, pool, "mail", "junk-panic", "done", 20*time.Second)
 	require.Contains(t, r.LastError, `sender panicked: \x00\xff\xfe\x89PNG`)
-	waitFor(t, 20*time.Second, "every effect settled", func() bool { return countState(t, pool, "done") == n+2 })
+	pgtest.WaitFor(t, 20*time.Second, "every effect settled", func() bool { return countState(t, pool, "done") == n+2 })
 	for i := range n {
 		require.Equal(t, 1, rec.count(fmt.Sprintf("ok-%d", i)), "ok-%d sent once", i)
 	}
@@ -110,7 +110,7 @@ func TestDispatcherRejectedOutcomeCostsNoOther(t *testing.T) {
 	r := waitState(t, pool, "mail", "bad", "dead", 20*time.Second)
 	require.Contains(t, r.LastError, "error text could not be stored")
 	require.Contains(t, r.LastError, "23514")
-	waitFor(t, 20*time.Second, "every other effect done", func() bool { return countState(t, pool, "done") == n })
+	pgtest.WaitFor(t, 20*time.Second, "every other effect done", func() bool { return countState(t, pool, "done") == n })
 	for i := range n {
 		require.Equal(t, 1, rec.count(fmt.Sprintf("ok-%d", i)), "ok-%d sent once", i)
 	}
@@ -134,7 +134,7 @@ func TestOutcomeWriteAppliedOnceWhenCommitReplyIsLost(t *testing.T) {
 	enqueue(t, pool, schema, effects.Effect{Kind: "mail", Key: "cut-me:done"})
 
 	r := waitState(t, pool, "mail", "cut-me:done", "done", 20*time.Second)
-	waitFor(t, 20*time.Second, "the outcome counted", func() bool {
+	pgtest.WaitFor(t, 20*time.Second, "the outcome counted", func() bool {
 		return metricValue(t, reg, "idem_effects_attempts_total", "mail", "done")+
 			metricValue(t, reg, "idem_effects_lost_lease_total", "mail") > 0
 	})
@@ -170,12 +170,12 @@ func TestReleasedClaimGivenBackOnceWhenCommitReplyIsLost(t *testing.T) {
 	stop := start(t, cfg)
 	sending := <-first
 	waiting := map[string]string{"k1": "k2", "k2": "k1"}[sending]
-	waitFor(t, 30*time.Second, "both claimed", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "both claimed", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE in_flight`) == 2
 	})
 	proxy.arm(waiting, 1) // cut the write that releases the waiting claim
 	admin := pgtest.NewPool(t, "public", 1)
-	waitFor(t, 30*time.Second, "LISTEN connection up", func() bool { return listenerUp(t, admin, schema) })
+	pgtest.WaitFor(t, 30*time.Second, "LISTEN connection up", func() bool { return listenerUp(t, admin, schema) })
 	stopped := make(chan struct{})
 	go func() { stop(); close(stopped) }()
 	// Run's context has ended once its LISTEN connection is gone; only then may the

@@ -136,13 +136,13 @@ func planStatements(t *testing.T, pool *pgxpool.Pool, schema string) []planState
 	q := newQueries(schema, 2*DefaultBatchSize)
 	pkey := []string{"((tenant = d.tenant) AND (kind = d.kind) AND (key = d.key))"}
 	return []planStatement{
-		{name: "claim", settings: claimSettings, sql: q.claim,
+		{name: "claim", settings: strings.Join(claimSettings, "; "), sql: q.claim,
 			args:    []any{[]string{"mail", "sms"}, []int32{DefaultBatchSize, DefaultBatchSize}, time.Minute},
 			indexes: []string{"effects_due_idx"}, nodes: []string{"LockRows", "Tid Scan", "Nested Loop"},
 			conds: []string{"((kind = w.kind) AND (next_attempt_at <= now()))"}},
-		{name: "record", settings: recordSettings, sql: q.record, args: recordArgs,
+		{name: "record", settings: strings.Join(recordSettings, "; "), sql: q.record, args: recordArgs,
 			indexes: []string{"effects_pkey"}, nodes: []string{"Nested Loop"}, conds: pkey},
-		{name: "recordAgain", settings: recordSettings, sql: q.recordAgain, args: recordArgs,
+		{name: "recordAgain", settings: strings.Join(recordSettings, "; "), sql: q.recordAgain, args: recordArgs,
 			indexes: []string{"effects_pkey"}, nodes: []string{"Nested Loop"}, conds: pkey},
 	}
 }

@@ -45,8 +45,10 @@ var (
 				AND e.fence = d.fence AND e.state NOT IN ('done', 'dead', 'discarded') AND e.recorded_fence <> d.fence`
 )
 
-// claimSettings and recordSettings are run, as one statement each, first in the
-// claim's and in the outcome write's transactions. They make the plans of those
+// claimSettings and recordSettings are run, as SET LOCAL statements pipelined in
+// the same round trip, first in the claim's and in the outcome write's
+// transactions (SET LOCAL rather than set_config, so that a distributed Postgres
+// passes them on with the transaction). They make the plans of those
 // statements the same whatever the table's statistics say: a burst of effects
 // lands in a table that was small (or new, and never analyzed) and is drained
 // before autovacuum analyzes it, or while it does.
@@ -68,14 +70,15 @@ var (
 //     outcomes.
 //
 // The plans are in TestPlansNeedNoStatistics.
-const (
-	planSettings = `set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),
-		set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
-		set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true),
-		set_config('enable_sort', 'off', true)`
-	claimSettings = `SELECT ` + planSettings
+var (
+	claimSettings = []string{
+		"SET LOCAL plan_cache_mode = force_generic_plan", "SET LOCAL jit = off",
+		"SET LOCAL enable_seqscan = off", "SET LOCAL enable_bitmapscan = off",
+		"SET LOCAL enable_hashjoin = off", "SET LOCAL enable_mergejoin = off",
+		"SET LOCAL enable_sort = off",
+	}
 	// The outcome commits without waiting for its WAL flush: see writeOutcomes.
-	recordSettings = `SELECT set_config('synchronous_commit', 'off', true), ` + planSettings
+	recordSettings = append([]string{"SET LOCAL synchronous_commit = off"}, claimSettings...)
 )
 
 // enqueueQueries are Enqueue's statements for one schema.
@@ -86,16 +89,30 @@ type enqueueQueries struct {
 
 func newEnqueueQueries(schema string) enqueueQueries {
 	t := pgx.Identifier{schema, "effects"}.Sanitize()
+	// wake notifies once if ins inserted a row. The statements read it in a
+	// condition that always holds (an InitPlan, run once per statement, rather
+	// than a join, which would cost a step per inserted row). The schema is a
+	// plain lower-case identifier (pgschema.Valid), so it is safe as a literal.
+	wake := `wake AS (SELECT pg_notify('` + notifyChannel + `', '` + schema + `') FROM (SELECT FROM ins LIMIT 1) one)`
 	return enqueueQueries{
 		// The due time is clock_timestamp() + delay: the database's time when this
 		// statement runs, not now(), which is the start of the transaction and would
 		// make a delay count from before the Enqueue call.
-		insert: `INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
-				next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
-			VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval, $8, $9, $10,
-				nullif($11::text, '')::jsonb)
-			ON CONFLICT (tenant, kind, key) DO NOTHING
-			RETURNING true`,
+		//
+		// An insert wakes the dispatchers itself (wake): NOTIFY is delivered at
+		// commit, and Postgres folds identical notifications of one transaction
+		// into one, so a transaction of many inserts costs one. The payload is the
+		// schema, so one channel serves every schema of a database. A duplicate
+		// inserts nothing and notifies nothing.
+		insert: `WITH ins AS (
+				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
+					next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
+				VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval, $8, $9, $10,
+					nullif($11::text, '')::jsonb)
+				ON CONFLICT (tenant, kind, key) DO NOTHING
+				RETURNING true AS ok
+			), ` + wake + `
+			SELECT ok FROM ins WHERE (SELECT true FROM wake) IS NOT FALSE`,
 		fingerprint: `SELECT fingerprint FROM ` + t + ` WHERE tenant = $1 AND kind = $2 AND key = $3`,
 		// EnqueueItems: many effects in one statement, in the order given (the caller
 		// sorts them by identity, so that two batches wait for each other's keys in
@@ -123,12 +140,12 @@ func newEnqueueQueries(schema string) enqueueQueries {
 						unnest($11::text[]) AS trace_context) u
 				ON CONFLICT (tenant, kind, key) DO NOTHING
 				RETURNING tenant, kind, key
-			)
+			), ` + wake + `
 			SELECT count(*)::int,
 				CASE WHEN count(*) < $10 THEN coalesce(array_agg(tenant), '{}') END,
 				CASE WHEN count(*) < $10 THEN coalesce(array_agg(kind), '{}') END,
 				CASE WHEN count(*) < $10 THEN coalesce(array_agg(key), '{}') END
-			FROM ins`,
+			FROM ins HAVING (SELECT true FROM wake) IS NOT FALSE`,
 		// The stored fingerprints of the effects an insertMany did not insert: a new
 		// statement, so at READ COMMITTED it sees rows that a concurrent transaction
 		// committed while the insert waited for it. LATERAL on the primary key, kept
@@ -159,8 +176,8 @@ func newQueries(schema string, claimLimit int) queries {
 		// unknown; the old next_attempt_at is when the effect became due (for lag).
 		// Times are the database's now(), never the application's clock.
 		//
-		// The plan is fixed by the statement's shape and planSettings, not by
-		// statistics (see planSettings): per kind, a LATERAL range scan of
+		// The plan is fixed by the statement's shape and claimSettings, not by
+		// statistics (see claimSettings): per kind, a LATERAL range scan of
 		// effects_due_idx (kind, next_attempt_at) in index order, which stops after
 		// n rows; then the update of each row it locked, found by its ctid (a TID
 		// scan: no index at all). The row's ctid cannot change while this
@@ -205,7 +222,7 @@ func newQueries(schema string, claimLimit int) queries {
 		// recordAgain.
 		//
 		// The only index this statement can use is the primary key (see recordWhere),
-		// probed once per outcome in a nested loop; planSettings rule out the rest.
+		// probed once per outcome in a nested loop; claimSettings rule out the rest.
 		record: `UPDATE ` + t + ` e
 			SET ` + recordSet + `
 			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],

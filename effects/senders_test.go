@@ -18,7 +18,7 @@ func TestPublishSenderKeepsUUIDAndMetadata(t *testing.T) {
 	t.Parallel()
 	pool, schema := setup(t)
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10}, watermill.NopLogger{})
-	defer pubsub.Close()
+	defer func() { require.NoError(t, pubsub.Close()) }()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	msgs, err := pubsub.Subscribe(ctx, "orders")

@@ -65,7 +65,7 @@ func TestEnqueueTenantScope(t *testing.T) {
 
 	rec := newRecorder(nil)
 	start(t, fastConfig(pool, schema, map[string]effects.Sender{"mail": rec}))
-	waitFor(t, 20*time.Second, "all four sent", func() bool { return countState(t, pool, "done") == 4 })
+	pgtest.WaitFor(t, 20*time.Second, "all four sent", func() bool { return countState(t, pool, "done") == 4 })
 	rec.mu.Lock()
 	sends := slices.Clone(rec.sends["receipt:123"])
 	rec.mu.Unlock()
@@ -165,7 +165,7 @@ func TestLedgerSenderTenantScope(t *testing.T) {
 func TestPublishSenderPassesTenant(t *testing.T) {
 	t.Parallel()
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10}, watermill.NopLogger{})
-	defer pubsub.Close()
+	defer func() { require.NoError(t, pubsub.Close()) }()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	msgs, err := pubsub.Subscribe(ctx, "orders")

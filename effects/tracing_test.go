@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 func newTracing(t *testing.T) (*sdktrace.TracerProvider, *tracetest.SpanRecorder) {
@@ -165,7 +166,7 @@ func TestTracingSendSpans(t *testing.T) {
 	waitState(t, pool, "publish:out", out.UUID, "done", 30*time.Second)
 
 	sends := map[string][]sdktrace.ReadOnlySpan{}
-	waitFor(t, 30*time.Second, "four send spans", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "four send spans", func() bool {
 		sends = map[string][]sdktrace.ReadOnlySpan{}
 		for _, s := range rec.Ended() {
 			if s.Name() == "idem.send" {
@@ -246,7 +247,7 @@ func enqueueCtx(t *testing.T, ctx context.Context, pool *pgxpool.Pool, schema st
 func attrOf(s sdktrace.ReadOnlySpan, key string) string {
 	for _, kv := range s.Attributes() {
 		if string(kv.Key) == key {
-			return kv.Value.Emit()
+			return kv.Value.String()
 		}
 	}
 	return ""

@@ -230,12 +230,12 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 	mux.HandleFunc("POST /bare/payments", func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
-			http.Error(w, err.Error(), 400)
+			http.Error(w, err.Error(), http.StatusBadRequest)
 			return
 		}
 		tx, err := pool.Begin(r.Context())
 		if err != nil {
-			http.Error(w, err.Error(), 500)
+			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		defer tx.Rollback(context.WithoutCancel(r.Context()))
@@ -244,7 +244,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 			err = tx.Commit(r.Context())
 		}
 		if err != nil {
-			http.Error(w, err.Error(), 500)
+			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		answer(w, id, amount)
@@ -262,12 +262,12 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 	mux.Handle("POST /idem/payments", mw.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
-			http.Error(w, err.Error(), 400)
+			http.Error(w, err.Error(), http.StatusBadRequest)
 			return
 		}
 		id, amount, err := insert(r.Context(), body, httpidem.Tx(r.Context()))
 		if err != nil {
-			http.Error(w, err.Error(), 500)
+			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		answer(w, id, amount)
@@ -295,7 +295,7 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 						return
 					}
 					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
+					_ = resp.Body.Close()
 					if resp.StatusCode != http.StatusCreated {
 						b.Errorf("%s: status %d", path, resp.StatusCode)
 						return

@@ -17,6 +17,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/shard"
 )
 
 // Defaults.
@@ -120,6 +121,10 @@ type Config struct {
 	Pool *pgxpool.Pool
 	// Schema holds the idem tables (default "idem"), migrated to 003 or later.
 	Schema string
+	// Shards, in place of Pool and Schema, spreads the requests over several
+	// databases (see package shard); Pool and Schema must then be unset, and Tenant
+	// set: the request's tenant picks its shard before the claim.
+	Shards *shard.Map
 
 	// KeyHeader names the key's header (default "Idempotency-Key"). A value that
 	// starts with a double quote is a Structured Field Item whose value is a
@@ -228,7 +233,9 @@ type Config struct {
 // WithDefaults returns c with every unset field at its default (and the
 // deprecated Wait and LeaseDuration moved to LockTimeout and Lease).
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	if c.Shards == nil {
+		c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	}
 	c.KeyHeader = http.CanonicalHeaderKey(cmp.Or(c.KeyHeader, DefaultKeyHeader))
 	if c.Operation == nil {
 		c.Operation = DefaultOperation
@@ -257,7 +264,14 @@ func (c Config) WithDefaults() Config {
 // Tenant (or Unscoped) passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if c.Shards != nil {
+		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
+			return err
+		}
+		if c.Tenant == nil {
+			return errcode.InvalidConfig("Shards routes by tenant: set Tenant")
+		}
+	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	switch {

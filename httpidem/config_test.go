@@ -34,7 +34,7 @@ func TestConfigConvention(t *testing.T) {
 	require.NotNil(t, d.FinalStatus)
 	require.NotNil(t, d.Logger)
 
-	old := httpidem.Config{Wait: 3 * time.Second, LeaseDuration: 4 * time.Second}.WithDefaults() //nolint:staticcheck // the deprecated names are honoured
+	old := httpidem.Config{Wait: 3 * time.Second, LeaseDuration: 4 * time.Second}.WithDefaults()
 	require.Equal(t, 3*time.Second, old.LockTimeout)
 	require.Equal(t, 4*time.Second, old.Lease)
 

@@ -263,7 +263,7 @@ func TestOneConnectionPerRequest(t *testing.T) {
 		if strings.HasPrefix(c.tenant, "lease-recover") {
 			require.Equal(t, calls, b.calls.Load(), "%s: Recover settled the keys; the handler never ran", c.tenant)
 		}
-		waitFor(t, 10*time.Second, c.tenant+": every connection back in the pool", func() bool { return b.mwPool.Stat().AcquiredConns() == 0 })
+		pgtest.WaitFor(t, 10*time.Second, c.tenant+": every connection back in the pool", func() bool { return b.mwPool.Stat().AcquiredConns() == 0 })
 	}
 }
 
@@ -320,10 +320,10 @@ func TestSlowReadersHoldNoConnection(t *testing.T) {
 					"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", path, addr, i, len(req), req)
 				require.NoError(t, err)
 			}
-			waitFor(t, 30*time.Second, "the four big answers to commit", func() bool {
+			pgtest.WaitFor(t, 30*time.Second, "the four big answers to commit", func() bool {
 				return b.count(t, `SELECT count(*) FROM inbox WHERE key LIKE 'big-%' AND state = 'completed' AND response_status = 201`) == n
 			})
-			waitFor(t, 10*time.Second, "the connections of the committed requests to go back to the pool while their clients do not read", func() bool {
+			pgtest.WaitFor(t, 10*time.Second, "the connections of the committed requests to go back to the pool while their clients do not read", func() bool {
 				return b.mwPool.Stat().AcquiredConns() == 0
 			})
 			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)

@@ -1,15 +1,11 @@
 package httpidem_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"net"
 	"net/http"
-	"os"
-	"os/exec"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -17,16 +13,16 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// The crash test re-runs this test binary as a child HTTP server that stops at a
-// chosen point, where the parent kills it with SIGKILL. The client then retries
-// against another server, as it would behind a load balancer.
-const (
-	envChildRole   = "IDEM_HTTP_TEST_CHILD"
-	envChildSchema = "IDEM_HTTP_TEST_SCHEMA"
-)
+// The crash test runs this test binary again as a child HTTP server
+// (internal/childproc) that stops at a chosen point, where the parent kills it with
+// SIGKILL. The client then retries against another server, as it would behind a
+// load balancer. Its parameters: "point", the crash point, and "schema", the
+// parent's schema.
+var childRoles = map[string]childproc.Role{"server": runChild}
 
 // Crash points.
 const (
@@ -38,28 +34,22 @@ const (
 
 // runChild serves the payments routes on a free port, printing "LISTEN <addr>",
 // and hangs at the crash point after printing its name.
-func runChild(role string) int {
-	ctx := context.Background()
-	schema := os.Getenv(envChildSchema)
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+func runChild(ctx context.Context, p childproc.Params) error {
+	schema := p["schema"]
+	cfg, err := pgtest.ConfigFor(schema, pgtest.Options{})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return err
 	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return err
 	}
 	mw, err := httpidem.New(baseConfig(pool, schema))
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return err
 	}
 	var hook func(http.ResponseWriter, *http.Request) bool
-	switch role {
+	switch p["point"] {
 	case afterCommit:
 		httpidem.SetAfterCommit(mw, func(*http.Request) { fmt.Println(afterCommit); select {} })
 	case midHandler:
@@ -67,13 +57,11 @@ func runChild(role string) int {
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return err
 	}
 	fmt.Println("LISTEN", l.Addr())
 	srv := &http.Server{Handler: routes(mw, func(w http.ResponseWriter, r *http.Request) { createPayment(w, r, hook) }), ReadHeaderTimeout: 10 * time.Second}
-	fmt.Fprintln(os.Stderr, srv.Serve(l))
-	return 1
+	return srv.Serve(l)
 }
 
 // TestSIGKILL: the server process dies by SIGKILL after the commit and before it
@@ -86,26 +74,18 @@ func TestSIGKILL(t *testing.T) {
 		t.Run(point, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
-			cmd := exec.Command(os.Args[0], "-test.run=^$")
-			cmd.Env = append(os.Environ(), envChildRole+"="+point, envChildSchema+"="+b.schema)
-			stdout, err := cmd.StdoutPipe()
-			require.NoError(t, err)
-			cmd.Stderr = os.Stderr
-			require.NoError(t, cmd.Start())
-			t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
 			lines := make(chan string, 4)
-			go func() {
-				sc := bufio.NewScanner(stdout)
-				for sc.Scan() {
-					lines <- strings.TrimSpace(sc.Text())
-				}
-				close(lines)
-			}()
+			child := childproc.Start(t, "server", childproc.Options{
+				Params: childproc.Params{"point": point, "schema": b.schema},
+				OnLine: func(l string) { lines <- strings.TrimSpace(l) },
+			})
 			next := func() string {
 				select {
-				case l, ok := <-lines:
-					require.True(t, ok, "the child exited early")
+				case l := <-lines:
 					return l
+				case <-child.Done():
+					t.Fatalf("the child exited early (%v)", child.State())
+					return ""
 				case <-time.After(60 * time.Second):
 					t.Fatal("the child said nothing for 60 s")
 					return ""
@@ -122,16 +102,13 @@ func TestSIGKILL(t *testing.T) {
 				errc <- err
 			}()
 			require.Equal(t, point, next())
-			require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
-			_ = cmd.Wait()
-			ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
-			require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "the child died by SIGKILL")
+			child.KillAndWait(t)
 			require.Error(t, <-errc, "the first client never got an answer")
 
 			// The retry reaches a live server. Postgres may take a moment to notice
 			// the dead backend of the mid-handler child; the claim waits for it.
 			var a answer
-			waitFor(t, 60*time.Second, "the retry to be answered", func() bool {
+			pgtest.WaitFor(t, 60*time.Second, "the retry to be answered", func() bool {
 				a = b.post(t, "/payments", "crash-key", `{"amount": 42}`, "X-Tenant", "acme")
 				return a.Status != http.StatusConflict // 409: the dead backend still holds the key; retry, as a client does
 			})

@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -20,15 +19,14 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// TestMain runs the child server of the crash test when the test binary is
-// re-executed with envChildRole set, and checks for leaked goroutines otherwise.
+// TestMain runs the child server of the crash test in a child process, and
+// otherwise the tests, checking for leaked goroutines.
 func TestMain(m *testing.M) {
-	if role := os.Getenv(envChildRole); role != "" {
-		os.Exit(runChild(role))
-	}
+	childproc.Main(childRoles)
 	goleak.VerifyTestMain(m)
 }
 
@@ -210,7 +208,7 @@ func postTo(ctx context.Context, c *http.Client, base, path, key, body string, h
 	if err != nil {
 		return answer{}, err
 	}
-	defer resp.Body.Close()
+	defer func() { _ = resp.Body.Close() }()
 	raw, err := io.ReadAll(resp.Body)
 	if err != nil {
 		return answer{}, err
@@ -252,18 +250,6 @@ func problem(t *testing.T, a answer, status int, code string) httpidem.Problem {
 	require.NotEmpty(t, p.Title)
 	require.False(t, a.Replayed)
 	return p
-}
-
-// waitFor polls cond until it holds or the timeout passes.
-func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // counter reads one series of a counter vector: labels are the operation and, for

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/janitor"
 )
 
@@ -93,7 +94,7 @@ func TestConcurrentRequestsOneKey(t *testing.T) {
 		})
 	}
 	// Every request is in: one in the handler, the others waiting on its key.
-	waitFor(t, 30*time.Second, "the 19 others to wait on the key", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the 19 others to wait on the key", func() bool {
 		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = $1`, "idem-test:"+b.schema) == n-1
 	})
 	close(release)
@@ -321,7 +322,7 @@ func TestClientDisconnects(t *testing.T) {
 	<-inHandler
 	cancel()
 	require.ErrorIs(t, <-errc, context.Canceled)
-	waitFor(t, 30*time.Second, "the rollback to be counted", func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the rollback to be counted", func() bool {
 		return counter(t, b.reg, "idem_http_requests_total", "POST /payments", "disconnected") == 1
 	})
 	require.Equal(t, 0, b.payments(t))
@@ -425,7 +426,7 @@ func TestKeyHeader(t *testing.T) {
 	req.Header.Add("Idempotency-Key", "b")
 	resp, err := b.client.Do(req)
 	require.NoError(t, err)
-	resp.Body.Close()
+	require.NoError(t, resp.Body.Close())
 	require.Equal(t, http.StatusBadRequest, resp.StatusCode)
 
 	// Optional key: runs every time, commits, stores nothing.
@@ -463,7 +464,7 @@ func TestBodyNotJSON(t *testing.T) {
 	require.Equal(t, http.StatusCreated, a.Status)
 	requireSameAnswer(t, a, b.post(t, "/payments", "j", `{"email":"e","amount":1.0}`, "Content-Type", "text/plain"))
 	// Other media types count byte for byte.
-	a = b.post(t, "/payments", "x", `<p amount="1"/>`, "Content-Type", "application/xml")
+	b.post(t, "/payments", "x", `<p amount="1"/>`, "Content-Type", "application/xml")
 	problem(t, b.post(t, "/payments", "x", `<p  amount="1"/>`, "Content-Type", "application/xml"),
 		http.StatusUnprocessableEntity, httpidem.CodeFingerprintMismatch)
 }
@@ -493,15 +494,15 @@ func TestFingerprintIgnoresHeaders(t *testing.T) {
 	}
 	// The default never reads headers at all.
 	fp := httpidem.DefaultFingerprint(inbox.JSONOptions{})
-	r1, _ := http.NewRequest("POST", "/p?b=2&a=1", strings.NewReader(""))
-	r2, _ := http.NewRequest("POST", "/p?a=1&b=2", strings.NewReader(""))
+	r1, _ := http.NewRequest(http.MethodPost, "/p?b=2&a=1", strings.NewReader(""))
+	r2, _ := http.NewRequest(http.MethodPost, "/p?a=1&b=2", strings.NewReader(""))
 	r2.Header.Set("Authorization", "x")
 	f1, err := fp(r1, []byte(`{"a":1}`))
 	require.NoError(t, err)
 	f2, err := fp(r2, []byte(`{ "a" : 1.0 }`))
 	require.NoError(t, err)
 	require.Equal(t, f1, f2)
-	r3, _ := http.NewRequest("PUT", "/p?a=1&b=2", nil)
+	r3, _ := http.NewRequest(http.MethodPut, "/p?a=1&b=2", nil)
 	f3, _ := fp(r3, []byte(`{"a":1}`))
 	require.NotEqual(t, f1, f3, "the method counts")
 }

@@ -99,6 +99,7 @@ func TestKeySyntaxWithCurl(t *testing.T) {
 		require.True(t, ok, "%s", out)
 		resp, err := http.ReadResponse(bufioReader(append(head, "\r\n\r\n"...)), nil)
 		require.NoError(t, err)
+		_ = resp.Body.Close() // only the head was parsed: closing the cut-off body reports unexpected EOF
 		return resp.StatusCode, resp.Header.Get(httpidem.ReplayedHeader), string(body)
 	}
 	status, replayed, first := post(`"8e03978e-40d5-43e8-bc93-6894a57f9324";p=1`)

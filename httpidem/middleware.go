@@ -47,6 +47,9 @@ type Middleware struct {
 	// onLeaseWait, if set, runs when a lease-mode request starts to wait for a held
 	// key (tests).
 	onLeaseWait func(r *http.Request)
+
+	// shards, with a shard map, routes each request to its shard's Middleware.
+	shards *shardSet
 }
 
 // New validates cfg and returns a Middleware.
@@ -54,6 +57,9 @@ func New(cfg Config) (*Middleware, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if cfg.Shards != nil {
+		return newSharded(cfg)
 	}
 	store, err := newResponseStore(cfg.Schema)
 	if err != nil {
@@ -94,6 +100,9 @@ func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 			panic(fmt.Sprintf("httpidem: Route.Operation %q: %v", rt.Operation, err))
 		}
 		m.metrics.op(rt.Operation)
+	}
+	if m.shards != nil {
+		return func(next http.Handler) http.Handler { return m.shards.route(rt, next) }
 	}
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(rt, next, w, r) })
@@ -555,7 +564,7 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 			if v := recover(); v != nil {
 				onPanic()
 				m.count(q.claim.Consumer, OutcomePanic)
-				if v != http.ErrAbortHandler {
+				if err, _ := v.(error); !errors.Is(err, http.ErrAbortHandler) {
 					m.log.Error("idem: handler panicked; its work is rolled back and nothing is stored",
 						append(q.attrs(), "panic", fmt.Sprint(v), "stack", string(debug.Stack()))...)
 				}

@@ -90,6 +90,9 @@ const (
 	CodeTimeout = "request_timeout"
 	// CodeRecoveryFailed (503, Retry-After): Config.Recover failed on a stale key.
 	CodeRecoveryFailed = "recovery_failed"
+	// CodeShardRoute (500): with Config.Shards, the route gave no shard for the
+	// request's tenant (shard.ErrRoute); nothing ran.
+	CodeShardRoute = "shard_route"
 )
 
 // ErrNoOperation is returned by DefaultOperation when the request has no route
@@ -112,7 +115,7 @@ var problemStatus = map[string]int{
 	CodeFingerprintMismatch: 422, CodeInProgress: 409, CodeResponseTooLarge: 500,
 	CodeTransactionEnded: 500, CodeHandlerCommitted: 500, CodeHandlerEndedTransaction: 500, CodeNoOperation: 500, CodeResponseNotStored: 500, CodeReplayFailed: 500,
 	CodeHandlerFailed: 500, CodeCommitUnknown: 503, CodeDatabaseUnavailable: 503, CodeTimeout: 503,
-	CodeRecoveryFailed: 503,
+	CodeRecoveryFailed: 503, CodeShardRoute: 500,
 }
 
 var problemTitle = map[string]string{
@@ -137,6 +140,7 @@ var problemTitle = map[string]string{
 	CodeDatabaseUnavailable:     "Service unavailable",
 	CodeTimeout:                 "Request timed out",
 	CodeRecoveryFailed:          "Recovery of an interrupted request failed",
+	CodeShardRoute:              "No shard for the tenant",
 }
 
 // retryAfterCodes get a Retry-After header.

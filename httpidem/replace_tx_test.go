@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // A handler that ends idem's transaction with raw SQL and begins another leaves the
@@ -163,7 +164,7 @@ func TestHandlerRollsBackUnderAConcurrentRequest(t *testing.T) {
 			return false // the second request: an honest handler
 		}
 		ctx := r.Context()
-		waitFor(t, 30*time.Second, "the second request to wait on the key", func() bool {
+		pgtest.WaitFor(t, 30*time.Second, "the second request to wait on the key", func() bool {
 			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = $1`, "idem-test:"+b.schema) == 1
 		})
 		tx := httpidem.Tx(ctx)
@@ -180,7 +181,7 @@ func TestHandlerRollsBackUnderAConcurrentRequest(t *testing.T) {
 	})
 	firstc := make(chan answer, 1)
 	go func() { firstc <- b.post(t, "/payments", "k", `{"amount": 1}`) }()
-	waitFor(t, 30*time.Second, "the first request to hold the key", func() bool { return calls.Load() == 1 })
+	pgtest.WaitFor(t, 30*time.Second, "the first request to hold the key", func() bool { return calls.Load() == 1 })
 	second := b.post(t, "/payments", "k", `{"amount": 1}`)
 	close(secondDone)
 	require.Equal(t, http.StatusCreated, second.Status, "%s", second)

@@ -154,7 +154,7 @@ func TestLeaseWithResponse(t *testing.T) {
 	res, err := store.LeaseResponse(ctx, pool, c, 50*time.Millisecond)
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the stale lease to be taken over", func() bool {
 		r, err := store.LeaseResponse(ctx, pool, c, time.Minute)
 		require.NoError(t, err)
 		if r.Claimed {
@@ -162,7 +162,7 @@ func TestLeaseWithResponse(t *testing.T) {
 			return true
 		}
 		return false
-	}, 30*time.Second, 20*time.Millisecond)
+	})
 
 	require.ErrorIs(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		return store.CompleteLeaseResponseTx(ctx, tx, c.ID, res.Fence, 0, &storedResponse{Status: 201})

@@ -148,7 +148,7 @@ func TestSafeMethodsPassThrough(t *testing.T) {
 		}
 		resp, err := srv.Client().Do(req)
 		require.NoError(t, err)
-		defer resp.Body.Close()
+		defer func() { require.NoError(t, resp.Body.Close()) }()
 		body, err := io.ReadAll(resp.Body)
 		require.NoError(t, err)
 		return answer{Status: resp.StatusCode, Header: resp.Header, Body: body, Replayed: resp.Header.Get(httpidem.ReplayedHeader) == "true"}

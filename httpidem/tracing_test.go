@@ -106,7 +106,7 @@ func childrenOf(rec *tracetest.SpanRecorder, parent trace.SpanContext) map[strin
 func spanAttr(s sdktrace.ReadOnlySpan, key string) string {
 	for _, kv := range s.Attributes() {
 		if string(kv.Key) == key {
-			return kv.Value.Emit()
+			return kv.Value.String()
 		}
 	}
 	return ""

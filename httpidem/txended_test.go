@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // TestHandlerEndingTheTransactionRunsOnce: a handler that ends idem's transaction
@@ -71,7 +72,7 @@ func TestHandlerEndingTheTransactionRunsOnce(t *testing.T) {
 					require.Zero(t, b.count(t, `SELECT count(*) FROM effects WHERE source_tenant = $1`, tenant), "rolled back by the handler")
 					require.Equal(t, 1, b.count(t, `SELECT count(*) FROM inbox WHERE tenant = $1 AND key = 'k' AND state = 'failed'
 						AND error_code = 'handler_ended_transaction' AND response_status = 500 AND lease_until IS NULL`, tenant))
-					waitFor(t, 10*time.Second, "the connection back in the pool", func() bool { return b.mwPool.Stat().AcquiredConns() == 0 })
+					pgtest.WaitFor(t, 10*time.Second, "the connection back in the pool", func() bool { return b.mwPool.Stat().AcquiredConns() == 0 })
 				})
 			}
 		}
@@ -136,7 +137,7 @@ func TestFailedStatementIsNotEndedTransaction(t *testing.T) {
 				}
 				require.Zero(t, b.count(t, `SELECT count(*) FROM payments WHERE tenant = $1`, tenant), "rolled back")
 				require.Zero(t, b.count(t, `SELECT count(*) FROM effects WHERE source_tenant = $1`, tenant), "rolled back")
-				waitFor(t, 10*time.Second, "the connection back in the pool", func() bool { return b.mwPool.Stat().AcquiredConns() == 0 })
+				pgtest.WaitFor(t, 10*time.Second, "the connection back in the pool", func() bool { return b.mwPool.Stat().AcquiredConns() == 0 })
 			})
 		}
 	}

@@ -190,7 +190,7 @@ func (c *canonChecker) number() bool {
 		if c.at('e') || c.at('E') {
 			return false
 		}
-		return !(neg && intPart[0] == '0') // -0 is written 0
+		return !neg || intPart[0] != '0' // -0 is written 0
 	}
 	c.i++
 	fracStart := c.i

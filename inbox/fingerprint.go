@@ -473,7 +473,7 @@ func (p *parser) hex4() (rune, error) {
 func appendString(out []byte, s string) []byte {
 	const hex = "0123456789abcdef"
 	out = append(out, '"')
-	for i := 0; i < len(s); i++ {
+	for i := range len(s) {
 		switch c := s[i]; c {
 		case '"', '\\':
 			out = append(out, '\\', c)

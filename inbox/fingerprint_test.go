@@ -126,9 +126,9 @@ func FuzzCanonicalize(f *testing.F) {
 	})
 }
 
-// TestCanonicalJSONExactNumbers is the regression test for issue 12 item 3: numbers
-// that a double cannot hold must not fingerprint the same as their neighbours
-// (with RFC 8785's double semantics, a changed amount passed as a duplicate).
+// TestCanonicalJSONExactNumbers: numbers that a double cannot hold do not
+// fingerprint the same as their neighbours (with RFC 8785's double semantics, a
+// changed amount would pass as a duplicate).
 func TestCanonicalJSONExactNumbers(t *testing.T) {
 	t.Parallel()
 	for _, opts := range []inbox.JSONOptions{{}, {Include: []string{"amount"}}, {Exclude: []string{"note"}}} {

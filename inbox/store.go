@@ -29,11 +29,12 @@ type DBTX interface {
 type State string
 
 const (
-	// StateCompleted: the handler's work committed.
+	// StateCompleted is a key whose handler's work committed.
 	StateCompleted State = "completed"
-	// StateFailed: the handler failed permanently; redeliveries replay the failure.
+	// StateFailed is a key whose handler failed permanently; redeliveries replay
+	// the failure.
 	StateFailed State = "failed"
-	// StateProcessing: lease mode only; a delivery holds the key until LeaseUntil.
+	// StateProcessing is a key a delivery holds until LeaseUntil (lease mode only).
 	StateProcessing State = "processing"
 )
 

@@ -99,10 +99,10 @@ func TestClaimConcurrentWaitsForWinner(t *testing.T) {
 			})
 		}()
 		// The second claim waits for the first transaction's row lock.
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, 30*time.Second, "the second claim waits", func() bool {
 			return pgtest.Count(t, b.pool, `SELECT count(*) FROM pg_stat_activity
 				WHERE wait_event_type = 'Lock' AND application_name = $1`, "idem-test:"+b.schema) > 0
-		}, 30*time.Second, 10*time.Millisecond, "the second claim waits")
+		})
 		if commit {
 			require.NoError(t, tx1.Commit(ctx))
 		} else {

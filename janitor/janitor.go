@@ -15,6 +15,7 @@ import (
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/promreg"
+	"github.com/idemkit/idem/shard"
 )
 
 // Defaults of Config.
@@ -41,6 +42,11 @@ type Config struct {
 	Pool *pgxpool.Pool
 	// Schema holds the idem tables (default "idem").
 	Schema string
+	// Shards, in place of Pool and Schema, cleans several databases (see package
+	// shard); Pool and Schema must then be unset. Each shard has its own advisory
+	// lock; RunOnce passes over them one after another and adds up the Stats, and
+	// Run runs a loop a shard.
+	Shards *shard.Map
 	// BatchSize is the most rows one DELETE removes (default 2000).
 	BatchSize int
 	// Pause is the wait between batches (default 5 ms). A negative Pause means none.
@@ -61,7 +67,9 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	if c.Shards == nil {
+		c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	}
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.Pause = cmp.Or(c.Pause, DefaultPause)
 	c.EffectsRetention = cmp.Or(c.EffectsRetention, DefaultEffectsRetention)
@@ -75,7 +83,11 @@ func (c Config) WithDefaults() Config {
 // Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if c.Shards != nil {
+		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
+			return err
+		}
+	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {
@@ -124,6 +136,8 @@ type Janitor struct {
 	deleted *prometheus.CounterVec
 	passes  *prometheus.CounterVec
 	lastOK  *prometheus.GaugeVec
+	// shards, with a shard map, runs one Janitor a shard.
+	shards *shardSet
 }
 
 // ErrInvalidConfig is wrapped by the error New returns for a config it refuses
@@ -140,6 +154,9 @@ func New(cfg Config) (*Janitor, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if cfg.Shards != nil {
+		return newSharded(cfg)
 	}
 	j := &Janitor{
 		cfg: cfg,
@@ -183,6 +200,9 @@ func New(cfg Config) (*Janitor, error) {
 // the next interval, so a database restart does not stop the janitor. Use it inside
 // a consumer or dispatcher process: `go janitor.Run(ctx)`.
 func (j *Janitor) Run(ctx context.Context) error {
+	if j.shards != nil {
+		return j.shards.run(ctx)
+	}
 	log := j.cfg.Logger.With("schema", j.cfg.Schema)
 	for {
 		st, err := j.RunOnce(ctx)
@@ -209,6 +229,9 @@ func (j *Janitor) Run(ctx context.Context) error {
 // left, and returns what it deleted. It returns ErrBusy at once if another
 // janitor is running a pass on the same schema. `idem gc` calls it.
 func (j *Janitor) RunOnce(ctx context.Context) (st Stats, err error) {
+	if j.shards != nil {
+		return j.shards.runOnce(ctx)
+	}
 	start := time.Now()
 	defer func() {
 		st.Elapsed = time.Since(start)

@@ -169,7 +169,7 @@ func TestJanitorOneInstanceAtATime(t *testing.T) {
 	// Another process holds the schema's janitor lock.
 	other, err := pgx.Connect(ctx, pgtest.URL())
 	require.NoError(t, err)
-	defer other.Close(ctx)
+	defer func() { require.NoError(t, other.Close(ctx)) }()
 	_, err = other.Exec(ctx, `SELECT pg_advisory_lock(hashtextextended('idem.janitor:' || $1, 0))`, schema)
 	require.NoError(t, err)
 
@@ -228,16 +228,16 @@ func TestJanitorRunUntilCancelled(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- j.Run(ctx) }()
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the expired rows deleted", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key LIKE 'gone-%'`) == 0
-	}, 30*time.Second, 10*time.Millisecond)
+	})
 	// Rows that expire later are picked up by a later pass.
 	_, err := pool.Exec(context.Background(), `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at)
 		VALUES ('c', 'late', '\x00', 'completed', now() - interval '1 s')`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the late row deleted by a later pass", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key = 'late'`) == 0
-	}, 30*time.Second, 10*time.Millisecond)
+	})
 	cancel()
 	select {
 	case err := <-done:
@@ -349,7 +349,7 @@ func BenchmarkJanitor(b *testing.B) {
 	}
 
 	var withJanitor, baseline []time.Duration
-	for i := 0; i < b.N; i++ {
+	for range b.N {
 		b.StopTimer()
 		_, err := pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, completed_at, expires_at)
 			SELECT 'bench', 'k' || i, '\x0102030405060708', 'completed', now() - interval '8 days',

@@ -3,6 +3,7 @@ package migrate
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"path"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/shard"
 )
 
 // The up and down files are the single source of the schema. The goose files are
@@ -137,11 +139,16 @@ type Config struct {
 	Pool Beginner
 	// Schema is the schema to migrate (DefaultSchema when empty). Up creates it.
 	Schema string
+	// Shards, in place of Pool and Schema, migrates every shard of the map (see
+	// package shard, and New); Pool and Schema must then be unset.
+	Shards *shard.Map
 }
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	if c.Shards == nil {
+		c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	}
 	return c
 }
 
@@ -149,7 +156,11 @@ func (c Config) WithDefaults() Config {
 // not a plain lower-case identifier. The empty schema is the default, so a config
 // with a Pool passes.
 func (c Config) Validate() error {
-	return pgschema.ValidateDB(c.Pool, c.WithDefaults().Schema)
+	c = c.WithDefaults()
+	if c.Shards != nil {
+		return c.Shards.ValidateConfig(c.Pool != nil, c.Schema)
+	}
+	return pgschema.ValidateDB(c.Pool, c.Schema)
 }
 
 // ErrInvalidConfig is wrapped by the error New returns for a config it refuses
@@ -165,15 +176,43 @@ type Migrator struct {
 	db         Beginner
 	schema     string
 	migrations []Migration
+	// shards, with a shard map, are one Migrator a shard, in map order (db is
+	// nil then).
+	shards []*Migrator
+	names  []string
 }
 
 // New returns a Migrator for cfg.Schema, or an error that wraps "invalid config".
+// With cfg.Shards it migrates every shard: Up applies to each in map order; the
+// other methods work on one shard (Shard).
 func New(cfg Config) (*Migrator, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
+	if cfg.Shards != nil {
+		m := &Migrator{migrations: Migrations(), names: cfg.Shards.Names()}
+		for _, s := range cfg.Shards.Shards {
+			m.shards = append(m.shards, &Migrator{db: s.Pool, schema: s.SchemaName(), migrations: m.migrations})
+		}
+		return m, nil
+	}
 	return &Migrator{db: cfg.Pool, schema: cfg.Schema, migrations: Migrations()}, nil
+}
+
+// ErrOneShard is returned by a method that works on one database when the Migrator
+// has a shard map: call it on Shard(name).
+var ErrOneShard = errcode.Permanent("one_shard", "this migrator has a shard map; call the method on Shard(name)")
+
+// Shard returns the Migrator of the named shard, or nil if the map has no such
+// shard (or the Migrator has no map).
+func (m *Migrator) Shard(name string) *Migrator {
+	for i, n := range m.names {
+		if n == name {
+			return m.shards[i]
+		}
+	}
+	return nil
 }
 
 // Schema is the schema the Migrator migrates.
@@ -189,7 +228,28 @@ type MigrationStatus struct {
 
 // Up applies every pending migration, in order, in one transaction. It returns the
 // versions it applied; none when the schema is current, so calling it twice is safe.
+// With a shard map it migrates every shard, each in its own transaction, and
+// returns the versions applied on any of them; a shard that fails does not stop the
+// others, and the error names every shard that failed (run Up again once they are
+// back: the shards already current apply nothing).
 func (m *Migrator) Up(ctx context.Context) ([]int, error) {
+	if m.shards != nil {
+		var all []int
+		var errs []error
+		for i, sm := range m.shards {
+			v, err := sm.Up(ctx)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("shard %q: %w", m.names[i], err))
+			}
+			for _, x := range v {
+				if !slices.Contains(all, x) {
+					all = append(all, x)
+				}
+			}
+		}
+		slices.Sort(all)
+		return all, errors.Join(errs...)
+	}
 	var applied []int
 	err := m.locked(ctx, true, func(tx pgx.Tx, have []int) error {
 		for _, mig := range m.migrations[len(have):] {
@@ -212,6 +272,9 @@ func (m *Migrator) Up(ctx context.Context) ([]int, error) {
 // PlanDown and Revert are the careful pair: look first, then revert exactly the
 // step that was looked at.
 func (m *Migrator) Down(ctx context.Context) (int, error) {
+	if m.shards != nil {
+		return 0, ErrOneShard
+	}
 	plan, err := m.revert(ctx, 0)
 	return plan.Version, err
 }
@@ -249,6 +312,9 @@ type TableRows struct {
 // the rows of each table. It only reads (in a READ ONLY transaction) and creates
 // nothing, not even a missing schema.
 func (m *Migrator) PlanDown(ctx context.Context) (DownPlan, error) {
+	if m.shards != nil {
+		return DownPlan{}, ErrOneShard
+	}
 	var plan DownPlan
 	err := m.readOnly(ctx, func(tx pgx.Tx, have []int, _ map[int]time.Time) error {
 		if len(have) == 0 {
@@ -267,6 +333,9 @@ func (m *Migrator) PlanDown(ctx context.Context) (DownPlan, error) {
 // the schema's newest migration is another one now, it reverts nothing and says
 // so: a plan is never applied to a schema that changed after it was made.
 func (m *Migrator) Revert(ctx context.Context, version int) (DownPlan, error) {
+	if m.shards != nil {
+		return DownPlan{}, ErrOneShard
+	}
 	if version < 1 {
 		return DownPlan{}, fmt.Errorf("revert: version %d: a migration version starts at 1", version)
 	}
@@ -393,6 +462,9 @@ func droppedColumns(downSQL string) []ColumnValues {
 // works for a read-only role or on a standby, and a schema that does not exist
 // lists every migration as not applied.
 func (m *Migrator) List(ctx context.Context) ([]MigrationStatus, error) {
+	if m.shards != nil {
+		return nil, ErrOneShard
+	}
 	var out []MigrationStatus
 	err := m.readOnly(ctx, func(_ pgx.Tx, _ []int, times map[int]time.Time) error {
 		for _, mig := range m.migrations {

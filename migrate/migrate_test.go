@@ -238,9 +238,18 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 		VALUES ('retry', 'effects', '\x0102030405060708', 'email', '', now(), 1, 'ops', 'fixed')`)
 	require.NoError(t, err)
 
-	require.Equal(t, 7, newest, "the plans below are migrations 007's, 006's, 005's, 004's and 003's; update this test for a new migration")
-	// 007's down drops two indexes, and no data.
+	require.Equal(t, 8, newest, "the plans below are migrations 008's, 007's, 006's, 005's, 004's and 003's; update this test for a new migration")
+	// 008's down only brings back the trigger that woke the dispatchers.
 	plan, err := m.PlanDown(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 8, plan.Version)
+	require.Empty(t, plan.Tables)
+	require.Empty(t, plan.Columns)
+	_, err = m.Revert(ctx, 8)
+	require.NoError(t, err)
+
+	// 007's down drops two indexes, and no data.
+	plan, err = m.PlanDown(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 7, plan.Version)
 	require.Empty(t, plan.Tables)

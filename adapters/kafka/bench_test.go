@@ -39,7 +39,7 @@ func BenchmarkSubscribeAck(b *testing.B) {
 
 			pub := newPublisher(b, brokers, nil)
 			batch := make([]*message.Message, 0, 1000)
-			for i := 0; i < b.N; i++ {
+			for i := range b.N {
 				batch = append(batch, message.NewMessage(watermill.NewUUID(), payload16))
 				if len(batch) == cap(batch) || i == b.N-1 {
 					require.NoError(b, pub.Publish(topic, batch...))
@@ -49,7 +49,7 @@ func BenchmarkSubscribeAck(b *testing.B) {
 			require.NoError(b, pub.Close())
 
 			sub := newSubscriber(b, cfg)
-			defer sub.Close()
+			defer func() { require.NoError(b, sub.Close()) }()
 			b.ResetTimer()
 			start := time.Now()
 			ch, err := sub.Subscribe(context.Background(), topic)
@@ -79,7 +79,7 @@ func BenchmarkPublish(b *testing.B) {
 	require.NoError(b, init.SubscribeInitialize(topic))
 	require.NoError(b, init.Close())
 	pub := newPublisher(b, brokers, nil)
-	defer pub.Close()
+	defer func() { require.NoError(b, pub.Close()) }()
 
 	b.SetParallelism(8) // GOMAXPROCS=2 here: 16 publishers
 	b.ResetTimer()
@@ -228,7 +228,7 @@ func BenchmarkInFlight(b *testing.B) {
 
 				pub := newPublisher(b, brokers, kafka.PartitionKeyFromMetadata("key"))
 				batch := make([]*message.Message, 0, 1000)
-				for i := 0; i < b.N; i++ {
+				for i := range b.N {
 					msg := message.NewMessage(watermill.NewUUID(), payload16)
 					msg.Metadata.Set("key", strconv.Itoa(i))
 					batch = append(batch, msg)

@@ -26,7 +26,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	defer sub.Close()
+	defer func() { _ = sub.Close() }()
 	if err := sub.SubscribeInitialize(topic); err != nil { // optional: creates the topic if missing
 		panic(err)
 	}
@@ -40,7 +40,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	defer pub.Close()
+	defer func() { _ = pub.Close() }()
 	msg := message.NewMessage("0190f1c2-7d1e-7c3a-9d43-1f2a3b4c5d6e", []byte(`{"amount":42}`))
 	msg.Metadata.Set("order_id", "ord_1")
 	// Publish returns after the broker acked every record (acks=all); many

@@ -293,9 +293,7 @@ func (f *partitionFetcher) message(rec *protocol.Record) (*kafka.Message, error)
 	var headers []kafka.Header
 	if len(rec.Headers) > 0 {
 		headers = make([]kafka.Header, len(rec.Headers))
-		for i, h := range rec.Headers {
-			headers[i] = kafka.Header{Key: h.Key, Value: h.Value}
-		}
+		copy(headers, rec.Headers)
 	}
 	return &kafka.Message{
 		Topic:     f.topic,

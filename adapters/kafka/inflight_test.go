@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // inFlightConfig is subscriberConfig with n records of a partition in flight.
@@ -262,7 +263,7 @@ func (c *orderChecker) verifyCommits(samples []commitSample) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, s := range samples {
-		for o := int64(0); o < s.committed; o++ {
+		for o := range s.committed {
 			at, ok := c.ackedAt[partOff{s.partition, o}]
 			if !ok || !at.Before(s.seen) {
 				return fmt.Errorf("partition %d: offset %d was committed (read at %s) but offset %d had not been acked by then (acked later: %v)",
@@ -312,10 +313,10 @@ func TestInFlightKeyOrderAndCommits(t *testing.T) {
 				sub, ch := b.subscribe(t, cfg)
 				handlers := c.handle(ch, 5*time.Millisecond, 0.1)
 
-				require.Eventually(t, func() bool {
+				pgtest.WaitFor(t, time.Minute, "every message acked", func() bool {
 					require.NoError(t, c.verifyCommits(samples()))
 					return c.missing(sent) == 0
-				}, time.Minute, 20*time.Millisecond, "every message acked")
+				})
 				require.NoError(t, sub.Close())
 				handlers.Wait()
 				for p, end := range partitionEnds(t, b, partitions) {
@@ -385,11 +386,9 @@ func committedOffset(t *testing.T, b *testBundle, p int) int64 {
 // is want.
 func requireCommittedAt(t *testing.T, b *testBundle, p int, want int64) {
 	t.Helper()
-	var last int64
-	require.Eventually(t, func() bool {
-		last = committedOffset(t, b, p)
-		return last == want
-	}, receiveTimeout, 20*time.Millisecond, "partition %d: committed offset %d, want %d", p, func() int64 { return last }, want)
+	pgtest.WaitFor(t, receiveTimeout, fmt.Sprintf("partition %d's committed offset at %d", p, want), func() bool {
+		return committedOffset(t, b, p) == want
+	})
 }
 
 // requireCommitStays checks, for several commit intervals, that the group's
@@ -522,20 +521,20 @@ func TestInFlightRebalanceLosesNothing(t *testing.T) {
 
 		sub1, ch1 := b.subscribe(t, inFlightConfig(b.brokers, b.group, partitions, n))
 		h1 := c1.handle(ch1, 20*time.Millisecond, 0.05)
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, receiveTimeout, "50 messages acked by the first member", func() bool {
 			c1.mu.Lock()
 			defer c1.mu.Unlock()
 			return len(c1.acked) >= 50
-		}, receiveTimeout, 5*time.Millisecond)
+		})
 
 		sub2, ch2 := b.subscribe(t, inFlightConfig(b.brokers, b.group, partitions, n))
 		h2 := c2.handle(ch2, 20*time.Millisecond, 0.05)
 		sent = append(sent, b.publishKeys(t, randomKeys(400, 50))...)
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, receiveTimeout, "50 messages acked by the second member", func() bool {
 			c2.mu.Lock()
 			defer c2.mu.Unlock()
 			return len(c2.acked) >= 50
-		}, receiveTimeout, 5*time.Millisecond)
+		})
 
 		c1.mu.Lock()
 		inFlight := 0
@@ -558,7 +557,7 @@ func TestInFlightRebalanceLosesNothing(t *testing.T) {
 			}
 			return all
 		}
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, time.Minute, "every message acked by one member or the other", func() bool {
 			a := acked()
 			for _, m := range sent {
 				if !a[m.UUID] {
@@ -566,7 +565,7 @@ func TestInFlightRebalanceLosesNothing(t *testing.T) {
 				}
 			}
 			return true
-		}, time.Minute, 20*time.Millisecond, "every message acked by one member or the other")
+		})
 		for p, end := range partitionEnds(t, b, partitions) {
 			requireCommittedAt(t, b, p, end)
 		}

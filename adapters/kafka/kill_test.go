@@ -1,37 +1,36 @@
 package kafka_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"os"
-	"os/exec"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/childproc"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
-// childEnv selects the child role of TestSubscriberKilled and carries
-// "brokers,...|topic|group".
-const childEnv = "IDEM_KAFKA_KILL_CHILD"
-
-// TestKillChild is the subscriber process that TestSubscriberKilled starts
-// and kills. Run on its own it returns at once.
-func TestKillChild(t *testing.T) {
-	spec := os.Getenv(childEnv)
-	if spec == "" {
-		return
-	}
-	parts := strings.Split(spec, "|")
-	cfg := subscriberConfig(strings.Split(parts[0], ","), parts[2], 1)
+// subscriberChild is the subscriber process that TestSubscriberKilled starts and
+// kills (internal/childproc): it joins the group p["group"] on p["brokers"]
+// (comma-separated), reads p["topic"], and writes "GOT <uuid>" for each message
+// before it acks it.
+func subscriberChild(ctx context.Context, p childproc.Params) error {
+	cfg := subscriberConfig(strings.Split(p["brokers"], ","), p["group"], 1)
 	cfg.SessionTimeout = time.Second
 	cfg.RebalanceTimeout = time.Second
-	sub := newSubscriber(t, cfg)
-	ch, err := sub.Subscribe(context.Background(), parts[1])
-	require.NoError(t, err)
+	sub, err := kafka.NewSubscriber(cfg)
+	if err != nil {
+		return err
+	}
+	ch, err := sub.Subscribe(ctx, p["topic"])
+	if err != nil {
+		return err
+	}
 	for msg := range ch {
 		// Report before acking: a message is either reported here or never
 		// acked, so never committed, by this process.
@@ -39,6 +38,7 @@ func TestKillChild(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 		msg.Ack()
 	}
+	return sub.Close()
 }
 
 // A subscriber process killed with SIGKILL in the middle of its partitions
@@ -51,25 +51,15 @@ func TestSubscriberKilled(t *testing.T) {
 		b := setup(t, brokers, partitions)
 		sent := b.publish(t, 300)
 
-		cmd := exec.Command(os.Args[0], "-test.run=^TestKillChild$", "-test.count=1")
-		cmd.Env = append(os.Environ(), childEnv+"="+strings.Join(b.brokers, ",")+"|"+b.topic+"|"+b.group)
-		stdout, err := cmd.StdoutPipe()
-		require.NoError(t, err)
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		require.NoError(t, cmd.Start())
-
 		var mu sync.Mutex
 		seenByChild := map[string]bool{}
 		enough := make(chan struct{})
-		scanDone := make(chan struct{})
-		go func() {
-			defer close(scanDone)
-			s := bufio.NewScanner(stdout)
-			for s.Scan() {
-				id, ok := strings.CutPrefix(s.Text(), "GOT ")
+		child := childproc.Start(t, "subscriber", childproc.Options{
+			Params: childproc.Params{"brokers": strings.Join(b.brokers, ","), "topic": b.topic, "group": b.group},
+			OnLine: func(line string) {
+				id, ok := strings.CutPrefix(line, "GOT ")
 				if !ok {
-					continue
+					return
 				}
 				mu.Lock()
 				seenByChild[id] = true
@@ -77,19 +67,15 @@ func TestSubscriberKilled(t *testing.T) {
 					close(enough)
 				}
 				mu.Unlock()
-			}
-		}()
+			},
+		})
 
 		select {
 		case <-enough:
 		case <-time.After(30 * time.Second):
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-			t.Fatalf("child consumed too little; stderr:\n%s", stderr.String())
+			t.Fatalf("child consumed too little:\n%s", child.Output())
 		}
-		require.NoError(t, cmd.Process.Kill()) // SIGKILL
-		_ = cmd.Wait()
-		<-scanDone
+		child.KillAndWait(t)
 
 		mu.Lock()
 		childCount := len(seenByChild)
@@ -100,7 +86,7 @@ func TestSubscriberKilled(t *testing.T) {
 		_, ch := b.subscribe(t, subscriberConfig(b.brokers, b.group, partitions))
 		go c.consume(ch, 0)
 
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, 30*time.Second, "every message the child did not see, received by the survivor", func() bool {
 			c.mu.Lock()
 			defer c.mu.Unlock()
 			for _, m := range sent {
@@ -109,7 +95,7 @@ func TestSubscriberKilled(t *testing.T) {
 				}
 			}
 			return true
-		}, 30*time.Second, 20*time.Millisecond)
+		})
 
 		c.mu.Lock()
 		redelivered := 0

@@ -313,16 +313,16 @@ func TestNackBackoffLogsIdemErrorCode(t *testing.T) {
 		require.NoError(t, pub.Publish(b.topic, msgs...))
 
 		// Past the cap by four deliveries: still three lines, one per step.
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, receiveTimeout, "the bad message delivered 7 times", func() bool {
 			mu.Lock()
 			defer mu.Unlock()
 			return badDeliveries >= 3+4
-		}, receiveTimeout, 10*time.Millisecond)
-		require.Eventually(t, func() bool {
+		})
+		pgtest.WaitFor(t, receiveTimeout, "the other partition's payments are processed", func() bool {
 			var n int
 			err := pool.QueryRow(context.Background(), `SELECT count(*) FROM inbox WHERE consumer = 'payments' AND state = 'completed'`).Scan(&n)
 			return err == nil && n == 5
-		}, receiveTimeout, 20*time.Millisecond, "the other partition's payments are processed")
+		})
 		lines := logs.pauses(0, 0)
 		require.Len(t, lines, 3, "%+v", lines)
 		for i, l := range lines {

@@ -10,6 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // A broker outage mid-stream loses nothing: for a few seconds kfake closes the
@@ -36,7 +38,7 @@ func TestBrokerOutageLosesNothing(t *testing.T) {
 			_, ch := b.subscribe(t, cfg)
 			go c.consume(ch, time.Millisecond)
 			sent := b.publish(t, 150)
-			require.Eventually(t, func() bool { return len(c.missing(sent)) <= 100 }, receiveTimeout, 10*time.Millisecond)
+			pgtest.WaitFor(t, receiveTimeout, "all but 100 messages received", func() bool { return len(c.missing(sent)) <= 100 })
 
 			// The outage: every request's connection is closed, until it ends.
 			var down atomic.Bool

@@ -360,7 +360,8 @@ func (p *partitionRun) add(step fetched) {
 	e.key = string(step.rec.Key)
 	e.keyed = len(step.rec.Key) > 0 || !p.sub.s.cfg.UnorderedWithoutKey
 	if e.keyed {
-		q := append(p.byKey[e.key], e)
+		q := p.byKey[e.key]
+		q = append(q, e)
 		p.byKey[e.key] = q
 		if len(q) > 1 {
 			return // an earlier record of its key is not acked yet

@@ -22,6 +22,7 @@ import (
 	"net"
 
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // newCluster starts a kfake cluster of its own, for a test that watches or
@@ -97,7 +98,7 @@ func TestPublishWaitsForSlowMetadata(t *testing.T) {
 	})
 
 	pub := newPublisher(t, brokers, nil)
-	defer pub.Close()
+	defer func() { require.NoError(t, pub.Close()) }()
 	start := time.Now()
 	require.NoError(t, pub.Publish(topic, newMessages(5)...))
 	require.Positive(t, slowed.Load(), "the broker answered metadata slowly")
@@ -112,7 +113,7 @@ func TestPublishToMissingTopicFailsAfterTopicWait(t *testing.T) {
 	_, brokers := newCluster(t)
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{WriterConfig: kafkago.WriterConfig{Brokers: brokers}, TopicWait: 300 * time.Millisecond})
 	require.NoError(t, err)
-	defer pub.Close()
+	defer func() { require.NoError(t, pub.Close()) }()
 
 	start := time.Now()
 	err = pub.Publish("no-such-topic", newMessages(1)...)
@@ -208,14 +209,14 @@ func TestPublisherTopicsConcurrentlyAndClose(t *testing.T) {
 			}
 		}()
 	}
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, receiveTimeout, "every topic written", func() bool {
 		for i := range written {
 			if written[i].Load() == 0 {
 				return false
 			}
 		}
 		return true
-	}, receiveTimeout, 10*time.Millisecond, "every topic written")
+	})
 	require.NoError(t, pub.Close())
 	require.NoError(t, pub.Close(), "Close twice")
 	wg.Wait()
@@ -240,7 +241,7 @@ func TestPublisherDialsThroughTheDialer(t *testing.T) {
 	}}
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{WriterConfig: kafkago.WriterConfig{Brokers: brokers, Dialer: dialer}})
 	require.NoError(t, err)
-	defer pub.Close()
+	defer func() { require.NoError(t, pub.Close()) }()
 	require.NoError(t, pub.Publish("dialed", newMessages(3)...))
 	require.Positive(t, dials.Load(), "the Publisher dialed through the Dialer")
 	require.Equal(t, int64(3), recordsIn(t, brokers, "dialed"))

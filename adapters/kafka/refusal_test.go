@@ -42,7 +42,7 @@ func TestSessionTimeoutRefused(t *testing.T) {
 				logs := newCaptureLogger()
 				cfg.Logger = logs
 				sub := newSubscriber(t, cfg)
-				defer sub.Close()
+				defer func() { require.NoError(t, sub.Close()) }()
 
 				start := time.Now()
 				ch, err := sub.Subscribe(context.Background(), b.topic)

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/adapters/kafka"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 const receiveTimeout = 15 * time.Second
@@ -209,8 +210,7 @@ func (c *collector) duplicates() int {
 
 func waitAll(t *testing.T, c *collector, sent []*message.Message) {
 	t.Helper()
-	require.Eventually(t, func() bool { return len(c.missing(sent)) == 0 },
-		30*time.Second, 20*time.Millisecond, "missing: %v", func() []string { return c.missing(sent) })
+	pgtest.WaitFor(t, 30*time.Second, "every message received", func() bool { return len(c.missing(sent)) == 0 })
 }
 
 // Two members of one group share the partitions; a second member joining
@@ -272,7 +272,7 @@ func TestWithoutGroupAndForeignRecords(t *testing.T) {
 			BatchTimeout: time.Millisecond,
 			RequiredAcks: kafkago.RequireAll,
 		}
-		defer w.Close()
+		defer func() { require.NoError(t, w.Close()) }()
 		var records []kafkago.Message
 		for i := range 5 {
 			records = append(records, kafkago.Message{
@@ -282,9 +282,9 @@ func TestWithoutGroupAndForeignRecords(t *testing.T) {
 				Headers: []kafkago.Header{{Key: "trace", Value: []byte("abc")}},
 			})
 		}
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, 10*time.Second, "the records written", func() bool {
 			return w.WriteMessages(context.Background(), records...) == nil
-		}, 10*time.Second, 100*time.Millisecond)
+		})
 
 		cfg := subscriberConfig(b.brokers, "", 0)
 		cfg.Partitions = []int{1}

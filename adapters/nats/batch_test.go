@@ -110,9 +110,9 @@ func TestBatchOutlastsAckWait(t *testing.T) {
 
 // Several subscribers of one durable each hold a full Concurrency of
 // messages at once, with the default MaxAckPending: it bounds the durable as
-// a whole, so it must be well above Concurrency times the subscribers (it
-// used to equal Concurrency, and then the server gave the subscribers one
-// Concurrency between them all).
+// a whole, so it must be well above Concurrency times the subscribers (equal to
+// Concurrency, it would make the server give the subscribers one Concurrency
+// between them all).
 func TestSubscribersOfADurableEachGetFullBatches(t *testing.T) {
 	t.Parallel()
 	forEachServer(t, func(t *testing.T, url string) {

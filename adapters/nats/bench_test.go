@@ -30,10 +30,10 @@ func BenchmarkSubscribeAck(b *testing.B) {
 
 			pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo, MaxInFlight: 1024})
 			require.NoError(b, err)
-			defer pub.Close()
+			defer func() { require.NoError(b, pub.Close()) }()
 			sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{Topology: topo, Durable: "bench", Concurrency: conc})
 			require.NoError(b, err)
-			defer sub.Close()
+			defer func() { require.NoError(b, sub.Close()) }()
 			require.NoError(b, sub.SubscribeInitialize(topic))
 
 			payload := make([]byte, 64)
@@ -184,12 +184,12 @@ func BenchmarkInFlight(b *testing.B) {
 
 				pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo, MaxInFlight: 1024})
 				require.NoError(b, err)
-				defer pub.Close()
+				defer func() { require.NoError(b, pub.Close()) }()
 				sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
 					Topology: topo, Durable: "bench", Concurrency: c.conc, FetchBatch: c.fetch,
 				})
 				require.NoError(b, err)
-				defer sub.Close()
+				defer func() { require.NoError(b, sub.Close()) }()
 				require.NoError(b, sub.SubscribeInitialize(topic))
 
 				payload := make([]byte, 64)

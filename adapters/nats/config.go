@@ -345,15 +345,15 @@ func (c SubscriberConfig) Validate() error {
 	return errors.Join(errs...)
 }
 
-// ExponentialBackoff returns a NakDelay that starts at min on the first
-// delivery and doubles with each further delivery, up to max.
-func ExponentialBackoff(min, max time.Duration) func(numDelivered uint64) time.Duration {
+// ExponentialBackoff returns a NakDelay that starts at first on the first
+// delivery and doubles with each further delivery, up to limit.
+func ExponentialBackoff(first, limit time.Duration) func(numDelivered uint64) time.Duration {
 	return func(n uint64) time.Duration {
-		d := min
-		for i := uint64(1); i < n && d < max; i++ {
+		d := first
+		for i := uint64(1); i < n && d < limit; i++ {
 			d *= 2
 		}
-		return minDuration(d, max)
+		return minDuration(d, limit)
 	}
 }
 

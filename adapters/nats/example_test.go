@@ -27,7 +27,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	defer pub.Close()
+	defer func() { _ = pub.Close() }()
 	sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
 		Topology:     topo,
 		Durable:      "billing-" + topic, // the consumer group; required
@@ -39,7 +39,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	defer sub.Close()
+	defer func() { _ = sub.Close() }()
 
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	if err != nil {
@@ -115,6 +115,6 @@ func exampleServer(topic string) (nc *natsgo.Conn, name string, cleanup func()) 
 		nc.Close()
 		srv.Shutdown()
 		srv.WaitForShutdown()
-		os.RemoveAll(dir)
+		_ = os.RemoveAll(dir)
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"cmp"
 
 	idemnats "github.com/idemkit/idem/adapters/nats"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 type testBundle struct {
@@ -294,11 +295,11 @@ func TestSubscribersShareADurable(t *testing.T) {
 			}()
 		}
 		b.publish(t, n)
-		require.Eventually(t, func() bool {
+		pgtest.WaitFor(t, 20*time.Second, "every message seen", func() bool {
 			mu.Lock()
 			defer mu.Unlock()
 			return len(seen) == n
-		}, 20*time.Second, 20*time.Millisecond)
+		})
 		cancel()
 		wg.Wait()
 		assert.Positive(t, perSub[0])
@@ -423,7 +424,7 @@ func TestWithoutAutoProvisionTheServerConfigIsUsed(t *testing.T) {
 
 		sub, err := idemnats.NewSubscriber(b.nc, idemnats.SubscriberConfig{Topology: topo, Durable: "ops", PullExpiry: 200 * time.Millisecond})
 		require.NoError(t, err)
-		defer sub.Close()
+		defer func() { require.NoError(t, sub.Close()) }()
 		require.ErrorIs(t, sub.SubscribeInitialize(b.topic), jetstream.ErrConsumerNotFound)
 
 		_, err = b.js.CreateOrUpdateConsumer(context.Background(), topo.StreamName(b.topic), jetstream.ConsumerConfig{Durable: "ops", AckPolicy: jetstream.AckNonePolicy})

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	idemnats "github.com/idemkit/idem/adapters/nats"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // TestServerRestartKeepsAcksAndUnackedMessages stops the embedded server and
@@ -50,7 +51,7 @@ func TestServerRestartKeepsAcksAndUnackedMessages(t *testing.T) {
 	}
 	// The sixth message is in a handler when the server goes down.
 	held := receive(t, msgs, 30*time.Second)
-	require.Eventually(t, func() bool { return sub.Stats().Acked == 5 }, 30*time.Second, 10*time.Millisecond, "double acks confirmed")
+	pgtest.WaitFor(t, 30*time.Second, "double acks confirmed", func() bool { return sub.Stats().Acked == 5 })
 
 	srv.Shutdown()
 	srv.WaitForShutdown()
@@ -71,7 +72,7 @@ func TestServerRestartKeepsAcksAndUnackedMessages(t *testing.T) {
 		Consumer: jetstream.ConsumerConfig{AckWait: 2 * time.Second},
 	})
 	require.NoError(t, err)
-	defer sub.Close()
+	defer func() { require.NoError(t, sub.Close()) }()
 	msgs, err = sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 
@@ -105,10 +106,10 @@ func TestSubscriberSurvivesServerRestart(t *testing.T) {
 	nc := connect(t, srv.ClientURL())
 	pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
 	require.NoError(t, err)
-	defer pub.Close()
+	defer func() { require.NoError(t, pub.Close()) }()
 	sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{Topology: topo, Durable: "reconnect", PullExpiry: 200 * time.Millisecond})
 	require.NoError(t, err)
-	defer sub.Close()
+	defer func() { require.NoError(t, sub.Close()) }()
 	msgs, err := sub.Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 
@@ -122,10 +123,10 @@ func TestSubscriberSurvivesServerRestart(t *testing.T) {
 		srv.Shutdown()
 		srv.WaitForShutdown()
 	})
-	require.Eventually(t, nc.IsConnected, 30*time.Second, 20*time.Millisecond)
+	pgtest.WaitFor(t, 30*time.Second, "the connection back", nc.IsConnected)
 
 	after := message.NewMessage("after-restart", nil)
-	require.Eventually(t, func() bool { return pub.Publish(topic, after) == nil }, 30*time.Second, 100*time.Millisecond)
+	pgtest.WaitFor(t, 30*time.Second, "a publish after the restart", func() bool { return pub.Publish(topic, after) == nil })
 	got := receive(t, msgs, 30*time.Second)
 	assert.Equal(t, "after-restart", got.UUID)
 	got.Ack()

@@ -103,10 +103,10 @@ func TestWatermillNATSKeepsUUIDs(t *testing.T) {
 				nc := connect(t, url)
 				pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
 				require.NoError(t, err)
-				defer pub.Close()
+				defer func() { require.NoError(t, pub.Close()) }()
 				sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{Topology: topo, Durable: "idem", PullExpiry: 200 * time.Millisecond})
 				require.NoError(t, err)
-				defer sub.Close()
+				defer func() { require.NoError(t, sub.Close()) }()
 				require.NoError(t, sub.SubscribeInitialize(topic))
 
 				t.Run("watermill-nats to idem", func(t *testing.T) {

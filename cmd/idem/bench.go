@@ -34,7 +34,8 @@ var benchCmd = &command{
 	example: `idem bench
 idem bench -n 1000000 --concurrency 32 --dup-rate 0.1 --payload 256
 idem bench --setups bare,idem,idem-group --json
-idem bench --setups kafka,kafka-external --kafka-brokers localhost:9092`,
+idem bench --setups kafka,kafka-external --kafka-brokers localhost:9092
+idem bench --compare-shards 3 -n 10000`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var o benchkit.Options
 		var setups, schema, kafkaBrokers string
@@ -46,6 +47,8 @@ idem bench --setups kafka,kafka-external --kafka-brokers localhost:9092`,
 		durationVar(fs, &o.MaxWait, "max-wait", 0, "group-commit wait for a fuller batch (consumer default if 0)")
 		fs.IntVar(&o.Workers, "workers", 0, "group-commit batches at once (consumer default if 0)")
 		fs.IntVar(&o.DrainBacklog, "drain-backlog", 100000, "fewest effects the dispatcher setup drains: it adds its own to what the other setups enqueued")
+		var sh shardBenchFlags
+		sh.register(fs)
 		fs.IntVar(&o.BatchPartitions, "batch-partitions", benchkit.DefaultBatchPartitions, "partitions of the batch-handler setup (idem-batch)")
 		fs.IntVar(&o.BatchMaxBatch, "batch-max-batch", benchkit.DefaultBatchMaxBatch, "batch size of the batch-handler setup")
 		fs.IntVar(&o.KafkaPartitions, "kafka-partitions", benchkit.DefaultKafkaPartitions, "partitions of the topic each Kafka setup creates")
@@ -65,6 +68,12 @@ idem bench --setups kafka,kafka-external --kafka-brokers localhost:9092`,
 			}
 			if err := noArgs(args); err != nil {
 				return err
+			}
+			if sh.n != 0 {
+				if setups != "" {
+					return usagef("--compare-shards runs its own setups: leave out --setups")
+				}
+				return runShardBench(ctx, e, o, sh, schema)
 			}
 			return runBench(ctx, e, o, setups, schema)
 		}

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -153,8 +154,7 @@ func TestBenchKafka(t *testing.T) {
 				}
 				return ns
 			}
-			require.Eventually(t, func() bool { return !slices.Contains(names(), out.Results[1].Topic) }, 30*time.Second,
-				50*time.Millisecond, "topic %s is still there", out.Results[1].Topic)
+			pgtest.WaitFor(t, 30*time.Second, fmt.Sprintf("topic %s is still there", out.Results[1].Topic), func() bool { return !slices.Contains(names(), out.Results[1].Topic) })
 			require.Contains(t, names(), keep)
 		})
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/text"
+	"github.com/idemkit/idem/shard"
 )
 
 const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
@@ -71,6 +72,15 @@ type env struct {
 	// no question on the terminal).
 	json bool
 	pool *pgxpool.Pool
+	// databaseGiven: --database-url was on the command line.
+	databaseGiven bool
+	// The shard map: --shard flags or the --shards file ($IDEM_SHARDS), its specs
+	// and route table once read, and its pools once opened.
+	shardFlags shardFlags
+	shardsPath string
+	specs      []shardSpec
+	routeTable map[string]string
+	shards     *shard.Map
 }
 
 // usageError is bad usage: exit code 2.
@@ -87,15 +97,20 @@ func (e *env) globalFlags(fs *flag.FlagSet) {
 	fs.StringVar(&e.databaseURL, "database-url", "", "Postgres DSN")
 	fs.StringVar(&e.schema, "schema", "", "schema of the idem tables")
 	fs.BoolVar(&e.json, "json", false, "JSON output for scripts (errors too, on stderr)")
+	fs.Var(&e.shardFlags, "shard", "a shard of a shard map (schema default idem); repeat it for each shard, in place of --database-url and --schema")
+	fs.StringVar(&e.shardsPath, "shards", "", "JSON file of the shard map: {\"shards\": [{\"name\", \"url\", \"schema\"}, ...], \"table\": {tenant: shard}}")
 }
 
-var globalFlagNames = map[string]bool{"database-url": true, "schema": true, "json": true}
+var globalFlagNames = map[string]bool{"database-url": true, "schema": true, "json": true, "shard": true, "shards": true}
 
 // resolve fills in what the global flags leave unset, from the environment.
 func (e *env) resolve(fs *flag.FlagSet) {
 	fs.Visit(func(f *flag.Flag) {
 		if f.Name == "schema" {
 			e.schemaGiven = true
+		}
+		if f.Name == "database-url" {
+			e.databaseGiven = true
 		}
 	})
 	if !e.schemaGiven {
@@ -149,6 +164,9 @@ func (c *command) execute(ctx context.Context, args []string, terminal io.Reader
 		return e.report(c, usagef("%v", err))
 	}
 	e.resolve(fs)
+	if err := e.resolveShards(); err != nil {
+		return e.report(c, err)
+	}
 	if err := inbox.ValidateSchema(e.schema); err != nil {
 		return e.report(c, usagef("--schema %q is not a plain lower-case identifier (letters, digits, _; at most 63)", e.schema))
 	}
@@ -156,6 +174,7 @@ func (c *command) execute(ctx context.Context, args []string, terminal io.Reader
 		if e.pool != nil {
 			e.pool.Close()
 		}
+		e.closeShards(e.shards)
 	}()
 	return e.report(c, runIt(ctx, e, positional))
 }
@@ -212,6 +231,8 @@ func (c *command) printHelp(w io.Writer, fs *flag.FlagSet) {
 			def = "$DATABASE_URL, else the PG* variables, else " + defaultDatabaseURL
 		case "schema":
 			def = "$IDEM_SCHEMA, else " + inbox.DefaultSchema
+		case "shards":
+			def = "$IDEM_SHARDS"
 		}
 		if def != "" && def != "false" && def != "0" && def != "0s" {
 			usage += " (default " + def + ")"
@@ -262,6 +283,9 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	if e.pool != nil {
 		return e.pool, nil
 	}
+	if err := e.oneDatabase("this command"); err != nil {
+		return nil, err
+	}
 	cfg, err := pgxpool.ParseConfig(e.databaseURL)
 	if err != nil {
 		return nil, &dsnError{err: err, fromEnv: e.databaseURL == ""}
@@ -286,6 +310,13 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 // admin connects and returns the operator API on the schema. Its audit lines (a
 // forget) go to stderr, as JSON with --json.
 func (e *env) admin(ctx context.Context) (*admin.Admin, error) {
+	if e.shardsGiven() {
+		m, err := e.shardMap(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return admin.New(admin.Config{Shards: m, Logger: e.logger()})
+	}
 	pool, err := e.connect(ctx)
 	if err != nil {
 		return nil, err

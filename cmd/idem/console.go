@@ -137,7 +137,7 @@ func runConsole(ctx context.Context, e *env, o consoleOptions) error {
 	h, err := newConsole(a, consoleConfig{ReadOnly: o.readOnly, Logger: logger,
 		Hosts: consoleHosts(ln.Addr(), host), Names: o.allowHosts, Token: token})
 	if err != nil {
-		ln.Close()
+		_ = ln.Close()
 		return err
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(logger.Handler(), slog.LevelWarn)}
@@ -479,14 +479,16 @@ func (c *console) fail(w http.ResponseWriter, r *http.Request, err error) {
 }
 
 type sessionJSON struct {
-	Schema   string `json:"schema"`
-	ReadOnly bool   `json:"read_only"`
-	Token    string `json:"token,omitempty"`
-	Version  string `json:"version"`
+	Schema string `json:"schema"`
+	// Shards name the shards of a shard map (then Schema is only the default).
+	Shards   []string `json:"shards,omitempty"`
+	ReadOnly bool     `json:"read_only"`
+	Token    string   `json:"token,omitempty"`
+	Version  string   `json:"version"`
 }
 
 func (c *console) session(w http.ResponseWriter, r *http.Request) {
-	s := sessionJSON{Schema: c.admin.Schema(), ReadOnly: c.cfg.ReadOnly, Version: buildVersion()}
+	s := sessionJSON{Schema: c.admin.Schema(), Shards: c.admin.Shards(), ReadOnly: c.cfg.ReadOnly, Version: buildVersion()}
 	if !c.cfg.ReadOnly {
 		s.Token = c.token
 	}
@@ -494,8 +496,10 @@ func (c *console) session(w http.ResponseWriter, r *http.Request) {
 }
 
 func (c *console) stats(w http.ResponseWriter, r *http.Request) {
+	// Over a shard map, a shard that does not answer is marked in s.Shards, with
+	// the figures of the others: the overview shows which shard is down.
 	s, err := c.admin.Stats(r.Context())
-	if err != nil {
+	if err != nil && (s == nil || len(s.Shards) == 0) {
 		c.fail(w, r, err)
 		return
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // chromiumPath is Debian's chromium package.
@@ -125,11 +126,9 @@ func TestConsoleInBrowser(t *testing.T) {
 		require.NoError(t, <-dispatched)
 	})
 	b.process("acme", "pay_1", `{"amount":1200,"currency":"EUR"}`)
-	deadline := time.Now().Add(time.Minute)
-	for stateOfEffect(t, b, "acme", "email", "receipt:acme:pay_1") != "dead" {
-		require.True(t, time.Now().Before(deadline), "the receipt did not go dead")
-		time.Sleep(50 * time.Millisecond)
-	}
+	pgtest.WaitFor(t, time.Minute, "the receipt to go dead", func() bool {
+		return stateOfEffect(t, b, "acme", "email", "receipt:acme:pay_1") == "dead"
+	})
 	// More to look at: a dead SMS nobody sends, a stuck ledger write whose sender
 	// died mid-send, and the HTTP request that made the payment.
 	_, err = b.pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, max_attempts, in_flight, last_error, created_at, next_attempt_at) VALUES

@@ -179,14 +179,14 @@ func (c *consoleRun) stop(t *testing.T) {
 
 func get(t *testing.T, url string, header map[string]string) (int, string) {
 	t.Helper()
-	req, err := http.NewRequest("GET", url, nil)
+	req, err := http.NewRequest(http.MethodGet, url, nil)
 	require.NoError(t, err)
 	for k, v := range header {
 		req.Header.Set(k, v)
 	}
 	resp, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)
-	defer resp.Body.Close()
+	defer func() { require.NoError(t, resp.Body.Close()) }()
 	var p struct {
 		Code string `json:"code"`
 	}

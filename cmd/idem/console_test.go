@@ -61,7 +61,7 @@ func call(t *testing.T, srv *httptest.Server, method, path string, body string, 
 	}
 	resp, err := srv.Client().Do(req)
 	require.NoError(t, err)
-	defer resp.Body.Close()
+	defer func() { require.NoError(t, resp.Body.Close()) }()
 	b, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
 	return apiResult{status: resp.StatusCode, header: resp.Header, body: b}
@@ -235,7 +235,7 @@ func TestConsoleCommand(t *testing.T) {
 	require.NoError(t, err)
 	var s admin.Stats
 	require.NoError(t, json.NewDecoder(resp.Body).Decode(&s))
-	resp.Body.Close()
+	require.NoError(t, resp.Body.Close())
 	require.Equal(t, b.schema, s.Schema)
 	cancel()
 	select {

@@ -131,7 +131,7 @@ func runDemo(ctx context.Context, e *env, o demoOptions) error {
 	if d.box, err = payments.StartMailbox("127.0.0.1:0"); err != nil {
 		return err
 	}
-	defer d.box.Close()
+	defer func() { _ = d.box.Close() }()
 	d.announce(claimed.Reset)
 	rep, elapsed, err := d.run(ctx)
 	if err != nil {
@@ -220,7 +220,7 @@ func (d *demoRun) startBroker(ctx context.Context) (stop func(), err error) {
 		if err != nil {
 			return stop, err
 		}
-		undo = append(undo, func() { os.RemoveAll(dir) })
+		undo = append(undo, func() { _ = os.RemoveAll(dir) })
 		srv, err := payments.StartNATS(dir, -1)
 		if err != nil {
 			return stop, err
@@ -518,7 +518,7 @@ func (d *demoRun) json(rep chaos.Report, elapsed time.Duration) demoJSON {
 // messages' IDs on every retry, so a retry that doubles a message is a duplicate.
 func publishRetry(ctx context.Context, pub message.Publisher, topic string, batch []*message.Message) error {
 	var err error
-	for attempt := 0; attempt < 50; attempt++ {
+	for range 50 {
 		if err = pub.Publish(topic, batch...); err == nil {
 			return nil
 		}

@@ -12,10 +12,10 @@ import (
 
 	"cmp"
 
+	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/cmd/idem/internal/scratch"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/redact"
 	"github.com/idemkit/idem/janitor"
 )
 
@@ -118,6 +118,8 @@ func classify(err error) (exit int, code string) {
 		return exitFailure, codeScratchBusy
 	case errors.Is(err, context.Canceled):
 		return exitFailure, codeCanceled
+	case errors.Is(err, admin.ErrShardUnavailable):
+		return exitNoPostgres, admin.ErrShardUnavailable.Code()
 	case errors.As(err, &coded) && coded.Code() != "":
 		return exitFailure, coded.Code()
 	}
@@ -132,8 +134,8 @@ func (e *env) report(c *command, err error) int {
 		return exitOK
 	}
 	exit, code := classify(err)
-	msg := redact.Text(err.Error(), e.redactDSN())
-	hint := redact.Text(explain(err, e), e.redactDSN())
+	msg := e.redactAll(err.Error())
+	hint := e.redactAll(explain(err, e))
 	if exit == exitUsage && code == codeUsage {
 		hint = fmt.Sprintf("Run 'idem %s --help' for usage and an example.", c.name)
 	}

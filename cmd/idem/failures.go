@@ -66,9 +66,9 @@ func runFailuresList(ctx context.Context, e *env, args []string, o failuresListO
 	}
 	return writePage(e, listPage[admin.FailureGroup]{command: "failures", what: "groups", items: page.Groups, next: page.Next},
 		"no failures: no failed inbox keys and no dead effects", func() error {
-			tw := e.table("ID", "SOURCE", "CONSUMER/KIND", "TENANT", "CODE", "COUNT", "LAST SEEN", "ERROR (MASKED)")
+			tw := e.rowsTable("ID", "SOURCE", "CONSUMER/KIND", "TENANT", "CODE", "COUNT", "LAST SEEN", "ERROR (MASKED)")
 			for _, g := range page.Groups {
-				row(tw, g.ID, g.Source, clip(g.Place(), 24), clip(g.Tenant, 12), clip(g.Code, 20), g.Count, ts(&g.LastSeen), clip(g.Masked, 60))
+				e.shardRow(tw, g.Shard, g.ID, g.Source, clip(g.Place(), 24), clip(g.Tenant, 12), clip(g.Code, 20), g.Count, ts(&g.LastSeen), clip(g.Masked, 60))
 			}
 			if err := tw.Flush(); err != nil {
 				return err

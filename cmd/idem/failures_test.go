@@ -50,9 +50,10 @@ func builtIdem(t *testing.T) string {
 // /dev/null (no terminal), and returns what it did.
 func (b *bundle) bin(args ...string) result {
 	b.t.Helper()
+	bin := builtIdem(b.t) // the first call builds it: the command's minute starts after
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, builtIdem(b.t), append(args, "--database-url", pgtest.URL(), "--schema", b.schema)...)
+	cmd := exec.CommandContext(ctx, bin, append(args, "--database-url", pgtest.URL(), "--schema", b.schema)...)
 	var out, errOut bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errOut
 	err := cmd.Run()
@@ -89,11 +90,11 @@ func (b *bundle) seedFailures() {
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- d.Run(runCtx) }()
-	require.Eventually(b.t, func() bool {
+	pgtest.WaitFor(b.t, 20*time.Second, "3 dead effects", func() bool {
 		var n int
 		require.NoError(b.t, b.pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE state = 'dead'`).Scan(&n))
 		return n == 3
-	}, 20*time.Second, 10*time.Millisecond)
+	})
 	stop()
 	require.NoError(b.t, <-done)
 }

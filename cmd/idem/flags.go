@@ -16,11 +16,17 @@ var errBadDuration = errors.New("use a number and a unit, such as 90s, 15m, 12h,
 // parseDuration is time.ParseDuration that also takes days: "7d", "1.5d", "1d12h".
 // A day is 24 hours.
 func parseDuration(s string) (time.Duration, error) {
-	rest, sign := s, time.Duration(1)
+	rest, negative := s, false
 	if r, ok := strings.CutPrefix(rest, "-"); ok {
-		rest, sign = r, -1
+		rest, negative = r, true
 	} else if r, ok := strings.CutPrefix(rest, "+"); ok {
 		rest = r
+	}
+	signed := func(d time.Duration) time.Duration {
+		if negative {
+			return -d
+		}
+		return d
 	}
 	var total time.Duration
 	i := 0
@@ -35,14 +41,14 @@ func parseDuration(s string) (time.Duration, error) {
 		total = time.Duration(days * 24 * float64(time.Hour))
 		rest = rest[i+1:]
 		if rest == "" {
-			return sign * total, nil
+			return signed(total), nil
 		}
 	}
 	d, err := time.ParseDuration(rest)
 	if err != nil || d < 0 || total+d < total {
 		return 0, fmt.Errorf("%q: %w", s, errBadDuration)
 	}
-	return sign * (total + d), nil
+	return signed(total + d), nil
 }
 
 // formatDuration writes d the way parseDuration reads it, with days: "7d", "1d12h0m0s".
@@ -156,6 +162,8 @@ func flagKind(f *flag.Flag) (string, string) {
 		name = "string"
 	case *hostList:
 		name = "name"
+	case *shardFlags:
+		name = "name=URL[,schema=S]"
 	}
 	return name, usage
 }

@@ -31,11 +31,12 @@ idem gc --batch-size 5000 --pause 0s --effects-retention 3d --json`,
 }
 
 type gcJSON struct {
-	Schema         string  `json:"schema"`
-	InboxDeleted   int64   `json:"inbox_deleted"`
-	EffectsDeleted int64   `json:"effects_deleted"`
-	Batches        int     `json:"batches"`
-	ElapsedSeconds float64 `json:"elapsed_seconds"`
+	Schema         string   `json:"schema,omitempty"`
+	Shards         []string `json:"shards,omitempty"`
+	InboxDeleted   int64    `json:"inbox_deleted"`
+	EffectsDeleted int64    `json:"effects_deleted"`
+	Batches        int      `json:"batches"`
+	ElapsedSeconds float64  `json:"elapsed_seconds"`
 }
 
 func runGC(ctx context.Context, e *env, cfg janitor.Config) error {
@@ -45,11 +46,19 @@ func runGC(ctx context.Context, e *env, cfg janitor.Config) error {
 	if cfg.Pause == 0 {
 		cfg.Pause = -1 // the janitor reads 0 as "default"
 	}
-	pool, err := e.connect(ctx)
-	if err != nil {
-		return err
+	if e.shardsGiven() {
+		m, err := e.shardMap(ctx)
+		if err != nil {
+			return err
+		}
+		cfg.Shards = m
+	} else {
+		pool, err := e.connect(ctx)
+		if err != nil {
+			return err
+		}
+		cfg.Pool, cfg.Schema = pool, e.schema
 	}
-	cfg.Pool, cfg.Schema = pool, e.schema
 	// Progress goes to stderr, at most once a second, so that stdout holds only
 	// the result; with --json, nowhere (stderr holds JSON only).
 	var last time.Time
@@ -70,10 +79,14 @@ func runGC(ctx context.Context, e *env, cfg janitor.Config) error {
 		return err
 	}
 	if e.json {
-		return e.writeJSON(gcJSON{Schema: e.schema, InboxDeleted: st.InboxDeleted, EffectsDeleted: st.EffectsDeleted,
-			Batches: st.Batches, ElapsedSeconds: st.Elapsed.Seconds()})
+		out := gcJSON{Schema: e.schema, InboxDeleted: st.InboxDeleted, EffectsDeleted: st.EffectsDeleted,
+			Batches: st.Batches, ElapsedSeconds: st.Elapsed.Seconds()}
+		if cfg.Shards != nil {
+			out.Schema, out.Shards = "", cfg.Shards.Names()
+		}
+		return e.writeJSON(out)
 	}
-	fmt.Fprintf(e.stdout, "deleted %d expired inbox rows and %d done effects from schema %s in %s\n",
-		st.InboxDeleted, st.EffectsDeleted, e.schema, st.Elapsed.Round(time.Millisecond))
+	fmt.Fprintf(e.stdout, "deleted %d expired inbox rows and %d done effects from %s in %s\n",
+		st.InboxDeleted, st.EffectsDeleted, e.where(), st.Elapsed.Round(time.Millisecond))
 	return nil
 }

@@ -55,7 +55,7 @@ last line gives the --after cursor of the next page (with --json, on stderr, as
 
 // inboxTable prints inbox keys, one a line.
 func (e *env) inboxTable(keys []admin.InboxKey) error {
-	tw := e.table("CONSUMER", "TENANT", "KEY", "STATE", "RECEIVED", "EXPIRES", "ERROR / RESPONSE")
+	tw := e.rowsTable("CONSUMER", "TENANT", "KEY", "STATE", "RECEIVED", "EXPIRES", "ERROR / RESPONSE")
 	for _, k := range keys {
 		detail := "-"
 		switch {
@@ -66,7 +66,7 @@ func (e *env) inboxTable(keys []admin.InboxKey) error {
 		case k.LeaseUntil != nil:
 			detail = "lease until " + ts(k.LeaseUntil)
 		}
-		row(tw, printable(k.Consumer), dash(printable(k.Tenant)), printable(k.Key), k.State, ts(&k.ReceivedAt), ts(&k.ExpiresAt), detail)
+		e.shardRow(tw, k.Shard, printable(k.Consumer), dash(printable(k.Tenant)), printable(k.Key), k.State, ts(&k.ReceivedAt), ts(&k.ExpiresAt), detail)
 	}
 	return tw.Flush()
 }

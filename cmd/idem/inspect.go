@@ -114,15 +114,16 @@ func responseSummary(r *admin.Response) string {
 
 // effectsTable prints effects as a table: inspect, find and effects list share it.
 func (e *env) effectsTable(effs []admin.Effect) error {
-	tw := e.table("TENANT", "KIND", "KEY", "STATE", "ATTEMPTS", "CREATED", "NEXT ATTEMPT / DONE", "LAST ERROR")
+	tw := e.rowsTable("TENANT", "KIND", "KEY", "STATE", "ATTEMPTS", "CREATED", "NEXT ATTEMPT / DONE", "LAST ERROR")
 	for _, x := range effs {
 		when := ts(&x.NextAttemptAt)
-		if x.State == "done" {
+		switch x.State {
+		case "done":
 			when = ts(x.DoneAt)
-		} else if x.State == "dead" {
+		case "dead":
 			when = "-"
 		}
-		row(tw, dash(printable(x.Tenant)), x.Kind, printable(x.Key), x.State, fmt.Sprintf("%d/%d", x.Attempts, x.MaxAttempts),
+		e.shardRow(tw, x.Shard, dash(printable(x.Tenant)), x.Kind, printable(x.Key), x.State, fmt.Sprintf("%d/%d", x.Attempts, x.MaxAttempts),
 			ts(&x.CreatedAt), when, clip(x.LastError, 60))
 	}
 	return tw.Flush()

@@ -25,7 +25,7 @@ func TestInspectHTTPKey(t *testing.T) {
 	mux.Handle("POST /payments", mw.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx := r.Context()
 		if _, err := effects.Enqueue(ctx, httpidem.Tx(ctx), effects.Effect{Kind: "email", Key: "receipt:pay_1", Payload: []byte(`{}`)}); err != nil {
-			http.Error(w, err.Error(), 500)
+			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		w.Header().Set("Content-Type", "application/json")
@@ -39,7 +39,7 @@ func TestInspectHTTPKey(t *testing.T) {
 	req.Header.Set("Idempotency-Key", "k-1")
 	resp, err := srv.Client().Do(req)
 	require.NoError(t, err)
-	resp.Body.Close()
+	require.NoError(t, resp.Body.Close())
 	require.Equal(t, http.StatusCreated, resp.StatusCode)
 
 	r := b.idem("inspect", "--consumer", "POST /payments", "--tenant", "acct_42", "--key", "k-1").ok(t)

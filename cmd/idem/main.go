@@ -43,6 +43,7 @@ func init() {
 		failuresDiscardCmd,
 		failuresReleaseCmd,
 		consoleCmd,
+		shardMoveCmd,
 		benchCmd,
 		demoCmd,
 		versionCmd,

@@ -57,6 +57,9 @@ func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 	if yes && action != "down" {
 		return usagef("--yes is for migrate down only")
 	}
+	if e.shardsGiven() {
+		return migrateShards(ctx, e, action)
+	}
 	pool, err := e.connect(ctx)
 	if err != nil {
 		return err
@@ -222,4 +225,73 @@ func describeDrops(plan migrate.DownPlan) string {
 		parts = append(parts, fmt.Sprintf("column %s.%s (%d rows hold a value)", c.Table, c.Column, c.Rows))
 	}
 	return "dropping " + strings.Join(parts, ", ")
+}
+
+// migrateShards runs migrate up or list on every shard of the map. Up applies to
+// each shard in its own transaction, goes on past a shard that fails, and names
+// every one that failed (run it again once they are back: a current shard applies
+// nothing). Down reverts one shard at a time: give that shard alone.
+func migrateShards(ctx context.Context, e *env, action string) error {
+	if action == "down" {
+		return usagef("migrate down reverts one database: give the shard alone (--shard NAME=URL[,schema=S], or --database-url and --schema)")
+	}
+	sm, err := e.shardMap(ctx)
+	if err != nil {
+		return err
+	}
+	m, err := migrate.New(migrate.Config{Shards: sm})
+	if err != nil {
+		return err
+	}
+	if action == "up" {
+		applied, err := m.Up(ctx)
+		if err != nil {
+			return err
+		}
+		if e.json {
+			if applied == nil {
+				applied = []int{}
+			}
+			return e.writeJSON(map[string]any{"shards": sm.Names(), "applied": applied})
+		}
+		if len(applied) == 0 {
+			fmt.Fprintf(e.stdout, "%s are up to date\n", e.where())
+		}
+		for _, v := range applied {
+			fmt.Fprintf(e.stdout, "applied %s to %s (where it was missing)\n", migrationLabel(v), e.where())
+		}
+		return nil
+	}
+	type shardList struct {
+		Shard      string          `json:"shard"`
+		Schema     string          `json:"schema"`
+		Migrations []migrationJSON `json:"migrations"`
+	}
+	var out []shardList
+	for _, s := range sm.Shards {
+		list, err := m.Shard(s.Name).List(ctx)
+		if err != nil {
+			return fmt.Errorf("shard %q: %w", s.Name, err)
+		}
+		l := shardList{Shard: s.Name, Schema: s.SchemaName(), Migrations: []migrationJSON{}}
+		for _, st := range list {
+			j := migrationJSON{Version: st.Version, Name: st.Name, Applied: st.Applied}
+			if st.Applied {
+				at := st.AppliedAt
+				j.AppliedAt = &at
+			}
+			l.Migrations = append(l.Migrations, j)
+		}
+		out = append(out, l)
+	}
+	if e.json {
+		return e.writeJSON(out)
+	}
+	tw := e.table("SHARD", "VERSION", "NAME", "APPLIED", "APPLIED AT")
+	for _, l := range out {
+		for _, j := range l.Migrations {
+			row(tw, l.Shard, fmt.Sprintf("%03d", j.Version), j.Name, yesNo(j.Applied), ts(j.AppliedAt))
+		}
+	}
+	return tw.Flush()
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"flag"
 	"fmt"
+
+	"github.com/idemkit/idem/admin"
 )
 
 var statsCmd = &command{
@@ -11,6 +13,7 @@ var statsCmd = &command{
 	args:    "[flags]",
 	summary: "Rows and failures per consumer; pending, due, dead, stuck and oldest pending age per effect kind",
 	example: `idem stats
+idem stats --shard s1=postgres://db1/app --shard s2=postgres://db2/app,schema=idem
 idem stats --schema idem --json | jq '.effects[] | select(.dead > 0)'`,
 	setup: func(fs *flag.FlagSet) runFunc { return runStats },
 }
@@ -23,14 +26,52 @@ func runStats(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
+	// Over a shard map, a shard that does not answer is named, with the figures
+	// of those that did, and the command fails (exit 3, shard_unavailable).
 	s, err := a.Stats(ctx)
-	if err != nil {
+	if s == nil {
 		return err
 	}
 	if e.json {
-		return e.writeJSON(s)
+		if werr := e.writeJSON(s); werr != nil {
+			return werr
+		}
+		return err
 	}
-	fmt.Fprintf(e.stdout, "Inbox (schema %s)\n", e.schema)
+	if len(s.Shards) > 0 {
+		tw := e.table("SHARD", "SCHEMA", "STATUS", "INBOX ROWS", "FAILED", "PENDING EFFECTS", "DEAD")
+		for _, sh := range s.Shards {
+			status := "up"
+			if !sh.Up() {
+				status = "DOWN: " + clip(sh.Error, 60)
+			}
+			var rows, failed, pending, dead int64
+			for _, c := range sh.Consumers {
+				rows, failed = rows+c.Rows, failed+c.Failed
+			}
+			for _, k := range sh.Effects {
+				pending, dead = pending+k.Pending, dead+k.Dead
+			}
+			row(tw, printable(sh.Shard), sh.Schema, status, rows, failed, pending, dead)
+		}
+		if werr := tw.Flush(); werr != nil {
+			return werr
+		}
+		fmt.Fprintln(e.stdout)
+	}
+	defer func() {
+		if err != nil {
+			fmt.Fprintln(e.stdout, "\n(the shards marked DOWN are not counted)")
+		}
+	}()
+	if werr := statsTables(e, s); werr != nil {
+		return werr
+	}
+	return err
+}
+
+func statsTables(e *env, s *admin.Stats) error {
+	fmt.Fprintf(e.stdout, "Inbox (%s)\n", e.where())
 	if len(s.Consumers) == 0 {
 		fmt.Fprintln(e.stdout, "  no rows")
 	} else {

@@ -91,8 +91,8 @@ func main() {
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	res, err := Run(ctx, cfg)
+	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bad-deploy:", err)
 		os.Exit(1)
@@ -116,7 +116,7 @@ type run struct {
 
 // Run does the walkthrough and returns what it found. The exactly-once check is
 // the caller's (main exits 1 when it fails; the smoke test asserts it).
-func Run(ctx context.Context, cfg Config) (*Result, error) {
+func Run(ctx context.Context, cfg Config) (res *Result, err error) {
 	cfg.Orders = cmp.Or(cfg.Orders, 30)
 	cfg.Out = cmp.Or[io.Writer](cfg.Out, io.Discard)
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
@@ -144,7 +144,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if r.pub, err = kafka.NewPublisher(pcfg); err != nil {
 		return nil, err
 	}
-	defer r.pub.Close()
+	defer func() { err = errors.Join(err, r.pub.Close()) }()
 	if r.admin, err = admin.New(admin.Config{Pool: pool, Schema: cfg.Schema}); err != nil {
 		return nil, err
 	}

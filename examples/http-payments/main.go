@@ -74,11 +74,11 @@ func main() {
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	ln, err := net.Listen("tcp", *addr)
 	if err == nil {
 		err = run(ctx, cfg, ln)
 	}
+	stop()
 	if err != nil {
 		cfg.Logger.Error("http-payments", "error", err)
 		os.Exit(1)
@@ -86,7 +86,7 @@ func main() {
 }
 
 // run serves HTTP on ln, consumes and dispatches until ctx ends.
-func run(ctx context.Context, cfg Config, ln net.Listener) error {
+func run(ctx context.Context, cfg Config, ln net.Listener) (err error) {
 	log := cfg.Logger
 	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
 	if err != nil {
@@ -97,11 +97,11 @@ func run(ctx context.Context, cfg Config, ln net.Listener) error {
 		return err
 	}
 	if cfg.SMTPAddr == "" {
-		box, err := startMailbox(log, cfg.OnMail)
-		if err != nil {
-			return err
+		box, startErr := startMailbox(log, cfg.OnMail)
+		if startErr != nil {
+			return startErr
 		}
-		defer box.Close()
+		defer func() { err = errors.Join(err, box.Close()) }()
 		cfg.SMTPAddr = box.addr
 	}
 
@@ -123,19 +123,19 @@ func run(ctx context.Context, cfg Config, ln net.Listener) error {
 	// works the same (adapters/nats, adapters/kafka).
 	wlog := watermill.NewSlogLogger(log)
 	bus := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, wlog)
-	defer bus.Close()
+	defer func() { err = errors.Join(err, bus.Close()) }()
 
 	// The consumer: payments.created -> one ledger row per payment.
 	ledger, err := consumer.New(consumer.Config{Name: "ledger", Pool: pool, Schema: cfg.Schema, Logger: log})
 	if err != nil {
 		return err
 	}
-	defer ledger.Close()
+	defer func() { err = errors.Join(err, ledger.Close()) }()
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, wlog)
 	if err != nil {
 		return err
 	}
-	router.AddConsumerHandler("ledger", Topic, bus, message.NoPublishHandlerFunc(bookPayment(cfg.Schema))).
+	router.AddConsumerHandler("ledger", Topic, bus, bookPayment(cfg.Schema)).
 		AddMiddleware(ledger.Middleware)
 	goRun("router", func() error { return router.Run(ctx) })
 	<-router.Running() // subscribed before anything is published
@@ -366,7 +366,7 @@ func (s *smtpSender) Send(ctx context.Context, d effects.Delivery) error {
 		return err
 	}
 	c := smtp.NewClient(conn)
-	defer c.Close()
+	defer func() { _ = c.Close() }() // SendMail's error is the one that matters
 	return c.SendMail(s.from, []string{e.To}, &msg)
 }
 

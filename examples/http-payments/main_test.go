@@ -48,7 +48,12 @@ func TestHTTPPayments(t *testing.T) {
 	defer client.CloseIdleConnections()
 
 	account := "acct_1"
-	post := func(key, body string) (*http.Response, []byte) {
+	// post sends a payment and returns the answer's status and header, and its body.
+	type answer struct {
+		StatusCode int
+		Header     http.Header
+	}
+	post := func(key, body string) (answer, []byte) {
 		req, err := http.NewRequest(http.MethodPost, base+"/payments", strings.NewReader(body))
 		require.NoError(t, err)
 		req.Header.Set("Content-Type", "application/json")
@@ -66,10 +71,10 @@ func TestHTTPPayments(t *testing.T) {
 			req.Body = io.NopCloser(strings.NewReader(body)) // the server is still starting
 		}
 		require.NoError(t, err)
-		defer resp.Body.Close()
+		defer func() { require.NoError(t, resp.Body.Close()) }()
 		b, err := io.ReadAll(resp.Body)
 		require.NoError(t, err)
-		return resp, b
+		return answer{resp.StatusCode, resp.Header}, b
 	}
 
 	body := `{"amount": "12.50", "currency": "EUR", "email": "ann@example.com"}`
@@ -105,13 +110,13 @@ func TestHTTPPayments(t *testing.T) {
 	// The Dispatcher sends the receipt once and publishes payments.created, which
 	// the consumer books once.
 	pool := pgtest.NewPool(t, schema, 2)
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the payment booked in the ledger", func() bool {
 		var booked bool
 		err := pool.QueryRow(context.Background(), `SELECT count(*) >= 1 FROM ledger WHERE payment_id = $1`, p.ID).Scan(&booked)
 		mu.Lock()
 		defer mu.Unlock()
 		return err == nil && booked && len(mails) >= 1
-	}, 30*time.Second, 50*time.Millisecond)
+	})
 	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM ledger WHERE payment_id = $1`, p.ID), "booked once")
 	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM payments`))
 	require.Equal(t, 2, count(t, pool, `SELECT count(*) FROM effects WHERE state = 'done'`))
@@ -125,7 +130,7 @@ func TestHTTPPayments(t *testing.T) {
 	resp, err := client.Do(get)
 	require.NoError(t, err)
 	require.Empty(t, resp.Header.Get("Idempotent-Replayed"))
-	defer resp.Body.Close()
+	defer func() { require.NoError(t, resp.Body.Close()) }()
 	var shown Payment
 	require.NoError(t, json.NewDecoder(resp.Body).Decode(&shown))
 	require.True(t, *shown.Booked)

@@ -47,20 +47,19 @@ func main() {
 	flag.Parse()
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	cancel := context.CancelFunc(func() {})
 	if cfg.runFor > 0 {
-		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, cfg.runFor)
-		defer cancel()
 	}
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	ln, err := net.Listen("tcp", cfg.addr)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
+	if err == nil {
+		logger.Info("serving metrics", "url", "http://"+ln.Addr().String()+"/metrics")
+		err = run(ctx, cfg, ln, logger)
 	}
-	logger.Info("serving metrics", "url", "http://"+ln.Addr().String()+"/metrics")
-	if err := run(ctx, cfg, ln, logger); err != nil {
+	cancel()
+	stop()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
@@ -72,7 +71,7 @@ type config struct {
 }
 
 // run wires everything to one registry and serves it on ln until ctx ends.
-func run(ctx context.Context, cfg config, ln net.Listener, logger *slog.Logger) error {
+func run(ctx context.Context, cfg config, ln net.Listener, logger *slog.Logger) (err error) {
 	pool, err := pgxpool.New(ctx, cfg.databaseURL)
 	if err != nil {
 		return err
@@ -109,7 +108,7 @@ func run(ctx context.Context, cfg config, ln net.Listener, logger *slog.Logger) 
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer func() { err = errors.Join(err, c.Close()) }()
 	router.AddConsumerHandler("payments", "payments", pubSub, func(msg *message.Message) error {
 		ctx := msg.Context()
 		if string(msg.Payload) == `{"card":"declined"}` {

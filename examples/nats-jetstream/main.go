@@ -75,15 +75,16 @@ func main() {
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg); err != nil {
+	err := run(ctx, cfg)
+	stop()
+	if err != nil {
 		cfg.Logger.Error("nats-jetstream", "error", err)
 		os.Exit(1)
 	}
 }
 
 // run migrates, optionally publishes sample orders, and consumes until ctx ends.
-func run(ctx context.Context, cfg Config) error {
+func run(ctx context.Context, cfg Config) (err error) {
 	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
 	if err != nil {
 		return err
@@ -105,7 +106,7 @@ func run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	defer pub.Close()
+	defer func() { err = errors.Join(err, pub.Close()) }()
 	if cfg.Publish > 0 {
 		if err := publishOrders(pub, cfg.Publish); err != nil {
 			return err
@@ -117,7 +118,7 @@ func run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	defer sub.Close()
+	defer func() { err = errors.Join(err, sub.Close()) }()
 
 	idem, err := consumer.New(consumer.Config{
 		Name:        "orders-ledger",
@@ -129,13 +130,13 @@ func run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	defer idem.Close()
+	defer func() { err = errors.Join(err, idem.Close()) }()
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, wlog)
 	if err != nil {
 		return err
 	}
-	h := router.AddConsumerHandler("orders-ledger", Topic, sub, message.NoPublishHandlerFunc(handleOrder(cfg.Schema)))
+	h := router.AddConsumerHandler("orders-ledger", Topic, sub, handleOrder(cfg.Schema))
 	h.AddMiddleware(idem.Middleware)
 	return router.Run(ctx)
 }

@@ -35,7 +35,7 @@ func TestSmoke(t *testing.T) {
 	}()
 	var early error
 	ended := false
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the example to run", func() bool {
 		select {
 		case early = <-done:
 			ended = true
@@ -45,14 +45,14 @@ func TestSmoke(t *testing.T) {
 		var n int
 		err := pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE kind = 'email' AND key LIKE 'order-confirmation:%'`).Scan(&n)
 		return err == nil && n == 20 // the tables appear once run has migrated
-	}, 30*time.Second, 50*time.Millisecond)
+	})
 	require.False(t, ended, "run ended early: %v", early)
 	// Every delivery, duplicates included, handled and acked: the broker has
 	// nothing left for the consumer.
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the consumer to drain the stream", func() bool {
 		backlog, err := pending(ctx, srv.ClientURL(), "orders-ledger")
 		return err == nil && backlog == 0
-	}, 30*time.Second, 50*time.Millisecond)
+	})
 	cancel()
 	require.NoError(t, <-done)
 	require.Equal(t, 20, pgtest.Count(t, pool, `SELECT count(*) FROM order_ledger`))

@@ -63,8 +63,9 @@ func main() {
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg); err != nil {
+	err := run(ctx, cfg)
+	stop()
+	if err != nil {
 		cfg.Logger.Error("notification-sender", "error", err)
 		os.Exit(1)
 	}
@@ -136,7 +137,7 @@ func (s *SMTPSender) Send(ctx context.Context, d effects.Delivery) error {
 		_ = conn.SetDeadline(dl)
 	}
 	c := smtp.NewClient(conn)
-	defer c.Close()
+	defer func() { _ = c.Close() }() // after Quit, or after a failure already returned
 	if err := c.Mail(s.From, nil); err != nil {
 		return classify(err)
 	}
@@ -193,7 +194,7 @@ func MessageID(tenant, key, domain string) string {
 // writeAtext writes s with every byte outside RFC 5322's atext and ".", and every
 // byte of also, percent-encoded.
 func writeAtext(b *strings.Builder, s, also string) {
-	for i := 0; i < len(s); i++ {
+	for i := range len(s) {
 		c := s[i]
 		if c < 0x80 && strings.IndexByte(also, c) < 0 && (c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$&'*+-/=?^_`{|}~.", c) >= 0) {
 			b.WriteByte(c)

@@ -96,9 +96,9 @@ func TestNotificationSender(t *testing.T) {
 	}
 	require.NoError(t, tx.Commit(ctx))
 
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 20*time.Second, "every effect settled", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state IN ('done', 'dead')`) == 3
-	}, 20*time.Second, 20*time.Millisecond)
+	})
 	require.Equal(t, map[string]int{"<receipt%3Apay_1@shop.example.com>": 1, "<receipt%3Apay_2@shop.example.com>": 1}, box.byMessageID())
 	var lastErr string
 	require.NoError(t, pool.QueryRow(ctx, `SELECT last_error FROM effects WHERE key = 'receipt:pay_3' AND state = 'dead'`).Scan(&lastErr))

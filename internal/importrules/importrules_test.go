@@ -2,6 +2,7 @@ package importrules_test
 
 import (
 	"encoding/json"
+	"errors"
 	"os/exec"
 	"slices"
 	"strings"
@@ -24,7 +25,7 @@ type pkg struct {
 func listPackages(t *testing.T) map[string]pkg {
 	t.Helper()
 	out, err := exec.Command("go", "list", "-json=ImportPath,Imports,TestImports,XTestImports", module+"/...").Output()
-	if ee, ok := err.(*exec.ExitError); ok {
+	if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
 		t.Fatalf("go list: %v\n%s", err, ee.Stderr)
 	}
 	require.NoError(t, err)
@@ -57,9 +58,10 @@ func standard(imp string) bool { return !strings.Contains(strings.SplitN(imp, "/
 // violations checks pkgs against the rules and returns what breaks them.
 func violations(pkgs map[string]pkg) []string {
 	var bad []string
-	// inbox and effects import nothing public of idem: only internal leaves, and
-	// for inbox the packages its deprecated aliases point to.
-	allowed := map[string][]string{"inbox": {"migrate", "janitor"}, "effects": nil}
+	// inbox, effects and shard import nothing public of idem: only internal
+	// leaves, for inbox the packages its deprecated aliases point to, and for
+	// effects the shard map its Config takes.
+	allowed := map[string][]string{"inbox": {"migrate", "janitor"}, "effects": {"shard"}, "shard": nil}
 	for name, extra := range allowed {
 		for _, imp := range idem(pkgs[name].Imports) {
 			if !internal(imp) && !slices.Contains(extra, imp) {
@@ -91,17 +93,16 @@ func violations(pkgs map[string]pkg) []string {
 			bad = append(bad, "httpidem imports "+imp)
 		}
 	}
-	// No non-test file under internal/ imports a public idem package, except test
-	// support that only test files import.
-	testSupport := map[string]string{
-		"internal/pgtest": "it migrates each test's schema with package migrate",
-	}
+	// No non-test file under internal/ imports a public idem package, except
+	// pgtest, which migrates each test's schema with package migrate. It and the
+	// other test support are imported by test files only.
+	testSupport := map[string]bool{"internal/pgtest": true, "internal/childproc": false} // may import public idem
 	for name, p := range pkgs {
 		if !internal(name) {
 			continue
 		}
 		for _, imp := range idem(p.Imports) {
-			if _, test := testSupport[name]; !test && !internal(imp) {
+			if !testSupport[name] && !internal(imp) {
 				bad = append(bad, name+" imports "+imp+", a public idem package")
 			}
 		}
@@ -157,6 +158,8 @@ func TestImportRulesCatchViolations(t *testing.T) {
 		{"httpidem", "github.com/ThreeDotsLabs/watermill/message", false},
 		{"internal/text", module + "/inbox", false},
 		{"consumer", module + "/internal/pgtest", false},
+		{"effects", module + "/internal/childproc", false},
+		{"internal/childproc", module + "/effects", false},
 		{"internal/redact", module + "/effects", false},
 		{"effects", module + "/cmd/idem", true},
 	} {

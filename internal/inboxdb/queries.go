@@ -34,9 +34,7 @@ func New(schema string) Queries {
 	t := pgschema.Table(schema, "inbox")
 	// group is the failure group's ID of a failed row (package failgroup), from
 	// its consumer, tenant, code and masked error text.
-	group := func(consumer, tenant, code, masked string) string {
-		return failgroup.GroupSQL(consumer, tenant, code, masked)
-	}
+	group := failgroup.GroupSQL
 	// probe reads the rows of the keys in $1, $2, $3 (consumers, tenants, keys),
 	// one primary-key lookup each (see ClaimBatch), with the place of each key in
 	// the arrays (from 1), as ClaimBatch's rows.

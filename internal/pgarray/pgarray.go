@@ -106,10 +106,10 @@ type Int8 []int64
 func (a Int8) Dimensions() []pgtype.ArrayDimension { return dims(a) }
 
 // Index implements pgtype.ArrayGetter.
-func (a Int8) Index(i int) any { return (*int8)(&a[i]) }
+func (a Int8) Index(i int) any { return (*int8Elem)(&a[i]) }
 
 // IndexType implements pgtype.ArrayGetter.
-func (a Int8) IndexType() any { return (*int8)(nil) }
+func (a Int8) IndexType() any { return (*int8Elem)(nil) }
 
 // Value implements driver.Valuer, for the query modes that know no types.
 func (a Int8) Value() (driver.Value, error) {
@@ -119,8 +119,8 @@ func (a Int8) Value() (driver.Value, error) {
 	return textForm(pgtype.Int8ArrayOID, []int64(a))
 }
 
-type int8 int64
+type int8Elem int64
 
-func (n *int8) Int64Value() (pgtype.Int8, error) {
+func (n *int8Elem) Int64Value() (pgtype.Int8, error) {
 	return pgtype.Int8{Int64: int64(*n), Valid: true}, nil
 }

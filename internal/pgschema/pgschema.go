@@ -33,7 +33,7 @@ func Valid(name string) bool {
 	if len(name) == 0 || len(name) > 63 {
 		return false
 	}
-	for i := 0; i < len(name); i++ {
+	for i := range len(name) {
 		c := name[i]
 		switch {
 		case 'a' <= c && c <= 'z', c == '_':

@@ -64,7 +64,7 @@ func ping(url string) error {
 	if err != nil {
 		return err
 	}
-	defer conn.Close(ctx)
+	defer func() { _ = conn.Close(ctx) }()
 	return conn.Ping(ctx)
 }
 
@@ -164,9 +164,19 @@ func NewPoolWith(tb testing.TB, schema string, opts Options) *pgxpool.Pool {
 // Change it (another user, another address) and open it with OpenPool.
 func PoolConfig(tb testing.TB, schema string, opts Options) *pgxpool.Config {
 	tb.Helper()
+	cfg, err := ConfigFor(schema, opts)
+	if err != nil {
+		fatalf(tb, "%v", err)
+	}
+	return cfg
+}
+
+// ConfigFor is PoolConfig for code that has no test to fail: a child process
+// (internal/childproc) opens its pool on the parent's schema with it.
+func ConfigFor(schema string, opts Options) (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(URL())
 	if err != nil {
-		fatalf(tb, "parse DATABASE_URL: %v", err)
+		return nil, fmt.Errorf("parse DATABASE_URL: %w", err)
 	}
 	cfg.MaxConns = cmp.Or(opts.MaxConns, 8)
 	if opts.QueryExecMode != 0 {
@@ -177,7 +187,7 @@ func PoolConfig(tb testing.TB, schema string, opts Options) *pgxpool.Config {
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
-	return cfg
+	return cfg, nil
 }
 
 // OpenPool opens cfg; the pool closes when the test ends.
@@ -200,7 +210,7 @@ func DropSchema(tb testing.TB, schema string) {
 		errorf(tb, "drop schema %s: %v", schema, err)
 		return
 	}
-	defer conn.Close(ctx)
+	defer func() { _ = conn.Close(ctx) }()
 	if _, err := conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`); err != nil {
 		errorf(tb, "drop schema %s: %v", schema, err)
 	}
@@ -215,7 +225,7 @@ func TerminateBackends(tb testing.TB, schema string) int {
 	if err != nil {
 		fatalf(tb, "connect to Postgres: %v", err)
 	}
-	defer conn.Close(ctx)
+	defer func() { _ = conn.Close(ctx) }()
 	var n int
 	err = conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 		WHERE application_name = $1 AND pid <> pg_backend_pid()`, "idem-test:"+schema).Scan(&n)

@@ -120,7 +120,7 @@ func (p *Proxy) accept() {
 		}
 		p.wg.Go(func() {
 			defer p.untrack(c)
-			defer c.Close()
+			defer func() { _ = c.Close() }()
 			s, err := net.Dial(p.network, p.target)
 			if err != nil {
 				return
@@ -130,7 +130,7 @@ func (p *Proxy) accept() {
 				return
 			}
 			defer p.untrack(s)
-			defer s.Close()
+			defer func() { _ = s.Close() }()
 			var wg sync.WaitGroup
 			wg.Go(func() { p.pipe(s, c) })
 			wg.Go(func() { p.pipe(c, s) })

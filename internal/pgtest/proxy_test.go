@@ -32,6 +32,6 @@ func TestProxy(t *testing.T) {
 	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
 	require.Error(t, pool.QueryRow(cctx, `SELECT 1`).Scan(&one), "down: the pooled connection is cut, a new one refused")
-	require.Eventually(t, func() bool { return pool.QueryRow(ctx, `SELECT 1`).Scan(&one) == nil }, 30*time.Second, 50*time.Millisecond)
+	WaitFor(t, 30*time.Second, "a query through the proxy after the outage", func() bool { return pool.QueryRow(ctx, `SELECT 1`).Scan(&one) == nil })
 	require.Positive(t, p.Refused())
 }

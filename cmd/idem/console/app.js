@@ -92,6 +92,7 @@ function query(params) {
 
 async function loadStats() {
   const s = await api("/api/stats");
+  loadShards(s.shards || []);
   const kinds = document.querySelector("#effect-stats tbody");
   kinds.replaceChildren();
   for (const k of s.effects) {
@@ -111,6 +112,22 @@ async function loadStats() {
   }
   if (s.consumers.length === 0) consumers.append(el("tr", {}, el("td", { colspan: "6", class: "empty", text: "no inbox rows" })));
   document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+}
+
+// Over a shard map: each shard's figures, and which one is down.
+function loadShards(shards) {
+  document.getElementById("shards-part").hidden = shards.length === 0;
+  const body = document.querySelector("#shard-stats tbody");
+  body.replaceChildren();
+  const sum = (list, f) => list.reduce((n, x) => n + x[f], 0);
+  for (const sh of shards) {
+    const down = !!sh.error;
+    body.append(el("tr", { "data-shard": sh.shard, class: down ? "shard-down" : "shard-up" },
+      td(show(sh.shard)), td(show(sh.schema)),
+      el("td", { class: down ? "state state-dead" : "state state-done", text: down ? "down: " + show(sh.error) : "up" }),
+      td(down ? "-" : String(sum(sh.consumers, "rows")), "num"), td(down ? "-" : String(sum(sh.consumers, "failed")), "num"),
+      td(down ? "-" : String(sum(sh.effects, "pending")), "num"), td(down ? "-" : String(sum(sh.effects, "dead")), "num")));
+  }
 }
 
 // --- effects ---
@@ -574,7 +591,8 @@ async function start() {
       await askForToken();
     }
   }
-  document.getElementById("schema").textContent = "schema " + state.session.schema;
+  const shards = state.session.shards || [];
+  document.getElementById("schema").textContent = shards.length ? "shards " + shards.join(", ") : "schema " + state.session.schema;
   const mode = document.getElementById("mode");
   mode.textContent = state.session.read_only ? "read-only" : "read-write";
   if (state.session.read_only) mode.classList.add("ro");

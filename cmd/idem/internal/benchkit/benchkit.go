@@ -233,7 +233,7 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 	// publishing goroutine: so each partition has one message in flight, as a Kafka
 	// partition does, and concurrency is exactly the number of partitions.
 	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
-	defer pubsub.Close()
+	defer func() { _ = pubsub.Close() }() // after the router: nothing is in flight
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {
 		return Result{}, err
@@ -343,7 +343,9 @@ func Run(ctx context.Context, setup Setup, o Options) (res Result, err error) {
 		o.Progress(total, total)
 	}
 	cancel()
-	<-routerDone
+	if err := <-routerDone; err != nil {
+		return Result{}, fmt.Errorf("router: %w", err)
+	}
 
 	res = Result{Setup: setup, Messages: o.N, Deliveries: total, Elapsed: elapsed,
 		MsgsPerSec: float64(total) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),
@@ -600,7 +602,9 @@ func runDrain(ctx context.Context, o Options) (Result, error) {
 		return Result{}, err
 	}
 	cancel()
-	<-done
+	if err := <-done; err != nil {
+		return Result{}, fmt.Errorf("dispatcher: %w", err)
+	}
 	n := int(sent.Load())
 	return Result{Setup: Drain, Messages: pending, Deliveries: n, Elapsed: elapsed,
 		MsgsPerSec: float64(pending) / elapsed.Seconds(), P50: hist.quantile(0.5), P99: hist.quantile(0.99),

@@ -122,7 +122,7 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 	if err != nil {
 		return Result{}, err
 	}
-	defer sub.Close()
+	defer func() { _ = sub.Close() }() // the run is measured by then
 	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
 		// A JVM broker sharing two loaded cores may answer slowly.
 		WriterConfig: kafkago.WriterConfig{Brokers: brokers, ReadTimeout: 30 * time.Second, WriteTimeout: 30 * time.Second},
@@ -131,7 +131,7 @@ func runKafka(ctx context.Context, setup Setup, o Options) (res Result, err erro
 	if err != nil {
 		return Result{}, err
 	}
-	defer pub.Close()
+	defer func() { _ = pub.Close() }()
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {

@@ -118,8 +118,7 @@ func testExternal(t *testing.T, brokers []string, private bool) {
 
 	// The run's topic and group are gone (a real broker deletes a topic
 	// asynchronously: wait for it).
-	require.Eventually(t, func() bool { return !slices.Contains(topics(t, client), res.Topic) }, 30*time.Second, 50*time.Millisecond,
-		"topic %s is still there", res.Topic)
+	pgtest.WaitFor(t, 30*time.Second, fmt.Sprintf("topic %s is still there", res.Topic), func() bool { return !slices.Contains(topics(t, client), res.Topic) })
 	lg, err := client.ListGroups(ctx, &kafkago.ListGroupsRequest{})
 	require.NoError(t, err)
 	for _, g := range lg.Groups {

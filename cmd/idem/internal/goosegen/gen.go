@@ -212,7 +212,7 @@ type line struct {
 func splitLines(sql string) []line {
 	var out []line
 	start := 0
-	for i := 0; i < len(sql); i++ {
+	for i := range len(sql) {
 		if sql[i] == '\n' {
 			out = append(out, line{start: start, end: i, text: strings.TrimSuffix(sql[start:i], "\r")})
 			start = i + 1

@@ -111,8 +111,8 @@ func migratorCatalog(t *testing.T) catalog {
 	require.Contains(t, c.Relations, "effects r")
 	require.NotEmpty(t, c.Indexes)
 	require.NotEmpty(t, c.Constraints)
-	require.Len(t, c.Triggers, 2, "effects_notify (001) and commit_guard (004)")
-	require.Len(t, c.Functions, 2, "idem_effects_notify (001) and idem_commit_guard (004)")
+	require.Len(t, c.Triggers, 1, "commit_guard (004); 008 dropped 001's effects_notify")
+	require.Len(t, c.Functions, 1, "idem_commit_guard (004); 008 dropped 001's idem_effects_notify")
 	return c
 }
 

@@ -49,11 +49,22 @@ type Email struct {
 // EmailKey is the effect key of a payment's receipt, and the Message-ID's local part.
 func EmailKey(paymentKey string) string { return "receipt:" + paymentKey }
 
+// TenantMetadata is the metadata field that carries a payment's tenant, which
+// picks its shard when the consumer runs on a shard map.
+const TenantMetadata = "tenant"
+
 // NewMessage makes a payment message with a fresh UUIDv7 (the idempotency key).
 func NewMessage(amount int64) *message.Message {
 	id := consumer.NewUUID()
 	payload, _ := json.Marshal(Payment{ID: id, Amount: amount})
 	return message.NewMessage(id, payload)
+}
+
+// NewTenantMessage is NewMessage for a tenant (TenantMetadata).
+func NewTenantMessage(amount int64, tenant string) *message.Message {
+	m := NewMessage(amount)
+	m.Metadata.Set(TenantMetadata, tenant)
+	return m
 }
 
 // CreateTables creates the ledger table in schema (the idem tables must be

@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/nats"
 	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // A producer that sends every message twice on NATS: the server's duplicate window
@@ -64,10 +65,10 @@ func TestNATSProducerSendsHalfTheRetriesPastTheWindow(t *testing.T) {
 	require.Len(t, got, n)
 	require.Equal(t, n/2, twice, "one delivery per message, and one more per retry past the window")
 	// The stream holds the originals and the retries without Nats-Msg-Id, nothing else.
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "the stream drained", func() bool {
 		backlog, err := Backlog(ctx, Endpoint{Broker: NATS, Addr: srv.ClientURL(), Group: "producer-test"}, Topic)
 		return err == nil && backlog == 0
-	}, 30*time.Second, 20*time.Millisecond)
+	})
 	info, err := conn.producer.js.Stream(ctx, nats.DefaultStreamName(Topic))
 	require.NoError(t, err)
 	st, err := info.Info(ctx)

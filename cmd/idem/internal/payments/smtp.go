@@ -53,7 +53,8 @@ func (m *Mailbox) Addr() string { return m.addr }
 // Close stops the server.
 func (m *Mailbox) Close() error { return m.srv.Close() }
 
-// Counts returns, per effect key, how many emails carried it as their Message-ID.
+// Counts returns, per effect (its MailKey), how many emails carried it as their
+// Message-ID.
 // It fits chaos.AuditQuery.Sends.
 func (m *Mailbox) Counts(context.Context) (map[string]int, error) {
 	m.mu.Lock()
@@ -99,7 +100,7 @@ func (s *session) Data(r io.Reader) error {
 func MessageID(key string) string {
 	var b strings.Builder
 	b.WriteByte('<')
-	for i := 0; i < len(key); i++ {
+	for i := range len(key) {
 		c := key[i]
 		if c < 0x80 && (c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$&'*+-/=?^_`{|}~.", c) >= 0) {
 			b.WriteByte(c)
@@ -128,25 +129,30 @@ func EffectKeyOf(messageID string) string {
 	return b.String()
 }
 
-// SMTPSender sends email effects to Addr with the effect key as Message-ID, so
-// every attempt at one effect carries the same identity.
+// MailKey is the mailbox's key of an effect: its key, prefixed with its tenant and
+// a zero byte when it has one, so that two tenants' effects with the same key are
+// two emails. The Message-ID carries it (MessageID), and Mailbox.Counts counts by it.
+func MailKey(tenant, effectKey string) string {
+	if tenant == "" {
+		return effectKey
+	}
+	return tenant + "\x00" + effectKey
+}
+
+// SMTPSender sends email effects to Addr with the effect's MailKey as Message-ID,
+// so every attempt at one effect carries the same identity.
 type SMTPSender struct {
 	Addr string
 }
 
 // Send implements effects.Sender.
 func (s *SMTPSender) Send(ctx context.Context, d effects.Delivery) error {
-	if d.Tenant != "" {
-		// The scenario's mailbox counts emails by key alone; a tenant's effect
-		// would be taken for another tenant's with the same key.
-		return effects.Permanent(fmt.Errorf("the payments scenario is single-tenant: effect %q of tenant %q", d.Key, d.Tenant))
-	}
 	var e Email
 	if err := json.Unmarshal(d.Payload, &e); err != nil {
 		return effects.Permanent(fmt.Errorf("email payload: %w", err))
 	}
 	var msg bytes.Buffer
-	fmt.Fprintf(&msg, "From: shop@example.com\r\nTo: %s\r\nSubject: %s\r\nMessage-ID: %s\r\n\r\n%s\r\n", e.To, e.Subject, MessageID(d.Key), e.Body)
+	fmt.Fprintf(&msg, "From: shop@example.com\r\nTo: %s\r\nSubject: %s\r\nMessage-ID: %s\r\n\r\n%s\r\n", e.To, e.Subject, MessageID(MailKey(d.Tenant, d.Key)), e.Body)
 	var dialer net.Dialer
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -157,7 +163,7 @@ func (s *SMTPSender) Send(ctx context.Context, d effects.Delivery) error {
 	dl, _ := ctx.Deadline()
 	_ = conn.SetDeadline(dl)
 	c := smtp.NewClient(conn)
-	defer c.Close()
+	defer func() { _ = c.Close() }() // after Quit, or on a failure already returned
 	if err := c.Mail("shop@example.com", nil); err != nil {
 		return err
 	}

@@ -3,6 +3,7 @@ package payments
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -16,12 +17,19 @@ import (
 	"github.com/idemkit/idem/chaos"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/shard"
 )
 
 // ConsumerConfig is one consumer instance of the scenario.
 type ConsumerConfig struct {
-	Pool       *pgxpool.Pool
-	Schema     string
+	Pool *pgxpool.Pool
+	// Schema holds the idem tables and the ledger; with Shards, the ledger's
+	// schema on every shard.
+	Schema string
+	// Shards, in place of Pool, spreads the payments over several databases by
+	// their tenant (the TenantMetadata field): each payment's ledger row, inbox
+	// row and effect commit on its tenant's shard. Not with Peer.
+	Shards     *shard.Map
 	Subscriber message.Subscriber
 	// Topic to consume (default Topic).
 	Topic string
@@ -89,6 +97,9 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 	}
 	var h message.HandlerFunc
 	if cfg.Peer {
+		if cfg.Shards != nil {
+			return errors.New("payments: the peer runs on one database, not on Shards")
+		}
 		repo, err := middleware.NewMapExpiringKeyRepository(time.Hour)
 		if err != nil {
 			return err
@@ -103,6 +114,10 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 			Name: Consumer, Pool: cfg.Pool, Schema: cfg.Schema,
 			LockTimeout: 2 * time.Second, BusyDelay: 20 * time.Millisecond,
 			Registerer: cfg.Registerer, Logger: cfg.Logger,
+		}
+		if cfg.Shards != nil {
+			ccfg.Pool, ccfg.Schema = nil, ""
+			ccfg.Shards, ccfg.Tenant = cfg.Shards, consumer.MetadataTenant(TenantMetadata)
 		}
 		switch cfg.Mode {
 		case Transactional:
@@ -148,12 +163,26 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 // NewDispatcher makes the email Dispatcher of the scenario. lease is short in a
 // chaos run, so a send cut by a kill is retried soon.
 func NewDispatcher(pool *pgxpool.Pool, schema, smtpAddr string, lease time.Duration, reg prometheus.Registerer, logger *slog.Logger) (*effects.Dispatcher, error) {
-	return effects.NewDispatcher(effects.Config{
-		Pool: pool, Schema: schema, Lease: lease,
+	cfg := dispatcherConfig(smtpAddr, lease, reg, logger)
+	cfg.Pool, cfg.Schema = pool, schema
+	return effects.NewDispatcher(cfg)
+}
+
+// NewShardedDispatcher is NewDispatcher over every shard of m: one claim loop,
+// LISTEN connection and set of lanes a shard.
+func NewShardedDispatcher(m *shard.Map, smtpAddr string, lease time.Duration, reg prometheus.Registerer, logger *slog.Logger) (*effects.Dispatcher, error) {
+	cfg := dispatcherConfig(smtpAddr, lease, reg, logger)
+	cfg.Shards = m
+	return effects.NewDispatcher(cfg)
+}
+
+func dispatcherConfig(smtpAddr string, lease time.Duration, reg prometheus.Registerer, logger *slog.Logger) effects.Config {
+	return effects.Config{
+		Lease:        lease,
 		Senders:      map[string]effects.Sender{EmailKind: &SMTPSender{Addr: smtpAddr}},
 		Concurrency:  map[string]int{EmailKind: 4},
 		Backoff:      effects.Backoff{Initial: 50 * time.Millisecond, Max: time.Second},
 		PollInterval: 500 * time.Millisecond,
 		Registerer:   reg, Logger: logger,
-	})
+	}
 }

@@ -21,10 +21,10 @@ func marker(tool string) string {
 	return MarkerPrefix + ", made by " + tool + ": idem demo and idem bench drop it and make it again on every run that names it"
 }
 
-// ErrInUse: another run holds the schema's lock.
+// ErrInUse is returned when another run holds the schema's lock.
 var ErrInUse = errors.New("scratch schema in use by another run")
 
-// RefusedError: the schema is not one Claim may drop.
+// RefusedError is returned for a schema that Claim may not drop.
 type RefusedError struct {
 	Schema string
 	// Reason says why, as a sentence fragment: "it is public", "it exists and has

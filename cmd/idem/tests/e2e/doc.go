@@ -4,7 +4,9 @@
 // nats-server, and through the server of NATS_URL when that is set), consumed by three consumer processes that share one consumer
 // group or durable, emailed by two dispatcher processes to an SMTP receiver, while
 // a killer SIGKILLs a random worker about every half second and Postgres backends
-// are cut. The same run through Watermill's in-memory Deduplicator is the peer.
+// are cut. The same run through Watermill's in-memory Deduplicator is the peer. One
+// more run (TestSIGKILLEndToEnd/shards) spreads 12 tenants over the shard clusters
+// of IDEM_SHARD_URLS, every worker serving every shard, and audits each shard.
 //
 // What it shows for idem, on every target: every payment committed exactly once
 // (lost 0, committed twice 0) and every receipt emailed, repeated only after a

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"flag"
@@ -9,36 +8,29 @@ import (
 	"maps"
 	"math/rand/v2"
 	"os"
-	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/chaos"
 	"github.com/idemkit/idem/cmd/idem/internal/payments"
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/internal/redact"
+	"github.com/idemkit/idem/shard"
 )
 
-// Environment of a re-executed test binary playing a worker process.
-const (
-	envRole     = "IDEM_E2E_ROLE" // consumer | dispatcher
-	envEndpoint = "IDEM_E2E_ENDPOINT"
-	envSchema   = "IDEM_E2E_SCHEMA"
-	envSMTP     = "IDEM_E2E_SMTP"
-	envPeer     = "IDEM_E2E_PEER"
-	envCounts   = "IDEM_E2E_COUNTS" // directory where consumers count their deliveries
-	envMode     = "IDEM_E2E_MODE"   // payments.Mode of the consumers
-)
+// shardTenants is how many tenants a sharded run spreads its payments over.
+const shardTenants = 12
 
 // consumerGrace is how long a consumer process lives before the killer may pick it.
 const consumerGrace = 3 * time.Second
@@ -62,137 +54,159 @@ func envInt(name string, def int) int {
 }
 
 func TestMain(m *testing.M) {
-	if role := os.Getenv(envRole); role != "" {
-		os.Exit(runChild(role))
-	}
+	childproc.Main(map[string]childproc.Role{"consumer": runWorker, "dispatcher": runWorker})
 	os.Exit(m.Run())
 }
 
-// runChild is a worker process. It runs until it is killed (SIGKILL, by the parent
-// or by an armed crash point) or told to stop (SIGTERM), then exits 0.
-func runChild(role string) int {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	schema := os.Getenv(envSchema)
-	fail := func(err error) int { fmt.Fprintf(os.Stderr, "%s: %v\n", role, err); return 2 }
-	pool, err := payments.NewPool(ctx, pgtest.URL(), payments.ApplicationName(schema), 4)
-	if err != nil {
-		return fail(err)
+// runWorker is a worker process (internal/childproc), a consumer or a dispatcher
+// on the schema p["schema"]. It runs until it is killed (SIGKILL, by the parent or
+// by an armed crash point) or told to stop (SIGTERM), then exits 0. A consumer
+// reads p["endpoint"] in p["mode"] (a payments.Mode), as the peer if p["peer"] is
+// "1", and counts its deliveries in the directory p["counts"]; both send their
+// emails to the SMTP server p["smtp"]. With p["shards"] (the shards' names,
+// comma-separated, in the order of the clusters in IDEM_SHARD_URLS) a worker
+// serves every shard; without, the database of DATABASE_URL.
+func runWorker(ctx context.Context, p childproc.Params) error {
+	schema := p["schema"]
+	var pool *pgxpool.Pool
+	var shards *shard.Map
+	if names := p["shards"]; names != "" {
+		var err error
+		if shards, err = openShards(ctx, strings.Split(names, ","), schema); err != nil {
+			return err
+		}
+		defer func() {
+			for _, s := range shards.Shards {
+				s.Pool.Close()
+			}
+		}()
+	} else {
+		var err error
+		if pool, err = payments.NewPool(ctx, pgtest.URL(), payments.ApplicationName(schema), 4); err != nil {
+			return err
+		}
+		defer pool.Close()
 	}
-	defer pool.Close()
-	switch role {
+	switch p["role"] {
 	case "consumer":
-		ep, err := payments.ParseEndpoint(os.Getenv(envEndpoint))
+		ep, err := payments.ParseEndpoint(p["endpoint"])
 		if err != nil {
-			return fail(err)
+			return err
 		}
 		// One byte per delivery as it reaches the handler chain ('r'), and one
 		// more, before its ack, for a copy that was suppressed ('s': the handler
 		// did not run and it was acked). A write is in the kernel once it
 		// returns, so a SIGKILL loses none.
-		counts, err := os.OpenFile(filepath.Join(os.Getenv(envCounts), fmt.Sprintf("consumer-%d", os.Getpid())), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		counts, err := os.OpenFile(filepath.Join(p["counts"], fmt.Sprintf("consumer-%d", os.Getpid())), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
 		if err != nil {
-			return fail(err)
+			return err
 		}
-		defer counts.Close()
+		defer func() { _ = counts.Close() }()
 		onDelivery := func(ran bool, err error) {
 			if !ran && err == nil {
 				_, _ = counts.Write([]byte{'s'})
 			}
 		}
-		mode := payments.Mode(os.Getenv(envMode))
+		mode := payments.Mode(p["mode"])
 		connect := payments.Connect
 		if mode != payments.Transactional {
 			// A batch needs many messages in flight: several records of a Kafka
 			// partition at once, a batched fetch on NATS.
 			connect = payments.ConnectBatched
 		}
-		return retry(ctx, role, func() error {
+		return retry(ctx, func() error {
 			c, err := connect(ep, nil)
 			if err != nil {
 				return err
 			}
 			defer c.Close()
 			return payments.RunConsumer(ctx, payments.ConsumerConfig{
-				Pool: pool, Schema: schema, Subscriber: c.Subscriber, Topic: ep.TopicName(),
-				Peer: os.Getenv(envPeer) == "1", PeerSender: &payments.SMTPSender{Addr: os.Getenv(envSMTP)},
+				Pool: pool, Schema: schema, Shards: shards, Subscriber: c.Subscriber, Topic: ep.TopicName(),
+				Peer: p["peer"] == "1", PeerSender: &payments.SMTPSender{Addr: p["smtp"]},
 				Mode: mode, OnDelivery: onDelivery, OnReceive: func() { _, _ = counts.Write([]byte{'r'}) },
 			})
 		})
 	case "dispatcher":
-		return retry(ctx, role, func() error {
-			d, err := payments.NewDispatcher(pool, schema, os.Getenv(envSMTP), 2*time.Second, nil, nil)
+		return retry(ctx, func() error {
+			var d *effects.Dispatcher
+			var err error
+			if shards != nil {
+				d, err = payments.NewShardedDispatcher(shards, p["smtp"], 2*time.Second, nil, nil)
+			} else {
+				d, err = payments.NewDispatcher(pool, schema, p["smtp"], 2*time.Second, nil, nil)
+			}
 			if err != nil {
 				return err
 			}
 			return d.Run(ctx)
 		})
 	}
-	return fail(fmt.Errorf("unknown role"))
+	return fmt.Errorf("unknown role %q", p["role"])
+}
+
+// openShards opens a worker's pools on the shard clusters of IDEM_SHARD_URLS, named
+// as the parent's map names them, each tagged with the run's ApplicationName so
+// that the parent's backend cuts reach them.
+func openShards(ctx context.Context, names []string, schema string) (*shard.Map, error) {
+	var urls []string
+	for _, u := range strings.Split(os.Getenv(pgtest.ShardURLsVar), ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	if len(urls) != len(names) {
+		return nil, fmt.Errorf("%d shard names for %d URLs in %s", len(names), len(urls), pgtest.ShardURLsVar)
+	}
+	m := &shard.Map{}
+	for i, url := range urls {
+		pool, err := payments.NewPool(ctx, url, payments.ApplicationName(schema), 4)
+		if err != nil {
+			for _, s := range m.Shards {
+				s.Pool.Close()
+			}
+			return nil, err
+		}
+		m.Shards = append(m.Shards, shard.Shard{Name: names[i], Pool: pool, Schema: schema})
+	}
+	return m, nil
 }
 
 // retry runs a worker until ctx ends. A worker that fails on its own (a subscribe
 // that timed out on a loaded machine, a connection cut at start) runs again, as
-// under a supervisor; ten failures in a row end the process with exit code 2,
-// which fails the test.
-func retry(ctx context.Context, role string, work func() error) int {
+// under a supervisor; ten failures in a row end the process with an error (exit
+// code 2), which fails the test.
+func retry(ctx context.Context, work func() error) error {
 	for failures := 0; ; failures++ {
 		err := work()
 		if ctx.Err() != nil {
-			return 0
+			return nil
 		}
-		fmt.Fprintf(os.Stderr, "%s: %v\n", role, err)
+		fmt.Fprintln(os.Stderr, err)
 		if failures == 9 {
-			return 2
+			return err
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 }
 
 // proc is a worker process seen from the parent.
-type proc struct {
-	role    string
-	started time.Time
-	cmd     *exec.Cmd
-	done    chan struct{}
-	mu      sync.Mutex
-	stderr  []string
-}
+type proc struct{ *childproc.Child }
 
 // stderrTail is the worker's last lines of stderr, with the database password
 // masked.
-func (p *proc) stderrTail() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return redact.Text(strings.Join(p.stderr, "\n"), pgtest.URL())
+func (p proc) stderrTail() string {
+	lines := strings.Split(strings.TrimRight(p.Output(), "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-40):], "\n")
 }
 
-func (p *proc) sigkilled() bool {
-	ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus)
-	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
-}
-
-func startProc(t *testing.T, role string, env []string, exits chan<- *proc) *proc {
+// startProc starts a worker process in role with params and env; its exit is
+// announced on exits.
+func startProc(t *testing.T, role string, params childproc.Params, env []string, exits chan<- *proc) *proc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), append([]string{envRole + "=" + role}, env...)...)
-	dieWithParent(cmd)
-	stderr, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	p := &proc{role: role, cmd: cmd, done: make(chan struct{}), started: time.Now()}
-	require.NoError(t, cmd.Start())
+	params["role"] = role
+	p := &proc{childproc.Start(t, role, childproc.Options{Params: params, Env: env})}
 	go func() {
-		sc := bufio.NewScanner(stderr)
-		for sc.Scan() {
-			p.mu.Lock()
-			p.stderr = append(p.stderr, sc.Text())
-			if len(p.stderr) > 40 {
-				p.stderr = p.stderr[1:]
-			}
-			p.mu.Unlock()
-		}
-		_ = cmd.Wait()
-		close(p.done)
+		<-p.Done()
 		exits <- p
 	}()
 	return p
@@ -200,7 +214,11 @@ func startProc(t *testing.T, role string, env []string, exits chan<- *proc) *pro
 
 // run is what one end-to-end run did.
 type run struct {
-	report                 chaos.Report
+	report chaos.Report
+	// shards are the reports of a sharded run's shards, whose sum is report,
+	// under shardNames.
+	shards                 []chaos.Report
+	shardNames             []string
 	elapsed                time.Duration
 	kills, selfKills       map[string]int // SIGKILLs by the killer, and by armed crash points, per role
 	restarts, cuts, pubDup int
@@ -227,6 +245,14 @@ func (r run) summary() string {
 		r.elapsed.Round(100*time.Millisecond), r.kills, r.selfKills, r.restarts, r.cuts,
 		r.pubDup, r.pastBroker, r.report.DuplicatesDelivered(), r.ledgerRows,
 		r.inBatches, r.largestCommit, strings.Join(per, ", "))
+}
+
+// place is a database a run's keys commit in: the one of DATABASE_URL, or a shard,
+// with the tenants whose payments it holds.
+type place struct {
+	name    string // the shard's name; "" for DATABASE_URL
+	pool    *pgxpool.Pool
+	tenants map[string][]string // tenant ("" when unsharded) -> its payment keys
 }
 
 // target is a broker a run goes through.
@@ -268,14 +294,30 @@ func targets() []target {
 }
 
 // runE2E runs one chaos run through tg, through idem in mode or (peer) the
-// Deduplicator.
-func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed int64) run {
+// Deduplicator. sharded spreads the payments over shardTenants tenants, and the
+// tenants over the shard clusters of IDEM_SHARD_URLS (idem only).
+func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed int64, sharded bool) run {
 	t.Helper()
 	broker := tg.broker
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(150+n/20)*time.Second)
 	defer cancel()
-	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 3})
-	require.NoError(t, payments.CreateTables(ctx, pool, schema))
+	var places []*place
+	var schema string
+	var shardMap *shard.Map
+	if sharded {
+		require.False(t, peer, "the peer runs on one database")
+		shardMap = pgtest.Shards(t, pgtest.Options{MaxConns: 3})
+		schema = shardMap.Shards[0].SchemaName()
+		for _, s := range shardMap.Shards {
+			require.NoError(t, payments.CreateTables(ctx, s.Pool, schema))
+			places = append(places, &place{name: s.Name, pool: s.Pool, tenants: map[string][]string{}})
+		}
+	} else {
+		var pool *pgxpool.Pool
+		pool, schema = pgtest.Setup(t, pgtest.Options{MaxConns: 3})
+		require.NoError(t, payments.CreateTables(ctx, pool, schema))
+		places = []*place{{pool: pool, tenants: map[string][]string{}}}
+	}
 	box, err := payments.StartMailbox("127.0.0.1:0")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = box.Close() })
@@ -328,15 +370,31 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	pub, err := chaos.NewPublisher(conn.Publisher, chaos.PublisherConfig{Seed: seed, DuplicateProbability: 0.3})
 	require.NoError(t, err)
 	keys := make([]string, 0, n)
+	tenantOf := make(map[string]string, n)
 	for len(keys) < n {
 		batch := make([]*message.Message, 0, 100)
 		for len(batch) < cap(batch) && len(keys)+len(batch) < n {
-			batch = append(batch, payments.NewMessage(int64(100+len(keys)+len(batch))))
+			i := len(keys) + len(batch)
+			if sharded {
+				batch = append(batch, payments.NewTenantMessage(int64(100+i), fmt.Sprintf("tenant-%02d", i%shardTenants)))
+			} else {
+				batch = append(batch, payments.NewMessage(int64(100+i)))
+			}
 		}
 		require.NoError(t, pub.Publish(topic, batch...))
 		for _, m := range batch {
 			keys = append(keys, m.UUID)
+			tenant, at := m.Metadata.Get(payments.TenantMetadata), 0
+			tenantOf[m.UUID] = tenant
+			if sharded {
+				at, err = shardMap.Index(tenant)
+				require.NoError(t, err)
+			}
+			places[at].tenants[tenant] = append(places[at].tenants[tenant], m.UUID)
 		}
+	}
+	for _, pl := range places {
+		require.NotEmpty(t, pl.tenants, "shard %s got no tenant: spread the tenants wider", pl.name)
 	}
 	r := run{pubDup: int(pub.Duplicates()), kills: map[string]int{}, selfKills: map[string]int{}}
 	r.pastBroker = r.pubDup
@@ -360,11 +418,15 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		if role == "dispatcher" {
 			crash = fmt.Sprintf("mid-send:%g", p)
 		}
-		return []string{
-			envEndpoint + "=" + ep.String(), envSchema + "=" + schema, envSMTP + "=" + box.Addr(), envPeer + "=" + peerFlag,
-			envCounts + "=" + countsDir, envMode + "=" + string(mode),
-			chaos.EnvCrash + "=" + crash, chaos.EnvCrashSeed + "=" + strconv.FormatInt(rng.Int64(), 10),
+		return []string{chaos.EnvCrash + "=" + crash, chaos.EnvCrashSeed + "=" + strconv.FormatInt(rng.Int64(), 10)}
+	}
+	paramsOf := func() childproc.Params {
+		params := childproc.Params{"endpoint": ep.String(), "schema": schema, "smtp": box.Addr(), "peer": peerFlag,
+			"counts": countsDir, "mode": string(mode)}
+		if sharded {
+			params["shards"] = strings.Join(shardMap.Names(), ",")
 		}
+		return params
 	}
 	exits := make(chan *proc, 16)
 	roles := []string{"consumer", "consumer", "consumer", "dispatcher", "dispatcher"}
@@ -373,52 +435,42 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	}
 	live := make([]*proc, len(roles))
 	for i, role := range roles {
-		live[i] = startProc(t, role, envOf(role), exits)
+		live[i] = startProc(t, role, paramsOf(), envOf(role), exits)
 	}
 	killed := map[*proc]bool{}
-	stopping := false
 	// done is set once the work is done (idem: everything settled; the peer: the
 	// figures have stopped moving). The killer then stops, so that a Kafka group
 	// whose members keep dying before they commit does not keep the broker from
 	// draining, and the run ends when the broker has nothing left for the group.
 	done := false
-	t.Cleanup(func() {
-		for _, p := range live {
-			_ = p.cmd.Process.Kill()
-			<-p.done
-		}
-	})
 
-	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
-	require.NoError(t, err)
-	q := payments.AuditQuery(schema, keys, box.Counts, peer)
+	audit := func(ctx context.Context) (total chaos.Report, each []chaos.Report, err error) {
+		return auditPlaces(ctx, places, schema, box, peer)
+	}
 	start := time.Now()
 	cutAt := []int{n / 3, 2 * n / 3}
 	killer := time.NewTimer(500 * time.Millisecond)
-	audit := time.NewTicker(250 * time.Millisecond)
-	defer audit.Stop()
+	auditTick := time.NewTicker(250 * time.Millisecond)
+	defer auditTick.Stop()
 	var last figures
 	lastChange, lastLog := time.Now(), time.Now()
 loop:
 	for {
 		select {
 		case <-ctx.Done():
-			rep, _ := a.Report(context.Background(), q)
+			rep, _, _ := audit(context.Background())
 			t.Fatalf("%s run did not settle in time; last report:\n%s", tg, rep)
 		case p := <-exits:
-			if stopping {
-				continue
-			}
 			switch {
 			case killed[p]:
-				r.kills[p.role]++
-			case p.sigkilled():
-				r.selfKills[p.role]++
+				r.kills[p.Role]++
+			case p.Killed():
+				r.selfKills[p.Role]++
 			default:
-				t.Fatalf("%s process exited on its own (%v):\n%s", p.role, p.cmd.ProcessState, p.stderrTail())
+				t.Fatalf("%s process exited on its own (%v):\n%s", p.Role, p.State(), p.stderrTail())
 			}
 			i := slices.Index(live, p)
-			live[i] = startProc(t, p.role, envOf(p.role), exits)
+			live[i] = startProc(t, p.Role, paramsOf(), envOf(p.Role), exits)
 			r.restarts++
 		case <-killer.C:
 			// A consumer is a target once it has lived consumerGrace: a Kafka group
@@ -427,30 +479,35 @@ loop:
 			// not a finding about idem. Dispatchers are targets at any age.
 			var targets []*proc
 			for _, p := range live {
-				if p.role != "consumer" || time.Since(p.started) >= consumerGrace {
+				if p.Role != "consumer" || time.Since(p.Started) >= consumerGrace {
 					targets = append(targets, p)
 				}
 			}
 			if len(targets) > 0 && !done {
 				p := targets[rng.IntN(len(targets))]
 				killed[p] = true
-				_ = p.cmd.Process.Kill() // SIGKILL
+				_ = p.Kill() // SIGKILL
 			}
 			killer.Reset(time.Duration(350+rng.IntN(300)) * time.Millisecond)
-		case <-audit.C:
+		case <-auditTick.C:
 			// Cheap figures first: the full audit reads every inbox and effect row,
 			// which at large N would slow the run it measures.
-			var fig figures
-			err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger),
-				(SELECT count(*) FROM effects WHERE state = 'pending')`).Scan(&fig.ledger, &fig.pending)
+			fig, err := placeFigures(ctx, places)
 			if err != nil {
 				continue // a backend cut can hit the parent's pool too
 			}
 			fig.sends = box.Total()
 			for len(cutAt) > 0 && fig.ledger >= cutAt[0] {
 				cutAt = cutAt[1:]
-				_, err := payments.TerminateBackends(ctx, pool, schema)
-				require.NoError(t, err)
+				// Every database's workers lose their connections: on a shard map,
+				// each shard's at once.
+				for _, pl := range places {
+					cut, err := payments.TerminateBackends(ctx, pl.pool, schema)
+					require.NoError(t, err)
+					if pl.name != "" {
+						t.Logf("cut %d backends on shard %s", cut, pl.name)
+					}
+				}
 				r.cuts++
 			}
 			if time.Since(lastLog) > 5*time.Second {
@@ -469,7 +526,7 @@ loop:
 			// group (every message acked and committed), so that every duplicate
 			// the broker stored was delivered and counted.
 			if !done && !peer && fig.ledger >= n && fig.pending == 0 {
-				rep, err := a.Report(ctx, q)
+				rep, _, err := audit(ctx)
 				done = err == nil && rep.OK() && rep.Settled() && rep.CommittedOnce == n
 			}
 			if peer && time.Since(lastChange) > 3*time.Second {
@@ -483,34 +540,124 @@ loop:
 		}
 	}
 	r.elapsed = time.Since(start)
-	stopping = true
 	killer.Stop()
 	for _, p := range live {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		_ = p.Signal(syscall.SIGTERM)
 	}
 	for _, p := range live {
 		select {
-		case <-p.done:
+		case <-p.Done():
 		case <-time.After(20 * time.Second):
-			_ = p.cmd.Process.Kill()
-			<-p.done
+			_ = p.Kill()
+			<-p.Done()
 		}
 	}
-	r.report, err = a.Report(context.Background(), q)
+	r.report, r.shards, err = audit(context.Background())
 	require.NoError(t, err)
+	if sharded {
+		r.shardNames = shardMap.Names()
+	}
 	r.report.Deliveries, r.report.DuplicatesSuppressed = countDeliveries(t, countsDir)
-	r.ledgerRows = pgtest.Count(t, pool, payments.LedgerRowsSQL(schema))
-	if !peer {
-		// A transaction's rows share its now(): rows per received_at are keys per commit.
-		require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(max(n), 0), coalesce(sum(n) FILTER (WHERE n > 1), 0)
-			FROM (SELECT count(*) AS n FROM inbox GROUP BY received_at) AS commits`).Scan(&r.largestCommit, &r.inBatches))
+	for _, pl := range places {
+		r.ledgerRows += pgtest.Count(t, pl.pool, payments.LedgerRowsSQL(schema))
+		if !peer {
+			// A transaction's rows share its now(): rows per received_at are keys per
+			// commit (and a commit is on one database).
+			var largest, inBatches int
+			require.NoError(t, pl.pool.QueryRow(ctx, `SELECT coalesce(max(n), 0), coalesce(sum(n) FILTER (WHERE n > 1), 0)
+				FROM (SELECT count(*) AS n FROM inbox GROUP BY received_at) AS commits`).Scan(&largest, &inBatches))
+			r.largestCommit, r.inBatches = max(r.largestCommit, largest), r.inBatches+inBatches
+		}
 	}
 	counts, _ := box.Counts(ctx)
 	r.emailsPerKey = map[int]int{}
 	for _, k := range keys {
-		r.emailsPerKey[counts[payments.EmailKey(k)]]++
+		r.emailsPerKey[counts[payments.MailKey(tenantOf[k], payments.EmailKey(k))]]++
 	}
 	return r
+}
+
+// auditPlaces audits a run's databases: each tenant of each on its own (inbox rows,
+// effects and sends scoped by tenant), summed per database, and the databases
+// summed. A database's ledger rows count for its own tenants' keys; a key committed
+// on another database's tenant's shard is an unexpected key there and a lost one
+// on its own shard.
+func auditPlaces(ctx context.Context, places []*place, schema string, box *payments.Mailbox, peer bool) (total chaos.Report, each []chaos.Report, err error) {
+	sends, err := box.Counts(ctx)
+	if err != nil {
+		return total, nil, err
+	}
+	for _, pl := range places {
+		a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pl.pool, Schema: schema})
+		if err != nil {
+			return total, nil, err
+		}
+		ledger := map[string]int{}
+		rows, err := pl.pool.Query(ctx, payments.LedgerCountsSQL(schema))
+		if err != nil {
+			return total, nil, err
+		}
+		var key string
+		var count int64
+		if _, err := pgx.ForEachRow(rows, []any{&key, &count}, func() error { ledger[key] += int(count); return nil }); err != nil {
+			return total, nil, err
+		}
+		owner := map[string]string{} // key -> tenant, for this database's tenants
+		for tenant, keys := range pl.tenants {
+			for _, k := range keys {
+				owner[k] = tenant
+			}
+		}
+		var tenants []chaos.Report
+		for _, tenant := range slices.Sorted(maps.Keys(pl.tenants)) {
+			keys := pl.tenants[tenant]
+			q := payments.AuditQuery(schema, keys, func(context.Context) (map[string]int, error) {
+				mine := map[string]int{}
+				for _, k := range keys {
+					if n, ok := sends[payments.MailKey(tenant, payments.EmailKey(k))]; ok {
+						mine[payments.EmailKey(k)] = n
+					}
+				}
+				return mine, nil
+			}, peer)
+			q.Tenant, q.BusinessSQL = tenant, ""
+			q.BusinessCount = func(context.Context) (map[string]int, error) {
+				mine := map[string]int{}
+				for k, n := range ledger {
+					if t, ok := owner[k]; !ok || t == tenant {
+						mine[k] = n
+					}
+				}
+				return mine, nil
+			}
+			rep, err := a.Report(ctx, q)
+			if err != nil {
+				return total, nil, err
+			}
+			// Unexpected keys are the database's, not each tenant's: count them once.
+			if len(tenants) > 0 {
+				rep.Unexpected = 0
+			}
+			tenants = append(tenants, rep)
+		}
+		each = append(each, chaos.Sum(payments.Consumer, tenants...))
+	}
+	return chaos.Sum(payments.Consumer, each...), each, nil
+}
+
+// placeFigures sums the cheap progress figures over a run's databases.
+func placeFigures(ctx context.Context, places []*place) (figures, error) {
+	var fig figures
+	for _, pl := range places {
+		var ledger, pending int
+		err := pl.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger),
+			(SELECT count(*) FROM effects WHERE state = 'pending')`).Scan(&ledger, &pending)
+		if err != nil {
+			return fig, err
+		}
+		fig.ledger, fig.pending = fig.ledger+ledger, fig.pending+pending
+	}
+	return fig, nil
 }
 
 // countDeliveries sums what the consumer processes of a run counted: every
@@ -552,12 +699,12 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		t.Run(tg.name, func(t *testing.T) {
 			var idem, peer run
 			t.Run("idem", func(t *testing.T) {
-				idem = runE2E(t, tg, false, payments.Transactional, n, seed)
+				idem = runE2E(t, tg, false, payments.Transactional, n, seed, false)
 				t.Logf("idem on %s: %s\n%s", tg, idem.summary(), idem.report)
 				requireExactlyOnce(t, idem, n)
 			})
 			t.Run("deduplicator", func(t *testing.T) {
-				peer = runE2E(t, tg, true, payments.Transactional, n, seed)
+				peer = runE2E(t, tg, true, payments.Transactional, n, seed, false)
 				t.Logf("Watermill Deduplicator on %s: %s\n%s", tg, peer.summary(), peer.report)
 			})
 			if idem.report.Messages > 0 && peer.report.Messages > 0 {
@@ -565,7 +712,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 					chaos.FormatReports([]string{"idem", "watermill-deduplicator"}, idem.report, peer.report))
 			}
 			t.Run("idem-"+string(tg.batched), func(t *testing.T) {
-				r := runE2E(t, tg, false, tg.batched, n, seed)
+				r := runE2E(t, tg, false, tg.batched, n, seed, false)
 				t.Logf("idem (%s, batches fed by the subscriber) on %s: %s\n%s", tg.batched, tg, r.summary(), r.report)
 				requireExactlyOnce(t, r, n)
 				// Otherwise the run proved nothing about batches.
@@ -573,6 +720,28 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 			})
 		})
 	}
+	// Once more over a shard map: the payments of shardTenants tenants, spread by
+	// the hash route over the shard clusters of IDEM_SHARD_URLS, through kfake in
+	// group-commit mode (each consumer process splits its batches per shard); every
+	// consumer and dispatcher process serves every shard, and each cut cuts every
+	// shard's backends.
+	t.Run("shards", func(t *testing.T) {
+		tg := target{name: "kafka-kfake", broker: payments.Kafka}
+		mode := payments.GroupCommit
+		if *flagBatched != "" {
+			mode = payments.Mode(*flagBatched)
+		}
+		r := runE2E(t, tg, false, mode, n, seed, true)
+		t.Logf("idem (%s) over %d shards on %s: %s", mode, len(r.shards), tg, r.summary())
+		t.Logf("SIGKILL end-to-end run over %d shards on %s, N=%d, seed %d, %d tenants:\n%s", len(r.shards), tg, n, seed, shardTenants,
+			chaos.FormatReports(append(slices.Clone(r.shardNames), "all shards"), append(slices.Clone(r.shards), r.report)...))
+		requireExactlyOnce(t, r, n)
+		for i, rep := range r.shards {
+			require.Positive(t, rep.Messages, "shard %s got no payments", r.shardNames[i])
+			require.Equal(t, rep.Messages, rep.CommittedOnce, "shard %s", r.shardNames[i])
+		}
+		require.Greater(t, r.largestCommit, 1, "no transaction committed more than one key")
+	})
 }
 
 // requireExactlyOnce checks an idem run: every payment committed once, every
@@ -584,15 +753,16 @@ func requireExactlyOnce(t *testing.T, r run, n int) {
 	require.Equal(t, n, r.ledgerRows, "ledger rows")
 	require.Zero(t, rep.Lost)
 	require.Zero(t, rep.CommittedTwice)
+	require.Zero(t, rep.Unexpected, "keys committed that no tenant of their database published (on a shard map: committed on the wrong shard)")
 	require.Equal(t, n, rep.EffectsDone)
 	require.Equal(t, n, rep.SendsOnce+rep.SendsRepeated, "every key received by email")
 	require.Zero(t, r.emailsPerKey[0], "keys never emailed")
 	require.GreaterOrEqual(t, r.cuts, 2)
 	require.Positive(t, r.kills["consumer"]+r.kills["dispatcher"])
 	// A key is emailed more than once only when a send was cut by a kill: each
-	// dead dispatcher had at most 8 claims (4 sending, 4 waiting).
+	// dead dispatcher had at most 8 claims (4 sending, 4 waiting) a database.
 	dispatcherDeaths := r.kills["dispatcher"] + r.selfKills["dispatcher"]
-	require.LessOrEqual(t, rep.SendsRepeated, 8*dispatcherDeaths, "repeated sends without a dispatcher death to explain them")
+	require.LessOrEqual(t, rep.SendsRepeated, 8*max(1, len(r.shards))*dispatcherDeaths, "repeated sends without a dispatcher death to explain them")
 	// Every duplicate the broker stored reached idem: the run ends with nothing
 	// left for the group, and a delivery is counted before its handler chain
 	// runs, so before its ack. On NATS that is every other copy of the

@@ -103,7 +103,7 @@ func testPostgresOutage(t *testing.T, mode consumer.Mode) {
 			}
 		})
 	}
-	require.Eventually(t, func() bool { return acked.Load() >= n/3 }, time.Minute, 5*time.Millisecond)
+	pgtest.WaitFor(t, time.Minute, "a third of the messages acked", func() bool { return acked.Load() >= n/3 })
 	proxy.Outage(2 * time.Second)
 	wg.Wait()
 	require.EqualValues(t, n, acked.Load())
@@ -111,9 +111,9 @@ func testPostgresOutage(t *testing.T, mode consumer.Mode) {
 	require.Equal(t, 0, pgtest.Count(t, direct, `SELECT count(*) FROM (SELECT key FROM biz GROUP BY key HAVING count(*) > 1) twice`),
 		"no message committed twice")
 	require.Equal(t, n, pgtest.Count(t, direct, `SELECT count(DISTINCT key) FROM biz`), "every message committed")
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, time.Minute, "the Dispatcher sends every effect after the outage", func() bool {
 		return pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE state = 'done'`) == n
-	}, time.Minute, 20*time.Millisecond, "the Dispatcher sends every effect after the outage")
+	})
 	stop()
 	require.NoError(t, <-done)
 

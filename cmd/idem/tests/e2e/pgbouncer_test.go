@@ -126,7 +126,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	require.Equal(t, len(keys), pgtest.Count(t, direct, `SELECT count(*) FROM `+biz))
 
 	// httpidem: eight concurrent requests with one key, in each mode.
-	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true, Wait: 10 * time.Second})
+	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true, LockTimeout: 10 * time.Second})
 	require.NoError(t, err)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := "http" + r.URL.Path + "-" + r.Header.Get("Idempotency-Key")
@@ -161,7 +161,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 						return
 					}
 					body, _ := io.ReadAll(resp.Body)
-					resp.Body.Close()
+					_ = resp.Body.Close()
 					if resp.StatusCode == http.StatusConflict {
 						time.Sleep(20 * time.Millisecond) // still running: retry, as a client does
 						continue
@@ -201,14 +201,14 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- d.Run(runCtx) }()
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "every effect done", func() bool {
 		return pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(keys)
-	}, 30*time.Second, 20*time.Millisecond)
+	})
 	require.NoError(t, hb(message.NewMessage("after-start", []byte(`{}`))))
 	keys = append(keys, "after-start")
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 30*time.Second, "woken by NOTIFY through the direct LISTEN connection", func() bool {
 		return pgtest.Count(t, direct, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(keys)
-	}, 30*time.Second, 20*time.Millisecond, "woken by NOTIFY through the direct LISTEN connection")
+	})
 	stop()
 	require.NoError(t, <-done)
 	mu.Lock()

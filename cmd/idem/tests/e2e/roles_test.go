@@ -113,7 +113,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 			resp, err := srv.Client().Do(req)
 			require.NoError(t, err)
 			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
+			require.NoError(t, resp.Body.Close())
 			require.Equal(t, http.StatusCreated, resp.StatusCode, "%s: %s", path, body)
 			require.Equal(t, i == 1, resp.Header.Get("Idempotent-Replayed") == "true", path)
 		}
@@ -138,15 +138,15 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	_, err = effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "mail", Key: "receipt:dead"})
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 20*time.Second, "no effect pending", func() bool {
 		return pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'pending'`) == 0
-	}, 20*time.Second, 20*time.Millisecond)
+	})
 	n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail"})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
-	require.Eventually(t, func() bool {
+	pgtest.WaitFor(t, 20*time.Second, "the requeued effect dead again", func() bool {
 		return pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'dead'`) == 1
-	}, 20*time.Second, 20*time.Millisecond)
+	})
 	stop()
 	require.NoError(t, <-done)
 	require.Equal(t, 4, pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'done'`), "one receipt per consumer")
@@ -208,7 +208,7 @@ func appRolePool(t *testing.T, owner *pgxpool.Pool, schema string) *pgxpool.Pool
 			t.Errorf("drop role %s: %v", role, err)
 			return
 		}
-		defer conn.Close(ctx)
+		defer func() { _ = conn.Close(ctx) }()
 		// The role owns nothing; DROP OWNED also revokes its grants, which
 		// DROP ROLE needs gone.
 		if _, err := conn.Exec(ctx, `DROP OWNED BY `+roleID); err != nil {

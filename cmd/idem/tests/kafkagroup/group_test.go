@@ -7,13 +7,10 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
-	"os/signal"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -29,14 +26,11 @@ import (
 
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
 const (
-	// envMember selects the member role of TestMember and carries its spec,
-	// "name|brokers|topic|group|schema|mode".
-	envMember = "IDEM_KAFKAGROUP_MEMBER"
-
 	// The modes of a member: idem's middleware in Transactional mode, one record
 	// of a partition at a time (""); or, with MaxInFlightPerPartition inFlight,
 	// the middleware in GroupCommit mode (modeGroup) or a batch handler
@@ -60,8 +54,14 @@ const (
 	deadline = 3 * time.Minute
 )
 
-// TestMember is one group member, run as a child process by
-// TestConsumerGroupOfThree. Run on its own it returns at once.
+func TestMain(m *testing.M) {
+	childproc.Main(map[string]childproc.Role{"member": runMember})
+	os.Exit(m.Run())
+}
+
+// runMember is one group member, run as a child process (internal/childproc) by
+// TestConsumerGroupOfThree. Its parameters: "name", "brokers" (comma-separated),
+// "topic", "group", "schema" and "mode" ("", modeGroup or modeBatch).
 //
 // It prints, for the parent:
 //
@@ -73,30 +73,27 @@ const (
 //	ACK p o unixnano uuid       after idem committed, just before the ack
 //
 // SIGTERM makes it leave the group (Close) and exit.
-func TestMember(t *testing.T) {
-	spec := os.Getenv(envMember)
-	if spec == "" {
-		return
+func runMember(ctx context.Context, params childproc.Params) error {
+	name, brokers, topic, group, schema, mode := params["name"], strings.Split(params["brokers"], ","),
+		params["topic"], params["group"], params["schema"], params["mode"]
+
+	pcfg, err := pgtest.ConfigFor(schema, pgtest.Options{MaxConns: 4})
+	if err != nil {
+		return err
 	}
-	f := strings.Split(spec, "|")
-	name, brokers, topic, group, schema, mode := f[0], strings.Split(f[1], ","), f[2], f[3], f[4], f[5]
-
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-
-	pcfg, err := pgxpool.ParseConfig(pgtest.URL())
-	require.NoError(t, err)
-	pcfg.MaxConns = 4
-	pcfg.ConnConfig.RuntimeParams["search_path"] = schema
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	require.NoError(t, err)
+	if err != nil {
+		return err
+	}
 	defer pool.Close()
 	icfg := consumer.Config{Name: "kafkagroup", Pool: pool, Schema: schema}
 	if mode == modeGroup {
 		icfg.Mode = consumer.GroupCommit
 	}
 	idem, err := consumer.New(icfg)
-	require.NoError(t, err)
+	if err != nil {
+		return err
+	}
 
 	var hold sync.Mutex
 	holdNext := false
@@ -173,9 +170,13 @@ func TestMember(t *testing.T) {
 		cfg.Logger = watermill.NewStdLoggerWithOut(os.Stderr, true, false)
 	}
 	sub, err := kafka.NewSubscriber(cfg)
-	require.NoError(t, err)
+	if err != nil {
+		return err
+	}
 	ch, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
+	if err != nil {
+		return err
+	}
 	fmt.Println("READY")
 	handle := func(msg *message.Message) {
 		if _, err := handler(msg); err != nil {
@@ -197,8 +198,7 @@ func TestMember(t *testing.T) {
 		inflight.Go(func() { handle(msg) })
 	}
 	inflight.Wait()
-	require.NoError(t, sub.Close())
-	require.NoError(t, idem.Close())
+	return errors.Join(sub.Close(), idem.Close())
 }
 
 func memberConfig(brokers []string, group string) kafka.SubscriberConfig {
@@ -309,7 +309,6 @@ func runGroup(t *testing.T, broker string, brokers []string, modes map[string]st
 
 	rec := newRecorder()
 	run := &groupRun{t: t, brokers: brokers, topic: topic, group: group, schema: schema, rec: rec, modes: modes}
-	t.Cleanup(run.killAll)
 
 	// Committed offsets, read while the members work, and checked against
 	// the acks as they come (a reading is checked once the acks written
@@ -343,7 +342,7 @@ func runGroup(t *testing.T, broker string, brokers []string, modes map[string]st
 	// Done when every message has its business row and every partition's
 	// committed offset is at its end.
 	ends := partitionEnds(t, admin, topic)
-	waitFor(t, deadline, "every message committed in biz and every offset committed", func() bool {
+	pgtest.WaitFor(t, deadline, "every message committed in biz and every offset committed", func() bool {
 		require.NoError(t, checkCommits())
 		return pgtest.Count(t, pool, `SELECT count(DISTINCT msg_id) FROM biz`) == messages &&
 			committedAtEnd(admin, group, topic, ends)
@@ -409,47 +408,34 @@ type groupRun struct {
 }
 
 type member struct {
-	name    string
-	cmd     *exec.Cmd
-	stdin   io.WriteCloser
-	scanned chan struct{} // closed when its stdout is drained
-	ready   chan struct{}
-	stderr  *lockedWriter
-	gone    bool
+	name string
+	*childproc.Child
+	ready chan struct{}
+	gone  bool
 }
 
 func (r *groupRun) start(name string) *member {
 	r.t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestMember$", "-test.count=1")
-	cmd.Env = append(os.Environ(), envMember+"="+strings.Join([]string{
-		name, strings.Join(r.brokers, ","), r.topic, r.group, r.schema, r.modes[name]}, "|"))
-	dieWithParent(cmd)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(r.t, err)
-	stdin, err := cmd.StdinPipe()
-	require.NoError(r.t, err)
-	m := &member{name: name, cmd: cmd, stdin: stdin, scanned: make(chan struct{}),
-		ready: make(chan struct{}), stderr: &lockedWriter{}}
-	cmd.Stderr = m.stderr
-	require.NoError(r.t, cmd.Start())
+	m := &member{name: name, ready: make(chan struct{})}
+	m.Child = childproc.Start(r.t, "member", childproc.Options{
+		Params: childproc.Params{"name": name, "brokers": strings.Join(r.brokers, ","), "topic": r.topic,
+			"group": r.group, "schema": r.schema, "mode": r.modes[name]},
+		Stdin: true,
+		OnLine: func(line string) {
+			if line == "READY" {
+				close(m.ready)
+				return
+			}
+			r.rec.line(name, line)
+		},
+	})
 	r.mu.Lock()
 	r.members = append(r.members, m)
 	r.mu.Unlock()
-	go func() {
-		defer close(m.scanned)
-		s := bufio.NewScanner(stdout)
-		for s.Scan() {
-			if s.Text() == "READY" {
-				close(m.ready)
-				continue
-			}
-			r.rec.line(name, s.Text())
-		}
-	}()
 	select {
 	case <-m.ready:
-	case <-m.scanned:
-		r.t.Fatalf("member %s exited before it joined: %s", name, m.stderr)
+	case <-m.Done():
+		r.t.Fatalf("member %s exited before it joined: %s", name, m.Output())
 	case <-time.After(deadline):
 		r.t.Fatalf("member %s did not join within %s", name, deadline)
 	}
@@ -470,15 +456,13 @@ type held struct {
 // messages held.
 func (r *groupRun) killMidHandler(m *member) []held {
 	r.t.Helper()
-	_, err := io.WriteString(m.stdin, "HOLD\n")
+	_, err := io.WriteString(m.Stdin, "HOLD\n")
 	require.NoError(r.t, err)
-	waitFor(r.t, deadline, "member "+m.name+" holds a message", func() bool {
+	pgtest.WaitFor(r.t, deadline, "member "+m.name+" holds a message", func() bool {
 		return len(r.rec.heldBy(m.name)) > 0
 	})
-	require.NoError(r.t, m.cmd.Process.Signal(syscall.SIGKILL))
 	at := time.Now()
-	_ = m.cmd.Wait()
-	<-m.scanned // every HELD line of the batch is in
+	m.KillAndWait(r.t) // and every HELD line of the batch is in
 	h := r.rec.heldBy(m.name)
 	for i := range h {
 		h[i].at = at
@@ -486,21 +470,16 @@ func (r *groupRun) killMidHandler(m *member) []held {
 	r.mu.Lock()
 	m.gone = true
 	r.mu.Unlock()
-	ws := m.cmd.ProcessState.Sys().(syscall.WaitStatus)
-	require.True(r.t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "member %s died by SIGKILL", m.name)
 	return h
 }
 
 // leave stops m gracefully: it closes its subscriber, so it leaves the group.
 func (r *groupRun) leave(m *member) {
 	r.t.Helper()
-	require.NoError(r.t, m.cmd.Process.Signal(syscall.SIGTERM))
-	err := m.cmd.Wait()
-	<-m.scanned
+	m.Stop(r.t, deadline) // it leaves cleanly
 	r.mu.Lock()
 	m.gone = true
 	r.mu.Unlock()
-	require.NoError(r.t, err, "member %s leaves cleanly: %s", m.name, m.stderr)
 }
 
 func (r *groupRun) stopAll() {
@@ -517,22 +496,9 @@ func (r *groupRun) stopAll() {
 	}
 }
 
-// killAll is the cleanup of a failed run: no member outlives the test.
-func (r *groupRun) killAll() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, m := range r.members {
-		if !m.gone {
-			_ = m.cmd.Process.Kill()
-			_ = m.cmd.Wait()
-			m.gone = true
-		}
-	}
-}
-
 func (r *groupRun) waitAcked(n int) {
 	r.t.Helper()
-	waitFor(r.t, deadline, fmt.Sprintf("%d acks", n), func() bool {
+	pgtest.WaitFor(r.t, deadline, fmt.Sprintf("%d acks", n), func() bool {
 		_, acks := r.rec.counts()
 		return acks >= n
 	})
@@ -676,7 +642,7 @@ func verifyCommits(rec *recorder, samples []sample) error {
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
 	for _, s := range samples {
-		for o := int64(0); o < s.committed; o++ {
+		for o := range s.committed {
 			at, ok := rec.acks[partOff{s.partition, o}]
 			if !ok || !at.Before(s.seen) {
 				return fmt.Errorf("partition %d: offset %d was committed (read at %s) but offset %d had not been acked by then (acked later: %v, at %s)",
@@ -725,33 +691,4 @@ func committedAtEnd(admin *kafkago.Client, group, topic string, ends map[int]int
 		}
 	}
 	return len(res.Topics[topic]) == len(ends)
-}
-
-func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	end := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(end) {
-			t.Fatalf("timed out after %s waiting for %s", within, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-// lockedWriter keeps a member's stderr for failure messages.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  strings.Builder
-}
-
-func (l *lockedWriter) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.String()
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }

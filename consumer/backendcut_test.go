@@ -1,6 +1,6 @@
 package consumer_test
 
-// Backend cuts of a set-based batch (issue 13, item 1): the batch's connection is
+// Backend cuts of a set-based batch: the batch's connection is
 // terminated from outside (pg_terminate_backend, as a failover or a network cut
 // would) while the batch waits in its claim statement, while a handler runs, while
 // it waits in its effects statement, or in its COMMIT. Every answer agrees with the
@@ -159,7 +159,7 @@ func testSetBasedBatchBackendCut(t *testing.T, layout, point string) {
 	default:
 		// The backend that waits for a lock of the blocker (the other delivery's,
 		// the test's transaction, or its advisory lock).
-		waitUntil(t, "the batch waits in its "+point+" statement", func() bool {
+		pgtest.WaitFor(t, time.Minute, "the batch waits in its "+point+" statement", func() bool {
 			// Only this test's backends (its pool's application_name): tests of other
 			// packages wait on locks in the same database at the same time.
 			err := b.pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity
@@ -173,7 +173,7 @@ func testSetBasedBatchBackendCut(t *testing.T, layout, point string) {
 	var cut bool
 	require.NoError(t, b.pool.QueryRow(ctx, `SELECT pg_terminate_backend($1)`, victim).Scan(&cut))
 	require.True(t, cut)
-	waitUntil(t, "the cut backend is gone", func() bool {
+	pgtest.WaitFor(t, time.Minute, "the cut backend is gone", func() bool {
 		return pgtest.Count(t, b.pool, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, victim) == 0
 	})
 	close(release)
@@ -229,16 +229,4 @@ func requireAnswerAgreesWithInbox(t *testing.T, b *bundle, key string, err error
 	state, _ := inboxState(t, b, key)
 	require.Empty(t, state, "%s was nacked, so nothing of it is committed", key)
 	require.Zero(t, b.bizRows(t, key), "%s was nacked, so nothing of it is committed", key)
-}
-
-// waitUntil polls cond until it holds, failing the test after a generous deadline.
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting until %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }

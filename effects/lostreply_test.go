@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -83,7 +84,7 @@ func (p *replyCutter) accept() {
 		}
 		server, err := net.Dial("tcp", p.target)
 		if err != nil {
-			client.Close()
+			_ = client.Close()
 			continue
 		}
 		p.mu.Lock()
@@ -99,7 +100,7 @@ func (p *replyCutter) accept() {
 // hold the marker, before forwarding them: the server cannot answer what it has not
 // received, so the other direction sees doomed in time.
 func (p *replyCutter) clientToServer(client, server net.Conn, doomed *atomic.Bool) {
-	defer server.Close()
+	defer func() { _ = server.Close() }()
 	buf := make([]byte, 64<<10)
 	var tail []byte // the end of the previous read, for a marker split across reads
 	for {
@@ -107,7 +108,7 @@ func (p *replyCutter) clientToServer(client, server net.Conn, doomed *atomic.Boo
 		if n > 0 {
 			p.mu.Lock()
 			if p.armed > 0 && len(p.marker) > 0 && !doomed.Load() {
-				window := append(tail, buf[:n]...)
+				window := slices.Concat(tail, buf[:n])
 				if bytes.Contains(window, p.marker) {
 					p.armed--
 					doomed.Store(true)
@@ -128,8 +129,8 @@ func (p *replyCutter) clientToServer(client, server net.Conn, doomed *atomic.Boo
 // serverToClient forwards the server's messages one by one; on a doomed connection
 // it drops COMMIT's CommandComplete and everything after it, and closes both sides.
 func (p *replyCutter) serverToClient(server, client net.Conn, doomed *atomic.Bool) {
-	defer client.Close()
-	defer server.Close()
+	defer func() { _ = client.Close() }()
+	defer func() { _ = server.Close() }()
 	var head [5]byte
 	for {
 		if _, err := io.ReadFull(server, head[:]); err != nil {
@@ -150,10 +151,10 @@ func (p *replyCutter) serverToClient(server, client net.Conn, doomed *atomic.Boo
 }
 
 func (p *replyCutter) close() {
-	p.ln.Close()
+	_ = p.ln.Close()
 	p.mu.Lock()
 	for _, c := range p.conns {
-		c.Close()
+		_ = c.Close()
 	}
 	p.mu.Unlock()
 	p.wg.Wait()

@@ -1,0 +1,730 @@
+package admin
+
+import (
+	"cmp"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/text"
+)
+
+// An Admin over a shard map (Config.Shards) runs every read and action on each
+// shard, in parallel, and merges:
+//
+//   - lists (inbox keys, effects, failure groups, repair actions) merge the shards'
+//     pages in the list's order, ties by shard order, and page with a cursor that
+//     carries each shard's own keyset position, so a page has no gap and no
+//     duplicate across shards, whatever is inserted meanwhile;
+//   - Stats sums per consumer and kind, and lists each shard's own figures;
+//   - one key (InspectInbox, InspectEffect, Forget, Requeue) is looked up on every
+//     shard, so a tenant's rows are found wherever the route put them;
+//   - a failure group's ID is the same on every shard: Group sums its failures,
+//     and an action acts on each shard's rows of the group.
+//
+// A shard that does not answer is never a silent gap: a list, a lookup that did
+// not find the key elsewhere, or an action fails with a *ShardError naming it
+// (errors.Is ErrShardUnavailable). Stats alone returns what the other shards
+// answered together with that error, and marks the shard in Stats.Shards.
+
+// ErrShardUnavailable is wrapped by a *ShardError whose shard could not be read
+// (Postgres unreachable, the connection broke): the result would miss that shard's
+// rows, so none is returned (Stats returns the others' figures too).
+var ErrShardUnavailable = errcode.Transient("shard_unavailable", "a shard did not answer")
+
+// ShardError is an error of one shard of the map. Its code is the shard error's
+// own when it has one (not_found, schema_missing...), else shard_unavailable.
+type ShardError struct {
+	Shard string
+	Err   error
+}
+
+func (e *ShardError) Error() string {
+	return fmt.Sprintf("idem: shard %q: %v", e.Shard, strings.TrimPrefix(e.Err.Error(), "idem: "))
+}
+
+// Unwrap gives the shard's error, and ErrShardUnavailable when that one has no
+// code of its own.
+func (e *ShardError) Unwrap() []error {
+	if errcode.Code(e.Err) != "" {
+		return []error{e.Err}
+	}
+	return []error{ErrShardUnavailable, e.Err}
+}
+
+// Code is the code of the shard's error, else shard_unavailable.
+func (e *ShardError) Code() string { return cmp.Or(errcode.Code(e.Err), ErrShardUnavailable.Code()) }
+
+// shardErrors joins the errors of the shards that failed into one, nil when none
+// did. An error that every shard would give alike (a bad filter or cursor) is
+// returned as it is.
+func shardErrors(names []string, errs []error) error {
+	var out []error
+	for i, err := range errs {
+		switch {
+		case err == nil:
+		case errors.Is(err, ErrBadFilter), errors.Is(err, ErrBadCursor), errors.Is(err, ErrWrongSource),
+			errors.Is(err, ErrNoteRequired), errors.Is(err, ErrInvalidConfig):
+			return err
+		default:
+			out = append(out, &ShardError{Shard: names[i], Err: err})
+		}
+	}
+	if len(out) == 1 {
+		return out[0]
+	}
+	return errors.Join(out...)
+}
+
+// fan runs fn on every shard's Admin at once and returns each result and error in
+// map order.
+func fan[T any](ctx context.Context, a *Admin, fn func(ctx context.Context, s *Admin) (T, error)) ([]T, []error) {
+	res := make([]T, len(a.shards))
+	errs := make([]error, len(a.shards))
+	var wg sync.WaitGroup
+	for i, s := range a.shards {
+		wg.Go(func() { res[i], errs[i] = fn(ctx, s) })
+	}
+	wg.Wait()
+	return res, errs
+}
+
+// Shards are the names of the shards of Config.Shards, in map order; nil for one
+// database.
+func (a *Admin) Shards() []string {
+	if a.shards == nil {
+		return nil
+	}
+	return a.names()
+}
+
+func (a *Admin) names() []string {
+	out := make([]string, len(a.shards))
+	for i, s := range a.shards {
+		out[i] = s.name
+	}
+	return out
+}
+
+// shardCursor is a merged list's cursor: each shard's own cursor (its last row
+// on the pages so far), as base64url of JSON. A shard without one starts from
+// its beginning.
+type shardCursor struct {
+	List   string            `json:"list"`
+	Shards map[string]string `json:"shards"`
+}
+
+func (a *Admin) decodeShardCursor(list, c string) (map[string]string, error) {
+	if c == "" {
+		return map[string]string{}, nil
+	}
+	var sc shardCursor
+	b, err := base64.RawURLEncoding.DecodeString(c)
+	if err == nil {
+		err = json.Unmarshal(b, &sc)
+	}
+	if err != nil || sc.List != list {
+		return nil, errorf(ErrBadCursor, "page cursor %q is not one that the %s list of a shard map returned", text.Clip(c, 40), list)
+	}
+	for name := range sc.Shards {
+		if !slices.Contains(a.names(), name) {
+			return nil, errorf(ErrBadCursor, "page cursor names shard %q, which is not a shard of the map", text.Clip(name, 40))
+		}
+	}
+	if sc.Shards == nil {
+		sc.Shards = map[string]string{}
+	}
+	return sc.Shards, nil
+}
+
+func encodeShardCursor(list string, shards map[string]string) string {
+	b, _ := json.Marshal(shardCursor{List: list, Shards: shards})
+	return base64.RawURLEncoding.EncodeToString(b)
+}
+
+// shardPage is one shard's page: its rows, in list order, and whether it has more.
+type shardPage[T any] struct {
+	rows []T
+	more bool
+}
+
+// mergePages fetches a page of limit rows from every shard (each after its own
+// cursor) and merges them in the list's order (cmp, then shard order) into one
+// page of at most limit rows. A shard's cursor moves to its last row on the page;
+// one with no row on it stays where it was. There is a next page when any shard
+// has rows left, on its own page or after it.
+func mergePages[T any](ctx context.Context, a *Admin, list, after string, limit int,
+	fetch func(ctx context.Context, s *Admin, p Page) (shardPage[T], error),
+	order func(x, y T) int, cursor func(T) string, setShard func(*T, string)) ([]T, string, error) {
+	cur, err := a.decodeShardCursor(list, after)
+	if err != nil {
+		return nil, "", err
+	}
+	pages, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (shardPage[T], error) {
+		return fetch(ctx, s, Page{Limit: limit, After: cur[s.name]})
+	})
+	if err := shardErrors(a.names(), errs); err != nil {
+		return nil, "", err
+	}
+	out := []T{}
+	taken := make([]int, len(pages))
+	for len(out) < limit {
+		best := -1
+		for i, p := range pages {
+			if taken[i] < len(p.rows) && (best < 0 || order(p.rows[taken[i]], pages[best].rows[taken[best]]) < 0) {
+				best = i
+			}
+		}
+		if best < 0 {
+			break
+		}
+		row := pages[best].rows[taken[best]]
+		setShard(&row, a.shards[best].name)
+		out = append(out, row)
+		taken[best]++
+	}
+	more := false
+	next := make(map[string]string, len(pages))
+	for i, p := range pages {
+		name := a.shards[i].name
+		if taken[i] > 0 {
+			next[name] = cursor(p.rows[taken[i]-1])
+		} else if c, ok := cur[name]; ok {
+			next[name] = c
+		}
+		more = more || p.more || taken[i] < len(p.rows)
+	}
+	if !more {
+		return out, "", nil
+	}
+	return out, encodeShardCursor(list, next), nil
+}
+
+func (a *Admin) shardedListInbox(ctx context.Context, f InboxFilter, p Page) (*InboxPage, error) {
+	limit, err := p.limit()
+	if err != nil {
+		return nil, err
+	}
+	keys, next, err := mergePages(ctx, a, "inbox", p.After, limit,
+		func(ctx context.Context, s *Admin, p Page) (shardPage[InboxKey], error) {
+			pg, err := s.ListInbox(ctx, f, p)
+			if err != nil {
+				return shardPage[InboxKey]{}, err
+			}
+			return shardPage[InboxKey]{pg.Keys, pg.Next != ""}, nil
+		},
+		func(x, y InboxKey) int {
+			return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Key, y.Key))
+		},
+		func(k InboxKey) string { return encodeCursor("inbox", k.Consumer, k.Tenant, k.Key) },
+		func(k *InboxKey, name string) { k.Shard = name })
+	if err != nil {
+		return nil, err
+	}
+	return &InboxPage{Keys: keys, Next: next}, nil
+}
+
+func (a *Admin) shardedListEffects(ctx context.Context, f EffectFilter, p Page) (*EffectPage, error) {
+	limit, err := p.limit()
+	if err != nil {
+		return nil, err
+	}
+	effs, next, err := mergePages(ctx, a, "effects", p.After, limit,
+		func(ctx context.Context, s *Admin, p Page) (shardPage[Effect], error) {
+			pg, err := s.ListEffects(ctx, f, p)
+			if err != nil {
+				return shardPage[Effect]{}, err
+			}
+			return shardPage[Effect]{pg.Effects, pg.Next != ""}, nil
+		},
+		func(x, y Effect) int {
+			return cmp.Or(cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Kind, y.Kind), cmp.Compare(x.Key, y.Key))
+		},
+		func(e Effect) string { return encodeCursor("effects", e.Tenant, e.Kind, e.Key) },
+		func(e *Effect, name string) { e.Shard = name })
+	if err != nil {
+		return nil, err
+	}
+	return &EffectPage{Effects: effs, Next: next}, nil
+}
+
+func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
+	limit, err := p.limit()
+	if err != nil {
+		return nil, err
+	}
+	order := cmp.Or(f.Order, ByCount)
+	value := func(g FailureGroup) int64 {
+		if order == ByRecent {
+			return g.LastSeen.UnixMicro()
+		}
+		return g.Count
+	}
+	groups, next, err := mergePages(ctx, a, "groups", p.After, limit,
+		func(ctx context.Context, s *Admin, p Page) (shardPage[FailureGroup], error) {
+			pg, err := s.ListGroups(ctx, f, p)
+			if err != nil {
+				return shardPage[FailureGroup]{}, err
+			}
+			return shardPage[FailureGroup]{pg.Groups, pg.Next != ""}, nil
+		},
+		func(x, y FailureGroup) int { return cmp.Or(cmp.Compare(value(y), value(x)), cmp.Compare(x.ID, y.ID)) },
+		func(g FailureGroup) string { return encodeCursor("groups", order, fmt.Sprint(value(g)), g.ID) },
+		func(g *FailureGroup, name string) { g.Shard = name })
+	if err != nil {
+		return nil, err
+	}
+	return &GroupPage{Groups: groups, Next: next}, nil
+}
+
+func (a *Admin) shardedListActions(ctx context.Context, f ActionFilter, p Page) (*ActionPage, error) {
+	limit, err := p.limit()
+	if err != nil {
+		return nil, err
+	}
+	acts, next, err := mergePages(ctx, a, "actions", p.After, limit,
+		func(ctx context.Context, s *Admin, p Page) (shardPage[FailureAction], error) {
+			pg, err := s.ListActions(ctx, f, p)
+			if err != nil {
+				return shardPage[FailureAction]{}, err
+			}
+			return shardPage[FailureAction]{pg.Actions, pg.Next != ""}, nil
+		},
+		func(x, y FailureAction) int {
+			return cmp.Or(cmp.Compare(y.At.UnixMicro(), x.At.UnixMicro()), cmp.Compare(y.ID, x.ID))
+		},
+		func(x FailureAction) string { return encodeCursor("actions", fmt.Sprint(x.At.UnixMicro()), x.ID, "") },
+		func(x *FailureAction, name string) { x.Shard = name })
+	if err != nil {
+		return nil, err
+	}
+	return &ActionPage{Actions: acts, Next: next}, nil
+}
+
+// ShardStats is one shard's figures in Stats.
+type ShardStats struct {
+	Shard  string `json:"shard"`
+	Schema string `json:"schema"`
+	// Error says why the shard did not answer; its figures are then empty.
+	Error     string          `json:"error,omitempty"`
+	Consumers []ConsumerStats `json:"consumers"`
+	Effects   []KindStats     `json:"effects"`
+}
+
+// Up says whether the shard answered.
+func (s ShardStats) Up() bool { return s.Error == "" }
+
+func (a *Admin) shardedStats(ctx context.Context) (*Stats, error) {
+	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*Stats, error) { return s.Stats(ctx) })
+	out := &Stats{Schema: a.cfg.Schema, Consumers: []ConsumerStats{}, Effects: []KindStats{}}
+	consumers := map[string]*ConsumerStats{}
+	kinds := map[string]*KindStats{}
+	for i, st := range res {
+		ss := ShardStats{Shard: a.shards[i].name, Schema: a.shards[i].cfg.Schema, Consumers: []ConsumerStats{}, Effects: []KindStats{}}
+		if errs[i] != nil {
+			ss.Error = errs[i].Error()
+			out.Shards = append(out.Shards, ss)
+			continue
+		}
+		ss.Consumers, ss.Effects = st.Consumers, st.Effects
+		out.Shards = append(out.Shards, ss)
+		for _, c := range st.Consumers {
+			m := consumers[c.Consumer]
+			if m == nil {
+				m = &ConsumerStats{Consumer: c.Consumer}
+				consumers[c.Consumer] = m
+			}
+			m.Rows += c.Rows
+			m.Completed += c.Completed
+			m.Failed += c.Failed
+			m.Processing += c.Processing
+			m.Expired += c.Expired
+			if c.Oldest != nil && (m.Oldest == nil || c.Oldest.Before(*m.Oldest)) {
+				m.Oldest = c.Oldest
+			}
+			m.OldestProcessingSeconds = max(m.OldestProcessingSeconds, c.OldestProcessingSeconds)
+		}
+		for _, k := range st.Effects {
+			m := kinds[k.Kind]
+			if m == nil {
+				m = &KindStats{Kind: k.Kind}
+				kinds[k.Kind] = m
+			}
+			m.Pending += k.Pending
+			m.Due += k.Due
+			m.Dead += k.Dead
+			m.Done += k.Done
+			m.Discarded += k.Discarded
+			m.InFlight += k.InFlight
+			m.Stuck += k.Stuck
+			m.OldestPendingSeconds = max(m.OldestPendingSeconds, k.OldestPendingSeconds)
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(consumers)) {
+		out.Consumers = append(out.Consumers, *consumers[name])
+	}
+	for _, name := range slices.Sorted(maps.Keys(kinds)) {
+		out.Effects = append(out.Effects, *kinds[name])
+	}
+	return out, shardErrors(a.names(), errs)
+}
+
+// lookup runs a one-key read on every shard and returns the row of the first
+// shard (in map order, the tenant's routed shard first) that has it. ErrNotFound
+// is returned only when every shard answered and none has it; otherwise the
+// shards' errors.
+func lookup[T any](ctx context.Context, a *Admin, tenant string, fn func(ctx context.Context, s *Admin) (T, error), setShard func(T, string)) (T, error) {
+	res, errs := fan(ctx, a, fn)
+	order := make([]int, 0, len(res))
+	if i, err := a.cfg.Shards.Index(tenant); err == nil {
+		order = append(order, i)
+	}
+	for i := range res {
+		if !slices.Contains(order, i) {
+			order = append(order, i)
+		}
+	}
+	var notFound error
+	for _, i := range order {
+		if errs[i] == nil {
+			setShard(res[i], a.shards[i].name)
+			return res[i], nil
+		}
+		if errors.Is(errs[i], ErrNotFound) {
+			notFound = errs[i]
+			errs[i] = nil
+		}
+	}
+	var zero T
+	if err := shardErrors(a.names(), errs); err != nil {
+		return zero, err
+	}
+	return zero, notFound
+}
+
+func (a *Admin) shardedInspectInbox(ctx context.Context, id inbox.ID, o InspectOptions) (*Inspection, error) {
+	return lookup(ctx, a, id.Tenant, func(ctx context.Context, s *Admin) (*Inspection, error) { return s.InspectInbox(ctx, id, o) },
+		func(x *Inspection, name string) {
+			x.Shard = name
+			for i := range x.Effects {
+				x.Effects[i].Shard = name
+			}
+		})
+}
+
+func (a *Admin) shardedInspectEffect(ctx context.Context, id EffectID) (*Effect, error) {
+	return lookup(ctx, a, id.Tenant, func(ctx context.Context, s *Admin) (*Effect, error) { return s.InspectEffect(ctx, id) },
+		func(e *Effect, name string) { e.Shard = name })
+}
+
+func (a *Admin) shardedFind(ctx context.Context, key string, f FindFilter) (*Found, error) {
+	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*Found, error) { return s.Find(ctx, key, f) })
+	if err := shardErrors(a.names(), errs); err != nil {
+		return nil, err
+	}
+	out := &Found{Key: key, Inbox: []InboxKey{}, Effects: []Effect{}}
+	for i, r := range res {
+		for _, k := range r.Inbox {
+			k.Shard = a.shards[i].name
+			out.Inbox = append(out.Inbox, k)
+		}
+		for _, e := range r.Effects {
+			e.Shard = a.shards[i].name
+			out.Effects = append(out.Effects, e)
+		}
+	}
+	slices.SortStableFunc(out.Inbox, func(x, y InboxKey) int {
+		return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant))
+	})
+	slices.SortStableFunc(out.Effects, func(x, y Effect) int {
+		return cmp.Or(cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Kind, y.Kind))
+	})
+	out.Inbox = out.Inbox[:min(len(out.Inbox), FindLimit)]
+	out.Effects = out.Effects[:min(len(out.Effects), FindLimit)]
+	return out, nil
+}
+
+// shardedRequeue requeues the effect on every shard that has it dead.
+func (a *Admin) shardedRequeue(ctx context.Context, id EffectID) error {
+	_, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (struct{}, error) { return struct{}{}, s.Requeue(ctx, id) })
+	var first error
+	for i, err := range errs {
+		switch {
+		case err == nil:
+			return nil
+		case errors.Is(err, ErrNotFound):
+			errs[i] = nil
+		case errors.Is(err, ErrNotDead):
+			first = cmp.Or(first, err)
+			errs[i] = nil
+		}
+	}
+	if err := shardErrors(a.names(), errs); err != nil {
+		return err
+	}
+	return cmp.Or(first, errorf(ErrNotFound, "no effect %s on any shard", id))
+}
+
+func (a *Admin) shardedRequeueDead(ctx context.Context, f effects.RequeueFilter) (int64, error) {
+	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (int64, error) { return s.RequeueDead(ctx, f) })
+	var n int64
+	for _, r := range res {
+		n += r
+	}
+	return n, shardErrors(a.names(), errs)
+}
+
+// shardedForget forgets the key on every shard that has it, and returns one of
+// the rows it deleted.
+func (a *Admin) shardedForget(ctx context.Context, id inbox.ID, audit Audit) (*InboxKey, error) {
+	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*InboxKey, error) { return s.Forget(ctx, id, audit) })
+	var held error
+	var out *InboxKey
+	for i, err := range errs {
+		switch {
+		case err == nil:
+			if out == nil {
+				out = res[i]
+				out.Shard = a.shards[i].name
+			}
+		case errors.Is(err, ErrNotFound):
+			errs[i] = nil
+		case errors.Is(err, ErrLeaseHeld):
+			held = cmp.Or(held, error(&ShardError{Shard: a.shards[i].name, Err: err}))
+			errs[i] = nil
+		}
+	}
+	if err := cmp.Or(held, shardErrors(a.names(), errs)); err != nil {
+		return out, err
+	}
+	if out == nil {
+		return nil, errorf(ErrNotFound, "no inbox key %s on any shard", formatID(id))
+	}
+	return out, nil
+}
+
+func (a *Admin) shardedGroup(ctx context.Context, id string, seen TimeRange) (*FailureGroup, error) {
+	if _, err := parseGroupID(id); err != nil {
+		return nil, err
+	}
+	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*FailureGroup, error) { return s.Group(ctx, id, seen) })
+	var out *FailureGroup
+	attempts := map[int]int64{}
+	for i, g := range res {
+		if errors.Is(errs[i], ErrNotFound) {
+			errs[i] = nil
+			continue
+		}
+		if errs[i] != nil {
+			continue
+		}
+		if out == nil {
+			cp := *g
+			out = &cp
+			out.Shard = a.shards[i].name
+			out.SampleKeys = slices.Clone(g.SampleKeys)
+		} else {
+			out.Shard += "," + a.shards[i].name
+			out.Count += g.Count
+			if g.LastSeen.After(out.LastSeen) {
+				out.Example, out.Code, out.Masked = g.Example, g.Code, g.Masked
+				out.SampleKeys = append(slices.Clone(g.SampleKeys), out.SampleKeys...)
+			} else {
+				out.SampleKeys = append(out.SampleKeys, g.SampleKeys...)
+			}
+			out.FirstSeen = minTime(out.FirstSeen, g.FirstSeen)
+			out.LastSeen = maxTime(out.LastSeen, g.LastSeen)
+		}
+		for _, at := range g.Attempts {
+			attempts[at.Attempts] += at.Effects
+		}
+	}
+	if err := shardErrors(a.names(), errs); err != nil {
+		return nil, err
+	}
+	if out == nil {
+		return nil, errorf(ErrNotFound, "no failures in group %s on any shard (released, retried or discarded, or never there)", id)
+	}
+	out.SampleKeys = out.SampleKeys[:min(len(out.SampleKeys), GroupSamples)]
+	out.Attempts = nil
+	for _, n := range slices.Sorted(maps.Keys(attempts)) {
+		out.Attempts = append(out.Attempts, AttemptsCount{Attempts: n, Effects: attempts[n]})
+	}
+	acts, err := a.ListActions(ctx, ActionFilter{Group: id}, Page{Limit: 20})
+	if err != nil {
+		return nil, err
+	}
+	out.Actions = acts.Actions
+	return out, nil
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}
+
+// shardedAct runs a repair action on every shard. A dry run sums the shards'
+// plans. An action runs in one transaction per shard, all open at once: when the
+// rows they changed together pass AtMost, every one is rolled back
+// (ErrGroupChanged); a shard the group has no row on is rolled back too, so that
+// it records no empty action; the others commit, one after the other. A shard
+// whose commit fails is named in the error, and the result says what the shards
+// before it committed.
+func (a *Admin) shardedAct(ctx context.Context, action, source string, act GroupAction) (*ActionResult, error) {
+	g, err := parseGroupID(act.ID)
+	if err != nil {
+		return nil, err
+	}
+	if g.source != source {
+		return a.shards[0].act(ctx, action, source, act) // its error says why
+	}
+	type done struct {
+		res *ActionResult
+		tx  pgx.Tx
+	}
+	atMost := act.AtMost
+	act.AtMost = 0
+	parts, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (done, error) {
+		if act.DryRun {
+			r, err := s.act(ctx, action, source, act)
+			return done{res: r}, err
+		}
+		pool, ok := s.db.(interface {
+			Begin(context.Context) (pgx.Tx, error)
+		})
+		if !ok {
+			return done{}, errcode.InvalidConfig("shard %q: its pool cannot begin a transaction", s.name)
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			return done{}, err
+		}
+		r, err := s.withDB(tx).act(ctx, action, source, act)
+		if err != nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+			return done{}, err
+		}
+		return done{res: r, tx: tx}, nil
+	})
+	rollback := func() {
+		for _, p := range parts {
+			if p.tx != nil {
+				_ = p.tx.Rollback(context.WithoutCancel(ctx))
+			}
+		}
+	}
+	if err := shardErrors(a.names(), errs); err != nil {
+		rollback()
+		return nil, err
+	}
+	out := &ActionResult{Action: action, Group: act.ID, DryRun: act.DryRun, Since: act.Since, Through: act.Through, Keys: []string{}, Shards: map[string]int64{}}
+	var ids []string
+	for i, p := range parts {
+		out.Rows += p.res.Rows
+		out.Keys = append(out.Keys, p.res.Keys...)
+		out.Who, out.Why, out.At = p.res.Who, p.res.Why, maxTime(out.At, p.res.At)
+		if p.res.Rows > 0 {
+			out.Shards[a.shards[i].name] = p.res.Rows
+		}
+	}
+	if atMost > 0 && out.Rows > atMost {
+		rollback()
+		return nil, errorf(ErrGroupChanged, "%s of group %s would change more than the %d row(s) planned: failures arrived within the bound since; nothing was changed, look again", action, act.ID, atMost)
+	}
+	for i, p := range parts {
+		if p.tx == nil {
+			continue
+		}
+		if p.res.Rows == 0 {
+			_ = p.tx.Rollback(context.WithoutCancel(ctx))
+			continue
+		}
+		if err := p.tx.Commit(ctx); err != nil {
+			for _, q := range parts[i+1:] {
+				if q.tx != nil {
+					_ = q.tx.Rollback(context.WithoutCancel(ctx))
+				}
+			}
+			out.ActionID = strings.Join(ids, ",")
+			return out, &ShardError{Shard: a.shards[i].name, Err: fmt.Errorf("commit of the %s failed; the shards before it committed theirs: %w", action, err)}
+		}
+		ids = append(ids, a.shards[i].name+"/"+p.res.ActionID)
+	}
+	slices.Sort(out.Keys)
+	out.Keys = out.Keys[:min(len(out.Keys), PlanKeys)]
+	out.ActionID = strings.Join(ids, ",")
+	if !act.DryRun {
+		a.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: failure group "+action,
+			slog.String("group", act.ID), slog.Int64("rows", out.Rows), slog.Any("shards", out.Shards),
+			slog.Time("through", act.Through), slog.String("who", out.Who), slog.String("why", out.Why))
+	}
+	return out, nil
+}
+
+// withDB is a copy of a shard's Admin that runs on db (a transaction), quiet: the
+// caller logs what committed.
+func (a *Admin) withDB(db DB) *Admin {
+	c := &Admin{db: db, cfg: a.cfg, q: a.q, old: a.old, name: a.name}
+	c.cfg.Logger = slog.New(slog.DiscardHandler)
+	c.legacy.Store(a.legacy.Load())
+	return c
+}
+
+// shardedActivity sums the shards' activity minute by minute (the latest Now, the
+// oldest pending age of any shard); a shard that does not answer fails it.
+func (a *Admin) shardedActivity(ctx context.Context, window time.Duration) (*Activity, error) {
+	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*Activity, error) { return s.Activity(ctx, window) })
+	if err := shardErrors(a.names(), errs); err != nil {
+		return nil, err
+	}
+	out := &Activity{}
+	byMinute := map[time.Time]*ActivityMinute{}
+	for _, r := range res {
+		out.Now = maxTime(out.Now, r.Now)
+		for _, m := range r.Minutes {
+			at := m.At.UTC()
+			x := byMinute[at]
+			if x == nil {
+				x = &ActivityMinute{At: m.At}
+				byMinute[at] = x
+			}
+			x.Completed += m.Completed
+			x.Failed += m.Failed
+			x.Sent += m.Sent
+			x.Dead += m.Dead
+			x.Pending += m.Pending
+			x.OldestPendingSeconds = max(x.OldestPendingSeconds, m.OldestPendingSeconds)
+		}
+	}
+	for _, m := range byMinute {
+		out.Minutes = append(out.Minutes, *m)
+	}
+	slices.SortFunc(out.Minutes, func(x, y ActivityMinute) int { return x.At.Compare(y.At) })
+	// Shards whose clocks straddle a minute give one more minute: keep the
+	// window's length, the newest minutes.
+	n := int((window + time.Minute - 1) / time.Minute)
+	out.Minutes = out.Minutes[max(0, len(out.Minutes)-n):]
+	return out, nil
+}

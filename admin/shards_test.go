@@ -1,0 +1,455 @@
+package admin_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/admin"
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/shard"
+)
+
+// seedShard writes inbox keys and effects of the tenant on its shard: n completed
+// keys of consumer c, n pending effects of kind k, and, when failed > 0, that many
+// failed keys of consumer "fail-"+c with one error text (one failure group) and as
+// many dead effects of kind "dead-"+k.
+func seedShard(t *testing.T, m *shard.Map, tenant, c, k string, n, failed int) {
+	t.Helper()
+	s, err := m.Pick(tenant)
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = s.Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at)
+		SELECT $1, $2, 'k' || lpad(g::text, 4, '0'), '\x00', 'completed', now() + interval '1 day', now()
+		FROM generate_series(1, $3) g`, c, tenant, n)
+	require.NoError(t, err)
+	_, err = s.Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint)
+		SELECT $1, $2, 'e' || lpad(g::text, 4, '0'), '\x00' FROM generate_series(1, $3) g`, tenant, k, n)
+	require.NoError(t, err)
+	if failed > 0 {
+		_, err = s.Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at, error_code, error)
+			SELECT 'fail-' || $1, $2, 'f' || g, '\x00', 'failed', now() + interval '1 day', now(), 'handler', 'order ' || g || ' refused'
+			FROM generate_series(1, $3) g`, c, tenant, failed)
+		require.NoError(t, err)
+		_, err = s.Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, last_error, dead_at)
+			SELECT $1, 'dead-' || $2, 'd' || g, '\x00', 'dead', 3, 'provider said ' || g, now()
+			FROM generate_series(1, $3) g`, tenant, k, failed)
+		require.NoError(t, err)
+	}
+}
+
+// pageAll pages a merged list with a small limit and returns the rows' identities
+// in page order, failing on a duplicate.
+func pageAll(t *testing.T, limit int, page func(after string) ([]string, string, error)) []string {
+	t.Helper()
+	var out []string
+	seen := map[string]bool{}
+	after := ""
+	for i := 0; ; i++ {
+		require.Less(t, i, 10000, "paging does not end")
+		ids, next, err := page(after)
+		require.NoError(t, err)
+		require.LessOrEqual(t, len(ids), limit)
+		for _, id := range ids {
+			require.False(t, seen[id], "row %s appears twice", id)
+			seen[id] = true
+		}
+		out = append(out, ids...)
+		if next == "" {
+			return out
+		}
+		after = next
+	}
+}
+
+// TestShardsMergedPagesNoGapNoDuplicate: over 3 real shard clusters, every list
+// (inbox keys, effects, failure groups, repair actions) paged 7 at a time while
+// other goroutines insert rows on every shard returns each row that was there
+// before once, never one twice, in the list's order, each naming its shard.
+func TestShardsMergedPagesNoGapNoDuplicate(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	// Tenants spread over every shard, each with rows and one failure group of
+	// each source of a size of its own (so that the count order is total).
+	var tenants []string
+	perShard := map[string]int{}
+	for i := 0; len(tenants) < 12; i++ {
+		tenant := fmt.Sprintf("t%02d", i)
+		s, _ := m.Pick(tenant)
+		if perShard[s.Name] >= 4 {
+			continue
+		}
+		perShard[s.Name]++
+		tenants = append(tenants, tenant)
+		seedShard(t, m, tenant, "orders", "mail", 5+len(tenants), len(tenants))
+	}
+	require.Len(t, perShard, 3)
+
+	// Repair actions on some groups of every shard: the audit list.
+	groups, err := a.ListGroups(ctx, admin.GroupFilter{Source: admin.SourceEffects}, admin.Page{Limit: 100})
+	require.NoError(t, err)
+	require.Len(t, groups.Groups, 12)
+	for _, g := range groups.Groups[:9] {
+		_, err := a.DiscardGroup(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, Note: admin.Audit{Who: "test", Why: "paging"}})
+		require.NoError(t, err)
+	}
+
+	// What was there before the inserts, read shard by shard.
+	want := func(sql string) []string {
+		var out []string
+		for _, s := range m.Shards {
+			rows, err := s.Pool.Query(ctx, sql)
+			require.NoError(t, err)
+			for rows.Next() {
+				var id string
+				require.NoError(t, rows.Scan(&id))
+				out = append(out, s.Name+"|"+id)
+			}
+			require.NoError(t, rows.Err())
+		}
+		return out
+	}
+	wantInbox := want(`SELECT consumer || '/' || tenant || '/' || key FROM inbox`)
+	wantEffects := want(`SELECT tenant || '/' || kind || '/' || key FROM effects`)
+	wantActions := want(`SELECT id::text FROM failure_actions`)
+	require.Len(t, wantActions, 9)
+	var wantGroups []string
+	inboxGroups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 1000})
+	require.NoError(t, err)
+	for _, g := range inboxGroups.Groups {
+		wantGroups = append(wantGroups, g.Shard+"|"+g.ID)
+	}
+	require.Len(t, wantGroups, 12+3, "12 inbox groups and the 3 effects groups not discarded")
+
+	// Concurrent inserts on every shard, before and after every cursor.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var once sync.Once
+	halt := func() { once.Do(func() { close(stop) }); wg.Wait() }
+	defer halt()
+	var inserted atomic.Int64
+	for w := range 3 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				tenant := tenants[rand.IntN(len(tenants))]
+				s, _ := m.Pick(tenant)
+				_, err := s.Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at) VALUES
+					($1, $2, $3, '\x00', 'completed', now() + interval '1 day')`,
+					[]string{"a-new", "orders", "zz-new"}[i%3], tenant, fmt.Sprintf("n%d-%d", w, i))
+				if err == nil {
+					_, err = s.Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint) VALUES ($1, $2, $3, '\x00')`,
+						tenant, []string{"a-new", "mail", "zz-new"}[i%3], fmt.Sprintf("n%d-%d", w, i))
+				}
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				inserted.Add(1)
+			}
+		})
+	}
+
+	const limit = 7
+	lastInbox := map[string]admin.InboxKey{}
+	gotInbox := pageAll(t, limit, func(after string) ([]string, string, error) {
+		p, err := a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{Limit: limit, After: after})
+		if err != nil {
+			return nil, "", err
+		}
+		var ids []string
+		for _, k := range p.Keys {
+			require.NotEmpty(t, k.Shard)
+			require.True(t, orderedInbox(lastInbox[k.Shard], k), "inbox out of its shard's order: %+v after %+v", k, lastInbox[k.Shard])
+			lastInbox[k.Shard] = k
+			ids = append(ids, k.Shard+"|"+k.Consumer+"/"+k.Tenant+"/"+k.Key)
+		}
+		return ids, p.Next, nil
+	})
+	lastEffect := map[string]admin.Effect{}
+	gotEffects := pageAll(t, limit, func(after string) ([]string, string, error) {
+		p, err := a.ListEffects(ctx, admin.EffectFilter{}, admin.Page{Limit: limit, After: after})
+		if err != nil {
+			return nil, "", err
+		}
+		var ids []string
+		for _, e := range p.Effects {
+			require.True(t, orderedEffect(lastEffect[e.Shard], e), "effects out of their shard's order: %+v after %+v", e, lastEffect[e.Shard])
+			lastEffect[e.Shard] = e
+			ids = append(ids, e.Shard+"|"+e.Tenant+"/"+e.Kind+"/"+e.Key)
+		}
+		return ids, p.Next, nil
+	})
+	for _, order := range []string{admin.ByCount, admin.ByRecent} {
+		got := pageAll(t, 2, func(after string) ([]string, string, error) {
+			p, err := a.ListGroups(ctx, admin.GroupFilter{Order: order}, admin.Page{Limit: 2, After: after})
+			if err != nil {
+				return nil, "", err
+			}
+			var ids []string
+			for _, g := range p.Groups {
+				ids = append(ids, g.Shard+"|"+g.ID)
+			}
+			return ids, p.Next, nil
+		})
+		require.ElementsMatch(t, wantGroups, got, order)
+	}
+	gotActions := pageAll(t, 2, func(after string) ([]string, string, error) {
+		p, err := a.ListActions(ctx, admin.ActionFilter{}, admin.Page{Limit: 2, After: after})
+		if err != nil {
+			return nil, "", err
+		}
+		var ids []string
+		for i, x := range p.Actions {
+			if i > 0 {
+				require.False(t, x.At.After(p.Actions[i-1].At), "actions newest first")
+			}
+			ids = append(ids, x.Shard+"|"+x.ID)
+		}
+		return ids, p.Next, nil
+	})
+	halt()
+	require.Positive(t, inserted.Load())
+
+	require.Subset(t, gotInbox, wantInbox, "a key that was there before paging is missing")
+	require.Subset(t, gotEffects, wantEffects, "an effect that was there before paging is missing")
+	// The rows that were there before paging come in key order across the shards.
+	inOrder(t, gotInbox, wantInbox)
+	inOrder(t, gotEffects, wantEffects)
+	require.ElementsMatch(t, wantActions, gotActions)
+	t.Logf("%d inbox keys and %d effects paged while %d pairs were inserted", len(gotInbox), len(gotEffects), inserted.Load())
+}
+
+// inOrder checks that the rows of got that are in want come in key order (the
+// part after "shard|"), ties by shard.
+func inOrder(t *testing.T, got, want []string) {
+	t.Helper()
+	before := map[string]bool{}
+	for _, w := range want {
+		before[w] = true
+	}
+	last := ""
+	for _, g := range got {
+		if !before[g] {
+			continue
+		}
+		shardName, key, _ := strings.Cut(g, "|")
+		k := strings.ReplaceAll(key, "/", "\x00") + "\x00" + shardName
+		require.Less(t, last, k, "rows out of key order across the shards")
+		last = k
+	}
+}
+
+func orderedInbox(prev, k admin.InboxKey) bool {
+	if prev.Consumer != k.Consumer {
+		return prev.Consumer < k.Consumer
+	}
+	if prev.Tenant != k.Tenant {
+		return prev.Tenant < k.Tenant
+	}
+	if prev.Key != k.Key {
+		return prev.Key < k.Key
+	}
+	return prev.Shard < k.Shard
+}
+
+func orderedEffect(prev, e admin.Effect) bool {
+	if prev.Tenant != e.Tenant {
+		return prev.Tenant < e.Tenant
+	}
+	if prev.Kind != e.Kind {
+		return prev.Kind < e.Kind
+	}
+	if prev.Key != e.Key {
+		return prev.Key < e.Key
+	}
+	return prev.Shard < e.Shard
+}
+
+// TestShardsStatsInspectAndGroups: Stats sums the shards and lists each; one key
+// is found on its shard; a failure group's actions act on its shard's rows; a
+// cursor of another list or of a single database is refused.
+func TestShardsStatsInspectAndGroups(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	ctx := context.Background()
+	var tenants []string
+	seen := map[string]bool{}
+	for i := 0; len(tenants) < 3; i++ {
+		tenant := fmt.Sprintf("u%d", i)
+		if s, _ := m.Pick(tenant); !seen[s.Name] {
+			seen[s.Name] = true
+			tenants = append(tenants, tenant)
+			seedShard(t, m, tenant, "orders", "mail", 4, 2)
+		}
+	}
+	st, err := a.Stats(ctx)
+	require.NoError(t, err)
+	require.Len(t, st.Shards, 3)
+	for _, s := range st.Shards {
+		require.True(t, s.Up())
+		require.Len(t, s.Consumers, 2)
+	}
+	require.Equal(t, []admin.ConsumerStats{
+		{Consumer: "fail-orders", Rows: 6, Failed: 6},
+		{Consumer: "orders", Rows: 12, Completed: 12},
+	}, clearTimes(st.Consumers))
+	require.Equal(t, "dead-mail", st.Effects[0].Kind)
+	require.Equal(t, int64(6), st.Effects[0].Dead)
+	require.Equal(t, int64(12), st.Effects[1].Pending)
+	act, err := a.Activity(ctx, time.Hour)
+	require.NoError(t, err)
+	require.Len(t, act.Minutes, 60)
+	var completed, failed, pending int64
+	for _, m := range act.Minutes {
+		completed, failed = completed+m.Completed, failed+m.Failed
+	}
+	pending = act.Minutes[len(act.Minutes)-1].Pending
+	require.Equal(t, []int64{12, 6, 12}, []int64{completed, failed, pending}, "the activity of every shard")
+
+	want, _ := m.Pick(tenants[1])
+	k, err := a.InspectInbox(ctx, inbox.ID{Consumer: "orders", Tenant: tenants[1], Key: "k0002"}, admin.InspectOptions{})
+	require.NoError(t, err)
+	require.Equal(t, want.Name, k.Shard)
+	_, err = a.InspectInbox(ctx, inbox.ID{Consumer: "orders", Tenant: tenants[1], Key: "nope"}, admin.InspectOptions{})
+	require.ErrorIs(t, err, admin.ErrNotFound)
+	e, err := a.InspectEffect(ctx, admin.EffectID{Tenant: tenants[2], Kind: "mail", Key: "e0001"})
+	require.NoError(t, err)
+	want2, _ := m.Pick(tenants[2])
+	require.Equal(t, want2.Name, e.Shard)
+	found, err := a.Find(ctx, "k0001", admin.FindFilter{})
+	require.NoError(t, err)
+	require.Len(t, found.Inbox, 3)
+
+	// Release one tenant's inbox group: its shard's failed keys go, the others stay.
+	gs, err := a.ListGroups(ctx, admin.GroupFilter{Source: admin.SourceInbox, Tenant: &tenants[0]}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, gs.Groups, 1)
+	g, err := a.Group(ctx, gs.Groups[0].ID, admin.TimeRange{})
+	require.NoError(t, err)
+	require.Equal(t, int64(2), g.Count)
+	_, err = a.ReleaseGroup(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, AtMost: 1, Note: admin.Audit{Why: "test"}})
+	require.ErrorIs(t, err, admin.ErrGroupChanged)
+	dry, err := a.ReleaseGroup(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, int64(2), dry.Rows)
+	res, err := a.ReleaseGroup(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, AtMost: dry.Rows, Note: admin.Audit{Why: "test"}})
+	require.NoError(t, err)
+	s0, _ := m.Pick(tenants[0])
+	require.Equal(t, map[string]int64{s0.Name: 2}, res.Shards)
+	st, err = a.Stats(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(4), st.Consumers[0].Failed)
+	acts, err := a.ListActions(ctx, admin.ActionFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, acts.Actions, 1, "the shards without the group record no action")
+	require.Equal(t, s0.Name, acts.Actions[0].Shard)
+
+	// Forget and Requeue find the row on its shard.
+	k1, _ := m.Pick(tenants[1])
+	fk, err := a.Forget(ctx, inbox.ID{Consumer: "orders", Tenant: tenants[1], Key: "k0003"}, admin.Audit{Why: "test"})
+	require.NoError(t, err)
+	require.Equal(t, k1.Name, fk.Shard)
+	require.Zero(t, pgtest.ShardCount(t, k1, `SELECT count(*) FROM inbox WHERE tenant = $1 AND key = 'k0003'`, tenants[1]))
+	_, err = a.Forget(ctx, inbox.ID{Consumer: "orders", Tenant: tenants[1], Key: "k0003"}, admin.Audit{Why: "test"})
+	require.ErrorIs(t, err, admin.ErrNotFound)
+	require.NoError(t, a.Requeue(ctx, admin.EffectID{Tenant: tenants[2], Kind: "dead-mail", Key: "d1"}))
+	require.Equal(t, 1, pgtest.ShardCount(t, want2, `SELECT count(*) FROM effects WHERE key = 'd1' AND state = 'pending'`))
+	require.ErrorIs(t, a.Requeue(ctx, admin.EffectID{Tenant: tenants[2], Kind: "dead-mail", Key: "d1"}), admin.ErrNotDead)
+	require.ErrorIs(t, a.Requeue(ctx, admin.EffectID{Tenant: tenants[2], Kind: "dead-mail", Key: "nope"}), admin.ErrNotFound)
+	n, err := a.RequeueDead(ctx, effects.RequeueFilter{Kind: "dead-mail"})
+	require.NoError(t, err)
+	require.EqualValues(t, 5, n, "the dead effects of every shard")
+
+	// Cursors: a single database's is not a shard map's.
+	single, err := a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{Limit: 1})
+	require.NoError(t, err)
+	_, err = a.ListEffects(ctx, admin.EffectFilter{}, admin.Page{After: single.Next})
+	require.ErrorIs(t, err, admin.ErrBadCursor)
+}
+
+func clearTimes(cs []admin.ConsumerStats) []admin.ConsumerStats {
+	for i := range cs {
+		cs[i].Oldest, cs[i].OldestProcessingSeconds = nil, 0
+	}
+	return cs
+}
+
+// TestShardsOneDown: with one shard cluster crashed (pg_ctl stop -m immediate), a
+// list fails with a shard_unavailable error naming it, never a page without its
+// rows; Stats returns the others' figures, the shard marked down, with that error;
+// a key on a shard that answers is still found. After the restart all is read.
+func TestShardsOneDown(t *testing.T) {
+	m, ctl := pgtest.CrashableShards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	ctx := context.Background()
+	var up, down string
+	for i := 0; up == "" || down == ""; i++ {
+		tenant := fmt.Sprintf("v%d", i)
+		s, _ := m.Pick(tenant)
+		switch {
+		case s.Name == "s2" && down == "":
+			down = tenant
+		case s.Name == "s1" && up == "":
+			up = tenant
+		default:
+			continue
+		}
+		seedShard(t, m, tenant, "orders", "mail", 3, 0)
+	}
+	ctl.Crash(1)
+	deadline, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	_, err = a.ListInbox(deadline, admin.InboxFilter{}, admin.Page{})
+	require.ErrorIs(t, err, admin.ErrShardUnavailable)
+	var se *admin.ShardError
+	require.True(t, errors.As(err, &se))
+	require.Equal(t, "s2", se.Shard)
+	require.Equal(t, "shard_unavailable", errcode.Code(err))
+	require.Contains(t, err.Error(), `shard "s2"`)
+	_, err = a.ListEffects(deadline, admin.EffectFilter{}, admin.Page{})
+	require.ErrorIs(t, err, admin.ErrShardUnavailable)
+	_, err = a.ListGroups(deadline, admin.GroupFilter{}, admin.Page{})
+	require.ErrorIs(t, err, admin.ErrShardUnavailable)
+
+	st, err := a.Stats(deadline)
+	require.ErrorIs(t, err, admin.ErrShardUnavailable)
+	require.NotNil(t, st)
+	require.False(t, st.Shards[1].Up())
+	require.True(t, st.Shards[0].Up())
+	require.Equal(t, int64(3), st.Consumers[0].Rows, "the shard that answered is counted")
+
+	k, err := a.InspectInbox(deadline, inbox.ID{Consumer: "orders", Tenant: up, Key: "k0001"}, admin.InspectOptions{})
+	require.NoError(t, err)
+	require.Equal(t, "s1", k.Shard)
+	_, err = a.InspectInbox(deadline, inbox.ID{Consumer: "orders", Tenant: down, Key: "k0001"}, admin.InspectOptions{})
+	require.ErrorIs(t, err, admin.ErrShardUnavailable, "not found is never said while a shard did not answer")
+
+	ctl.Start(1)
+	require.Eventually(t, func() bool {
+		p, err := a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{})
+		return err == nil && len(p.Keys) == 6
+	}, 30*time.Second, 100*time.Millisecond)
+}

@@ -1,0 +1,78 @@
+package main
+
+import (
+	"context"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/admin"
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/shard"
+)
+
+// TestConsoleInBrowserShards: the console over a shard map of the 3 shard
+// clusters and a fourth shard nobody listens on shows, in headless Chromium, each
+// shard's figures and the fourth as down, with the sums of the three that answer.
+func TestConsoleInBrowserShards(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	for i, s := range m.Shards {
+		_, err := s.Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at)
+			SELECT 'orders', 't', 'k' || g, '\x00', 'completed', now() + interval '1 day' FROM generate_series(1, $1) g`, i+1)
+		require.NoError(t, err)
+		_, err = s.Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint) VALUES ('t', 'email', 'e', '\x00')`)
+		require.NoError(t, err)
+	}
+	down, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=2")
+	require.NoError(t, err)
+	t.Cleanup(down.Close)
+	withDown := &shard.Map{Shards: append(append([]shard.Shard{}, m.Shards...), shard.Shard{Name: "s4", Pool: down, Schema: m.Shards[0].Schema})}
+	a, err := admin.New(admin.Config{Shards: withDown})
+	require.NoError(t, err)
+	srv := httptest.NewUnstartedServer(nil)
+	h, err := newConsole(a, consoleConfig{ReadOnly: true, Hosts: consoleHosts(srv.Listener.Addr(), "127.0.0.1")})
+	require.NoError(t, err)
+	srv.Config.Handler = h
+	srv.Start()
+	t.Cleanup(srv.Close)
+
+	browser := newBrowser(t)
+	wait := func(expr string) {
+		t.Helper()
+		_, err := chromedp.Run(browser, chromedp.Poll[bool](expr, chromedp.WithPollingTimeout(time.Minute), chromedp.WithPollingInterval(100*time.Millisecond)))
+		require.NoError(t, err, "waiting for %s", expr)
+	}
+	js := func(expr string) string {
+		t.Helper()
+		s, err := chromedp.Run(browser, chromedp.Evaluate[string](expr))
+		require.NoError(t, err, expr)
+		return s
+	}
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL)))
+	wait(`document.querySelectorAll('#shard-stats tbody tr').length === 4`)
+	require.False(t, js(`String(document.getElementById("shards-part").hidden)`) == "true")
+	for i, name := range []string{"s1", "s2", "s3"} {
+		cells := `document.querySelector('#shard-stats tr[data-shard="` + name + `"]').cells`
+		require.Equal(t, "up", js(cells+`[2].textContent`))
+		require.Equal(t, "1", js(cells+`[5].textContent`), name)
+		require.Equal(t, string(rune('1'+i)), js(cells+`[3].textContent`), name)
+	}
+	require.Equal(t, "shards s1, s2, s3, s4", js(`document.getElementById("schema").textContent`))
+	require.Contains(t, js(`document.querySelector('#shard-stats tr[data-shard="s4"]').cells[2].textContent`), "down: ")
+	require.Contains(t, js(`document.querySelector('#shard-stats tr[data-shard="s4"]').cells[2].textContent`), "connection refused")
+	// The sums are those of the shards that answered.
+	wait(`document.querySelector('#consumer-stats tbody tr').cells[1].textContent === "6"`)
+	png, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	path := filepath.Join(screenshotDir(t), "console-shards.png")
+	require.NoError(t, os.WriteFile(path, png, 0o644))
+	t.Logf("screenshot: %s", path)
+}

@@ -1,0 +1,90 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/shard"
+)
+
+// shards is a Consumer's shard map: one single-database Consumer a shard, in map
+// order. The sharded Consumer only routes: a message's tenant picks its shard's
+// Consumer before anything else, and that Consumer claims, runs and commits it as
+// it would alone, in a transaction on its shard. Each shard's Consumer has its own
+// group-commit and batch workers, so a batch only ever holds one shard's messages,
+// and one shard down nacks only its own (ErrDatabaseUnavailable) while the others
+// commit.
+type shards struct {
+	m      *shard.Map
+	each   []*Consumer
+	tenant KeyFunc
+}
+
+// newSharded builds one Consumer a shard, sharing the Prometheus collectors.
+func newSharded(cfg Config) (*Consumer, error) {
+	s := &shards{m: cfg.Shards, tenant: cfg.Tenant}
+	for _, sh := range cfg.Shards.Shards {
+		one := cfg
+		one.Shards = nil
+		one.Pool = sh.Pool
+		one.Schema = sh.SchemaName()
+		one.Logger = cfg.Logger.With("shard", sh.Name)
+		c, err := New(one)
+		if err != nil {
+			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
+		}
+		s.each = append(s.each, c)
+	}
+	return &Consumer{cfg: cfg, shards: s, metrics: s.each[0].metrics, log: cfg.Logger}, nil
+}
+
+// route returns the index of msg's shard. A message whose tenant cannot be read, or
+// is invalid, goes to the first shard, whose Consumer refuses it as it would
+// without shards (nothing is claimed or recorded for it). A route that fails
+// returns an error wrapping shard.ErrRoute.
+func (s *shards) route(msg *message.Message) (int, error) {
+	tenant, err := s.tenant(msg)
+	if err != nil || inbox.ValidateTenant(tenant) != nil {
+		return 0, nil
+	}
+	return s.m.Index(tenant)
+}
+
+func (s *shards) middleware(h message.HandlerFunc) message.HandlerFunc {
+	hs := make([]message.HandlerFunc, len(s.each))
+	for i, c := range s.each {
+		hs[i] = c.Middleware(h)
+	}
+	return func(msg *message.Message) ([]*message.Message, error) {
+		i, err := s.route(msg)
+		if err != nil {
+			return nil, err
+		}
+		return hs[i](msg)
+	}
+}
+
+func (s *shards) handleBatch(h BatchHandler) message.NoPublishHandlerFunc {
+	hs := make([]message.NoPublishHandlerFunc, len(s.each))
+	for i, c := range s.each {
+		hs[i] = c.HandleBatch(h)
+	}
+	return func(msg *message.Message) error {
+		i, err := s.route(msg)
+		if err != nil {
+			return err
+		}
+		return hs[i](msg)
+	}
+}
+
+func (s *shards) close() error {
+	var errs []error
+	for _, c := range s.each {
+		errs = append(errs, c.Close())
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,111 @@
+package effects_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/shard"
+)
+
+// enqueueOn commits one effect for tenant on shard s.
+func enqueueOn(t *testing.T, s shard.Shard, tenant, key string) {
+	t.Helper()
+	ctx := context.Background()
+	err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
+		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: s.SchemaName(), Source: effects.Source{Tenant: tenant}},
+			effects.Effect{Kind: "email", Key: key, Payload: []byte(`{}`)})
+		return err
+	})
+	require.NoError(t, err)
+}
+
+// listening waits until every shard has a backend of the test LISTENing.
+func listening(t *testing.T, m *shard.Map, which ...int) {
+	t.Helper()
+	if which == nil {
+		for i := range m.Shards {
+			which = append(which, i)
+		}
+	}
+	for _, i := range which {
+		s := m.Shards[i]
+		require.Eventually(t, func() bool {
+			var n int
+			err := s.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+				WHERE application_name = $1 AND query = 'LISTEN idem_effects'`, "idem-test:"+s.Schema).Scan(&n)
+			return err == nil && n >= 1
+		}, 20*time.Second, 20*time.Millisecond, "the Dispatcher LISTENs on %s", s.Name)
+	}
+}
+
+func runSharded(t *testing.T, m *shard.Map, rec *recorder, poll time.Duration) {
+	t.Helper()
+	d, err := effects.NewDispatcher(effects.Config{Shards: m, Senders: map[string]effects.Sender{"email": rec},
+		PollInterval: poll, Registerer: prometheus.NewRegistry(), PendingRefresh: 50 * time.Millisecond})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { require.NoError(t, d.Run(ctx)) })
+	t.Cleanup(func() { cancel(); wg.Wait() })
+}
+
+// One Dispatcher serves every shard, and LISTEN wakes it on each: with an hour's
+// poll, every effect is sent at once.
+func TestDispatcherServesEveryShardByListen(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	rec := newRecorder(nil)
+	runSharded(t, m, rec, time.Hour)
+	listening(t, m)
+	for _, s := range m.Shards {
+		enqueueOn(t, s, "tenant", "mail-"+s.Name)
+	}
+	for _, s := range m.Shards {
+		require.Eventually(t, func() bool { return rec.count("mail-"+s.Name) == 1 }, 10*time.Second, 10*time.Millisecond,
+			"the effect on %s was sent", s.Name)
+	}
+}
+
+// A shard that restarts is served again without restarting the Dispatcher: while
+// it is down the other shards' effects go out, and once it is back its LISTEN
+// connection reconnects and wakes the claim loop (the poll is an hour here, so
+// nothing else could).
+func TestDispatcherPicksUpARestartedShard(t *testing.T) {
+	m, ctl := pgtest.CrashableShards(t)
+	rec := newRecorder(nil)
+	runSharded(t, m, rec, time.Hour)
+	listening(t, m)
+
+	ctl.Crash(1)
+	enqueueOn(t, m.Shards[0], "t", "while-down-s1")
+	enqueueOn(t, m.Shards[2], "t", "while-down-s3")
+	for _, key := range []string{"while-down-s1", "while-down-s3"} {
+		require.Eventually(t, func() bool { return rec.count(key) == 1 }, 10*time.Second, 10*time.Millisecond, key)
+	}
+
+	ctl.Start(1)
+	// The pool's connections to the old server are gone; a fresh one commits.
+	require.Eventually(t, func() bool {
+		err := pgx.BeginFunc(context.Background(), m.Shards[1].Pool, func(tx pgx.Tx) error {
+			_, err := effects.EnqueueScoped(context.Background(), tx, effects.Scope{Schema: m.Shards[1].SchemaName()},
+				effects.Effect{Kind: "email", Key: "after-restart", Payload: []byte(`{}`)})
+			return err
+		})
+		return err == nil
+	}, 20*time.Second, 50*time.Millisecond)
+	require.Eventually(t, func() bool { return rec.count("after-restart") == 1 }, 20*time.Second, 10*time.Millisecond,
+		"the restarted shard's effect was sent")
+	listening(t, m, 1)
+	enqueueOn(t, m.Shards[1], "t", "listen-again")
+	require.Eventually(t, func() bool { return rec.count("listen-again") == 1 }, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, 1, rec.count("while-down-s1"))
+	require.Equal(t, 1, rec.count("after-restart"))
+}

@@ -1,0 +1,244 @@
+package pgtest
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/redact"
+	"github.com/idemkit/idem/migrate"
+	"github.com/idemkit/idem/shard"
+)
+
+// ShardURLsVar names the environment variable with the shard clusters' URLs,
+// comma-separated, as scripts/services start shards prints it.
+const ShardURLsVar = "IDEM_SHARD_URLS"
+
+// HowToStartShards says how to bring up the shard clusters.
+const HowToStartShards = `start them with:
+    eval "$(scripts/services start shards)"
+(three small Postgres clusters on 127.0.0.1:5441..5443, which export ` + ShardURLsVar + `)`
+
+// ShardURLs returns the shard clusters' URLs, failing the test with instructions
+// when the variable is unset or names fewer than two.
+func ShardURLs(tb testing.TB) []string {
+	tb.Helper()
+	var urls []string
+	for _, u := range strings.Split(os.Getenv(ShardURLsVar), ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	if len(urls) < 2 {
+		tb.Fatalf("%s names %d shard clusters; the shard tests need three\n%s", ShardURLsVar, len(urls), HowToStartShards)
+	}
+	return urls
+}
+
+// Shards returns a shard map over the shard clusters (names s1, s2, ...), each with
+// a fresh migrated schema of its own dropped when the test ends. It holds a shared
+// lock on the clusters for the test's life, so a test that crashes a cluster
+// (CrashableShards) never runs beside it.
+func Shards(tb testing.TB, opts ...Options) *shard.Map {
+	tb.Helper()
+	lockShards(tb, syscall.LOCK_SH)
+	return shardMap(tb, opts)
+}
+
+// ShardCtl stops and starts the shard clusters of a CrashableShards test.
+type ShardCtl struct {
+	tb testing.TB
+}
+
+// CrashableShards is Shards for a test that stops clusters: it holds the lock on
+// the clusters alone, so it waits for the other shard tests of every package and
+// they wait for it. When the test ends every cluster is started again.
+func CrashableShards(tb testing.TB, opts ...Options) (*shard.Map, *ShardCtl) {
+	tb.Helper()
+	lockShards(tb, syscall.LOCK_EX)
+	ctl := &ShardCtl{tb: tb}
+	// Cleanups run last-in first-out: the clusters are up again before the
+	// schemas are dropped and the lock is released.
+	m := shardMap(tb, opts)
+	tb.Cleanup(func() {
+		for i := range m.Shards {
+			ctl.start(i, false)
+		}
+	})
+	return m, ctl
+}
+
+// Crash stops shard i (0-based, map order) with pg_ctl stop -m immediate, as a
+// server crash, through scripts/services, which touches only the clusters it
+// started for shards.
+func (c *ShardCtl) Crash(i int) {
+	c.tb.Helper()
+	services(c.tb, "crash", i)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if pingURL(ctx, ShardURLs(c.tb)[i]) == nil {
+		c.tb.Fatalf("shard %d still answers after scripts/services crash shard%d; the crash tests need the clusters that scripts/services start shards started", i+1, i+1)
+	}
+}
+
+// Start starts shard i again and waits until it answers.
+func (c *ShardCtl) Start(i int) {
+	c.tb.Helper()
+	c.start(i, true)
+}
+
+func (c *ShardCtl) start(i int, fatal bool) {
+	c.tb.Helper()
+	if err := servicesErr("start", i); err != nil {
+		if fatal {
+			c.tb.Fatal(err)
+		}
+		c.tb.Error(err)
+	}
+}
+
+func services(tb testing.TB, cmd string, i int) {
+	tb.Helper()
+	if err := servicesErr(cmd, i); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+func servicesErr(cmd string, i int) error {
+	script := filepath.Join(moduleRoot(), "scripts", "services")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, script, cmd, fmt.Sprintf("shard%d", i+1)).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("scripts/services %s shard%d: %v\n%s", cmd, i+1, err, out)
+	}
+	return nil
+}
+
+// moduleRoot is the directory of idem's go.mod, above the test's directory.
+func moduleRoot() string {
+	dir, _ := os.Getwd()
+	for d := dir; ; d = filepath.Dir(d) {
+		if b, err := os.ReadFile(filepath.Join(d, "go.mod")); err == nil && bytes.HasPrefix(b, []byte("module github.com/idemkit/idem\n")) {
+			return d
+		}
+		if filepath.Dir(d) == d {
+			return dir
+		}
+	}
+}
+
+// lockShards takes a file lock, shared or exclusive, for the test's life. The file
+// is the same for every package's tests on the machine.
+func lockShards(tb testing.TB, how int) {
+	tb.Helper()
+	f, err := os.OpenFile(filepath.Join(os.TempDir(), "idem-shard-clusters.lock"), os.O_CREATE|os.O_RDWR, 0o666)
+	if err != nil {
+		tb.Fatalf("shard lock: %v", err)
+	}
+	if err := syscall.Flock(int(f.Fd()), how); err != nil {
+		f.Close()
+		tb.Fatalf("shard lock: %v", err)
+	}
+	tb.Cleanup(func() { f.Close() })
+}
+
+func shardMap(tb testing.TB, opts []Options) *shard.Map {
+	tb.Helper()
+	var o Options
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	urls := ShardURLs(tb)
+	schema := NewSchemaName()
+	m := &shard.Map{}
+	for i, url := range urls {
+		cfg, err := pgxpool.ParseConfig(url)
+		if err != nil {
+			tb.Fatalf("parse %s: %v", ShardURLsVar, err)
+		}
+		cfg.MaxConns = cmp.Or(o.MaxConns, 6)
+		if o.QueryExecMode != 0 {
+			cfg.ConnConfig.DefaultQueryExecMode = o.QueryExecMode
+		}
+		for k, v := range o.Settings {
+			cfg.ConnConfig.RuntimeParams[k] = v
+		}
+		cfg.ConnConfig.RuntimeParams["search_path"] = schema
+		cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err = pingURL(ctx, url)
+		cancel()
+		if err != nil {
+			tb.Fatal(redact.Text(fmt.Sprintf("shard cluster %s is not reachable: %v\n%s", url, err, HowToStartShards), url))
+		}
+		pool := OpenPool(tb, cfg)
+		m.Shards = append(m.Shards, shard.Shard{Name: fmt.Sprintf("s%d", i+1), Pool: pool, Schema: schema})
+		tb.Cleanup(func() { dropOn(tb, url, schema) })
+	}
+	if !o.NoMigrate {
+		mg, err := migrate.New(migrate.Config{Shards: m})
+		if err != nil {
+			tb.Fatal(err)
+		}
+		if _, err := mg.Up(context.Background()); err != nil {
+			tb.Fatalf("migrate the shards: %v", err)
+		}
+	} else {
+		for _, s := range m.Shards {
+			if _, err := s.Pool.Exec(context.Background(), `CREATE SCHEMA `+schema); err != nil {
+				tb.Fatalf("create schema on %s: %v", s.Name, err)
+			}
+		}
+	}
+	return m
+}
+
+func pingURL(ctx context.Context, url string) error {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	return conn.Ping(ctx)
+}
+
+// dropOn drops a test schema on one shard cluster; a cluster that is down is
+// retried for a while (a crash test may have just restarted it).
+func dropOn(tb testing.TB, url, schema string) {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		conn, err := pgx.Connect(ctx, url)
+		if err == nil {
+			_, err = conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+			conn.Close(ctx)
+		}
+		cancel()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Errorf("drop schema %s on %s: %v", schema, redact.Text(url, url), err)
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// ShardCount counts rows on one shard.
+func ShardCount(tb testing.TB, s shard.Shard, sql string, args ...any) int {
+	tb.Helper()
+	return Count(tb, s.Pool, sql, args...)
+}

@@ -1,0 +1,64 @@
+package janitor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// shardSet is a Janitor's shard map: one single-database Janitor a shard, in map
+// order, each with its own advisory lock on its own database, so one pass runs at
+// a time per shard across all processes.
+type shardSet struct {
+	names []string
+	each  []*Janitor
+}
+
+func newSharded(cfg Config) (*Janitor, error) {
+	s := &shardSet{names: cfg.Shards.Names()}
+	for _, sh := range cfg.Shards.Shards {
+		one := cfg
+		one.Shards = nil
+		one.Pool = sh.Pool
+		one.Schema = sh.SchemaName()
+		one.Logger = cfg.Logger.With("shard", sh.Name)
+		j, err := New(one)
+		if err != nil {
+			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
+		}
+		s.each = append(s.each, j)
+	}
+	return &Janitor{cfg: cfg, shards: s}, nil
+}
+
+// run runs every shard's Janitor until ctx ends.
+func (s *shardSet) run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	for _, j := range s.each {
+		wg.Go(func() { _ = j.Run(ctx) })
+	}
+	wg.Wait()
+	return nil
+}
+
+// runOnce runs one pass on every shard, one after another, and adds up what they
+// deleted. A shard that fails, or whose lock another janitor holds (ErrBusy), does
+// not stop the others; the error names each such shard.
+func (s *shardSet) runOnce(ctx context.Context) (Stats, error) {
+	var total Stats
+	var errs []error
+	start := time.Now()
+	for i, j := range s.each {
+		st, err := j.RunOnce(ctx)
+		total.InboxDeleted += st.InboxDeleted
+		total.EffectsDeleted += st.EffectsDeleted
+		total.Batches += st.Batches
+		if err != nil {
+			errs = append(errs, fmt.Errorf("shard %q: %w", s.names[i], err))
+		}
+	}
+	total.Elapsed = time.Since(start)
+	return total, errors.Join(errs...)
+}
