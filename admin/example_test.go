@@ -30,7 +30,9 @@ func Example() {
 		return nil, consumer.Permanent(fmt.Errorf("currency %q not supported", msg.UUID))
 	})
 	for _, id := range []string{"pay_1", "pay_2", "pay_3"} {
-		broken(message.NewMessage(id, []byte(`{"currency":"CHF"}`)))
+		if _, err := broken(message.NewMessage(id, []byte(`{"currency":"CHF"}`))); err != nil {
+			panic(err) // a permanent failure is recorded and acked: no error here
+		}
 	}
 
 	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})

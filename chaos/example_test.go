@@ -50,8 +50,8 @@ func Example() {
 		_, err := consumer.Tx(msg.Context()).Exec(msg.Context(), `INSERT INTO ledger VALUES ($1, 10)`, msg.UUID)
 		return err
 	})
-	go router.Run(ctx)
-	defer router.Close()
+	go func() { _ = router.Run(ctx) }() // its error is Close's
+	defer func() { _ = router.Close() }()
 	<-router.Running()
 
 	var ids []string

@@ -62,7 +62,7 @@ const (
 	// savepoint. Handler code is the same as in Transactional mode, except that
 	// effects.Enqueue answers Result{Deferred: true} (see effects.Buffer).
 	GroupCommit
-	// Lease: the inbox row commits first as processing, with a lease and a fence,
+	// Lease mode: the inbox row commits first as processing, with a lease and a fence,
 	// for handlers that must call the outside world themselves. See docs/consumers.md
 	// for what this mode cannot promise.
 	Lease

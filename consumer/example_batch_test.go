@@ -68,9 +68,10 @@ func ExampleConsumer_HandleBatch() {
 	}
 	wg.Wait()
 	var ledger, emails, failed int
-	pool.QueryRow(ctx, `SELECT count(*) FROM ledger`).Scan(&ledger)
-	pool.QueryRow(ctx, `SELECT count(*) FROM effects`).Scan(&emails)
-	pool.QueryRow(ctx, `SELECT count(*) FROM inbox WHERE state = 'failed'`).Scan(&failed)
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger), (SELECT count(*) FROM effects),
+		(SELECT count(*) FROM inbox WHERE state = 'failed')`).Scan(&ledger, &emails, &failed); err != nil {
+		panic(err)
+	}
 	fmt.Println("ledger rows:", ledger, "email effects:", emails, "recorded failures:", failed)
 	// Output: ledger rows: 3 email effects: 3 recorded failures: 1
 }

@@ -45,8 +45,10 @@ func Example() {
 		}
 	}
 	var ledger, emails int
-	pool.QueryRow(ctx, `SELECT count(*) FROM ledger`).Scan(&ledger)
-	pool.QueryRow(ctx, `SELECT count(*) FROM effects`).Scan(&emails)
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger), (SELECT count(*) FROM effects)`).
+		Scan(&ledger, &emails); err != nil {
+		panic(err)
+	}
 	fmt.Println("ledger rows:", ledger, "email effects:", emails)
 	// Output: ledger rows: 1 email effects: 1
 }
@@ -84,7 +86,9 @@ func ExampleBusinessKey() {
 		}
 	}
 	var ledger int
-	pool.QueryRow(ctx, `SELECT count(*) FROM ledger`).Scan(&ledger)
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM ledger`).Scan(&ledger); err != nil {
+		panic(err)
+	}
 	fmt.Println("ledger rows:", ledger)
 	// Output: ledger rows: 1
 }
@@ -118,10 +122,16 @@ func ExampleMetadataTenant() {
 			fmt.Println(err)
 		}
 	}
-	rows, _ := pool.Query(ctx, `SELECT tenant, id FROM orders ORDER BY tenant`)
+	rows, err := pool.Query(ctx, `SELECT tenant, id FROM orders ORDER BY tenant`)
+	if err != nil {
+		panic(err)
+	}
+	defer rows.Close()
 	for rows.Next() {
 		var tenant, id string
-		rows.Scan(&tenant, &id)
+		if err := rows.Scan(&tenant, &id); err != nil {
+			panic(err)
+		}
 		fmt.Println(tenant, id)
 	}
 	// Output:
@@ -158,8 +168,10 @@ func ExamplePermanent() {
 	fmt.Println("busy: err =", err)
 
 	var failed, recorded int
-	pool.QueryRow(ctx, `SELECT count(*) FROM inbox WHERE state = 'failed'`).Scan(&failed)
-	pool.QueryRow(ctx, `SELECT count(*) FROM inbox`).Scan(&recorded)
+	if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE state = 'failed'), count(*) FROM inbox`).
+		Scan(&failed, &recorded); err != nil {
+		panic(err)
+	}
 	fmt.Println("handler runs:", runs, "failed rows:", failed, "inbox rows:", recorded)
 	// Output:
 	// declined: err = <nil>

@@ -67,7 +67,7 @@ func (s webhookSender) Send(ctx context.Context, d effects.Delivery) error {
 	if err != nil {
 		return effects.Indefinite(err) // it may have arrived: retried with the same key
 	}
-	defer resp.Body.Close()
+	defer func() { _ = resp.Body.Close() }()
 	switch {
 	case resp.StatusCode >= 500:
 		return fmt.Errorf("webhook: %s", resp.Status) // transient: retried with backoff

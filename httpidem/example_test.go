@@ -61,7 +61,7 @@ func ExampleNew() {
 			panic(err)
 		}
 		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
+		_ = resp.Body.Close()
 		fmt.Println(resp.StatusCode, string(body), "replayed:", resp.Header.Get(httpidem.ReplayedHeader) == "true")
 	}
 	// Output:
@@ -109,7 +109,7 @@ func ExampleMiddleware_Route() {
 		panic(err)
 	}
 	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	_ = resp.Body.Close()
 	fmt.Println(resp.StatusCode, string(body))
 	// Output: 200 {"charged":true}
 }

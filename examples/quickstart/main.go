@@ -30,8 +30,9 @@ func main() {
 	schema := flag.String("schema", "idem_quickstart", "schema of the idem tables and the ledger (migrated on start)")
 	flag.Parse()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if err := run(ctx, os.Getenv("DATABASE_URL"), *schema); err != nil {
+	err := run(ctx, os.Getenv("DATABASE_URL"), *schema)
+	cancel()
+	if err != nil {
 		log.Fatal(err)
 	}
 }
@@ -110,8 +111,8 @@ func run(ctx context.Context, databaseURL, schema string) error {
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	go func() { _ = router.Run(ctx) }()
-	defer router.Close()
+	go func() { _ = router.Run(ctx) }() // its error is Close's
+	defer func() { _ = router.Close() }()
 	<-router.Running()
 
 	d, err := effects.NewDispatcher(effects.Config{

@@ -145,7 +145,7 @@ func looksLikeGo(code string) bool {
 
 func indentedText(src []byte, block *mdast.CodeBlock) string {
 	var b strings.Builder
-	for i := 0; i < block.Lines().Len(); i++ {
+	for i := range block.Lines().Len() {
 		seg := block.Lines().At(i)
 		b.Write(seg.Value(src))
 	}
@@ -160,7 +160,7 @@ func markerBefore(src []byte, block *mdast.FencedCodeBlock) (kind, arg string) {
 		return "", ""
 	}
 	var b strings.Builder
-	for i := 0; i < prev.Lines().Len(); i++ {
+	for i := range prev.Lines().Len() {
 		seg := prev.Lines().At(i)
 		b.Write(seg.Value(src))
 	}
@@ -212,7 +212,7 @@ func blockText(src []byte, block *mdast.FencedCodeBlock) (start, stop int, conte
 		return i + 1, i + 1, ""
 	}
 	var b strings.Builder
-	for i := 0; i < lines.Len(); i++ {
+	for i := range lines.Len() {
 		seg := lines.At(i)
 		b.Write(seg.Value(src))
 	}
