@@ -23,7 +23,7 @@ func BenchmarkMiddleware(b *testing.B) {
 	require.NoError(b, err)
 	c, err := consumer.New(consumer.Config{Name: "bench", Pool: pool, Schema: schema})
 	require.NoError(b, err)
-	defer c.Close()
+	defer func() { require.NoError(b, c.Close()) }()
 	h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx := consumer.Tx(ctx)

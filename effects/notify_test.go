@@ -25,7 +25,7 @@ func TestEnqueueNotifiesItself(t *testing.T) {
 
 	listener, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig)
 	require.NoError(t, err)
-	defer listener.Close(ctx)
+	defer func() { require.NoError(t, listener.Close(ctx)) }()
 	_, err = listener.Exec(ctx, `LISTEN idem_effects`)
 	require.NoError(t, err)
 	// notified returns the payloads for this schema that arrive within wait.

@@ -195,12 +195,12 @@ func Score(name, tenant string) uint64 {
 		prime  = 1099511628211
 	)
 	h := uint64(offset)
-	for i := 0; i < len(name); i++ {
+	for i := range len(name) {
 		h ^= uint64(name[i])
 		h *= prime
 	}
 	h *= prime // the zero byte between name and tenant
-	for i := 0; i < len(tenant); i++ {
+	for i := range len(tenant) {
 		h ^= uint64(tenant[i])
 		h *= prime
 	}

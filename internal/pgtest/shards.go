@@ -148,10 +148,10 @@ func lockShards(tb testing.TB, how int) {
 		tb.Fatalf("shard lock: %v", err)
 	}
 	if err := syscall.Flock(int(f.Fd()), how); err != nil {
-		f.Close()
+		_ = f.Close()
 		tb.Fatalf("shard lock: %v", err)
 	}
-	tb.Cleanup(func() { f.Close() })
+	tb.Cleanup(func() { _ = f.Close() }) // closing the file releases the lock
 }
 
 func shardMap(tb testing.TB, opts []Options) *shard.Map {
@@ -210,7 +210,7 @@ func pingURL(ctx context.Context, url string) error {
 	if err != nil {
 		return err
 	}
-	defer conn.Close(ctx)
+	defer func() { _ = conn.Close(ctx) }()
 	return conn.Ping(ctx)
 }
 
@@ -223,7 +223,7 @@ func dropOn(tb testing.TB, url, schema string) {
 		conn, err := pgx.Connect(ctx, url)
 		if err == nil {
 			_, err = conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
-			conn.Close(ctx)
+			_ = conn.Close(ctx) // the drop's error is the one that matters
 		}
 		cancel()
 		if err == nil {
