@@ -30,7 +30,7 @@
 //     after Config.ReorderIdle). Copies and redeliveries still arrive out of order.
 //   - Redeliveries of acked messages come from the Subscriber's memory; they stop
 //     when it is closed. A real broker's redeliveries after a crash are tested by
-//     killing the process that holds the broker connection (see README.md).
+//     killing the process that holds the broker connection (see docs/testing.md).
 //   - It imports nothing public of idem: it works around any consumer, which is
 //     how it can compare idem with a peer in the same run. It does not read idem's
 //     metrics; pass the counts you have to [AuditQuery].

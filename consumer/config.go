@@ -63,8 +63,8 @@ const (
 	// effects.Enqueue answers Result{Deferred: true} (see effects.Buffer).
 	GroupCommit
 	// Lease mode: the inbox row commits first as processing, with a lease and a fence,
-	// for handlers that must call the outside world themselves. See the README for
-	// what this mode cannot promise.
+	// for handlers that must call the outside world themselves. See docs/consumers.md
+	// for what this mode cannot promise.
 	Lease
 )
 
@@ -313,7 +313,7 @@ func MetadataKey(field string) KeyFunc {
 // ErrBusinessKey (code "business_key") and fn's error, whatever OnPermanent says.
 // Without a middleware.PoisonQueue outside idem the message is nacked and
 // redelivered forever; on Kafka it stalls its partition. Put a PoisonQueue filtered
-// on IsPermanent outside idem (see the README's middleware order), so a malformed
+// on IsPermanent outside idem (see the middleware order in docs/consumers.md), so a malformed
 // message goes to the poison topic and is acked.
 func BusinessKey(fn func(payload []byte) (string, error)) KeyFunc {
 	return func(msg *message.Message) (string, error) {

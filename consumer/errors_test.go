@@ -96,7 +96,7 @@ func TestBusinessKeyErrorIsCodedAndPoisonable(t *testing.T) {
 		require.Zero(t, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`), "nothing to record it under")
 		require.Equal(t, 1.0, series(t, b.reg, "idem_inbox_failed_total", map[string]string{"code": "business_key"}))
 
-		// With the README's stack, the poison topic takes it and the rest flows.
+		// With the documented stack, the poison topic takes it and the rest flows.
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
 		defer func() { require.NoError(t, pubsub.Close()) }()
 		poisoned, err := pubsub.Subscribe(context.Background(), "poison")

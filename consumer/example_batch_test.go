@@ -9,12 +9,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/migrate"
 )
 
 // A batch handler writes a whole batch's ledger rows with one INSERT … SELECT FROM
@@ -22,23 +19,14 @@ import (
 // one of them twice and one undecodable: three ledger rows, three receipt effects,
 // and one recorded failure.
 func ExampleConsumer_HandleBatch() {
+	pool, schema, cleanup := exampleDB(`CREATE TABLE ledger (payment text PRIMARY KEY, amount bigint)`)
+	defer cleanup()
 	ctx := context.Background()
-	schema := pgtest.NewSchemaName() // use "idem" (the default) in your service
-	pool, _ := pgxpool.New(ctx, pgtest.URL())
-	defer pool.Close()
-	defer func() { _, _ = pool.Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`) }()
 
-	m, _ := migrate.New(migrate.Config{Pool: pool, Schema: schema})
-	if _, err := m.Up(ctx); err != nil {
-		fmt.Println(err)
-		return
+	idem, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: schema, MaxBatch: 256})
+	if err != nil {
+		panic(err)
 	}
-	if _, err := pool.Exec(ctx, `CREATE TABLE `+schema+`.ledger (payment text PRIMARY KEY, amount bigint)`); err != nil {
-		fmt.Println(err)
-		return
-	}
-
-	idem, _ := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: schema, MaxBatch: 256})
 	defer func() { _ = idem.Close() }()
 	handler := idem.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
 		var ids []string
@@ -51,6 +39,9 @@ func ExampleConsumer_HandleBatch() {
 				continue
 			}
 			ids, amounts = append(ids, m.UUID), append(amounts, p.Amount)
+			// m.Context() carries the message's effects scope: the effect belongs to
+			// this message (and its tenant), and is written with the batch's others in
+			// one statement.
 			if _, err := effects.Enqueue(m.Context(), tx, effects.Effect{
 				Kind: "email", Key: "receipt:" + m.UUID, Payload: m.Payload,
 			}); err != nil {
@@ -58,9 +49,9 @@ func ExampleConsumer_HandleBatch() {
 			}
 		}
 		if len(failed) > 0 {
-			return errors.Join(failed...)
+			return errors.Join(failed...) // idem runs the batch again without these
 		}
-		_, err := tx.Exec(ctx, `INSERT INTO `+schema+`.ledger SELECT * FROM unnest($1::text[], $2::bigint[])`, ids, amounts)
+		_, err := tx.Exec(ctx, `INSERT INTO ledger SELECT * FROM unnest($1::text[], $2::bigint[])`, ids, amounts)
 		return err
 	})
 
@@ -77,14 +68,9 @@ func ExampleConsumer_HandleBatch() {
 	}
 	wg.Wait()
 	var ledger, emails, failed int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.ledger`).Scan(&ledger); err != nil {
-		fmt.Println(err)
-	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.effects`).Scan(&emails); err != nil {
-		fmt.Println(err)
-	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.inbox WHERE state = 'failed'`).Scan(&failed); err != nil {
-		fmt.Println(err)
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger), (SELECT count(*) FROM effects),
+		(SELECT count(*) FROM inbox WHERE state = 'failed')`).Scan(&ledger, &emails, &failed); err != nil {
+		panic(err)
 	}
 	fmt.Println("ledger rows:", ledger, "email effects:", emails, "recorded failures:", failed)
 	// Output: ledger rows: 3 email effects: 3 recorded failures: 1

@@ -25,7 +25,7 @@ import (
 )
 
 // A handler that forwards the message it received must not have
-// that message's UUID rewritten: under the README's stack (Retry outside idem), a
+// that message's UUID rewritten: under the documented stack (Retry outside idem), a
 // commit that fails once is retried with the same key, and a later redelivery of
 // the message is a duplicate. Were the UUID rewritten, the retry would claim the
 // output UUID and the redelivery would run the work a second time under the

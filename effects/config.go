@@ -80,7 +80,7 @@ type Config struct {
 	// Concurrency + min(Concurrency, BatchSize) claims of a kind: the ones being sent
 	// and one round waiting, each until its outcome is recorded. So one claim takes
 	// at most min(BatchSize, that bound); for a fast sender, raise both, with
-	// Concurrency about twice BatchSize (see the README's Senders section).
+	// Concurrency about twice BatchSize (see docs/effects.md).
 	Concurrency map[string]int
 	// Lease is how long a claim lasts (DefaultLease). A Send's context ends a tenth
 	// of the lease before the lease does.

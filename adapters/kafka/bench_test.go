@@ -22,7 +22,7 @@ var payload16 = []byte("0123456789abcdef")
 
 // BenchmarkSubscribeAck measures how fast one Subscriber (one group member)
 // delivers and acks messages that are already in the topic: the number the
-// README compares with Watermill's "Subscribe (messages / s)".
+// docs/benchmarks.md compares with Watermill's "Subscribe (messages / s)".
 func BenchmarkSubscribeAck(b *testing.B) {
 	brokers := externalBrokers()
 	if brokers == nil {

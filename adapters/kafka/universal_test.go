@@ -33,7 +33,7 @@ func universalFeatures() tests.Features {
 const universalPartitions = 4
 
 // patientPublisher publishes again, for up to two minutes, when Publish fails,
-// as the README tells users to (the same UUIDs; duplicates are the inbox's to
+// as docs/kafka.md tells users to (the same UUIDs; duplicates are the inbox's to
 // drop). Watermill's suite publishes from goroutines that call require.NoError:
 // a failure there ends the goroutine without its WaitGroup's Done, and the
 // suite then hangs until the test binary's timeout instead of failing. On a

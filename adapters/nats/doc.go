@@ -46,7 +46,7 @@
 //     channel in any order, and subscribers of one durable get disjoint
 //     parts of the stream.
 //   - Advisory-based MaxDeliver reports when no instance is connected: see
-//     MaxDelivered and the README.
+//     MaxDelivered and docs/nats.md.
 //
 // The connection (*nats.Conn) belongs to the caller; Close on a Publisher or
 // Subscriber leaves it open.

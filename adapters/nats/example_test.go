@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats-server/v2/server"
 	natsgo "github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	idemnats "github.com/idemkit/idem/adapters/nats"
 )
@@ -17,33 +18,36 @@ import (
 // A handler fails once, and the message comes back after the nak delay with
 // its delivery count; then a permanent failure ends it with Term.
 func Example() {
-	dir, _ := os.MkdirTemp("", "idem-nats-example")
-	defer func() { _ = os.RemoveAll(dir) }()
-	srv, _ := server.NewServer(&server.Options{Port: -1, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true})
-	go srv.Start()
-	srv.ReadyForConnections(10 * time.Second)
-	defer srv.WaitForShutdown()
-	defer srv.Shutdown()
+	nc, topic, cleanup := exampleServer("orders")
+	defer cleanup()
 
-	nc, err := natsgo.Connect(srv.ClientURL())
+	// The connection is yours: Close on the adapters leaves it open.
+	topo := idemnats.Topology{AutoProvision: true} // one stream per topic, subject = topic
+	pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
 	if err != nil {
-		fmt.Println(err)
-		return
+		panic(err)
 	}
-	defer nc.Close()
-
-	topo := idemnats.Topology{AutoProvision: true}
-	pub, _ := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
 	defer func() { _ = pub.Close() }()
-	sub, _ := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
-		Topology: topo,
-		Durable:  "billing",
-		NakDelay: func(uint64) time.Duration { return 100 * time.Millisecond },
+	sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
+		Topology:     topo,
+		Durable:      "billing-" + topic, // the consumer group; required
+		Concurrency:  16,                 // messages held at once; MaxAckPending follows
+		Consumer:     jetstream.ConsumerConfig{AckWait: 30 * time.Second, MaxDeliver: 20},
+		OnMaxDeliver: idemnats.PublishDeadLetter(pub, topic+".dead"),
+		NakDelay:     func(uint64) time.Duration { return 100 * time.Millisecond },
 	})
+	if err != nil {
+		panic(err)
+	}
 	defer func() { _ = sub.Close() }()
 
-	msgs, _ := sub.Subscribe(context.Background(), "orders")
-	_ = pub.Publish("orders", message.NewMessage("order-1", []byte(`{"total":42}`)))
+	msgs, err := sub.Subscribe(context.Background(), topic)
+	if err != nil {
+		panic(err)
+	}
+	if err := pub.Publish(topic, message.NewMessage("order-1", []byte(`{"total":42}`))); err != nil {
+		panic(err)
+	}
 
 	handle := func(msg *message.Message) error {
 		fmt.Println(msg.UUID, "delivery", msg.Metadata.Get(idemnats.MetadataNumDelivered),
@@ -62,12 +66,55 @@ func Example() {
 			msg.Ack()
 		}
 	}
-	time.Sleep(100 * time.Millisecond)
 	st := sub.Stats()
+	for deadline := time.Now().Add(10 * time.Second); st.Terminated == 0 && time.Now().Before(deadline); st = sub.Stats() {
+		time.Sleep(10 * time.Millisecond) // the Term is sent after Nack returns
+	}
 	fmt.Println("acked", st.Acked, "nacked", st.Nacked, "terminated", st.Terminated)
 
 	// Output:
 	// order-1 delivery 1 seq 1
 	// order-1 delivery 2 seq 1
 	// acked 0 nacked 1 terminated 1
+}
+
+// exampleServer is the example's test plumbing: a connection to NATS_URL with a
+// fresh topic name, or else to an embedded JetStream server. cleanup closes the
+// connection, deletes the topic's stream from NATS_URL, and stops an embedded
+// server.
+func exampleServer(topic string) (nc *natsgo.Conn, name string, cleanup func()) {
+	if url := os.Getenv("NATS_URL"); url != "" {
+		nc, err := natsgo.Connect(url)
+		if err != nil {
+			panic(err)
+		}
+		name = fmt.Sprintf("%s_%d", topic, time.Now().UnixNano())
+		return nc, name, func() {
+			if js, err := nc.JetStream(); err == nil {
+				_ = js.DeleteStream(idemnats.DefaultStreamName(name))
+			}
+			nc.Close()
+		}
+	}
+	dir, err := os.MkdirTemp("", "idem-nats-example")
+	if err != nil {
+		panic(err)
+	}
+	srv, err := server.NewServer(&server.Options{Port: -1, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true})
+	if err != nil {
+		panic(err)
+	}
+	go srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		panic("embedded nats-server did not start")
+	}
+	if nc, err = natsgo.Connect(srv.ClientURL()); err != nil {
+		panic(err)
+	}
+	return nc, topic, func() {
+		nc.Close()
+		srv.Shutdown()
+		srv.WaitForShutdown()
+		_ = os.RemoveAll(dir)
+	}
 }

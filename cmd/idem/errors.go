@@ -19,7 +19,7 @@ import (
 	"github.com/idemkit/idem/janitor"
 )
 
-// Exit codes, the same for every command (README "The idem CLI").
+// Exit codes, the same for every command (docs/cli.md).
 const (
 	exitOK      = 0
 	exitFailure = 1

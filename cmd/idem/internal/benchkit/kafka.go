@@ -25,8 +25,8 @@ import (
 	"github.com/idemkit/idem/consumer"
 )
 
-// Defaults of the Kafka setups, from measurements on kfake (docs/architecture.md,
-// "Performance: the batch path"): the cost a message in the Go process falls with
+// Defaults of the Kafka setups, from measurements on kfake (docs/architecture/measurements.md,
+// "The batch path"): the cost a message in the Go process falls with
 // fewer partitions (fewer produce batches, fetches and broker requests a message),
 // and MaxInFlightPerPartition keeps batches full from few partitions.
 const (

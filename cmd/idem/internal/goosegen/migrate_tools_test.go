@@ -1,9 +1,9 @@
 package main
 
-// The README promises that the migration files work with goose and golang-migrate
+// docs/migrations.md promises that the migration files work with goose and golang-migrate
 // as well as with idem's own Migrator. These tests apply them with each tool as a
-// library, into a fresh schema chosen by search_path alone (as the README's
-// commands do), and check that the schema each tool makes is the Migrator's:
+// library, into a fresh schema chosen by search_path alone (as the
+// commands of docs/migrations.md do), and check that the schema each tool makes is the Migrator's:
 // tables, columns, indexes, constraints, the trigger and its function, compared
 // through the catalog.
 
@@ -210,7 +210,7 @@ func TestGolangMigrateAppliesTheMigrations(t *testing.T) {
 	t.Parallel()
 	want := migratorCatalog(t)
 	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
-	// As the README's command: the directory on disk (with the goose directory
+	// As docs/migrations.md's command: the directory on disk (with the goose directory
 	// inside it, which golang-migrate skips) and the pgx5 driver.
 	m, err := gomigrate.New("file://"+srcDir, searchPathURL(t, "pgx5", schema))
 	require.NoError(t, err)

@@ -27,7 +27,7 @@ import (
 	"github.com/idemkit/idem/janitor"
 )
 
-// appGrants is what the README tells users to grant the role their services run
+// appGrants is what docs/database.md tells users to grant the role their services run
 // as, once the schema's owner has run the migrations. Nothing more is needed.
 const appGrants = `GRANT USAGE ON SCHEMA %[1]s TO %[2]s;
 	GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA %[1]s TO %[2]s`

@@ -5,8 +5,8 @@
 //     failure metrics), built on
 //     one registry, makes every series a dashboard needs at 0 before any work, and
 //     every metric family the spec's Observability section names (a list in the
-//     test: the spec lives outside the repository) and the README's Metrics
-//     section names is among them, and the README names every one of them;
+//     test: the spec lives outside the repository) and the Metrics section of
+//     docs/observability.md names is among them, and that page names every one of them;
 //   - docs/grafana/idem-dashboard.json decodes strictly into the Grafana Foundation
 //     SDK's dashboard types (unknown fields refused), and every PromQL expression in
 //     it names only metric families, labels and label values that those components

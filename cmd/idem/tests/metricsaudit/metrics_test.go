@@ -109,12 +109,12 @@ func TestEverySeriesExistsAtZeroBeforeAnyWork(t *testing.T) {
 	}
 	for _, name := range readme {
 		_, ok := w.families[name]
-		require.True(t, ok, "the README's Metrics table names %s, but no component registers it before any work", name)
+		require.True(t, ok, "docs/observability.md's Metrics table names %s, but no component registers it before any work", name)
 	}
 	require.NotEmpty(t, w.families)
 	for name, mf := range w.families {
 		require.True(t, strings.HasPrefix(name, "idem_"), "%s: only idem's families are on this registry", name)
-		require.Contains(t, readme, name, "%s is registered but missing from the README's Metrics table", name)
+		require.Contains(t, readme, name, "%s is registered but missing from docs/observability.md's Metrics table", name)
 
 		label, values := w.ownerLabel(name)
 		require.NotEmpty(t, label, "%s: no component owns this prefix; teach ownerLabel about it", name)
@@ -153,12 +153,12 @@ func requireZero(t *testing.T, name string, typ dto.MetricType, m *dto.Metric) {
 var metricName = regexp.MustCompile("idem_[a-z0-9_]+")
 
 // readmeMetricNames are the families in the first column of the table in the
-// README's "### Metrics" section.
+// "## Metrics" section of the guide's observability page (docs/observability.md).
 func readmeMetricNames(t *testing.T) []string {
 	t.Helper()
-	body, err := os.ReadFile(filepath.Join(repoRoot, "README.md"))
+	body, err := os.ReadFile(filepath.Join(repoRoot, "docs", "observability.md"))
 	require.NoError(t, err)
-	section := markdownSection(t, string(body), "### Metrics")
+	section := markdownSection(t, string(body), "## Metrics")
 	var names []string
 	for _, line := range strings.Split(section, "\n") {
 		if !strings.HasPrefix(line, "| `idem_") {
@@ -167,14 +167,14 @@ func readmeMetricNames(t *testing.T) []string {
 		first := strings.Split(line, "|")[1]
 		names = append(names, metricName.FindString(first))
 	}
-	require.NotEmpty(t, names, "the README's Metrics section has no table of idem_ metrics")
+	require.NotEmpty(t, names, "docs/observability.md's Metrics section has no table of idem_ metrics")
 	sort.Strings(names)
 	return slices.Compact(names)
 }
 
 // specMetrics are the families DESIGN.md's Observability section names: the spec
 // lives outside the repository, so its list is kept here, and a family the spec
-// asks for cannot leave the code and the README together unnoticed.
+// asks for cannot leave the code and the docs together unnoticed.
 var specMetrics = []string{
 	"idem_effects_attempts_total", "idem_effects_dead_total", "idem_effects_lag_seconds",
 	"idem_effects_pending", "idem_inbox_duplicate_age_seconds", "idem_inbox_duplicates_total",

@@ -24,6 +24,7 @@ var toolOnly = []string{
 	"github.com/golang-migrate/",                // the golang-migrate migration test
 	"github.com/grafana/grafana-foundation-sdk", // the dashboard audit
 	"github.com/emersion/go-smtp",               // the demo's and the examples' SMTP
+	"github.com/yuin/goldmark",                  // the docs' snippet and link checks
 }
 
 // TestLibraryModuleNeedsNoToolDependency lists the library module's whole module

@@ -1,0 +1,19 @@
+// Package docs holds tests, and nothing else, that keep README.md and the guide in
+// docs/ true: every fenced Go block is either the text of a Go file that builds
+// and runs (an Example function or an example program) or marked as a fragment
+// on purpose, and every relative link and #anchor resolves.
+//
+// A Go block is tied to its source by an HTML comment on the line before it,
+// which GitHub does not show:
+//
+//	<!-- snippet: consumer/example_test.go body=Example -->
+//	<!-- snippet: effects/example_enqueue_test.go decl=webhookSender,webhookSender.Send -->
+//	<!-- snippet: examples/quickstart/main.go -->
+//	<!-- fragment: the reason it cannot compile alone -->
+//
+// body=F is the body of function F, one tab less indented; decl=A,B are the
+// declarations A and B (a type, a function, or T.Method), with their doc
+// comments, one blank line apart; no selector is the whole file. Paths are from
+// the repository's root. Run the tests with -update to rewrite every snippet
+// from its source.
+package docs
