@@ -1,7 +1,8 @@
 // Package docs holds tests, and nothing else, that keep README.md and the guide in
 // docs/ true: every fenced Go block is either the text of a Go file that builds
-// and runs (an Example function or an example program) or marked as a fragment
-// on purpose, and every relative link and #anchor resolves.
+// (an Example function, an example program, or a doc* function in a package's
+// example_docs_test.go, compiled by its tests and not run) or marked as a
+// fragment on purpose, and every relative link and #anchor resolves.
 //
 // A Go block is tied to its source by an HTML comment on the line before it,
 // which GitHub does not show:
