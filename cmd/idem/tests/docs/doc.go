@@ -1,8 +1,9 @@
 // Package docs holds tests, and nothing else, that keep README.md and the guide in
 // docs/ true: every fenced Go block is either the text of a Go file that builds
 // (an Example function, an example program, or a doc* function in a package's
-// example_docs_test.go, compiled by its tests and not run) or marked as a
-// fragment on purpose, and every relative link and #anchor resolves.
+// example_docs_test.go, compiled by its tests and not run), and every relative
+// link and #anchor resolves. A block marked <!-- fragment: why --> fails the test:
+// nothing would compile it.
 //
 // A Go block is tied to its source by an HTML comment on the line before it,
 // which GitHub does not show:
@@ -10,7 +11,6 @@
 //	<!-- snippet: consumer/example_test.go body=Example -->
 //	<!-- snippet: effects/example_enqueue_test.go decl=webhookSender,webhookSender.Send -->
 //	<!-- snippet: examples/quickstart/main.go -->
-//	<!-- fragment: the reason it cannot compile alone -->
 //
 // body=F is the body of function F, one tab less indented; decl=A,B are the
 // declarations A and B (a type, a function, or T.Method), with their doc

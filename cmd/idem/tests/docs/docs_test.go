@@ -65,7 +65,8 @@ func parse(t *testing.T, page string) ([]byte, mdast.Node) {
 var marker = regexp.MustCompile(`^<!--\s*(snippet|fragment):\s*(.*?)\s*-->\s*$`)
 
 // TestGoSnippetsMatchTheirSources checks every fenced Go block of every page
-// against the Go file it names, or that it says why it is a fragment.
+// against the Go file it names; a block marked as a fragment fails, since nothing
+// compiles it.
 func TestGoSnippetsMatchTheirSources(t *testing.T) {
 	for _, page := range pages(t) {
 		t.Run(page, func(t *testing.T) {
@@ -77,7 +78,7 @@ func TestGoSnippetsMatchTheirSources(t *testing.T) {
 			var edits []edit
 			err := mdast.Walk(doc, func(n mdast.Node, entering bool) (mdast.WalkStatus, error) {
 				if indented, ok := n.(*mdast.CodeBlock); ok && entering && looksLikeGo(indentedText(src, indented)) {
-					t.Errorf("%s:%d: an indented block of Go: make it a fenced go block with a snippet or fragment marker", page,
+					t.Errorf("%s:%d: an indented block of Go: make it a fenced go block with a snippet marker", page,
 						bytes.Count(src[:indented.Lines().At(0).Start], []byte("\n"))+1)
 					return mdast.WalkContinue, nil
 				}
@@ -89,12 +90,10 @@ func TestGoSnippetsMatchTheirSources(t *testing.T) {
 				kind, arg := markerBefore(src, block)
 				switch kind {
 				case "fragment":
-					if arg == "" {
-						t.Errorf("%s:%d: a fragment marker gives its reason", page, line)
-					}
+					t.Errorf("%s:%d: a Go block that nothing compiles (%s): show it from a Go source instead, e.g. a doc* function in the package's example_docs_test.go, with <!-- snippet: file.go body=docX -->", page, line, arg)
 					return mdast.WalkContinue, nil
 				case "":
-					t.Errorf("%s:%d: a Go block needs <!-- snippet: file.go body=Example --> (the Go source it shows) or <!-- fragment: why --> on the line before it", page, line)
+					t.Errorf("%s:%d: a Go block needs <!-- snippet: file.go body=Example --> (the Go source it shows) on the line before it", page, line)
 					return mdast.WalkContinue, nil
 				}
 				want, err := snippet(arg)
