@@ -210,7 +210,12 @@ func TestListenBackoffResetsAfterReconnect(t *testing.T) {
 	waitState(t, pool, "n", "after-cuts", "done", 30*time.Second)
 }
 
-const listenerQuery = `FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN idem_effects' AND state = 'idle'`
+// listenerQuery finds the LISTEN connection idle after LISTEN for 300 ms: the
+// server shows LISTEN done before the client has read its answer, and a cut in
+// between is, to the Dispatcher, a connection that never listened (its backoff
+// rightly goes on growing). 300 ms idle leaves the client time to read it.
+const listenerQuery = `FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN idem_effects' AND state = 'idle'
+	AND state_change < now() - interval '300 milliseconds'`
 
 // listener is the pid of the dispatcher's LISTEN connection once it got as far as
 // LISTEN (idle after it), or 0. A backend terminated a moment ago can still be
