@@ -2,7 +2,6 @@ package consumer
 
 import (
 	"errors"
-	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -25,19 +24,16 @@ type shards struct {
 
 // newSharded builds one Consumer a shard, sharing the Prometheus collectors.
 func newSharded(cfg Config) (*Consumer, error) {
-	s := &shards{m: cfg.Shards, tenant: cfg.Tenant}
-	for _, sh := range cfg.Shards.Shards {
+	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Consumer, error) {
 		one := cfg
-		one.Shards = nil
-		one.Pool = sh.Pool
-		one.Schema = sh.SchemaName()
+		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
 		one.Logger = cfg.Logger.With("shard", sh.Name)
-		c, err := New(one)
-		if err != nil {
-			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
-		}
-		s.each = append(s.each, c)
+		return New(one)
+	})
+	if err != nil {
+		return nil, err
 	}
+	s := &shards{m: cfg.Shards, tenant: cfg.Tenant, each: each}
 	return &Consumer{cfg: cfg, shards: s, metrics: s.each[0].metrics, log: cfg.Logger}, nil
 }
 

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/shard"
 )
 
 // shardSet is a Dispatcher's shard map: one single-database Dispatcher a shard, in
@@ -21,20 +23,20 @@ type shardSet struct {
 }
 
 func newShardedDispatcher(cfg Config) (*Dispatcher, error) {
-	s := &shardSet{names: cfg.Shards.Names()}
-	for _, sh := range cfg.Shards.Shards {
+	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Dispatcher, error) {
 		one := cfg
-		one.Shards = nil
-		one.Pool = sh.Pool
-		one.Schema = sh.SchemaName()
+		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
 		one.Logger = cfg.Logger.With("shard", sh.Name)
 		d, err := NewDispatcher(one)
-		if err != nil {
-			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
+		if err == nil {
+			d.noPending = true // the sharded Dispatcher counts the sum
 		}
-		d.noPending = true
-		s.each = append(s.each, d)
+		return d, err
+	})
+	if err != nil {
+		return nil, err
 	}
+	s := &shardSet{names: cfg.Shards.Names(), each: each}
 	return &Dispatcher{cfg: cfg, log: cfg.Logger, m: s.each[0].m, shards: s}, nil
 }
 

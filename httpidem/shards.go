@@ -1,7 +1,6 @@
 package httpidem
 
 import (
-	"fmt"
 	"net/http"
 
 	"github.com/idemkit/idem/inbox"
@@ -17,19 +16,16 @@ type shardSet struct {
 }
 
 func newSharded(cfg Config) (*Middleware, error) {
-	s := &shardSet{m: cfg.Shards}
-	for _, sh := range cfg.Shards.Shards {
+	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Middleware, error) {
 		one := cfg
-		one.Shards = nil
-		one.Pool = sh.Pool
-		one.Schema = sh.SchemaName()
+		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
 		one.Logger = cfg.Logger.With("shard", sh.Name)
-		mw, err := New(one)
-		if err != nil {
-			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
-		}
-		s.each = append(s.each, mw)
+		return New(one)
+	})
+	if err != nil {
+		return nil, err
 	}
+	s := &shardSet{m: cfg.Shards, each: each}
 	return &Middleware{cfg: cfg, metrics: s.each[0].metrics, log: cfg.Logger, shards: s}, nil
 }
 

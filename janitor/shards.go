@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/idemkit/idem/shard"
 )
 
 // shardSet is a Janitor's shard map: one single-database Janitor a shard, in map
@@ -17,19 +19,16 @@ type shardSet struct {
 }
 
 func newSharded(cfg Config) (*Janitor, error) {
-	s := &shardSet{names: cfg.Shards.Names()}
-	for _, sh := range cfg.Shards.Shards {
+	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Janitor, error) {
 		one := cfg
-		one.Shards = nil
-		one.Pool = sh.Pool
-		one.Schema = sh.SchemaName()
+		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
 		one.Logger = cfg.Logger.With("shard", sh.Name)
-		j, err := New(one)
-		if err != nil {
-			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
-		}
-		s.each = append(s.each, j)
+		return New(one)
+	})
+	if err != nil {
+		return nil, err
 	}
+	s := &shardSet{names: cfg.Shards.Names(), each: each}
 	return &Janitor{cfg: cfg, shards: s}, nil
 }
 

@@ -222,3 +222,18 @@ func (m *Map) ValidateConfig(hasPool bool, schema string) error {
 	}
 	return m.Validate()
 }
+
+// Each builds one value for each shard of m, in map order, by calling build with
+// the shard; an error says which shard it came from. idem's packages build their
+// single-database parts of a shard map with it.
+func Each[T any](m *Map, build func(Shard) (T, error)) ([]T, error) {
+	out := make([]T, 0, len(m.Shards))
+	for _, sh := range m.Shards {
+		v, err := build(sh)
+		if err != nil {
+			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
