@@ -163,7 +163,7 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 	var failed atomic.Pointer[error]
 
 	for _, s := range m.Shards {
-		if err := warmShardPool(ctx, s.Pool); err != nil {
+		if err := warm(ctx, s.Pool); err != nil {
 			return ShardResult{}, err
 		}
 	}
@@ -268,23 +268,4 @@ func shardBenchAppName() string {
 	b := make([]byte, 6)
 	_, _ = rand.Read(b)
 	return "idem-bench-sh-" + hex.EncodeToString(b)
-}
-
-// warmShardPool opens every connection of the pool, so that the backends'
-// start-up is not counted.
-func warmShardPool(ctx context.Context, pool *pgxpool.Pool) error {
-	conns := make([]*pgxpool.Conn, 0, pool.Config().MaxConns)
-	defer func() {
-		for _, c := range conns {
-			c.Release()
-		}
-	}()
-	for range pool.Config().MaxConns {
-		c, err := pool.Acquire(ctx)
-		if err != nil {
-			return err
-		}
-		conns = append(conns, c)
-	}
-	return nil
 }
