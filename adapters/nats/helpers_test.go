@@ -2,8 +2,10 @@ package nats_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -26,7 +28,9 @@ func TestMain(m *testing.M) {
 // embedded one. The restart tests run embedded only, since they stop the server.
 func externalURL() string { return os.Getenv("NATS_URL") }
 
-// startEmbedded starts a JetStream server in the process, storing under dir.
+// startEmbedded starts a JetStream server in the process, storing under dir. The
+// server's warnings and errors go to the test's log: an API error such as
+// "error creating store for stream" says why only there.
 func startEmbedded(t testing.TB, dir string, port int) *server.Server {
 	t.Helper()
 	s, err := server.NewServer(&server.Options{
@@ -34,14 +38,45 @@ func startEmbedded(t testing.TB, dir string, port int) *server.Server {
 		Port:      port,
 		JetStream: true,
 		StoreDir:  dir,
-		NoLog:     true,
 		NoSigs:    true,
 	})
 	require.NoError(t, err)
+	l := &testLogger{t: t}
+	s.SetLoggerV2(l, false, false, false)
+	t.Cleanup(l.stop) // registered before the caller's Shutdown: runs after it
 	go s.Start()
 	require.True(t, s.ReadyForConnections(10*time.Second), "embedded nats-server did not start")
 	return s
 }
+
+// testLogger writes an embedded server's warnings and errors to the test's log
+// until stop, after which (the test is ending) it drops them.
+type testLogger struct {
+	t       testing.TB
+	mu      sync.Mutex
+	stopped bool
+}
+
+func (l *testLogger) stop() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.stopped = true
+}
+
+func (l *testLogger) logf(level, format string, v []any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.stopped {
+		l.t.Logf("nats-server %s: %s", level, fmt.Sprintf(format, v...))
+	}
+}
+
+func (l *testLogger) Noticef(string, ...any)         {}
+func (l *testLogger) Debugf(string, ...any)          {}
+func (l *testLogger) Tracef(string, ...any)          {}
+func (l *testLogger) Warnf(format string, v ...any)  { l.logf("warning", format, v) }
+func (l *testLogger) Errorf(format string, v ...any) { l.logf("error", format, v) }
+func (l *testLogger) Fatalf(format string, v ...any) { l.logf("fatal", format, v) }
 
 // forEachServer runs fn as a subtest against a fresh embedded server, always,
 // and against NATS_URL when that is set. The subtests are named after the
