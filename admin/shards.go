@@ -329,7 +329,7 @@ func (s ShardStats) Up() bool { return s.Error == "" }
 
 func (a *Admin) shardedStats(ctx context.Context) (*Stats, error) {
 	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*Stats, error) { return s.Stats(ctx) })
-	out := &Stats{Schema: a.cfg.Schema, Consumers: []ConsumerStats{}, Effects: []KindStats{}}
+	out := &Stats{Schema: a.Schema(), Consumers: []ConsumerStats{}, Effects: []KindStats{}}
 	consumers := map[string]*ConsumerStats{}
 	kinds := map[string]*KindStats{}
 	for i, st := range res {

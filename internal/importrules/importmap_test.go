@@ -149,7 +149,8 @@ func TestImportMapMatchesGoList(t *testing.T) {
 }
 
 // TestImportMapCatchesDrift: a wrong edge, a missing edge, a missing row and a row
-// for no package each fail, naming the line to fix.
+// for no package each fail, naming the line to fix (whether or not the page
+// matches go list as it is).
 func TestImportMapCatchesDrift(t *testing.T) {
 	t.Parallel()
 	pkgs := listPackages(t)
@@ -179,7 +180,8 @@ func TestImportMapCatchesDrift(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			require.NotEqual(t, page, tc.page, "the edit changed the page")
-			require.Equal(t, []string{tc.want}, mapDiff(tc.page, pkgs))
+			require.NotContains(t, mapDiff(page, pkgs), tc.want)
+			require.Contains(t, mapDiff(tc.page, pkgs), tc.want)
 		})
 	}
 }
