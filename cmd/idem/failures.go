@@ -52,8 +52,8 @@ func runFailuresList(ctx context.Context, e *env, args []string, o failuresListO
 	if len(args) > 0 {
 		return usagef("takes no arguments, got %q; to see one group: idem failures show ID", args)
 	}
-	if o.p.Limit < 1 || o.p.Limit > admin.MaxLimit {
-		return usagef("--limit must be from 1 to %d", admin.MaxLimit)
+	if err := checkLimit(o.p.Limit); err != nil {
+		return err
 	}
 	o.f.Tenant = o.tenant.ptr()
 	a, err := e.admin(ctx)
