@@ -185,3 +185,55 @@ func TestImportMapCatchesDrift(t *testing.T) {
 		})
 	}
 }
+
+// layoutPage is the page whose "Layout" table names every package.
+const layoutPage = "docs/architecture/README.md"
+
+var quoted = regexp.MustCompile("`([^`]+)`")
+
+// layoutNames are the names in backquotes in the first cell of each row of the
+// page's "Layout" table, without a trailing slash.
+func layoutNames(page string) map[string]bool {
+	names := map[string]bool{}
+	in := false
+	for _, line := range strings.Split(page, "\n") {
+		if strings.HasPrefix(line, "## ") {
+			in = line == "## Layout"
+			continue
+		}
+		if !in || !strings.HasPrefix(line, "| `") {
+			continue
+		}
+		first := strings.Split(line, "|")[1]
+		for _, m := range quoted.FindAllStringSubmatch(first, -1) {
+			names[strings.TrimSuffix(m[1], "/")] = true
+		}
+	}
+	return names
+}
+
+// TestLayoutNamesEveryPackage: the architecture's layout table has a row for every
+// package of the library and the tools (the examples' module is one row).
+func TestLayoutNamesEveryPackage(t *testing.T) {
+	t.Parallel()
+	page, err := os.ReadFile("../../" + layoutPage)
+	require.NoError(t, err)
+	names := layoutNames(string(page))
+	require.True(t, names["examples"], "%s: the layout table names examples/", layoutPage)
+	var missing []string
+	for name := range listPackages(t) {
+		if name != "examples" && !strings.HasPrefix(name, "examples/") && !names[name] {
+			missing = append(missing, name)
+		}
+	}
+	slices.Sort(missing)
+	require.Empty(t, missing, "%s: the layout table has no row for these packages", layoutPage)
+	var stale []string
+	for name := range names {
+		if _, err := os.Stat("../../" + name); err != nil {
+			stale = append(stale, name)
+		}
+	}
+	slices.Sort(stale)
+	require.Empty(t, stale, "%s: the layout table names folders that do not exist", layoutPage)
+}
