@@ -80,12 +80,6 @@ func fatalf(tb testing.TB, format string, args ...any) {
 	tb.Fatal(redact.Text(fmt.Sprintf(format, args...), URL()))
 }
 
-// errorf is fatalf for a failure that lets the test go on.
-func errorf(tb testing.TB, format string, args ...any) {
-	tb.Helper()
-	tb.Error(redact.Text(fmt.Sprintf(format, args...), URL()))
-}
-
 // NewSchemaName returns a fresh schema name for a test.
 func NewSchemaName() string {
 	b := make([]byte, 6)
