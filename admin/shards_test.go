@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/admin"
@@ -286,13 +287,32 @@ func orderedEffect(prev, e admin.Effect) bool {
 }
 
 // TestShardsStatsInspectAndGroups: Stats sums the shards and lists each; one key
-// is found on its shard; a failure group's actions act on its shard's rows; a
-// cursor of another list or of a single database is refused.
+// is found on its shard; a failure group's actions act on its shard's rows, and
+// the failure metrics count each shard's rows under its name; a cursor of another
+// list or of a single database is refused.
 func TestShardsStatsInspectAndGroups(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
-	a, err := admin.New(admin.Config{Shards: m})
+	reg := prometheus.NewRegistry()
+	a, err := admin.New(admin.Config{Shards: m, Registerer: reg, MetricsInterval: time.Nanosecond})
 	require.NoError(t, err)
+	// metric is the value of name{label=value, shard=s}.
+	metric := func(name, label, value, s string) float64 {
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		for _, mf := range mfs {
+			for _, one := range mf.GetMetric() {
+				l := map[string]string{}
+				for _, p := range one.GetLabel() {
+					l[p.GetName()] = p.GetValue()
+				}
+				if mf.GetName() == name && l[label] == value && l["shard"] == s {
+					return one.GetGauge().GetValue() + one.GetCounter().GetValue()
+				}
+			}
+		}
+		return -1
+	}
 	ctx := context.Background()
 	var tenants []string
 	seen := map[string]bool{}
@@ -317,6 +337,10 @@ func TestShardsStatsInspectAndGroups(t *testing.T) {
 	}, clearTimes(st.Consumers))
 	require.Equal(t, "dead-mail", st.Effects[0].Kind)
 	require.Equal(t, int64(6), st.Effects[0].Dead)
+	for _, s := range m.Shards {
+		require.Equal(t, 2.0, metric("idem_inbox_failed_keys", "consumer", "fail-orders", s.Name), "failed keys on %s", s.Name)
+		require.Equal(t, 2.0, metric("idem_effects_dead_rows", "kind", "dead-mail", s.Name), "dead effects on %s", s.Name)
+	}
 	require.Equal(t, int64(12), st.Effects[1].Pending)
 	act, err := a.Activity(ctx, time.Hour)
 	require.NoError(t, err)
@@ -365,6 +389,14 @@ func TestShardsStatsInspectAndGroups(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, acts.Actions, 1, "the shards without the group record no action")
 	require.Equal(t, s0.Name, acts.Actions[0].Shard)
+	for _, s := range m.Shards {
+		failed, released := 2.0, 0.0
+		if s.Name == s0.Name {
+			failed, released = 0, 2
+		}
+		require.Equal(t, failed, metric("idem_inbox_failed_keys", "consumer", "fail-orders", s.Name), "failed keys on %s", s.Name)
+		require.Equal(t, released, metric("idem_failures_repaired_total", "action", "release", s.Name), "released on %s", s.Name)
+	}
 
 	// Forget and Requeue find the row on its shard.
 	k1, _ := m.Pick(tenants[1])
