@@ -485,3 +485,95 @@ func TestShardsOneDown(t *testing.T) {
 		return err == nil && len(p.Keys) == 6
 	}, 30*time.Second, 100*time.Millisecond)
 }
+
+// failOn records n failed inbox keys of consumer "orders" and tenant with one
+// error text (one failure group) on shard s, whatever the route says (as after a
+// tenant moved), failed at, at+1s, ...
+func failOn(t *testing.T, s shard.Shard, tenant string, n int, at time.Time) {
+	t.Helper()
+	_, err := s.Pool.Exec(context.Background(), `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at, error_code, error)
+		SELECT 'orders', $1, $2 || '-' || g, '\x00', 'failed', now() + interval '1 day', $3::timestamptz + g * interval '1 second', 'handler', 'order ' || g || ' refused'
+		FROM generate_series(1, $4) g`, tenant, s.Name, at, n)
+	require.NoError(t, err)
+}
+
+// TestShardsFailureGroupsMerged: a failure group whose failures are on two shards
+// is one row of the list, whatever the page size and order: its counts summed,
+// its earliest first and latest last failure, the shards that hold it and each
+// one's part; paging by count places it by its sum. Group shows the same parts.
+func TestShardsFailureGroupsMerged(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	ctx := context.Background()
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	// acme: 3 on s1 and 4 on s2 (7 in all, the largest, though neither part is);
+	// b: 6 on s1; solo: 5 on s3; c: 2 on s2.
+	failOn(t, m.Shards[0], "acme", 3, t0.Add(10*time.Minute))
+	failOn(t, m.Shards[1], "acme", 4, t0)
+	failOn(t, m.Shards[0], "b", 6, t0.Add(20*time.Minute))
+	failOn(t, m.Shards[2], "solo", 5, t0.Add(30*time.Minute))
+	failOn(t, m.Shards[1], "c", 2, t0.Add(40*time.Minute))
+
+	byTenant := map[string]admin.FailureGroup{}
+	for _, order := range []string{admin.ByCount, admin.ByRecent} {
+		want := map[string][]string{
+			admin.ByCount:  {"acme", "b", "solo", "c"},
+			admin.ByRecent: {"c", "solo", "b", "acme"},
+		}[order]
+		for _, limit := range []int{1, 2, 3, 10} {
+			var got []string
+			after := ""
+			for pages := 0; ; pages++ {
+				require.Less(t, pages, 10)
+				pg, err := a.ListGroups(ctx, admin.GroupFilter{Order: order}, admin.Page{Limit: limit, After: after})
+				require.NoError(t, err)
+				require.LessOrEqual(t, len(pg.Groups), limit)
+				for _, g := range pg.Groups {
+					got = append(got, g.Tenant)
+					byTenant[g.Tenant] = g
+				}
+				if pg.Next == "" {
+					break
+				}
+				after = pg.Next
+			}
+			require.Equal(t, want, got, "order %s, %d a page: each group once, in its merged order", order, limit)
+		}
+	}
+	acme := byTenant["acme"]
+	require.Equal(t, int64(7), acme.Count)
+	require.Equal(t, "s1,s2", acme.Shard)
+	require.True(t, acme.FirstSeen.Equal(t0.Add(time.Second)), "the earliest failure, on s2: %v", acme.FirstSeen)
+	require.True(t, acme.LastSeen.Equal(t0.Add(10*time.Minute+3*time.Second)), "the latest failure, on s1: %v", acme.LastSeen)
+	require.Equal(t, []string{"s1", "s2"}, []string{acme.Parts[0].Shard, acme.Parts[1].Shard})
+	require.Equal(t, []int64{3, 4}, []int64{acme.Parts[0].Count, acme.Parts[1].Count})
+	require.Len(t, acme.SampleKeys, admin.ListSamples)
+	require.Equal(t, "s1-3", acme.SampleKeys[0], "the latest part's keys first")
+	solo := byTenant["solo"]
+	require.Equal(t, "s3", solo.Shard)
+	require.Equal(t, []admin.GroupPart{{Shard: "s3", Count: 5, FirstSeen: solo.FirstSeen, LastSeen: solo.LastSeen}}, solo.Parts)
+
+	g, err := a.Group(ctx, acme.ID, admin.TimeRange{})
+	require.NoError(t, err)
+	require.Equal(t, int64(7), g.Count)
+	require.Equal(t, acme.Parts, g.Parts)
+	require.Equal(t, "s1,s2", g.Shard)
+	require.Len(t, g.SampleKeys, 7)
+
+	// The time range counts only the failures in it, on every shard: acme's s2
+	// part is before it.
+	pg, err := a.ListGroups(ctx, admin.GroupFilter{Seen: admin.TimeRange{Since: t0.Add(5 * time.Minute)}, Tenant: &acme.Tenant}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, pg.Groups, 1)
+	require.Equal(t, int64(3), pg.Groups[0].Count)
+	require.Equal(t, "s1", pg.Groups[0].Shard)
+
+	_, err = a.ListGroups(ctx, admin.GroupFilter{Order: admin.ByRecent}, admin.Page{Limit: 1, After: func() string {
+		pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 1})
+		require.NoError(t, err)
+		return pg.Next
+	}()})
+	require.ErrorIs(t, err, admin.ErrBadCursor, "a cursor of the count order in the recent order")
+}
