@@ -72,6 +72,15 @@ type Config struct {
 	// alone for a dispatcher that has it; they are never failed. PublishSenders
 	// builds the entries for "publish:<topic>" kinds.
 	Senders map[string]Sender
+	// Tenant, when set, makes the Dispatcher serve that tenant's effects only:
+	// its claim and its outcome writes filter on tenant = Tenant, a plain
+	// equality that a distributed Postgres routing by tenant can send to one
+	// node. Empty (the default): every tenant's effects, one claim for all.
+	// Several Dispatchers with different Tenants may serve one database side by
+	// side, and beside an unfiltered one. The claim walks the due effects of a
+	// kind in due order past other tenants' ones, so on a database shared by many
+	// tenants a filtered Dispatcher costs more per claim than an unfiltered one.
+	Tenant string
 	// BatchSize caps how many effects of one kind one claim takes
 	// (DefaultBatchSize).
 	BatchSize int

@@ -14,8 +14,14 @@ const notifyChannel = "idem_effects"
 
 // queries holds the Dispatcher's and requeue's statements, rendered once for one
 // schema. Every value is a bind parameter; the schema is validated and quoted.
+//
+// claim, record and recordAgain filter on one tenant (tenant = $n) when the
+// Dispatcher has one (Config.Tenant). recordOne and recordAgainOne are record and
+// recordAgain for a batch of outcomes that all belong to one tenant, $12, which
+// they filter on too.
 type queries struct {
 	claim, record, recordAgain, notify, pending, requeue string
+	recordOne, recordAgainOne                            string
 }
 
 // recordSet and recordWhere are the outcome update's SET and WHERE, shared by
@@ -41,8 +47,10 @@ var (
 				error_masked = CASE WHEN d.state = 'dead' THEN d.masked END,
 				error_group = CASE WHEN d.state = 'dead' THEN ` + failgroup.GroupSQL("e.kind", "e.tenant", "d.code", "d.masked") + ` END,
 				dead_at = CASE WHEN d.state = 'dead' THEN now() END`
-	recordWhere = `e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
+	recordWhere = func(tenant string) string {
+		return `e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
 				AND e.fence = d.fence AND e.state NOT IN ('done', 'dead', 'discarded') AND e.recorded_fence <> d.fence`
+	}
 )
 
 // claimSettings and recordSettings are run, as SET LOCAL statements pipelined in
@@ -164,9 +172,42 @@ func newEnqueueQueries(schema string) enqueueQueries {
 
 // newQueries renders the statements for schema. claimLimit is the most one claim can
 // return (the batch size times the number of kinds); it is written into the SQL as
-// a literal on purpose, see claim.
-func newQueries(schema string, claimLimit int) queries {
+// a literal on purpose, see claim. oneTenant: the Dispatcher serves one tenant
+// (Config.Tenant), which its claim takes as $4.
+func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 	t := pgx.Identifier{schema, "effects"}.Sanitize()
+	// claimTenant and updateTenant filter the claim on the Dispatcher's tenant.
+	var claimTenant, updateTenant string
+	if oneTenant {
+		claimTenant, updateTenant = " AND e.tenant = $4", " AND e.tenant = $4"
+	}
+	record := func(tenant string) string {
+		return `UPDATE ` + t + ` e
+			SET ` + recordSet + `
+			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
+					$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
+			WHERE ` + recordWhere(tenant) + `
+			RETURNING d.i`
+	}
+	recordAgain := func(tenant string) string {
+		return `WITH d AS (
+				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
+						$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
+			), applied AS (
+				UPDATE ` + t + ` e
+				SET ` + recordSet + `
+				FROM d
+				WHERE ` + recordWhere(tenant) + `
+				RETURNING d.i
+			)
+			SELECT i FROM applied
+			UNION ALL
+			SELECT d.i FROM ` + t + ` e JOIN d
+				ON e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
+			WHERE e.recorded_fence = d.fence`
+	}
 	return queries{
 		// One statement claims up to n[i] due effects of each kind[i]. SKIP LOCKED
 		// lets dispatchers claim side by side without waiting on each other. The
@@ -193,7 +234,7 @@ func newQueries(schema string, claimLimit int) queries {
 				SELECT c.* FROM want CROSS JOIN LATERAL (
 					SELECT e.ctid AS row, e.in_flight, e.next_attempt_at
 					FROM ` + t + ` e
-					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()
+					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + claimTenant + `
 					ORDER BY e.next_attempt_at
 					LIMIT want.n
 					FOR UPDATE SKIP LOCKED
@@ -204,7 +245,7 @@ func newQueries(schema string, claimLimit int) queries {
 			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
 				attempts = e.attempts + 1, in_flight = true
 			FROM due
-			WHERE e.ctid = due.row
+			WHERE e.ctid = due.row` + updateTenant + `
 			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
 				due.in_flight, e.created_at, extract(epoch FROM now() - due.next_attempt_at)::float8,
 				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
@@ -223,13 +264,8 @@ func newQueries(schema string, claimLimit int) queries {
 		//
 		// The only index this statement can use is the primary key (see recordWhere),
 		// probed once per outcome in a nested loop; claimSettings rule out the rest.
-		record: `UPDATE ` + t + ` e
-			SET ` + recordSet + `
-			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-					$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
-				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
-			WHERE ` + recordWhere + `
-			RETURNING d.i`,
+		record:    record("d.tenant"),
+		recordOne: record("$12"),
 		// recordAgain is record for a retry of the same write, whose first run may
 		// have committed although its COMMIT reply was lost. Rows that run recorded
 		// keep their recorded_fence, so the update leaves them alone (an attempt is
@@ -239,24 +275,10 @@ func newQueries(schema string, claimLimit int) queries {
 		// not need the second half (no row can hold its claim's fence before its
 		// outcome is written), so it runs record, which costs one index probe per row
 		// less.
-		recordAgain: `WITH d AS (
-				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-						$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
-					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
-			), applied AS (
-				UPDATE ` + t + ` e
-				SET ` + recordSet + `
-				FROM d
-				WHERE ` + recordWhere + `
-				RETURNING d.i
-			)
-			SELECT i FROM applied
-			UNION ALL
-			SELECT d.i FROM ` + t + ` e JOIN d
-				ON e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
-			WHERE e.recorded_fence = d.fence`,
-		notify:  `SELECT pg_notify('` + notifyChannel + `', $1)`,
-		pending: `SELECT kind, count(*) FROM ` + t + ` WHERE state = 'pending' GROUP BY kind`,
+		recordAgain:    recordAgain("d.tenant"),
+		recordAgainOne: recordAgain("$12"),
+		notify:         `SELECT pg_notify('` + notifyChannel + `', $1)`,
+		pending:        `SELECT kind, count(*) FROM ` + t + ` WHERE state = 'pending' GROUP BY kind`,
 		// Requeue notifies in the same statement, so the wake-up is delivered when the
 		// requeue commits.
 		requeue: `WITH r AS (
