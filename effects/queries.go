@@ -90,9 +90,14 @@ var (
 )
 
 // enqueueQueries are Enqueue's statements for one schema.
+//
+// insertManyOne and fingerprintOfOne are insertMany and fingerprintOf for rows
+// that all belong to one tenant, which they take as one more argument ($12, $4)
+// and filter on (tenant = $n, for a router by tenant).
 type enqueueQueries struct {
-	insert, fingerprint       string
-	insertMany, fingerprintOf string
+	insert, fingerprint             string
+	insertMany, fingerprintOf       string
+	insertManyOne, fingerprintOfOne string
 }
 
 func newEnqueueQueries(schema string) enqueueQueries {
@@ -102,6 +107,39 @@ func newEnqueueQueries(schema string) enqueueQueries {
 	// than a join, which would cost a step per inserted row). The schema is a
 	// plain lower-case identifier (pgschema.Valid), so it is safe as a literal.
 	wake := `wake AS (SELECT pg_notify('` + notifyChannel + `', '` + schema + `') FROM (SELECT FROM ins LIMIT 1) one)`
+	insertMany := func(where string) string {
+		return `WITH ins AS (
+				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
+					next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
+				SELECT tenant, kind, key, payload, fingerprint, coalesce(max_attempts, ` + strconv.Itoa(DefaultMaxAttempts) + `),
+					clock_timestamp() + coalesce(delay_us, 0) * interval '1 microsecond', nullif(source_consumer, ''),
+					CASE WHEN source_consumer <> '' THEN tenant END,
+					CASE WHEN source_consumer <> '' THEN source_key END,
+					nullif(trace_context, '')::jsonb
+				FROM (SELECT unnest($1::text[]) AS tenant, unnest($2::text[]) AS kind, unnest($3::text[]) AS key,
+						unnest($4::bytea[]) AS payload, unnest($5::bytea[]) AS fingerprint,
+						unnest($6::int[]) AS max_attempts, unnest($7::bigint[]) AS delay_us,
+						unnest($8::text[]) AS source_consumer, unnest($9::text[]) AS source_key,
+						unnest($11::text[]) AS trace_context) u` + where + `
+				ON CONFLICT (tenant, kind, key) DO NOTHING
+				RETURNING tenant, kind, key
+			), ` + wake + `
+			SELECT count(*)::int,
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(tenant), '{}') END,
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(kind), '{}') END,
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(key), '{}') END
+			FROM ins HAVING (SELECT true FROM wake) IS NOT FALSE`
+	}
+	fingerprintOf := func(tenant string) string {
+		return `SELECT coalesce(array_agg(e.tenant), '{}'), coalesce(array_agg(e.kind), '{}'),
+				coalesce(array_agg(e.key), '{}'), coalesce(array_agg(e.fingerprint), '{}')
+			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(tenant, kind, key)
+			CROSS JOIN LATERAL (
+				SELECT tenant, kind, key, fingerprint FROM ` + t + ` e
+				WHERE e.tenant = ` + tenant + ` AND e.kind = u.kind AND e.key = u.key
+				OFFSET 0
+			) e`
+	}
 	return enqueueQueries{
 		// The due time is clock_timestamp() + delay: the database's time when this
 		// statement runs, not now(), which is the start of the transaction and would
@@ -133,40 +171,15 @@ func newEnqueueQueries(schema string) enqueueQueries {
 		// and the source's tenant is the effect's own. max_attempts, delay_us and
 		// trace_context may be NULL arrays (every effect has the default): the
 		// select list pads a shorter set with NULLs, which stand for the default.
-		insertMany: `WITH ins AS (
-				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
-					next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
-				SELECT tenant, kind, key, payload, fingerprint, coalesce(max_attempts, ` + strconv.Itoa(DefaultMaxAttempts) + `),
-					clock_timestamp() + coalesce(delay_us, 0) * interval '1 microsecond', nullif(source_consumer, ''),
-					CASE WHEN source_consumer <> '' THEN tenant END,
-					CASE WHEN source_consumer <> '' THEN source_key END,
-					nullif(trace_context, '')::jsonb
-				FROM (SELECT unnest($1::text[]) AS tenant, unnest($2::text[]) AS kind, unnest($3::text[]) AS key,
-						unnest($4::bytea[]) AS payload, unnest($5::bytea[]) AS fingerprint,
-						unnest($6::int[]) AS max_attempts, unnest($7::bigint[]) AS delay_us,
-						unnest($8::text[]) AS source_consumer, unnest($9::text[]) AS source_key,
-						unnest($11::text[]) AS trace_context) u
-				ON CONFLICT (tenant, kind, key) DO NOTHING
-				RETURNING tenant, kind, key
-			), ` + wake + `
-			SELECT count(*)::int,
-				CASE WHEN count(*) < $10 THEN coalesce(array_agg(tenant), '{}') END,
-				CASE WHEN count(*) < $10 THEN coalesce(array_agg(kind), '{}') END,
-				CASE WHEN count(*) < $10 THEN coalesce(array_agg(key), '{}') END
-			FROM ins HAVING (SELECT true FROM wake) IS NOT FALSE`,
+		insertMany:    insertMany(""),
+		insertManyOne: insertMany("\n\t\t\t\tWHERE u.tenant = $12"),
 		// The stored fingerprints of the effects an insertMany did not insert: a new
 		// statement, so at READ COMMITTED it sees rows that a concurrent transaction
 		// committed while the insert waited for it. LATERAL on the primary key, kept
 		// apart from the join by OFFSET 0 so that it stays one index lookup per effect
 		// on a table that has never been analyzed.
-		fingerprintOf: `SELECT coalesce(array_agg(e.tenant), '{}'), coalesce(array_agg(e.kind), '{}'),
-				coalesce(array_agg(e.key), '{}'), coalesce(array_agg(e.fingerprint), '{}')
-			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(tenant, kind, key)
-			CROSS JOIN LATERAL (
-				SELECT tenant, kind, key, fingerprint FROM ` + t + ` e
-				WHERE e.tenant = u.tenant AND e.kind = u.kind AND e.key = u.key
-				OFFSET 0
-			) e`,
+		fingerprintOf:    fingerprintOf("u.tenant"),
+		fingerprintOfOne: fingerprintOf("$4"),
 	}
 }
 
