@@ -6,7 +6,9 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -197,7 +199,7 @@ func (c Config) WithDefaults() Config {
 }
 
 // Validate reports what NewDispatcher would refuse in c: no Pool or Senders, a bad
-// schema or kind, a non-positive size or interval, a bad Backoff. It checks
+// schema, kind or Tenant (ErrInvalidTenant), a non-positive size or interval, a bad Backoff. It checks
 // c.WithDefaults(), so a config with a Pool and Senders passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
@@ -229,6 +231,9 @@ func (c Config) Validate() error {
 		if n <= 0 {
 			return errcode.InvalidConfig("concurrency for %q must be positive, got %d", kind, n)
 		}
+	}
+	if t := c.Tenant; len(t) > MaxKeyLen || !utf8.ValidString(t) || strings.IndexByte(t, 0) >= 0 {
+		return fmt.Errorf("tenant: %w", ErrInvalidTenant)
 	}
 	if c.BatchSize <= 0 {
 		return errcode.InvalidConfig("batch size must be positive, got %d", c.BatchSize)
