@@ -145,7 +145,8 @@ func (l *statementLog) since(mark int) []string {
 }
 
 // TestEveryStatementNamesOneTenant is the statement audit: every statement idem's
-// consumer (per message, group commit, batch handler, lease), Dispatcher (for one
+// consumer (per message, group commit, batch handler, lease; batches split by
+// tenant or not), Dispatcher (for one
 // tenant and for all), httpidem (transactional and lease: a first request, a
 // replay, a mismatch, a failure) and janitor send, captured by a pgx tracer on
 // their pool, names one tenant (sqlaudit.Routable), is transaction control, or is
@@ -165,9 +166,11 @@ func TestEveryStatementNamesOneTenant(t *testing.T) {
 	pool := pgtest.OpenPool(t, cfg)
 
 	for _, mode := range []consumer.Mode{consumer.Transactional, consumer.GroupCommit, consumer.Lease} {
-		runConsumer(t, db, pool, log, schema, mode, false)
+		runConsumer(t, db, pool, log, schema, mode, false, false)
 	}
-	runConsumer(t, db, pool, log, schema, consumer.GroupCommit, true)
+	runConsumer(t, db, pool, log, schema, consumer.GroupCommit, true, false)
+	runConsumer(t, db, pool, log, schema, consumer.GroupCommit, false, true)
+	runConsumer(t, db, pool, log, schema, consumer.GroupCommit, true, true)
 	runHTTP(t, pool, schema)
 	runDispatchers(t, db, pool, log, schema)
 	// Expire what there is, for the janitor to delete.
@@ -221,15 +224,16 @@ func sendTogether(t *testing.T, h func(*message.Message) error, msgs ...*message
 	wg.Wait()
 }
 
-// runConsumer drives a consumer in mode (with a batch handler if batch): a
-// one-tenant batch, a mixed one, both again after their keys expired, and the
-// one-tenant batch once more (duplicates). Each batch holds a message whose
-// handler fails permanently.
-func runConsumer(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, schema string, mode consumer.Mode, batch bool) {
+// runConsumer drives a consumer in mode (with a batch handler if batch, with
+// BatchPerTenant if split): a one-tenant batch, a mixed one, both again after
+// their keys expired, and the one-tenant batch once more (duplicates). Each batch
+// holds a message whose handler fails permanently. A one-tenant batch, and with
+// split a mixed one too, must send only statements that name the tenant.
+func runConsumer(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, schema string, mode consumer.Mode, batch, split bool) {
 	ctx := context.Background()
-	name := fmt.Sprintf("c-%s-%v", mode, batch)
+	name := fmt.Sprintf("c-%s-%v-%v", mode, batch, split)
 	c, err := consumer.New(consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: mode,
-		Tenant: consumer.MetadataTenant("tenant"), MaxWait: 200 * time.Millisecond, Workers: 1})
+		Tenant: consumer.MetadataTenant("tenant"), MaxWait: 200 * time.Millisecond, Workers: 1, BatchPerTenant: split})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, c.Close()) }()
 	write := func(ctx context.Context, tx pgx.Tx, m *message.Message) error {
@@ -272,12 +276,19 @@ func runConsumer(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, schema
 		sendTogether(t, h, one()...)
 		requireOneTenant(t, schema, name+": "+what, log.since(at))
 	}
+	sendMixed := func(what string) {
+		at := log.mark()
+		sendTogether(t, h, mixed()...)
+		if split {
+			requireOneTenant(t, schema, name+": "+what+", split by tenant", log.since(at))
+		}
+	}
 	sendOne("a one-tenant batch")
-	sendTogether(t, h, mixed()...)
+	sendMixed("a mixed batch")
 	_, err = db.Exec(ctx, `UPDATE inbox SET expires_at = now() - interval '1 hour' WHERE consumer = $1`, name)
 	require.NoError(t, err)
 	sendOne("a one-tenant batch of expired keys")
-	sendTogether(t, h, mixed()...)
+	sendMixed("a mixed batch of expired keys")
 	sendOne("a one-tenant batch of duplicates")
 	require.Equal(t, 6, pgtest.Count(t, db, `SELECT count(*) FROM inbox WHERE consumer = $1`, name))
 }
