@@ -15,6 +15,7 @@ import (
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/shard"
 )
@@ -95,15 +96,7 @@ func TestMoveTenant(t *testing.T) {
 			m := pgtest.Shards(t)
 			ctx := context.Background()
 			r := &moveRig{t: t, tenant: "acme"}
-			old, err := m.Pick(r.tenant)
-			require.NoError(t, err)
-			var to string
-			for _, s := range m.Shards {
-				if s.Name != old.Name {
-					to = s.Name
-					break
-				}
-			}
+			old, to := r.shards(m)
 			deliver := r.consumer(m)
 			keys := []string{"k1", "k2", "k3", "k4", "k5"}
 			for _, k := range keys {
@@ -159,6 +152,86 @@ func TestMoveTenant(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestMoveTenantCrash kills the process that moves a tenant (SIGKILL) right after
+// each step of the move has committed. At every such point no effect is due on
+// both shards and none is lost; running the move again finishes it: the
+// redeliveries after the route switch are duplicates and every effect is sent
+// once.
+func TestMoveTenantCrash(t *testing.T) {
+	for _, step := range []string{"parked", "inbox_copied", "effects_copied", "handed_back"} {
+		t.Run(step, func(t *testing.T) {
+			t.Parallel()
+			m := pgtest.Shards(t)
+			ctx := context.Background()
+			r := &moveRig{t: t, tenant: "acme"}
+			old, to := r.shards(m)
+			deliver := r.consumer(m)
+			keys := []string{"k1", "k2", "k3", "k4", "k5"}
+			for _, k := range keys {
+				deliver(k)
+			}
+
+			child := childproc.Start(t, roleMove, childproc.Options{Params: childproc.Params{
+				"schema": old.Schema, "tenant": r.tenant, "from": old.Name, "to": to, "die_at": step}})
+			child.Wait(t, time.Minute)
+			require.True(t, child.Killed(), "the mover must die at %s:\n%s", step, child.Output())
+
+			// Every effect is pending on some shard, and none is due on two.
+			due, pending := map[string]int{}, map[string]bool{}
+			for _, s := range m.Shards {
+				rows, err := s.Pool.Query(ctx, `SELECT key, next_attempt_at <= now() FROM effects
+					WHERE tenant = $1 AND state = 'pending'`, r.tenant)
+				require.NoError(t, err)
+				for rows.Next() {
+					var key string
+					var isDue bool
+					require.NoError(t, rows.Scan(&key, &isDue))
+					pending[key] = true
+					if isDue {
+						due[key]++
+					}
+				}
+				require.NoError(t, rows.Err())
+			}
+			require.Len(t, pending, 5, "an effect was lost")
+			for k, n := range due {
+				require.Equal(t, 1, n, "effect %s is due on %d shards", k, n)
+			}
+
+			a, err := admin.New(admin.Config{Shards: m})
+			require.NoError(t, err)
+			_, err = a.MoveTenant(ctx, admin.MoveTenant{Tenant: r.tenant, From: old.Name, To: to})
+			require.NoError(t, err, "the move again, after the crash")
+			require.Zero(t, pgtest.ShardCount(t, old, `SELECT count(*) FROM effects WHERE state = 'pending'`))
+
+			moved := &shard.Map{Shards: m.Shards, Table: map[string]string{r.tenant: to}}
+			deliver = r.consumer(moved)
+			for _, k := range keys {
+				deliver(k)
+			}
+			require.EqualValues(t, 5, r.runs.Load(), "the redeliveries are duplicates on the new shard")
+			sent := r.dispatch(moved, 5)
+			require.Len(t, sent, 5)
+			for k, n := range sent {
+				require.Equal(t, 1, n, "effect %s sent once", k)
+			}
+		})
+	}
+}
+
+// shards returns the tenant's shard on m and another shard to move it to.
+func (r *moveRig) shards(m *shard.Map) (old shard.Shard, to string) {
+	old, err := m.Pick(r.tenant)
+	require.NoError(r.t, err)
+	for _, s := range m.Shards {
+		if s.Name != old.Name {
+			return old, s.Name
+		}
+	}
+	r.t.Fatal("the map has one shard")
+	return old, ""
 }
 
 func slicesIndex(m *shard.Map, name string) int {

@@ -27,8 +27,8 @@ type killRun struct {
 // (as a broker that lost its ack), and redelivers every key a process had in
 // flight when it died. Every process is armed to kill itself after a few commits
 // (after-commit-before-ack) and sometimes before a commit; on top of that the parent
-// SIGKILLs a random busy process every 100 ms and cuts the Postgres backends twice.
-// Dead processes are replaced. The run ends when every key has been acked.
+// SIGKILLs a random busy process (one that has answered since it started) every
+// 100 ms and cuts the Postgres backends twice. Dead processes are replaced. The run ends when every key has been acked.
 func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute) // generous: a loaded 2-core CI machine
@@ -50,6 +50,11 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 	lines := make(chan childLine, 256)
 	exits := make(chan *child, 16)
 	inflight := map[*child]map[string]int{}
+	// answered is the children that have answered at least once: the parent kills
+	// only those, so every process makes progress before it can die. (A process
+	// killed before its first answer, on a loaded machine where starting one takes
+	// longer than the killer's tick, would make none, and the run would never end.)
+	answered := map[*child]bool{}
 	live := make([]*child, slots)
 	var run killRun
 	nextID := 0
@@ -94,6 +99,7 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 				continue // answered after the parent gave it up; cannot happen, but be safe
 			}
 			inflight[l.c][l.key]--
+			answered[l.c] = true
 			if l.answer != "ack" {
 				queue = append(queue, l.key)
 				continue
@@ -120,6 +126,7 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 				}
 			}
 			delete(inflight, c)
+			delete(answered, c)
 			for i := range live {
 				if live[i] == c {
 					live[i] = nil
@@ -130,7 +137,7 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 		case <-killer.C:
 			var busy []*child
 			for _, c := range live {
-				if c != nil && sum(inflight[c]) > 0 {
+				if c != nil && answered[c] && sum(inflight[c]) > 0 {
 					busy = append(busy, c)
 				}
 			}
