@@ -15,10 +15,11 @@ const notifyChannel = "idem_effects"
 // queries holds the Dispatcher's and requeue's statements, rendered once for one
 // schema. Every value is a bind parameter; the schema is validated and quoted.
 //
-// claim, record and recordAgain filter on one tenant (tenant = $n) when the
-// Dispatcher has one (Config.Tenant). recordOne and recordAgainOne are record and
-// recordAgain for a batch of outcomes that all belong to one tenant, $12, which
-// they filter on too.
+// claim filters on one tenant (tenant = $4) when the Dispatcher has one
+// (Config.Tenant). recordOne and recordAgainOne are record and recordAgain for a
+// batch of outcomes that all belong to one tenant, $12, which they match instead
+// of each row's tenant: every outcome batch of such a Dispatcher, and any other
+// of one tenant's effects.
 type queries struct {
 	claim, record, recordAgain, notify, pending, requeue string
 	recordOne, recordAgainOne                            string
@@ -189,10 +190,10 @@ func newEnqueueQueries(schema string) enqueueQueries {
 // (Config.Tenant), which its claim takes as $4.
 func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 	t := pgx.Identifier{schema, "effects"}.Sanitize()
-	// claimTenant and updateTenant filter the claim on the Dispatcher's tenant.
-	var claimTenant, updateTenant string
+	// onlyTenant filters the claim's scan and its update on the Dispatcher's tenant.
+	var onlyTenant string
 	if oneTenant {
-		claimTenant, updateTenant = " AND e.tenant = $4", " AND e.tenant = $4"
+		onlyTenant = " AND e.tenant = $4"
 	}
 	record := func(tenant string) string {
 		return `UPDATE ` + t + ` e
@@ -247,7 +248,7 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 				SELECT c.* FROM want CROSS JOIN LATERAL (
 					SELECT e.ctid AS row, e.in_flight, e.next_attempt_at
 					FROM ` + t + ` e
-					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + claimTenant + `
+					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + onlyTenant + `
 					ORDER BY e.next_attempt_at
 					LIMIT want.n
 					FOR UPDATE SKIP LOCKED
@@ -258,7 +259,7 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
 				attempts = e.attempts + 1, in_flight = true
 			FROM due
-			WHERE e.ctid = due.row` + updateTenant + `
+			WHERE e.ctid = due.row` + onlyTenant + `
 			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
 				due.in_flight, e.created_at, extract(epoch FROM now() - due.next_attempt_at)::float8,
 				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
