@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -137,7 +138,7 @@ func planStatements(t *testing.T, pool *pgxpool.Pool, schema string) []planState
 	q := newQueries(schema, 2*DefaultBatchSize, false)
 	one := newQueries(schema, 2*DefaultBatchSize, true) // a Dispatcher with a Tenant
 	pkey := []string{"((tenant = d.tenant) AND (kind = d.kind) AND (key = d.key))"}
-	recordOneArgs := append(recordArgs[:len(recordArgs):len(recordArgs)], "t1")
+	recordOneArgs := slices.Concat(recordArgs, []any{"t1"})
 	return []planStatement{
 		{name: "claim one tenant", settings: strings.Join(claimSettings, "; "), sql: one.claim,
 			args:    []any{[]string{"mail", "sms"}, []int32{DefaultBatchSize, DefaultBatchSize}, time.Minute, "t1"},

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -214,7 +215,8 @@ func msg(tenant, id string) *message.Message {
 	return m
 }
 
-// sendTogether hands msgs to h at once, so that they form one batch.
+// sendTogether hands msgs to h at once, so that they form one batch (the
+// consumers' MaxBatch is 3, and each call sends 3).
 func sendTogether(t *testing.T, h func(*message.Message) error, msgs ...*message.Message) {
 	t.Helper()
 	var wg sync.WaitGroup
@@ -233,7 +235,7 @@ func runConsumer(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, schema
 	ctx := context.Background()
 	name := fmt.Sprintf("c-%s-%v-%v", mode, batch, split)
 	c, err := consumer.New(consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: mode,
-		Tenant: consumer.MetadataTenant("tenant"), MaxWait: 200 * time.Millisecond, Workers: 1, BatchPerTenant: split})
+		Tenant: consumer.MetadataTenant("tenant"), MaxBatch: 3, MaxWait: 2 * time.Second, Workers: 1, BatchPerTenant: split})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, c.Close()) }()
 	write := func(ctx context.Context, tx pgx.Tx, m *message.Message) error {
@@ -349,7 +351,17 @@ func runDispatchers(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, sch
 		}
 	}
 	enqueue("ok", "flaky", "doomed")
-	send := effects.SenderFunc(func(_ context.Context, d effects.Delivery) error {
+	// The 40 effects of the unfiltered run's two tenants are sent together, and
+	// answered at once, so that their outcomes wait for the recorder together.
+	var started atomic.Int32
+	send := effects.SenderFunc(func(ctx context.Context, d effects.Delivery) error {
+		if strings.HasPrefix(d.Key, "n") {
+			started.Add(1)
+			deadline := time.Now().Add(5 * time.Second)
+			for started.Load() < 40 && time.Now().Before(deadline) && ctx.Err() == nil {
+				time.Sleep(time.Millisecond)
+			}
+		}
 		switch {
 		case d.Key == "flaky" && d.Attempt == 1:
 			return errors.New("again")
@@ -374,8 +386,9 @@ func runDispatchers(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, sch
 		}
 		d, err := effects.NewDispatcher(effects.Config{Pool: pool, Schema: schema, Tenant: tenant,
 			Senders: map[string]effects.Sender{"email": send}, PollInterval: 20 * time.Millisecond,
-			Backoff:    effects.Backoff{Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond},
-			Registerer: prometheus.NewRegistry(), PendingRefresh: 10 * time.Millisecond})
+			Concurrency: map[string]int{"email": 64},
+			Backoff:     effects.Backoff{Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond},
+			Registerer:  prometheus.NewRegistry(), PendingRefresh: 10 * time.Millisecond})
 		require.NoError(t, err)
 		at := log.mark()
 		runCtx, cancel := context.WithCancel(ctx)

@@ -69,7 +69,7 @@ func Routable(sql string) bool {
 func topLevelItems(s string) []string {
 	var items []string
 	depth, start := 0, 0
-	for i := 0; i < len(s); i++ {
+	for i := range len(s) {
 		switch s[i] {
 		case '(':
 			depth++
