@@ -25,7 +25,7 @@ func TestBatchPerTenant(t *testing.T) {
 			_, b := setup(t, consumer.Transactional)
 			pool, log := tracedPool(t, b.schema)
 			c, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: b.schema, Mode: consumer.GroupCommit,
-				Tenant: consumer.MetadataTenant("tenant"), MaxWait: 300 * time.Millisecond, Workers: 1,
+				Tenant: consumer.MetadataTenant("tenant"), MaxBatch: 5, MaxWait: 2 * time.Second, Workers: 1,
 				BatchPerTenant: split, Registerer: b.reg})
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = c.Close() })
