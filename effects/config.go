@@ -79,9 +79,10 @@ type Config struct {
 	// equality that a distributed Postgres routing by tenant can send to one
 	// node. Empty (the default): every tenant's effects, one claim for all.
 	// Several Dispatchers with different Tenants may serve one database side by
-	// side, and beside an unfiltered one. The claim walks the due effects of a
-	// kind in due order past other tenants' ones, so on a database shared by many
-	// tenants a filtered Dispatcher costs more per claim than an unfiltered one.
+	// side, and beside an unfiltered one; with Shards, every shard's Dispatcher
+	// filters on it. The claim walks the due effects of a kind in due order past
+	// other tenants' ones, so on a database shared by many tenants a filtered
+	// Dispatcher costs more per claim than an unfiltered one.
 	Tenant string
 	// BatchSize caps how many effects of one kind one claim takes
 	// (DefaultBatchSize).
