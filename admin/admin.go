@@ -60,7 +60,7 @@ type Config struct {
 	// consumer, idem_effects_dead_rows by kind and idem_failures_repaired_total by
 	// action, read from the tables when scraped. Register them in one process per
 	// schema (the one that runs the janitor, say): every process would report the
-	// same numbers.
+	// same numbers. With Shards, each shard's series carry its name (label shard).
 	Registerer prometheus.Registerer
 	// Consumers and Kinds are reported by the failure metrics at 0 before anything
 	// failed, so that a dashboard has its series from the start.
@@ -143,7 +143,12 @@ func New(cfg Config) (*Admin, error) {
 		a = newAdmin(cfg, "")
 	}
 	var err error
-	promreg.Register(cfg.Registerer, newFailureMetrics(a), &err)
+	if a.shards == nil {
+		promreg.Register(cfg.Registerer, newFailureMetrics(a), &err)
+	}
+	for _, part := range a.shards {
+		promreg.Register(promreg.Shard(cfg.Registerer, part.name), newFailureMetrics(part), &err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}

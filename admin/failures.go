@@ -101,9 +101,21 @@ type FailureGroup struct {
 	// Actions are the repair actions taken on the group so far, newest first
 	// (Group only).
 	Actions []FailureAction `json:"actions,omitempty"`
-	// Shard is the shard the group was read on (an Admin over a shard map); Group
-	// names every shard that holds some of its failures, comma-separated.
+	// Shard names every shard that holds some of the group's failures,
+	// comma-separated in map order (an Admin over a shard map).
 	Shard string `json:"shard,omitempty"`
+	// Parts are each of those shards' part of the group, in map order (an Admin
+	// over a shard map): Count, FirstSeen and LastSeen above are their sum,
+	// earliest and latest.
+	Parts []GroupPart `json:"parts,omitempty"`
+}
+
+// GroupPart is one shard's part of a failure group.
+type GroupPart struct {
+	Shard     string    `json:"shard"`
+	Count     int64     `json:"count"`
+	FirstSeen time.Time `json:"first_seen"`
+	LastSeen  time.Time `json:"last_seen"`
 }
 
 // Place is the group's consumer or kind.
@@ -205,22 +217,9 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 	if err != nil {
 		return nil, err
 	}
-	// The cursor is the order, the last group's count (or last seen, in
-	// microseconds) and its ID.
-	after, err := decodeCursor("groups", p.After)
+	afterValue, afterID, err := decodeGroupCursor(p.After, order)
 	if err != nil {
 		return nil, err
-	}
-	var afterValue int64 = -1
-	afterID := ""
-	if p.After != "" {
-		if after[0] != order {
-			return nil, errorf(ErrBadCursor, "page cursor of the %s order used with the %s order", after[0], order)
-		}
-		if _, err := fmt.Sscan(after[1], &afterValue); err != nil {
-			return nil, errorf(ErrBadCursor, "page cursor %q is not one that the groups list returned", clip(p.After))
-		}
-		afterID = after[2]
 	}
 	if err := a.backfill(ctx, inboxOn, effectsOn); err != nil {
 		return nil, err
@@ -238,14 +237,43 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 	out := &GroupPage{Groups: nonNil(groups)}
 	if len(groups) > limit {
 		out.Groups = groups[:limit]
-		last := groups[limit-1]
-		v := last.Count
-		if order == ByRecent {
-			v = last.LastSeen.UnixMicro()
-		}
-		out.Next = encodeCursor("groups", order, fmt.Sprint(v), last.ID)
+		out.Next = encodeGroupCursor(groups[limit-1], order)
 	}
 	return out, nil
+}
+
+// groupValue is what a list of groups in order is sorted by, largest first: the
+// count, or the last failure's time in microseconds.
+func groupValue(g FailureGroup, order string) int64 {
+	if order == ByRecent {
+		return g.LastSeen.UnixMicro()
+	}
+	return g.Count
+}
+
+// A groups cursor is the order, the last group's value and its ID.
+func encodeGroupCursor(last FailureGroup, order string) string {
+	return encodeCursor("groups", order, fmt.Sprint(groupValue(last, order)), last.ID)
+}
+
+// decodeGroupCursor returns the position of a groups cursor of order: -1 and ""
+// for none.
+func decodeGroupCursor(c, order string) (int64, string, error) {
+	if c == "" {
+		return -1, "", nil
+	}
+	after, err := decodeCursor("groups", c)
+	if err != nil {
+		return 0, "", err
+	}
+	if after[0] != order {
+		return 0, "", errorf(ErrBadCursor, "page cursor of the %s order used with the %s order", after[0], order)
+	}
+	var v int64
+	if _, err := fmt.Sscan(after[1], &v); err != nil {
+		return 0, "", errorf(ErrBadCursor, "page cursor %q is not one that the groups list returned", clip(c))
+	}
+	return v, after[2], nil
 }
 
 func (f GroupFilter) sources() (inboxOn, effectsOn bool, err error) {

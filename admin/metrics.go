@@ -28,8 +28,9 @@ var (
 		[]string{"action"}, nil)
 )
 
-// failureMetrics is the Prometheus collector of Config.Registerer: it reads the
-// counts from the tables when scraped, at most once per interval, so every
+// failureMetrics is the Prometheus collector of Config.Registerer, one for the
+// database or one a shard (its series labelled with the shard's name): it reads
+// the counts from the tables when scraped, at most once per interval, so every
 // process that registers it reports the same numbers, whoever failed or repaired
 // the rows.
 type failureMetrics struct {
@@ -90,34 +91,27 @@ func (m *failureMetrics) Collect(ch chan<- prometheus.Metric) {
 func (m *failureMetrics) read() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	// Over a shard map, the figures are the sums of every shard's, and a shard
-	// that does not answer keeps the last values of all.
-	parts := m.a.shards
-	if parts == nil {
-		parts = []*Admin{m.a}
-	}
+	a := m.a
 	inbox, effects, actions := map[string]float64{}, map[string]float64{}, map[string]float64{}
-	for _, a := range parts {
-		rows, err := a.db.Query(ctx, a.q.failureMetrics)
-		if err != nil {
-			return a.wrap(err)
+	rows, err := a.db.Query(ctx, a.q.failureMetrics)
+	if err != nil {
+		return a.wrap(err)
+	}
+	var what, name string
+	var n float64
+	_, err = pgx.ForEachRow(rows, []any{&what, &name, &n}, func() error {
+		switch what {
+		case SourceInbox:
+			inbox[name] += n
+		case SourceEffects:
+			effects[name] += n
+		default:
+			actions[name] += n
 		}
-		var what, name string
-		var n float64
-		_, err = pgx.ForEachRow(rows, []any{&what, &name, &n}, func() error {
-			switch what {
-			case SourceInbox:
-				inbox[name] += n
-			case SourceEffects:
-				effects[name] += n
-			default:
-				actions[name] += n
-			}
-			return nil
-		})
-		if err != nil {
-			return a.wrap(err)
-		}
+		return nil
+	})
+	if err != nil {
+		return a.wrap(err)
 	}
 	// A consumer or kind seen once stays, at 0 when it has nothing left.
 	for c := range m.inbox {

@@ -25,15 +25,17 @@ import (
 // An Admin over a shard map (Config.Shards) runs every read and action on each
 // shard, in parallel, and merges:
 //
-//   - lists (inbox keys, effects, failure groups, repair actions) merge the shards'
-//     pages in the list's order, ties by shard order, and page with a cursor that
-//     carries each shard's own keyset position, so a page has no gap and no
-//     duplicate across shards, whatever is inserted meanwhile;
+//   - lists (inbox keys, effects, repair actions) merge the shards' pages in the
+//     list's order, ties by shard order, and page with a cursor that carries each
+//     shard's own keyset position, so a page has no gap and no duplicate across
+//     shards, whatever is inserted meanwhile;
+//   - a failure group's ID is the same on every shard: the list of groups shows
+//     one row a group, its shards' parts merged (sum of counts, earliest first
+//     and latest last failure, its shards), Group the same with each shard's
+//     part, and an action acts on each shard's rows of the group;
 //   - Stats sums per consumer and kind, and lists each shard's own figures;
 //   - one key (InspectInbox, InspectEffect, Forget, Requeue) is looked up on every
-//     shard, so a tenant's rows are found wherever the route put them;
-//   - a failure group's ID is the same on every shard: Group sums its failures,
-//     and an action acts on each shard's rows of the group.
+//     shard, so a tenant's rows are found wherever the route put them.
 //
 // A shard that does not answer is never a silent gap: a list, a lookup that did
 // not find the key elsewhere, or an action fails with a *ShardError naming it
@@ -261,33 +263,119 @@ func (a *Admin) shardedListEffects(ctx context.Context, f EffectFilter, p Page) 
 	return &EffectPage{Effects: effs, Next: next}, nil
 }
 
+// shardedListGroups lists the failure groups of every shard merged by ID: a group
+// whose failures are on several shards is one row, with the sum of their counts,
+// the earliest first and the latest last failure, the shards that hold it (Shard)
+// and each one's part (Parts). A merged group's place in the order depends on
+// every shard's part, so each page reads every group of the filter on every
+// shard, merges them and pages with the same keyset cursor as one database (the
+// order's value and the ID): a group that is there for the whole paging appears
+// once, on its merged count's page. (A database aggregates every failure for each
+// page of groups already; one database alike.)
 func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
+	if _, _, err := f.sources(); err != nil {
+		return nil, err
+	}
+	order := cmp.Or(f.Order, ByCount)
+	if order != ByCount && order != ByRecent {
+		return nil, errorf(ErrBadFilter, "group order %q: use %s or %s", f.Order, ByCount, ByRecent)
+	}
 	limit, err := p.limit()
 	if err != nil {
 		return nil, err
 	}
-	order := cmp.Or(f.Order, ByCount)
-	value := func(g FailureGroup) int64 {
-		if order == ByRecent {
-			return g.LastSeen.UnixMicro()
-		}
-		return g.Count
-	}
-	groups, next, err := mergePages(ctx, a, "groups", p.After, limit,
-		func(ctx context.Context, s *Admin, p Page) (shardPage[FailureGroup], error) {
-			pg, err := s.ListGroups(ctx, f, p)
-			if err != nil {
-				return shardPage[FailureGroup]{}, err
-			}
-			return shardPage[FailureGroup]{pg.Groups, pg.Next != ""}, nil
-		},
-		func(x, y FailureGroup) int { return cmp.Or(cmp.Compare(value(y), value(x)), cmp.Compare(x.ID, y.ID)) },
-		func(g FailureGroup) string { return encodeCursor("groups", order, fmt.Sprint(value(g)), g.ID) },
-		func(g *FailureGroup, name string) { g.Shard = name })
+	afterValue, afterID, err := decodeGroupCursor(p.After, order)
 	if err != nil {
 		return nil, err
 	}
-	return &GroupPage{Groups: groups, Next: next}, nil
+	all, errs := fan(ctx, a, func(ctx context.Context, s *Admin) ([]FailureGroup, error) { return s.allGroups(ctx, f, order) })
+	if err := shardErrors(a.names(), errs); err != nil {
+		return nil, err
+	}
+	parts := map[string][]*FailureGroup{} // by ID, in map order
+	var ids []string
+	for i := range all {
+		for j := range all[i] {
+			g := &all[i][j]
+			g.Shard = a.shards[i].name
+			if parts[g.ID] == nil {
+				ids = append(ids, g.ID)
+			}
+			parts[g.ID] = append(parts[g.ID], g)
+		}
+	}
+	merged := make([]FailureGroup, 0, len(ids))
+	for _, id := range ids {
+		g := mergeGroup(parts[id], ListSamples)
+		if p.After == "" || groupValue(*g, order) < afterValue || groupValue(*g, order) == afterValue && g.ID > afterID {
+			merged = append(merged, *g)
+		}
+	}
+	slices.SortFunc(merged, func(x, y FailureGroup) int {
+		return cmp.Or(cmp.Compare(groupValue(y, order), groupValue(x, order)), cmp.Compare(x.ID, y.ID))
+	})
+	out := &GroupPage{Groups: merged[:min(limit, len(merged))]}
+	if len(merged) > limit {
+		out.Next = encodeGroupCursor(merged[limit-1], order)
+	}
+	return out, nil
+}
+
+// allGroups is every group of the filter on this (one database's) Admin, each
+// once.
+func (a *Admin) allGroups(ctx context.Context, f GroupFilter, order string) ([]FailureGroup, error) {
+	f.Order = order
+	var out []FailureGroup
+	seen := map[string]bool{}
+	p := Page{Limit: MaxLimit}
+	for {
+		pg, err := a.ListGroups(ctx, f, p)
+		if err != nil {
+			return nil, err
+		}
+		for _, g := range pg.Groups {
+			if !seen[g.ID] { // a group whose count changed between two pages
+				seen[g.ID] = true
+				out = append(out, g)
+			}
+		}
+		if pg.Next == "" {
+			return out, nil
+		}
+		p.After = pg.Next
+	}
+}
+
+// mergeGroup merges one group's parts, each read on the shard its Shard names, in
+// map order: the sum of the counts, the earliest first and the latest last
+// failure, the latest part's code, texts and sample keys first (at most samples
+// keys), the shards comma-separated and each one's part. Attempts and Actions are
+// left to the caller.
+func mergeGroup(parts []*FailureGroup, samples int) *FailureGroup {
+	out := *parts[0]
+	out.Attempts, out.Actions, out.SampleKeys, out.Count = nil, nil, nil, 0
+	latest := parts[0]
+	names := make([]string, len(parts))
+	for i, g := range parts {
+		names[i] = g.Shard
+		out.Count += g.Count
+		out.FirstSeen = minTime(out.FirstSeen, g.FirstSeen)
+		out.LastSeen = maxTime(out.LastSeen, g.LastSeen)
+		if g.LastSeen.After(latest.LastSeen) {
+			latest = g
+		}
+		out.Parts = append(out.Parts, GroupPart{Shard: g.Shard, Count: g.Count, FirstSeen: g.FirstSeen, LastSeen: g.LastSeen})
+	}
+	out.Shard = strings.Join(names, ",")
+	out.Code, out.Masked, out.Example = latest.Code, latest.Masked, latest.Example
+	out.SampleKeys = slices.Clone(latest.SampleKeys)
+	for _, g := range parts {
+		if g != latest {
+			out.SampleKeys = append(out.SampleKeys, g.SampleKeys...)
+		}
+	}
+	out.SampleKeys = out.SampleKeys[:min(len(out.SampleKeys), samples)]
+	return &out
 }
 
 func (a *Admin) shardedListActions(ctx context.Context, f ActionFilter, p Page) (*ActionPage, error) {
@@ -521,7 +609,7 @@ func (a *Admin) shardedGroup(ctx context.Context, id string, seen TimeRange) (*F
 		return nil, err
 	}
 	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*FailureGroup, error) { return s.Group(ctx, id, seen) })
-	var out *FailureGroup
+	var parts []*FailureGroup
 	attempts := map[int]int64{}
 	for i, g := range res {
 		if errors.Is(errs[i], ErrNotFound) {
@@ -531,23 +619,8 @@ func (a *Admin) shardedGroup(ctx context.Context, id string, seen TimeRange) (*F
 		if errs[i] != nil {
 			continue
 		}
-		if out == nil {
-			cp := *g
-			out = &cp
-			out.Shard = a.shards[i].name
-			out.SampleKeys = slices.Clone(g.SampleKeys)
-		} else {
-			out.Shard += "," + a.shards[i].name
-			out.Count += g.Count
-			if g.LastSeen.After(out.LastSeen) {
-				out.Example, out.Code, out.Masked = g.Example, g.Code, g.Masked
-				out.SampleKeys = append(slices.Clone(g.SampleKeys), out.SampleKeys...)
-			} else {
-				out.SampleKeys = append(out.SampleKeys, g.SampleKeys...)
-			}
-			out.FirstSeen = minTime(out.FirstSeen, g.FirstSeen)
-			out.LastSeen = maxTime(out.LastSeen, g.LastSeen)
-		}
+		g.Shard = a.shards[i].name
+		parts = append(parts, g)
 		for _, at := range g.Attempts {
 			attempts[at.Attempts] += at.Effects
 		}
@@ -555,11 +628,10 @@ func (a *Admin) shardedGroup(ctx context.Context, id string, seen TimeRange) (*F
 	if err := shardErrors(a.names(), errs); err != nil {
 		return nil, err
 	}
-	if out == nil {
+	if parts == nil {
 		return nil, errorf(ErrNotFound, "no failures in group %s on any shard (released, retried or discarded, or never there)", id)
 	}
-	out.SampleKeys = out.SampleKeys[:min(len(out.SampleKeys), GroupSamples)]
-	out.Attempts = nil
+	out := mergeGroup(parts, GroupSamples)
 	for _, n := range slices.Sorted(maps.Keys(attempts)) {
 		out.Attempts = append(out.Attempts, AttemptsCount{Attempts: n, Effects: attempts[n]})
 	}

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/admin"
@@ -286,13 +287,32 @@ func orderedEffect(prev, e admin.Effect) bool {
 }
 
 // TestShardsStatsInspectAndGroups: Stats sums the shards and lists each; one key
-// is found on its shard; a failure group's actions act on its shard's rows; a
-// cursor of another list or of a single database is refused.
+// is found on its shard; a failure group's actions act on its shard's rows, and
+// the failure metrics count each shard's rows under its name; a cursor of another
+// list or of a single database is refused.
 func TestShardsStatsInspectAndGroups(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
-	a, err := admin.New(admin.Config{Shards: m})
+	reg := prometheus.NewRegistry()
+	a, err := admin.New(admin.Config{Shards: m, Registerer: reg, MetricsInterval: time.Nanosecond})
 	require.NoError(t, err)
+	// metric is the value of name{label=value, shard=s}.
+	metric := func(name, label, value, s string) float64 {
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		for _, mf := range mfs {
+			for _, one := range mf.GetMetric() {
+				l := map[string]string{}
+				for _, p := range one.GetLabel() {
+					l[p.GetName()] = p.GetValue()
+				}
+				if mf.GetName() == name && l[label] == value && l["shard"] == s {
+					return one.GetGauge().GetValue() + one.GetCounter().GetValue()
+				}
+			}
+		}
+		return -1
+	}
 	ctx := context.Background()
 	var tenants []string
 	seen := map[string]bool{}
@@ -317,6 +337,10 @@ func TestShardsStatsInspectAndGroups(t *testing.T) {
 	}, clearTimes(st.Consumers))
 	require.Equal(t, "dead-mail", st.Effects[0].Kind)
 	require.Equal(t, int64(6), st.Effects[0].Dead)
+	for _, s := range m.Shards {
+		require.Equal(t, 2.0, metric("idem_inbox_failed_keys", "consumer", "fail-orders", s.Name), "failed keys on %s", s.Name)
+		require.Equal(t, 2.0, metric("idem_effects_dead_rows", "kind", "dead-mail", s.Name), "dead effects on %s", s.Name)
+	}
 	require.Equal(t, int64(12), st.Effects[1].Pending)
 	act, err := a.Activity(ctx, time.Hour)
 	require.NoError(t, err)
@@ -365,6 +389,14 @@ func TestShardsStatsInspectAndGroups(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, acts.Actions, 1, "the shards without the group record no action")
 	require.Equal(t, s0.Name, acts.Actions[0].Shard)
+	for _, s := range m.Shards {
+		failed, released := 2.0, 0.0
+		if s.Name == s0.Name {
+			failed, released = 0, 2
+		}
+		require.Equal(t, failed, metric("idem_inbox_failed_keys", "consumer", "fail-orders", s.Name), "failed keys on %s", s.Name)
+		require.Equal(t, released, metric("idem_failures_repaired_total", "action", "release", s.Name), "released on %s", s.Name)
+	}
 
 	// Forget and Requeue find the row on its shard.
 	k1, _ := m.Pick(tenants[1])
@@ -452,4 +484,96 @@ func TestShardsOneDown(t *testing.T) {
 		p, err := a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{})
 		return err == nil && len(p.Keys) == 6
 	}, 30*time.Second, 100*time.Millisecond)
+}
+
+// failOn records n failed inbox keys of consumer "orders" and tenant with one
+// error text (one failure group) on shard s, whatever the route says (as after a
+// tenant moved), failed at, at+1s, ...
+func failOn(t *testing.T, s shard.Shard, tenant string, n int, at time.Time) {
+	t.Helper()
+	_, err := s.Pool.Exec(context.Background(), `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at, error_code, error)
+		SELECT 'orders', $1, $2 || '-' || g, '\x00', 'failed', now() + interval '1 day', $3::timestamptz + g * interval '1 second', 'handler', 'order ' || g || ' refused'
+		FROM generate_series(1, $4) g`, tenant, s.Name, at, n)
+	require.NoError(t, err)
+}
+
+// TestShardsFailureGroupsMerged: a failure group whose failures are on two shards
+// is one row of the list, whatever the page size and order: its counts summed,
+// its earliest first and latest last failure, the shards that hold it and each
+// one's part; paging by count places it by its sum. Group shows the same parts.
+func TestShardsFailureGroupsMerged(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	ctx := context.Background()
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	// acme: 3 on s1 and 4 on s2 (7 in all, the largest, though neither part is);
+	// b: 6 on s1; solo: 5 on s3; c: 2 on s2.
+	failOn(t, m.Shards[0], "acme", 3, t0.Add(10*time.Minute))
+	failOn(t, m.Shards[1], "acme", 4, t0)
+	failOn(t, m.Shards[0], "b", 6, t0.Add(20*time.Minute))
+	failOn(t, m.Shards[2], "solo", 5, t0.Add(30*time.Minute))
+	failOn(t, m.Shards[1], "c", 2, t0.Add(40*time.Minute))
+
+	byTenant := map[string]admin.FailureGroup{}
+	for _, order := range []string{admin.ByCount, admin.ByRecent} {
+		want := map[string][]string{
+			admin.ByCount:  {"acme", "b", "solo", "c"},
+			admin.ByRecent: {"c", "solo", "b", "acme"},
+		}[order]
+		for _, limit := range []int{1, 2, 3, 10} {
+			var got []string
+			after := ""
+			for pages := 0; ; pages++ {
+				require.Less(t, pages, 10)
+				pg, err := a.ListGroups(ctx, admin.GroupFilter{Order: order}, admin.Page{Limit: limit, After: after})
+				require.NoError(t, err)
+				require.LessOrEqual(t, len(pg.Groups), limit)
+				for _, g := range pg.Groups {
+					got = append(got, g.Tenant)
+					byTenant[g.Tenant] = g
+				}
+				if pg.Next == "" {
+					break
+				}
+				after = pg.Next
+			}
+			require.Equal(t, want, got, "order %s, %d a page: each group once, in its merged order", order, limit)
+		}
+	}
+	acme := byTenant["acme"]
+	require.Equal(t, int64(7), acme.Count)
+	require.Equal(t, "s1,s2", acme.Shard)
+	require.True(t, acme.FirstSeen.Equal(t0.Add(time.Second)), "the earliest failure, on s2: %v", acme.FirstSeen)
+	require.True(t, acme.LastSeen.Equal(t0.Add(10*time.Minute+3*time.Second)), "the latest failure, on s1: %v", acme.LastSeen)
+	require.Equal(t, []string{"s1", "s2"}, []string{acme.Parts[0].Shard, acme.Parts[1].Shard})
+	require.Equal(t, []int64{3, 4}, []int64{acme.Parts[0].Count, acme.Parts[1].Count})
+	require.Len(t, acme.SampleKeys, admin.ListSamples)
+	require.Equal(t, "s1-3", acme.SampleKeys[0], "the latest part's keys first")
+	solo := byTenant["solo"]
+	require.Equal(t, "s3", solo.Shard)
+	require.Equal(t, []admin.GroupPart{{Shard: "s3", Count: 5, FirstSeen: solo.FirstSeen, LastSeen: solo.LastSeen}}, solo.Parts)
+
+	g, err := a.Group(ctx, acme.ID, admin.TimeRange{})
+	require.NoError(t, err)
+	require.Equal(t, int64(7), g.Count)
+	require.Equal(t, acme.Parts, g.Parts)
+	require.Equal(t, "s1,s2", g.Shard)
+	require.Len(t, g.SampleKeys, 7)
+
+	// The time range counts only the failures in it, on every shard: acme's s2
+	// part is before it.
+	pg, err := a.ListGroups(ctx, admin.GroupFilter{Seen: admin.TimeRange{Since: t0.Add(5 * time.Minute)}, Tenant: &acme.Tenant}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, pg.Groups, 1)
+	require.Equal(t, int64(3), pg.Groups[0].Count)
+	require.Equal(t, "s1", pg.Groups[0].Shard)
+
+	_, err = a.ListGroups(ctx, admin.GroupFilter{Order: admin.ByRecent}, admin.Page{Limit: 1, After: func() string {
+		pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 1})
+		require.NoError(t, err)
+		return pg.Next
+	}()})
+	require.ErrorIs(t, err, admin.ErrBadCursor, "a cursor of the count order in the recent order")
 }

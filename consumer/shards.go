@@ -6,6 +6,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -22,19 +23,21 @@ type shards struct {
 	tenant KeyFunc
 }
 
-// newSharded builds one Consumer a shard, sharing the Prometheus collectors.
+// newSharded builds one Consumer a shard, each with its own Prometheus series,
+// labelled with its shard's name.
 func newSharded(cfg Config) (*Consumer, error) {
 	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Consumer, error) {
 		one := cfg
 		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
 		one.Logger = cfg.Logger.With("shard", sh.Name)
+		one.Registerer = promreg.Shard(cfg.Registerer, sh.Name)
 		return New(one)
 	})
 	if err != nil {
 		return nil, err
 	}
 	s := &shards{m: cfg.Shards, tenant: cfg.Tenant, each: each}
-	return &Consumer{cfg: cfg, shards: s, metrics: s.each[0].metrics, log: cfg.Logger}, nil
+	return &Consumer{cfg: cfg, shards: s, log: cfg.Logger}, nil
 }
 
 // route returns the index of msg's shard. A message whose tenant cannot be read, or

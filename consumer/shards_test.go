@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
@@ -400,4 +401,58 @@ func effectRows(t *testing.T, sb *shardBiz, key string) map[string]int {
 		}
 	}
 	return out
+}
+
+// Over a shard map every series carries its shard's name, so the shards (which
+// share a schema name here) never add up: each shard's processed, duplicates and
+// permanent-failure counts are its own inbox rows. Two consumers of one map on one
+// registry share the series.
+func TestShardedMetricsCarryTheShard(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []consumer.Mode{consumer.Transactional, consumer.GroupCommit} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := pgtest.Shards(t)
+			reg := prometheus.NewRegistry()
+			useReg := func(cfg *consumer.Config) { cfg.Registerer = reg }
+			c := shardedConsumer(t, m, mode, useReg)
+			shardedConsumer(t, m, mode, useReg) // a second one shares the collectors
+			h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				if msg.Metadata.Get("fail") != "" {
+					return nil, consumer.Permanent(errors.New("refused"))
+				}
+				return nil, nil
+			})
+			for round := range 2 {
+				for i := range 18 {
+					msg := tenantMsg(fmt.Sprintf("tenant-%d", i), fmt.Sprintf("k-%d", i))
+					if i%5 == 0 {
+						msg.Metadata.Set("fail", "yes")
+					}
+					_, err := h(msg) // a permanent failure is recorded and acked
+					require.NoError(t, err, "round %d", round)
+				}
+			}
+			mfs, err := reg.Gather()
+			require.NoError(t, err)
+			for _, mf := range mfs {
+				for _, s := range mf.GetMetric() {
+					require.True(t, slices.ContainsFunc(s.GetLabel(), func(l *dto.LabelPair) bool { return l.GetName() == "shard" }),
+						"%s%v has no shard label", mf.GetName(), s.GetLabel())
+				}
+			}
+			for _, s := range m.Shards {
+				on := map[string]string{"consumer": "orders", "shard": s.Name}
+				done := pgtest.ShardCount(t, s, `SELECT count(*) FROM inbox WHERE consumer = 'orders' AND state = 'completed'`)
+				failed := pgtest.ShardCount(t, s, `SELECT count(*) FROM inbox WHERE consumer = 'orders' AND state = 'failed'`)
+				require.Positive(t, done, "tenants on %s", s.Name)
+				require.EqualValues(t, done, series(t, reg, "idem_inbox_processed_total", on), "processed on %s", s.Name)
+				require.EqualValues(t, done, series(t, reg, "idem_inbox_duplicates_total", on), "duplicates on %s", s.Name)
+				require.EqualValues(t, failed, series(t, reg, "idem_inbox_failed_total",
+					map[string]string{"consumer": "orders", "shard": s.Name, "code": "permanent", "replayed": "false"}), "failed on %s", s.Name)
+				require.EqualValues(t, failed, series(t, reg, "idem_inbox_failed_total",
+					map[string]string{"consumer": "orders", "shard": s.Name, "code": "permanent", "replayed": "true"}), "replayed failures on %s", s.Name)
+			}
+		})
+	}
 }

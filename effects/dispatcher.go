@@ -57,11 +57,8 @@ type Dispatcher struct {
 	released atomic.Int64 // claims handed back unsent at shutdown, in this Run
 
 	// shards, with a shard map, runs one Dispatcher a shard; the fields above
-	// but cfg, log and m are then unused.
+	// but cfg and log are then unused.
 	shards *shardSet
-	// noPending: a shard's Dispatcher leaves idem_effects_pending to its sharded
-	// Dispatcher, which sums the shards.
-	noPending bool
 }
 
 // lane is one kind's sender, its workers' queue and its count of claims held.
@@ -183,7 +180,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	}
 	defer d.running.Store(false)
 	if d.shards != nil {
-		return d.shards.run(ctx, d)
+		return d.shards.run(ctx)
 	}
 
 	// Sends outlive ctx by up to ShutdownTimeout, so they get a context of their own.
@@ -201,7 +198,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 
 	var background sync.WaitGroup
 	background.Go(func() { d.listen(ctx) })
-	if d.cfg.Registerer != nil && !d.noPending {
+	if d.cfg.Registerer != nil {
 		background.Go(func() { d.refreshPendingLoop(ctx) })
 	}
 

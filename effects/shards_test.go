@@ -2,12 +2,15 @@ package effects_test
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
@@ -46,15 +49,19 @@ func listening(t *testing.T, m *shard.Map, which ...int) {
 	}
 }
 
-func runSharded(t *testing.T, m *shard.Map, rec *recorder, poll time.Duration) {
+// runSharded runs a Dispatcher of "email" over m until the test ends, and returns
+// its registry.
+func runSharded(t *testing.T, m *shard.Map, rec *recorder, poll time.Duration) *prometheus.Registry {
 	t.Helper()
+	reg := prometheus.NewRegistry()
 	d, err := effects.NewDispatcher(effects.Config{Shards: m, Senders: map[string]effects.Sender{"email": rec},
-		PollInterval: poll, Registerer: prometheus.NewRegistry(), PendingRefresh: 50 * time.Millisecond})
+		PollInterval: poll, Registerer: reg, PendingRefresh: 50 * time.Millisecond})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Go(func() { require.NoError(t, d.Run(ctx)) })
 	t.Cleanup(func() { cancel(); wg.Wait() })
+	return reg
 }
 
 // One Dispatcher serves every shard, and LISTEN wakes it on each: with an hour's
@@ -108,4 +115,52 @@ func TestDispatcherPicksUpARestartedShard(t *testing.T) {
 	require.Eventually(t, func() bool { return rec.count("listen-again") == 1 }, 10*time.Second, 10*time.Millisecond)
 	require.Equal(t, 1, rec.count("while-down-s1"))
 	require.Equal(t, 1, rec.count("after-restart"))
+}
+
+// Over a shard map every series carries its shard's name, so the shards (which
+// share a schema name here) never add up: each shard's pending gauge counts its
+// own pending effects, even of a kind this Dispatcher does not send, and its done
+// attempts are its own done rows.
+func TestShardedDispatcherMetricsCarryTheShard(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	reg := runSharded(t, m, newRecorder(nil), 20*time.Millisecond)
+	ctx := context.Background()
+	for i, s := range m.Shards {
+		err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
+			var batch []effects.Effect
+			for j := range i + 1 {
+				batch = append(batch, effects.Effect{Kind: "email", Key: fmt.Sprintf("mail-%s-%d", s.Name, j), Payload: []byte(`{}`)})
+			}
+			for j := range len(m.Shards) - i {
+				batch = append(batch, effects.Effect{Kind: "sms", Key: fmt.Sprintf("sms-%s-%d", s.Name, j), Payload: []byte(`{}`)})
+			}
+			for _, e := range batch {
+				if _, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: s.SchemaName(), Source: effects.Source{Tenant: "t"}}, e); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		require.NoError(t, err)
+	}
+	for i, s := range m.Shards {
+		pgtest.WaitFor(t, 20*time.Second, "the emails on "+s.Name+" are done", func() bool {
+			return pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE kind = 'email' AND state = 'done'`) == i+1
+		})
+		pgtest.WaitFor(t, 20*time.Second, "the metrics of "+s.Name, func() bool {
+			return metricValue(t, reg, "idem_effects_attempts_total", "email", "done", s.Name) == float64(i+1) &&
+				metricValue(t, reg, "idem_effects_pending", "sms", s.Name) == float64(len(m.Shards)-i) &&
+				metricValue(t, reg, "idem_effects_pending", "email", s.Name) == 0
+		})
+		require.EqualValues(t, len(m.Shards)-i, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE kind = 'sms' AND state = 'pending'`))
+	}
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		for _, one := range mf.GetMetric() {
+			require.True(t, slices.ContainsFunc(one.GetLabel(), func(l *dto.LabelPair) bool { return l.GetName() == "shard" }),
+				"%s%v has no shard label", mf.GetName(), one.GetLabel())
+		}
+	}
 }

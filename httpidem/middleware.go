@@ -99,7 +99,9 @@ func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 		if err := inbox.ValidateConsumer(rt.Operation); err != nil {
 			panic(fmt.Sprintf("httpidem: Route.Operation %q: %v", rt.Operation, err))
 		}
-		m.metrics.op(rt.Operation)
+		for _, one := range m.parts() {
+			one.metrics.op(rt.Operation) // every shard's series, under its name
+		}
 	}
 	if m.shards != nil {
 		return func(next http.Handler) http.Handler { return m.shards.route(rt, next) }

@@ -4,6 +4,7 @@ import (
 	"net/http"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -20,13 +21,22 @@ func newSharded(cfg Config) (*Middleware, error) {
 		one := cfg
 		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
 		one.Logger = cfg.Logger.With("shard", sh.Name)
+		one.Registerer = promreg.Shard(cfg.Registerer, sh.Name)
 		return New(one)
 	})
 	if err != nil {
 		return nil, err
 	}
 	s := &shardSet{m: cfg.Shards, each: each}
-	return &Middleware{cfg: cfg, metrics: s.each[0].metrics, log: cfg.Logger, shards: s}, nil
+	return &Middleware{cfg: cfg, log: cfg.Logger, shards: s}, nil
+}
+
+// parts are the Middlewares that do the work: one a shard, or m itself.
+func (m *Middleware) parts() []*Middleware {
+	if m.shards != nil {
+		return m.shards.each
+	}
+	return []*Middleware{m}
 }
 
 // route returns a handler that sends each request to its tenant's shard. A request

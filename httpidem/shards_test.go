@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/httpidem"
@@ -17,6 +18,8 @@ import (
 
 // Each request is claimed, run and committed on its tenant's shard; a retry with
 // the same key is replayed from there; a route that fails is a shard_route problem.
+// Each shard's series carry its name (the shards share a schema name here): its
+// committed and replayed answers are its own inbox rows.
 func TestShardedRequestsRunOnTheirTenantsShard(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
@@ -32,7 +35,8 @@ func TestShardedRequestsRunOnTheirTenantsShard(t *testing.T) {
 		}
 		return m.Shards[shard.Rendezvous(tenant, m.Shards)].Name, nil
 	}
-	mw, err := httpidem.New(httpidem.Config{Shards: m, Tenant: func(r *http.Request) (string, error) { return r.Header.Get("X-Tenant"), nil }})
+	reg := prometheus.NewRegistry()
+	mw, err := httpidem.New(httpidem.Config{Shards: m, Registerer: reg, Tenant: func(r *http.Request) (string, error) { return r.Header.Get("X-Tenant"), nil }})
 	require.NoError(t, err)
 	mux := http.NewServeMux()
 	mux.Handle("POST /payments", mw.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -76,6 +80,28 @@ func TestShardedRequestsRunOnTheirTenantsShard(t *testing.T) {
 		}
 	}
 	require.Len(t, used, len(m.Shards))
+	answers := func(shard, outcome string) float64 {
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		var sum float64
+		for _, mf := range mfs {
+			for _, one := range mf.GetMetric() {
+				l := map[string]string{}
+				for _, p := range one.GetLabel() {
+					l[p.GetName()] = p.GetValue()
+				}
+				if mf.GetName() == "idem_http_requests_total" && l["shard"] == shard && l["outcome"] == outcome {
+					sum += one.GetCounter().GetValue()
+				}
+			}
+		}
+		return sum
+	}
+	for _, s := range m.Shards {
+		n := pgtest.ShardCount(t, s, `SELECT count(*) FROM inbox`)
+		require.EqualValues(t, n, answers(s.Name, httpidem.OutcomeCommitted), "committed on %s", s.Name)
+		require.EqualValues(t, n, answers(s.Name, httpidem.OutcomeReplayed), "replayed on %s", s.Name)
+	}
 
 	a, err := postTo(context.Background(), srv.Client(), srv.URL, "/payments", "k-x", `{}`, "X-Tenant", "nowhere")
 	require.NoError(t, err)

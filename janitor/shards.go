@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -23,6 +24,7 @@ func newSharded(cfg Config) (*Janitor, error) {
 		one := cfg
 		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
 		one.Logger = cfg.Logger.With("shard", sh.Name)
+		one.Registerer = promreg.Shard(cfg.Registerer, sh.Name)
 		return New(one)
 	})
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/internal/pgtest"
@@ -12,7 +13,8 @@ import (
 
 // One pass goes over every shard, each under its own advisory lock: a shard whose
 // lock another janitor holds is skipped (ErrBusy, naming it) while the others are
-// cleaned.
+// cleaned. Each shard's series carry its name: the shards share a schema name
+// here, and their counts do not add up.
 func TestJanitorPassesEveryShard(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -20,7 +22,8 @@ func TestJanitorPassesEveryShard(t *testing.T) {
 	for _, s := range m.Shards {
 		seedJanitor(t, s.Pool, 5)
 	}
-	j, err := janitor.New(janitor.Config{Shards: m})
+	reg := prometheus.NewRegistry()
+	j, err := janitor.New(janitor.Config{Shards: m, Registerer: reg})
 	require.NoError(t, err)
 
 	// Another janitor's pass on s2: its lock is taken (the lock is per schema, on
@@ -38,6 +41,36 @@ func TestJanitorPassesEveryShard(t *testing.T) {
 	}
 	before := gone(1)
 	require.Positive(t, before)
+	deletedBefore := map[string]int{}
+	for i, s := range m.Shards {
+		deletedBefore[s.Name] = gone(i)
+	}
+	// The shard's series: passes by result, rows deleted (both tables).
+	shardSeries := func(s string) (ok, busy, deleted float64) {
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		for _, mf := range mfs {
+			for _, one := range mf.GetMetric() {
+				l := map[string]string{}
+				for _, p := range one.GetLabel() {
+					l[p.GetName()] = p.GetValue()
+				}
+				if l["shard"] != s {
+					continue
+				}
+				v := one.GetCounter().GetValue()
+				switch {
+				case mf.GetName() == "idem_janitor_passes_total" && l["result"] == "ok":
+					ok += v
+				case mf.GetName() == "idem_janitor_passes_total" && l["result"] == "busy":
+					busy += v
+				case mf.GetName() == "idem_janitor_deleted_total":
+					deleted += v
+				}
+			}
+		}
+		return ok, busy, deleted
+	}
 
 	st, err := j.RunOnce(ctx)
 	require.ErrorIs(t, err, janitor.ErrBusy)
@@ -46,12 +79,20 @@ func TestJanitorPassesEveryShard(t *testing.T) {
 	require.Zero(t, gone(2), "s3 cleaned")
 	require.Equal(t, before, gone(1), "s2, whose lock is held, untouched")
 	require.EqualValues(t, 2*before, st.Deleted(), "the stats add up the shards")
+	for _, s := range []string{"s1", "s3"} {
+		ok, busy, deleted := shardSeries(s)
+		require.Equal(t, []float64{1, 0, float64(deletedBefore[s])}, []float64{ok, busy, deleted}, "passes ok, busy and rows deleted on %s", s)
+	}
+	ok, busy, deleted := shardSeries("s2")
+	require.Equal(t, []float64{0, 1, 0}, []float64{ok, busy, deleted}, "passes ok, busy and rows deleted on s2")
 
 	_, err = conn.Exec(ctx, `SELECT pg_advisory_unlock_all()`)
 	require.NoError(t, err)
 	st, err = j.RunOnce(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, before, st.Deleted())
+	ok, busy, deleted = shardSeries("s2")
+	require.Equal(t, []float64{1, 1, float64(before)}, []float64{ok, busy, deleted}, "passes ok, busy and rows deleted on s2")
 	for i, s := range m.Shards {
 		require.Zero(t, gone(i), "shard %s cleaned", s.Name)
 		require.Positive(t, pgtest.ShardCount(t, s, `SELECT count(*) FROM inbox WHERE key LIKE 'keep-%'`))

@@ -30,12 +30,21 @@ var benchCmd = &command{
 		"handler does one business insert and emits one effect per message. It works in a schema of its own, --bench-schema, which it drops and " +
 		"makes again; it refuses a schema it did not make. On a Kafka broker it creates one topic and one consumer " +
 		"group per Kafka setup, named idem-bench-<random run id>-<setup>, and deletes those two at the end; it " +
-		"touches no other topic or group.",
+		"touches no other topic or group. Given a shard map (--shard, --shards), it compares the map's first shard " +
+		"alone with all of its shards instead (below).",
 	example: `idem bench
 idem bench -n 1000000 --concurrency 32 --dup-rate 0.1 --payload 256
 idem bench --setups bare,idem,idem-group --json
 idem bench --setups kafka,kafka-external --kafka-brokers localhost:9092
-idem bench --compare-shards 3 -n 10000`,
+idem bench --shards shards.json -n 10000
+idem bench --shard s1=postgres://db1/app --shard s2=postgres://db2/app --shard s3=postgres://db3/app
+
+With a shard map (--shard, --shards or $IDEM_SHARDS) it compares one shard with
+all of them instead: idem per message and idem group commit on the map's first
+shard alone, then spread by tenant (--tenants, the hash route) over every shard,
+side by side, with each shard's deliveries and Postgres CPU. It uses only the
+map's names and URLs: on each database it works in --bench-schema, never in the
+map's schema, and its tenants follow the hash, not the map's table.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var o benchkit.Options
 		var setups, schema, kafkaBrokers string
@@ -69,9 +78,9 @@ idem bench --compare-shards 3 -n 10000`,
 			if err := noArgs(args); err != nil {
 				return err
 			}
-			if sh.n != 0 {
+			if e.shardsGiven() {
 				if setups != "" {
-					return usagef("--compare-shards runs its own setups: leave out --setups")
+					return usagef("with a shard map the bench runs its own setups (idem, idem-group on 1 shard and on all): leave out --setups")
 				}
 				return runShardBench(ctx, e, o, sh, schema)
 			}

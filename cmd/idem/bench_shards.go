@@ -5,7 +5,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 
@@ -13,22 +12,19 @@ import (
 
 	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
 	"github.com/idemkit/idem/cmd/idem/internal/scratch"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/redact"
 	"github.com/idemkit/idem/migrate"
 )
 
-// shardBenchFlags are idem bench's shard comparison: --compare-shards N runs the
-// idem setups on one shard cluster, then spread by tenant over N.
+// shardBenchFlags are idem bench's flags of the shard comparison, which it runs
+// when given a shard map (--shard, --shards, $IDEM_SHARDS).
 type shardBenchFlags struct {
-	n       int
-	urls    string
 	tenants int
 }
 
 func (f *shardBenchFlags) register(fs *flag.FlagSet) {
-	fs.IntVar(&f.n, "compare-shards", 0, "instead of the setups: run idem per message and idem group commit on one shard cluster, then spread by tenant over this many (a shard map, the hash route), side by side, with each shard's Postgres CPU per delivery (0: off)")
-	fs.StringVar(&f.urls, "shard-urls", os.Getenv("IDEM_SHARD_URLS"), "the shard clusters of --compare-shards, comma-separated Postgres URLs (default $IDEM_SHARD_URLS, which scripts/services start shards exports)")
-	fs.IntVar(&f.tenants, "tenants", 64, "tenants the messages of --compare-shards are spread over")
+	fs.IntVar(&f.tenants, "tenants", 64, "with a shard map: tenants the messages are spread over")
 }
 
 type shardBenchJSON struct {
@@ -40,27 +36,33 @@ type shardBenchJSON struct {
 	Results     []benchkit.ShardResult `json:"results"`
 }
 
-// runShardBench runs the comparison in a scratch schema of its own on each cluster.
+// runShardBench runs the comparison over the shard map's databases: idem on the
+// first shard alone, then spread by tenant over all of them. It uses only the
+// map's names and URLs: it works in its own scratch schema on each, never in the
+// map's schemas, and routes its own tenants by the hash (not the map's table).
 func runShardBench(ctx context.Context, e *env, o benchkit.Options, f shardBenchFlags, schema string) error {
-	var urls []string
-	for _, u := range strings.Split(f.urls, ",") {
-		if u = strings.TrimSpace(u); u != "" {
-			urls = append(urls, u)
-		}
+	var names, urls []string
+	for _, s := range e.specs {
+		names, urls = append(names, s.Name), append(urls, s.URL)
 	}
 	switch {
-	case f.n < 2:
-		return usagef("--compare-shards must be at least 2")
-	case len(urls) < f.n:
-		return usagef("--compare-shards %d needs %d shard URLs; --shard-urls (or IDEM_SHARD_URLS) names %d (start three local clusters with: eval \"$(scripts/services start shards)\")", f.n, f.n, len(urls))
-	case f.tenants < f.n:
-		return usagef("--tenants must be at least --compare-shards")
+	case len(urls) < 2:
+		return usagef("the shard comparison needs a map of at least 2 shards; --shard or --shards names %d", len(urls))
+	case f.tenants < len(urls):
+		return usagef("--tenants must be at least the number of shards (%d)", len(urls))
 	case o.N < 1 || o.Concurrency < 1 || o.PayloadSize < 0 || o.DupRate < 0 || o.DupRate > 1:
 		return usagef("-n and --concurrency must be at least 1, --payload not negative, --dup-rate within [0, 1]")
 	}
-	urls = urls[:f.n]
+	if err := inbox.ValidateSchema(schema); err != nil {
+		return usagef("--bench-schema: %v", err)
+	}
+	for _, s := range e.specs {
+		if s.Schema == schema {
+			return usagef("--bench-schema %s is shard %q's schema: the bench works only in a schema of its own", schema, s.Name)
+		}
+	}
 	if len(slices.Compact(slices.Sorted(slices.Values(urls)))) != len(urls) {
-		return usagef("--shard-urls names one database twice")
+		return usagef("the shard map names one database twice: the comparison needs a database a shard")
 	}
 	for _, u := range urls {
 		claimed, err := claimShardScratch(ctx, u, schema)
@@ -70,10 +72,10 @@ func runShardBench(ctx context.Context, e *env, o benchkit.Options, f shardBench
 		defer claimed.Release()
 	}
 	fmt.Fprintf(e.notes(), "idem bench: 1 vs %d shards, %d messages a run over %d tenants, %d partitions, %d-byte payloads, %.0f%% duplicates, schema %s on each\n",
-		f.n, o.N, f.tenants, o.Concurrency, o.PayloadSize, o.DupRate*100, schema)
+		len(urls), o.N, f.tenants, o.Concurrency, o.PayloadSize, o.DupRate*100, schema)
 	var results []benchkit.ShardResult
 	for _, s := range []benchkit.Setup{benchkit.PerMessage, benchkit.GroupCommit} {
-		rs, err := benchkit.RunShards(ctx, benchkit.ShardOptions{URLs: urls, Schema: schema, Setup: s,
+		rs, err := benchkit.RunShards(ctx, benchkit.ShardOptions{Names: names, URLs: urls, Schema: schema, Setup: s,
 			N: o.N, Concurrency: o.Concurrency, PayloadSize: o.PayloadSize, DupRate: o.DupRate, Tenants: f.tenants, Seed: o.Seed})
 		if err != nil {
 			return fmt.Errorf("setup %s: %w", s, err)

@@ -19,7 +19,9 @@ import (
 
 // TestConsoleInBrowserShards: the console over a shard map of the 3 shard
 // clusters and a fourth shard nobody listens on shows, in headless Chromium, each
-// shard's figures and the fourth as down, with the sums of the three that answer.
+// shard's figures and the fourth as down, with the sums of the three that answer;
+// over the three, a failure group on two shards is one row of the Failures page,
+// and its detail shows each shard's part.
 func TestConsoleInBrowserShards(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
@@ -75,4 +77,27 @@ func TestConsoleInBrowserShards(t *testing.T) {
 	path := filepath.Join(screenshotDir(t), "console-shards.png")
 	require.NoError(t, os.WriteFile(path, png, 0o644))
 	t.Logf("screenshot: %s", path)
+
+	// The Failures page over the three shards that answer: a group with failures on
+	// s1 and s3 is one row, its counts summed; its detail shows each shard's part.
+	for i, n := range map[int]int{0: 2, 2: 3} {
+		_, err := m.Shards[i].Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at, error_code, error)
+			SELECT 'orders', 't', 'f' || g, '\x00', 'failed', now() + interval '1 day', now(), 'handler', 'order ' || g || ' refused'
+			FROM generate_series(1, $1) g`, n)
+		require.NoError(t, err)
+	}
+	up, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	srv2 := httptest.NewUnstartedServer(nil)
+	h2, err := newConsole(up, consoleConfig{ReadOnly: true, Hosts: consoleHosts(srv2.Listener.Addr(), "127.0.0.1")})
+	require.NoError(t, err)
+	srv2.Config.Handler = h2
+	srv2.Start()
+	t.Cleanup(srv2.Close)
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv2.URL+"/#failures")))
+	wait(`document.querySelectorAll('#groups tbody tr.group').length === 1`)
+	require.Equal(t, "5", js(`document.querySelector('#groups tbody tr.group td.count').textContent`))
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.CSS(`#groups tbody tr.group button.open`))))
+	wait(`!!document.getElementById("group-facts")`)
+	require.Contains(t, js(`document.getElementById("group-facts").textContent`), "Shardss1: 2, s3: 3")
 }

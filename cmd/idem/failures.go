@@ -24,7 +24,9 @@ A group is the failures of one consumer (or effect kind) and tenant with the
 same error code and the same error text once its variable parts are masked
 (numbers, UUIDs, quoted values, hex): most likely one cause. Act on a group with
 'idem failures show|retry|discard|release ID'. --since and --until count only
-the failures in that time (a time, a date, or an age such as 90m or 7d).`,
+the failures in that time (a time, a date, or an age such as 90m or 7d). Over a
+shard map a group is one row, its shards' failures summed; SHARD names the
+shards that hold it, and 'idem failures show ID' shows each one's part.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var o failuresListOptions
 		fs.StringVar(&o.f.Source, "source", "", "inbox (failed keys) or effects (dead effects); default both")
@@ -136,6 +138,14 @@ func runFailuresShow(ctx context.Context, e *env, args []string, seen admin.Time
 	}
 	fmt.Fprintf(w, "Group       %s (%s)\n%-11s %s\nTenant      %s\nCode        %s\nCount       %d\nFirst seen  %s\nLast seen   %s\n",
 		g.ID, g.Source, place, printable(g.Place()), dash(printable(g.Tenant)), dash(printable(g.Code)), g.Count, ts(&g.FirstSeen), ts(&g.LastSeen))
+	if len(g.Parts) > 0 {
+		fmt.Fprintf(w, "\nShards:\n")
+		tw := e.table("  SHARD", "COUNT", "FIRST SEEN", "LAST SEEN")
+		for _, p := range g.Parts {
+			row(tw, "  "+printable(p.Shard), p.Count, ts(&p.FirstSeen), ts(&p.LastSeen))
+		}
+		_ = tw.Flush()
+	}
 	fmt.Fprintf(w, "\nError (masked):\n  %s\nExample (newest, whole):\n  %s\n", printable(g.Masked), printable(g.Example))
 	fmt.Fprintf(w, "\nSample keys (newest first):\n")
 	for _, k := range g.SampleKeys[:min(len(g.SampleKeys), textPlanKeys)] {

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -189,6 +190,37 @@ func TestShardsCLI(t *testing.T) {
 	}
 	require.Len(t, shards, 3)
 
+	// tenants[0]'s group on another shard too (as after a move): one row, its
+	// parts summed, naming both shards; show lists each part.
+	home, _ := m.Pick(tenants[0])
+	other := m.Shards[0]
+	if other.Name == home.Name {
+		other = m.Shards[1]
+	}
+	_, err = other.Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at, error_code, error)
+		SELECT 'orders', $1, 'moved' || g, '\x00', 'failed', now() + interval '1 day', now() - interval '1 hour', 'handler', 'bad order ' || g
+		FROM generate_series(1, 3) g`, tenants[0])
+	require.NoError(t, err)
+	both := strings.Join(slices.DeleteFunc(m.Names(), func(n string) bool { return n != home.Name && n != other.Name }), ",")
+	r = runBin(t, withFile("failures", "--json")...)
+	require.Equal(t, 0, r.code, r.stderr)
+	groups = nil
+	require.NoError(t, json.Unmarshal([]byte(r.stdout), &groups))
+	require.Len(t, groups, 6, "still one group per tenant")
+	require.Equal(t, tenants[0], groups[0].Tenant, "the largest group, by its sum")
+	require.Equal(t, int64(5), groups[0].Count, "2 failures on its shard and 3 on the other")
+	require.Equal(t, both, groups[0].Shard)
+	require.Len(t, groups[0].Parts, 2)
+	r = runBin(t, withFlags("failures", "--limit", "1")...)
+	require.Equal(t, 0, r.code, r.stderr)
+	require.Regexp(t, `(?m)^SHARD\s+ID\s+SOURCE`, r.stdout)
+	require.Regexp(t, `(?m)^`+both+`\s+`+groups[0].ID+`\s+inbox\s+orders\s+`+tenants[0]+`\s+handler\s+5\s`, r.stdout)
+	r = runBin(t, withFlags("failures", "show", groups[0].ID)...)
+	require.Equal(t, 0, r.code, r.stderr)
+	require.Regexp(t, `Count\s+5\n`, r.stdout)
+	require.Regexp(t, `(?m)^\s+`+home.Name+`\s+2\s`, r.stdout)
+	require.Regexp(t, `(?m)^\s+`+other.Name+`\s+3\s`, r.stdout)
+
 	r = runBin(t, withFlags("gc", "--json")...)
 	require.Equal(t, 0, r.code, r.stderr)
 	var gc gcJSON
@@ -205,7 +237,7 @@ func TestShardsCLI(t *testing.T) {
 	require.Contains(t, r.stderr, `shard \"s4\"`)
 	st = admin.Stats{}
 	require.NoError(t, json.Unmarshal([]byte(r.stdout), &st))
-	require.Equal(t, int64(30), st.Consumers[0].Rows, "the 3 shards that answered, after gc")
+	require.Equal(t, int64(33), st.Consumers[0].Rows, "the 3 shards that answered, after gc (with the 3 failures moved)")
 	require.False(t, st.Shards[3].Up())
 	r = runBin(t, append(withFlags("inbox", "list", "--json"), down...)...)
 	require.Equal(t, exitNoPostgres, r.code, r.stderr)

@@ -29,3 +29,20 @@ func Register[C prometheus.Collector](reg prometheus.Registerer, c C, errp *erro
 	}
 	return c
 }
+
+// ShardLabel is the label every series of a shard map's per-shard part carries:
+// the shard's name.
+const ShardLabel = "shard"
+
+// Shard returns reg with the constant label shard=name on every series registered
+// through it, the Registerer of a shard map's per-shard part (nil for a nil reg).
+// The label is in the collectors' descriptions, so recording a sample costs nothing
+// more. Prometheus refuses two registrations of a family with different label
+// names on one registry, so a family's series on one registry are either all
+// per-shard or all single-database.
+func Shard(reg prometheus.Registerer, name string) prometheus.Registerer {
+	if reg == nil {
+		return nil
+	}
+	return prometheus.WrapRegistererWith(prometheus.Labels{ShardLabel: name}, reg)
+}

@@ -33,3 +33,40 @@ func TestRegisterSharesAndReports(t *testing.T) {
 	require.Same(t, c, promreg.Register(nil, c, &none))
 	require.NoError(t, none)
 }
+
+func TestShardLabelsEverySeriesAndShares(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	newCounter := func() *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Name: "x_total", Help: "x"}, []string{"l"})
+	}
+	var err error
+	s1 := promreg.Register(promreg.Shard(reg, "s1"), newCounter(), &err)
+	s1again := promreg.Register(promreg.Shard(reg, "s1"), newCounter(), &err)
+	s2 := promreg.Register(promreg.Shard(reg, "s2"), newCounter(), &err)
+	require.NoError(t, err)
+	require.Same(t, s1, s1again, "one shard's parts share its collector")
+	require.NotSame(t, s1, s2, "each shard has its own")
+	s1.WithLabelValues("a").Add(2)
+	s2.WithLabelValues("a").Add(3)
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	require.Len(t, mfs, 1)
+	got := map[string]float64{}
+	for _, m := range mfs[0].GetMetric() {
+		labels := map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		require.Equal(t, "a", labels["l"])
+		got[labels[promreg.ShardLabel]] = m.GetCounter().GetValue()
+	}
+	require.Equal(t, map[string]float64{"s1": 2, "s2": 3}, got)
+
+	// A single-database collector of the same family on the same registry has
+	// other label names: Prometheus refuses it, and the error is reported.
+	promreg.Register(reg, newCounter(), &err)
+	require.Error(t, err)
+
+	require.Nil(t, promreg.Shard(nil, "s1"))
+}

@@ -388,6 +388,8 @@ async function openGroup(id) {
     [effects ? "Kind" : "Consumer", show(g.consumer || g.kind)], ["Tenant", show(g.tenant)],
     ["Count", String(g.count)],
   ];
+  // Over a shard map: each shard's part of the group.
+  if (g.parts && g.parts.length) pairs.push(["Shards", g.parts.map((p) => show(p.shard) + ": " + p.count).join(", ")]);
   if (g.count > 0) {
     pairs.push(["Code", show(g.code)], ["First seen", fmtTime(g.first_seen)], ["Last seen", fmtTime(g.last_seen)],
       ["Error (masked)", show(g.masked_error)], ["Example (newest)", show(g.example_error)]);

@@ -26,8 +26,10 @@ import (
 // ShardOptions is the shard comparison: the same workload on the first of URLs
 // alone, then spread by tenant over all of them (a shard map, the hash route).
 type ShardOptions struct {
-	// URLs are the shard clusters' databases; Schema, on each, is the caller's
-	// scratch schema, migrated (the comparison empties its tables).
+	// URLs are the shard clusters' databases, Names their shards' names (s1, s2,
+	// ... when nil); Schema, on each, is the caller's scratch schema, migrated
+	// (the comparison empties its tables).
+	Names  []string
 	URLs   []string
 	Schema string
 	// Setup is PerMessage or GroupCommit.
@@ -119,7 +121,11 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 		if err != nil {
 			return ShardResult{}, err
 		}
-		m.Shards = append(m.Shards, shard.Shard{Name: fmt.Sprintf("s%d", i+1), Pool: pool, Schema: o.Schema})
+		name := fmt.Sprintf("s%d", i+1)
+		if i < len(o.Names) {
+			name = o.Names[i]
+		}
+		m.Shards = append(m.Shards, shard.Shard{Name: name, Pool: pool, Schema: o.Schema})
 		if err := reset(ctx, pool, o.Schema); err != nil {
 			return ShardResult{}, err
 		}

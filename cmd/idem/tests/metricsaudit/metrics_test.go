@@ -3,6 +3,7 @@ package metricsaudit
 import (
 	"context"
 	"errors"
+	"maps"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -22,6 +23,7 @@ import (
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/janitor"
+	"github.com/idemkit/idem/shard"
 )
 
 // The names the components are built with. The dashboard's variables select
@@ -46,9 +48,51 @@ type world struct {
 func build(t *testing.T) world {
 	t.Helper()
 	pool, schema := pgtest.Setup(t)
+	return buildOn(t, schema, func(cfg any) {
+		switch c := cfg.(type) {
+		case *consumer.Config:
+			c.Pool, c.Schema = pool, schema
+		case *effects.Config:
+			c.Pool, c.Schema = pool, schema
+		case *janitor.Config:
+			c.Pool, c.Schema = pool, schema
+		case *httpidem.Config:
+			c.Pool, c.Schema = pool, schema
+		case *admin.Config:
+			c.Pool, c.Schema = pool, schema
+		}
+	})
+}
+
+// buildSharded is build over a map of the shard clusters (one schema name on each).
+func buildSharded(t *testing.T) (world, *shard.Map) {
+	t.Helper()
+	m := pgtest.Shards(t)
+	tenant := func(*http.Request) (string, error) { return "t", nil }
+	return buildOn(t, m.Shards[0].Schema, func(cfg any) {
+		switch c := cfg.(type) {
+		case *consumer.Config:
+			c.Shards, c.Tenant = m, consumer.MetadataTenant("tenant")
+		case *effects.Config:
+			c.Shards = m
+		case *janitor.Config:
+			c.Shards = m
+		case *httpidem.Config:
+			c.Shards, c.Tenant, c.Unscoped = m, tenant, false
+		case *admin.Config:
+			c.Shards = m
+		}
+	}), m
+}
+
+// buildOn builds every component, each config completed by where (its database).
+func buildOn(t *testing.T, schema string, where func(cfg any)) world {
+	t.Helper()
 	reg := prometheus.NewRegistry()
 
-	c, err := consumer.New(consumer.Config{Pool: pool, Schema: schema, Name: consumerName, Registerer: reg})
+	ccfg := consumer.Config{Name: consumerName, Registerer: reg}
+	where(&ccfg)
+	c, err := consumer.New(ccfg)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 
@@ -58,17 +102,25 @@ func build(t *testing.T) world {
 			return errors.New("the audit sends nothing")
 		})
 	}
-	_, err = effects.NewDispatcher(effects.Config{Pool: pool, Schema: schema, Senders: senders, Registerer: reg})
+	ecfg := effects.Config{Senders: senders, Registerer: reg}
+	where(&ecfg)
+	_, err = effects.NewDispatcher(ecfg)
 	require.NoError(t, err)
 
-	_, err = janitor.New(janitor.Config{Pool: pool, Schema: schema, Registerer: reg})
+	jcfg := janitor.Config{Registerer: reg}
+	where(&jcfg)
+	_, err = janitor.New(jcfg)
 	require.NoError(t, err)
 
-	mw, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Unscoped: true, Registerer: reg})
+	hcfg := httpidem.Config{Unscoped: true, Registerer: reg}
+	where(&hcfg)
+	mw, err := httpidem.New(hcfg)
 	require.NoError(t, err)
 	mw.Route(httpidem.Route{Operation: operation})(http.NotFoundHandler())
 
-	_, err = admin.New(admin.Config{Pool: pool, Schema: schema, Registerer: reg, Consumers: []string{consumerName}, Kinds: kinds})
+	acfg := admin.Config{Registerer: reg, Consumers: []string{consumerName}, Kinds: kinds}
+	where(&acfg)
+	_, err = admin.New(acfg)
 	require.NoError(t, err)
 
 	mfs, err := reg.Gather()
@@ -129,6 +181,35 @@ func TestEverySeriesExistsAtZeroBeforeAnyWork(t *testing.T) {
 		}
 		for _, v := range values {
 			require.True(t, seen[v], "%s has no series with %s=%q before any work: a dashboard or an alert would see no data until the first event", name, label, v)
+		}
+	}
+}
+
+// Over a shard map, every family of the single-database audit is there, at 0
+// before any work, and each of its series carries a shard label: every owner
+// value has a series on every shard.
+func TestShardedSeriesCarryTheShard(t *testing.T) {
+	t.Parallel()
+	single := build(t)
+	w, m := buildSharded(t)
+	require.Equal(t, slices.Sorted(maps.Keys(single.families)), slices.Sorted(maps.Keys(w.families)),
+		"the same families over a shard map as on one database")
+	for name, mf := range w.families {
+		label, values := w.ownerLabel(name)
+		seen := map[string]bool{}
+		for _, one := range mf.GetMetric() {
+			requireZero(t, name, mf.GetType(), one)
+			got := map[string]string{}
+			for _, lp := range one.GetLabel() {
+				got[lp.GetName()] = lp.GetValue()
+			}
+			require.Contains(t, m.Names(), got["shard"], "%s%v: every series names its shard", name, one.GetLabel())
+			seen[got["shard"]+"/"+got[label]] = true
+		}
+		for _, s := range m.Names() {
+			for _, v := range values {
+				require.True(t, seen[s+"/"+v], "%s has no series with shard=%q, %s=%q before any work", name, s, label, v)
+			}
 		}
 	}
 }
