@@ -64,6 +64,11 @@ type batchClaim struct {
 // one statement deletes all such rows of the batch, in tx, and their keys are
 // claimed again (Expired).
 //
+// A batch whose keys all belong to one tenant is claimed with the statements'
+// one-tenant forms (inboxdb), which also filter on that tenant, so that a router
+// by tenant can send them to its shard; a batch of several tenants, with the
+// others.
+//
 // prelude statements go ahead of the claim in the same round trip, as in
 // ClaimAfterTx; with no claims, only the prelude is sent. claims must name
 // distinct keys.
@@ -162,20 +167,27 @@ func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 }
 
 // keyColumns are the consumers, tenants and keys of claims[idx], as ClaimBatch,
-// GetBatch and DeleteExpiredKeys take them.
-func keyColumns(claims []batchClaim, idx []int) (consumers, tenants, keys pgarray.Text) {
+// GetBatch and DeleteExpiredKeys take them. one says whether every key has the
+// same tenant (then the statements' one-tenant forms apply, with tenants[0]).
+func keyColumns(claims []batchClaim, idx []int) (consumers, tenants, keys pgarray.Text, one bool) {
 	n := len(idx)
 	consumers, tenants, keys = make(pgarray.Text, n), make(pgarray.Text, n), make(pgarray.Text, n)
+	one = true
 	for j, i := range idx {
 		consumers[j], tenants[j], keys[j] = claims[i].Consumer, claims[i].Tenant, claims[i].Key
+		one = one && tenants[j] == tenants[0]
 	}
-	return consumers, tenants, keys
+	return consumers, tenants, keys, one
 }
 
 // deleteExpiredBatch deletes the settled rows past their expiry of claims[idx].
 func (s *batchStore) deleteExpiredBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int) error {
-	consumers, tenants, keys := keyColumns(claims, idx)
-	_, err := db.Exec(ctx, s.q.DeleteExpiredKeys, consumers, tenants, keys)
+	consumers, tenants, keys, one := keyColumns(claims, idx)
+	sql, args := s.q.DeleteExpiredKeys, []any{consumers, tenants, keys}
+	if one {
+		sql, args = s.q.DeleteExpiredKeysOneTenant, append(args, tenants[0])
+	}
+	_, err := db.Exec(ctx, sql, args...)
 	return pgschema.Wrap(err, s.schema)
 }
 
@@ -187,7 +199,7 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 	inbox.BatchSender
 }, prelude []string, claims []batchClaim, idx []int, found func(int, *inbox.Record)) (unread []int, err error) {
 	n := len(idx)
-	consumers, tenants, keys := keyColumns(claims, idx)
+	consumers, tenants, keys, one := keyColumns(claims, idx)
 	fps := make(pgarray.Bytea, n)
 	retention := make(pgarray.Int8, n)
 	// failed, codes and msgs stay nil (NULL arrays, which unnest pads with NULLs)
@@ -207,7 +219,10 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 		}
 		retention[j] = cmp.Or(c.Retention, inbox.DefaultRetention).Microseconds()
 	}
-	args := []any{consumers, tenants, keys, fps, failed, codes, msgs, retention, masked}
+	sql, args := s.q.ClaimBatch, []any{consumers, tenants, keys, fps, failed, codes, msgs, retention, masked}
+	if one {
+		sql, args = s.q.ClaimBatchOneTenant, append(args, tenants[0])
+	}
 	scan := func(rows pgx.Rows) error {
 		return s.scanRows(rows, idx, func(i int, rec *inbox.Record) {
 			if rec == nil {
@@ -218,7 +233,7 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 		})
 	}
 	if len(prelude) == 0 {
-		rows, err := tx.Query(ctx, s.q.ClaimBatch, args...)
+		rows, err := tx.Query(ctx, sql, args...)
 		if err != nil {
 			return nil, pgschema.Wrap(err, s.schema)
 		}
@@ -228,7 +243,7 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 	for _, sql := range prelude {
 		b.Queue(sql)
 	}
-	b.Queue(s.q.ClaimBatch, args...)
+	b.Queue(sql, args...)
 	br := tx.SendBatch(ctx, b)
 	for range prelude {
 		if _, err := br.Exec(); err != nil {
@@ -250,8 +265,12 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 
 // getBatch reads the rows of claims[idx] and hands each to found.
 func (s *batchStore) getBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int, found func(int, *inbox.Record)) error {
-	consumers, tenants, keys := keyColumns(claims, idx)
-	rows, err := db.Query(ctx, s.q.GetBatch, consumers, tenants, keys)
+	consumers, tenants, keys, one := keyColumns(claims, idx)
+	sql, args := s.q.GetBatch, []any{consumers, tenants, keys}
+	if one {
+		sql, args = s.q.GetBatchOneTenant, append(args, tenants[0])
+	}
+	rows, err := db.Query(ctx, sql, args...)
 	if err != nil {
 		return pgschema.Wrap(err, s.schema)
 	}

@@ -199,6 +199,17 @@ type Config struct {
 	// Workers is how many batches (of GroupCommit mode, or of each HandleBatch) run
 	// at once (default 2).
 	Workers int
+	// BatchPerTenant splits every batch (of GroupCommit mode, or of HandleBatch)
+	// by tenant: the messages that arrive together run as one batch per tenant, one
+	// after another on the same worker, each in its own transaction. Every
+	// statement of a batch then names its one tenant (tenant = $n), so that a
+	// distributed Postgres that routes by tenant can run each batch's transaction
+	// on one node. Off by default: a batch of one tenant already uses those
+	// statements, and a mixed batch commits its tenants in one transaction, which
+	// is cheaper on one database. With many tenants in flight at once it makes
+	// more, smaller transactions. Without Tenant every message's tenant is "", and
+	// nothing is split.
+	BatchPerTenant bool
 	// Lease is the lease length in Lease mode (default 30 s).
 	Lease time.Duration
 	// LeaseDuration is the old name of Lease, honoured when Lease is not set.

@@ -119,7 +119,25 @@ func (g *groupCommitter) work() {
 			}
 		}
 		timer.Stop()
+		if g.c.cfg.BatchPerTenant {
+			g.runPerTenant(batch)
+			continue
+		}
 		g.run(batch)
+	}
+}
+
+// runPerTenant runs batch as one batch per tenant, one after another
+// (Config.BatchPerTenant).
+func (g *groupCommitter) runPerTenant(batch []*groupReq) {
+	slices.SortStableFunc(batch, func(a, b *groupReq) int { return cmp.Compare(a.req.claim.Tenant, b.req.claim.Tenant) })
+	for len(batch) > 0 {
+		n := 1
+		for n < len(batch) && batch[n].req.claim.Tenant == batch[0].req.claim.Tenant {
+			n++
+		}
+		g.run(batch[:n:n])
+		batch = batch[n:]
 	}
 }
 

@@ -44,11 +44,19 @@ func TestConfigConvention(t *testing.T) {
 		require.Equal(t, "invalid_config", effects.Code(err))
 	}
 
+	tenant := fresh
+	tenant.Tenant = "acme"
+	require.NoError(t, tenant.Validate())
+	tenant.Tenant = "bad\x00"
+	require.ErrorIs(t, tenant.Validate(), effects.ErrInvalidTenant)
+	_, err := effects.NewDispatcher(tenant)
+	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())
+
 	ledger := effects.LedgerConfig{Pool: &pgxpool.Pool{}, Table: "ledger"}
 	require.NoError(t, ledger.Validate())
 	require.Equal(t, effects.DefaultLedgerKeyColumn, ledger.WithDefaults().KeyColumn)
 	require.Equal(t, effects.DefaultLedgerPayloadColumn, ledger.WithDefaults().PayloadColumn)
-	_, err := effects.NewLedgerSender(effects.LedgerConfig{Table: "ledger"})
+	_, err = effects.NewLedgerSender(effects.LedgerConfig{Table: "ledger"})
 	require.ErrorIs(t, err, effects.ErrInvalidConfig)
 	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())
 	_, err = effects.LedgerSender(&pgxpool.Pool{}, effects.LedgerConfig{Table: "ledger"})

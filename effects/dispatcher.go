@@ -144,7 +144,7 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	d := &Dispatcher{
 		cfg:    cfg,
 		pool:   cfg.Pool,
-		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders)),
+		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders), cfg.Tenant != ""),
 		log:    cfg.Logger,
 		m:      m,
 		tracer: tracing.Tracer(cfg.TracerProvider),
@@ -341,7 +341,11 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	for _, s := range claimSettings {
 		b.Queue(s)
 	}
-	b.Queue(d.q.claim, kinds, limits, d.cfg.Lease)
+	args := []any{kinds, limits, d.cfg.Lease}
+	if d.cfg.Tenant != "" {
+		args = append(args, d.cfg.Tenant)
+	}
+	b.Queue(d.q.claim, args...)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
 	defer func() { _ = br.Close() }() // every result is read below; Close releases the connection
@@ -685,7 +689,9 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 	codes, masked := make([]*string, n), make([]*string, n)
 	fences, delays := make([]int64, n), make([]int64, n)
 	inFlight, undo := make([]bool, n), make([]int32, n)
+	one := true // every outcome is of one tenant (batch is sorted by tenant)
 	for i, o := range batch {
+		one = one && o.c.Tenant == batch[0].c.Tenant
 		tenants[i], kinds[i], keys[i], fences[i], states[i] = o.c.Tenant, o.c.Kind, o.c.Key, o.c.fence, o.state
 		delays[i], inFlight[i], undo[i] = o.delay.Milliseconds(), o.inFlight, int32(o.undo)
 		if o.err != "" {
@@ -696,7 +702,13 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 		}
 	}
 	status := make([]outcomeStatus, n)
-	record := d.q.record
+	args := []any{tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, codes, masked}
+	record, recordAgain := d.q.record, d.q.recordAgain
+	if one {
+		// One tenant's outcomes: the forms that filter on it, for a router.
+		record, recordAgain = d.q.recordOne, d.q.recordAgainOne
+		args = append(args, batch[0].c.Tenant)
+	}
 	err := retryUnless(isDataError, func(ctx context.Context) error {
 		for i := range status {
 			status[i] = leaseLost
@@ -713,8 +725,8 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 			b.Queue(s)
 		}
 		q := record
-		record = d.q.recordAgain // a retry may find this run committed
-		b.Queue(q, tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, codes, masked).Query(func(rows pgx.Rows) error {
+		record = recordAgain // a retry may find this run committed
+		b.Queue(q, args...).Query(func(rows pgx.Rows) error {
 			var i int64
 			_, err := pgx.ForEachRow(rows, []any{&i}, func() error {
 				if i < 1 || i > int64(n) {

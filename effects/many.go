@@ -251,7 +251,11 @@ func (w *itemsWrite) write(ctx context.Context, tx Tx, q *enqueueQueries) error 
 		w.cols.fill(w, todo)
 		var count int
 		var gotT, gotK, gotY []string
-		if err := tx.QueryRow(ctx, q.insertMany, w.cols.args()...).Scan(&count, &gotT, &gotK, &gotY); err != nil {
+		sql, args := q.insertMany, w.cols.args()
+		if w.cols.oneTenant() {
+			sql, args = q.insertManyOne, append(args, w.cols.tenants[0])
+		}
+		if err := tx.QueryRow(ctx, sql, args...).Scan(&count, &gotT, &gotK, &gotY); err != nil {
 			return err
 		}
 		if count == len(todo) {
@@ -295,7 +299,11 @@ func (w *itemsWrite) readConflicts(ctx context.Context, tx Tx, q *enqueueQueries
 	}
 	var haveT, haveK, haveY []string
 	var haveFP [][]byte
-	if err := tx.QueryRow(ctx, q.fingerprintOf, conflictT, conflictK, conflictY).Scan(&haveT, &haveK, &haveY, &haveFP); err != nil {
+	sql, args := q.fingerprintOf, []any{conflictT, conflictK, conflictY}
+	if !slices.ContainsFunc(conflictT, func(t string) bool { return t != conflictT[0] }) {
+		sql, args = q.fingerprintOfOne, append(args, conflictT[0])
+	}
+	if err := tx.QueryRow(ctx, sql, args...).Scan(&haveT, &haveK, &haveY, &haveFP); err != nil {
 		return err
 	}
 	for j := range haveT {
@@ -400,6 +408,11 @@ func (c *enqueueColumns) traceOf(it *Item, ctxTrace trace.SpanContext) string {
 		c.ctxTrace, c.ctxTraceDone = encodeTrace(ctxTrace), true
 	}
 	return c.ctxTrace
+}
+
+// oneTenant says whether every row is of one tenant (then insertManyOne applies).
+func (c *enqueueColumns) oneTenant() bool {
+	return !slices.ContainsFunc(c.tenants, func(t string) bool { return t != c.tenants[0] })
 }
 
 // args are insertMany's arguments. The columns left empty go as NULL arrays.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -18,7 +19,8 @@ import (
 // planBurst is the burst of pending effects the plan tests put in the table.
 const planBurst = 100_000
 
-// TestPlansNeedNoStatistics: the claim and both forms of the outcome write keep to
+// TestPlansNeedNoStatistics: the claim and both forms of the outcome write (and
+// their one-tenant forms) keep to
 // their indexes whatever the table's statistics, with a burst of 100,000 pending
 // effects in it:
 //
@@ -133,9 +135,19 @@ func planStatements(t *testing.T, pool *pgxpool.Pool, schema string) []planState
 	require.NoError(t, err)
 	require.Len(t, keys, 2000)
 	recordArgs := []any{tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, errs, errs}
-	q := newQueries(schema, 2*DefaultBatchSize)
+	q := newQueries(schema, 2*DefaultBatchSize, false)
+	one := newQueries(schema, 2*DefaultBatchSize, true) // a Dispatcher with a Tenant
 	pkey := []string{"((tenant = d.tenant) AND (kind = d.kind) AND (key = d.key))"}
+	recordOneArgs := slices.Concat(recordArgs, []any{"t1"})
 	return []planStatement{
+		{name: "claim one tenant", settings: strings.Join(claimSettings, "; "), sql: one.claim,
+			args:    []any{[]string{"mail", "sms"}, []int32{DefaultBatchSize, DefaultBatchSize}, time.Minute, "t1"},
+			indexes: []string{"effects_due_idx"}, nodes: []string{"LockRows", "Tid Scan", "Nested Loop"},
+			conds: []string{"((kind = w.kind) AND (next_attempt_at <= now()))"}},
+		{name: "record one tenant", settings: strings.Join(recordSettings, "; "), sql: q.recordOne, args: recordOneArgs,
+			indexes: []string{"effects_pkey"}, nodes: []string{"Nested Loop"}},
+		{name: "recordAgain one tenant", settings: strings.Join(recordSettings, "; "), sql: q.recordAgainOne, args: recordOneArgs,
+			indexes: []string{"effects_pkey"}, nodes: []string{"Nested Loop"}},
 		{name: "claim", settings: strings.Join(claimSettings, "; "), sql: q.claim,
 			args:    []any{[]string{"mail", "sms"}, []int32{DefaultBatchSize, DefaultBatchSize}, time.Minute},
 			indexes: []string{"effects_due_idx"}, nodes: []string{"LockRows", "Tid Scan", "Nested Loop"},
@@ -281,6 +293,8 @@ func sqlLiteral(t *testing.T, v any) string {
 			elems[i] = fmt.Sprint(b)
 		}
 		return array(elems) + "::bool[]"
+	case string:
+		return quote(v) + "::text"
 	case time.Duration:
 		return quote(fmt.Sprintf("%d microseconds", v.Microseconds())) + "::interval"
 	}

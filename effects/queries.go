@@ -14,8 +14,15 @@ const notifyChannel = "idem_effects"
 
 // queries holds the Dispatcher's and requeue's statements, rendered once for one
 // schema. Every value is a bind parameter; the schema is validated and quoted.
+//
+// claim filters on one tenant (tenant = $4) when the Dispatcher has one
+// (Config.Tenant). recordOne and recordAgainOne are record and recordAgain for a
+// batch of outcomes that all belong to one tenant, $12, which they match instead
+// of each row's tenant: every outcome batch of such a Dispatcher, and any other
+// of one tenant's effects.
 type queries struct {
 	claim, record, recordAgain, notify, pending, requeue string
+	recordOne, recordAgainOne                            string
 }
 
 // recordSet and recordWhere are the outcome update's SET and WHERE, shared by
@@ -41,8 +48,10 @@ var (
 				error_masked = CASE WHEN d.state = 'dead' THEN d.masked END,
 				error_group = CASE WHEN d.state = 'dead' THEN ` + failgroup.GroupSQL("e.kind", "e.tenant", "d.code", "d.masked") + ` END,
 				dead_at = CASE WHEN d.state = 'dead' THEN now() END`
-	recordWhere = `e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
+	recordWhere = func(tenant string) string {
+		return `e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
 				AND e.fence = d.fence AND e.state NOT IN ('done', 'dead', 'discarded') AND e.recorded_fence <> d.fence`
+	}
 )
 
 // claimSettings and recordSettings are run, as SET LOCAL statements pipelined in
@@ -82,9 +91,14 @@ var (
 )
 
 // enqueueQueries are Enqueue's statements for one schema.
+//
+// insertManyOne and fingerprintOfOne are insertMany and fingerprintOf for rows
+// that all belong to one tenant, which they take as one more argument ($12, $4)
+// and filter on (tenant = $n, for a router by tenant).
 type enqueueQueries struct {
-	insert, fingerprint       string
-	insertMany, fingerprintOf string
+	insert, fingerprint             string
+	insertMany, fingerprintOf       string
+	insertManyOne, fingerprintOfOne string
 }
 
 func newEnqueueQueries(schema string) enqueueQueries {
@@ -94,6 +108,39 @@ func newEnqueueQueries(schema string) enqueueQueries {
 	// than a join, which would cost a step per inserted row). The schema is a
 	// plain lower-case identifier (pgschema.Valid), so it is safe as a literal.
 	wake := `wake AS (SELECT pg_notify('` + notifyChannel + `', '` + schema + `') FROM (SELECT FROM ins LIMIT 1) one)`
+	insertMany := func(where string) string {
+		return `WITH ins AS (
+				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
+					next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
+				SELECT tenant, kind, key, payload, fingerprint, coalesce(max_attempts, ` + strconv.Itoa(DefaultMaxAttempts) + `),
+					clock_timestamp() + coalesce(delay_us, 0) * interval '1 microsecond', nullif(source_consumer, ''),
+					CASE WHEN source_consumer <> '' THEN tenant END,
+					CASE WHEN source_consumer <> '' THEN source_key END,
+					nullif(trace_context, '')::jsonb
+				FROM (SELECT unnest($1::text[]) AS tenant, unnest($2::text[]) AS kind, unnest($3::text[]) AS key,
+						unnest($4::bytea[]) AS payload, unnest($5::bytea[]) AS fingerprint,
+						unnest($6::int[]) AS max_attempts, unnest($7::bigint[]) AS delay_us,
+						unnest($8::text[]) AS source_consumer, unnest($9::text[]) AS source_key,
+						unnest($11::text[]) AS trace_context) u` + where + `
+				ON CONFLICT (tenant, kind, key) DO NOTHING
+				RETURNING tenant, kind, key
+			), ` + wake + `
+			SELECT count(*)::int,
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(tenant), '{}') END,
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(kind), '{}') END,
+				CASE WHEN count(*) < $10 THEN coalesce(array_agg(key), '{}') END
+			FROM ins HAVING (SELECT true FROM wake) IS NOT FALSE`
+	}
+	fingerprintOf := func(tenant string) string {
+		return `SELECT coalesce(array_agg(e.tenant), '{}'), coalesce(array_agg(e.kind), '{}'),
+				coalesce(array_agg(e.key), '{}'), coalesce(array_agg(e.fingerprint), '{}')
+			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(tenant, kind, key)
+			CROSS JOIN LATERAL (
+				SELECT tenant, kind, key, fingerprint FROM ` + t + ` e
+				WHERE e.tenant = ` + tenant + ` AND e.kind = u.kind AND e.key = u.key
+				OFFSET 0
+			) e`
+	}
 	return enqueueQueries{
 		// The due time is clock_timestamp() + delay: the database's time when this
 		// statement runs, not now(), which is the start of the transaction and would
@@ -125,48 +172,56 @@ func newEnqueueQueries(schema string) enqueueQueries {
 		// and the source's tenant is the effect's own. max_attempts, delay_us and
 		// trace_context may be NULL arrays (every effect has the default): the
 		// select list pads a shorter set with NULLs, which stand for the default.
-		insertMany: `WITH ins AS (
-				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
-					next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
-				SELECT tenant, kind, key, payload, fingerprint, coalesce(max_attempts, ` + strconv.Itoa(DefaultMaxAttempts) + `),
-					clock_timestamp() + coalesce(delay_us, 0) * interval '1 microsecond', nullif(source_consumer, ''),
-					CASE WHEN source_consumer <> '' THEN tenant END,
-					CASE WHEN source_consumer <> '' THEN source_key END,
-					nullif(trace_context, '')::jsonb
-				FROM (SELECT unnest($1::text[]) AS tenant, unnest($2::text[]) AS kind, unnest($3::text[]) AS key,
-						unnest($4::bytea[]) AS payload, unnest($5::bytea[]) AS fingerprint,
-						unnest($6::int[]) AS max_attempts, unnest($7::bigint[]) AS delay_us,
-						unnest($8::text[]) AS source_consumer, unnest($9::text[]) AS source_key,
-						unnest($11::text[]) AS trace_context) u
-				ON CONFLICT (tenant, kind, key) DO NOTHING
-				RETURNING tenant, kind, key
-			), ` + wake + `
-			SELECT count(*)::int,
-				CASE WHEN count(*) < $10 THEN coalesce(array_agg(tenant), '{}') END,
-				CASE WHEN count(*) < $10 THEN coalesce(array_agg(kind), '{}') END,
-				CASE WHEN count(*) < $10 THEN coalesce(array_agg(key), '{}') END
-			FROM ins HAVING (SELECT true FROM wake) IS NOT FALSE`,
+		insertMany:    insertMany(""),
+		insertManyOne: insertMany("\n\t\t\t\tWHERE u.tenant = $12"),
 		// The stored fingerprints of the effects an insertMany did not insert: a new
 		// statement, so at READ COMMITTED it sees rows that a concurrent transaction
 		// committed while the insert waited for it. LATERAL on the primary key, kept
 		// apart from the join by OFFSET 0 so that it stays one index lookup per effect
 		// on a table that has never been analyzed.
-		fingerprintOf: `SELECT coalesce(array_agg(e.tenant), '{}'), coalesce(array_agg(e.kind), '{}'),
-				coalesce(array_agg(e.key), '{}'), coalesce(array_agg(e.fingerprint), '{}')
-			FROM unnest($1::text[], $2::text[], $3::text[]) AS u(tenant, kind, key)
-			CROSS JOIN LATERAL (
-				SELECT tenant, kind, key, fingerprint FROM ` + t + ` e
-				WHERE e.tenant = u.tenant AND e.kind = u.kind AND e.key = u.key
-				OFFSET 0
-			) e`,
+		fingerprintOf:    fingerprintOf("u.tenant"),
+		fingerprintOfOne: fingerprintOf("$4"),
 	}
 }
 
 // newQueries renders the statements for schema. claimLimit is the most one claim can
 // return (the batch size times the number of kinds); it is written into the SQL as
-// a literal on purpose, see claim.
-func newQueries(schema string, claimLimit int) queries {
+// a literal on purpose, see claim. oneTenant: the Dispatcher serves one tenant
+// (Config.Tenant), which its claim takes as $4.
+func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 	t := pgx.Identifier{schema, "effects"}.Sanitize()
+	// onlyTenant filters the claim's scan and its update on the Dispatcher's tenant.
+	var onlyTenant string
+	if oneTenant {
+		onlyTenant = " AND e.tenant = $4"
+	}
+	record := func(tenant string) string {
+		return `UPDATE ` + t + ` e
+			SET ` + recordSet + `
+			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
+					$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
+			WHERE ` + recordWhere(tenant) + `
+			RETURNING d.i`
+	}
+	recordAgain := func(tenant string) string {
+		return `WITH d AS (
+				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
+						$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
+			), applied AS (
+				UPDATE ` + t + ` e
+				SET ` + recordSet + `
+				FROM d
+				WHERE ` + recordWhere(tenant) + `
+				RETURNING d.i
+			)
+			SELECT i FROM applied
+			UNION ALL
+			SELECT d.i FROM ` + t + ` e JOIN d
+				ON e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
+			WHERE e.recorded_fence = d.fence`
+	}
 	return queries{
 		// One statement claims up to n[i] due effects of each kind[i]. SKIP LOCKED
 		// lets dispatchers claim side by side without waiting on each other. The
@@ -193,7 +248,7 @@ func newQueries(schema string, claimLimit int) queries {
 				SELECT c.* FROM want CROSS JOIN LATERAL (
 					SELECT e.ctid AS row, e.in_flight, e.next_attempt_at
 					FROM ` + t + ` e
-					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()
+					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + onlyTenant + `
 					ORDER BY e.next_attempt_at
 					LIMIT want.n
 					FOR UPDATE SKIP LOCKED
@@ -204,7 +259,7 @@ func newQueries(schema string, claimLimit int) queries {
 			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
 				attempts = e.attempts + 1, in_flight = true
 			FROM due
-			WHERE e.ctid = due.row
+			WHERE e.ctid = due.row` + onlyTenant + `
 			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
 				due.in_flight, e.created_at, extract(epoch FROM now() - due.next_attempt_at)::float8,
 				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
@@ -223,13 +278,8 @@ func newQueries(schema string, claimLimit int) queries {
 		//
 		// The only index this statement can use is the primary key (see recordWhere),
 		// probed once per outcome in a nested loop; claimSettings rule out the rest.
-		record: `UPDATE ` + t + ` e
-			SET ` + recordSet + `
-			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-					$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
-				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
-			WHERE ` + recordWhere + `
-			RETURNING d.i`,
+		record:    record("d.tenant"),
+		recordOne: record("$12"),
 		// recordAgain is record for a retry of the same write, whose first run may
 		// have committed although its COMMIT reply was lost. Rows that run recorded
 		// keep their recorded_fence, so the update leaves them alone (an attempt is
@@ -239,24 +289,10 @@ func newQueries(schema string, claimLimit int) queries {
 		// not need the second half (no row can hold its claim's fence before its
 		// outcome is written), so it runs record, which costs one index probe per row
 		// less.
-		recordAgain: `WITH d AS (
-				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-						$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
-					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
-			), applied AS (
-				UPDATE ` + t + ` e
-				SET ` + recordSet + `
-				FROM d
-				WHERE ` + recordWhere + `
-				RETURNING d.i
-			)
-			SELECT i FROM applied
-			UNION ALL
-			SELECT d.i FROM ` + t + ` e JOIN d
-				ON e.tenant = d.tenant AND e.kind = d.kind AND e.key = d.key
-			WHERE e.recorded_fence = d.fence`,
-		notify:  `SELECT pg_notify('` + notifyChannel + `', $1)`,
-		pending: `SELECT kind, count(*) FROM ` + t + ` WHERE state = 'pending' GROUP BY kind`,
+		recordAgain:    recordAgain("d.tenant"),
+		recordAgainOne: recordAgain("$12"),
+		notify:         `SELECT pg_notify('` + notifyChannel + `', $1)`,
+		pending:        `SELECT kind, count(*) FROM ` + t + ` WHERE state = 'pending' GROUP BY kind`,
 		// Requeue notifies in the same statement, so the wake-up is delivered when the
 		// requeue commits.
 		requeue: `WITH r AS (

@@ -47,7 +47,7 @@ func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter
 		return 0, errors.New("idem: requeue needs a kind, a key, a tenant, or All")
 	}
 	var n int64
-	err := db.QueryRow(ctx, newQueries(schema, 0).requeue, f.Kind, f.Key, schema, f.Tenant, f.TenantExact).Scan(&n, nil)
+	err := db.QueryRow(ctx, newQueries(schema, 0, false).requeue, f.Kind, f.Key, schema, f.Tenant, f.TenantExact).Scan(&n, nil)
 	if err != nil {
 		return 0, pgschema.Wrap(err, schema)
 	}

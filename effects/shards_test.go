@@ -164,3 +164,34 @@ func TestShardedDispatcherMetricsCarryTheShard(t *testing.T) {
 		}
 	}
 }
+
+// A Dispatcher over a shard map with Config.Tenant serves that tenant's effects
+// on every shard, and no other tenant's.
+func TestDispatcherTenantOverShards(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	for _, s := range m.Shards {
+		enqueueOn(t, s, "a", "a-"+s.Name)
+		enqueueOn(t, s, "b", "b-"+s.Name)
+	}
+	rec := newRecorder(nil)
+	d, err := effects.NewDispatcher(effects.Config{Shards: m, Tenant: "a", Senders: map[string]effects.Sender{"email": rec},
+		PollInterval: 20 * time.Millisecond})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	for _, s := range m.Shards {
+		require.Eventually(t, func() bool {
+			return pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE tenant = 'a' AND state = 'done'`) == 1
+		}, 20*time.Second, 10*time.Millisecond, "a's effect on %s sent", s.Name)
+	}
+	cancel()
+	require.NoError(t, <-done)
+	for _, s := range m.Shards {
+		require.Equal(t, 1, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects
+			WHERE tenant = 'b' AND state = 'pending' AND attempts = 0 AND fence = 0`), "b's effect on %s untouched", s.Name)
+		require.Equal(t, 1, rec.count("a-"+s.Name))
+		require.Zero(t, rec.count("b-"+s.Name))
+	}
+}

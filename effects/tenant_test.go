@@ -2,6 +2,7 @@ package effects_test
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"testing"
 	"time"
@@ -206,4 +207,68 @@ func TestEnqueueDelayCountsFromTheCall(t *testing.T) {
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, due.Sub(called), delay, "due %s after the call", due.Sub(called))
 	require.Less(t, due.Sub(called), delay+time.Minute)
+}
+
+// TestDispatcherTenantFilter: a Dispatcher with Config.Tenant claims and sends only
+// that tenant's effects (sent, retried after a failure, dead after a permanent one),
+// and leaves the other tenant's untouched though they are due the whole time: no
+// attempt, no fence, no send. An unfiltered Dispatcher then sends the rest.
+func TestDispatcherTenantFilter(t *testing.T) {
+	t.Parallel()
+	pool, schema := setup(t)
+	for _, tenant := range []string{"a", "b"} {
+		for _, key := range []string{"k1", "k2", "k3", "flaky", "doomed"} {
+			_, err := enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: tenant}},
+				effects.Effect{Kind: "mail", Key: key, Payload: []byte(tenant + key)})
+			require.NoError(t, err)
+		}
+	}
+	rec := newRecorder(func(_ context.Context, d effects.Delivery) error {
+		switch {
+		case d.Key == "flaky" && d.Attempt == 1:
+			return errors.New("try again")
+		case d.Key == "doomed":
+			return effects.Permanent(errors.New("never"))
+		}
+		return nil
+	})
+	cfg := fastConfig(pool, schema, map[string]effects.Sender{"mail": rec})
+	cfg.Tenant = "a"
+	stop := start(t, cfg)
+	count := func(tenant, state string) int {
+		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = $1 AND state = $2`, tenant, state)
+	}
+	pgtest.WaitFor(t, 20*time.Second, "tenant a's effects settled", func() bool {
+		return count("a", "done") == 4 && count("a", "dead") == 1
+	})
+	stop()
+	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT attempts FROM effects WHERE tenant = 'a' AND key = 'flaky'`),
+		"a's flaky effect was claimed twice, so b's were due during two claims at least")
+	require.Equal(t, 5, pgtest.Count(t, pool, `SELECT count(*) FROM effects
+		WHERE tenant = 'b' AND state = 'pending' AND attempts = 0 AND fence = 0 AND NOT in_flight AND recorded_fence = 0`),
+		"the filtered Dispatcher touched none of b's effects")
+	rec.mu.Lock()
+	for key, sends := range rec.sends {
+		for _, d := range sends {
+			require.Equal(t, "a", d.Tenant, "key %s sent for another tenant", key)
+		}
+	}
+	rec.mu.Unlock()
+
+	cfg.Tenant = ""
+	start(t, cfg)
+	pgtest.WaitFor(t, 20*time.Second, "tenant b's effects settled by an unfiltered Dispatcher", func() bool {
+		return count("b", "done") == 4 && count("b", "dead") == 1
+	})
+	require.Equal(t, 4, count("a", "done"), "a's effects stay as they were")
+	require.Equal(t, 1, count("a", "dead"))
+	rec.mu.Lock()
+	sentTo := map[string]int{}
+	for _, sends := range rec.sends {
+		for _, d := range sends {
+			sentTo[d.Tenant]++
+		}
+	}
+	rec.mu.Unlock()
+	require.Equal(t, map[string]int{"a": 6, "b": 6}, sentTo, "per tenant: 3 sends, flaky twice, doomed once")
 }

@@ -13,7 +13,7 @@ import (
 )
 
 // TestClaimBatchPlanNeedsNoStatistics: the plan that a prepared ClaimBatch (or
-// GetBatch) caches probes the primary key once per key, on a new inbox that was
+// GetBatch, and their one-tenant forms) caches probes the primary key once per key, on a new inbox that was
 // never analyzed as on a large analyzed one. Flattened into a join, the probe was
 // planned on a new table as a hash join over a sequential scan of the whole inbox,
 // and pgx's prepared statement kept that plan while the table grew: a claim of 85
@@ -37,6 +37,9 @@ func TestClaimBatchPlanNeedsNoStatistics(t *testing.T) {
 				"claimBatch": {claimSQL, "text[], text[], text[], bytea[], bool[], text[], text[], bigint[], text[]",
 					`'{c,c}', '{"",""}', '{k1,k2}', '{"\\x00","\\x00"}', NULL, NULL, NULL, '{1,1}', NULL`},
 				"getBatch": {getSQL, "text[], text[], text[]", `'{c,c}', '{"",""}', '{k1,k2}'`},
+				"claimBatchOneTenant": {q.ClaimBatchOneTenant, "text[], text[], text[], bytea[], bool[], text[], text[], bigint[], text[], text",
+					`'{c,c}', '{"",""}', '{k1,k2}', '{"\\x00","\\x00"}', NULL, NULL, NULL, '{1,1}', NULL, ''`},
+				"getBatchOneTenant": {q.GetBatchOneTenant, "text[], text[], text[], text", `'{c,c}', '{"",""}', '{k1,k2}', ''`},
 			}
 			for name, st := range stmts {
 				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {

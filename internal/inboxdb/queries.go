@@ -15,11 +15,16 @@ import (
 
 // Queries are the statements for the inbox table of one schema.
 type Queries struct {
-	Claim, Fail, Get                              string
-	ClaimBatch, GetBatch                          string
-	Lease, CompleteLease, FailLease, ReleaseLease string
-	DeleteExpiredKey, DeleteExpiredKeys           string
-	DeleteExpired                                 string
+	Claim, Fail, Get     string
+	ClaimBatch, GetBatch string
+	// The forms of ClaimBatch, GetBatch and DeleteExpiredKeys for a batch whose
+	// keys all belong to one tenant: the same statements, the same arguments and
+	// one more, that tenant, which each also filters on (tenant = $n, a plain
+	// equality that a router by tenant can read).
+	ClaimBatchOneTenant, GetBatchOneTenant, DeleteExpiredKeysOneTenant string
+	Lease, CompleteLease, FailLease, ReleaseLease                      string
+	DeleteExpiredKey, DeleteExpiredKeys                                string
+	DeleteExpired                                                      string
 
 	// The stored HTTP responses (httpidem).
 	ClaimReturningRow, ClaimMarkedReturningRow            string
@@ -38,14 +43,56 @@ func New(schema string) Queries {
 	// probe reads the rows of the keys in $1, $2, $3 (consumers, tenants, keys),
 	// one primary-key lookup each (see ClaimBatch), with the place of each key in
 	// the arrays (from 1), as ClaimBatch's rows.
-	probe := `SELECT u.ord::int, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
+	probe := func(tenant string) string {
+		return `SELECT u.ord::int, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
 			i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
 		FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(consumer, tenant, key, ord)
 		CROSS JOIN LATERAL (
 			SELECT * FROM ` + t + ` i
-			WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
+			WHERE i.consumer = u.consumer AND i.tenant = ` + tenant + ` AND i.key = u.key
 			OFFSET 0
 		) i`
+	}
+	// claimBatch renders ClaimBatch: where is a filter on the keys to insert (none
+	// in the mixed form), tenant what the probe's tenant equals.
+	claimBatch := func(where, tenant string) string {
+		return `WITH ins AS (
+				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
+					error_masked, error_group)
+				SELECT consumer, tenant, key, fingerprint,
+					CASE WHEN failed THEN 'failed' ELSE 'completed' END, now(),
+					now() + retention_us * interval '1 microsecond',
+					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END,
+					CASE WHEN failed THEN masked END,
+					CASE WHEN failed THEN ` + group("consumer", "tenant", "error_code", "masked") + ` END
+				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
+						unnest($4::bytea[]) AS fingerprint, unnest($5::bool[]) AS failed,
+						unnest($6::text[]) AS error_code, unnest($7::text[]) AS error,
+						unnest($8::bigint[]) AS retention_us, unnest($9::text[]) AS masked) u` + where + `
+				ON CONFLICT (consumer, tenant, key) DO NOTHING
+				RETURNING consumer, tenant, key
+			)
+			SELECT k.ord::int, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
+				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
+			FROM (
+				SELECT u.*, (u.consumer, u.tenant, u.key) IN (SELECT consumer, tenant, key FROM ins) AS claimed
+				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
+						generate_subscripts($1::text[], 1) AS ord) u
+				OFFSET 0
+			) k
+			LEFT JOIN LATERAL (
+				SELECT * FROM ` + t + ` i
+				WHERE i.consumer = k.consumer AND i.tenant = ` + tenant + ` AND i.key = k.key
+				OFFSET 0
+			) i ON true
+			WHERE NOT k.claimed`
+	}
+	deleteExpiredKeys := func(tenant string) string {
+		return `DELETE FROM ` + t + ` i
+			USING unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
+			WHERE i.consumer = u.consumer AND i.tenant = ` + tenant + ` AND i.key = u.key
+				AND i.state IN ('completed', 'failed') AND i.expires_at < now()`
+	}
 	return Queries{
 		// Times come from the database (now()), never the application's clock.
 		Claim: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
@@ -86,37 +133,14 @@ func New(schema string) Queries {
 		// over a sequential scan of the whole inbox while the table is new and not
 		// yet analyzed (TestClaimBatchPlanNeedsNoStatistics). Times are the
 		// database's; retention is in microseconds.
-		ClaimBatch: `WITH ins AS (
-				INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at, error_code, error,
-					error_masked, error_group)
-				SELECT consumer, tenant, key, fingerprint,
-					CASE WHEN failed THEN 'failed' ELSE 'completed' END, now(),
-					now() + retention_us * interval '1 microsecond',
-					CASE WHEN failed THEN error_code END, CASE WHEN failed THEN error END,
-					CASE WHEN failed THEN masked END,
-					CASE WHEN failed THEN ` + group("consumer", "tenant", "error_code", "masked") + ` END
-				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
-						unnest($4::bytea[]) AS fingerprint, unnest($5::bool[]) AS failed,
-						unnest($6::text[]) AS error_code, unnest($7::text[]) AS error,
-						unnest($8::bigint[]) AS retention_us, unnest($9::text[]) AS masked) u
-				ON CONFLICT (consumer, tenant, key) DO NOTHING
-				RETURNING consumer, tenant, key
-			)
-			SELECT k.ord::int, i.fingerprint, i.state, i.error_code, i.error, i.attempts,
-				i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()
-			FROM (
-				SELECT u.*, (u.consumer, u.tenant, u.key) IN (SELECT consumer, tenant, key FROM ins) AS claimed
-				FROM (SELECT unnest($1::text[]) AS consumer, unnest($2::text[]) AS tenant, unnest($3::text[]) AS key,
-						generate_subscripts($1::text[], 1) AS ord) u
-				OFFSET 0
-			) k
-			LEFT JOIN LATERAL (
-				SELECT * FROM ` + t + ` i
-				WHERE i.consumer = k.consumer AND i.tenant = k.tenant AND i.key = k.key
-				OFFSET 0
-			) i ON true
-			WHERE NOT k.claimed`,
-		GetBatch: probe,
+		//
+		// The one-tenant form inserts only the keys of its tenant ($10), which are
+		// all of them (a filter, which reorders nothing), and probes that tenant's
+		// rows.
+		ClaimBatch:          claimBatch("", "k.tenant"),
+		ClaimBatchOneTenant: claimBatch("\n\t\t\t\tWHERE u.tenant = $10", "$10"),
+		GetBatch:            probe("u.tenant"),
+		GetBatchOneTenant:   probe("$4"),
 		// A processing row whose lease ran out is taken over in the same statement,
 		// fence + 1, so two deliveries can never both believe they hold the key. The
 		// fingerprint must match: a different command never takes over a key.
@@ -144,10 +168,8 @@ func New(schema string) Queries {
 		DeleteExpiredKey: `DELETE FROM ` + t + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3
 				AND state IN ('completed', 'failed') AND expires_at < now()`,
-		DeleteExpiredKeys: `DELETE FROM ` + t + ` i
-			USING unnest($1::text[], $2::text[], $3::text[]) AS u(consumer, tenant, key)
-			WHERE i.consumer = u.consumer AND i.tenant = u.tenant AND i.key = u.key
-				AND i.state IN ('completed', 'failed') AND i.expires_at < now()`,
+		DeleteExpiredKeys:          deleteExpiredKeys("u.tenant"),
+		DeleteExpiredKeysOneTenant: deleteExpiredKeys("$4"),
 		// The janitor's delete picks a batch in expiry order through the partial
 		// index inbox_expires_at_idx, so no batch rescans the rows that earlier
 		// batches left dead, and deletes by ctid, which the row lock of the same

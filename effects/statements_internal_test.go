@@ -1,0 +1,39 @@
+package effects
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/sqlaudit"
+)
+
+// TestStatementsNameOneTenant is the static audit of the package's statements
+// (every string field of queries and enqueueQueries, including ones added later):
+// each names one tenant (tenant = $n, or a tenant inserted from one bind
+// parameter) unless listed here with why. The statement audit in internal/sqlaudit
+// checks what is actually sent.
+func TestStatementsNameOneTenant(t *testing.T) {
+	t.Parallel()
+	mixed := map[string]string{
+		"claim":       "the Dispatcher without Config.Tenant claims every tenant's effects",
+		"record":      "an outcome batch of several tenants (recordOne names one)",
+		"recordAgain": "an outcome batch of several tenants, retried (recordAgainOne names one)",
+		"notify":      "NOTIFY names a channel",
+		"pending":     "the pending gauge counts every tenant's effects",
+
+		"requeue": "an operator's requeue, across tenants unless it names one",
+	}
+	require.Empty(t, sqlaudit.CheckFields(newQueries("idem", 100, false), mixed))
+	filtered := map[string]string{}
+	for name, why := range mixed {
+		if name != "claim" {
+			filtered[name] = why
+		}
+	}
+	require.Empty(t, sqlaudit.CheckFields(newQueries("idem", 100, true), filtered), "a Dispatcher with a Tenant claims with tenant = $4")
+	require.Empty(t, sqlaudit.CheckFields(newEnqueueQueries("idem"), map[string]string{
+		"insertMany":    "a write of several tenants' effects (insertManyOne names one)",
+		"fingerprintOf": "a read of several tenants' effects (fingerprintOfOne names one)",
+	}))
+}

@@ -1,0 +1,405 @@
+package sqlaudit_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/internal/sqlaudit"
+	"github.com/idemkit/idem/internal/txmark"
+	"github.com/idemkit/idem/janitor"
+)
+
+// allowList are the statements idem sends that do not name one tenant, each with
+// why. A distributed Postgres that routes by tenant runs them on every node (or,
+// for those that touch no table, anywhere). Keep it short; each pattern matches
+// one statement, anchored at both ends. Rare entries may not run in a given
+// workload (a race decides whether they are needed).
+func allowList(schema string) []allowed {
+	t := regexp.QuoteMeta(pgx.Identifier{schema}.Sanitize()) + `\.`
+	inbox, effectsT := t+`"?inbox"?`, t+`"?effects"?`
+	return []allowed{
+		// A group-commit or batch-handler batch that holds several tenants' messages:
+		// one claim for all of them (a one-tenant batch uses the forms that name it).
+		{why: "mixed-tenant batch: inbox claim", multi: true, re: `^WITH ins AS \( INSERT INTO ` + inbox + ` .* WHERE i\.consumer = k\.consumer AND i\.tenant = k\.tenant AND i\.key = k\.key OFFSET 0 \) i ON true WHERE NOT k\.claimed$`},
+		{why: "mixed-tenant batch: inbox read of keys a concurrent claimer committed", multi: true, rare: true, re: `^SELECT u\.ord::int, .* FROM ` + inbox + ` i WHERE i\.consumer = u\.consumer AND i\.tenant = u\.tenant AND i\.key = u\.key OFFSET 0 \) i$`},
+		{why: "mixed-tenant batch: delete of its expired keys", multi: true, re: `^DELETE FROM ` + inbox + ` i USING unnest\(\$1::text\[\], \$2::text\[\], \$3::text\[\]\) AS u\(consumer, tenant, key\) WHERE i\.consumer = u\.consumer AND i\.tenant = u\.tenant AND i\.key = u\.key .*$`},
+		{why: "mixed-tenant batch: its effects", multi: true, re: `^WITH ins AS \( INSERT INTO ` + effectsT + ` \(tenant, kind, .* unnest\(\$11::text\[\]\) AS trace_context\) u ON CONFLICT .*$`},
+		{why: "mixed-tenant batch: the effects a concurrent writer committed", multi: true, rare: true, re: `^SELECT coalesce\(array_agg\(e\.tenant\), '\{\}'\), .* WHERE e\.tenant = u\.tenant AND .*$`},
+		// The commit guard row (a table without tenants, one row per transaction, its
+		// insert goes with the batch's transaction) and the mark's check before COMMIT.
+		{why: "commit guard", re: `^INSERT INTO ` + t + `"?commit_guard"? DEFAULT VALUES$`},
+		{why: "commit check of the transaction's mark", re: `^` + regexp.QuoteMeta(sqlaudit.Normalize(txmark.Check)) + `; (SET LOCAL idem\.commit = 'on'; )?COMMIT$`},
+		{why: "rollback's check of the transaction's mark", re: `^SELECT ` + regexp.QuoteMeta(txmark.Marked) + `$`},
+		// httpidem's transaction id, read at BEGIN and after a cut connection: no table.
+		{why: "httpidem: the transaction's id", re: `^SELECT pg_current_xact_id\(\)::text$`},
+		{why: "httpidem: the transaction's status after a cut", rare: true, re: `^SELECT pg_xact_status\(\$1::xid8\)$`},
+		// The Dispatcher without Config.Tenant serves every tenant: its claim and the
+		// outcomes of a batch that holds several tenants' effects.
+		{why: "unfiltered Dispatcher: claim", multi: true, re: `^WITH want AS \( .*next_attempt_at <= now\(\) ORDER BY .* WHERE e\.ctid = due\.row RETURNING .*$`},
+		{why: "mixed-tenant outcome batch", multi: true, re: `^UPDATE ` + effectsT + ` e SET .* WHERE e\.tenant = d\.tenant AND .* RETURNING d\.i$`},
+		{why: "mixed-tenant outcome batch, retried", multi: true, rare: true, re: `^WITH d AS \( SELECT \* FROM unnest.* ON e\.tenant = d\.tenant AND .*$`},
+		// Wake-ups and the pending gauge: LISTEN/NOTIFY name a channel, the gauge
+		// counts every tenant's pending effects.
+		{why: "LISTEN for new effects", re: `^LISTEN idem_effects$`},
+		{why: "NOTIFY of released claims", rare: true, re: `^SELECT pg_notify\('idem_effects', \$1\)$`},
+		{why: "pending effects gauge", re: `^SELECT kind, count\(\*\) FROM ` + effectsT + ` WHERE state = 'pending' GROUP BY kind$`},
+		// The janitor: retention deletes across tenants, under an advisory lock.
+		{why: "janitor: lock", re: `^SELECT pg_try_advisory_lock\(hashtextextended\('idem\.janitor:' \|\| \$1, 0\)\)$`},
+		{why: "janitor: unlock", re: `^SELECT pg_advisory_unlock\(hashtextextended\('idem\.janitor:' \|\| \$1, 0\)\)$`},
+		{why: "janitor: expired inbox keys", re: `^DELETE FROM ` + inbox + ` WHERE ctid = ANY \(ARRAY\( SELECT ctid FROM ` + inbox + ` WHERE state IN \('completed', 'failed'\) AND expires_at < now\(\) .*$`},
+		{why: "janitor: old done and discarded effects", re: `^DELETE FROM ` + effectsT + ` WHERE ctid = ANY \(ARRAY\( SELECT ctid FROM ` + effectsT + ` WHERE state = '(done|discarded)' .*$`},
+	}
+}
+
+type allowed struct {
+	why, re string
+	rare    bool // may not run in a given workload
+	multi   bool // only for work that spans tenants: a one-tenant batch or Dispatcher never needs it
+}
+
+// oneTenant is list without the entries for work that spans tenants.
+func oneTenant(list []allowed) []allowed {
+	var out []allowed
+	for _, a := range list {
+		if !a.multi {
+			a.rare = true
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+// requireOneTenant fails t unless every statement of stmts, sent by work of one
+// tenant, names it or is allowed for any work.
+func requireOneTenant(t *testing.T, schema, what string, stmts []string) {
+	t.Helper()
+	require.NotEmpty(t, stmts, what)
+	flagged, _ := check(stmts, oneTenant(allowList(schema)))
+	require.Empty(t, flagged, "%s sent statements that do not name its tenant:\n%s", what, strings.Join(flagged, "\n\n"))
+}
+
+// statementLog records every statement sent through a pool: queries, the
+// statements of pipelined batches, and copies (as "COPY table").
+type statementLog struct {
+	mu   sync.Mutex
+	sqls []string
+}
+
+func (l *statementLog) add(sql string) {
+	l.mu.Lock()
+	l.sqls = append(l.sqls, sql)
+	l.mu.Unlock()
+}
+
+func (l *statementLog) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	l.add(d.SQL)
+	return ctx
+}
+func (l *statementLog) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (l *statementLog) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+func (l *statementLog) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	l.add(d.SQL)
+}
+func (l *statementLog) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+func (l *statementLog) TraceCopyFromStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceCopyFromStartData) context.Context {
+	l.add("COPY " + d.TableName.Sanitize())
+	return ctx
+}
+func (l *statementLog) TraceCopyFromEnd(context.Context, *pgx.Conn, pgx.TraceCopyFromEndData) {}
+
+func (l *statementLog) all() []string { return l.since(0) }
+
+// mark is where the log is now, for since.
+func (l *statementLog) mark() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.sqls)
+}
+
+// since returns the statements logged after mark.
+func (l *statementLog) since(mark int) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.sqls[mark:])
+}
+
+// TestEveryStatementNamesOneTenant is the statement audit: every statement idem's
+// consumer (per message, group commit, batch handler, lease; batches split by
+// tenant or not), Dispatcher (for one
+// tenant and for all), httpidem (transactional and lease: a first request, a
+// replay, a mismatch, a failure) and janitor send, captured by a pgx tracer on
+// their pool, names one tenant (sqlaudit.Routable), is transaction control, or is
+// on the allow-list with its reason. A new statement that names no tenant fails
+// it until it does, or until it is allowed here with a reason. The operator API
+// (admin) and migrate are left out: an operator's reads and actions span
+// tenants, and migrations are DDL, by nature.
+func TestEveryStatementNamesOneTenant(t *testing.T) {
+	t.Parallel()
+	db, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2}) // the test's own statements
+	ctx := context.Background()
+	_, err := db.Exec(ctx, `CREATE TABLE biz (id bigserial PRIMARY KEY, tenant text NOT NULL, key text NOT NULL)`)
+	require.NoError(t, err)
+	log := &statementLog{}
+	cfg := pgtest.PoolConfig(t, schema, pgtest.Options{MaxConns: 6})
+	cfg.ConnConfig.Tracer = log
+	pool := pgtest.OpenPool(t, cfg)
+
+	for _, mode := range []consumer.Mode{consumer.Transactional, consumer.GroupCommit, consumer.Lease} {
+		runConsumer(t, db, pool, log, schema, mode, false, false)
+	}
+	runConsumer(t, db, pool, log, schema, consumer.GroupCommit, true, false)
+	runConsumer(t, db, pool, log, schema, consumer.GroupCommit, false, true)
+	runConsumer(t, db, pool, log, schema, consumer.GroupCommit, true, true)
+	runHTTP(t, pool, schema)
+	runDispatchers(t, db, pool, log, schema)
+	// Expire what there is, for the janitor to delete.
+	_, err = db.Exec(ctx, `UPDATE inbox SET expires_at = now() - interval '1 hour'`)
+	require.NoError(t, err)
+	_, err = db.Exec(ctx, `UPDATE effects SET done_at = now() - interval '30 days' WHERE state = 'done'`)
+	require.NoError(t, err)
+	j, err := janitor.New(janitor.Config{Pool: pool, Schema: schema})
+	require.NoError(t, err)
+	st, err := j.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Positive(t, st.InboxDeleted)
+
+	stmts := log.all()
+	require.Greater(t, len(stmts), 100)
+	flagged, unused := check(stmts, allowList(schema))
+	require.Empty(t, flagged, "statements that name no tenant and are not on the allow-list:\n%s", strings.Join(flagged, "\n\n"))
+	require.Empty(t, unused, "allow-list entries that matched no statement: remove them, or drive what sends them")
+}
+
+// check is sqlaudit.Check with the test's allow-list; rare entries may go unused.
+func check(stmts []string, list []allowed) (flagged, unused []string) {
+	allow := make([]sqlaudit.Allowed, len(list))
+	rare := map[string]bool{}
+	for i, a := range list {
+		allow[i] = sqlaudit.Allowed{Why: a.why, Match: regexp.MustCompile(a.re)}
+		rare[a.why] = a.rare
+	}
+	flagged, unusedAll := sqlaudit.Check(stmts, allow)
+	for _, why := range unusedAll {
+		if !rare[why] {
+			unused = append(unused, why)
+		}
+	}
+	return flagged, unused
+}
+
+func msg(tenant, id string) *message.Message {
+	m := message.NewMessage(tenant+"-"+id, []byte(`{}`))
+	m.Metadata.Set("tenant", tenant)
+	return m
+}
+
+// sendTogether hands msgs to h at once, so that they form one batch (the
+// consumers' MaxBatch is 3, and each call sends 3).
+func sendTogether(t *testing.T, h func(*message.Message) error, msgs ...*message.Message) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for _, m := range msgs {
+		wg.Go(func() { _ = h(m) }) // a failure is recorded or nacked; the rows are not what this test checks
+	}
+	wg.Wait()
+}
+
+// runConsumer drives a consumer in mode (with a batch handler if batch, with
+// BatchPerTenant if split): a one-tenant batch, a mixed one, both again after
+// their keys expired, and the one-tenant batch once more (duplicates). Each batch
+// holds a message whose handler fails permanently. A one-tenant batch, and with
+// split a mixed one too, must send only statements that name the tenant.
+func runConsumer(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, schema string, mode consumer.Mode, batch, split bool) {
+	ctx := context.Background()
+	name := fmt.Sprintf("c-%s-%v-%v", mode, batch, split)
+	c, err := consumer.New(consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: mode,
+		Tenant: consumer.MetadataTenant("tenant"), MaxBatch: 3, MaxWait: 2 * time.Second, Workers: 1, BatchPerTenant: split})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, c.Close()) }()
+	write := func(ctx context.Context, tx pgx.Tx, m *message.Message) error {
+		tenant := m.Metadata.Get("tenant")
+		if _, err := tx.Exec(ctx, `INSERT INTO biz (tenant, key) VALUES ($1, $2)`, tenant, m.UUID); err != nil {
+			return err
+		}
+		_, err := effects.Enqueue(m.Context(), tx, effects.Effect{Kind: "email", Key: name + ":" + m.UUID, Payload: []byte(`{}`)})
+		return err
+	}
+	var h func(*message.Message) error
+	if batch {
+		bh := c.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
+			var errs []error
+			for _, m := range msgs {
+				if strings.HasSuffix(m.UUID, "-bad") {
+					errs = append(errs, consumer.ForMessage(m, consumer.Permanent(errors.New("bad"))))
+					continue
+				}
+				if err := write(ctx, tx, m); err != nil {
+					return err
+				}
+			}
+			return errors.Join(errs...)
+		})
+		h = func(m *message.Message) error { return bh(m) }
+	} else {
+		mw := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
+			if strings.HasSuffix(m.UUID, "-bad") {
+				return nil, consumer.Permanent(errors.New("bad"))
+			}
+			return nil, write(m.Context(), consumer.Tx(m.Context()), m)
+		})
+		h = func(m *message.Message) error { _, err := mw(m); return err }
+	}
+	one := func() []*message.Message { return []*message.Message{msg("a", "1"), msg("a", "2"), msg("a", "bad")} }
+	mixed := func() []*message.Message { return []*message.Message{msg("a", "3"), msg("b", "1"), msg("b", "bad")} }
+	sendOne := func(what string) {
+		at := log.mark()
+		sendTogether(t, h, one()...)
+		requireOneTenant(t, schema, name+": "+what, log.since(at))
+	}
+	sendMixed := func(what string) {
+		at := log.mark()
+		sendTogether(t, h, mixed()...)
+		if split {
+			requireOneTenant(t, schema, name+": "+what+", split by tenant", log.since(at))
+		}
+	}
+	sendOne("a one-tenant batch")
+	sendMixed("a mixed batch")
+	_, err = db.Exec(ctx, `UPDATE inbox SET expires_at = now() - interval '1 hour' WHERE consumer = $1`, name)
+	require.NoError(t, err)
+	sendOne("a one-tenant batch of expired keys")
+	sendMixed("a mixed batch of expired keys")
+	sendOne("a one-tenant batch of duplicates")
+	require.Equal(t, 6, pgtest.Count(t, db, `SELECT count(*) FROM inbox WHERE consumer = $1`, name))
+}
+
+// runHTTP drives httpidem in both modes: a request, its replay, the same key with
+// another body, and a failing request and its replay, for two tenants.
+func runHTTP(t *testing.T, pool *pgxpool.Pool, schema string) {
+	m, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema,
+		Tenant: func(r *http.Request) (string, error) { return r.Header.Get("X-Tenant"), nil }})
+	require.NoError(t, err)
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/fail" {
+			http.Error(w, "no", http.StatusUnprocessableEntity)
+			return
+		}
+		tx := httpidem.Tx(r.Context())
+		if _, err := tx.Exec(r.Context(), `INSERT INTO biz (tenant, key) VALUES ($1, $2)`, r.Header.Get("X-Tenant"), r.Header.Get("Idempotency-Key")); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	for _, lease := range []bool{false, true} {
+		h := m.Route(httpidem.Route{Operation: fmt.Sprintf("pay-%v", lease), Lease: lease})(handler)
+		do := func(tenant, path, key, body string) int {
+			r := httptest.NewRequest(http.MethodPost, path, strings.NewReader(body))
+			r.Header.Set("X-Tenant", tenant)
+			r.Header.Set("Idempotency-Key", key)
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, r)
+			return w.Code
+		}
+		for _, tenant := range []string{"a", "b"} {
+			require.Equal(t, http.StatusCreated, do(tenant, "/pay", "k1", `{"n":1}`))
+			require.Equal(t, http.StatusCreated, do(tenant, "/pay", "k1", `{"n":1}`), "replay")
+			require.Equal(t, http.StatusUnprocessableEntity, do(tenant, "/pay", "k1", `{"n":2}`), "mismatch")
+			require.Equal(t, http.StatusUnprocessableEntity, do(tenant, "/fail", "k2", `{}`))
+			require.Equal(t, http.StatusUnprocessableEntity, do(tenant, "/fail", "k2", `{}`), "replay of the failure")
+		}
+	}
+}
+
+// runDispatchers enqueues effects that succeed, fail once and fail for good for
+// two tenants, sends tenant a's with a Dispatcher for a, then the rest with one
+// for every tenant.
+func runDispatchers(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, schema string) {
+	ctx := context.Background()
+	enqueue := func(keys ...string) {
+		for _, tenant := range []string{"a", "b"} {
+			for _, key := range keys {
+				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+					_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema, Source: effects.Source{Tenant: tenant}},
+						effects.Effect{Kind: "email", Key: key, Payload: []byte(`{}`)})
+					return err
+				})
+				require.NoError(t, err)
+			}
+		}
+	}
+	enqueue("ok", "flaky", "doomed")
+	// The 40 effects of the unfiltered run's two tenants are sent together, and
+	// answered at once, so that their outcomes wait for the recorder together.
+	var started atomic.Int32
+	send := effects.SenderFunc(func(ctx context.Context, d effects.Delivery) error {
+		if strings.HasPrefix(d.Key, "n") {
+			started.Add(1)
+			deadline := time.Now().Add(5 * time.Second)
+			for started.Load() < 40 && time.Now().Before(deadline) && ctx.Err() == nil {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		switch {
+		case d.Key == "flaky" && d.Attempt == 1:
+			return errors.New("again")
+		case d.Key == "doomed":
+			return effects.Permanent(errors.New("never"))
+		}
+		return nil
+	})
+	settled := func(tenant string) func() bool {
+		return func() bool {
+			return pgtest.Count(t, db, `SELECT count(*) FROM effects WHERE ($1 = '' OR tenant = $1) AND state = 'pending'`, tenant) == 0
+		}
+	}
+	for _, tenant := range []string{"a", ""} {
+		if tenant == "" {
+			// Both tenants' effects due together, for outcome batches that mix them.
+			var keys []string
+			for i := range 20 {
+				keys = append(keys, fmt.Sprint("n", i))
+			}
+			enqueue(keys...)
+		}
+		d, err := effects.NewDispatcher(effects.Config{Pool: pool, Schema: schema, Tenant: tenant,
+			Senders: map[string]effects.Sender{"email": send}, PollInterval: 20 * time.Millisecond,
+			Concurrency: map[string]int{"email": 64},
+			Backoff:     effects.Backoff{Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond},
+			Registerer:  prometheus.NewRegistry(), PendingRefresh: 10 * time.Millisecond})
+		require.NoError(t, err)
+		at := log.mark()
+		runCtx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- d.Run(runCtx) }()
+		pgtest.WaitFor(t, 30*time.Second, "tenant "+tenant+"'s effects settled", settled(tenant))
+		cancel()
+		require.NoError(t, <-done)
+		if tenant != "" {
+			requireOneTenant(t, schema, "the Dispatcher for tenant "+tenant, log.since(at))
+		}
+	}
+	require.Equal(t, 2, pgtest.Count(t, db, `SELECT count(*) FROM effects WHERE key = 'doomed' AND state = 'dead'`))
+}

@@ -1,0 +1,64 @@
+package sqlaudit_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/inboxdb"
+	"github.com/idemkit/idem/internal/sqlaudit"
+)
+
+// TestRoutable: what names one tenant, and what does not.
+func TestRoutable(t *testing.T) {
+	t.Parallel()
+	for _, sql := range []string{
+		`SELECT * FROM inbox WHERE consumer = $1 AND tenant = $2 AND key = $3`,
+		"DELETE FROM inbox i USING unnest($1::text[]) AS u(key)\n\t\tWHERE i.tenant = $4 AND i.key = u.key",
+		`SELECT * FROM unnest($1::text[]) u JOIN effects e ON e.tenant = $2 AND e.key = u.key`,
+		`INSERT INTO "s"."effects" (tenant, kind, key) VALUES ($1, $2, $3)`,
+		`INSERT INTO inbox (consumer, tenant, key) VALUES ($1, $2::text, $3) ON CONFLICT DO NOTHING`,
+		`INSERT INTO inbox (consumer, tenant, key) SELECT $1::text, $2::text, $3::text FROM (SELECT 1) s`,
+		`INSERT INTO inbox AS i (consumer, tenant, key) VALUES ($1, $2, now() + $3::interval)`,
+	} {
+		require.True(t, sqlaudit.Routable(sql), sql)
+	}
+	for _, sql := range []string{
+		`SELECT * FROM inbox WHERE consumer = $1 AND key = $3`,
+		`SELECT * FROM inbox WHERE tenant = ANY($1)`,
+		`SELECT * FROM effects WHERE source_tenant = $1`,
+		`UPDATE effects SET state = 'pending' WHERE (($4 = '' AND NOT $5) OR tenant = $4)`,
+		`UPDATE effects SET state = 'pending' WHERE kind = $1 OR tenant = $4`,
+		`UPDATE effects e SET state = d.state FROM unnest($1::text[]) d(tenant) WHERE e.tenant = d.tenant`,
+		`INSERT INTO inbox (consumer, tenant, key) SELECT consumer, tenant, key FROM unnest($1, $2, $3) u(consumer, tenant, key)`,
+		`INSERT INTO inbox (tenant) VALUES (lower($1))`,
+		`INSERT INTO commit_guard DEFAULT VALUES`,
+		`SELECT pg_notify('idem_effects', $1)`,
+	} {
+		require.False(t, sqlaudit.Routable(sql), sql)
+	}
+	for _, sql := range []string{"BEGIN", "begin isolation level read committed", "COMMIT", "rollback",
+		"SAVEPOINT idem_0", "release savepoint idem_1", "ROLLBACK TO SAVEPOINT idem_batch",
+		"SET LOCAL lock_timeout = 2000", "SET LOCAL idem.tx = 'on'", "SET TRANSACTION READ ONLY"} {
+		require.True(t, sqlaudit.Control(sql), sql)
+	}
+	for _, sql := range []string{"SELECT 1", "SET search_path = x", "COMMIT; SELECT 1", "LISTEN idem_effects"} {
+		require.False(t, sqlaudit.Control(sql), sql)
+	}
+}
+
+// TestInboxStatementsNameOneTenant is the static audit of the inbox table's
+// statements (every string field of inboxdb.Queries, including ones added later).
+func TestInboxStatementsNameOneTenant(t *testing.T) {
+	t.Parallel()
+	require.Empty(t, sqlaudit.CheckFields(inboxdb.New("idem"), map[string]string{
+		"DeleteExpired":     "the janitor's retention delete, across tenants",
+		"ClaimBatch":        "a batch of several tenants (ClaimBatchOneTenant names one)",
+		"GetBatch":          "a batch of several tenants (GetBatchOneTenant names one)",
+		"DeleteExpiredKeys": "a batch of several tenants (DeleteExpiredKeysOneTenant names one)",
+	}))
+	// It catches a statement that names no tenant.
+	q := inboxdb.New("idem")
+	q.Get = `SELECT * FROM inbox WHERE consumer = $1 AND key = $3`
+	require.Len(t, sqlaudit.CheckFields(q, map[string]string{"DeleteExpired": "", "ClaimBatch": "", "GetBatch": "", "DeleteExpiredKeys": ""}), 1)
+}
