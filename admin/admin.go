@@ -16,7 +16,6 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
-	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
@@ -77,7 +76,9 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	if c.Shards == nil {
+		c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	}
 	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
 	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
 	c.MetricsInterval = cmp.Or(c.MetricsInterval, DefaultMetricsInterval)
@@ -88,14 +89,8 @@ func (c Config) WithDefaults() Config {
 // Validate reports what New would refuse in c: no Pool, a bad schema, a negative
 // stuck threshold. It checks c.WithDefaults(), so a config with a Pool passes.
 func (c Config) Validate() error {
-	if c.Shards != nil {
-		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
-			return err
-		}
-		c.Pool = c.Shards.Shards[0].Pool
-	}
 	c = c.WithDefaults()
-	if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.StuckAfter < 0 || c.StuckAttempts < 0 {
@@ -161,7 +156,7 @@ func newAdmin(cfg Config, name string) *Admin {
 
 // Schema is the schema the Admin reads (with Config.Shards, the default one: each
 // shard has its own).
-func (a *Admin) Schema() string { return a.cfg.Schema }
+func (a *Admin) Schema() string { return cmp.Or(a.cfg.Schema, DefaultSchema) }
 
 // Error is an idem error with a stable code, such as "not_dead"; compare with
 // errors.Is against the sentinels. It is the one coded error type of every idem

@@ -205,28 +205,17 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 	if a.shards != nil {
 		return a.shardedListGroups(ctx, f, p)
 	}
-	inboxOn, effectsOn, err := f.sources()
+	gp, err := f.paging(p)
 	if err != nil {
 		return nil, err
 	}
-	order := cmp.Or(f.Order, ByCount)
-	if order != ByCount && order != ByRecent {
-		return nil, errorf(ErrBadFilter, "group order %q: use %s or %s", f.Order, ByCount, ByRecent)
-	}
-	limit, err := p.limit()
-	if err != nil {
+	if err := a.backfill(ctx, gp.inbox, gp.effects); err != nil {
 		return nil, err
 	}
-	afterValue, afterID, err := decodeGroupCursor(p.After, order)
-	if err != nil {
-		return nil, err
-	}
-	if err := a.backfill(ctx, inboxOn, effectsOn); err != nil {
-		return nil, err
-	}
+	order, limit := gp.order, gp.limit
 	since, until := f.Seen.args()
-	rows, err := a.db.Query(ctx, a.q.listGroups, inboxOn, effectsOn, f.Consumer, f.Kind, f.Tenant, since, until,
-		order == ByRecent, p.After != "", afterValue, afterID, limit+1, ListSamples)
+	rows, err := a.db.Query(ctx, a.q.listGroups, gp.inbox, gp.effects, f.Consumer, f.Kind, f.Tenant, since, until,
+		order == ByRecent, p.After != "", gp.afterValue, gp.afterID, limit+1, ListSamples)
 	if err != nil {
 		return nil, a.wrap(err)
 	}
@@ -240,6 +229,35 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 		out.Next = encodeGroupCursor(groups[limit-1], order)
 	}
 	return out, nil
+}
+
+// groupPaging is a page of failure groups as ListGroups asks for it, checked.
+type groupPaging struct {
+	inbox, effects bool // the sources
+	order          string
+	limit          int
+	// afterValue and afterID are the cursor's position: -1 and "" for none.
+	afterValue int64
+	afterID    string
+}
+
+// paging checks f and p for ListGroups: the source, the order, the limit and the
+// cursor. Each refusal is coded bad_filter or bad_cursor.
+func (f GroupFilter) paging(p Page) (groupPaging, error) {
+	var gp groupPaging
+	var err error
+	if gp.inbox, gp.effects, err = f.sources(); err != nil {
+		return gp, err
+	}
+	gp.order = cmp.Or(f.Order, ByCount)
+	if gp.order != ByCount && gp.order != ByRecent {
+		return gp, errorf(ErrBadFilter, "group order %q: use %s or %s", f.Order, ByCount, ByRecent)
+	}
+	if gp.limit, err = p.limit(); err != nil {
+		return gp, err
+	}
+	gp.afterValue, gp.afterID, err = decodeGroupCursor(p.After, gp.order)
+	return gp, err
 }
 
 // groupValue is what a list of groups in order is sorted by, largest first: the

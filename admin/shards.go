@@ -273,21 +273,11 @@ func (a *Admin) shardedListEffects(ctx context.Context, f EffectFilter, p Page) 
 // once, on its merged count's page. (A database aggregates every failure for each
 // page of groups already; one database alike.)
 func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
-	if _, _, err := f.sources(); err != nil {
-		return nil, err
-	}
-	order := cmp.Or(f.Order, ByCount)
-	if order != ByCount && order != ByRecent {
-		return nil, errorf(ErrBadFilter, "group order %q: use %s or %s", f.Order, ByCount, ByRecent)
-	}
-	limit, err := p.limit()
+	gp, err := f.paging(p)
 	if err != nil {
 		return nil, err
 	}
-	afterValue, afterID, err := decodeGroupCursor(p.After, order)
-	if err != nil {
-		return nil, err
-	}
+	order, limit, afterValue, afterID := gp.order, gp.limit, gp.afterValue, gp.afterID
 	all, errs := fan(ctx, a, func(ctx context.Context, s *Admin) ([]FailureGroup, error) { return s.allGroups(ctx, f, order) })
 	if err := shardErrors(a.names(), errs); err != nil {
 		return nil, err
@@ -417,7 +407,7 @@ func (s ShardStats) Up() bool { return s.Error == "" }
 
 func (a *Admin) shardedStats(ctx context.Context) (*Stats, error) {
 	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*Stats, error) { return s.Stats(ctx) })
-	out := &Stats{Schema: a.cfg.Schema, Consumers: []ConsumerStats{}, Effects: []KindStats{}}
+	out := &Stats{Schema: a.Schema(), Consumers: []ConsumerStats{}, Effects: []KindStats{}}
 	consumers := map[string]*ConsumerStats{}
 	kinds := map[string]*KindStats{}
 	for i, st := range res {

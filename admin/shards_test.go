@@ -576,4 +576,16 @@ func TestShardsFailureGroupsMerged(t *testing.T) {
 		return pg.Next
 	}()})
 	require.ErrorIs(t, err, admin.ErrBadCursor, "a cursor of the count order in the recent order")
+	// The filter and page are checked as on one database.
+	for what, bad := range map[string]struct {
+		f admin.GroupFilter
+		p admin.Page
+	}{
+		"source": {admin.GroupFilter{Source: "queue"}, admin.Page{}},
+		"order":  {admin.GroupFilter{Order: "size"}, admin.Page{}},
+		"limit":  {admin.GroupFilter{}, admin.Page{Limit: admin.MaxLimit + 1}},
+	} {
+		_, err = a.ListGroups(ctx, bad.f, bad.p)
+		require.ErrorIs(t, err, admin.ErrBadFilter, what)
+	}
 }

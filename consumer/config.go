@@ -15,7 +15,6 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
-	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -270,15 +269,11 @@ func (c Config) WithDefaults() Config {
 // config that sets only Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Shards != nil {
-		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
-			return err
-		}
-		if c.Tenant == nil {
-			return errcode.InvalidConfig("Shards routes by tenant: set Tenant")
-		}
-	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
+	}
+	if c.Shards != nil && c.Tenant == nil {
+		return errcode.InvalidConfig("Shards routes by tenant: set Tenant")
 	}
 	if c.Name != "" {
 		if err := inbox.ValidateConsumer(c.Name); err != nil {

@@ -17,7 +17,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/internal/errcode"
-	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -204,15 +203,11 @@ func (c Config) WithDefaults() Config {
 // c.WithDefaults(), so a config with a Pool and Senders passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Shards != nil {
-		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
-			return err
-		}
-		if c.ListenConnConfig != nil {
-			return errcode.InvalidConfig("ListenConnConfig names one database; with Shards each shard's LISTEN uses its pool's config")
-		}
-	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
+	}
+	if c.Shards != nil && c.ListenConnConfig != nil {
+		return errcode.InvalidConfig("ListenConnConfig names one database; with Shards each shard's LISTEN uses its pool's config")
 	}
 	if len(c.Senders) == 0 {
 		return errcode.InvalidConfig("no Senders registered")

@@ -11,7 +11,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -20,6 +19,7 @@ import (
 	"cmp"
 
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/text"
 )
 
 // Limits on what Enqueue accepts.
@@ -205,7 +205,7 @@ func checkItem(scope Scope, e Effect) (string, error) {
 		return "", fmt.Errorf("%w: %q (allowed: %s)", ErrUnknownKind, e.Kind, strings.Join(scope.Kinds, ", "))
 	}
 	tenant := scope.Source.Tenant
-	if len(tenant) > MaxKeyLen || !utf8.ValidString(tenant) || strings.IndexByte(tenant, 0) >= 0 {
+	if len(tenant) > MaxKeyLen || !text.Storable(tenant) {
 		return "", fmt.Errorf("%w: %d bytes", ErrInvalidTenant, len(tenant))
 	}
 	return schema, nil
@@ -223,7 +223,7 @@ func ValidateEffect(e Effect) error {
 	if !validKind(e.Kind) {
 		return fmt.Errorf("%w: got %q", ErrInvalidKind, e.Kind)
 	}
-	if e.Key == "" || len(e.Key) > MaxKeyLen || !utf8.ValidString(e.Key) || strings.IndexByte(e.Key, 0) >= 0 {
+	if e.Key == "" || len(e.Key) > MaxKeyLen || !text.Storable(e.Key) {
 		return fmt.Errorf("%w: %d bytes", ErrInvalidKey, len(e.Key))
 	}
 	if len(e.Payload) > MaxPayloadLen {

@@ -16,7 +16,6 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
-	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -264,15 +263,11 @@ func (c Config) WithDefaults() Config {
 // Tenant (or Unscoped) passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Shards != nil {
-		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
-			return err
-		}
-		if c.Tenant == nil {
-			return errcode.InvalidConfig("Shards routes by tenant: set Tenant")
-		}
-	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
+	}
+	if c.Shards != nil && c.Tenant == nil {
+		return errcode.InvalidConfig("Shards routes by tenant: set Tenant")
 	}
 	switch {
 	case c.Tenant == nil && !c.Unscoped:

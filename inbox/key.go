@@ -2,10 +2,9 @@ package inbox
 
 import (
 	"fmt"
-	"strings"
-	"unicode/utf8"
 
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/text"
 )
 
 // MaxKeyLen is the longest key, tenant or consumer name the inbox accepts, in bytes.
@@ -21,7 +20,7 @@ func ValidateKey(key string) error {
 		return ErrEmptyKey
 	case len(key) > MaxKeyLen:
 		return fmt.Errorf("%w: got %d bytes", ErrKeyTooLong, len(key))
-	case !utf8.ValidString(key) || strings.IndexByte(key, 0) >= 0:
+	case !text.Storable(key):
 		return ErrKeyInvalid
 	}
 	return nil
@@ -29,7 +28,7 @@ func ValidateKey(key string) error {
 
 // ValidateTenant checks a tenant scope. The empty tenant means "no tenant".
 func ValidateTenant(tenant string) error {
-	if len(tenant) > MaxKeyLen || !utf8.ValidString(tenant) || strings.IndexByte(tenant, 0) >= 0 {
+	if len(tenant) > MaxKeyLen || !text.Storable(tenant) {
 		return ErrTenantInvalid
 	}
 	return nil
@@ -37,7 +36,7 @@ func ValidateTenant(tenant string) error {
 
 // ValidateConsumer checks a consumer name.
 func ValidateConsumer(name string) error {
-	if name == "" || len(name) > MaxKeyLen || !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0 {
+	if name == "" || len(name) > MaxKeyLen || !text.Storable(name) {
 		return ErrConsumerInvalid
 	}
 	return nil

@@ -83,11 +83,7 @@ func (c Config) WithDefaults() Config {
 // Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Shards != nil {
-		if err := c.Shards.ValidateConfig(c.Pool != nil, c.Schema); err != nil {
-			return err
-		}
-	} else if err := pgschema.ValidateDB(c.Pool, c.Schema); err != nil {
+	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {

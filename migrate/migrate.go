@@ -157,10 +157,7 @@ func (c Config) WithDefaults() Config {
 // with a Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if c.Shards != nil {
-		return c.Shards.ValidateConfig(c.Pool != nil, c.Schema)
-	}
-	return pgschema.ValidateDB(c.Pool, c.Schema)
+	return shard.ValidateDB(c.Shards, c.Pool, c.Schema)
 }
 
 // ErrInvalidConfig is wrapped by the error New returns for a config it refuses

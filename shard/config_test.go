@@ -7,6 +7,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
@@ -16,7 +17,8 @@ import (
 	"github.com/idemkit/idem/shard"
 )
 
-// Every config takes either Pool and Schema (one database) or Shards, never both.
+// Every config takes either Pool and Schema (one database) or Shards, never both,
+// and a config with Shards passes once its defaults are filled in too.
 func TestConfigsTakePoolOrShards(t *testing.T) {
 	t.Parallel()
 	m := &shard.Map{Shards: shards(t, "s1", "s2")}
@@ -27,14 +29,15 @@ func TestConfigsTakePoolOrShards(t *testing.T) {
 
 	type validator interface{ Validate() error }
 	for name, tc := range map[string]struct {
-		ok      validator
-		pool    validator
-		schema  validator
-		badMap  validator
-		special validator // a rule of its own with a map, or nil
+		ok, defaulted validator
+		pool          validator
+		schema        validator
+		badMap        validator
+		special       validator // a rule of its own with a map, or nil
 	}{
 		"consumer": {
 			consumer.Config{Shards: m, Tenant: tenant},
+			consumer.Config{Shards: m, Tenant: tenant}.WithDefaults(),
 			consumer.Config{Shards: m, Tenant: tenant, Pool: p},
 			consumer.Config{Shards: m, Tenant: tenant, Schema: "idem"},
 			consumer.Config{Shards: &shard.Map{}, Tenant: tenant},
@@ -42,6 +45,7 @@ func TestConfigsTakePoolOrShards(t *testing.T) {
 		},
 		"effects": {
 			effects.Config{Shards: m, Senders: senders},
+			effects.Config{Shards: m, Senders: senders}.WithDefaults(),
 			effects.Config{Shards: m, Senders: senders, Pool: p},
 			effects.Config{Shards: m, Senders: senders, Schema: "x"},
 			effects.Config{Shards: &shard.Map{}, Senders: senders},
@@ -49,6 +53,7 @@ func TestConfigsTakePoolOrShards(t *testing.T) {
 		},
 		"httpidem": {
 			httpidem.Config{Shards: m, Tenant: httpTenant},
+			httpidem.Config{Shards: m, Tenant: httpTenant}.WithDefaults(),
 			httpidem.Config{Shards: m, Tenant: httpTenant, Pool: p},
 			httpidem.Config{Shards: m, Tenant: httpTenant, Schema: "x"},
 			httpidem.Config{Shards: &shard.Map{}, Tenant: httpTenant},
@@ -56,6 +61,7 @@ func TestConfigsTakePoolOrShards(t *testing.T) {
 		},
 		"janitor": {
 			janitor.Config{Shards: m},
+			janitor.Config{Shards: m}.WithDefaults(),
 			janitor.Config{Shards: m, Pool: p},
 			janitor.Config{Shards: m, Schema: "x"},
 			janitor.Config{Shards: &shard.Map{}},
@@ -63,13 +69,23 @@ func TestConfigsTakePoolOrShards(t *testing.T) {
 		},
 		"migrate": {
 			migrate.Config{Shards: m},
+			migrate.Config{Shards: m}.WithDefaults(),
 			migrate.Config{Shards: m, Pool: p},
 			migrate.Config{Shards: m, Schema: "x"},
 			migrate.Config{Shards: &shard.Map{}},
 			nil,
 		},
+		"admin": {
+			admin.Config{Shards: m},
+			admin.Config{Shards: m}.WithDefaults(),
+			admin.Config{Shards: m, Pool: p},
+			admin.Config{Shards: m, Schema: "x"},
+			admin.Config{Shards: &shard.Map{}},
+			nil,
+		},
 	} {
 		require.NoError(t, tc.ok.Validate(), name)
+		require.NoError(t, tc.defaulted.Validate(), "%s: WithDefaults", name)
 		for what, v := range map[string]validator{"pool": tc.pool, "schema": tc.schema, "bad map": tc.badMap, "special": tc.special} {
 			if v == nil {
 				continue

@@ -212,12 +212,17 @@ func Score(name, tenant string) uint64 {
 	return h
 }
 
-// ValidateConfig is what an idem config with a Shards field checks: Pool and
-// Schema (one database) and a Map exclude each other, so it refuses a config that
-// sets a Map and a Pool or Schema too (invalid_config); then it validates m.
-// hasPool says whether the config's Pool is set.
-func (m *Map) ValidateConfig(hasPool bool, schema string) error {
-	if hasPool || schema != "" {
+// ValidateDB checks the database an idem config with a Shards field hands over,
+// the same way in every package: one database (pool and schema) or a Map (m), not
+// both. With m nil, pool is required (its zero value, a nil pointer or interface,
+// is refused) and schema must be a valid name; with m set, a pool or schema too is
+// refused (invalid_config) and m must be valid (see Map.Validate).
+func ValidateDB[P comparable](m *Map, pool P, schema string) error {
+	if m == nil {
+		return pgschema.ValidateDB(pool, schema)
+	}
+	var none P
+	if pool != none || schema != "" {
 		return errcode.InvalidConfig("Pool and Schema name one database, Shards several: set one or the other (each shard has its own pool and schema)")
 	}
 	return m.Validate()

@@ -286,14 +286,9 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	if err := e.oneDatabase("this command"); err != nil {
 		return nil, err
 	}
-	cfg, err := pgxpool.ParseConfig(e.databaseURL)
+	cfg, err := poolConfig(e.databaseURL)
 	if err != nil {
 		return nil, &dsnError{err: err, fromEnv: e.databaseURL == ""}
-	}
-	cfg.MaxConns = 4
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-cli"
-	if cfg.ConnConfig.ConnectTimeout == 0 || cfg.ConnConfig.ConnectTimeout > 10*time.Second {
-		cfg.ConnConfig.ConnectTimeout = 10 * time.Second
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
@@ -305,6 +300,22 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	}
 	e.pool = pool
 	return pool, nil
+}
+
+// poolConfig is the config of a pool the CLI opens on a database (or a shard):
+// four connections, application_name idem-cli, and a connect timeout of at most
+// 10 s.
+func poolConfig(url string) (*pgxpool.Config, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = 4
+	cfg.ConnConfig.RuntimeParams["application_name"] = "idem-cli"
+	if cfg.ConnConfig.ConnectTimeout == 0 || cfg.ConnConfig.ConnectTimeout > 10*time.Second {
+		cfg.ConnConfig.ConnectTimeout = 10 * time.Second
+	}
+	return cfg, nil
 }
 
 // admin connects and returns the operator API on the schema. Its audit lines (a
@@ -484,6 +495,14 @@ func age(d time.Duration) string {
 func noArgs(args []string) error {
 	if len(args) > 0 {
 		return usagef("takes no arguments, got %q", args)
+	}
+	return nil
+}
+
+// checkLimit refuses a --limit the operator API would refuse.
+func checkLimit(limit int) error {
+	if limit < 1 || limit > admin.MaxLimit {
+		return usagef("--limit must be from 1 to %d", admin.MaxLimit)
 	}
 	return nil
 }

@@ -65,8 +65,8 @@ func runEffectsList(ctx context.Context, e *env, args []string, o effectsListOpt
 	if !slices.Contains([]string{"dead", "pending", "done", "all"}, o.state) {
 		return usagef("--state %q: use dead, pending, done or all", o.state)
 	}
-	if o.p.Limit < 1 || o.p.Limit > admin.MaxLimit {
-		return usagef("--limit must be from 1 to %d", admin.MaxLimit)
+	if err := checkLimit(o.p.Limit); err != nil {
+		return err
 	}
 	o.f.State = o.state
 	switch {

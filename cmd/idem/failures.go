@@ -54,8 +54,8 @@ func runFailuresList(ctx context.Context, e *env, args []string, o failuresListO
 	if len(args) > 0 {
 		return usagef("takes no arguments, got %q; to see one group: idem failures show ID", args)
 	}
-	if o.p.Limit < 1 || o.p.Limit > admin.MaxLimit {
-		return usagef("--limit must be from 1 to %d", admin.MaxLimit)
+	if err := checkLimit(o.p.Limit); err != nil {
+		return err
 	}
 	o.f.Tenant = o.tenant.ptr()
 	a, err := e.admin(ctx)
@@ -182,7 +182,7 @@ func (e *env) actionsTable(acts []admin.FailureAction) {
 // failureAction is one of the three repair commands.
 type failureAction struct {
 	verb    string // retry, discard, release
-	do      func(a *admin.Admin) func(context.Context, admin.GroupAction) (*admin.ActionResult, error)
+	do      func(*admin.Admin, context.Context, admin.GroupAction) (*admin.ActionResult, error)
 	doing   string // for the plan: "requeue N dead effects"
 	outcome string // for the result
 }
@@ -224,9 +224,7 @@ type failureActionOptions struct {
 }
 
 var failuresRetryCmd = failureActionCmd(failureAction{
-	verb: "retry", do: func(a *admin.Admin) func(context.Context, admin.GroupAction) (*admin.ActionResult, error) {
-		return a.RetryGroup
-	},
+	verb: "retry", do: (*admin.Admin).RetryGroup,
 	doing: "requeue %d dead effect(s): back to pending with their attempts reset, due now", outcome: "requeued %d dead effect(s); dispatchers were notified and will send them now",
 }, "Retry a group of dead effects: back to pending with their attempts reset (audited)",
 	`idem failures retry e-3fa2c0d1e2f3a4b5 --dry-run
@@ -234,18 +232,14 @@ idem failures retry e-3fa2c0d1e2f3a4b5 --note "INC-42: provider fixed the shape 
 idem failures retry e-3fa2c0d1e2f3a4b5 --note "INC-42" --yes --json`)
 
 var failuresDiscardCmd = failureActionCmd(failureAction{
-	verb: "discard", do: func(a *admin.Admin) func(context.Context, admin.GroupAction) (*admin.ActionResult, error) {
-		return a.DiscardGroup
-	},
+	verb: "discard", do: (*admin.Admin).DiscardGroup,
 	doing: "discard %d dead effect(s): never sent, deleted by the janitor after the effects retention", outcome: "discarded %d dead effect(s); they will never be sent",
 }, "Discard a group of dead effects: settled, never sent (audited)",
 	`idem failures discard e-3fa2c0d1e2f3a4b5 --dry-run
 idem failures discard e-3fa2c0d1e2f3a4b5 --note "obsolete: the campaign was cancelled"`)
 
 var failuresReleaseCmd = failureActionCmd(failureAction{
-	verb: "release", do: func(a *admin.Admin) func(context.Context, admin.GroupAction) (*admin.ActionResult, error) {
-		return a.ReleaseGroup
-	},
+	verb: "release", do: (*admin.Admin).ReleaseGroup,
 	doing: "release %d failed inbox key(s): the next delivery or a republish of each runs the handler again", outcome: "released %d failed inbox key(s); their next delivery (or a republish from the poison topic) runs the handler again",
 }, "Release a group of failed inbox keys, so that their next delivery or a republish runs again (audited)",
 	`idem failures release i-0c1d2e3f4a5b6c7d --dry-run
@@ -268,7 +262,6 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 	if err != nil {
 		return err
 	}
-	act := fa.do(a)
 	if o.act.Through.IsZero() {
 		g, err := a.Group(ctx, id, admin.TimeRange{Since: o.act.Since})
 		if errors.Is(err, admin.ErrNotFound) {
@@ -281,7 +274,7 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 	}
 	dry := o.act
 	dry.DryRun = true
-	plan, err := act(ctx, dry)
+	plan, err := fa.do(a, ctx, dry)
 	if err != nil {
 		return usageIfBad(err)
 	}
@@ -313,7 +306,7 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 		}
 	}
 	o.act.AtMost = plan.Rows // exactly what was shown and confirmed, or nothing
-	res, err := act(ctx, o.act)
+	res, err := fa.do(a, ctx, o.act)
 	if err != nil {
 		return usageIfBad(err)
 	}

@@ -35,8 +35,8 @@ last line gives the --after cursor of the next page (with --json, on stderr, as
 			if err := noArgs(args); err != nil {
 				return err
 			}
-			if p.Limit < 1 || p.Limit > admin.MaxLimit {
-				return usagef("--limit must be from 1 to %d", admin.MaxLimit)
+			if err := checkLimit(p.Limit); err != nil {
+				return err
 			}
 			f.Tenant = tenant.ptr()
 			a, err := e.admin(ctx)

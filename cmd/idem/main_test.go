@@ -104,6 +104,8 @@ func TestBadUsageExitsTwo(t *testing.T) {
 		{"inspect", "--consumer", "c"},
 		{"effects", "list", "--state", "weird"},
 		{"effects", "list", "--limit", "0"},
+		{"inbox", "list", "--limit", "0"},
+		{"failures", "--limit", "100000"},
 		{"effects", "requeue", "--key", "k"},
 		{"effects", "requeue", "--kind", "email"},
 		{"effects", "requeue", "--kind", "email", "--key", "k", "--all-dead"},

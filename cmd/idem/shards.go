@@ -9,7 +9,6 @@ import (
 	"os"
 	"strings"
 	"text/tabwriter"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -121,15 +120,10 @@ func (e *env) shardMap(ctx context.Context) (*shard.Map, error) {
 	}
 	m := &shard.Map{Table: e.routeTable}
 	for _, s := range e.specs {
-		cfg, err := pgxpool.ParseConfig(s.URL)
+		cfg, err := poolConfig(s.URL)
 		if err != nil {
 			e.closeShards(m)
 			return nil, usagef("shard %q: bad URL: %v", s.Name, redact.Error(err, s.URL))
-		}
-		cfg.MaxConns = 4
-		cfg.ConnConfig.RuntimeParams["application_name"] = "idem-cli"
-		if cfg.ConnConfig.ConnectTimeout == 0 || cfg.ConnConfig.ConnectTimeout > 10*time.Second {
-			cfg.ConnConfig.ConnectTimeout = 10 * time.Second
 		}
 		pool, err := pgxpool.NewWithConfig(ctx, cfg)
 		if err != nil {

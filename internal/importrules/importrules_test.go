@@ -16,6 +16,7 @@ const module = "github.com/idemkit/idem"
 // pkg is what go list says about one package of the module.
 type pkg struct {
 	ImportPath   string
+	GoFiles      []string
 	Imports      []string // of its non-test files
 	TestImports  []string
 	XTestImports []string
@@ -24,7 +25,7 @@ type pkg struct {
 // listPackages runs go list over the module.
 func listPackages(t *testing.T) map[string]pkg {
 	t.Helper()
-	out, err := exec.Command("go", "list", "-json=ImportPath,Imports,TestImports,XTestImports", module+"/...").Output()
+	out, err := exec.Command("go", "list", "-json=ImportPath,GoFiles,Imports,TestImports,XTestImports", module+"/...").Output()
 	if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
 		t.Fatalf("go list: %v\n%s", err, ee.Stderr)
 	}

@@ -80,12 +80,6 @@ func fatalf(tb testing.TB, format string, args ...any) {
 	tb.Fatal(redact.Text(fmt.Sprintf(format, args...), URL()))
 }
 
-// errorf is fatalf for a failure that lets the test go on.
-func errorf(tb testing.TB, format string, args ...any) {
-	tb.Helper()
-	tb.Error(redact.Text(fmt.Sprintf(format, args...), URL()))
-}
-
 // NewSchemaName returns a fresh schema name for a test.
 func NewSchemaName() string {
 	b := make([]byte, 6)
@@ -174,11 +168,22 @@ func PoolConfig(tb testing.TB, schema string, opts Options) *pgxpool.Config {
 // ConfigFor is PoolConfig for code that has no test to fail: a child process
 // (internal/childproc) opens its pool on the parent's schema with it.
 func ConfigFor(schema string, opts Options) (*pgxpool.Config, error) {
-	cfg, err := pgxpool.ParseConfig(URL())
+	cfg, err := configAt(URL(), schema, opts, 8)
 	if err != nil {
 		return nil, fmt.Errorf("parse DATABASE_URL: %w", err)
 	}
-	cfg.MaxConns = cmp.Or(opts.MaxConns, 8)
+	return cfg, nil
+}
+
+// configAt is the test pool config on url: opts' MaxConns (default maxConns),
+// QueryExecMode and Settings, search_path set to schema, and the
+// application_name "idem-test:<schema>".
+func configAt(url, schema string, opts Options, maxConns int32) (*pgxpool.Config, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = cmp.Or(opts.MaxConns, maxConns)
 	if opts.QueryExecMode != 0 {
 		cfg.ConnConfig.DefaultQueryExecMode = opts.QueryExecMode
 	}
@@ -201,18 +206,33 @@ func OpenPool(tb testing.TB, cfg *pgxpool.Config) *pgxpool.Pool {
 	return pool
 }
 
-// DropSchema drops a test schema and everything in it.
+// DropSchema drops a test schema and everything in it (see dropOn).
 func DropSchema(tb testing.TB, schema string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, URL())
-	if err != nil {
-		errorf(tb, "drop schema %s: %v", schema, err)
-		return
-	}
-	defer func() { _ = conn.Close(ctx) }()
-	if _, err := conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`); err != nil {
-		errorf(tb, "drop schema %s: %v", schema, err)
+	tb.Helper()
+	dropOn(tb, URL(), schema)
+}
+
+// dropOn drops a test schema on the database at url; a database that is down is
+// retried for a while (a crash test may have just restarted it).
+func dropOn(tb testing.TB, url, schema string) {
+	tb.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		conn, err := pgx.Connect(ctx, url)
+		if err == nil {
+			_, err = conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+			_ = conn.Close(ctx) // the drop's error is the one that matters
+		}
+		cancel()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Error(redact.Text(fmt.Sprintf("drop schema %s on %s: %v", schema, url, err), url))
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 }
 

@@ -2,7 +2,6 @@ package pgtest
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -14,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/redact"
 	"github.com/idemkit/idem/migrate"
@@ -164,19 +162,10 @@ func shardMap(tb testing.TB, opts []Options) *shard.Map {
 	schema := NewSchemaName()
 	m := &shard.Map{}
 	for i, url := range urls {
-		cfg, err := pgxpool.ParseConfig(url)
+		cfg, err := configAt(url, schema, o, 6)
 		if err != nil {
 			tb.Fatalf("parse %s: %v", ShardURLsVar, err)
 		}
-		cfg.MaxConns = cmp.Or(o.MaxConns, 6)
-		if o.QueryExecMode != 0 {
-			cfg.ConnConfig.DefaultQueryExecMode = o.QueryExecMode
-		}
-		for k, v := range o.Settings {
-			cfg.ConnConfig.RuntimeParams[k] = v
-		}
-		cfg.ConnConfig.RuntimeParams["search_path"] = schema
-		cfg.ConnConfig.RuntimeParams["application_name"] = "idem-test:" + schema
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		err = pingURL(ctx, url)
 		cancel()
@@ -212,29 +201,6 @@ func pingURL(ctx context.Context, url string) error {
 	}
 	defer func() { _ = conn.Close(ctx) }()
 	return conn.Ping(ctx)
-}
-
-// dropOn drops a test schema on one shard cluster; a cluster that is down is
-// retried for a while (a crash test may have just restarted it).
-func dropOn(tb testing.TB, url, schema string) {
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		conn, err := pgx.Connect(ctx, url)
-		if err == nil {
-			_, err = conn.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
-			_ = conn.Close(ctx) // the drop's error is the one that matters
-		}
-		cancel()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			tb.Errorf("drop schema %s on %s: %v", schema, redact.Text(url, url), err)
-			return
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
 }
 
 // ShardCount counts rows on one shard.

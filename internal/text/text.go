@@ -1,5 +1,6 @@
-// Package text makes arbitrary strings safe to store and show: Sanitize for the
-// text columns of Postgres, Clip for a bounded excerpt. Neither ever cuts a UTF-8
+// Package text makes arbitrary strings safe to store and show: Storable says
+// whether the text columns of Postgres take a string as it is, Sanitize makes it
+// so, Clip makes a bounded excerpt. Neither ever cuts a UTF-8
 // character in half. It imports nothing of idem.
 package text
 
@@ -10,6 +11,13 @@ import (
 
 // ellipsis ends text that was cut.
 const ellipsis = "…"
+
+// Storable reports whether a Postgres text column accepts s as it is: valid UTF-8
+// without NUL bytes. idem refuses keys, tenants and names that are not, rather
+// than change them.
+func Storable(s string) bool {
+	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
+}
 
 // Sanitize returns s as text that a Postgres text column always accepts: valid
 // UTF-8 without NUL bytes. Use it wherever an error (a handler's, a sender's, a
@@ -22,7 +30,7 @@ const ellipsis = "…"
 // maxBytes > 0 the result is at most maxBytes bytes long: it is cut between two
 // characters (never inside an escape or a multi-byte character) and ends in "…".
 func Sanitize(s string, maxBytes int) string {
-	if utf8.ValidString(s) && strings.IndexByte(s, 0) < 0 && (maxBytes <= 0 || len(s) <= maxBytes) {
+	if Storable(s) && (maxBytes <= 0 || len(s) <= maxBytes) {
 		return s
 	}
 	const hex = "0123456789abcdef"

@@ -50,9 +50,18 @@ func TestSanitizeAnyBytes(t *testing.T) {
 		got := text.Sanitize(string(b), maxBytes)
 		require.True(t, utf8.ValidString(got), "%q", got)
 		require.False(t, strings.ContainsRune(got, 0), "%q", got)
+		require.True(t, text.Storable(got), "%q", got)
+		require.Equal(t, utf8.Valid(b) && !strings.ContainsRune(string(b), 0), text.Storable(string(b)), "%q", b)
 		if maxBytes > 0 {
 			require.LessOrEqual(t, len(got), maxBytes, "%q", got)
 		}
+	}
+}
+
+func TestStorable(t *testing.T) {
+	t.Parallel()
+	for s, want := range map[string]bool{"": true, "key-1": true, "é✓": true, "a\x00b": false, "\xff": false, "a\xc3": false} {
+		require.Equal(t, want, text.Storable(s), "%q", s)
 	}
 }
 
