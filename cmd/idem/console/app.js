@@ -131,6 +131,9 @@ async function loadStats() {
       td(String(c.failed), "num"), td(String(c.processing), "num"), td(String(c.expired), "num")));
   }
   if (s.consumers.length === 0) consumers.append(el("tr", {}, el("td", { colspan: "6", class: "empty", text: "no inbox rows" })));
+  // The Failures page's filters suggest the consumers and kinds there are.
+  document.getElementById("known-consumers").replaceChildren(...s.consumers.map((c) => el("option", { value: c.consumer })));
+  document.getElementById("known-kinds").replaceChildren(...s.effects.map((k) => el("option", { value: k.kind })));
   document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
 }
 
@@ -376,8 +379,13 @@ function sayN(text, n) { return text.replace("{n}", String(n)); }
 
 async function loadGroups(more) {
   const params = { limit: "50", order: document.getElementById("groups-order").value };
-  const source = document.getElementById("groups-source").value;
-  if (source) params.source = source;
+  // Empty fields do not filter (the tenant field cannot pick the unscoped
+  // tenant). A consumer alone lists inbox groups only, a kind alone effects
+  // groups only; the window counts only the failures in it.
+  for (const name of ["source", "consumer", "kind", "tenant", "since"]) {
+    const v = document.getElementById("groups-" + name).value.trim();
+    if (v) params[name] = v;
+  }
   if (more) params.after = state.cursors.groups;
   const page = await api("/api/failures?" + query(params));
   const body = document.querySelector("#groups tbody");
@@ -390,7 +398,8 @@ async function loadGroups(more) {
       el("td", {}, el("button", { type: "button", class: "open", text: "Open", onclick: () => openGroup(g.id).catch(showError) })))));
   }
   if (!more && page.groups.length === 0) {
-    body.append(emptyRow(body, "no failures: no failed inbox keys and no dead effects"));
+    const filtered = ["consumer", "kind", "tenant", "since"].some((n) => document.getElementById("groups-" + n).value.trim());
+    body.append(emptyRow(body, filtered ? "no failure group matches these filters" : "no failures: no failed inbox keys and no dead effects"));
   }
   state.cursors.groups = page.next || "";
   document.getElementById("groups-more").hidden = !page.next;
