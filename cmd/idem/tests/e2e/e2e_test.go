@@ -527,6 +527,11 @@ loop:
 			// the broker stored was delivered and counted.
 			if !done && !peer && fig.ledger >= n && fig.pending == 0 {
 				rep, _, err := audit(ctx)
+				// A key committed twice, or on a database that is not its tenant's,
+				// stays so: fail now rather than at the run's deadline.
+				if err == nil && (rep.CommittedTwice > 0 || rep.Unexpected > 0) {
+					t.Fatalf("%s run: a key committed twice or on another tenant's database:\n%s", tg, rep)
+				}
 				done = err == nil && rep.OK() && rep.Settled() && rep.CommittedOnce == n
 			}
 			if peer && time.Since(lastChange) > 3*time.Second {
