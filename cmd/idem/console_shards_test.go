@@ -125,6 +125,9 @@ func TestConsoleInBrowserShards(t *testing.T) {
 	wait(`document.querySelectorAll('#found-inbox tbody tr').length === 2`)
 	require.Equal(t, "s2 s3", js(`[...document.querySelectorAll('#found-inbox tbody td.shard')].map((c) => c.textContent).sort().join(" ")`))
 	require.Equal(t, "Shard", js(`document.querySelector('#found-inbox thead th').textContent`))
+	png, err = chromedp.Run(browser, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(screenshotDir(t), "console-shards-lists.png"), png, 0o644))
 	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv2.URL+"/#failures")))
 	wait(`document.querySelectorAll('#groups tbody tr.group').length === 2`)
 	inboxGroup := `#groups tbody tr.group[data-source="inbox"]`
