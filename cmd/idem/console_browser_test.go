@@ -231,6 +231,10 @@ func TestConsoleInBrowserReadOnly(t *testing.T) {
 	mode, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.getElementById("mode").textContent`))
 	require.NoError(t, err)
 	require.Equal(t, "read-only", mode)
+	// One database: no shard column anywhere.
+	n, err = chromedp.Run(browser, chromedp.Evaluate[int](`document.querySelectorAll(".shard").length`))
+	require.NoError(t, err)
+	require.Zero(t, n)
 	// The Failures page shows the groups and a group's detail, with no action.
 	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL+"/#failures")))
 	_, err = chromedp.Run(browser, chromedp.Poll[bool](`document.body.dataset.ready === "1" && document.querySelectorAll("#groups tr.group").length === 2`,
@@ -239,7 +243,7 @@ func TestConsoleInBrowserReadOnly(t *testing.T) {
 	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.CSS(`#groups tr.group button.open`))))
 	_, err = chromedp.Run(browser, chromedp.Poll[bool](`document.getElementById("group-facts") !== null`, chromedp.WithPollingTimeout(30*time.Second)))
 	require.NoError(t, err)
-	n, err = chromedp.Run(browser, chromedp.Evaluate[int](`document.querySelectorAll("#group-detail button").length`))
+	n, err = chromedp.Run(browser, chromedp.Evaluate[int](`document.querySelectorAll("#group-detail button").length + document.querySelectorAll(".shard").length`))
 	require.NoError(t, err)
 	require.Zero(t, n)
 }

@@ -47,11 +47,18 @@ func (c *console) activity(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, a)
 }
 
+// failureGroups answers a page of failure groups: source, consumer, kind, tenant
+// (absent: every tenant; empty: the unscoped one), since and until (a time, a
+// date or an age such as 1h or 7d, as the CLI's flags take) and order, as
+// admin.GroupFilter has them.
 func (c *console) failureGroups(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	f := admin.GroupFilter{Source: q.Get("source"), Consumer: q.Get("consumer"), Kind: q.Get("kind"),
 		Tenant: optional(r, "tenant"), Order: q.Get("order")}
 	p, err := page(r)
+	if err == nil {
+		f.Seen, err = seenRange(r)
+	}
 	if err == nil {
 		var out *admin.GroupPage
 		if out, err = c.admin.ListGroups(r.Context(), f, p); err == nil {
@@ -60,6 +67,22 @@ func (c *console) failureGroups(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	c.fail(w, r, err)
+}
+
+// seenRange reads the since and until parameters of a failure group list.
+func seenRange(r *http.Request) (admin.TimeRange, error) {
+	var tr admin.TimeRange
+	for _, p := range []struct {
+		name string
+		t    *time.Time
+	}{{"since", &tr.Since}, {"until", &tr.Until}} {
+		if v := r.URL.Query().Get(p.name); v != "" {
+			if err := (timeValue{t: p.t, now: time.Now}).Set(v); err != nil {
+				return tr, codedf(admin.ErrBadFilter, "%s %s", p.name, clip(err.Error(), 200))
+			}
+		}
+	}
+	return tr, nil
 }
 
 // failureGroup answers one group. A group that holds no failures now but has

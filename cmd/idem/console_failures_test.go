@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -375,4 +377,239 @@ func TestConsoleChartsInBrowser(t *testing.T) {
 	r := call(t, srv, "GET", "/api/activity?window=week", "", nil)
 	require.Equal(t, http.StatusBadRequest, r.status)
 	require.Equal(t, "bad_filter", r.code(t))
+}
+
+// seedGroups makes four failure groups: failed payments of acme (2 keys, minutes
+// ago), a failed order of globex (3 days ago), dead receipts of acme (2 effects)
+// and a dead SMS of globex (a minute ago).
+const seedGroups = `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at, error_code, error) VALUES
+	('payments', 'acme', 'pay_1', '\x00', 'failed', now() + interval '7 days', now() - interval '5 minutes', 'handler', 'card 4242 declined'),
+	('payments', 'acme', 'pay_2', '\x00', 'failed', now() + interval '7 days', now() - interval '4 minutes', 'handler', 'card 4343 declined'),
+	('orders', 'globex', 'ord_1', '\x00', 'failed', now() + interval '7 days', now() - interval '3 days', 'handler', 'order 17 refused');
+	INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, last_error, dead_at) VALUES
+	('acme', 'email', 'receipt:pay_1', '\x00', 'dead', 25, 'smtp: 550 mailbox 1 unavailable', now() - interval '3 minutes'),
+	('acme', 'email', 'receipt:pay_2', '\x00', 'dead', 25, 'smtp: 550 mailbox 2 unavailable', now() - interval '2 minutes'),
+	('globex', 'sms', 'text:ord_1', '\x00', 'dead', 5, 'twilio: 21211 invalid To number 17', now() - interval '1 minute')`
+
+// seedGroupIDs seeds seedGroups and returns the groups' IDs by consumer or kind.
+func seedGroupIDs(t *testing.T, b *bundle) map[string]string {
+	t.Helper()
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, seedGroups)
+	require.NoError(t, err)
+	a, err := admin.New(admin.Config{Pool: b.pool, Schema: b.schema})
+	require.NoError(t, err)
+	groups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, groups.Groups, 4)
+	ids := map[string]string{}
+	for _, g := range groups.Groups {
+		ids[g.Place()] = g.ID
+	}
+	require.Len(t, ids, 4)
+	return ids
+}
+
+// TestConsoleFailuresAPIFilters: /api/failures passes its filters to the group
+// list: consumer, kind, tenant, and a time window as a time or an age; a bad
+// time is a 400 with code bad_filter.
+func TestConsoleFailuresAPIFilters(t *testing.T) {
+	b := setup(t)
+	ids := seedGroupIDs(t, b)
+	srv := b.consoleServer(t, true)
+	list := func(query string) []string {
+		t.Helper()
+		r := call(t, srv, "GET", "/api/failures?"+query, "", nil)
+		require.Equal(t, http.StatusOK, r.status, "%s: %s", query, r.body)
+		var page admin.GroupPage
+		require.NoError(t, json.Unmarshal(r.body, &page))
+		var places []string
+		for _, g := range page.Groups {
+			require.Equal(t, ids[g.Place()], g.ID)
+			places = append(places, g.Place())
+		}
+		slices.Sort(places)
+		return places
+	}
+	require.Equal(t, []string{"email", "orders", "payments", "sms"}, list(""))
+	require.Equal(t, []string{"orders", "sms"}, list("tenant=globex"))
+	require.Equal(t, []string{"payments"}, list("consumer=payments"))
+	require.Equal(t, []string{"email"}, list("kind=email"))
+	require.Equal(t, []string{"email", "payments", "sms"}, list("since=1d"))
+	require.Equal(t, []string{"sms"}, list("since=1d&tenant=globex"))
+	require.Equal(t, []string{"orders"}, list("until=2h"))
+	since := time.Now().Add(-150 * time.Second).UTC().Format(time.RFC3339Nano)
+	require.Equal(t, []string{"email", "sms"}, list("since="+url.QueryEscape(since)))
+	require.Empty(t, list("tenant=nobody"))
+	r := call(t, srv, "GET", "/api/failures?since=yesterday", "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status, "%s", r.body)
+	require.Equal(t, "bad_filter", r.code(t))
+	require.Contains(t, string(r.body), "since")
+}
+
+// browserPage drives one console page in headless Chromium, failing the test on
+// any JavaScript error of the page.
+type browserPage struct {
+	t   *testing.T
+	ctx context.Context
+}
+
+func openConsole(t *testing.T, url string) browserPage {
+	t.Helper()
+	browser := newBrowser(t)
+	jsErrors(t, browser)
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(url)))
+	p := browserPage{t, browser}
+	p.wait(`document.body.dataset.ready === "1"`)
+	return p
+}
+
+func (p browserPage) js(expr string) string {
+	p.t.Helper()
+	s, err := chromedp.Run(p.ctx, chromedp.Evaluate[string](expr))
+	require.NoError(p.t, err, expr)
+	return s
+}
+
+func (p browserPage) wait(expr string) {
+	p.t.Helper()
+	_, err := chromedp.Run(p.ctx, chromedp.Poll[bool](expr, chromedp.WithPollingTimeout(time.Minute), chromedp.WithPollingInterval(100*time.Millisecond)))
+	require.NoError(p.t, err, "waiting for %s", expr)
+}
+
+func (p browserPage) do(actions ...chromedp.Action[chromedp.Void]) {
+	p.t.Helper()
+	require.NoError(p.t, chromedp.Do(p.ctx, actions...))
+}
+
+// click waits for the element that selector names and clicks it.
+func (p browserPage) click(selector string) {
+	p.t.Helper()
+	p.wait(`!!document.querySelector('` + selector + `')`)
+	p.js(`(() => { document.querySelector('` + selector + `').click(); return ""; })()`)
+}
+
+// shownGroups is, sorted and space-separated, the groups the Failures page lists.
+const shownGroups = `[...document.querySelectorAll("#groups tr.group")].map((r) => r.dataset.group).sort().join(" ")`
+
+// TestConsoleFailureFiltersInBrowser: the Failures page's filters (consumer, kind,
+// tenant, the time window) narrow the list to the expected groups, together and
+// apart, and a filter that matches nothing says so; no JavaScript error.
+func TestConsoleFailureFiltersInBrowser(t *testing.T) {
+	b := setup(t)
+	ids := seedGroupIDs(t, b)
+	srv := b.consoleServer(t, true)
+	p := openConsole(t, srv.URL+"/#failures")
+	expect := func(places ...string) string {
+		var want []string
+		for _, pl := range places {
+			want = append(want, ids[pl])
+		}
+		slices.Sort(want)
+		return strings.Join(want, " ")
+	}
+	p.wait(shownGroups + ` === "` + expect("email", "orders", "payments", "sms") + `"`)
+	// The consumers and kinds are suggested.
+	p.wait(`[...document.querySelectorAll("#known-kinds option")].map((o) => o.value).sort().join(" ") === "email sms"`)
+	filter := func(consumer, kind, tenant, since string, places ...string) {
+		t.Helper()
+		p.js(fmt.Sprintf(`(() => { const set = (n, v) => { document.getElementById("groups-" + n).value = v; };
+			set("consumer", %q); set("kind", %q); set("tenant", %q); set("since", %q); return ""; })()`, consumer, kind, tenant, since))
+		p.do(chromedp.Click(chromedp.CSS(`#groups-filter button[type=submit]`)))
+		want := expect(places...)
+		p.wait(shownGroups + ` === "` + want + `"`)
+		if len(places) == 0 {
+			p.wait(`document.querySelector("#groups td.empty").textContent === "no failure group matches these filters"`)
+		}
+	}
+	filter("", "", "globex", "", "orders", "sms")
+	filter("payments", "", "", "", "payments")
+	filter("", "email", "", "", "email")
+	filter("", "", "", "1d", "email", "payments", "sms")
+	filter("", "", "globex", "1d", "sms")
+	filter("", "", "nobody", "")
+	filter("", "", "", "", "email", "orders", "payments", "sms")
+	png, err := chromedp.Run(p.ctx, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(screenshotDir(t), "console-failure-filters.png"), png, 0o644))
+}
+
+// TestConsoleDiscardReleaseInBrowser: on the Failures page the operator discards
+// the dead receipts' group and releases the failed payments' group, each through
+// its confirmation (its dry run's count, a note); a cancelled confirmation changes
+// nothing. In Postgres afterwards: the receipts are discarded and the payments'
+// keys gone (released), the other groups untouched, each action audited.
+func TestConsoleDiscardReleaseInBrowser(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	ids := seedGroupIDs(t, b)
+	srv := b.consoleServer(t, false)
+	p := openConsole(t, srv.URL+"/#failures")
+	p.wait(`document.querySelectorAll("#groups tr.group").length === 4`)
+	count := func(query string) int {
+		t.Helper()
+		var n int
+		require.NoError(t, b.pool.QueryRow(ctx, query).Scan(&n))
+		return n
+	}
+	confirm := func(place, action, rows, note string) {
+		t.Helper()
+		// The list and the detail are drawn again after each action: click in the
+		// page, on the node there now.
+		p.click(`#groups tr[data-group="` + ids[place] + `"] button.open`)
+		p.wait(`!!document.querySelector("#group-detail h3") && document.querySelector("#group-detail h3").textContent === "Group ` + ids[place] + `"`)
+		p.click(`#group-detail .action-` + action)
+		p.wait(`document.getElementById("failure-confirm").open`)
+		require.Equal(t, rows, p.js(`document.getElementById("failure-confirm").dataset.rows`))
+		if note == "" {
+			p.do(chromedp.Click(chromedp.ID("failure-cancel")))
+			p.wait(`!document.getElementById("failure-confirm").open`)
+			return
+		}
+		// The page keeps the name typed last; the note is asked each time.
+		p.js(`document.getElementById("failure-who").value = ""`)
+		require.Equal(t, "", p.js(`document.getElementById("failure-note").value`))
+		p.do(chromedp.SendKeys(chromedp.ID("failure-who"), "ann"), chromedp.SendKeys(chromedp.ID("failure-note"), note))
+		p.do(chromedp.Click(chromedp.ID("failure-ok")))
+	}
+
+	// Discard, cancelled first: nothing changes.
+	confirm("email", "discard", "2", "")
+	require.Equal(t, 2, count(`SELECT count(*) FROM effects WHERE kind = 'email' AND state = 'dead'`))
+	confirm("email", "discard", "2", "INC-7: the customers left")
+	p.wait(`!!document.getElementById("action-result") && document.getElementById("action-result").textContent.startsWith("Discarded 2 dead effect(s)")`)
+	p.wait(`document.querySelectorAll('#groups tr[data-group="` + ids["email"] + `"]').length === 0`)
+	require.Equal(t, 2, count(`SELECT count(*) FROM effects WHERE kind = 'email' AND state = 'discarded' AND done_at IS NOT NULL`))
+	require.Equal(t, 1, count(`SELECT count(*) FROM effects WHERE kind = 'sms' AND state = 'dead'`))
+
+	// Release, cancelled first: nothing changes.
+	confirm("payments", "release", "2", "")
+	require.Equal(t, 2, count(`SELECT count(*) FROM inbox WHERE consumer = 'payments' AND state = 'failed'`))
+	confirm("payments", "release", "2", "INC-8: the card check is fixed")
+	p.wait(`!!document.getElementById("action-result") && document.getElementById("action-result").textContent.startsWith("Released 2 failed inbox key(s)")`)
+	p.wait(`document.querySelectorAll('#groups tr[data-group="` + ids["payments"] + `"]').length === 0`)
+	require.Equal(t, 0, count(`SELECT count(*) FROM inbox WHERE consumer = 'payments'`), "released keys are deleted: the next delivery runs the handler again")
+	require.Equal(t, 1, count(`SELECT count(*) FROM inbox WHERE consumer = 'orders' AND state = 'failed'`))
+	p.wait(shownGroups + ` === "` + strings.Join(slices.Sorted(slices.Values([]string{ids["orders"], ids["sms"]})), " ") + `"`)
+
+	// Each action is audited once, with its note and the console's mark.
+	rows, err := b.pool.Query(ctx, `SELECT action, affected, who, why FROM failure_actions ORDER BY action`)
+	require.NoError(t, err)
+	defer rows.Close()
+	type audit struct {
+		action string
+		rows   int64
+		who    string
+		why    string
+	}
+	var got []audit
+	for rows.Next() {
+		var a audit
+		require.NoError(t, rows.Scan(&a.action, &a.rows, &a.who, &a.why))
+		require.True(t, strings.HasPrefix(a.who, "ann (console, 127.0.0.1)"), a.who)
+		a.who = ""
+		got = append(got, a)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []audit{{"discard", 2, "", "INC-7: the customers left"}, {"release", 2, "", "INC-8: the card check is fixed"}}, got)
 }

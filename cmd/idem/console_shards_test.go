@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -21,7 +22,9 @@ import (
 // clusters and a fourth shard nobody listens on shows, in headless Chromium, each
 // shard's figures and the fourth as down, with the sums of the three that answer;
 // over the three, a failure group on two shards is one row of the Failures page,
-// and its detail shows each shard's part.
+// and its detail shows each shard's part. Every list shows each row's shard: the
+// dead effects, the keys found by Inspect, the failure groups (a merged group,
+// its shards).
 func TestConsoleInBrowserShards(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
@@ -31,6 +34,13 @@ func TestConsoleInBrowserShards(t *testing.T) {
 			SELECT 'orders', 't', 'k' || g, '\x00', 'completed', now() + interval '1 day' FROM generate_series(1, $1) g`, i+1)
 		require.NoError(t, err)
 		_, err = s.Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint) VALUES ('t', 'email', 'e', '\x00')`)
+		require.NoError(t, err)
+	}
+	// A dead SMS on s1 and another on s2: one row each in the dead effects, each
+	// with its shard, and one failure group over the two shards.
+	for i := range 2 {
+		_, err := m.Shards[i].Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, last_error)
+			VALUES ('t', 'sms', $1, '\x00', 'dead', 5, 'twilio: 21211 invalid To number')`, fmt.Sprintf("text:on-s%d", i+1))
 		require.NoError(t, err)
 	}
 	down, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=2")
@@ -46,6 +56,8 @@ func TestConsoleInBrowserShards(t *testing.T) {
 	srv.Start()
 	t.Cleanup(srv.Close)
 
+	// The page over s4 logs the failed reads of s4 (its lists answer 500); the
+	// page over the three that answer must log no error.
 	browser := newBrowser(t)
 	wait := func(expr string) {
 		t.Helper()
@@ -94,10 +106,36 @@ func TestConsoleInBrowserShards(t *testing.T) {
 	srv2.Config.Handler = h2
 	srv2.Start()
 	t.Cleanup(srv2.Close)
+	tab, cancelTab := chromedp.NewContext(browser)
+	t.Cleanup(cancelTab)
+	jsErrors(t, tab)
+	browser = tab
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv2.URL)))
+	// Each dead effect shows its shard, under a Shard heading.
+	wait(`document.querySelectorAll('#dead tr.effect').length === 2`)
+	require.Equal(t, "Shard", js(`document.querySelector('#dead thead th').textContent`))
+	for _, name := range []string{"s1", "s2"} {
+		require.Equal(t, name, js(`document.querySelector('#dead tr[data-key="text:on-`+name+`"] td.shard').textContent`))
+	}
+	// Inspect finds key k2 on s2 and s3 (s1 has k1 only), each row with its shard.
+	require.NoError(t, chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.ID("inspect-key"), "k2"),
+		chromedp.Click(chromedp.CSS(`#inspect-form button[type=submit]`)),
+	))
+	wait(`document.querySelectorAll('#found-inbox tbody tr').length === 2`)
+	require.Equal(t, "s2 s3", js(`[...document.querySelectorAll('#found-inbox tbody td.shard')].map((c) => c.textContent).sort().join(" ")`))
+	require.Equal(t, "Shard", js(`document.querySelector('#found-inbox thead th').textContent`))
+	png, err = chromedp.Run(browser, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(screenshotDir(t), "console-shards-lists.png"), png, 0o644))
 	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv2.URL+"/#failures")))
-	wait(`document.querySelectorAll('#groups tbody tr.group').length === 1`)
-	require.Equal(t, "5", js(`document.querySelector('#groups tbody tr.group td.count').textContent`))
-	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.CSS(`#groups tbody tr.group button.open`))))
+	wait(`document.querySelectorAll('#groups tbody tr.group').length === 2`)
+	inboxGroup := `#groups tbody tr.group[data-source="inbox"]`
+	require.Equal(t, "5", js(`document.querySelector('`+inboxGroup+` td.count').textContent`))
+	require.Equal(t, "s1, s3", js(`document.querySelector('`+inboxGroup+` td.shard').textContent`))
+	require.Equal(t, "s1, s2", js(`document.querySelector('#groups tbody tr.group[data-source="effects"] td.shard').textContent`))
+	require.Equal(t, "Shard", js(`document.querySelector('#groups thead th').textContent`))
+	require.NoError(t, chromedp.Do(browser, chromedp.Click(chromedp.CSS(inboxGroup+` button.open`))))
 	wait(`!!document.getElementById("group-facts")`)
 	require.Contains(t, js(`document.getElementById("group-facts").textContent`), "Shardss1: 2, s3: 3")
 }

@@ -40,6 +40,26 @@ function el(tag, attrs, ...children) {
 
 function td(text, cls) { return el("td", { class: cls || "", text: text }); }
 
+// sharded reports whether the console reads a shard map: then every list shows
+// the shard of each row (a merged failure group, its shards); a single-database
+// console has no shard column at all.
+function sharded() { return !!(state.session && state.session.shards && state.session.shards.length); }
+
+function shardCell(shard) { return sharded() ? td(show(shard ? String(shard).split(",").join(", ") : ""), "shard") : null; }
+
+// heads makes a table's header cells, the shard's first over a shard map.
+function heads(names) {
+  const cells = names.map((h) => el("th", { text: h }));
+  if (sharded()) cells.unshift(el("th", { class: "shard", text: "Shard" }));
+  return cells;
+}
+
+// emptyRow spans the whole width of the table whose body it goes in.
+function emptyRow(body, text) {
+  const cols = body.closest("table").tHead.rows[0].cells.length;
+  return el("tr", {}, el("td", { colspan: String(cols), class: "empty", text }));
+}
+
 // present drops the null children (replaceChildren would write them as "null").
 function present(...nodes) { return nodes.filter((n) => n !== null && n !== undefined); }
 
@@ -111,6 +131,9 @@ async function loadStats() {
       td(String(c.failed), "num"), td(String(c.processing), "num"), td(String(c.expired), "num")));
   }
   if (s.consumers.length === 0) consumers.append(el("tr", {}, el("td", { colspan: "6", class: "empty", text: "no inbox rows" })));
+  // The Failures page's filters suggest the consumers and kinds there are.
+  document.getElementById("known-consumers").replaceChildren(...s.consumers.map((c) => el("option", { value: c.consumer })));
+  document.getElementById("known-kinds").replaceChildren(...s.effects.map((k) => el("option", { value: k.kind })));
   document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
 }
 
@@ -141,10 +164,10 @@ function effectRow(e, opts) {
 }
 
 function fillEffectRow(tr, e, opts) {
-  tr.replaceChildren(
+  tr.replaceChildren(...present(shardCell(e.shard),
     td(show(e.tenant)), td(show(e.kind)), td(show(e.key), "mono"), stateCell(e.state),
     td(e.attempts + "/" + e.max_attempts, "num"), td(fmtTime(e.created_at), "time"),
-    td(show(e.last_error), "err"));
+    td(show(e.last_error), "err")));
   if (opts.why) tr.append(td(show(e.stuck)));
   if (opts.requeue) {
     const cell = el("td");
@@ -165,7 +188,7 @@ async function loadEffects(which, more) {
   const opts = which === "dead" ? { requeue: true } : { why: true };
   for (const e of page.effects) body.append(effectRow(e, opts));
   if (!more && page.effects.length === 0) {
-    body.append(el("tr", {}, el("td", { colspan: "8", class: "empty", text: "none" })));
+    body.append(emptyRow(body, "none"));
   }
   state.cursors[which] = page.next || "";
   document.getElementById(which + "-more").hidden = !page.next;
@@ -236,6 +259,7 @@ function responseText(r) {
 async function openInboxKey(k, into) {
   const rec = await api("/api/inbox/key?" + query({ consumer: k.consumer, tenant: k.tenant, key: k.key }));
   const pairs = [
+    ...(sharded() ? [["Shard", show(rec.shard)]] : []),
     ["Consumer", show(rec.consumer)], ["Tenant", show(rec.tenant)], ["Key", show(rec.key)],
     ["State", rec.state], ["Fingerprint", rec.fingerprint], ["Attempts", String(rec.attempts)],
     ["Received", fmtTime(rec.received_at)], ["Completed", fmtTime(rec.completed_at)], ["Expires", fmtTime(rec.expires_at)],
@@ -244,7 +268,7 @@ async function openInboxKey(k, into) {
   if (rec.lease_until) pairs.push(["Lease until", fmtTime(rec.lease_until)]);
   if (rec.response) pairs.push(["Response", responseText(rec.response)]);
   const effects = el("table", { class: "effects" },
-    el("thead", {}, el("tr", {}, ...["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error", ""].map((h) => el("th", { text: h })))),
+    el("thead", {}, el("tr", {}, ...heads(["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error", ""]))),
     el("tbody"));
   for (const e of rec.effects) effects.tBodies[0].append(effectRow(e, { requeue: true }));
   into.replaceChildren(...present(el("h3", { text: "Inbox key" }), detailList(pairs),
@@ -258,17 +282,17 @@ async function inspect(key, tenant) {
   const out = document.getElementById("inspect-result");
   const detail = el("div", { id: "inspect-detail" });
   const inboxTable = el("table", { id: "found-inbox" },
-    el("thead", {}, el("tr", {}, ...["Consumer", "Tenant", "Key", "State", "Received", "Expires", "Response / error", ""].map((h) => el("th", { text: h })))),
+    el("thead", {}, el("tr", {}, ...heads(["Consumer", "Tenant", "Key", "State", "Received", "Expires", "Response / error", ""]))),
     el("tbody"));
   for (const k of found.inbox) {
     const extra = k.response ? responseText(k.response) : (k.state === "failed" ? show(k.error_code + ": " + k.error) : "-");
-    inboxTable.tBodies[0].append(el("tr", {},
+    inboxTable.tBodies[0].append(el("tr", {}, ...present(shardCell(k.shard),
       td(show(k.consumer)), td(show(k.tenant)), td(show(k.key), "mono"), stateCell(k.state),
       td(fmtTime(k.received_at), "time"), td(fmtTime(k.expires_at), "time"), td(extra, "err"),
-      el("td", {}, el("button", { type: "button", text: "Open", onclick: () => openInboxKey(k, detail).catch(showError) }))));
+      el("td", {}, el("button", { type: "button", text: "Open", onclick: () => openInboxKey(k, detail).catch(showError) })))));
   }
   const effectsTable = el("table", { id: "found-effects", class: "effects" },
-    el("thead", {}, el("tr", {}, ...["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error", ""].map((h) => el("th", { text: h })))),
+    el("thead", {}, el("tr", {}, ...heads(["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error", ""]))),
     el("tbody"));
   for (const e of found.effects) effectsTable.tBodies[0].append(effectRow(e, { requeue: true }));
   out.replaceChildren(...present(
@@ -355,21 +379,27 @@ function sayN(text, n) { return text.replace("{n}", String(n)); }
 
 async function loadGroups(more) {
   const params = { limit: "50", order: document.getElementById("groups-order").value };
-  const source = document.getElementById("groups-source").value;
-  if (source) params.source = source;
+  // Empty fields do not filter (the tenant field cannot pick the unscoped
+  // tenant). A consumer alone lists inbox groups only, a kind alone effects
+  // groups only; the window counts only the failures in it.
+  for (const name of ["source", "consumer", "kind", "tenant", "since"]) {
+    const v = document.getElementById("groups-" + name).value.trim();
+    if (v) params[name] = v;
+  }
   if (more) params.after = state.cursors.groups;
   const page = await api("/api/failures?" + query(params));
   const body = document.querySelector("#groups tbody");
   if (!more) body.replaceChildren();
   for (const g of page.groups) {
     body.append(el("tr", { class: "group" + (g.id === state.group ? " selected" : ""), "data-group": g.id, "data-source": g.source },
-      td(g.id, "mono"), td(g.source === "inbox" ? "failed keys" : "dead effects"),
+      ...present(shardCell(g.shard), td(g.id, "mono"), td(g.source === "inbox" ? "failed keys" : "dead effects"),
       td(show(g.consumer || g.kind)), td(show(g.tenant)), td(show(g.code)), td(String(g.count), "num count"),
       td(fmtTime(g.last_seen), "time"), td(show(g.masked_error), "err"),
-      el("td", {}, el("button", { type: "button", class: "open", text: "Open", onclick: () => openGroup(g.id).catch(showError) }))));
+      el("td", {}, el("button", { type: "button", class: "open", text: "Open", onclick: () => openGroup(g.id).catch(showError) })))));
   }
   if (!more && page.groups.length === 0) {
-    body.append(el("tr", {}, el("td", { colspan: "9", class: "empty", text: "no failures: no failed inbox keys and no dead effects" })));
+    const filtered = ["consumer", "kind", "tenant", "since"].some((n) => document.getElementById("groups-" + n).value.trim());
+    body.append(emptyRow(body, filtered ? "no failure group matches these filters" : "no failures: no failed inbox keys and no dead effects"));
   }
   state.cursors.groups = page.next || "";
   document.getElementById("groups-more").hidden = !page.next;
@@ -468,7 +498,7 @@ async function takeAction(p) {
   if (action === "retry" && res.keys.length) {
     // Follow the requeued effects (the first ones the plan names) until sent.
     const t = el("table", { id: "followed", class: "effects" },
-      el("thead", {}, el("tr", {}, ...["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error"].map((h) => el("th", { text: h })))), el("tbody"));
+      el("thead", {}, el("tr", {}, ...heads(["Tenant", "Kind", "Key", "State", "Attempts", "Created", "Last error"]))), el("tbody"));
     const node = el("div", {}, el("h3", { text: sayN(verbs[action].done, res.rows) + ": following them" }), t);
     state.followed = { group: g.id, node };
     for (const key of res.keys) {
@@ -595,6 +625,13 @@ async function start() {
   }
   const shards = state.session.shards || [];
   document.getElementById("schema").textContent = shards.length ? "shards " + shards.join(", ") : "schema " + state.session.schema;
+  if (shards.length) {
+    // The lists of the page itself get their shard column; those the script
+    // builds get it from heads.
+    for (const row of document.querySelectorAll("#dead thead tr, #stuck thead tr, #groups thead tr")) {
+      row.prepend(el("th", { class: "shard", text: "Shard" }));
+    }
+  }
   const mode = document.getElementById("mode");
   mode.textContent = state.session.read_only ? "read-only" : "read-write";
   if (state.session.read_only) mode.classList.add("ro");

@@ -156,11 +156,22 @@ func TestDashboardFitsGrafanasSchema(t *testing.T) {
 // _bucket, _sum and _count included), each label it matches or groups by is one
 // of the family's, each literal label value it matches is a series that exists
 // before any work, and every template variable it uses is defined. And the other
-// way round: every idem family has a panel.
+// way round: every idem family has a panel. A family's labels are those it has on
+// one database and over a shard map (the shard label).
 func TestDashboardQueriesNameOnlyRegisteredMetrics(t *testing.T) {
 	t.Parallel()
 	d, _ := loadDashboard(t)
 	w := build(t)
+	sharded, _ := buildSharded(t)
+	labelNames := func(mf *dto.MetricFamily) []string {
+		out := labelNames(mf)
+		for _, l := range labelNames(sharded.families[mf.GetName()]) {
+			if !slices.Contains(out, l) {
+				out = append(out, l)
+			}
+		}
+		return out
+	}
 
 	vars := map[string]bool{"__rate_interval": true, "__interval": true, "__range": true}
 	var names []string
@@ -168,7 +179,7 @@ func TestDashboardQueriesNameOnlyRegisteredMetrics(t *testing.T) {
 		vars[v.Name] = true
 		names = append(names, v.Name)
 	}
-	require.Subset(t, names, []string{"datasource", "consumer", "kind"}, "a data source variable, and consumer and kind variables")
+	require.Subset(t, names, []string{"datasource", "consumer", "kind", "shard"}, "a data source variable, and consumer, kind and shard variables")
 	used := map[string]bool{}
 
 	for _, v := range d.Templating.List {
@@ -287,4 +298,83 @@ func hasSeries(mf *dto.MetricFamily, label, re string) (bool, error) {
 		}
 	}
 	return false, nil
+}
+
+// shardFilter is the matcher every selector of an idem metric carries, so that the
+// shard variable filters every panel.
+var shardFilter = matcher{name: "shard", op: "=~", value: "$shard"}
+
+// TestDashboardFiltersOnShard: the shard variable is a multi-select of the shard
+// label's values with All, and All is ".*"; every selector of every panel query
+// carries shard=~"$shard", so no panel ignores the shard chosen. On one database
+// the series have no shard label, and Prometheus matches a missing label as the
+// empty value: with All each selector still selects the single-database series
+// (checked here against them, the missing label read as ""), and the query shows
+// the same series as without the filter.
+func TestDashboardFiltersOnShard(t *testing.T) {
+	t.Parallel()
+	d, _ := loadDashboard(t)
+	w := build(t)
+	var shardVar *dashboard.VariableModel
+	for i, v := range d.Templating.List {
+		if v.Name == "shard" {
+			shardVar = &d.Templating.List[i]
+		}
+	}
+	require.NotNil(t, shardVar, "a shard variable")
+	require.Equal(t, dashboard.VariableTypeQuery, shardVar.Type)
+	require.True(t, shardVar.Multi != nil && *shardVar.Multi, "the shard variable is a multi-select")
+	require.True(t, shardVar.IncludeAll != nil && *shardVar.IncludeAll, "the shard variable includes All")
+	require.NotNil(t, shardVar.AllValue, "All is a regex of its own, not the list of the shards (none on one database)")
+	all := *shardVar.AllValue
+	m := labelValues.FindStringSubmatch(*shardVar.Query.String)
+	require.NotNil(t, m)
+	require.Equal(t, "shard", m[2])
+
+	ps, _ := panels(d)
+	for _, p := range ps {
+		for _, target := range p.Targets {
+			expr := target.(*prometheus.Dataquery).Expr
+			where := fmt.Sprintf("panel %q, query %q", *p.Title, expr)
+			pq, err := scanPromQL(expr)
+			require.NoError(t, err, where)
+			for _, sel := range pq.selectors {
+				require.Contains(t, sel.matchers, shardFilter, "%s: %s does not filter on the shard variable: add shard=~\"$shard\"", where, sel.metric)
+				mf, _ := w.resolve(sel.metric)
+				require.NotNil(t, mf, where)
+				require.True(t, selectsAll(t, mf, sel.matchers, all),
+					"%s: with All (%q) the selector of %s misses a single-database series (no shard label)", where, all, sel.metric)
+			}
+		}
+	}
+}
+
+// selectsAll reports whether the matchers on the shard label, with $shard as the
+// All value, select every series of mf, with Prometheus's semantics: a regex
+// matcher is anchored, and a series without the label has it as "".
+func selectsAll(t *testing.T, mf *dto.MetricFamily, ms []matcher, all string) bool {
+	t.Helper()
+	for _, one := range mf.GetMetric() {
+		value := ""
+		for _, lp := range one.GetLabel() {
+			if lp.GetName() == "shard" {
+				value = lp.GetValue()
+			}
+		}
+		for _, m := range ms {
+			if m.name != "shard" {
+				continue
+			}
+			re := strings.ReplaceAll(m.value, "$shard", all)
+			if m.op == "=" || m.op == "!=" {
+				re = regexp.QuoteMeta(re)
+			}
+			rx, err := regexp.Compile("^(?:" + re + ")$")
+			require.NoError(t, err)
+			if rx.MatchString(value) == (m.op == "!=" || m.op == "!~") {
+				return false
+			}
+		}
+	}
+	return true
 }
