@@ -127,6 +127,12 @@ func BenchmarkListGroups1M(b *testing.B) {
 			require.NoError(b, err)
 		}
 	})
+	b.Run("list-one-code", func(b *testing.B) {
+		for b.Loop() {
+			_, err := a.ListGroups(ctx, admin.GroupFilter{Code: g.Code}, admin.Page{Limit: 50})
+			require.NoError(b, err)
+		}
+	})
 	b.Run("show", func(b *testing.B) {
 		for b.Loop() {
 			_, err := a.Group(ctx, g.ID, admin.TimeRange{})
