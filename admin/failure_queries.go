@@ -50,7 +50,14 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 	}
 	// $1, $2: list inbox, effects groups; $3 consumer, $4 kind, $5 tenant, $6 and $7
 	// the time range; $8 order by recency (else count); $9 a cursor is given, with
-	// $10 its order value and $11 its ID; $12 the limit; $13 samples per group.
+	// $10 its order value and $11 its ID; $12 the limit; $13 samples per group; $14
+	// the error code ('' for any).
+	//
+	// The code is part of the group's hash, so every row of a group has the same
+	// code, and the code filter reads it from one row of each group (one probe of
+	// the group's index range and one heap fetch) after the aggregate: the
+	// aggregate stays an index-only scan, and the cost of the filter grows with the
+	// groups, not the failures. Without a code the CASE reads nothing.
 	q.listGroups = `WITH g AS (
 				` + agg(SourceInbox, inbox, "i", "consumer", "completed_at", "failed",
 		`$1 AND ($3 = '' OR i.consumer = $3) AND ($5::text IS NULL OR i.tenant = $5) AND `+between("i.completed_at", "$6", "$7")) + `
@@ -61,6 +68,11 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 				SELECT g.*, CASE WHEN $8 THEN (extract(epoch FROM g.last_seen) * 1000000)::bigint ELSE g.n END AS v,
 					left(g.source, 1) || '-' || encode(g.grp, 'hex') AS id
 				FROM g
+				WHERE CASE WHEN $14 = '' THEN true
+					WHEN g.source = '` + SourceInbox + `' THEN (SELECT coalesce(i.error_code, '') = $14 FROM ` + inbox + ` i
+						WHERE i.error_group = g.grp AND i.consumer = g.place AND i.tenant = g.tenant AND i.state = 'failed' LIMIT 1)
+					ELSE (SELECT coalesce(e.error_code, '') = $14 FROM ` + effects + ` e
+						WHERE e.error_group = g.grp AND e.kind = g.place AND e.tenant = g.tenant AND e.state = 'dead' LIMIT 1) END
 			), page AS (
 				SELECT * FROM k WHERE NOT $9 OR k.v < $10 OR (k.v = $10 AND k.id > $11)
 				ORDER BY k.v DESC, k.id LIMIT $12

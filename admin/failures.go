@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/failgroup"
+	"github.com/idemkit/idem/internal/text"
 )
 
 // Sources of failures, the two kinds of failure group.
@@ -145,6 +146,11 @@ type GroupFilter struct {
 	Kind     string
 	// Tenant, when not nil, keeps that tenant's groups ("" is the unscoped ones).
 	Tenant *string
+	// Code keeps the groups of that error code, matched exactly ("" keeps every
+	// code): a failure's code, such as payment_declined, is part of its group. A
+	// code that no failure can have been stored with (invalid UTF-8, a NUL byte) is
+	// ErrBadFilter.
+	Code string
 	// Seen counts only the failures that happened in the range: a group with none
 	// there is left out.
 	Seen TimeRange
@@ -215,7 +221,7 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 	order, limit := gp.order, gp.limit
 	since, until := f.Seen.args()
 	rows, err := a.db.Query(ctx, a.q.listGroups, gp.inbox, gp.effects, f.Consumer, f.Kind, f.Tenant, since, until,
-		order == ByRecent, p.After != "", gp.afterValue, gp.afterID, limit+1, ListSamples)
+		order == ByRecent, p.After != "", gp.afterValue, gp.afterID, limit+1, ListSamples, f.Code)
 	if err != nil {
 		return nil, a.wrap(err)
 	}
@@ -241,13 +247,17 @@ type groupPaging struct {
 	afterID    string
 }
 
-// paging checks f and p for ListGroups: the source, the order, the limit and the
-// cursor. Each refusal is coded bad_filter or bad_cursor.
+// paging checks f and p for ListGroups: the source, the code, the order, the limit
+// and the cursor. Each refusal is coded bad_filter or bad_cursor.
 func (f GroupFilter) paging(p Page) (groupPaging, error) {
 	var gp groupPaging
 	var err error
 	if gp.inbox, gp.effects, err = f.sources(); err != nil {
 		return gp, err
+	}
+	if !text.Storable(f.Code) {
+		// Every writer stores text.Sanitize(code), which never holds these.
+		return gp, errorf(ErrBadFilter, "error code %q: not valid UTF-8 text, so no failure has it", clip(f.Code))
 	}
 	gp.order = cmp.Or(f.Order, ByCount)
 	if gp.order != ByCount && gp.order != ByRecent {

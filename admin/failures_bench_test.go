@@ -84,8 +84,21 @@ func TestGroupsUseTheGroupIndex(t *testing.T) {
 	require.Contains(t, plan, "inbox_failure_group_idx", plan)
 	require.NotContains(t, plan, "Seq Scan", plan)
 
+	// The whole list with a code filter: the code is read from one row of each
+	// group's range, never by a pass over the table.
+	plan = explain(t, b.pool, admin.ListGroupsSQL(b.schema), true, true, "", "", nil, nil, nil,
+		false, false, int64(-1), "", 51, admin.ListSamples, "bad")
+	require.Contains(t, plan, "inbox_failure_group_idx", plan)
+	require.Contains(t, plan, "effects_failure_group_idx", plan)
+	require.NotContains(t, plan, "Seq Scan", plan)
+
 	g := groupsOf(t, a, admin.GroupFilter{Source: admin.SourceInbox})[0]
 	require.Equal(t, int64(200), g.Count) // 20000 rows, 100 groups
+	bad := groupsOf(t, a, admin.GroupFilter{Code: "bad"})
+	require.Len(t, bad, 100, "the inbox groups: the effects have no code")
+	for _, g := range bad {
+		require.Equal(t, admin.SourceInbox, g.Source)
+	}
 	hash := g.ID[2:]
 	plan = explain(t, b.pool, `SELECT key FROM inbox WHERE error_group = decode($1, 'hex') AND state = 'failed' AND completed_at <= now()`, hash)
 	require.Contains(t, plan, "inbox_failure_group_idx", plan)
@@ -124,6 +137,12 @@ func BenchmarkListGroups1M(b *testing.B) {
 	b.Run("list-one-consumer-recent", func(b *testing.B) {
 		for b.Loop() {
 			_, err := a.ListGroups(ctx, admin.GroupFilter{Consumer: "c1", Order: admin.ByRecent}, admin.Page{Limit: 50})
+			require.NoError(b, err)
+		}
+	})
+	b.Run("list-one-code", func(b *testing.B) {
+		for b.Loop() {
+			_, err := a.ListGroups(ctx, admin.GroupFilter{Code: g.Code}, admin.Page{Limit: 50})
 			require.NoError(b, err)
 		}
 	})

@@ -184,6 +184,89 @@ func TestFailureGroups(t *testing.T) {
 	require.ErrorIs(t, err, admin.ErrBadFilter)
 }
 
+// TestFailureGroupsByCode: the code filter keeps exactly the groups of that code,
+// inbox and effects, with the other filters too; a code a handler made up (any
+// text) is found; paging the filtered list a group a page visits each of its
+// groups once; a code no failure can have is bad_filter.
+func TestFailureGroupsByCode(t *testing.T) {
+	a, b := setup(t)
+	ctx := context.Background()
+	custom := "Card declined (issuer 05) / " + strings.Repeat("x", 300)
+	b.failKeys(t, "orders", "", "d", "payment_declined", 4, func(i int) string { return fmt.Sprintf("card %d declined", i) })
+	b.failKeys(t, "orders", "acme", "d", "payment_declined", 2, func(i int) string { return fmt.Sprintf("card %d declined", i) })
+	b.failKeys(t, "orders", "", "l", "payment_declined", 1, func(i int) string { return "limit reached" })
+	b.failKeys(t, "orders", "", "b", "bad_payload", 5, func(i int) string { return fmt.Sprintf("card %d declined", i) })
+	b.failKeys(t, "orders", "acme", "b", "bad_payload", 3, func(i int) string { return "no amount" })
+	b.failKeys(t, "refunds", "", "c", custom, 2, func(i int) string { return "declined" })
+	b.failKeys(t, "refunds", "", "n", "", 1, func(i int) string { return "no code" })
+	b.killEffects(t, "charge", "x", 3, func(key string) error { return &codedErr{code: "payment_declined", msg: "charge " + key + " declined"} })
+	b.killEffects(t, "email", "y", 2, func(key string) error { return &codedErr{code: "bad_payload", msg: "email " + key + " refused"} })
+
+	all := groupsOf(t, a, admin.GroupFilter{})
+	require.Len(t, all, 9)
+	of := func(code string, keep func(g admin.FailureGroup) bool) []string {
+		var ids []string
+		for _, g := range all {
+			if g.Code == code && keep(g) {
+				ids = append(ids, g.ID)
+			}
+		}
+		return ids
+	}
+	ids := func(gs []admin.FailureGroup) []string {
+		var out []string
+		for _, g := range gs {
+			out = append(out, g.ID)
+		}
+		return out
+	}
+	every := func(admin.FailureGroup) bool { return true }
+	declined := of("payment_declined", every)
+	require.Len(t, declined, 4, "3 inbox groups and 1 effects group")
+	require.Equal(t, declined, ids(groupsOf(t, a, admin.GroupFilter{Code: "payment_declined"})))
+	require.Equal(t, of("bad_payload", every), ids(groupsOf(t, a, admin.GroupFilter{Code: "bad_payload"})))
+	require.Len(t, of("bad_payload", every), 3)
+	require.Equal(t, of(custom, every), ids(groupsOf(t, a, admin.GroupFilter{Code: custom})), "a handler's own code, whatever its text")
+	require.Len(t, of(custom, every), 1)
+	require.Len(t, of("", every), 1, "a code-less failure's group is listed without a code filter")
+	require.Empty(t, groupsOf(t, a, admin.GroupFilter{Code: "PAYMENT_DECLINED"}), "an exact match")
+	require.Empty(t, groupsOf(t, a, admin.GroupFilter{Code: "payment"}), "an exact match")
+
+	// With the other filters.
+	require.Equal(t, of("payment_declined", func(g admin.FailureGroup) bool { return g.Source == admin.SourceInbox }),
+		ids(groupsOf(t, a, admin.GroupFilter{Code: "payment_declined", Consumer: "orders"})))
+	require.Equal(t, of("payment_declined", func(g admin.FailureGroup) bool { return g.Source == admin.SourceEffects }),
+		ids(groupsOf(t, a, admin.GroupFilter{Code: "payment_declined", Source: admin.SourceEffects})))
+	require.Equal(t, of("bad_payload", func(g admin.FailureGroup) bool { return g.Tenant == "acme" }),
+		ids(groupsOf(t, a, admin.GroupFilter{Code: "bad_payload", Tenant: ptr("acme")})))
+	require.Empty(t, groupsOf(t, a, admin.GroupFilter{Code: "payment_declined", Seen: admin.TimeRange{Since: time.Now().Add(time.Hour)}}))
+
+	// Paging the filtered list one group a page, in both orders: no gap, no
+	// duplicate, the unpaged filtered order.
+	for _, order := range []string{admin.ByCount, admin.ByRecent} {
+		var got []string
+		page := admin.Page{Limit: 1}
+		for pages := 0; ; pages++ {
+			require.Less(t, pages, 10)
+			p, err := a.ListGroups(ctx, admin.GroupFilter{Code: "payment_declined", Order: order}, page)
+			require.NoError(t, err)
+			got = append(got, ids(p.Groups)...)
+			if p.Next == "" {
+				break
+			}
+			page.After = p.Next
+		}
+		want := ids(groupsOf(t, a, admin.GroupFilter{Code: "payment_declined", Order: order}))
+		require.Len(t, want, 4)
+		require.Equal(t, want, got, order)
+	}
+
+	for _, bad := range []string{"bad\x00code", "\xff\xfe"} {
+		_, err := a.ListGroups(ctx, admin.GroupFilter{Code: bad}, admin.Page{})
+		require.ErrorIs(t, err, admin.ErrBadFilter, "%q", bad)
+	}
+}
+
 // TestFailureGroupActions: a dry run says exactly what an action would touch and
 // changes nothing; an action needs a note, changes only the rows up to its
 // Through bound, is stored with its note, and repeating it changes nothing more.

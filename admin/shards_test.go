@@ -491,9 +491,16 @@ func TestShardsOneDown(t *testing.T) {
 // tenant moved), failed at, at+1s, ...
 func failOn(t *testing.T, s shard.Shard, tenant string, n int, at time.Time) {
 	t.Helper()
+	failOnCode(t, s, tenant, "handler", s.Name, n, at)
+}
+
+// failOnCode is failOn with the failures' error code (a code is part of the
+// group: two codes are two groups) and their keys' prefix.
+func failOnCode(t *testing.T, s shard.Shard, tenant, code, prefix string, n int, at time.Time) {
+	t.Helper()
 	_, err := s.Pool.Exec(context.Background(), `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at, error_code, error)
-		SELECT 'orders', $1, $2 || '-' || g, '\x00', 'failed', now() + interval '1 day', $3::timestamptz + g * interval '1 second', 'handler', 'order ' || g || ' refused'
-		FROM generate_series(1, $4) g`, tenant, s.Name, at, n)
+		SELECT 'orders', $1, $2 || '-' || g, '\x00', 'failed', now() + interval '1 day', $3::timestamptz + g * interval '1 second', $5, 'order ' || g || ' refused'
+		FROM generate_series(1, $4) g`, tenant, prefix, at, n, code)
 	require.NoError(t, err)
 }
 
@@ -588,4 +595,67 @@ func TestShardsFailureGroupsMerged(t *testing.T) {
 		_, err = a.ListGroups(ctx, bad.f, bad.p)
 		require.ErrorIs(t, err, admin.ErrBadFilter, what)
 	}
+}
+
+// TestShardsFailureGroupsByCode: over a shard map the code filter keeps exactly
+// the groups of that code, merged across the shards that hold them, and paging
+// the filtered list with small pages visits each of them once, in order.
+func TestShardsFailureGroupsByCode(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	ctx := context.Background()
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	// Each tenant has a payment_declined group and a bad_payload group; acme's
+	// declined group is on two shards (3 + 4).
+	failOnCode(t, m.Shards[0], "acme", "payment_declined", "s1-d", 3, t0.Add(10*time.Minute))
+	failOnCode(t, m.Shards[1], "acme", "payment_declined", "s2-d", 4, t0)
+	failOnCode(t, m.Shards[0], "acme", "bad_payload", "s1-b", 9, t0.Add(15*time.Minute))
+	failOnCode(t, m.Shards[0], "b", "payment_declined", "s1-d", 6, t0.Add(20*time.Minute))
+	failOnCode(t, m.Shards[0], "b", "bad_payload", "s1-b", 1, t0.Add(25*time.Minute))
+	failOnCode(t, m.Shards[2], "solo", "payment_declined", "s3-d", 5, t0.Add(30*time.Minute))
+	failOnCode(t, m.Shards[2], "solo", "bad_payload", "s3-b", 8, t0.Add(35*time.Minute))
+	failOnCode(t, m.Shards[1], "c", "payment_declined", "s2-d", 2, t0.Add(40*time.Minute))
+	failOnCode(t, m.Shards[1], "c", "bad_payload", "s2-b", 7, t0.Add(45*time.Minute))
+
+	for _, code := range []string{"payment_declined", "bad_payload"} {
+		for _, order := range []string{admin.ByCount, admin.ByRecent} {
+			want := map[string]map[string][]string{
+				"payment_declined": {admin.ByCount: {"acme", "b", "solo", "c"}, admin.ByRecent: {"c", "solo", "b", "acme"}},
+				"bad_payload":      {admin.ByCount: {"acme", "solo", "c", "b"}, admin.ByRecent: {"c", "solo", "b", "acme"}},
+			}[code][order]
+			for _, limit := range []int{1, 3, 10} {
+				var got []string
+				after := ""
+				for pages := 0; ; pages++ {
+					require.Less(t, pages, 10)
+					pg, err := a.ListGroups(ctx, admin.GroupFilter{Code: code, Order: order}, admin.Page{Limit: limit, After: after})
+					require.NoError(t, err)
+					require.LessOrEqual(t, len(pg.Groups), limit)
+					for _, g := range pg.Groups {
+						require.Equal(t, code, g.Code)
+						got = append(got, g.Tenant)
+						if code == "payment_declined" && g.Tenant == "acme" {
+							require.Equal(t, int64(7), g.Count, "merged across s1 and s2")
+							require.Equal(t, "s1,s2", g.Shard)
+						}
+					}
+					if pg.Next == "" {
+						break
+					}
+					after = pg.Next
+				}
+				require.Equal(t, want, got, "code %s, order %s, %d a page: each group of the code once, in order", code, order, limit)
+			}
+		}
+	}
+	all, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, all.Groups, 8, "without a code, both codes' groups")
+	none, err := a.ListGroups(ctx, admin.GroupFilter{Code: "handler"}, admin.Page{})
+	require.NoError(t, err)
+	require.Empty(t, none.Groups)
+	_, err = a.ListGroups(ctx, admin.GroupFilter{Code: "bad\x00code"}, admin.Page{})
+	require.ErrorIs(t, err, admin.ErrBadFilter, "checked as on one database")
 }

@@ -112,7 +112,13 @@ func (s spec) cases() [][3]string {
 	add("", "", append(append(slices.Clone(s.top), s.globals...), "--help", "--version"))
 	for _, first := range s.top {
 		if subs, ok := s.groups[first]; ok {
-			add(first, "", subs)
+			words := slices.Clone(subs)
+			if own, ok := s.flags[first]; ok {
+				// A group that is a command too (idem failures lists, idem
+				// failures show shows): its own flags as well.
+				words = append(append(words, own...), s.globals...)
+			}
+			add(first, "", words)
 			for _, sub := range subs {
 				add(first, sub, append(slices.Clone(s.flags[first+" "+sub]), s.globals...))
 			}

@@ -27,6 +27,7 @@ var completionCases = []struct {
 	{[]string{"bench", "-"}, []string{"-n", "--concurrency"}, nil},
 	{[]string{"completion", ""}, []string{"bash", "zsh", "fish"}, nil},
 	{[]string{"forget", "--"}, []string{"--reason", "--by", "--yes", "--consumer"}, nil},
+	{[]string{"failures", "--co"}, []string{"--code", "--consumer"}, []string{"--kind"}},
 	{[]string{"console", "--"}, []string{"--addr", "--read-only", "--allow-remote", "--allow-host"}, nil},
 }
 

@@ -48,13 +48,13 @@ func (c *console) activity(w http.ResponseWriter, r *http.Request) {
 }
 
 // failureGroups answers a page of failure groups: source, consumer, kind, tenant
-// (absent: every tenant; empty: the unscoped one), since and until (a time, a
-// date or an age such as 1h or 7d, as the CLI's flags take) and order, as
-// admin.GroupFilter has them.
+// (absent: every tenant; empty: the unscoped one), code (an error code, exact),
+// since and until (a time, a date or an age such as 1h or 7d, as the CLI's flags
+// take) and order, as admin.GroupFilter has them.
 func (c *console) failureGroups(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	f := admin.GroupFilter{Source: q.Get("source"), Consumer: q.Get("consumer"), Kind: q.Get("kind"),
-		Tenant: optional(r, "tenant"), Order: q.Get("order")}
+		Tenant: optional(r, "tenant"), Code: q.Get("code"), Order: q.Get("order")}
 	p, err := page(r)
 	if err == nil {
 		f.Seen, err = seenRange(r)

@@ -381,15 +381,16 @@ func TestConsoleChartsInBrowser(t *testing.T) {
 
 // seedGroups makes four failure groups: failed payments of acme (2 keys, minutes
 // ago), a failed order of globex (3 days ago), dead receipts of acme (2 effects)
-// and a dead SMS of globex (a minute ago).
+// and a dead SMS of globex (a minute ago). The inbox groups have the code handler,
+// the effects groups provider_rejected.
 const seedGroups = `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at, error_code, error) VALUES
 	('payments', 'acme', 'pay_1', '\x00', 'failed', now() + interval '7 days', now() - interval '5 minutes', 'handler', 'card 4242 declined'),
 	('payments', 'acme', 'pay_2', '\x00', 'failed', now() + interval '7 days', now() - interval '4 minutes', 'handler', 'card 4343 declined'),
 	('orders', 'globex', 'ord_1', '\x00', 'failed', now() + interval '7 days', now() - interval '3 days', 'handler', 'order 17 refused');
-	INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, last_error, dead_at) VALUES
-	('acme', 'email', 'receipt:pay_1', '\x00', 'dead', 25, 'smtp: 550 mailbox 1 unavailable', now() - interval '3 minutes'),
-	('acme', 'email', 'receipt:pay_2', '\x00', 'dead', 25, 'smtp: 550 mailbox 2 unavailable', now() - interval '2 minutes'),
-	('globex', 'sms', 'text:ord_1', '\x00', 'dead', 5, 'twilio: 21211 invalid To number 17', now() - interval '1 minute')`
+	INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, error_code, last_error, dead_at) VALUES
+	('acme', 'email', 'receipt:pay_1', '\x00', 'dead', 25, 'provider_rejected', 'smtp: 550 mailbox 1 unavailable', now() - interval '3 minutes'),
+	('acme', 'email', 'receipt:pay_2', '\x00', 'dead', 25, 'provider_rejected', 'smtp: 550 mailbox 2 unavailable', now() - interval '2 minutes'),
+	('globex', 'sms', 'text:ord_1', '\x00', 'dead', 5, 'provider_rejected', 'twilio: 21211 invalid To number 17', now() - interval '1 minute')`
 
 // seedGroupIDs seeds seedGroups and returns the groups' IDs by consumer or kind.
 func seedGroupIDs(t *testing.T, b *bundle) map[string]string {
@@ -411,8 +412,8 @@ func seedGroupIDs(t *testing.T, b *bundle) map[string]string {
 }
 
 // TestConsoleFailuresAPIFilters: /api/failures passes its filters to the group
-// list: consumer, kind, tenant, and a time window as a time or an age; a bad
-// time is a 400 with code bad_filter.
+// list: consumer, kind, tenant, error code, and a time window as a time or an
+// age; a bad time or code is a 400 with code bad_filter.
 func TestConsoleFailuresAPIFilters(t *testing.T) {
 	b := setup(t)
 	ids := seedGroupIDs(t, b)
@@ -441,7 +442,16 @@ func TestConsoleFailuresAPIFilters(t *testing.T) {
 	since := time.Now().Add(-150 * time.Second).UTC().Format(time.RFC3339Nano)
 	require.Equal(t, []string{"email", "sms"}, list("since="+url.QueryEscape(since)))
 	require.Empty(t, list("tenant=nobody"))
-	r := call(t, srv, "GET", "/api/failures?since=yesterday", "", nil)
+	require.Equal(t, []string{"orders", "payments"}, list("code=handler"))
+	require.Equal(t, []string{"email", "sms"}, list("code=provider_rejected"))
+	require.Equal(t, []string{"sms"}, list("code=provider_rejected&tenant=globex"))
+	require.Equal(t, []string{"payments"}, list("code=handler&since=1d"))
+	require.Empty(t, list("code=payment_declined"))
+	r := call(t, srv, "GET", "/api/failures?code=bad%00code", "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status, "%s", r.body)
+	require.Equal(t, "bad_filter", r.code(t))
+	require.Contains(t, string(r.body), "error code")
+	r = call(t, srv, "GET", "/api/failures?since=yesterday", "", nil)
 	require.Equal(t, http.StatusBadRequest, r.status, "%s", r.body)
 	require.Equal(t, "bad_filter", r.code(t))
 	require.Contains(t, string(r.body), "since")
@@ -493,7 +503,7 @@ func (p browserPage) click(selector string) {
 const shownGroups = `[...document.querySelectorAll("#groups tr.group")].map((r) => r.dataset.group).sort().join(" ")`
 
 // TestConsoleFailureFiltersInBrowser: the Failures page's filters (consumer, kind,
-// tenant, the time window) narrow the list to the expected groups, together and
+// tenant, error code, the time window) narrow the list to the expected groups, together and
 // apart, and a filter that matches nothing says so; no JavaScript error.
 func TestConsoleFailureFiltersInBrowser(t *testing.T) {
 	b := setup(t)
@@ -511,10 +521,10 @@ func TestConsoleFailureFiltersInBrowser(t *testing.T) {
 	p.wait(shownGroups + ` === "` + expect("email", "orders", "payments", "sms") + `"`)
 	// The consumers and kinds are suggested.
 	p.wait(`[...document.querySelectorAll("#known-kinds option")].map((o) => o.value).sort().join(" ") === "email sms"`)
-	filter := func(consumer, kind, tenant, since string, places ...string) {
+	filter := func(consumer, kind, tenant, code, since string, places ...string) {
 		t.Helper()
 		p.js(fmt.Sprintf(`(() => { const set = (n, v) => { document.getElementById("groups-" + n).value = v; };
-			set("consumer", %q); set("kind", %q); set("tenant", %q); set("since", %q); return ""; })()`, consumer, kind, tenant, since))
+			set("consumer", %q); set("kind", %q); set("tenant", %q); set("code", %q); set("since", %q); return ""; })()`, consumer, kind, tenant, code, since))
 		p.do(chromedp.Click(chromedp.CSS(`#groups-filter button[type=submit]`)))
 		want := expect(places...)
 		p.wait(shownGroups + ` === "` + want + `"`)
@@ -522,13 +532,17 @@ func TestConsoleFailureFiltersInBrowser(t *testing.T) {
 			p.wait(`document.querySelector("#groups td.empty").textContent === "no failure group matches these filters"`)
 		}
 	}
-	filter("", "", "globex", "", "orders", "sms")
-	filter("payments", "", "", "", "payments")
-	filter("", "email", "", "", "email")
-	filter("", "", "", "1d", "email", "payments", "sms")
-	filter("", "", "globex", "1d", "sms")
-	filter("", "", "nobody", "")
-	filter("", "", "", "", "email", "orders", "payments", "sms")
+	filter("", "", "globex", "", "", "orders", "sms")
+	filter("payments", "", "", "", "", "payments")
+	filter("", "email", "", "", "", "email")
+	filter("", "", "", "", "1d", "email", "payments", "sms")
+	filter("", "", "globex", "", "1d", "sms")
+	filter("", "", "", "handler", "", "orders", "payments")
+	filter("", "", "", " provider_rejected ", "", "email", "sms")
+	filter("", "", "globex", "handler", "", "orders")
+	filter("", "", "", "payment_declined", "")
+	filter("", "", "nobody", "", "")
+	filter("", "", "", "", "", "email", "orders", "payments", "sms")
 	png, err := chromedp.Run(p.ctx, chromedp.FullScreenshot(100))
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(filepath.Join(screenshotDir(t), "console-failure-filters.png"), png, 0o644))

@@ -14,15 +14,17 @@ import (
 
 var failuresCmd = &command{
 	name:    "failures",
-	args:    "[--source inbox|effects] [--consumer C] [--kind K] [--tenant T] [--since T] [--until T] [--order count|recent] [--limit N] [--after CURSOR] [flags]",
+	args:    "[--source inbox|effects] [--consumer C] [--kind K] [--tenant T] [--code CODE] [--since T] [--until T] [--order count|recent] [--limit N] [--after CURSOR] [flags]",
 	summary: "List failure groups: failed inbox keys and dead effects grouped by cause",
 	example: `idem failures
 idem failures --order recent --since 2h
 idem failures --consumer payments --tenant acme --json
+idem failures --code payment_declined --since 1h
 
 A group is the failures of one consumer (or effect kind) and tenant with the
 same error code and the same error text once its variable parts are masked
-(numbers, UUIDs, quoted values, hex): most likely one cause. Act on a group with
+(numbers, UUIDs, quoted values, hex): most likely one cause. --code keeps the
+groups of one error code (exact match, as the CODE column shows it). Act on a group with
 'idem failures show|retry|discard|release ID'. --since and --until count only
 the failures in that time (a time, a date, or an age such as 90m or 7d). Over a
 shard map a group is one row, its shards' failures summed; SHARD names the
@@ -33,6 +35,7 @@ shards that hold it, and 'idem failures show ID' shows each one's part.`,
 		fs.StringVar(&o.f.Consumer, "consumer", "", "only this consumer's inbox groups")
 		fs.StringVar(&o.f.Kind, "kind", "", "only this kind's effects groups")
 		fs.Var(&o.tenant, "tenant", "only this tenant ('' for the unscoped; default every tenant)")
+		fs.StringVar(&o.f.Code, "code", "", "only the groups of this error code, such as payment_declined (exact match)")
 		timeVar(fs, &o.f.Seen.Since, "since", "count only failures at or after this time")
 		timeVar(fs, &o.f.Seen.Until, "until", "count only failures before this time")
 		fs.StringVar(&o.f.Order, "order", admin.ByCount, "count (largest first) or recent (latest failure first)")

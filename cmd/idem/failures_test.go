@@ -125,6 +125,23 @@ func TestFailuresCLI(t *testing.T) {
 	r.decode(t, &groups)
 	require.Len(t, groups, 1)
 
+	// --code keeps the groups of that code, in JSON and in the table.
+	require.Equal(t, "permanent", inboxG.Code)
+	require.NotEqual(t, inboxG.Code, effG.Code)
+	groups = nil
+	b.bin("failures", "--code", inboxG.Code, "--json").ok(t).decode(t, &groups)
+	require.Equal(t, []string{inboxG.ID}, []string{groups[0].ID}, "%v", groups)
+	require.Len(t, groups, 1)
+	r = b.bin("failures", "--code", inboxG.Code).ok(t)
+	require.Contains(t, r.stdout, inboxG.ID)
+	require.NotContains(t, r.stdout, effG.ID)
+	r = b.bin("failures", "--code", "payment_declined").ok(t)
+	require.Contains(t, r.stdout, "no failures")
+	require.NotContains(t, r.stdout, inboxG.ID)
+	r = b.bin("failures", "--code", "bad\xffcode", "--json")
+	require.Equal(t, exitUsage, r.code, r.stderr)
+	require.Contains(t, decodeError(t, r.stderr).Message, "error code")
+
 	r = b.bin("failures", "show", effG.ID).ok(t)
 	require.Contains(t, r.stdout, "Attempts made:\n  1 attempt(s): 3 effect(s)")
 	require.Contains(t, r.stdout, "receipt:2")

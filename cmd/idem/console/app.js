@@ -381,8 +381,9 @@ async function loadGroups(more) {
   const params = { limit: "50", order: document.getElementById("groups-order").value };
   // Empty fields do not filter (the tenant field cannot pick the unscoped
   // tenant). A consumer alone lists inbox groups only, a kind alone effects
-  // groups only; the window counts only the failures in it.
-  for (const name of ["source", "consumer", "kind", "tenant", "since"]) {
+  // groups only; the code matches exactly; the window counts only the failures
+  // in it.
+  for (const name of ["source", "consumer", "kind", "tenant", "code", "since"]) {
     const v = document.getElementById("groups-" + name).value.trim();
     if (v) params[name] = v;
   }
@@ -398,7 +399,7 @@ async function loadGroups(more) {
       el("td", {}, el("button", { type: "button", class: "open", text: "Open", onclick: () => openGroup(g.id).catch(showError) })))));
   }
   if (!more && page.groups.length === 0) {
-    const filtered = ["consumer", "kind", "tenant", "since"].some((n) => document.getElementById("groups-" + n).value.trim());
+    const filtered = ["consumer", "kind", "tenant", "code", "since"].some((n) => document.getElementById("groups-" + n).value.trim());
     body.append(emptyRow(body, filtered ? "no failure group matches these filters" : "no failures: no failed inbox keys and no dead effects"));
   }
   state.cursors.groups = page.next || "";
