@@ -23,7 +23,8 @@
 //     of that partition, has been acked (or passed over, see below): with
 //     records acked out of order, the commit is the end of the acked prefix.
 //     Commits are coalesced every CommitInterval and flushed when a
-//     partition is released, but never go past an unacked record.
+//     partition is released (by a revoke or Close), covering every ack given
+//     before, but never go past an unacked record.
 //   - A nack delivers the same record again after a pause: NackBackoff after
 //     its first nack, doubling with each nack of that record in a row, up to
 //     NackBackoffMax; an ack or a revoke starts the count again. Each new

@@ -132,6 +132,9 @@ type partitionRun struct {
 	events    chan settlement
 	reporters int // goroutines that will send one settlement each, or none once ctx ends
 	waiters   sync.WaitGroup
+	// away are the deliveries in a handler that a goroutine watches instead of
+	// the run loop, until the loop hears their ack or nack.
+	away map[*entry]*candidate
 }
 
 // consumePartition delivers one partition's records from offset until ctx
@@ -149,6 +152,7 @@ func (sub *subscription) consumePartition(ctx context.Context, partition int, of
 		windowCap: windowPerInFlight * cfg.MaxInFlightPerPartition,
 		onAck:     onAck,
 		byKey:     map[string][]*entry{},
+		away:      map[*entry]*candidate{},
 		events:    make(chan settlement),
 	}
 	if offset >= 0 {
@@ -239,7 +243,8 @@ func (p *partitionRun) run(ctx context.Context, steps <-chan []fetched) {
 	}()
 	for {
 		if ctx.Err() != nil {
-			return // see the ctx.Done case below
+			p.hearAcksGiven(ctx, watched) // see the ctx.Done case below
+			return
 		}
 		for len(pending) > 0 && len(p.window) < p.windowCap {
 			p.add(pending[0])
@@ -323,10 +328,16 @@ func (p *partitionRun) run(ctx context.Context, steps <-chan []fetched) {
 			watched = nil
 		case s := <-events:
 			p.reporters--
+			if s.outcome != retry {
+				delete(p.away, s.e)
+			}
 			p.settle(ctx, s)
 		case <-ctx.Done():
-			// Revoked or closing: the records in handlers stay unacked and
-			// uncommitted, and an ack that comes now is not heard.
+			// Revoked or closing: the acks already given are heard, so that
+			// the final commit covers them; the records still in handlers
+			// stay unacked and uncommitted, and an ack that comes later is
+			// not heard.
+			p.hearAcksGiven(ctx, watched)
 			return
 		}
 	}
@@ -386,6 +397,7 @@ func (p *partitionRun) prepare(ctx context.Context, e *entry) *candidate {
 // handler, gets a goroutine that reports on p.events.
 func (p *partitionRun) sent(ctx context.Context, watched, c *candidate) *candidate {
 	if watched != nil {
+		p.away[watched.e] = watched
 		p.spawn(func() { p.wait(ctx, watched) })
 	}
 	e := c.e
@@ -419,6 +431,26 @@ func (p *partitionRun) report(ctx context.Context, s settlement) {
 	select {
 	case p.events <- s:
 	case <-ctx.Done():
+	}
+}
+
+// hearAcksGiven settles, once ctx has ended, every delivery whose ack was
+// given before: the one the run loop watches, and those whose goroutines
+// (which stop on ctx without reporting) had not reported it. An ack races
+// the stop only in the run loop's select; a handler that acked before Close
+// or a revoke has its record committed by the final commit.
+func (p *partitionRun) hearAcksGiven(ctx context.Context, watched *candidate) {
+	p.waiters.Wait() // every goroutine that reports has stopped: p.away is final
+	if watched != nil {
+		p.away[watched.e] = watched
+	}
+	for e, c := range p.away {
+		select {
+		case <-c.msg.Acked():
+			delete(p.away, e)
+			p.settle(ctx, settlement{e: e, outcome: acked})
+		default:
+		}
 	}
 }
 
