@@ -255,9 +255,17 @@ func (f GroupFilter) paging(p Page) (groupPaging, error) {
 	if gp.inbox, gp.effects, err = f.sources(); err != nil {
 		return gp, err
 	}
-	if !text.Storable(f.Code) {
-		// Every writer stores text.Sanitize(code), which never holds these.
-		return gp, errorf(ErrBadFilter, "error code %q: not valid UTF-8 text, so no failure has it", clip(f.Code))
+	tenant := ""
+	if f.Tenant != nil {
+		tenant = *f.Tenant
+	}
+	for _, v := range []struct{ name, value string }{
+		{"consumer", f.Consumer}, {"kind", f.Kind}, {"tenant", tenant}, {"error code", f.Code},
+	} {
+		if !text.Storable(v.value) {
+			// Postgres text never holds these, so no failure has such a value.
+			return gp, errorf(ErrBadFilter, "%s %q: not valid UTF-8 text without NUL bytes, so no failure has it", v.name, clip(v.value))
+		}
 	}
 	gp.order = cmp.Or(f.Order, ByCount)
 	if gp.order != ByCount && gp.order != ByRecent {

@@ -264,6 +264,11 @@ func TestFailureGroupsByCode(t *testing.T) {
 	for _, bad := range []string{"bad\x00code", "\xff\xfe"} {
 		_, err := a.ListGroups(ctx, admin.GroupFilter{Code: bad}, admin.Page{})
 		require.ErrorIs(t, err, admin.ErrBadFilter, "%q", bad)
+		// The other text filters too: bad_filter, not a database error.
+		for _, f := range []admin.GroupFilter{{Consumer: bad}, {Kind: bad}, {Tenant: &bad}} {
+			_, err := a.ListGroups(ctx, f, admin.Page{})
+			require.ErrorIs(t, err, admin.ErrBadFilter, "%+v", f)
+		}
 	}
 }
 
