@@ -28,7 +28,8 @@ type killRun struct {
 // flight when it died. Every process is armed to kill itself after a few commits
 // (after-commit-before-ack) and sometimes before a commit; on top of that the parent
 // SIGKILLs a random busy process (one that has answered since it started) every
-// 100 ms and cuts the Postgres backends twice. Dead processes are replaced. The run ends when every key has been acked.
+// 100 ms and cuts the Postgres backends twice. Dead processes are replaced. The
+// run ends when every key has been acked.
 func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute) // generous: a loaded 2-core CI machine

@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"context"
 	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
@@ -115,7 +114,7 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 		// Each pool as large as the one-database run's: a shard gets a share of
 		// the partitions, but any of them at a time.
 		cfg.MaxConns = int32(o.Concurrency) + 4
-		apps[i] = shardBenchAppName()
+		apps[i] = newAppName()
 		cfg.ConnConfig.RuntimeParams["application_name"] = apps[i]
 		pool, err := pgxpool.NewWithConfig(ctx, cfg)
 		if err != nil {
@@ -165,7 +164,6 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 	payload := make([]byte, o.PayloadSize)
 	_, _ = rand.Read(payload)
 	hist := newHistogram()
-	var histMu sync.Mutex
 	var failed atomic.Pointer[error]
 
 	for _, s := range m.Shards {
@@ -188,9 +186,7 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 					t := time.Now()
 					_, err := h(msg)
 					if err == nil {
-						histMu.Lock()
 						hist.observe(time.Since(t))
-						histMu.Unlock()
 						break
 					}
 					if ctx.Err() != nil {
@@ -266,12 +262,4 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 	}
 	res.Lost = o.N - distinct
 	return res, nil
-}
-
-// shardBenchAppName is the application_name of one shard's pool in one run, by
-// which its backends are found.
-func shardBenchAppName() string {
-	b := make([]byte, 6)
-	_, _ = rand.Read(b)
-	return "idem-bench-sh-" + hex.EncodeToString(b)
 }
