@@ -268,9 +268,10 @@ func (a *Admin) shardedListEffects(ctx context.Context, f EffectFilter, p Page) 
 // the earliest first and the latest last failure, the shards that hold it (Shard)
 // and each one's part (Parts). A merged group's place in the order depends on
 // every shard's part, so each page reads every group of the filter on every
-// shard, merges them and pages with the same keyset cursor as one database (the
-// order's value and the ID): a group that is there for the whole paging appears
-// once, on its merged count's page. (A database aggregates every failure for each
+// shard (one aggregate a shard, all its groups held for the merge), merges them
+// and pages with the same keyset cursor as one database (the order's value and
+// the ID): a group that is there for the whole paging appears once, on its
+// merged count's page. (A database aggregates every failure for each
 // page of groups already; one database alike.)
 func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
 	gp, err := f.paging(p)
@@ -278,7 +279,9 @@ func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*
 		return nil, err
 	}
 	order, limit, afterValue, afterID := gp.order, gp.limit, gp.afterValue, gp.afterID
-	all, errs := fan(ctx, a, func(ctx context.Context, s *Admin) ([]FailureGroup, error) { return s.allGroups(ctx, f, order) })
+	// Every group of the filter on each shard, from one aggregate of its failures:
+	// each group there once, with one count.
+	all, errs := fan(ctx, a, func(ctx context.Context, s *Admin) ([]FailureGroup, error) { return s.groups(ctx, f, gp, false, nil) })
 	if err := shardErrors(a.names(), errs); err != nil {
 		return nil, err
 	}
@@ -309,31 +312,6 @@ func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*
 		out.Next = encodeGroupCursor(merged[limit-1], order)
 	}
 	return out, nil
-}
-
-// allGroups is every group of the filter on this (one database's) Admin, each
-// once.
-func (a *Admin) allGroups(ctx context.Context, f GroupFilter, order string) ([]FailureGroup, error) {
-	f.Order = order
-	var out []FailureGroup
-	seen := map[string]bool{}
-	p := Page{Limit: MaxLimit}
-	for {
-		pg, err := a.ListGroups(ctx, f, p)
-		if err != nil {
-			return nil, err
-		}
-		for _, g := range pg.Groups {
-			if !seen[g.ID] { // a group whose count changed between two pages
-				seen[g.ID] = true
-				out = append(out, g)
-			}
-		}
-		if pg.Next == "" {
-			return out, nil
-		}
-		p.After = pg.Next
-	}
 }
 
 // mergeGroup merges one group's parts, each read on the shard its Shard names, in

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
@@ -658,4 +660,52 @@ func TestShardsFailureGroupsByCode(t *testing.T) {
 	require.Empty(t, none.Groups)
 	_, err = a.ListGroups(ctx, admin.GroupFilter{Code: "bad\x00code"}, admin.Page{})
 	require.ErrorIs(t, err, admin.ErrBadFilter, "checked as on one database")
+}
+
+// listGroupsCounter counts the failure-group aggregates (the groups list's
+// statement) run on a pool.
+type listGroupsCounter struct{ n atomic.Int64 }
+
+func (c *listGroupsCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "), page AS (") {
+		c.n.Add(1)
+	}
+	return ctx
+}
+
+func (c *listGroupsCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestShardsFailureGroupsOneAggregateAShard: a merged page of groups reads each
+// shard's groups with one aggregate of its failures, however many groups the
+// shard holds (past MaxLimit too), so a group is counted once, in one snapshot.
+func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	cfg := m.Shards[0].Pool.Config()
+	counter := &listGroupsCounter{}
+	cfg.ConnConfig.Tracer = counter
+	traced, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(traced.Close)
+	tm := &shard.Map{Shards: append([]shard.Shard{{Name: m.Shards[0].Name, Pool: traced, Schema: m.Shards[0].Schema}}, m.Shards[1:]...)}
+	a, err := admin.New(admin.Config{Shards: tm})
+	require.NoError(t, err)
+	// MaxLimit+1 groups on the first shard: one failed key of each tenant.
+	groups := admin.MaxLimit + 1
+	_, err = traced.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at,
+			error_code, error, error_masked, error_group)
+		SELECT 'orders', 't' || g, 'k', '\x00', 'failed', now() + interval '1 day', now(), 'handler', 'refused', 'refused',
+			decode(lpad(to_hex(g), 16, '0'), 'hex')
+		FROM generate_series(1, $1) g`, groups)
+	require.NoError(t, err)
+	failOn(t, m.Shards[1], "acme", 2, time.Now().Add(-time.Hour))
+
+	before := counter.n.Load()
+	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 5})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), counter.n.Load()-before, "the first shard's groups read with one aggregate")
+	require.Len(t, pg.Groups, 5)
+	require.Equal(t, "acme", pg.Groups[0].Tenant, "the largest group, on the second shard")
+	require.NotEmpty(t, pg.Next)
 }
