@@ -626,10 +626,11 @@ func maxTime(a, b time.Time) time.Time {
 }
 
 // shardedAct runs a repair action on every shard. A dry run sums the shards'
-// plans. An action runs in one transaction per shard, all open at once: when the
-// rows they changed together pass AtMost, every one is rolled back
-// (ErrGroupChanged); a shard the group has no row on is rolled back too, so that
-// it records no empty action; the others commit, one after the other. A shard
+// plans. An action runs in one transaction per shard, taken one shard after the
+// other in map order and all left open: when the rows they changed together pass
+// AtMost, every one is rolled back (ErrGroupChanged); a shard the group has no
+// row on is rolled back too, so that it records no empty action; the others
+// commit, one after the other. A shard
 // whose commit fails is named in the error, and the result says what the shards
 // before it committed.
 func (a *Admin) shardedAct(ctx context.Context, action, source string, act GroupAction) (*ActionResult, error) {
@@ -646,7 +647,7 @@ func (a *Admin) shardedAct(ctx context.Context, action, source string, act Group
 	}
 	atMost := act.AtMost
 	act.AtMost = 0
-	parts, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (done, error) {
+	step := func(ctx context.Context, s *Admin) (done, error) {
 		if act.DryRun {
 			r, err := s.act(ctx, action, source, act)
 			return done{res: r}, err
@@ -667,7 +668,23 @@ func (a *Admin) shardedAct(ctx context.Context, action, source string, act Group
 			return done{}, err
 		}
 		return done{res: r, tx: tx}, nil
-	})
+	}
+	var parts []done
+	var errs []error
+	if act.DryRun {
+		parts, errs = fan(ctx, a, step)
+	} else {
+		// One shard after the other, in map order: two actions on a group at once
+		// take its rows' locks shard by shard in the same order, so neither holds
+		// one shard's rows while it waits for the other's on another shard, a wait
+		// that no database would see as a deadlock.
+		parts, errs = make([]done, len(a.shards)), make([]error, len(a.shards))
+		for i, s := range a.shards {
+			if parts[i], errs[i] = step(ctx, s); errs[i] != nil {
+				break
+			}
+		}
+	}
 	rollback := func() {
 		for _, p := range parts {
 			if p.tx != nil {

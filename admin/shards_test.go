@@ -709,3 +709,48 @@ func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
 	require.Equal(t, "acme", pg.Groups[0].Tenant, "the largest group, on the second shard")
 	require.NotEmpty(t, pg.Next)
 }
+
+// TestShardsGroupActionsAtOnce: two operators acting on one group whose dead
+// effects are on two shards, at the same moment, both finish (neither waits for
+// the other's rows on one shard while holding its own on another, a wait no
+// database would break), and each effect is changed by one of them.
+func TestShardsGroupActionsAtOnce(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	const perShard = 3000
+	for trial := range 8 {
+		at := time.Now().UTC()
+		for _, s := range m.Shards[:2] {
+			_, err := s.Pool.Exec(context.Background(), `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts,
+					last_error, error_code, error_masked, error_group, dead_at)
+				SELECT 'acme', 'mail', $1 || '-' || g, '\x00', 'dead', 3, 'refused', 'provider', 'refused', '\x0102030405060708', $2
+				FROM generate_series(1, $3) g`, fmt.Sprintf("t%d-%s", trial, s.Name), at, perShard)
+			require.NoError(t, err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		var wg sync.WaitGroup
+		var rows [2]int64
+		var errs [2]error
+		start := make(chan struct{})
+		for i, act := range []func(context.Context, admin.GroupAction) (*admin.ActionResult, error){a.RetryGroup, a.DiscardGroup} {
+			wg.Go(func() {
+				<-start
+				res, err := act(ctx, admin.GroupAction{ID: "e-0102030405060708", Through: at, Note: admin.Audit{Who: "op", Why: "at once"}})
+				if errs[i] = err; err == nil {
+					rows[i] = res.Rows
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+		cancel()
+		require.NoError(t, errs[0], "trial %d: retry", trial)
+		require.NoError(t, errs[1], "trial %d: discard", trial)
+		require.Equal(t, int64(2*perShard), rows[0]+rows[1], "trial %d: each effect changed once", trial)
+		for _, s := range m.Shards[:2] {
+			require.Equal(t, 0, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE state = 'dead'`), "trial %d, shard %s", trial, s.Name)
+		}
+	}
+}
