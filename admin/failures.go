@@ -365,6 +365,21 @@ func (a *Admin) Group(ctx context.Context, id string, seen TimeRange) (*FailureG
 	if a.shards != nil {
 		return a.shardedGroup(ctx, id, seen)
 	}
+	out, err := a.group(ctx, id, seen)
+	if err != nil {
+		return nil, err
+	}
+	acts, err := a.ListActions(ctx, ActionFilter{Group: id}, Page{Limit: 20})
+	if err != nil {
+		return nil, err
+	}
+	out.Actions = acts.Actions
+	return out, nil
+}
+
+// group is Group on one database without the actions (a shard map's Group reads
+// them from every shard, merged, once).
+func (a *Admin) group(ctx context.Context, id string, seen TimeRange) (*FailureGroup, error) {
 	g, err := parseGroupID(id)
 	if err != nil {
 		return nil, err
@@ -390,11 +405,6 @@ func (a *Admin) Group(ctx context.Context, id string, seen TimeRange) (*FailureG
 			return nil, a.wrap(err)
 		}
 	}
-	acts, err := a.ListActions(ctx, ActionFilter{Group: id}, Page{Limit: 20})
-	if err != nil {
-		return nil, err
-	}
-	out.Actions = acts.Actions
 	return &out, nil
 }
 

@@ -576,7 +576,7 @@ func (a *Admin) shardedGroup(ctx context.Context, id string, seen TimeRange) (*F
 	if _, err := parseGroupID(id); err != nil {
 		return nil, err
 	}
-	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*FailureGroup, error) { return s.Group(ctx, id, seen) })
+	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*FailureGroup, error) { return s.group(ctx, id, seen) })
 	var parts []*FailureGroup
 	attempts := map[int]int64{}
 	for i, g := range res {

@@ -662,18 +662,31 @@ func TestShardsFailureGroupsByCode(t *testing.T) {
 	require.ErrorIs(t, err, admin.ErrBadFilter, "checked as on one database")
 }
 
-// listGroupsCounter counts the failure-group aggregates (the groups list's
-// statement) run on a pool.
-type listGroupsCounter struct{ n atomic.Int64 }
+// queryCounter counts the statements run on a pool whose SQL holds sql.
+type queryCounter struct {
+	sql string
+	n   atomic.Int64
+}
 
-func (c *listGroupsCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	if strings.Contains(d.SQL, "), page AS (") {
+func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, c.sql) {
 		c.n.Add(1)
 	}
 	return ctx
 }
 
-func (c *listGroupsCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// tracedFirstShard is m with its first shard's pool replaced by one traced by c.
+func tracedFirstShard(t *testing.T, m *shard.Map, c *queryCounter) *shard.Map {
+	t.Helper()
+	cfg := m.Shards[0].Pool.Config()
+	cfg.ConnConfig.Tracer = c
+	traced, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(traced.Close)
+	return &shard.Map{Shards: append([]shard.Shard{{Name: m.Shards[0].Name, Pool: traced, Schema: m.Shards[0].Schema}}, m.Shards[1:]...)}
+}
 
 // TestShardsFailureGroupsOneAggregateAShard: a merged page of groups reads each
 // shard's groups with one aggregate of its failures, however many groups the
@@ -682,18 +695,13 @@ func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
 	ctx := context.Background()
-	cfg := m.Shards[0].Pool.Config()
-	counter := &listGroupsCounter{}
-	cfg.ConnConfig.Tracer = counter
-	traced, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(traced.Close)
-	tm := &shard.Map{Shards: append([]shard.Shard{{Name: m.Shards[0].Name, Pool: traced, Schema: m.Shards[0].Schema}}, m.Shards[1:]...)}
+	counter := &queryCounter{sql: "), page AS ("} // the groups list's aggregate
+	tm := tracedFirstShard(t, m, counter)
 	a, err := admin.New(admin.Config{Shards: tm})
 	require.NoError(t, err)
 	// MaxLimit+1 groups on the first shard: one failed key of each tenant.
 	groups := admin.MaxLimit + 1
-	_, err = traced.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at,
+	_, err = tm.Shards[0].Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at,
 			error_code, error, error_masked, error_group)
 		SELECT 'orders', 't' || g, 'k', '\x00', 'failed', now() + interval '1 day', now(), 'handler', 'refused', 'refused',
 			decode(lpad(to_hex(g), 16, '0'), 'hex')
@@ -753,4 +761,33 @@ func TestShardsGroupActionsAtOnce(t *testing.T) {
 			require.Equal(t, 0, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE state = 'dead'`), "trial %d, shard %s", trial, s.Name)
 		}
 	}
+}
+
+// TestShardsGroupReadsActionsOnce: Group over a shard map reads each shard's
+// repair actions on the group once (the merged list), not once more for each
+// shard's part that it then drops.
+func TestShardsGroupReadsActionsOnce(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	counter := &queryCounter{sql: "ORDER BY at DESC, id DESC LIMIT"} // the actions list
+	tm := tracedFirstShard(t, m, counter)
+	a, err := admin.New(admin.Config{Shards: tm})
+	require.NoError(t, err)
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	failOn(t, m.Shards[0], "acme", 3, t0)
+	failOn(t, m.Shards[1], "acme", 2, t0)
+	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, pg.Groups, 1, "one group on two shards")
+	g := pg.Groups[0]
+	_, err = a.ReleaseGroup(ctx, admin.GroupAction{ID: g.ID, Through: t0.Add(time.Second), Note: admin.Audit{Who: "op", Why: "one"}})
+	require.NoError(t, err)
+
+	before := counter.n.Load()
+	got, err := a.Group(ctx, g.ID, admin.TimeRange{})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), counter.n.Load()-before, "the first shard's actions read once")
+	require.Len(t, got.Actions, 2, "the release's action on each shard")
+	require.Equal(t, g.Count-2, got.Count, "the first failure of each shard released")
 }
