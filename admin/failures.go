@@ -215,13 +215,29 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 	if err != nil {
 		return nil, err
 	}
+	limit := gp.limit
+	groups, err := a.groups(ctx, f, gp, p.After != "", limit+1)
+	if err != nil {
+		return nil, err
+	}
+	out := &GroupPage{Groups: groups}
+	if len(groups) > limit {
+		out.Groups = groups[:limit]
+		out.Next = encodeGroupCursor(groups[limit-1], gp.order)
+	}
+	return out, nil
+}
+
+// groups reads, on one database, the groups that f picks in gp's order, after
+// gp's cursor when after is set, at most limit of them (nil: all), with one
+// aggregate of the failures.
+func (a *Admin) groups(ctx context.Context, f GroupFilter, gp groupPaging, after bool, limit any) ([]FailureGroup, error) {
 	if err := a.backfill(ctx, gp.inbox, gp.effects); err != nil {
 		return nil, err
 	}
-	order, limit := gp.order, gp.limit
 	since, until := f.Seen.args()
 	rows, err := a.db.Query(ctx, a.q.listGroups, gp.inbox, gp.effects, f.Consumer, f.Kind, f.Tenant, since, until,
-		order == ByRecent, p.After != "", gp.afterValue, gp.afterID, limit+1, ListSamples, f.Code)
+		gp.order == ByRecent, after, gp.afterValue, gp.afterID, limit, ListSamples, f.Code)
 	if err != nil {
 		return nil, a.wrap(err)
 	}
@@ -229,12 +245,7 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 	if err != nil {
 		return nil, a.wrap(err)
 	}
-	out := &GroupPage{Groups: nonNil(groups)}
-	if len(groups) > limit {
-		out.Groups = groups[:limit]
-		out.Next = encodeGroupCursor(groups[limit-1], order)
-	}
-	return out, nil
+	return nonNil(groups), nil
 }
 
 // groupPaging is a page of failure groups as ListGroups asks for it, checked.
@@ -354,6 +365,21 @@ func (a *Admin) Group(ctx context.Context, id string, seen TimeRange) (*FailureG
 	if a.shards != nil {
 		return a.shardedGroup(ctx, id, seen)
 	}
+	out, err := a.group(ctx, id, seen)
+	if err != nil {
+		return nil, err
+	}
+	acts, err := a.ListActions(ctx, ActionFilter{Group: id}, Page{Limit: 20})
+	if err != nil {
+		return nil, err
+	}
+	out.Actions = acts.Actions
+	return out, nil
+}
+
+// group is Group on one database without the actions (a shard map's Group reads
+// them from every shard, merged, once).
+func (a *Admin) group(ctx context.Context, id string, seen TimeRange) (*FailureGroup, error) {
 	g, err := parseGroupID(id)
 	if err != nil {
 		return nil, err
@@ -379,11 +405,6 @@ func (a *Admin) Group(ctx context.Context, id string, seen TimeRange) (*FailureG
 			return nil, a.wrap(err)
 		}
 	}
-	acts, err := a.ListActions(ctx, ActionFilter{Group: id}, Page{Limit: 20})
-	if err != nil {
-		return nil, err
-	}
-	out.Actions = acts.Actions
 	return &out, nil
 }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/text"
 )
 
 // Moving a tenant from one shard to another (see docs/sharding.md): drain the
@@ -101,6 +102,10 @@ const moveBatch = 500
 func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, error) {
 	if a.shards == nil {
 		return nil, errorf(ErrBadFilter, "moving a tenant needs an Admin over a shard map (Config.Shards)")
+	}
+	if !text.Storable(mv.Tenant) {
+		// Postgres text never holds it, so no shard has rows of it.
+		return nil, errorf(ErrBadFilter, "tenant %q: not valid UTF-8 text without NUL bytes, so no shard has rows of it", clip(mv.Tenant))
 	}
 	if mv.From == "" {
 		s, err := a.cfg.Shards.Pick(mv.Tenant)

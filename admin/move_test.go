@@ -268,3 +268,19 @@ func TestMoveTenantRefusesBusy(t *testing.T) {
 	_, err = a.MoveTenant(ctx, admin.MoveTenant{Tenant: "busy", From: old.Name, To: old.Name})
 	require.ErrorIs(t, err, admin.ErrBadFilter)
 }
+
+// TestMoveTenantUnstorableTenant: a tenant that Postgres text cannot hold
+// (invalid UTF-8, a NUL byte) has no rows on any shard; moving it is bad_filter,
+// and neither shard is read or changed.
+func TestMoveTenantUnstorableTenant(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	for _, tenant := range []string{"ac\x00me", "ac\xffme"} {
+		for _, dry := range []bool{true, false} {
+			_, err := a.MoveTenant(context.Background(), admin.MoveTenant{Tenant: tenant, From: m.Shards[0].Name, To: m.Shards[1].Name, DryRun: dry})
+			require.ErrorIs(t, err, admin.ErrBadFilter, "tenant %q, dry run %v", tenant, dry)
+		}
+	}
+}

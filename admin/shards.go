@@ -268,9 +268,10 @@ func (a *Admin) shardedListEffects(ctx context.Context, f EffectFilter, p Page) 
 // the earliest first and the latest last failure, the shards that hold it (Shard)
 // and each one's part (Parts). A merged group's place in the order depends on
 // every shard's part, so each page reads every group of the filter on every
-// shard, merges them and pages with the same keyset cursor as one database (the
-// order's value and the ID): a group that is there for the whole paging appears
-// once, on its merged count's page. (A database aggregates every failure for each
+// shard (one aggregate a shard, all its groups held for the merge), merges them
+// and pages with the same keyset cursor as one database (the order's value and
+// the ID): a group that is there for the whole paging appears once, on its
+// merged count's page. (A database aggregates every failure for each
 // page of groups already; one database alike.)
 func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
 	gp, err := f.paging(p)
@@ -278,7 +279,9 @@ func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*
 		return nil, err
 	}
 	order, limit, afterValue, afterID := gp.order, gp.limit, gp.afterValue, gp.afterID
-	all, errs := fan(ctx, a, func(ctx context.Context, s *Admin) ([]FailureGroup, error) { return s.allGroups(ctx, f, order) })
+	// Every group of the filter on each shard, from one aggregate of its failures:
+	// each group there once, with one count.
+	all, errs := fan(ctx, a, func(ctx context.Context, s *Admin) ([]FailureGroup, error) { return s.groups(ctx, f, gp, false, nil) })
 	if err := shardErrors(a.names(), errs); err != nil {
 		return nil, err
 	}
@@ -309,31 +312,6 @@ func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*
 		out.Next = encodeGroupCursor(merged[limit-1], order)
 	}
 	return out, nil
-}
-
-// allGroups is every group of the filter on this (one database's) Admin, each
-// once.
-func (a *Admin) allGroups(ctx context.Context, f GroupFilter, order string) ([]FailureGroup, error) {
-	f.Order = order
-	var out []FailureGroup
-	seen := map[string]bool{}
-	p := Page{Limit: MaxLimit}
-	for {
-		pg, err := a.ListGroups(ctx, f, p)
-		if err != nil {
-			return nil, err
-		}
-		for _, g := range pg.Groups {
-			if !seen[g.ID] { // a group whose count changed between two pages
-				seen[g.ID] = true
-				out = append(out, g)
-			}
-		}
-		if pg.Next == "" {
-			return out, nil
-		}
-		p.After = pg.Next
-	}
 }
 
 // mergeGroup merges one group's parts, each read on the shard its Shard names, in
@@ -598,7 +576,7 @@ func (a *Admin) shardedGroup(ctx context.Context, id string, seen TimeRange) (*F
 	if _, err := parseGroupID(id); err != nil {
 		return nil, err
 	}
-	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*FailureGroup, error) { return s.Group(ctx, id, seen) })
+	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*FailureGroup, error) { return s.group(ctx, id, seen) })
 	var parts []*FailureGroup
 	attempts := map[int]int64{}
 	for i, g := range res {
@@ -648,10 +626,11 @@ func maxTime(a, b time.Time) time.Time {
 }
 
 // shardedAct runs a repair action on every shard. A dry run sums the shards'
-// plans. An action runs in one transaction per shard, all open at once: when the
-// rows they changed together pass AtMost, every one is rolled back
-// (ErrGroupChanged); a shard the group has no row on is rolled back too, so that
-// it records no empty action; the others commit, one after the other. A shard
+// plans. An action runs in one transaction per shard, taken one shard after the
+// other in map order and all left open: when the rows they changed together pass
+// AtMost, every one is rolled back (ErrGroupChanged); a shard the group has no
+// row on is rolled back too, so that it records no empty action; the others
+// commit, one after the other. A shard
 // whose commit fails is named in the error, and the result says what the shards
 // before it committed.
 func (a *Admin) shardedAct(ctx context.Context, action, source string, act GroupAction) (*ActionResult, error) {
@@ -668,7 +647,7 @@ func (a *Admin) shardedAct(ctx context.Context, action, source string, act Group
 	}
 	atMost := act.AtMost
 	act.AtMost = 0
-	parts, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (done, error) {
+	step := func(ctx context.Context, s *Admin) (done, error) {
 		if act.DryRun {
 			r, err := s.act(ctx, action, source, act)
 			return done{res: r}, err
@@ -689,7 +668,23 @@ func (a *Admin) shardedAct(ctx context.Context, action, source string, act Group
 			return done{}, err
 		}
 		return done{res: r, tx: tx}, nil
-	})
+	}
+	var parts []done
+	var errs []error
+	if act.DryRun {
+		parts, errs = fan(ctx, a, step)
+	} else {
+		// One shard after the other, in map order: two actions on a group at once
+		// take its rows' locks shard by shard in the same order, so neither holds
+		// one shard's rows while it waits for the other's on another shard, a wait
+		// that no database would see as a deadlock.
+		parts, errs = make([]done, len(a.shards)), make([]error, len(a.shards))
+		for i, s := range a.shards {
+			if parts[i], errs[i] = step(ctx, s); errs[i] != nil {
+				break
+			}
+		}
+	}
 	rollback := func() {
 		for _, p := range parts {
 			if p.tx != nil {

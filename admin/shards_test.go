@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
@@ -658,4 +660,134 @@ func TestShardsFailureGroupsByCode(t *testing.T) {
 	require.Empty(t, none.Groups)
 	_, err = a.ListGroups(ctx, admin.GroupFilter{Code: "bad\x00code"}, admin.Page{})
 	require.ErrorIs(t, err, admin.ErrBadFilter, "checked as on one database")
+}
+
+// queryCounter counts the statements run on a pool whose SQL holds sql.
+type queryCounter struct {
+	sql string
+	n   atomic.Int64
+}
+
+func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, c.sql) {
+		c.n.Add(1)
+	}
+	return ctx
+}
+
+func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// tracedFirstShard is m with its first shard's pool replaced by one traced by c.
+func tracedFirstShard(t *testing.T, m *shard.Map, c *queryCounter) *shard.Map {
+	t.Helper()
+	cfg := m.Shards[0].Pool.Config()
+	cfg.ConnConfig.Tracer = c
+	traced, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(traced.Close)
+	return &shard.Map{Shards: append([]shard.Shard{{Name: m.Shards[0].Name, Pool: traced, Schema: m.Shards[0].Schema}}, m.Shards[1:]...)}
+}
+
+// TestShardsFailureGroupsOneAggregateAShard: a merged page of groups reads each
+// shard's groups with one aggregate of its failures, however many groups the
+// shard holds (past MaxLimit too), so a group is counted once, in one snapshot.
+func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	counter := &queryCounter{sql: "), page AS ("} // the groups list's aggregate
+	tm := tracedFirstShard(t, m, counter)
+	a, err := admin.New(admin.Config{Shards: tm})
+	require.NoError(t, err)
+	// MaxLimit+1 groups on the first shard: one failed key of each tenant.
+	groups := admin.MaxLimit + 1
+	_, err = tm.Shards[0].Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, expires_at, completed_at,
+			error_code, error, error_masked, error_group)
+		SELECT 'orders', 't' || g, 'k', '\x00', 'failed', now() + interval '1 day', now(), 'handler', 'refused', 'refused',
+			decode(lpad(to_hex(g), 16, '0'), 'hex')
+		FROM generate_series(1, $1) g`, groups)
+	require.NoError(t, err)
+	failOn(t, m.Shards[1], "acme", 2, time.Now().Add(-time.Hour))
+
+	before := counter.n.Load()
+	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 5})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), counter.n.Load()-before, "the first shard's groups read with one aggregate")
+	require.Len(t, pg.Groups, 5)
+	require.Equal(t, "acme", pg.Groups[0].Tenant, "the largest group, on the second shard")
+	require.NotEmpty(t, pg.Next)
+}
+
+// TestShardsGroupActionsAtOnce: two operators acting on one group whose dead
+// effects are on two shards, at the same moment, both finish (neither waits for
+// the other's rows on one shard while holding its own on another, a wait no
+// database would break), and each effect is changed by one of them.
+func TestShardsGroupActionsAtOnce(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	const perShard = 3000
+	for trial := range 8 {
+		at := time.Now().UTC()
+		for _, s := range m.Shards[:2] {
+			_, err := s.Pool.Exec(context.Background(), `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts,
+					last_error, error_code, error_masked, error_group, dead_at)
+				SELECT 'acme', 'mail', $1 || '-' || g, '\x00', 'dead', 3, 'refused', 'provider', 'refused', '\x0102030405060708', $2
+				FROM generate_series(1, $3) g`, fmt.Sprintf("t%d-%s", trial, s.Name), at, perShard)
+			require.NoError(t, err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		var wg sync.WaitGroup
+		var rows [2]int64
+		var errs [2]error
+		start := make(chan struct{})
+		for i, act := range []func(context.Context, admin.GroupAction) (*admin.ActionResult, error){a.RetryGroup, a.DiscardGroup} {
+			wg.Go(func() {
+				<-start
+				res, err := act(ctx, admin.GroupAction{ID: "e-0102030405060708", Through: at, Note: admin.Audit{Who: "op", Why: "at once"}})
+				if errs[i] = err; err == nil {
+					rows[i] = res.Rows
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+		cancel()
+		require.NoError(t, errs[0], "trial %d: retry", trial)
+		require.NoError(t, errs[1], "trial %d: discard", trial)
+		require.Equal(t, int64(2*perShard), rows[0]+rows[1], "trial %d: each effect changed once", trial)
+		for _, s := range m.Shards[:2] {
+			require.Equal(t, 0, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE state = 'dead'`), "trial %d, shard %s", trial, s.Name)
+		}
+	}
+}
+
+// TestShardsGroupReadsActionsOnce: Group over a shard map reads each shard's
+// repair actions on the group once (the merged list), not once more for each
+// shard's part that it then drops.
+func TestShardsGroupReadsActionsOnce(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	counter := &queryCounter{sql: "ORDER BY at DESC, id DESC LIMIT"} // the actions list
+	tm := tracedFirstShard(t, m, counter)
+	a, err := admin.New(admin.Config{Shards: tm})
+	require.NoError(t, err)
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	failOn(t, m.Shards[0], "acme", 3, t0)
+	failOn(t, m.Shards[1], "acme", 2, t0)
+	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, pg.Groups, 1, "one group on two shards")
+	g := pg.Groups[0]
+	_, err = a.ReleaseGroup(ctx, admin.GroupAction{ID: g.ID, Through: t0.Add(time.Second), Note: admin.Audit{Who: "op", Why: "one"}})
+	require.NoError(t, err)
+
+	before := counter.n.Load()
+	got, err := a.Group(ctx, g.ID, admin.TimeRange{})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), counter.n.Load()-before, "the first shard's actions read once")
+	require.Len(t, got.Actions, 2, "the release's action on each shard")
+	require.Equal(t, g.Count-2, got.Count, "the first failure of each shard released")
 }
