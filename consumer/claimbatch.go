@@ -1,6 +1,7 @@
 package consumer
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"fmt"
@@ -8,8 +9,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"bytes"
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/failgroup"

@@ -85,23 +85,42 @@ func batchOf(keys ...string) []batchClaim {
 
 // One statement claims the new keys and reads the committed rows of the others:
 // a redelivery of a long-committed key costs no second statement. Results come back
-// in the caller's order, whatever order the keys were claimed in.
+// in the caller's order, whatever order the keys were claimed in. Mixed: each batch
+// also holds a new key of another tenant, so the statements' forms for several
+// tenants run instead of the one-tenant ones.
 func TestClaimBatchTx(t *testing.T) {
+	t.Parallel()
+	for _, mixed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("mixed tenants %v", mixed), func(t *testing.T) { testClaimBatchTx(t, mixed) })
+	}
+}
+
+func testClaimBatchTx(t *testing.T, mixed bool) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
 	store, err := newTestStores(schema)
 	require.NoError(t, err)
 
+	round := 0
 	claim := func(claims []batchClaim) (res []inbox.ClaimResult, statements int64) {
 		t.Helper()
+		n := len(claims)
+		if mixed && n > 0 {
+			round++
+			claims = append(claims, batchClaim{Claim: inbox.Claim{
+				ID: inbox.ID{Consumer: "c", Tenant: "t2", Key: fmt.Sprint("other-", round)}, Fingerprint: []byte("fp")}})
+		}
 		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
 			ct := &countingTx{Tx: tx}
 			res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 2000"}, claims)
 			statements = ct.sent.Load()
 			return err
 		}))
-		return res, statements
+		if mixed && n > 0 {
+			require.True(t, res[n].Claimed, "the other tenant's new key")
+		}
+		return res[:n], statements
 	}
 
 	res, n := claim(batchOf("k3", "k1", "k2"))
@@ -109,7 +128,7 @@ func TestClaimBatchTx(t *testing.T) {
 	for _, r := range res {
 		require.True(t, r.Claimed)
 	}
-	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE state = 'completed'`))
+	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE state = 'completed' AND tenant = ''`))
 
 	claims := batchOf("k4", "k2", "k1", "k5")
 	claims[1].Fingerprint = []byte("other")
@@ -151,10 +170,14 @@ func TestClaimBatchTx(t *testing.T) {
 // A key that another transaction holds uncommitted makes the claim wait. If that
 // transaction commits, one more statement (a new snapshot) reads its row; if it
 // rolls back, the batch owns the key.
+//
+// A batch of one tenant's keys uses the statements' one-tenant forms, a batch of
+// several tenants the others (mixed): both are run.
 func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 	t.Parallel()
-	for _, commit := range []bool{true, false} {
-		t.Run(fmt.Sprintf("other commits %v", commit), func(t *testing.T) {
+	for _, c := range []struct{ commit, mixed bool }{{true, false}, {false, false}, {true, true}, {false, true}} {
+		commit := c.commit
+		t.Run(fmt.Sprintf("other commits %v, mixed tenants %v", commit, c.mixed), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			pool, schema := pgtest.Setup(t)
@@ -179,7 +202,11 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 				var a answer
 				a.err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
 					ct := &countingTx{Tx: tx}
-					a.res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 30000"}, batchOf("k0", "k1", "k2", "k3"))
+					claims := batchOf("k0", "k1", "k2", "k3")
+					if c.mixed {
+						claims = append(claims, batchClaim{Claim: inbox.Claim{ID: inbox.ID{Consumer: "c", Tenant: "t2", Key: "k1"}, Fingerprint: []byte("fp")}})
+					}
+					a.res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 30000"}, claims)
 					a.n = ct.sent.Load()
 					return err
 				})
@@ -221,7 +248,12 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 				require.True(t, a.res[1].Claimed)
 				require.True(t, a.res[3].Claimed)
 			}
-			require.Equal(t, 4, pgtest.Count(t, pool, `SELECT count(*) FROM inbox`))
+			want := 4
+			if c.mixed {
+				require.True(t, a.res[4].Claimed, "another tenant's key k1 is its own")
+				want++
+			}
+			require.Equal(t, want, pgtest.Count(t, pool, `SELECT count(*) FROM inbox`))
 		})
 	}
 }

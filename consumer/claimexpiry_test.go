@@ -54,6 +54,19 @@ func TestClaimsForgetExpiredRows(t *testing.T) {
 			})
 			return
 		},
+		// A batch of two tenants' keys: the statements' forms for several tenants.
+		"ClaimBatchTx, mixed tenants": func(c inbox.Claim) (res inbox.ClaimResult, err error) {
+			other := claimOf(c.Key, "fp")
+			other.Tenant = "t2"
+			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				results, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: c}, {Claim: other}})
+				if err == nil {
+					res = results[0]
+				}
+				return err
+			})
+			return
+		},
 	}
 	for name, claim := range claims {
 		for _, state := range []string{"completed", "failed"} {

@@ -71,7 +71,7 @@ func New(cfg Config) (*Consumer, error) {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
 	if cfg.Shards != nil {
-		return newSharded(cfg)
+		return newSharded(cfg, defaultFP)
 	}
 	store, err := inbox.NewStore(cfg.Schema)
 	if err != nil {

@@ -24,11 +24,16 @@ type shards struct {
 }
 
 // newSharded builds one Consumer a shard, each with its own Prometheus series,
-// labelled with its shard's name.
-func newSharded(cfg Config) (*Consumer, error) {
+// labelled with its shard's name. cfg has its defaults; defaultFP says that its
+// Fingerprint is the default one, which each shard's Consumer then computes
+// without an allocation.
+func newSharded(cfg Config, defaultFP bool) (*Consumer, error) {
 	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Consumer, error) {
 		one := cfg
 		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
+		if defaultFP {
+			one.Fingerprint = nil
+		}
 		one.Logger = cfg.Logger.With("shard", sh.Name)
 		one.Registerer = promreg.Shard(cfg.Registerer, sh.Name)
 		return New(one)

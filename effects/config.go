@@ -6,9 +6,7 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -228,8 +226,8 @@ func (c Config) Validate() error {
 			return errcode.InvalidConfig("concurrency for %q must be positive, got %d", kind, n)
 		}
 	}
-	if t := c.Tenant; len(t) > MaxKeyLen || !utf8.ValidString(t) || strings.IndexByte(t, 0) >= 0 {
-		return fmt.Errorf("tenant: %w", ErrInvalidTenant)
+	if err := validateTenant(c.Tenant); err != nil {
+		return fmt.Errorf("tenant: %w", err)
 	}
 	if c.BatchSize <= 0 {
 		return errcode.InvalidConfig("batch size must be positive, got %d", c.BatchSize)

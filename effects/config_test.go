@@ -47,8 +47,10 @@ func TestConfigConvention(t *testing.T) {
 	tenant := fresh
 	tenant.Tenant = "acme"
 	require.NoError(t, tenant.Validate())
-	tenant.Tenant = "bad\x00"
-	require.ErrorIs(t, tenant.Validate(), effects.ErrInvalidTenant)
+	for _, bad := range []string{"bad\x00", "bad\xff", strings.Repeat("t", effects.MaxKeyLen+1)} {
+		tenant.Tenant = bad
+		require.ErrorIs(t, tenant.Validate(), effects.ErrInvalidTenant, "%q", bad)
+	}
 	_, err := effects.NewDispatcher(tenant)
 	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())
 

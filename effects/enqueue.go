@@ -2,6 +2,7 @@ package effects
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"errors"
@@ -15,8 +16,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/trace"
-
-	"cmp"
 
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/text"
@@ -204,11 +203,18 @@ func checkItem(scope Scope, e Effect) (string, error) {
 	if len(scope.Kinds) > 0 && !slices.Contains(scope.Kinds, e.Kind) {
 		return "", fmt.Errorf("%w: %q (allowed: %s)", ErrUnknownKind, e.Kind, strings.Join(scope.Kinds, ", "))
 	}
-	tenant := scope.Source.Tenant
-	if len(tenant) > MaxKeyLen || !text.Storable(tenant) {
-		return "", fmt.Errorf("%w: %d bytes", ErrInvalidTenant, len(tenant))
+	if err := validateTenant(scope.Source.Tenant); err != nil {
+		return "", err
 	}
 	return schema, nil
+}
+
+// validateTenant checks a tenant, the scope's or a Dispatcher's (ErrInvalidTenant).
+func validateTenant(tenant string) error {
+	if len(tenant) > MaxKeyLen || !text.Storable(tenant) {
+		return fmt.Errorf("%w: %d bytes", ErrInvalidTenant, len(tenant))
+	}
+	return nil
 }
 
 func maxAttemptsOf(e Effect) int {

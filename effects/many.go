@@ -252,7 +252,7 @@ func (w *itemsWrite) write(ctx context.Context, tx Tx, q *enqueueQueries) error 
 		var count int
 		var gotT, gotK, gotY []string
 		sql, args := q.insertMany, w.cols.args()
-		if w.cols.oneTenant() {
+		if oneTenant(w.cols.tenants) {
 			sql, args = q.insertManyOne, append(args, w.cols.tenants[0])
 		}
 		if err := tx.QueryRow(ctx, sql, args...).Scan(&count, &gotT, &gotK, &gotY); err != nil {
@@ -300,7 +300,7 @@ func (w *itemsWrite) readConflicts(ctx context.Context, tx Tx, q *enqueueQueries
 	var haveT, haveK, haveY []string
 	var haveFP [][]byte
 	sql, args := q.fingerprintOf, []any{conflictT, conflictK, conflictY}
-	if !slices.ContainsFunc(conflictT, func(t string) bool { return t != conflictT[0] }) {
+	if oneTenant(conflictT) {
 		sql, args = q.fingerprintOfOne, append(args, conflictT[0])
 	}
 	if err := tx.QueryRow(ctx, sql, args...).Scan(&haveT, &haveK, &haveY, &haveFP); err != nil {
@@ -410,9 +410,10 @@ func (c *enqueueColumns) traceOf(it *Item, ctxTrace trace.SpanContext) string {
 	return c.ctxTrace
 }
 
-// oneTenant says whether every row is of one tenant (then insertManyOne applies).
-func (c *enqueueColumns) oneTenant() bool {
-	return !slices.ContainsFunc(c.tenants, func(t string) bool { return t != c.tenants[0] })
+// oneTenant says whether every row's tenant is tenants[0] (then insertManyOne, or
+// fingerprintOfOne, applies).
+func oneTenant(tenants []string) bool {
+	return !slices.ContainsFunc(tenants, func(t string) bool { return t != tenants[0] })
 }
 
 // args are insertMany's arguments. The columns left empty go as NULL arrays.

@@ -3,6 +3,7 @@ package effects_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -233,5 +234,26 @@ func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
 			{"4-traced", "acme", effects.DefaultMaxAttempts, false, true, "acme", "m1"},
 			{"5-default", "", effects.DefaultMaxAttempts, false, false, "-", "-"},
 		}, got, "order %v", order)
+
+		// The same effects again, of two tenants, one with another payload: the
+		// conflict read for several tenants finds each stored row.
+		again := slices.Clone(batch)
+		changed := slices.IndexFunc(again, func(it effects.Item) bool { return it.Effect.Key == "3-delay" })
+		again[changed].Effect.Payload = []byte("other")
+		var res []effects.Result
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
+			res, err = effects.EnqueueItems(ctx, tx, again)
+			return err
+		})
+		var ie *effects.ItemErrors
+		require.ErrorAs(t, err, &ie, "order %v", order)
+		for i := range again {
+			if i == changed {
+				require.ErrorIs(t, ie.Errs[i], effects.ErrFingerprintMismatch, "order %v", order)
+				continue
+			}
+			require.NoError(t, ie.Errs[i])
+			require.Equal(t, effects.Result{Duplicate: true}, res[i], "order %v: %s", order, again[i].Effect.Key)
+		}
 	}
 }
