@@ -378,16 +378,22 @@ const verbs = {
 function sayN(text, n) { return text.replace("{n}", String(n)); }
 
 async function loadGroups(more) {
-  const params = { limit: "50", order: document.getElementById("groups-order").value };
-  // Empty fields do not filter (the tenant field cannot pick the unscoped
-  // tenant). A consumer alone lists inbox groups only, a kind alone effects
-  // groups only; the code matches exactly; the window counts only the failures
-  // in it.
-  for (const name of ["source", "consumer", "kind", "tenant", "code", "since"]) {
-    const v = document.getElementById("groups-" + name).value.trim();
-    if (v) params[name] = v;
+  // More continues the list on screen: the filters it was listed with, not what
+  // the form holds now (a cursor is valid only for its own list).
+  let params = state.groupParams;
+  if (!more || !params) {
+    params = { limit: "50", order: document.getElementById("groups-order").value };
+    // Empty fields do not filter (the tenant field cannot pick the unscoped
+    // tenant). A consumer alone lists inbox groups only, a kind alone effects
+    // groups only; the code matches exactly; the window counts only the failures
+    // in it.
+    for (const name of ["source", "consumer", "kind", "tenant", "code", "since"]) {
+      const v = document.getElementById("groups-" + name).value.trim();
+      if (v) params[name] = v;
+    }
+    state.groupParams = params;
   }
-  if (more) params.after = state.cursors.groups;
+  if (more) params = { ...params, after: state.cursors.groups };
   const page = await api("/api/failures?" + query(params));
   const body = document.querySelector("#groups tbody");
   if (!more) body.replaceChildren();
