@@ -139,7 +139,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 }
 
 // SubscribeInitialize creates topic with TopicPartitions partitions and
-// TopicReplicationFactor replicas, unless it exists already.
+// TopicReplicationFactor replicas, unless it exists already, and returns once the
+// brokers' metadata lists it with a leader for every partition (at most 30 s), so
+// that a group joined next is assigned its partitions.
 func (s *Subscriber) SubscribeInitialize(topic string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -159,7 +161,53 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 	if err := res.Errors[topic]; err != nil && !errors.Is(err, kafka.TopicAlreadyExists) {
 		return fmt.Errorf("kafka: create topic %s: %w", topic, err)
 	}
-	return nil
+	return s.awaitTopic(ctx, topic)
+}
+
+// awaitTopic waits until the brokers' metadata lists topic with every partition
+// led. A broker answers CreateTopics before its metadata has the new topic; a
+// group whose leader assigns partitions in that moment finds no partition of
+// the topic, and kafka-go's group (without WatchPartitionChanges) never assigns
+// them later: its members would wait for ever.
+func (s *Subscriber) awaitTopic(ctx context.Context, topic string) error {
+	for {
+		// A transport of its own each time: metadata is cached per transport.
+		transport := s.transport(topic)
+		client := &kafka.Client{Addr: kafka.TCP(s.cfg.Brokers...), Transport: transport}
+		md, err := client.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
+		transport.CloseIdleConnections()
+		if err == nil && topicLed(md, topic) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			if err == nil {
+				err = errors.New("its partitions have no leader yet")
+			}
+			return fmt.Errorf("kafka: topic %s is not ready: %w", topic, err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// topicLed reports whether md lists topic, without error, with partitions that
+// all have a leader.
+func topicLed(md *kafka.MetadataResponse, topic string) bool {
+	for _, t := range md.Topics {
+		if t.Name != topic {
+			continue
+		}
+		if t.Error != nil || len(t.Partitions) == 0 {
+			return false
+		}
+		for _, p := range t.Partitions {
+			if p.Error != nil || p.Leader.Host == "" {
+				return false
+			}
+		}
+		return true
+	}
+	return false
 }
 
 // Close stops every subscription, waits until their goroutines are gone and

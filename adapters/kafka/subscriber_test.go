@@ -393,3 +393,34 @@ func TestConfigValidation(t *testing.T) {
 	_, err = kafka.NewSubscriber(cfg)
 	require.NoError(t, err)
 }
+
+// SubscribeInitialize returns only once the brokers' metadata lists the new topic
+// with a leader for every partition: a group that joins right after is assigned
+// them (kafka-go's group assigns nothing of a topic its metadata does not list
+// yet, and never assigns it later). Ten fresh topics, each checked at once.
+func TestSubscribeInitializeWaitsForLeaders(t *testing.T) {
+	t.Parallel()
+	forEachBroker(t, func(t *testing.T, brokers []string) {
+		sub := newSubscriber(t, subscriberConfig(brokers, "g-"+watermill.NewUUID(), 4))
+		t.Cleanup(func() { _ = sub.Close() })
+		var topics []string
+		dropTopicsAtEnd(t, brokers, func() []string { return topics })
+		for range 10 {
+			topic := "t-" + watermill.NewUUID()
+			topics = append(topics, topic)
+			require.NoError(t, sub.SubscribeInitialize(topic))
+			// A transport of its own: a transport answers from its metadata cache.
+			transport := &kafkago.Transport{}
+			client := &kafkago.Client{Addr: kafkago.TCP(brokers...), Timeout: 10 * time.Second, Transport: transport}
+			md, err := client.Metadata(context.Background(), &kafkago.MetadataRequest{Topics: []string{topic}})
+			require.NoError(t, err)
+			require.Len(t, md.Topics, 1)
+			require.NoError(t, md.Topics[0].Error)
+			require.Len(t, md.Topics[0].Partitions, 4)
+			for _, p := range md.Topics[0].Partitions {
+				require.NotEmpty(t, p.Leader.Host, "partition %d has no leader", p.ID)
+			}
+			transport.CloseIdleConnections()
+		}
+	})
+}
