@@ -36,6 +36,12 @@ var pgTargetVars = []string{"PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGSERVI
 // runFunc runs a command after its flags are parsed; args are the positional ones.
 type runFunc func(ctx context.Context, e *env, args []string) error
 
+// runWith is the run function of a command whose flags fill in o: run gets o as
+// the parsed flags left it.
+func runWith[O any](o *O, run func(ctx context.Context, e *env, args []string, o O) error) runFunc {
+	return func(ctx context.Context, e *env, args []string) error { return run(ctx, e, args, *o) }
+}
+
 // command is one entry of the command table.
 type command struct {
 	// name is one word, or two for a subcommand ("effects list").

@@ -41,9 +41,7 @@ shards that hold it, and 'idem failures show ID' shows each one's part.`,
 		fs.StringVar(&o.f.Order, "order", admin.ByCount, "count (largest first) or recent (latest failure first)")
 		fs.IntVar(&o.p.Limit, "limit", 50, "at most this many groups")
 		fs.StringVar(&o.p.After, "after", "", "the cursor of the page to show, from the previous page")
-		return func(ctx context.Context, e *env, args []string) error {
-			return runFailuresList(ctx, e, args, o)
-		}
+		return runWith(&o, runFailuresList)
 	},
 }
 
@@ -93,9 +91,7 @@ idem failures show i-0c1d2e3f4a5b6c7d --json`,
 		var seen admin.TimeRange
 		timeVar(fs, &seen.Since, "since", "count only failures at or after this time")
 		timeVar(fs, &seen.Until, "until", "count only failures before this time")
-		return func(ctx context.Context, e *env, args []string) error {
-			return runFailuresShow(ctx, e, args, seen)
-		}
+		return runWith(&seen, runFailuresShow)
 	},
 }
 

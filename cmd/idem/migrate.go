@@ -29,9 +29,7 @@ never asks: without --yes the error (code confirmation_required) holds the plan.
 	setup: func(fs *flag.FlagSet) runFunc {
 		var yes bool
 		fs.BoolVar(&yes, "yes", false, "down: revert without asking (it drops the tables shown and their rows)")
-		return func(ctx context.Context, e *env, args []string) error {
-			return runMigrate(ctx, e, args, yes)
-		}
+		return runWith(&yes, runMigrate)
 	},
 }
 
