@@ -505,6 +505,13 @@ func noArgs(args []string) error {
 	return nil
 }
 
+// pageFlags declares the --limit (at most limit of what by default) and --after
+// flags of a command that lists a page at a time.
+func pageFlags(fs *flag.FlagSet, p *admin.Page, limit int, what string) {
+	fs.IntVar(&p.Limit, "limit", limit, "at most this many "+what)
+	fs.StringVar(&p.After, "after", "", "the cursor of the page to show, from the previous page")
+}
+
 // checkLimit refuses a --limit the operator API would refuse.
 func checkLimit(limit int) error {
 	if limit < 1 || limit > admin.MaxLimit {

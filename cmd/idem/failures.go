@@ -39,8 +39,7 @@ shards that hold it, and 'idem failures show ID' shows each one's part.`,
 		timeVar(fs, &o.f.Seen.Since, "since", "count only failures at or after this time")
 		timeVar(fs, &o.f.Seen.Until, "until", "count only failures before this time")
 		fs.StringVar(&o.f.Order, "order", admin.ByCount, "count (largest first) or recent (latest failure first)")
-		fs.IntVar(&o.p.Limit, "limit", 50, "at most this many groups")
-		fs.StringVar(&o.p.After, "after", "", "the cursor of the page to show, from the previous page")
+		pageFlags(fs, &o.p, 50, "groups")
 		return runWith(&o, runFailuresList)
 	},
 }
