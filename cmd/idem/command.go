@@ -36,6 +36,12 @@ var pgTargetVars = []string{"PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGSERVI
 // runFunc runs a command after its flags are parsed; args are the positional ones.
 type runFunc func(ctx context.Context, e *env, args []string) error
 
+// runWith is the run function of a command whose flags fill in o: run gets o as
+// the parsed flags left it.
+func runWith[O any](o *O, run func(ctx context.Context, e *env, args []string, o O) error) runFunc {
+	return func(ctx context.Context, e *env, args []string) error { return run(ctx, e, args, *o) }
+}
+
 // command is one entry of the command table.
 type command struct {
 	// name is one word, or two for a subcommand ("effects list").
@@ -497,6 +503,13 @@ func noArgs(args []string) error {
 		return usagef("takes no arguments, got %q", args)
 	}
 	return nil
+}
+
+// pageFlags declares the --limit (at most limit of what by default) and --after
+// flags of a command that lists a page at a time.
+func pageFlags(fs *flag.FlagSet, p *admin.Page, limit int, what string) {
+	fs.IntVar(&p.Limit, "limit", limit, "at most this many "+what)
+	fs.StringVar(&p.After, "after", "", "the cursor of the page to show, from the previous page")
 }
 
 // checkLimit refuses a --limit the operator API would refuse.

@@ -2,7 +2,6 @@ package main
 
 import (
 	"cmp"
-	"context"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
@@ -137,10 +136,8 @@ func (c *console) failureAction(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "bad_request", `send {"id": "…", "action": "retry|discard|release", "through": "…", "dry_run": true|false, "at_most": N, "who": "…", "why": "…"}`)
 		return
 	}
-	do := map[string]func(context.Context, admin.GroupAction) (*admin.ActionResult, error){
-		admin.ActionRetry: c.admin.RetryGroup, admin.ActionDiscard: c.admin.DiscardGroup, admin.ActionRelease: c.admin.ReleaseGroup,
-	}[req.Action]
-	if do == nil {
+	fa, ok := failureActionFor(req.Action)
+	if !ok {
 		writeError(w, http.StatusBadRequest, "bad_request", fmt.Sprintf("action %q: use retry, discard or release", clip(req.Action, 20)))
 		return
 	}
@@ -148,7 +145,7 @@ func (c *console) failureAction(w http.ResponseWriter, r *http.Request) {
 	// operator typed.
 	host, _, _ := net.SplitHostPort(r.RemoteAddr)
 	who := cmp.Or(strings.TrimSpace(req.Who), "unknown") + " (console, " + cmp.Or(host, r.RemoteAddr) + ")"
-	res, err := do(r.Context(), admin.GroupAction{ID: req.ID, Since: req.Since, Through: req.Through,
+	res, err := fa.do(c.admin, r.Context(), admin.GroupAction{ID: req.ID, Since: req.Since, Through: req.Through,
 		DryRun: req.DryRun, AtMost: req.AtMost, Note: admin.Audit{Who: who, Why: req.Why}})
 	if err != nil {
 		c.fail(w, r, err)

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"slices"
@@ -34,8 +33,7 @@ an age (90m, 7d: that long ago), and filter on when the effect was created.`,
 		fs.StringVar(&o.f.Consumer, "consumer", "", "only effects made by this consumer's messages (or this HTTP operation's requests)")
 		timeVar(fs, &o.f.Created.Since, "since", "only effects created at or after this time")
 		timeVar(fs, &o.f.Created.Until, "until", "only effects created before this time")
-		fs.IntVar(&o.p.Limit, "limit", 100, "at most this many rows")
-		fs.StringVar(&o.p.After, "after", "", "the cursor of the page to show, from the previous page")
+		pageFlags(fs, &o.p, 100, "rows")
 		return func(ctx context.Context, e *env, args []string) error {
 			o.stateGiven = flagGiven(fs, "state")
 			return runEffectsList(ctx, e, args, o)
@@ -49,13 +47,6 @@ type effectsListOptions struct {
 	state      string
 	stateGiven bool
 	tenant     optString
-}
-
-// flagGiven reports whether name was on the command line.
-func flagGiven(fs *flag.FlagSet, name string) bool {
-	given := false
-	fs.Visit(func(f *flag.Flag) { given = given || f.Name == name })
-	return given
 }
 
 func runEffectsList(ctx context.Context, e *env, args []string, o effectsListOptions) error {
@@ -106,16 +97,4 @@ func runEffectsList(ctx context.Context, e *env, args []string, o effectsListOpt
 			}
 			return nil
 		})
-}
-
-// usageIfBad makes a bad filter or cursor a usage error (exit 2).
-func usageIfBad(err error) error {
-	if isBadInput(err) {
-		return usagef("%v", err)
-	}
-	return err
-}
-
-func isBadInput(err error) bool {
-	return errors.Is(err, admin.ErrBadCursor) || errors.Is(err, admin.ErrBadFilter)
 }

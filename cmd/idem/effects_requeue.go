@@ -26,9 +26,7 @@ tenants' receipt:pay_789 are two effects); --tenant '' is the unscoped one alone
 		fs.StringVar(&o.key, "key", "", "one effect key")
 		fs.BoolVar(&o.all, "all-dead", false, "every dead effect of the kind")
 		fs.Var(&o.tenant, "tenant", "only this tenant ('' for the unscoped effects; default every tenant)")
-		return func(ctx context.Context, e *env, args []string) error {
-			return runEffectsRequeue(ctx, e, args, o)
-		}
+		return runWith(&o, runEffectsRequeue)
 	},
 }
 

@@ -203,3 +203,15 @@ func (c *codedError) Unwrap() error { return c.sentinel }
 func codedf(sentinel error, format string, args ...any) error {
 	return &codedError{sentinel: sentinel, msg: fmt.Sprintf(format, args...)}
 }
+
+// usageIfBad makes a bad filter or cursor a usage error (exit 2).
+func usageIfBad(err error) error {
+	if isBadInput(err) {
+		return usagef("%v", err)
+	}
+	return err
+}
+
+func isBadInput(err error) bool {
+	return errors.Is(err, admin.ErrBadCursor) || errors.Is(err, admin.ErrBadFilter)
+}

@@ -39,11 +39,8 @@ shards that hold it, and 'idem failures show ID' shows each one's part.`,
 		timeVar(fs, &o.f.Seen.Since, "since", "count only failures at or after this time")
 		timeVar(fs, &o.f.Seen.Until, "until", "count only failures before this time")
 		fs.StringVar(&o.f.Order, "order", admin.ByCount, "count (largest first) or recent (latest failure first)")
-		fs.IntVar(&o.p.Limit, "limit", 50, "at most this many groups")
-		fs.StringVar(&o.p.After, "after", "", "the cursor of the page to show, from the previous page")
-		return func(ctx context.Context, e *env, args []string) error {
-			return runFailuresList(ctx, e, args, o)
-		}
+		pageFlags(fs, &o.p, 50, "groups")
+		return runWith(&o, runFailuresList)
 	},
 }
 
@@ -93,9 +90,7 @@ idem failures show i-0c1d2e3f4a5b6c7d --json`,
 		var seen admin.TimeRange
 		timeVar(fs, &seen.Since, "since", "count only failures at or after this time")
 		timeVar(fs, &seen.Until, "until", "count only failures before this time")
-		return func(ctx context.Context, e *env, args []string) error {
-			return runFailuresShow(ctx, e, args, seen)
-		}
+		return runWith(&seen, runFailuresShow)
 	},
 }
 
@@ -182,15 +177,37 @@ func (e *env) actionsTable(acts []admin.FailureAction) {
 	_ = tw.Flush()
 }
 
-// failureAction is one of the three repair commands.
+// failureAction is one of the three repair actions.
 type failureAction struct {
-	verb    string // retry, discard, release
+	verb    string // admin.ActionRetry, admin.ActionDiscard or admin.ActionRelease
 	do      func(*admin.Admin, context.Context, admin.GroupAction) (*admin.ActionResult, error)
 	doing   string // for the plan: "requeue N dead effects"
 	outcome string // for the result
 }
 
-func failureActionCmd(fa failureAction, summary, example string) *command {
+// failureActions are the repair actions of the failures commands and the
+// console's Failures page, by verb.
+var failureActions = map[string]failureAction{
+	admin.ActionRetry: {do: (*admin.Admin).RetryGroup,
+		doing:   "requeue %d dead effect(s): back to pending with their attempts reset, due now",
+		outcome: "requeued %d dead effect(s); dispatchers were notified and will send them now"},
+	admin.ActionDiscard: {do: (*admin.Admin).DiscardGroup,
+		doing:   "discard %d dead effect(s): never sent, deleted by the janitor after the effects retention",
+		outcome: "discarded %d dead effect(s); they will never be sent"},
+	admin.ActionRelease: {do: (*admin.Admin).ReleaseGroup,
+		doing:   "release %d failed inbox key(s): the next delivery or a republish of each runs the handler again",
+		outcome: "released %d failed inbox key(s); their next delivery (or a republish from the poison topic) runs the handler again"},
+}
+
+// failureActionFor is the repair action named verb; false for none.
+func failureActionFor(verb string) (failureAction, bool) {
+	fa, ok := failureActions[verb]
+	fa.verb = verb
+	return fa, ok
+}
+
+func failureActionCmd(verb, summary, example string) *command {
+	fa, _ := failureActionFor(verb)
 	return &command{
 		name:    "failures " + fa.verb,
 		args:    "ID --note WHY [--by WHO] [--through T] [--since T] [--dry-run] [--yes] [flags]",
@@ -226,25 +243,16 @@ type failureActionOptions struct {
 	yes bool
 }
 
-var failuresRetryCmd = failureActionCmd(failureAction{
-	verb: "retry", do: (*admin.Admin).RetryGroup,
-	doing: "requeue %d dead effect(s): back to pending with their attempts reset, due now", outcome: "requeued %d dead effect(s); dispatchers were notified and will send them now",
-}, "Retry a group of dead effects: back to pending with their attempts reset (audited)",
+var failuresRetryCmd = failureActionCmd(admin.ActionRetry, "Retry a group of dead effects: back to pending with their attempts reset (audited)",
 	`idem failures retry e-3fa2c0d1e2f3a4b5 --dry-run
 idem failures retry e-3fa2c0d1e2f3a4b5 --note "INC-42: provider fixed the shape check"
 idem failures retry e-3fa2c0d1e2f3a4b5 --note "INC-42" --yes --json`)
 
-var failuresDiscardCmd = failureActionCmd(failureAction{
-	verb: "discard", do: (*admin.Admin).DiscardGroup,
-	doing: "discard %d dead effect(s): never sent, deleted by the janitor after the effects retention", outcome: "discarded %d dead effect(s); they will never be sent",
-}, "Discard a group of dead effects: settled, never sent (audited)",
+var failuresDiscardCmd = failureActionCmd(admin.ActionDiscard, "Discard a group of dead effects: settled, never sent (audited)",
 	`idem failures discard e-3fa2c0d1e2f3a4b5 --dry-run
 idem failures discard e-3fa2c0d1e2f3a4b5 --note "obsolete: the campaign was cancelled"`)
 
-var failuresReleaseCmd = failureActionCmd(failureAction{
-	verb: "release", do: (*admin.Admin).ReleaseGroup,
-	doing: "release %d failed inbox key(s): the next delivery or a republish of each runs the handler again", outcome: "released %d failed inbox key(s); their next delivery (or a republish from the poison topic) runs the handler again",
-}, "Release a group of failed inbox keys, so that their next delivery or a republish runs again (audited)",
+var failuresReleaseCmd = failureActionCmd(admin.ActionRelease, "Release a group of failed inbox keys, so that their next delivery or a republish runs again (audited)",
 	`idem failures release i-0c1d2e3f4a5b6c7d --dry-run
 idem failures release i-0c1d2e3f4a5b6c7d --note "deploy 512 fixed the decimal parser"
 

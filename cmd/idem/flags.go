@@ -123,6 +123,13 @@ func (v timeValue) Set(s string) error {
 	return nil
 }
 
+// flagGiven reports whether name was on the command line.
+func flagGiven(fs *flag.FlagSet, name string) bool {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == name })
+	return given
+}
+
 func timeVar(fs *flag.FlagSet, p *time.Time, name, usage string) {
 	fs.Var(timeValue{t: p, now: time.Now}, name, usage)
 }

@@ -41,9 +41,7 @@ with the key, its state and fingerprint, --by and --reason.`,
 		fs.StringVar(&o.audit.Why, "reason", "", "why, for the audit log line: a ticket, a sentence (required)")
 		fs.StringVar(&o.audit.Who, "by", defaultWho(), "who, for the audit log line")
 		fs.BoolVar(&o.yes, "yes", false, "forget without asking")
-		return func(ctx context.Context, e *env, args []string) error {
-			return runForget(ctx, e, args, o)
-		}
+		return runWith(&o, runForget)
 	},
 }
 

@@ -29,8 +29,7 @@ last line gives the --after cursor of the next page (with --json, on stderr, as
 		fs.StringVar(&f.KeyPrefix, "key-prefix", "", "only keys that start with this")
 		timeVar(fs, &f.Received.Since, "since", "only keys received at or after this time")
 		timeVar(fs, &f.Received.Until, "until", "only keys received before this time")
-		fs.IntVar(&p.Limit, "limit", 100, "at most this many rows")
-		fs.StringVar(&p.After, "after", "", "the cursor of the page to show, from the previous page")
+		pageFlags(fs, &p, 100, "rows")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err

@@ -29,9 +29,7 @@ never asks: without --yes the error (code confirmation_required) holds the plan.
 	setup: func(fs *flag.FlagSet) runFunc {
 		var yes bool
 		fs.BoolVar(&yes, "yes", false, "down: revert without asking (it drops the tables shown and their rows)")
-		return func(ctx context.Context, e *env, args []string) error {
-			return runMigrate(ctx, e, args, yes)
-		}
+		return runWith(&yes, runMigrate)
 	},
 }
 
@@ -40,6 +38,19 @@ type migrationJSON struct {
 	Name      string     `json:"name"`
 	Applied   bool       `json:"applied"`
 	AppliedAt *time.Time `json:"applied_at,omitempty"`
+}
+
+func migrationsJSON(list []migrate.MigrationStatus) []migrationJSON {
+	out := make([]migrationJSON, 0, len(list))
+	for _, s := range list {
+		j := migrationJSON{Version: s.Version, Name: s.Name, Applied: s.Applied}
+		if s.Applied {
+			at := s.AppliedAt
+			j.AppliedAt = &at
+		}
+		out = append(out, j)
+	}
+	return out
 }
 
 func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
@@ -95,16 +106,7 @@ func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 			return err
 		}
 		if e.json {
-			out := make([]migrationJSON, 0, len(list))
-			for _, s := range list {
-				j := migrationJSON{Version: s.Version, Name: s.Name, Applied: s.Applied}
-				if s.Applied {
-					at := s.AppliedAt
-					j.AppliedAt = &at
-				}
-				out = append(out, j)
-			}
-			return e.writeJSON(out)
+			return e.writeJSON(migrationsJSON(list))
 		}
 		tw := e.table("VERSION", "NAME", "APPLIED", "APPLIED AT")
 		for _, s := range list {
@@ -155,7 +157,7 @@ func migrateDown(ctx context.Context, e *env, m *migrate.Migrator, yes bool) err
 	}
 	if plan.Version == 0 {
 		if e.json {
-			return e.writeJSON(map[string]any{"schema": e.schema, "reverted": 0, "dropped": []droppedJSON{}, "dropped_columns": []droppedColumnJSON{}})
+			return e.writeJSON(revertedJSON(e.schema, migrate.DownPlan{}))
 		}
 		fmt.Fprintf(e.stdout, "schema %s has no migration to revert\n", e.schema)
 		return nil
@@ -183,26 +185,21 @@ func migrateDown(ctx context.Context, e *env, m *migrate.Migrator, yes bool) err
 		return err
 	}
 	if e.json {
-		out := downJSON(e.schema, done, label)
-		return e.writeJSON(map[string]any{"schema": e.schema, "reverted": done.Version, "dropped": out.Dropped, "dropped_columns": out.DroppedColumns})
+		return e.writeJSON(revertedJSON(e.schema, done))
 	}
 	fmt.Fprintf(e.stdout, "reverted %s in schema %s: %s\n", label, e.schema, strings.TrimPrefix(describeDrops(done), "dropping "))
 	return nil
 }
 
-// downPlanJSON is what migrate down would drop: the plan of its
-// confirmation_required error.
-type downPlanJSON struct {
-	Schema         string              `json:"schema"`
-	Version        int                 `json:"version"`
-	Migration      string              `json:"migration"`
+// dropsJSON is what a step of migrate down drops: its tables, and its columns of
+// the tables it keeps.
+type dropsJSON struct {
 	Dropped        []droppedJSON       `json:"dropped"`
 	DroppedColumns []droppedColumnJSON `json:"dropped_columns"`
 }
 
-func downJSON(schema string, plan migrate.DownPlan, label string) downPlanJSON {
-	out := downPlanJSON{Schema: schema, Version: plan.Version, Migration: label,
-		Dropped: make([]droppedJSON, 0, len(plan.Tables)), DroppedColumns: make([]droppedColumnJSON, 0, len(plan.Columns))}
+func drops(plan migrate.DownPlan) dropsJSON {
+	out := dropsJSON{Dropped: make([]droppedJSON, 0, len(plan.Tables)), DroppedColumns: make([]droppedColumnJSON, 0, len(plan.Columns))}
 	for _, t := range plan.Tables {
 		out.Dropped = append(out.Dropped, droppedJSON{t.Table, t.Rows})
 	}
@@ -210,6 +207,26 @@ func downJSON(schema string, plan migrate.DownPlan, label string) downPlanJSON {
 		out.DroppedColumns = append(out.DroppedColumns, droppedColumnJSON{c.Table, c.Column, c.Rows})
 	}
 	return out
+}
+
+// downPlanJSON is what migrate down would drop: the plan of its
+// confirmation_required error.
+type downPlanJSON struct {
+	Schema    string `json:"schema"`
+	Version   int    `json:"version"`
+	Migration string `json:"migration"`
+	dropsJSON
+}
+
+func downJSON(schema string, plan migrate.DownPlan, label string) downPlanJSON {
+	return downPlanJSON{Schema: schema, Version: plan.Version, Migration: label, dropsJSON: drops(plan)}
+}
+
+// revertedJSON is the --json output of migrate down: the version it reverted (0:
+// none, there was nothing to revert) and what that dropped.
+func revertedJSON(schema string, done migrate.DownPlan) map[string]any {
+	d := drops(done)
+	return map[string]any{"schema": schema, "reverted": done.Version, "dropped": d.Dropped, "dropped_columns": d.DroppedColumns}
 }
 
 // describeDrops says which tables and columns go, and how much data each holds.
@@ -273,16 +290,7 @@ func migrateShards(ctx context.Context, e *env, action string) error {
 		if err != nil {
 			return fmt.Errorf("shard %q: %w", s.Name, err)
 		}
-		l := shardList{Shard: s.Name, Schema: s.SchemaName(), Migrations: []migrationJSON{}}
-		for _, st := range list {
-			j := migrationJSON{Version: st.Version, Name: st.Name, Applied: st.Applied}
-			if st.Applied {
-				at := st.AppliedAt
-				j.AppliedAt = &at
-			}
-			l.Migrations = append(l.Migrations, j)
-		}
-		out = append(out, l)
+		out = append(out, shardList{Shard: s.Name, Schema: s.SchemaName(), Migrations: migrationsJSON(list)})
 	}
 	if e.json {
 		return e.writeJSON(out)
