@@ -21,46 +21,38 @@ type metrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	f := promreg.With(reg)
 	m := &metrics{
-		processed: prometheus.NewCounterVec(prometheus.CounterOpts{
+		processed: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_inbox_processed_total", Help: "Messages whose handler work committed.",
-		}, []string{"consumer"}),
-		duplicates: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "consumer"),
+		duplicates: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_inbox_duplicates_total", Help: "Deliveries acked as duplicates of a committed key.",
-		}, []string{"consumer"}),
-		duplicateAge: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		}, "consumer"),
+		duplicateAge: f.HistogramVec(prometheus.HistogramOpts{
 			Name:    "idem_inbox_duplicate_age_seconds",
 			Help:    "How long after the first commit a duplicate came; compare with the retention.",
 			Buckets: prometheus.ExponentialBuckets(0.01, 4, 14), // 10 ms .. ~28 days
-		}, []string{"consumer"}),
-		mismatch: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "consumer"),
+		mismatch: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_inbox_fingerprint_mismatch_total", Help: "Keys seen again with a different payload fingerprint.",
-		}, []string{"consumer"}),
-		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "consumer"),
+		failed: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_inbox_failed_total", Help: "Permanent failures, by code; replayed=true for redeliveries of a recorded failure.",
-		}, []string{"consumer", "code", "replayed"}),
-		lockWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		}, "consumer", "code", "replayed"),
+		lockWait: f.HistogramVec(prometheus.HistogramOpts{
 			Name:    "idem_inbox_lock_wait_seconds",
 			Help:    "Time from the start of a claim until it returned, including waits for a concurrent delivery of the key.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10),
-		}, []string{"consumer"}),
-		expiredRetry: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "consumer"),
+		expiredRetry: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_inbox_expired_retry_total", Help: "Deliveries older than the consumer's retention, or whose key's inbox row had expired (run as new).",
-		}, []string{"consumer"}),
-		transientNack: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "consumer"),
+		transientNack: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_inbox_nacked_total", Help: "Deliveries nacked for a transient reason, by code.",
-		}, []string{"consumer", "code"}),
+		}, "consumer", "code"),
 	}
-	var err error
-	m.processed = promreg.Register(reg, m.processed, &err)
-	m.duplicates = promreg.Register(reg, m.duplicates, &err)
-	m.duplicateAge = promreg.Register(reg, m.duplicateAge, &err)
-	m.mismatch = promreg.Register(reg, m.mismatch, &err)
-	m.failed = promreg.Register(reg, m.failed, &err)
-	m.lockWait = promreg.Register(reg, m.lockWait, &err)
-	m.expiredRetry = promreg.Register(reg, m.expiredRetry, &err)
-	m.transientNack = promreg.Register(reg, m.transientNack, &err)
-	if err != nil {
+	if err := f.Err(); err != nil {
 		return nil, err
 	}
 	return m, nil

@@ -19,46 +19,39 @@ type metrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	f := promreg.With(reg)
 	m := &metrics{
-		pending: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		pending: f.GaugeVec(prometheus.GaugeOpts{
 			Name: "idem_effects_pending",
 			Help: "Effects waiting to be sent (state pending), by kind; refreshed periodically.",
-		}, []string{"kind"}),
-		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "kind"),
+		attempts: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_effects_attempts_total",
 			Help: "Attempts at effects, by kind and outcome (done, retry, dead, reconciled, released).",
-		}, []string{"kind", "outcome"}),
-		dead: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "kind", "outcome"),
+		dead: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_effects_dead_total",
 			Help: "Effects that became dead (permanent failure or attempts exhausted), by kind.",
-		}, []string{"kind"}),
-		lag: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		}, "kind"),
+		lag: f.HistogramVec(prometheus.HistogramOpts{
 			Name:    "idem_effects_lag_seconds",
 			Help:    "Time from an effect becoming due (its commit, or its retry time) to its Send call, by kind.",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
-		}, []string{"kind"}),
-		unknown: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "kind"),
+		unknown: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_effects_unknown_total",
 			Help: "Attempts whose outcome was unknown (lease expired, or an indefinite error) and that Reconcile could not settle, by kind.",
-		}, []string{"kind"}),
-		lostLease: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "kind"),
+		lostLease: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_effects_lost_lease_total",
 			Help: "Outcomes not recorded because the claim's lease had run out and the effect was claimed again (fence mismatch), by kind.",
-		}, []string{"kind"}),
-		reconcile: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "kind"),
+		reconcile: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_effects_reconcile_total",
 			Help: "Reconcile calls, by kind and result (done, not_done, error).",
-		}, []string{"kind", "result"}),
+		}, "kind", "result"),
 	}
-	var err error
-	m.pending = promreg.Register(reg, m.pending, &err)
-	m.attempts = promreg.Register(reg, m.attempts, &err)
-	m.dead = promreg.Register(reg, m.dead, &err)
-	m.lag = promreg.Register(reg, m.lag, &err)
-	m.unknown = promreg.Register(reg, m.unknown, &err)
-	m.lostLease = promreg.Register(reg, m.lostLease, &err)
-	m.reconcile = promreg.Register(reg, m.reconcile, &err)
-	return m, err
+	return m, f.Err()
 }
 
 // Label values that a dashboard expects for every kind, created at 0 up front.

@@ -154,27 +154,24 @@ func New(cfg Config) (*Janitor, error) {
 	if cfg.Shards != nil {
 		return newSharded(cfg)
 	}
+	f := promreg.With(cfg.Registerer)
 	j := &Janitor{
 		cfg: cfg,
 		q:   newQueries(cfg.Schema),
-		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
+		deleted: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_janitor_deleted_total",
 			Help: "Rows the janitor deleted after their retention, by table (inbox, effects).",
-		}, []string{"schema", "table"}),
-		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
+		}, "schema", "table"),
+		passes: f.CounterVec(prometheus.CounterOpts{
 			Name: "idem_janitor_passes_total",
 			Help: "Janitor passes, by result: ok, busy (another instance held the lock) or error.",
-		}, []string{"schema", "result"}),
-		lastOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		}, "schema", "result"),
+		lastOK: f.GaugeVec(prometheus.GaugeOpts{
 			Name: "idem_janitor_last_success_timestamp_seconds",
 			Help: "Unix time when a janitor pass of this process last finished without error.",
-		}, []string{"schema"}),
+		}, "schema"),
 	}
-	var err error
-	j.deleted = promreg.Register(cfg.Registerer, j.deleted, &err)
-	j.passes = promreg.Register(cfg.Registerer, j.passes, &err)
-	j.lastOK = promreg.Register(cfg.Registerer, j.lastOK, &err)
-	if err != nil {
+	if err := f.Err(); err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	// Every series exists from the start, at 0, so that a dashboard sees the schema

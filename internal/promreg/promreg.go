@@ -30,6 +30,35 @@ func Register[C prometheus.Collector](reg prometheus.Registerer, c C, errp *erro
 	return c
 }
 
+// Factory makes collectors and registers each on one Registerer as it makes it,
+// as Register does: like promauto.With, but it shares a collector already
+// registered and gathers failures instead of panicking. Err reports them.
+type Factory struct {
+	reg prometheus.Registerer
+	err error
+}
+
+// With returns a Factory that registers on reg (nil: registers nothing).
+func With(reg prometheus.Registerer) *Factory { return &Factory{reg: reg} }
+
+// CounterVec makes and registers a counter vector.
+func (f *Factory) CounterVec(opts prometheus.CounterOpts, labels ...string) *prometheus.CounterVec {
+	return Register(f.reg, prometheus.NewCounterVec(opts, labels), &f.err)
+}
+
+// GaugeVec makes and registers a gauge vector.
+func (f *Factory) GaugeVec(opts prometheus.GaugeOpts, labels ...string) *prometheus.GaugeVec {
+	return Register(f.reg, prometheus.NewGaugeVec(opts, labels), &f.err)
+}
+
+// HistogramVec makes and registers a histogram vector.
+func (f *Factory) HistogramVec(opts prometheus.HistogramOpts, labels ...string) *prometheus.HistogramVec {
+	return Register(f.reg, prometheus.NewHistogramVec(opts, labels), &f.err)
+}
+
+// Err returns every registration failure so far, joined (nil if none).
+func (f *Factory) Err() error { return f.err }
+
 // ShardLabel is the label every series of a shard map's per-shard part carries:
 // the shard's name.
 const ShardLabel = "shard"

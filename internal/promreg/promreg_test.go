@@ -70,3 +70,25 @@ func TestShardLabelsEverySeriesAndShares(t *testing.T) {
 
 	require.Nil(t, promreg.Shard(nil, "s1"))
 }
+
+func TestFactorySharesAndReports(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	opts := prometheus.CounterOpts{Name: "f_total", Help: "f"}
+	a, b := promreg.With(reg), promreg.With(reg)
+	first := a.CounterVec(opts, "l")
+	require.Same(t, first, b.CounterVec(opts, "l"), "a second factory on the registry shares the collector")
+	require.NoError(t, a.Err())
+	require.NoError(t, b.Err())
+
+	// A clash is gathered, not panicked, and every clash is reported.
+	b.GaugeVec(prometheus.GaugeOpts{Name: "f_total", Help: "f"}, "other")
+	b.HistogramVec(prometheus.HistogramOpts{Name: "f_total", Help: "f"}, "third")
+	require.Error(t, b.Err())
+	require.Len(t, b.Err().(interface{ Unwrap() []error }).Unwrap(), 2)
+
+	// No registry: collectors made, nothing registered, no error.
+	none := promreg.With(nil)
+	require.NotNil(t, none.CounterVec(opts, "l"))
+	require.NoError(t, none.Err())
+}
