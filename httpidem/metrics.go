@@ -76,28 +76,11 @@ type opMetrics struct {
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	f := promreg.With(reg)
 	m := &metrics{
-		requests: f.CounterVec(prometheus.CounterOpts{
-			Name: "idem_http_requests_total",
-			Help: "HTTP requests through the idempotency-key middleware, by operation and outcome.",
-		}, "operation", "outcome"),
-		replayAge: f.HistogramVec(prometheus.HistogramOpts{
-			Name:    "idem_http_replay_age_seconds",
-			Help:    "How long after the first answer a replay came; compare with the retention.",
-			Buckets: prometheus.ExponentialBuckets(0.01, 4, 14),
-		}, "operation"),
-		lockWait: f.HistogramVec(prometheus.HistogramOpts{
-			Name:    "idem_http_lock_wait_seconds",
-			Help:    "Time to claim a key, including the wait for a concurrent request with the same key.",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10),
-		}, "operation"),
-		expired: f.CounterVec(prometheus.CounterOpts{
-			Name: "idem_http_expired_keys_total",
-			Help: "Keys reused after their retention; the request ran as new.",
-		}, "operation"),
-		stale: f.CounterVec(prometheus.CounterOpts{
-			Name: "idem_http_stale_leases_total",
-			Help: "Lease-mode keys taken over after their lease ran out, by what Recover decided.",
-		}, "operation", "decision"),
+		requests:  f.Counter("idem_http_requests_total", "HTTP requests through the idempotency-key middleware, by operation and outcome.", "operation", "outcome"),
+		replayAge: f.Histogram("idem_http_replay_age_seconds", "How long after the first answer a replay came; compare with the retention.", prometheus.ExponentialBuckets(0.01, 4, 14), "operation"),
+		lockWait:  f.Histogram("idem_http_lock_wait_seconds", "Time to claim a key, including the wait for a concurrent request with the same key.", prometheus.ExponentialBuckets(0.0005, 4, 10), "operation"),
+		expired:   f.Counter("idem_http_expired_keys_total", "Keys reused after their retention; the request ran as new.", "operation"),
+		stale:     f.Counter("idem_http_stale_leases_total", "Lease-mode keys taken over after their lease ran out, by what Recover decided.", "operation", "decision"),
 	}
 	if err := f.Err(); err != nil {
 		return nil, err
