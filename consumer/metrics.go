@@ -10,57 +10,23 @@ import (
 // metrics are the consumer's Prometheus collectors. Several consumers in one process
 // share them: the consumer label tells them apart.
 type metrics struct {
-	processed     *prometheus.CounterVec
-	duplicates    *prometheus.CounterVec
-	duplicateAge  *prometheus.HistogramVec
-	mismatch      *prometheus.CounterVec
-	failed        *prometheus.CounterVec
-	lockWait      *prometheus.HistogramVec
-	expiredRetry  *prometheus.CounterVec
-	transientNack *prometheus.CounterVec
+	processed, duplicates, mismatch, failed, expiredRetry, transientNack *prometheus.CounterVec
+	duplicateAge, lockWait                                               *prometheus.HistogramVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	f := promreg.With(reg)
 	m := &metrics{
-		processed: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_inbox_processed_total", Help: "Messages whose handler work committed.",
-		}, []string{"consumer"}),
-		duplicates: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_inbox_duplicates_total", Help: "Deliveries acked as duplicates of a committed key.",
-		}, []string{"consumer"}),
-		duplicateAge: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "idem_inbox_duplicate_age_seconds",
-			Help:    "How long after the first commit a duplicate came; compare with the retention.",
-			Buckets: prometheus.ExponentialBuckets(0.01, 4, 14), // 10 ms .. ~28 days
-		}, []string{"consumer"}),
-		mismatch: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_inbox_fingerprint_mismatch_total", Help: "Keys seen again with a different payload fingerprint.",
-		}, []string{"consumer"}),
-		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_inbox_failed_total", Help: "Permanent failures, by code; replayed=true for redeliveries of a recorded failure.",
-		}, []string{"consumer", "code", "replayed"}),
-		lockWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "idem_inbox_lock_wait_seconds",
-			Help:    "Time from the start of a claim until it returned, including waits for a concurrent delivery of the key.",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10),
-		}, []string{"consumer"}),
-		expiredRetry: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_inbox_expired_retry_total", Help: "Deliveries older than the consumer's retention, or whose key's inbox row had expired (run as new).",
-		}, []string{"consumer"}),
-		transientNack: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_inbox_nacked_total", Help: "Deliveries nacked for a transient reason, by code.",
-		}, []string{"consumer", "code"}),
+		processed:     f.Counter("idem_inbox_processed_total", "Messages whose handler work committed.", "consumer"),
+		duplicates:    f.Counter("idem_inbox_duplicates_total", "Deliveries acked as duplicates of a committed key.", "consumer"),
+		duplicateAge:  f.Histogram("idem_inbox_duplicate_age_seconds", "How long after the first commit a duplicate came; compare with the retention.", prometheus.ExponentialBuckets(0.01, 4, 14), "consumer"), // 10 ms .. ~28 days
+		mismatch:      f.Counter("idem_inbox_fingerprint_mismatch_total", "Keys seen again with a different payload fingerprint.", "consumer"),
+		failed:        f.Counter("idem_inbox_failed_total", "Permanent failures, by code; replayed=true for redeliveries of a recorded failure.", "consumer", "code", "replayed"),
+		lockWait:      f.Histogram("idem_inbox_lock_wait_seconds", "Time from the start of a claim until it returned, including waits for a concurrent delivery of the key.", prometheus.ExponentialBuckets(0.0005, 4, 10), "consumer"),
+		expiredRetry:  f.Counter("idem_inbox_expired_retry_total", "Deliveries older than the consumer's retention, or whose key's inbox row had expired (run as new).", "consumer"),
+		transientNack: f.Counter("idem_inbox_nacked_total", "Deliveries nacked for a transient reason, by code.", "consumer", "code"),
 	}
-	var err error
-	m.processed = promreg.Register(reg, m.processed, &err)
-	m.duplicates = promreg.Register(reg, m.duplicates, &err)
-	m.duplicateAge = promreg.Register(reg, m.duplicateAge, &err)
-	m.mismatch = promreg.Register(reg, m.mismatch, &err)
-	m.failed = promreg.Register(reg, m.failed, &err)
-	m.lockWait = promreg.Register(reg, m.lockWait, &err)
-	m.expiredRetry = promreg.Register(reg, m.expiredRetry, &err)
-	m.transientNack = promreg.Register(reg, m.transientNack, &err)
-	if err != nil {
+	if err := f.Err(); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -89,12 +55,8 @@ var (
 // rate() and an alert on increase() see them from the start, not from the first
 // increment. Codes a handler invents still appear at their first use.
 func (m *metrics) init(name string) {
-	m.processed.WithLabelValues(name)
-	m.duplicates.WithLabelValues(name)
-	m.duplicateAge.WithLabelValues(name)
-	m.mismatch.WithLabelValues(name)
-	m.lockWait.WithLabelValues(name)
-	m.expiredRetry.WithLabelValues(name)
+	promreg.Zero([]string{name}, m.processed.MetricVec, m.duplicates.MetricVec, m.duplicateAge.MetricVec,
+		m.mismatch.MetricVec, m.lockWait.MetricVec, m.expiredRetry.MetricVec)
 	for _, code := range nackCodes {
 		m.transientNack.WithLabelValues(name, code)
 	}

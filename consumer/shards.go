@@ -6,7 +6,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -28,21 +27,24 @@ type shards struct {
 // Fingerprint is the default one, which each shard's Consumer then computes
 // without an allocation.
 func newSharded(cfg Config, defaultFP bool) (*Consumer, error) {
-	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Consumer, error) {
-		one := cfg
-		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
-		if defaultFP {
-			one.Fingerprint = nil
-		}
-		one.Logger = cfg.Logger.With("shard", sh.Name)
-		one.Registerer = promreg.Shard(cfg.Registerer, sh.Name)
-		return New(one)
-	})
+	part := cfg
+	if defaultFP {
+		part.Fingerprint = nil
+	}
+	each, err := shard.Each(cfg.Shards, part.forShard, New)
 	if err != nil {
 		return nil, err
 	}
 	s := &shards{m: cfg.Shards, tenant: cfg.Tenant, each: each}
 	return &Consumer{cfg: cfg, shards: s, log: cfg.Logger}, nil
+}
+
+// forShard returns c for sh's part of a sharded Consumer: sh's database, and c's
+// logger and registerer labelled with sh's name.
+func (c Config) forShard(sh shard.Shard) Config {
+	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
+	return c
 }
 
 // route returns the index of msg's shard. A message whose tenant cannot be read, or

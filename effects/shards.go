@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"sync"
 
-	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -21,18 +20,19 @@ type shardSet struct {
 }
 
 func newShardedDispatcher(cfg Config) (*Dispatcher, error) {
-	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Dispatcher, error) {
-		one := cfg
-		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
-		one.Logger = cfg.Logger.With("shard", sh.Name)
-		one.Registerer = promreg.Shard(cfg.Registerer, sh.Name)
-		return NewDispatcher(one)
-	})
+	each, err := shard.Each(cfg.Shards, cfg.forShard, NewDispatcher)
 	if err != nil {
 		return nil, err
 	}
-	s := &shardSet{names: cfg.Shards.Names(), each: each}
-	return &Dispatcher{cfg: cfg, log: cfg.Logger, shards: s}, nil
+	return &Dispatcher{cfg: cfg, log: cfg.Logger, shards: &shardSet{names: cfg.Shards.Names(), each: each}}, nil
+}
+
+// forShard returns c for sh's part of a sharded Dispatcher: sh's database, and c's
+// logger and registerer labelled with sh's name.
+func (c Config) forShard(sh shard.Shard) Config {
+	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
+	return c
 }
 
 // run runs every shard's Dispatcher until ctx ends. A shard that is down does not

@@ -74,37 +74,15 @@ type opMetrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	f := promreg.With(reg)
 	m := &metrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_http_requests_total",
-			Help: "HTTP requests through the idempotency-key middleware, by operation and outcome.",
-		}, []string{"operation", "outcome"}),
-		replayAge: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "idem_http_replay_age_seconds",
-			Help:    "How long after the first answer a replay came; compare with the retention.",
-			Buckets: prometheus.ExponentialBuckets(0.01, 4, 14),
-		}, []string{"operation"}),
-		lockWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "idem_http_lock_wait_seconds",
-			Help:    "Time to claim a key, including the wait for a concurrent request with the same key.",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10),
-		}, []string{"operation"}),
-		expired: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_http_expired_keys_total",
-			Help: "Keys reused after their retention; the request ran as new.",
-		}, []string{"operation"}),
-		stale: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_http_stale_leases_total",
-			Help: "Lease-mode keys taken over after their lease ran out, by what Recover decided.",
-		}, []string{"operation", "decision"}),
+		requests:  f.Counter("idem_http_requests_total", "HTTP requests through the idempotency-key middleware, by operation and outcome.", "operation", "outcome"),
+		replayAge: f.Histogram("idem_http_replay_age_seconds", "How long after the first answer a replay came; compare with the retention.", prometheus.ExponentialBuckets(0.01, 4, 14), "operation"),
+		lockWait:  f.Histogram("idem_http_lock_wait_seconds", "Time to claim a key, including the wait for a concurrent request with the same key.", prometheus.ExponentialBuckets(0.0005, 4, 10), "operation"),
+		expired:   f.Counter("idem_http_expired_keys_total", "Keys reused after their retention; the request ran as new.", "operation"),
+		stale:     f.Counter("idem_http_stale_leases_total", "Lease-mode keys taken over after their lease ran out, by what Recover decided.", "operation", "decision"),
 	}
-	var err error
-	m.requests = promreg.Register(reg, m.requests, &err)
-	m.replayAge = promreg.Register(reg, m.replayAge, &err)
-	m.lockWait = promreg.Register(reg, m.lockWait, &err)
-	m.expired = promreg.Register(reg, m.expired, &err)
-	m.stale = promreg.Register(reg, m.stale, &err)
-	if err != nil {
+	if err := f.Err(); err != nil {
 		return nil, err
 	}
 	m.ops.Store(&map[string]*opMetrics{})

@@ -4,7 +4,6 @@ import (
 	"net/http"
 
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -17,18 +16,19 @@ type shardSet struct {
 }
 
 func newSharded(cfg Config) (*Middleware, error) {
-	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Middleware, error) {
-		one := cfg
-		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
-		one.Logger = cfg.Logger.With("shard", sh.Name)
-		one.Registerer = promreg.Shard(cfg.Registerer, sh.Name)
-		return New(one)
-	})
+	each, err := shard.Each(cfg.Shards, cfg.forShard, New)
 	if err != nil {
 		return nil, err
 	}
-	s := &shardSet{m: cfg.Shards, each: each}
-	return &Middleware{cfg: cfg, log: cfg.Logger, shards: s}, nil
+	return &Middleware{cfg: cfg, log: cfg.Logger, shards: &shardSet{m: cfg.Shards, each: each}}, nil
+}
+
+// forShard returns c for sh's part of a sharded Middleware: sh's database, and c's
+// logger and registerer labelled with sh's name.
+func (c Config) forShard(sh shard.Shard) Config {
+	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
+	return c
 }
 
 // parts are the Middlewares that do the work: one a shard, or m itself.

@@ -127,11 +127,10 @@ func (s Stats) Deleted() int64 { return s.InboxDeleted + s.EffectsDeleted }
 // A Postgres advisory lock (per schema) keeps it to one running pass at a time
 // across all processes, so every consumer and dispatcher process may run one.
 type Janitor struct {
-	cfg     Config
-	q       queries
-	deleted *prometheus.CounterVec
-	passes  *prometheus.CounterVec
-	lastOK  *prometheus.GaugeVec
+	cfg             Config
+	q               queries
+	deleted, passes *prometheus.CounterVec
+	lastOK          *prometheus.GaugeVec
 	// shards, with a shard map, runs one Janitor a shard.
 	shards *shardSet
 }
@@ -154,27 +153,15 @@ func New(cfg Config) (*Janitor, error) {
 	if cfg.Shards != nil {
 		return newSharded(cfg)
 	}
+	f := promreg.With(cfg.Registerer)
 	j := &Janitor{
-		cfg: cfg,
-		q:   newQueries(cfg.Schema),
-		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_janitor_deleted_total",
-			Help: "Rows the janitor deleted after their retention, by table (inbox, effects).",
-		}, []string{"schema", "table"}),
-		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "idem_janitor_passes_total",
-			Help: "Janitor passes, by result: ok, busy (another instance held the lock) or error.",
-		}, []string{"schema", "result"}),
-		lastOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "idem_janitor_last_success_timestamp_seconds",
-			Help: "Unix time when a janitor pass of this process last finished without error.",
-		}, []string{"schema"}),
+		cfg:     cfg,
+		q:       newQueries(cfg.Schema),
+		deleted: f.Counter("idem_janitor_deleted_total", "Rows the janitor deleted after their retention, by table (inbox, effects).", "schema", "table"),
+		passes:  f.Counter("idem_janitor_passes_total", "Janitor passes, by result: ok, busy (another instance held the lock) or error.", "schema", "result"),
+		lastOK:  f.Gauge("idem_janitor_last_success_timestamp_seconds", "Unix time when a janitor pass of this process last finished without error.", "schema"),
 	}
-	var err error
-	j.deleted = promreg.Register(cfg.Registerer, j.deleted, &err)
-	j.passes = promreg.Register(cfg.Registerer, j.passes, &err)
-	j.lastOK = promreg.Register(cfg.Registerer, j.lastOK, &err)
-	if err != nil {
+	if err := f.Err(); err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	// Every series exists from the start, at 0, so that a dashboard sees the schema

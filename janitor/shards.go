@@ -7,7 +7,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -20,18 +19,19 @@ type shardSet struct {
 }
 
 func newSharded(cfg Config) (*Janitor, error) {
-	each, err := shard.Each(cfg.Shards, func(sh shard.Shard) (*Janitor, error) {
-		one := cfg
-		one.Shards, one.Pool, one.Schema = nil, sh.Pool, sh.SchemaName()
-		one.Logger = cfg.Logger.With("shard", sh.Name)
-		one.Registerer = promreg.Shard(cfg.Registerer, sh.Name)
-		return New(one)
-	})
+	each, err := shard.Each(cfg.Shards, cfg.forShard, New)
 	if err != nil {
 		return nil, err
 	}
-	s := &shardSet{names: cfg.Shards.Names(), each: each}
-	return &Janitor{cfg: cfg, shards: s}, nil
+	return &Janitor{cfg: cfg, shards: &shardSet{names: cfg.Shards.Names(), each: each}}, nil
+}
+
+// forShard returns c for sh's part of a sharded Janitor: sh's database, and c's
+// logger and registerer labelled with sh's name.
+func (c Config) forShard(sh shard.Shard) Config {
+	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
+	return c
 }
 
 // run runs every shard's Janitor until ctx ends.

@@ -25,12 +25,15 @@ package shard
 
 import (
 	"fmt"
+	"log/slog"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/promreg"
 )
 
 // ErrRoute is returned when the route gives no shard for a tenant: the Route
@@ -228,17 +231,25 @@ func ValidateDB[P comparable](m *Map, pool P, schema string) error {
 	return m.Validate()
 }
 
-// Each builds one value for each shard of m, in map order, by calling build with
-// the shard; an error says which shard it came from. idem's packages build their
-// single-database parts of a shard map with it.
-func Each[T any](m *Map, build func(Shard) (T, error)) ([]T, error) {
+// Each builds one value for each shard of m, in map order: config gives the
+// shard's config and build makes the value from it. An error says which shard it
+// came from. idem's packages build their single-database parts of a shard map
+// with it.
+func Each[C, T any](m *Map, config func(Shard) C, build func(C) (T, error)) ([]T, error) {
 	out := make([]T, 0, len(m.Shards))
 	for _, sh := range m.Shards {
-		v, err := build(sh)
+		v, err := build(config(sh))
 		if err != nil {
 			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
 		}
 		out = append(out, v)
 	}
 	return out, nil
+}
+
+// Label returns log and reg for the shard's part of a sharded component: log with
+// the attribute shard=name, reg with the constant label shard=name on every series
+// (see promreg.Shard; nil for a nil reg).
+func (s Shard) Label(log *slog.Logger, reg prometheus.Registerer) (*slog.Logger, prometheus.Registerer) {
+	return log.With("shard", s.Name), promreg.Shard(reg, s.Name)
 }

@@ -70,3 +70,48 @@ func TestShardLabelsEverySeriesAndShares(t *testing.T) {
 
 	require.Nil(t, promreg.Shard(nil, "s1"))
 }
+
+func TestFactorySharesAndReports(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	a, b := promreg.With(reg), promreg.With(reg)
+	first := a.Counter("f_total", "f", "l")
+	require.Same(t, first, b.Counter("f_total", "f", "l"), "a second factory on the registry shares the collector")
+	require.NoError(t, a.Err())
+	require.NoError(t, b.Err())
+
+	// A clash is gathered, not panicked, and every clash is reported.
+	b.Gauge("f_total", "f", "other")
+	b.Histogram("f_total", "f", prometheus.DefBuckets, "third")
+	require.Error(t, b.Err())
+	require.Len(t, b.Err().(interface{ Unwrap() []error }).Unwrap(), 2)
+
+	// The histogram gets its buckets.
+	h := a.Histogram("h_seconds", "h", []float64{1, 2})
+	h.WithLabelValues().Observe(1.5)
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() == "h_seconds" {
+			require.Len(t, mf.GetMetric()[0].GetHistogram().GetBucket(), 2)
+		}
+	}
+
+	// No registry: collectors made, nothing registered, no error.
+	none := promreg.With(nil)
+	require.NotNil(t, none.Counter("f_total", "f", "l"))
+	require.NoError(t, none.Err())
+}
+
+func TestZeroMakesSeries(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	f := promreg.With(reg)
+	c := f.Counter("z_total", "z", "l")
+	h := f.Histogram("z_seconds", "z", []float64{1}, "l")
+	promreg.Zero([]string{"a"}, c.MetricVec, h.MetricVec)
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	require.Len(t, mfs, 2, "both families have a series before any event")
+	require.Panics(t, func() { promreg.Zero([]string{"a", "b"}, c.MetricVec) })
+}
