@@ -136,8 +136,8 @@ type Result struct {
 	MsgsPerSec    float64       `json:"msgs_per_sec"` // deliveries per second
 	P50           time.Duration `json:"p50_ns"`
 	P99           time.Duration `json:"p99_ns"`
-	CommitsPerMsg float64       `json:"commits_per_msg"`
-	TripsPerMsg   float64       `json:"round_trips_per_msg"`
+	CommitsPerMsg float64       `json:"commits_per_msg"`     // Postgres COMMITs per delivery (per effect for Drain)
+	TripsPerMsg   float64       `json:"round_trips_per_msg"` // queries and batches sent to Postgres, likewise
 	BusinessRows  int           `json:"business_rows"`
 	// CommittedTwice is business rows beyond one per message; Lost is messages
 	// with no business row.
