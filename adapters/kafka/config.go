@@ -163,7 +163,6 @@ type PublisherConfig struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c PublisherConfig) WithDefaults() PublisherConfig {
-	c.Propagator = tracing.Propagator(c.Propagator)
 	c.Balancer = cmp.Or[kafka.Balancer](c.Balancer, &kafka.Hash{})
 	c.RequiredAcks = cmp.Or(c.RequiredAcks, int(DefaultRequiredAcks))
 	c.MaxAttempts = cmp.Or(c.MaxAttempts, DefaultMaxAttempts)
@@ -171,9 +170,8 @@ func (c PublisherConfig) WithDefaults() PublisherConfig {
 	c.BatchTimeout = cmp.Or(c.BatchTimeout, DefaultBatchTimeout)
 	c.RebalanceInterval = cmp.Or(c.RebalanceInterval, DefaultMetadataTTL)
 	c.TopicWait = cmp.Or(c.TopicWait, DefaultTopicWait)
-	if c.Dialer == nil {
-		c.Dialer = kafka.DefaultDialer
-	}
+	c.Dialer = cmp.Or(c.Dialer, kafka.DefaultDialer)
+	c.Propagator = tracing.Propagator(c.Propagator)
 	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
 	return c
 }
@@ -182,10 +180,7 @@ func (c PublisherConfig) WithDefaults() PublisherConfig {
 // checks c.WithDefaults(), so a config that sets only Brokers passes.
 func (c PublisherConfig) Validate() error {
 	c = c.WithDefaults()
-	var errs []error
-	if len(c.Brokers) == 0 {
-		errs = append(errs, errcode.InvalidConfig("Brokers is empty"))
-	}
+	errs := []error{brokersError(c.Brokers)}
 	if c.Topic != "" {
 		errs = append(errs, errcode.InvalidConfig("Topic must be empty: the topic comes from Publish"))
 	}
@@ -202,6 +197,15 @@ func (c PublisherConfig) Validate() error {
 		errs = append(errs, errcode.InvalidConfig("RequiredAcks %d is not RequireAll (-1) or RequireOne (1); use Async not to wait", c.RequiredAcks))
 	}
 	return errors.Join(errs...)
+}
+
+// brokersError is what both configs' Validate report of Brokers: nil, which
+// errors.Join drops, when it names a broker.
+func brokersError(brokers []string) error {
+	if len(brokers) == 0 {
+		return errcode.InvalidConfig("Brokers is empty")
+	}
+	return nil
 }
 
 // SubscriberConfig configures a Subscriber.
@@ -293,7 +297,6 @@ type SubscriberConfig struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c SubscriberConfig) WithDefaults() SubscriberConfig {
-	c.Propagator = tracing.Propagator(c.Propagator)
 	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
 	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, DefaultHeartbeatInterval)
 	c.SessionTimeout = cmp.Or(c.SessionTimeout, DefaultSessionTimeout)
@@ -309,10 +312,9 @@ func (c SubscriberConfig) WithDefaults() SubscriberConfig {
 	c.MaxInFlightPerPartition = cmp.Or(c.MaxInFlightPerPartition, DefaultMaxInFlightPerPartition)
 	c.TopicPartitions = cmp.Or(c.TopicPartitions, DefaultTopicPartitions)
 	c.TopicReplicationFactor = cmp.Or(c.TopicReplicationFactor, DefaultTopicReplicationFactor)
-	if c.Dialer == nil {
-		c.Dialer = kafka.DefaultDialer
-	}
+	c.Dialer = cmp.Or(c.Dialer, kafka.DefaultDialer)
 	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
+	c.Propagator = tracing.Propagator(c.Propagator)
 	return c
 }
 
@@ -355,10 +357,7 @@ func (c SubscriberConfig) validateGroupTimings() []error {
 // join a group) passes.
 func (c SubscriberConfig) Validate() error {
 	c = c.WithDefaults()
-	var errs []error
-	if len(c.Brokers) == 0 {
-		errs = append(errs, errcode.InvalidConfig("Brokers is empty"))
-	}
+	errs := []error{brokersError(c.Brokers)}
 	if c.Topic != "" || len(c.GroupTopics) > 0 || c.Partition != 0 {
 		errs = append(errs, errcode.InvalidConfig("Topic, GroupTopics and Partition must be empty: the topic comes from Subscribe"))
 	}

@@ -180,10 +180,10 @@ type PublisherConfig struct {
 // WithDefaults returns c with every unset field at its default.
 func (c PublisherConfig) WithDefaults() PublisherConfig {
 	c.Topology = c.Topology.WithDefaults()
-	c.Propagator = tracing.Propagator(c.Propagator)
 	c.MaxInFlight = cmp.Or(c.MaxInFlight, DefaultMaxInFlight)
 	c.PublishTimeout = cmp.Or(c.PublishTimeout, DefaultPublishTimeout)
 	c.CloseTimeout = cmp.Or(c.CloseTimeout, DefaultCloseTimeout)
+	c.Propagator = tracing.Propagator(c.Propagator)
 	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
 	return c
 }
@@ -288,7 +288,6 @@ type SubscriberConfig struct {
 // WithDefaults returns c with every unset field at its default.
 func (c SubscriberConfig) WithDefaults() SubscriberConfig {
 	c.Topology = c.Topology.WithDefaults()
-	c.Propagator = tracing.Propagator(c.Propagator)
 	if c.ConsumerName == nil {
 		durable := c.Durable
 		c.ConsumerName = func(string) string { return durable }
@@ -304,6 +303,7 @@ func (c SubscriberConfig) WithDefaults() SubscriberConfig {
 	c.PullExpiry = cmp.Or(c.PullExpiry, DefaultPullExpiry)
 	c.AckTimeout = cmp.Or(c.AckTimeout, DefaultAckTimeout)
 	c.Logger = cmp.Or[watermill.LoggerAdapter](c.Logger, watermill.NopLogger{})
+	c.Propagator = tracing.Propagator(c.Propagator)
 	return c
 }
 

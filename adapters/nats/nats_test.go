@@ -449,6 +449,25 @@ func TestAsyncPublishCloseWaitsForAcks(t *testing.T) {
 	})
 }
 
+// A closed Subscriber ends its subscriptions, refuses a new Subscribe with
+// ErrClosed, and closes again without error.
+func TestSubscriberClose(t *testing.T) {
+	t.Parallel()
+	forEachServer(t, func(t *testing.T, url string) {
+		b := setup(t, url)
+		sub, err := idemnats.NewSubscriber(b.nc, idemnats.SubscriberConfig{Topology: b.topo, Durable: "close", PullExpiry: 200 * time.Millisecond})
+		require.NoError(t, err)
+		msgs, err := sub.Subscribe(context.Background(), b.topic)
+		require.NoError(t, err)
+		require.NoError(t, sub.Close())
+		_, open := <-msgs
+		assert.False(t, open, "Close leaves the subscription's channel open")
+		_, err = sub.Subscribe(context.Background(), b.topic)
+		assert.ErrorIs(t, err, idemnats.ErrClosed)
+		assert.NoError(t, sub.Close())
+	})
+}
+
 func TestInvalidConfig(t *testing.T) {
 	t.Parallel()
 	forEachServer(t, func(t *testing.T, url string) {

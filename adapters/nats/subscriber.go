@@ -34,10 +34,9 @@ type Subscriber struct {
 	cfg    SubscriberConfig
 	logger watermill.LoggerAdapter
 
-	closing context.Context // cancelled by Close
+	closing context.Context // cancelled by Close, under mu
 	close   context.CancelFunc
-	mu      sync.Mutex // guards subs.Add against Close
-	closed  bool
+	mu      sync.Mutex     // guards subs.Add against Close
 	subs    sync.WaitGroup // one per Subscribe call still running
 
 	acked, nacked, terminated, maxDelivered, hookErrors, pulls, pulled atomic.Uint64
@@ -144,7 +143,7 @@ func (s *Subscriber) consumer(ctx context.Context, topic string) (jetstream.Cons
 // are nacked without delay, so another subscriber gets them at once.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	s.mu.Lock()
-	if s.closed {
+	if s.closing.Err() != nil {
 		s.mu.Unlock()
 		return nil, ErrClosed
 	}
@@ -164,13 +163,12 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 // them to finish. It does not close the connection.
 func (s *Subscriber) Close() error {
 	s.mu.Lock()
-	if s.closed {
+	if s.closing.Err() != nil {
 		s.mu.Unlock()
 		return nil
 	}
-	s.closed = true
-	s.mu.Unlock()
 	s.close()
+	s.mu.Unlock()
 	s.subs.Wait()
 	return nil
 }

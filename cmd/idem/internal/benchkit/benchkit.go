@@ -136,8 +136,8 @@ type Result struct {
 	MsgsPerSec    float64       `json:"msgs_per_sec"` // deliveries per second
 	P50           time.Duration `json:"p50_ns"`
 	P99           time.Duration `json:"p99_ns"`
-	CommitsPerMsg float64       `json:"commits_per_msg"`
-	TripsPerMsg   float64       `json:"round_trips_per_msg"`
+	CommitsPerMsg float64       `json:"commits_per_msg"`     // Postgres COMMITs per delivery (per effect for Drain)
+	TripsPerMsg   float64       `json:"round_trips_per_msg"` // queries and batches sent to Postgres, likewise
 	BusinessRows  int           `json:"business_rows"`
 	// CommittedTwice is business rows beyond one per message; Lost is messages
 	// with no business row.
@@ -164,15 +164,7 @@ func (o *Options) defaults() {
 	o.PayloadSize = cmp.Or(o.PayloadSize, 128)
 	o.BatchPartitions = cmp.Or(o.BatchPartitions, DefaultBatchPartitions)
 	o.BatchMaxBatch = cmp.Or(o.BatchMaxBatch, DefaultBatchMaxBatch)
-	o.KafkaPartitions = cmp.Or(o.KafkaPartitions, DefaultKafkaPartitions)
-	o.KafkaInFlight = cmp.Or(o.KafkaInFlight, DefaultKafkaInFlight)
-	o.KafkaProducers = cmp.Or(o.KafkaProducers, DefaultKafkaProducers)
-	o.KafkaChunk = cmp.Or(o.KafkaChunk, DefaultKafkaChunk)
-	o.KafkaMaxBatch = cmp.Or(o.KafkaMaxBatch, DefaultKafkaMaxBatch)
-	o.KafkaWindow = cmp.Or(o.KafkaWindow, o.KafkaPartitions*o.KafkaInFlight)
-	// The records of the chunk being filled count in the window: it must hold
-	// more than one chunk, or the producer would wait for itself.
-	o.KafkaWindow = max(o.KafkaWindow, 2*o.KafkaChunk)
+	o.kafkaDefaults()
 }
 
 // Prepare empties the schema's idem tables and the business table, before a series

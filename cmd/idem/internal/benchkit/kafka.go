@@ -1,6 +1,7 @@
 package benchkit
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -43,6 +44,19 @@ const (
 	DefaultKafkaProducers = 2
 	DefaultKafkaChunk     = 512
 )
+
+// kafkaDefaults sets the unset Kafka options to their defaults.
+func (o *Options) kafkaDefaults() {
+	o.KafkaPartitions = cmp.Or(o.KafkaPartitions, DefaultKafkaPartitions)
+	o.KafkaInFlight = cmp.Or(o.KafkaInFlight, DefaultKafkaInFlight)
+	o.KafkaProducers = cmp.Or(o.KafkaProducers, DefaultKafkaProducers)
+	o.KafkaChunk = cmp.Or(o.KafkaChunk, DefaultKafkaChunk)
+	o.KafkaMaxBatch = cmp.Or(o.KafkaMaxBatch, DefaultKafkaMaxBatch)
+	o.KafkaWindow = cmp.Or(o.KafkaWindow, o.KafkaPartitions*o.KafkaInFlight)
+	// The records of the chunk being filled count in the window: it must hold
+	// more than one chunk, or the producer would wait for itself.
+	o.KafkaWindow = max(o.KafkaWindow, 2*o.KafkaChunk)
+}
 
 // TopicPrefix begins the name of every topic and consumer group a Kafka setup
 // makes: TopicPrefix, a random run id, then the setup. A Kafka setup deletes the

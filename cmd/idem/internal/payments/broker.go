@@ -177,7 +177,6 @@ func (c *Conn) Close() {
 // Measured on the real broker at N = 20,000 with the same seed: 1.5 s / 200 ms
 // took 3m50s, 1 s / 100 ms 2m40s.
 const (
-	natsAckWait      = 2 * time.Second
 	kafkaHeartbeat   = 100 * time.Millisecond
 	kafkaSession     = 1000 * time.Millisecond
 	kafkaRebalance   = 2 * time.Second
@@ -236,7 +235,8 @@ func connect(e Endpoint, logger watermill.LoggerAdapter, batched bool) (*Conn, e
 		}
 		scfg := nats.SubscriberConfig{
 			Topology: topo, Durable: e.Group, Concurrency: 8,
-			Consumer: jetstream.ConsumerConfig{AckWait: natsAckWait, MaxDeliver: -1},
+			// A killed member's messages come back after AckWait.
+			Consumer: jetstream.ConsumerConfig{AckWait: 2 * time.Second, MaxDeliver: -1},
 			NakDelay: nats.ExponentialBackoff(nackBackoffChaos, time.Second),
 			Logger:   logger,
 		}
