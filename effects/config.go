@@ -79,7 +79,9 @@ type Config struct {
 	// side, and beside an unfiltered one; with Shards, every shard's Dispatcher
 	// filters on it. The claim walks the due effects of a kind in due order past
 	// other tenants' ones, so on a database shared by many tenants a filtered
-	// Dispatcher costs more per claim than an unfiltered one.
+	// Dispatcher costs more per claim than an unfiltered one. Its
+	// idem_effects_pending gauge still counts every tenant's effects: the gauge
+	// has no tenant label, and Dispatchers on one registry share its series.
 	Tenant string
 	// BatchSize caps how many effects of one kind one claim takes
 	// (DefaultBatchSize).
