@@ -148,7 +148,9 @@ type Config struct {
 	// and BusinessKey.
 	Key KeyFunc
 	// Tenant, if set, gives a tenant scope that becomes part of the inbox key, so
-	// the same key from two tenants is two operations. See MetadataTenant.
+	// the same key from two tenants is two operations. See MetadataTenant. It
+	// must give a message the same tenant every time it is called: with Shards it
+	// is called once to pick the shard and again by that shard's consumer.
 	Tenant KeyFunc
 	// Fingerprint turns the payload into the fingerprint compared on redelivery
 	// (default inbox.SHA256; see inbox.CanonicalJSON).

@@ -145,7 +145,9 @@ type Config struct {
 	// tenants' equal keys are two requests. An error, or an empty tenant, answers
 	// 400 (tenant_invalid) before anything runs; authenticate before this
 	// middleware. Set Tenant, or Unscoped: New refuses a config with neither
-	// (ErrScopeNotChosen).
+	// (ErrScopeNotChosen). It must give a request the same tenant every time it
+	// is called: with Shards it is called once to pick the shard and again by
+	// that shard's middleware.
 	Tenant func(r *http.Request) (string, error)
 	// Unscoped puts every client's keys in one space, on purpose: a client that
 	// presents another client's key and request gets that client's stored answer.
