@@ -689,9 +689,7 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 	codes, masked := make([]*string, n), make([]*string, n)
 	fences, delays := make([]int64, n), make([]int64, n)
 	inFlight, undo := make([]bool, n), make([]int32, n)
-	one := true // every outcome is of one tenant (batch is sorted by tenant)
 	for i, o := range batch {
-		one = one && o.c.Tenant == batch[0].c.Tenant
 		tenants[i], kinds[i], keys[i], fences[i], states[i] = o.c.Tenant, o.c.Kind, o.c.Key, o.c.fence, o.state
 		delays[i], inFlight[i], undo[i] = o.delay.Milliseconds(), o.inFlight, int32(o.undo)
 		if o.err != "" {
@@ -704,7 +702,7 @@ func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 	status := make([]outcomeStatus, n)
 	args := []any{tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, codes, masked}
 	record, recordAgain := d.q.record, d.q.recordAgain
-	if one {
+	if oneTenant(tenants) {
 		// One tenant's outcomes: the forms that filter on it, for a router.
 		record, recordAgain = d.q.recordOne, d.q.recordAgainOne
 		args = append(args, batch[0].c.Tenant)

@@ -410,8 +410,8 @@ func (c *enqueueColumns) traceOf(it *Item, ctxTrace trace.SpanContext) string {
 	return c.ctxTrace
 }
 
-// oneTenant says whether every row's tenant is tenants[0] (then insertManyOne, or
-// fingerprintOfOne, applies).
+// oneTenant says whether every row's tenant is tenants[0]: then the statements'
+// one-tenant forms apply (insertManyOne, fingerprintOfOne, recordOne).
 func oneTenant(tenants []string) bool {
 	return !slices.ContainsFunc(tenants, func(t string) bool { return t != tenants[0] })
 }
