@@ -55,6 +55,8 @@ type entry struct {
 	// delivery. It lives as long as the entry: until the record is acked,
 	// or its partition revoked.
 	nacks int
+	// msg is its latest delivery: the one in a handler while inHandler.
+	msg *message.Message
 }
 
 // readyHeap holds the records that may be delivered now, lowest offset first,
@@ -132,9 +134,6 @@ type partitionRun struct {
 	events    chan settlement
 	reporters int // goroutines that will send one settlement each, or none once ctx ends
 	waiters   sync.WaitGroup
-	// away are the deliveries in a handler that a goroutine watches instead of
-	// the run loop, until the loop hears their ack or nack.
-	away map[*entry]*candidate
 }
 
 // consumePartition delivers one partition's records from offset until ctx
@@ -152,7 +151,6 @@ func (sub *subscription) consumePartition(ctx context.Context, partition int, of
 		windowCap: windowPerInFlight * cfg.MaxInFlightPerPartition,
 		onAck:     onAck,
 		byKey:     map[string][]*entry{},
-		away:      map[*entry]*candidate{},
 		events:    make(chan settlement),
 	}
 	if offset >= 0 {
@@ -243,7 +241,7 @@ func (p *partitionRun) run(ctx context.Context, steps <-chan []fetched) {
 	}()
 	for {
 		if ctx.Err() != nil {
-			p.hearAcksGiven(ctx, watched) // see the ctx.Done case below
+			p.hearAcksGiven(ctx) // see the ctx.Done case below
 			return
 		}
 		for len(pending) > 0 && len(p.window) < p.windowCap {
@@ -328,16 +326,13 @@ func (p *partitionRun) run(ctx context.Context, steps <-chan []fetched) {
 			watched = nil
 		case s := <-events:
 			p.reporters--
-			if s.outcome != retry {
-				delete(p.away, s.e)
-			}
 			p.settle(ctx, s)
 		case <-ctx.Done():
 			// Revoked or closing: the acks already given are heard, so that
 			// the final commit covers them; the records still in handlers
 			// stay unacked and uncommitted, and an ack that comes later is
 			// not heard.
-			p.hearAcksGiven(ctx, watched)
+			p.hearAcksGiven(ctx)
 			return
 		}
 	}
@@ -397,7 +392,6 @@ func (p *partitionRun) prepare(ctx context.Context, e *entry) *candidate {
 // handler, gets a goroutine that reports on p.events.
 func (p *partitionRun) sent(ctx context.Context, watched, c *candidate) *candidate {
 	if watched != nil {
-		p.away[watched.e] = watched
 		p.spawn(func() { p.wait(ctx, watched) })
 	}
 	e := c.e
@@ -409,6 +403,7 @@ func (p *partitionRun) sent(ctx context.Context, watched, c *candidate) *candida
 		p.unacked++
 	}
 	e.state = inHandler
+	e.msg = c.msg
 	p.handling++
 	p.reserved = false // the slot is the record's now
 	p.sub.deliveries.set(p.tp, e.rec.Offset, c.count)
@@ -434,23 +429,26 @@ func (p *partitionRun) report(ctx context.Context, s settlement) {
 	}
 }
 
-// hearAcksGiven settles, once ctx has ended, every delivery whose ack was
-// given before: the one the run loop watches, and those whose goroutines
-// (which stop on ctx without reporting) had not reported it. An ack races
-// the stop only in the run loop's select; a handler that acked before Close
-// or a revoke has its record committed by the final commit.
-func (p *partitionRun) hearAcksGiven(ctx context.Context, watched *candidate) {
-	p.waiters.Wait() // every goroutine that reports has stopped: p.away is final
-	if watched != nil {
-		p.away[watched.e] = watched
-	}
-	for e, c := range p.away {
+// hearAcksGiven settles, once ctx has ended, every record in a handler whose
+// ack was given before: the run loop's select and the goroutines that watch
+// the other deliveries (which stop on ctx without reporting) may have missed
+// it. A handler that acked before Close or a revoke has its record committed
+// by the final commit.
+func (p *partitionRun) hearAcksGiven(ctx context.Context) {
+	p.waiters.Wait() // every goroutine that reports has stopped: the states are final
+	var heard []*entry
+	for _, e := range p.window {
+		if e.state != inHandler {
+			continue
+		}
 		select {
-		case <-c.msg.Acked():
-			delete(p.away, e)
-			p.settle(ctx, settlement{e: e, outcome: acked})
+		case <-e.msg.Acked():
+			heard = append(heard, e)
 		default:
 		}
+	}
+	for _, e := range heard { // apart: settling shortens p.window
+		p.settle(ctx, settlement{e: e, outcome: acked})
 	}
 }
 

@@ -211,8 +211,9 @@ func topicLed(md *kafka.MetadataResponse, topic string) bool {
 }
 
 // Close stops every subscription, waits until their goroutines are gone and
-// leaves the consumer groups. Messages in flight are neither acked nor
-// committed: the group delivers them again.
+// leaves the consumer groups. The records acked before Close are committed;
+// those still in handlers are neither acked nor committed: the group delivers
+// them again.
 func (s *Subscriber) Close() error {
 	s.mu.Lock()
 	if s.closed {

@@ -56,10 +56,15 @@ func Require(tb testing.TB) {
 	}
 }
 
-// ping connects to url and pings it.
+// ping connects to url and pings it, within 5 s.
 func ping(url string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	return pingURL(ctx, url)
+}
+
+// pingURL connects to url and pings it.
+func pingURL(ctx context.Context, url string) error {
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return err

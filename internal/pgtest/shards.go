@@ -12,8 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/idemkit/idem/internal/redact"
 	"github.com/idemkit/idem/migrate"
 	"github.com/idemkit/idem/shard"
@@ -192,15 +190,6 @@ func shardMap(tb testing.TB, opts []Options) *shard.Map {
 		}
 	}
 	return m
-}
-
-func pingURL(ctx context.Context, url string) error {
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = conn.Close(ctx) }()
-	return conn.Ping(ctx)
 }
 
 // ShardCount counts rows on one shard.
