@@ -695,7 +695,7 @@ func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
 	ctx := context.Background()
-	counter := &queryCounter{sql: "), page AS ("} // the groups list's aggregate
+	counter := &queryCounter{sql: "GROUP BY i.error_group"} // the groups list's aggregate
 	tm := tracedFirstShard(t, m, counter)
 	a, err := admin.New(admin.Config{Shards: tm})
 	require.NoError(t, err)
@@ -716,6 +716,75 @@ func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
 	require.Len(t, pg.Groups, 5)
 	require.Equal(t, "acme", pg.Groups[0].Tenant, "the largest group, on the second shard")
 	require.NotEmpty(t, pg.Next)
+}
+
+// sampleTracer records, for each statement on a pool that reads failure groups'
+// sample keys, how many groups it reads them for: the length of its array of
+// groups, or -1 for a statement that reads them for every group it aggregates.
+type sampleTracer struct {
+	mu     sync.Mutex
+	groups []int
+}
+
+func (c *sampleTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "array_agg(x.key") {
+		n := -1
+		if len(d.Args) > 1 {
+			if hashes, ok := d.Args[1].([][]byte); ok {
+				n = len(hashes)
+			}
+		}
+		c.mu.Lock()
+		c.groups = append(c.groups, n)
+		c.mu.Unlock()
+	}
+	return ctx
+}
+
+func (c *sampleTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestShardsFailureGroupsSamplesThePageOnly: a merged page of groups reads the
+// codes, texts and sample keys of the page's groups alone, on the shards that
+// hold them, not of every group the shards aggregated for the merge; and a group
+// on two shards gets each part's samples.
+func TestShardsFailureGroupsSamplesThePageOnly(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	tracer := &sampleTracer{}
+	cfg := m.Shards[0].Pool.Config()
+	cfg.ConnConfig.Tracer = tracer
+	traced, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(traced.Close)
+	tm := &shard.Map{Shards: append([]shard.Shard{{Name: m.Shards[0].Name, Pool: traced, Schema: m.Shards[0].Schema}}, m.Shards[1:]...)}
+	a, err := admin.New(admin.Config{Shards: tm})
+	require.NoError(t, err)
+	// 200 groups of one failure on the first shard, and acme's group on the first
+	// two: 2 + 2 failures, the largest.
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	for i := range 200 {
+		failOnCode(t, m.Shards[0], fmt.Sprintf("t%03d", i), "handler", "k", 1, t0)
+	}
+	failOn(t, m.Shards[0], "acme", 2, t0.Add(time.Minute))
+	failOn(t, m.Shards[1], "acme", 2, t0)
+
+	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 5})
+	require.NoError(t, err)
+	require.Len(t, pg.Groups, 5)
+	require.Equal(t, []int{5}, tracer.groups, "the first shard read samples once, for its 5 groups on the page")
+	acme := pg.Groups[0]
+	require.Equal(t, "acme", acme.Tenant)
+	require.Equal(t, int64(4), acme.Count)
+	require.Equal(t, "handler", acme.Code)
+	require.Equal(t, "order <n> refused", acme.Masked)
+	require.Equal(t, "order 2 refused", acme.Example, "the newest failure, on s1")
+	require.Equal(t, []string{"s1-2", "s1-1", "s2-2"}, acme.SampleKeys, "the latest part's keys first, then the other's")
+	for _, g := range pg.Groups[1:] {
+		require.Equal(t, int64(1), g.Count)
+		require.Equal(t, "handler", g.Code)
+		require.Equal(t, []string{"k-1"}, g.SampleKeys)
+	}
 }
 
 // TestShardsGroupActionsAtOnce: two operators acting on one group whose dead
