@@ -2,8 +2,10 @@ package admin_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -785,6 +787,34 @@ func TestShardsFailureGroupsSamplesThePageOnly(t *testing.T) {
 		require.Equal(t, "handler", g.Code)
 		require.Equal(t, []string{"k-1"}, g.SampleKeys)
 	}
+}
+
+// TestShardsForgetAuditNamesTheShard: over a shard map whose shards share a
+// schema name, the audit line of a Forget names the shard whose row it deleted.
+func TestShardsForgetAuditNamesTheShard(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	logs := &syncBuffer{}
+	a, err := admin.New(admin.Config{Shards: m, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+	require.NoError(t, err)
+	ctx := context.Background()
+	s := m.Shards[1]
+	_, err = s.Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+		VALUES ('orders', 'acme', 'k1', '\x00', 'completed', now(), now() + interval '1 day')`)
+	require.NoError(t, err)
+	_, err = a.Forget(ctx, inbox.ID{Consumer: "orders", Tenant: "acme", Key: "k1"}, admin.Audit{Who: "op", Why: "test"})
+	require.NoError(t, err)
+	var lines []map[string]any
+	for line := range strings.Lines(logs.String()) {
+		var rec map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &rec))
+		if rec["msg"] == "idem: inbox key forgotten; its next delivery runs the handler again" {
+			lines = append(lines, rec)
+		}
+	}
+	require.Len(t, lines, 1, logs.String())
+	require.Equal(t, s.Name, lines[0]["shard"], "the shard whose row was deleted: %v", lines[0])
+	require.Equal(t, "k1", lines[0]["key"])
 }
 
 // TestShardsGroupActionsAtOnce: two operators acting on one group whose dead
