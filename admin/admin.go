@@ -49,7 +49,8 @@ type Config struct {
 	// Schema of the idem tables (DefaultSchema when empty).
 	Schema string
 	// Logger receives the audit line of every Forget, at warn level (nil: a quiet
-	// logger, which a caller that forgets keys should not want).
+	// logger, which a caller that forgets keys should not want). With Shards, the
+	// line names the shard (attribute shard).
 	Logger *slog.Logger
 	// StuckAfter and StuckAttempts say when a pending effect counts as stuck
 	// (DefaultStuckAfter, DefaultStuckAttempts when 0).
@@ -126,32 +127,36 @@ func New(cfg Config) (*Admin, error) {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
 	cfg = cfg.WithDefaults()
-	var a *Admin
 	if cfg.Shards != nil {
-		a = &Admin{cfg: cfg}
-		for _, s := range cfg.Shards.Shards {
-			c := cfg
-			c.Shards, c.Pool, c.Schema, c.Registerer = nil, s.Pool, s.SchemaName(), nil
-			a.shards = append(a.shards, newAdmin(c, s.Name))
+		parts, err := shard.Each(cfg.Shards, cfg.forShard, New)
+		if err != nil {
+			return nil, err
 		}
-	} else {
-		a = newAdmin(cfg, "")
+		for i, part := range parts {
+			part.name = cfg.Shards.Shards[i].Name
+		}
+		return &Admin{cfg: cfg, shards: parts}, nil
 	}
+	a := newAdmin(cfg)
 	var err error
-	if a.shards == nil {
-		promreg.Register(cfg.Registerer, newFailureMetrics(a), &err)
-	}
-	for _, part := range a.shards {
-		promreg.Register(promreg.Shard(cfg.Registerer, part.name), newFailureMetrics(part), &err)
-	}
+	promreg.Register(cfg.Registerer, newFailureMetrics(a), &err)
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	return a, nil
 }
 
-func newAdmin(cfg Config, name string) *Admin {
-	return &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false), name: name}
+// forShard returns c for sh's part of an Admin over a shard map: sh's database,
+// and c's logger (a Forget's audit line) and registerer (the failure metrics)
+// labelled with sh's name.
+func (c Config) forShard(sh shard.Shard) Config {
+	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
+	return c
+}
+
+func newAdmin(cfg Config) *Admin {
+	return &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}
 }
 
 // Schema is the schema the Admin reads (with Config.Shards, the default one: each

@@ -22,7 +22,8 @@
 //     read from a range of a partial index (the console's charts).
 //
 // Over a shard map (Config.Shards) every read and action runs on each shard: lists
-// merge the shards' pages with a cursor carrying each shard's position, Stats sums
+// merge the shards' pages with a cursor carrying each shard's position, a failure
+// group is one row of the groups list with its shards' parts summed, Stats sums
 // and lists each shard, one key is looked up on every shard, a failure group acts
 // on each shard's rows; a shard that does not answer is an error naming it
 // (ShardError, ErrShardUnavailable), never a silent gap. See shards.go.

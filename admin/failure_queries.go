@@ -48,37 +48,56 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 		return g + `.source, ` + g + `.grp, ` + g + `.place, ` + g + `.tenant, ` + g + `.n, ` + g + `.first_seen, ` + g + `.last_seen,
 			coalesce(s.code, ''), coalesce(s.masked, ''), coalesce(s.example, ''), s.keys`
 	}
-	// $1, $2: list inbox, effects groups; $3 consumer, $4 kind, $5 tenant, $6 and $7
-	// the time range; $8 order by recency (else count); $9 a cursor is given, with
-	// $10 its order value and $11 its ID; $12 the limit; $13 samples per group; $14
-	// the error code ('' for any).
+	// groups is the groups of the list's filter, aggregated: $1, $2 list inbox,
+	// effects groups; $3 consumer, $4 kind, $5 tenant, $6 and $7 the time range.
+	groups := `WITH g AS (
+				` + agg(SourceInbox, inbox, "i", "consumer", "completed_at", "failed",
+		`$1 AND ($3 = '' OR i.consumer = $3) AND ($5::text IS NULL OR i.tenant = $5) AND `+between("i.completed_at", "$6", "$7")) + `
+				UNION ALL
+				` + agg(SourceEffects, effects, "e", "kind", "dead_at", "dead",
+		`$2 AND ($4 = '' OR e.kind = $4) AND ($5::text IS NULL OR e.tenant = $5) AND `+between("e.dead_at", "$6", "$7")) + `
+			)`
+	// ofCode keeps the groups g of the error code in param ('' for any).
 	//
 	// The code is part of the group's hash, so every row of a group has the same
 	// code, and the code filter reads it from one row of each group (one probe of
 	// the group's index range and one heap fetch) after the aggregate: the
 	// aggregate stays an index-only scan, and the cost of the filter grows with the
 	// groups, not the failures. Without a code the CASE reads nothing.
-	q.listGroups = `WITH g AS (
-				` + agg(SourceInbox, inbox, "i", "consumer", "completed_at", "failed",
-		`$1 AND ($3 = '' OR i.consumer = $3) AND ($5::text IS NULL OR i.tenant = $5) AND `+between("i.completed_at", "$6", "$7")) + `
-				UNION ALL
-				` + agg(SourceEffects, effects, "e", "kind", "dead_at", "dead",
-		`$2 AND ($4 = '' OR e.kind = $4) AND ($5::text IS NULL OR e.tenant = $5) AND `+between("e.dead_at", "$6", "$7")) + `
-			), k AS (
+	ofCode := func(param string) string {
+		return `CASE WHEN ` + param + ` = '' THEN true
+					WHEN g.source = '` + SourceInbox + `' THEN (SELECT coalesce(i.error_code, '') = ` + param + ` FROM ` + inbox + ` i
+						WHERE i.error_group = g.grp AND i.consumer = g.place AND i.tenant = g.tenant AND i.state = 'failed' LIMIT 1)
+					ELSE (SELECT coalesce(e.error_code, '') = ` + param + ` FROM ` + effects + ` e
+						WHERE e.error_group = g.grp AND e.kind = g.place AND e.tenant = g.tenant AND e.state = 'dead' LIMIT 1) END`
+	}
+	// groups' params; then $8 order by recency (else count); $9 a cursor is given,
+	// with $10 its order value and $11 its ID; $12 the limit; $13 samples per
+	// group; $14 the error code ('' for any).
+	q.listGroups = groups + `, k AS (
 				SELECT g.*, CASE WHEN $8 THEN (extract(epoch FROM g.last_seen) * 1000000)::bigint ELSE g.n END AS v,
 					left(g.source, 1) || '-' || encode(g.grp, 'hex') AS id
 				FROM g
-				WHERE CASE WHEN $14 = '' THEN true
-					WHEN g.source = '` + SourceInbox + `' THEN (SELECT coalesce(i.error_code, '') = $14 FROM ` + inbox + ` i
-						WHERE i.error_group = g.grp AND i.consumer = g.place AND i.tenant = g.tenant AND i.state = 'failed' LIMIT 1)
-					ELSE (SELECT coalesce(e.error_code, '') = $14 FROM ` + effects + ` e
-						WHERE e.error_group = g.grp AND e.kind = g.place AND e.tenant = g.tenant AND e.state = 'dead' LIMIT 1) END
+				WHERE ` + ofCode("$14") + `
 			), page AS (
 				SELECT * FROM k WHERE NOT $9 OR k.v < $10 OR (k.v = $10 AND k.id > $11)
 				ORDER BY k.v DESC, k.id LIMIT $12
 			)
 			SELECT ` + cols("page") + ` FROM page ` + samples("page", "$6", "$7", "$13") + `
 			ORDER BY page.v DESC, page.id`
+	// Every group of a shard for a merged list (shards.go), without its samples,
+	// which are read for the page's groups alone: groups' params; $8 the error
+	// code ('' for any).
+	q.groupCounts = groups + `
+			SELECT g.source, g.grp, g.place, g.tenant, g.n, g.first_seen, g.last_seen FROM g
+			WHERE ` + ofCode("$8")
+	// The samples of the groups named by $1 source, $2 hash, $3 consumer or kind
+	// and $4 tenant (arrays, one element a group), in that order; $5 and $6 the
+	// time range, $7 samples per group.
+	q.groupSamples = `SELECT coalesce(s.code, ''), coalesce(s.masked, ''), coalesce(s.example, ''), s.keys
+			FROM unnest($1::text[], $2::bytea[], $3::text[], $4::text[]) WITH ORDINALITY AS p(source, grp, place, tenant, i)
+			` + samples("p", "$5", "$6", "$7") + `
+			ORDER BY p.i`
 	// $1 an inbox group (else effects), $2 its hash, $3 and $4 the time range, $5
 	// samples.
 	q.getGroup = `WITH g AS (

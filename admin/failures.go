@@ -229,9 +229,9 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 }
 
 // groups reads, on one database, the groups that f picks in gp's order, after
-// gp's cursor when after is set, at most limit of them (nil: all), with one
-// aggregate of the failures.
-func (a *Admin) groups(ctx context.Context, f GroupFilter, gp groupPaging, after bool, limit any) ([]FailureGroup, error) {
+// gp's cursor when after is set, at most limit of them, with one aggregate of
+// the failures.
+func (a *Admin) groups(ctx context.Context, f GroupFilter, gp groupPaging, after bool, limit int) ([]FailureGroup, error) {
 	if err := a.backfill(ctx, gp.inbox, gp.effects); err != nil {
 		return nil, err
 	}
@@ -246,6 +246,64 @@ func (a *Admin) groups(ctx context.Context, f GroupFilter, gp groupPaging, after
 		return nil, a.wrap(err)
 	}
 	return nonNil(groups), nil
+}
+
+// groupCounts reads, on one database, every group that f picks, with one
+// aggregate of the failures: their counts and times, without code, texts or
+// sample keys (sampleGroups reads those for the groups a page shows).
+func (a *Admin) groupCounts(ctx context.Context, f GroupFilter, gp groupPaging) ([]FailureGroup, error) {
+	if err := a.backfill(ctx, gp.inbox, gp.effects); err != nil {
+		return nil, err
+	}
+	since, until := f.Seen.args()
+	rows, err := a.db.Query(ctx, a.q.groupCounts, gp.inbox, gp.effects, f.Consumer, f.Kind, f.Tenant, since, until, f.Code)
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	groups, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (FailureGroup, error) {
+		var g FailureGroup
+		var hash []byte
+		var place string
+		if err := r.Scan(&g.Source, &hash, &place, &g.Tenant, &g.Count, &g.FirstSeen, &g.LastSeen); err != nil {
+			return g, err
+		}
+		g.setPlace(hash, place)
+		g.SampleKeys = []string{}
+		return g, nil
+	})
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	return groups, nil
+}
+
+// sampleGroups reads, on one database and with one statement, the code, texts
+// and newest n sample keys (of the failures in seen) of each of groups, as
+// groupCounts read them there.
+func (a *Admin) sampleGroups(ctx context.Context, groups []*FailureGroup, seen TimeRange, n int) error {
+	sources, hashes, places, tenants := make([]string, len(groups)), make([][]byte, len(groups)), make([]string, len(groups)), make([]string, len(groups))
+	for i, g := range groups {
+		id, err := parseGroupID(g.ID)
+		if err != nil {
+			return err
+		}
+		sources[i], hashes[i], places[i], tenants[i] = g.Source, id.hash, g.Place(), g.Tenant
+	}
+	since, until := seen.args()
+	rows, err := a.db.Query(ctx, a.q.groupSamples, sources, hashes, places, tenants, since, until, n)
+	if err != nil {
+		return a.wrap(err)
+	}
+	defer rows.Close()
+	// One row a group, in their order.
+	for i := 0; rows.Next(); i++ {
+		g := groups[i]
+		if err := rows.Scan(&g.Code, &g.Masked, &g.Example, &g.SampleKeys); err != nil {
+			return a.wrap(err)
+		}
+		g.SampleKeys = nonNil(g.SampleKeys)
+	}
+	return a.wrap(rows.Err())
 }
 
 // groupPaging is a page of failure groups as ListGroups asks for it, checked.
@@ -346,14 +404,19 @@ func scanGroup(r pgx.Row) (FailureGroup, error) {
 	if err != nil {
 		return g, err
 	}
+	g.setPlace(hash, place)
+	g.SampleKeys = nonNil(g.SampleKeys)
+	return g, nil
+}
+
+// setPlace sets the ID of the group of Source with hash, and its consumer or kind.
+func (g *FailureGroup) setPlace(hash []byte, place string) {
 	g.ID = formatGroupID(g.Source, hash)
 	if g.Source == SourceInbox {
 		g.Consumer = place
 	} else {
 		g.Kind = place
 	}
-	g.SampleKeys = nonNil(g.SampleKeys)
-	return g, nil
 }
 
 // Group reads one failure group by ID: what a list shows, with more sample keys,

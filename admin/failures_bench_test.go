@@ -2,6 +2,7 @@ package admin_test
 
 import (
 	"context"
+	"encoding/hex"
 	"strings"
 	"testing"
 	"time"
@@ -99,6 +100,20 @@ func TestGroupsUseTheGroupIndex(t *testing.T) {
 	for _, g := range bad {
 		require.Equal(t, admin.SourceInbox, g.Source)
 	}
+	// The samples of a merged page's groups (a shard map's list): one backward
+	// range of each group's index, never the table.
+	var hashes [][]byte
+	var sources, places, tenants []string
+	for _, g := range groupsOf(t, a, admin.GroupFilter{})[:5] {
+		h, err := hex.DecodeString(g.ID[2:])
+		require.NoError(t, err)
+		hashes, sources, places, tenants = append(hashes, h), append(sources, g.Source), append(places, g.Place()), append(tenants, g.Tenant)
+	}
+	plan = explain(t, b.pool, admin.GroupSamplesSQL(b.schema), sources, hashes, places, tenants, nil, nil, admin.ListSamples)
+	require.Contains(t, plan, "inbox_failure_group_idx", plan)
+	require.Contains(t, plan, "effects_failure_group_idx", plan)
+	require.NotContains(t, plan, "Seq Scan", plan)
+
 	hash := g.ID[2:]
 	plan = explain(t, b.pool, `SELECT key FROM inbox WHERE error_group = decode($1, 'hex') AND state = 'failed' AND completed_at <= now()`, hash)
 	require.Contains(t, plan, "inbox_failure_group_idx", plan)

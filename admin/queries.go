@@ -21,6 +21,7 @@ type queries struct {
 
 	// Failure groups (failures.go).
 	listGroups, getGroup, groupAttempts string
+	groupCounts, groupSamples           string
 	plan, act                           map[string]string
 	listActions, failureMetrics         string
 	ungroupedInbox, groupInbox          string

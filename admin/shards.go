@@ -268,11 +268,13 @@ func (a *Admin) shardedListEffects(ctx context.Context, f EffectFilter, p Page) 
 // the earliest first and the latest last failure, the shards that hold it (Shard)
 // and each one's part (Parts). A merged group's place in the order depends on
 // every shard's part, so each page reads every group of the filter on every
-// shard (one aggregate a shard, all its groups held for the merge), merges them
-// and pages with the same keyset cursor as one database (the order's value and
-// the ID): a group that is there for the whole paging appears once, on its
-// merged count's page. (A database aggregates every failure for each
-// page of groups already; one database alike.)
+// shard (one aggregate a shard, all its groups held for the merge, without their
+// samples), merges them and pages with the same keyset cursor as one database
+// (the order's value and the ID): a group that is there for the whole paging
+// appears once, on its merged count's page. (A database aggregates every failure
+// for each page of groups already; one database alike.) Then each shard that
+// holds some of the page's groups reads their codes, texts and sample keys, with
+// one statement: the samples cost grows with the page, not with the groups.
 func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
 	gp, err := f.paging(p)
 	if err != nil {
@@ -281,7 +283,7 @@ func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*
 	order, limit, afterValue, afterID := gp.order, gp.limit, gp.afterValue, gp.afterID
 	// Every group of the filter on each shard, from one aggregate of its failures:
 	// each group there once, with one count.
-	all, errs := fan(ctx, a, func(ctx context.Context, s *Admin) ([]FailureGroup, error) { return s.groups(ctx, f, gp, false, nil) })
+	all, errs := fan(ctx, a, func(ctx context.Context, s *Admin) ([]FailureGroup, error) { return s.groupCounts(ctx, f, gp) })
 	if err := shardErrors(a.names(), errs); err != nil {
 		return nil, err
 	}
@@ -297,9 +299,10 @@ func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*
 			parts[g.ID] = append(parts[g.ID], g)
 		}
 	}
+	// The merged groups past the cursor, by their counts and times alone.
 	merged := make([]FailureGroup, 0, len(ids))
 	for _, id := range ids {
-		g := mergeGroup(parts[id], ListSamples)
+		g := mergeGroup(parts[id], 0)
 		if p.After == "" || groupValue(*g, order) < afterValue || groupValue(*g, order) == afterValue && g.ID > afterID {
 			merged = append(merged, *g)
 		}
@@ -310,6 +313,25 @@ func (a *Admin) shardedListGroups(ctx context.Context, f GroupFilter, p Page) (*
 	out := &GroupPage{Groups: merged[:min(limit, len(merged))]}
 	if len(merged) > limit {
 		out.Next = encodeGroupCursor(merged[limit-1], order)
+	}
+	// The page's groups' samples, read on the shards that hold them, then merged.
+	onShard := map[string][]*FailureGroup{}
+	for _, g := range out.Groups {
+		for _, part := range parts[g.ID] {
+			onShard[part.Shard] = append(onShard[part.Shard], part)
+		}
+	}
+	_, errs = fan(ctx, a, func(ctx context.Context, s *Admin) (struct{}, error) {
+		if len(onShard[s.name]) == 0 {
+			return struct{}{}, nil
+		}
+		return struct{}{}, s.sampleGroups(ctx, onShard[s.name], f.Seen, ListSamples)
+	})
+	if err := shardErrors(a.names(), errs); err != nil {
+		return nil, err
+	}
+	for i, g := range out.Groups {
+		out.Groups[i] = *mergeGroup(parts[g.ID], ListSamples)
 	}
 	return out, nil
 }

@@ -2,8 +2,10 @@ package admin_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -695,7 +697,7 @@ func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
 	ctx := context.Background()
-	counter := &queryCounter{sql: "), page AS ("} // the groups list's aggregate
+	counter := &queryCounter{sql: "GROUP BY i.error_group"} // the groups list's aggregate
 	tm := tracedFirstShard(t, m, counter)
 	a, err := admin.New(admin.Config{Shards: tm})
 	require.NoError(t, err)
@@ -716,6 +718,103 @@ func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
 	require.Len(t, pg.Groups, 5)
 	require.Equal(t, "acme", pg.Groups[0].Tenant, "the largest group, on the second shard")
 	require.NotEmpty(t, pg.Next)
+}
+
+// sampleTracer records, for each statement on a pool that reads failure groups'
+// sample keys, how many groups it reads them for: the length of its array of
+// groups, or -1 for a statement that reads them for every group it aggregates.
+type sampleTracer struct {
+	mu     sync.Mutex
+	groups []int
+}
+
+func (c *sampleTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "array_agg(x.key") {
+		n := -1
+		if len(d.Args) > 1 {
+			if hashes, ok := d.Args[1].([][]byte); ok {
+				n = len(hashes)
+			}
+		}
+		c.mu.Lock()
+		c.groups = append(c.groups, n)
+		c.mu.Unlock()
+	}
+	return ctx
+}
+
+func (c *sampleTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestShardsFailureGroupsSamplesThePageOnly: a merged page of groups reads the
+// codes, texts and sample keys of the page's groups alone, on the shards that
+// hold them, not of every group the shards aggregated for the merge; and a group
+// on two shards gets each part's samples.
+func TestShardsFailureGroupsSamplesThePageOnly(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	tracer := &sampleTracer{}
+	cfg := m.Shards[0].Pool.Config()
+	cfg.ConnConfig.Tracer = tracer
+	traced, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(traced.Close)
+	tm := &shard.Map{Shards: append([]shard.Shard{{Name: m.Shards[0].Name, Pool: traced, Schema: m.Shards[0].Schema}}, m.Shards[1:]...)}
+	a, err := admin.New(admin.Config{Shards: tm})
+	require.NoError(t, err)
+	// 200 groups of one failure on the first shard, and acme's group on the first
+	// two: 2 + 2 failures, the largest.
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	for i := range 200 {
+		failOnCode(t, m.Shards[0], fmt.Sprintf("t%03d", i), "handler", "k", 1, t0)
+	}
+	failOn(t, m.Shards[0], "acme", 2, t0.Add(time.Minute))
+	failOn(t, m.Shards[1], "acme", 2, t0)
+
+	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 5})
+	require.NoError(t, err)
+	require.Len(t, pg.Groups, 5)
+	require.Equal(t, []int{5}, tracer.groups, "the first shard read samples once, for its 5 groups on the page")
+	acme := pg.Groups[0]
+	require.Equal(t, "acme", acme.Tenant)
+	require.Equal(t, int64(4), acme.Count)
+	require.Equal(t, "handler", acme.Code)
+	require.Equal(t, "order <n> refused", acme.Masked)
+	require.Equal(t, "order 2 refused", acme.Example, "the newest failure, on s1")
+	require.Equal(t, []string{"s1-2", "s1-1", "s2-2"}, acme.SampleKeys, "the latest part's keys first, then the other's")
+	for _, g := range pg.Groups[1:] {
+		require.Equal(t, int64(1), g.Count)
+		require.Equal(t, "handler", g.Code)
+		require.Equal(t, []string{"k-1"}, g.SampleKeys)
+	}
+}
+
+// TestShardsForgetAuditNamesTheShard: over a shard map whose shards share a
+// schema name, the audit line of a Forget names the shard whose row it deleted.
+func TestShardsForgetAuditNamesTheShard(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	logs := &syncBuffer{}
+	a, err := admin.New(admin.Config{Shards: m, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+	require.NoError(t, err)
+	ctx := context.Background()
+	s := m.Shards[1]
+	_, err = s.Pool.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+		VALUES ('orders', 'acme', 'k1', '\x00', 'completed', now(), now() + interval '1 day')`)
+	require.NoError(t, err)
+	_, err = a.Forget(ctx, inbox.ID{Consumer: "orders", Tenant: "acme", Key: "k1"}, admin.Audit{Who: "op", Why: "test"})
+	require.NoError(t, err)
+	var lines []map[string]any
+	for line := range strings.Lines(logs.String()) {
+		var rec map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &rec))
+		if rec["msg"] == "idem: inbox key forgotten; its next delivery runs the handler again" {
+			lines = append(lines, rec)
+		}
+	}
+	require.Len(t, lines, 1, logs.String())
+	require.Equal(t, s.Name, lines[0]["shard"], "the shard whose row was deleted: %v", lines[0])
+	require.Equal(t, "k1", lines[0]["key"])
 }
 
 // TestShardsGroupActionsAtOnce: two operators acting on one group whose dead
