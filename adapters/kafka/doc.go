@@ -94,4 +94,8 @@
 // GroupID, Subscribe reads SubscriberConfig.Partitions (all partitions when
 // empty) from StartOffset, commits nothing, and starts over on every
 // Subscribe: that mode is for tools and tests.
+//
+// [Lag] reads how far a group is behind on a topic, per partition and in
+// all, for readiness checks and for waiting until a group has drained a
+// topic.
 package kafka

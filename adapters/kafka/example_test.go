@@ -4,10 +4,12 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	kafkago "github.com/segmentio/kafka-go"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/idemkit/idem/adapters/kafka"
@@ -63,6 +65,70 @@ func Example() {
 	// Output:
 	// 0190f1c2-7d1e-7c3a-9d43-1f2a3b4c5d6e {"amount":42}
 	// partition 0 offset 0 key ord_1 delivery 1
+}
+
+// Read how far a consumer group is behind on a topic, in all and per
+// partition: here group billing, which has committed nothing yet on a topic
+// of three records, so it counts from the partition's first offset.
+func ExampleLag() {
+	brokers, topic, cleanup := exampleTopic("invoices", 3)
+	defer cleanup()
+
+	// The client's Transport is where TLS and SASL go: &kafkago.Transport{TLS: …, SASL: …}.
+	transport := &kafkago.Transport{}
+	defer transport.CloseIdleConnections()
+	client := &kafkago.Client{Addr: kafkago.TCP(brokers...), Transport: transport}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	lag, err := kafka.Lag(ctx, client, "billing", topic)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("billing is", lag.Total, "records behind")
+	for _, p := range lag.Partitions {
+		fmt.Printf("partition %d: offsets %d to %d, committed %d, lag %d\n",
+			p.Partition, p.FirstOffset, p.EndOffset, p.CommittedOffset, p.Lag)
+	}
+	// Output:
+	// billing is 3 records behind
+	// partition 0: offsets 0 to 3, committed -1, lag 3
+}
+
+// exampleTopic is ExampleLag's test plumbing: a topic of one partition that
+// holds n records, on exampleBroker's brokers. cleanup deletes it.
+func exampleTopic(topic string, n int) (brokers []string, name string, cleanup func()) {
+	brokers, name, stop := exampleBroker(topic)
+	transport := &kafkago.Transport{}
+	client := &kafkago.Client{Addr: kafkago.TCP(brokers...), Transport: transport, Timeout: 30 * time.Second}
+	ctx := context.Background()
+	created, err := client.CreateTopics(ctx, &kafkago.CreateTopicsRequest{Topics: []kafkago.TopicConfig{{
+		Topic: name, NumPartitions: 1, ReplicationFactor: 1,
+	}}})
+	if err == nil {
+		err = created.Errors[name]
+	}
+	if err != nil {
+		panic(err)
+	}
+	records := make([]kafkago.Record, n)
+	for i := range records {
+		records[i].Value = kafkago.NewBytes([]byte(strconv.Itoa(i)))
+	}
+	produced, err := client.Produce(ctx, &kafkago.ProduceRequest{
+		Topic: name, RequiredAcks: kafkago.RequireAll, Records: kafkago.NewRecordReader(records...),
+	})
+	if err == nil {
+		err = produced.Error
+	}
+	if err != nil {
+		panic(err)
+	}
+	return brokers, name, func() {
+		_, _ = client.DeleteTopics(ctx, &kafkago.DeleteTopicsRequest{Topics: []string{name}})
+		transport.CloseIdleConnections()
+		stop()
+	}
 }
 
 // exampleBroker is the example's test plumbing: the brokers in KAFKA_BROKERS

@@ -464,41 +464,6 @@ func (r *run) waitFor(ctx context.Context, what string, cond func() (bool, error
 
 // lag is how many records of topic the group has not committed yet.
 func (r *run) lag(ctx context.Context, topic, group string) (int64, error) {
-	client := r.client()
-	meta, err := client.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{topic}})
-	if err != nil {
-		return 0, err
-	}
-	if len(meta.Topics) != 1 || meta.Topics[0].Error != nil {
-		return 0, fmt.Errorf("metadata of %s: %v", topic, meta.Topics)
-	}
-	var parts []int
-	var reqs []kafkago.OffsetRequest
-	for _, p := range meta.Topics[0].Partitions {
-		parts = append(parts, p.ID)
-		reqs = append(reqs, kafkago.LastOffsetOf(p.ID))
-	}
-	ends, err := client.ListOffsets(ctx, &kafkago.ListOffsetsRequest{Topics: map[string][]kafkago.OffsetRequest{topic: reqs}})
-	if err != nil {
-		return 0, err
-	}
-	committed, err := client.OffsetFetch(ctx, &kafkago.OffsetFetchRequest{GroupID: group, Topics: map[string][]int{topic: parts}})
-	if err != nil {
-		return 0, err
-	}
-	done := map[int]int64{}
-	for _, p := range committed.Topics[topic] {
-		if p.Error != nil {
-			return 0, p.Error
-		}
-		done[p.Partition] = max(p.CommittedOffset, 0)
-	}
-	var total int64
-	for _, p := range ends.Topics[topic] {
-		if p.Error != nil {
-			return 0, p.Error
-		}
-		total += max(p.LastOffset-done[p.Partition], 0)
-	}
-	return total, nil
+	lag, err := kafka.Lag(ctx, r.client(), group, topic)
+	return lag.Total, err
 }

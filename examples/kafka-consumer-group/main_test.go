@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"testing"
 	"time"
@@ -11,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 
+	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -47,54 +47,13 @@ func TestSmoke(t *testing.T) {
 	// Every delivery, duplicates included, handled and acked: the broker has
 	// nothing left for the consumer.
 	pgtest.WaitFor(t, 30*time.Second, "the group to drain the topic", func() bool {
-		backlog, err := lag(ctx, cluster.ListenAddrs(), "orders-ledger")
-		return err == nil && backlog == 0
+		client := &kafkago.Client{Addr: kafkago.TCP(cluster.ListenAddrs()...), Timeout: 5 * time.Second}
+		lag, err := kafka.Lag(ctx, client, "orders-ledger", Topic)
+		return err == nil && lag.Total == 0
 	})
 	cancel()
 	require.NoError(t, <-done)
 	require.Equal(t, 20, pgtest.Count(t, pool, `SELECT count(*) FROM order_ledger`))
 	require.Equal(t, 20, pgtest.Count(t, pool, `SELECT count(DISTINCT order_id) FROM order_ledger`))
 	require.Equal(t, 20, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE consumer = 'orders-ledger' AND state = 'completed'`))
-}
-
-// lag is how many records of Topic the group has not committed yet, over all
-// partitions: the end offsets less the committed ones.
-func lag(ctx context.Context, brokers []string, group string) (int64, error) {
-	client := &kafkago.Client{Addr: kafkago.TCP(brokers...), Timeout: 5 * time.Second}
-	meta, err := client.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{Topic}})
-	if err != nil {
-		return 0, err
-	}
-	if len(meta.Topics) != 1 || meta.Topics[0].Error != nil {
-		return 0, fmt.Errorf("metadata of %s: %v", Topic, meta.Topics)
-	}
-	var parts []int
-	var reqs []kafkago.OffsetRequest
-	for _, p := range meta.Topics[0].Partitions {
-		parts = append(parts, p.ID)
-		reqs = append(reqs, kafkago.LastOffsetOf(p.ID))
-	}
-	ends, err := client.ListOffsets(ctx, &kafkago.ListOffsetsRequest{Topics: map[string][]kafkago.OffsetRequest{Topic: reqs}})
-	if err != nil {
-		return 0, err
-	}
-	committed, err := client.OffsetFetch(ctx, &kafkago.OffsetFetchRequest{GroupID: group, Topics: map[string][]int{Topic: parts}})
-	if err != nil {
-		return 0, err
-	}
-	done := map[int]int64{}
-	for _, p := range committed.Topics[Topic] {
-		if p.Error != nil {
-			return 0, p.Error
-		}
-		done[p.Partition] = max(p.CommittedOffset, 0)
-	}
-	var total int64
-	for _, p := range ends.Topics[Topic] {
-		if p.Error != nil {
-			return 0, p.Error
-		}
-		total += max(p.LastOffset-done[p.Partition], 0)
-	}
-	return total, nil
 }

@@ -350,43 +350,23 @@ func cleanupKafka(ctx context.Context, client *kafkago.Client, topic string) err
 	return errors.Join(errs...)
 }
 
-// waitCommitted waits until the group named topic has committed, on every
-// partition, the partition's end offset.
+// waitCommitted waits, for at most a minute, until the group named topic has
+// committed, on every one of the topic's partitions, the partition's end
+// offset: until kafka.Lag reads the topic's partitions all at lag 0. An error
+// of Lag (a broker that has just started can answer a partition of a new topic
+// with a transient error) is read again until the minute is up.
 func waitCommitted(ctx context.Context, client *kafkago.Client, topic string, partitions int) error {
-	req := &kafkago.ListOffsetsRequest{Topics: map[string][]kafkago.OffsetRequest{}}
-	ps := make([]int, partitions)
-	for p := range partitions {
-		ps[p] = p
-		req.Topics[topic] = append(req.Topics[topic], kafkago.LastOffsetOf(p))
-	}
-	ends, err := client.ListOffsets(ctx, req)
-	if err != nil {
-		return fmt.Errorf("list offsets: %w", err)
-	}
-	want := map[int]int64{}
-	for _, po := range ends.Topics[topic] {
-		if po.Error != nil {
-			return fmt.Errorf("list offsets of partition %d: %w", po.Partition, po.Error)
-		}
-		want[po.Partition] = po.LastOffset
-	}
 	deadline := time.Now().Add(time.Minute)
 	for {
-		got, err := client.OffsetFetch(ctx, &kafkago.OffsetFetchRequest{GroupID: topic, Topics: map[string][]int{topic: ps}})
-		if err != nil {
-			return fmt.Errorf("fetch committed offsets: %w", err)
-		}
-		done := got.Error == nil
-		for _, po := range got.Topics[topic] {
-			if po.Error != nil || po.CommittedOffset < want[po.Partition] {
-				done = false
-			}
-		}
-		if done && len(got.Topics[topic]) == partitions {
+		lag, err := kafka.Lag(ctx, client, topic, topic)
+		if err == nil && lag.Total == 0 && len(lag.Partitions) == partitions {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("group %s has not committed every offset of %s within a minute of the last ack", topic, topic)
+			if err == nil {
+				err = fmt.Errorf("it is %d records behind (%d of %d partitions read)", lag.Total, len(lag.Partitions), partitions)
+			}
+			return fmt.Errorf("group %s has not committed every offset of %s within a minute of the last ack: %w", topic, topic, err)
 		}
 		select {
 		case <-ctx.Done():

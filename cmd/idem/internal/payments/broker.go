@@ -331,9 +331,9 @@ func SessionFloor(ctx context.Context, brokers []string, topic string) (time.Dur
 }
 
 // Backlog is how many messages of the topic e's group or durable has not yet
-// consumed for good: on Kafka, the sum over partitions of the end offset minus
-// the group's committed offset; on JetStream, the durable's pending plus
-// delivered-but-unacked messages. Zero means the broker will deliver nothing more.
+// consumed for good: on Kafka, the group's lag (kafka.Lag's Total); on
+// JetStream, the durable's pending plus delivered-but-unacked messages. Zero
+// means the broker will deliver nothing more.
 func Backlog(ctx context.Context, e Endpoint, topic string) (int64, error) {
 	switch e.Broker {
 	case NATS:
@@ -357,42 +357,8 @@ func Backlog(ctx context.Context, e Endpoint, topic string) (int64, error) {
 		return int64(info.NumPending) + int64(info.NumAckPending), nil
 	case Kafka:
 		client := &kafkago.Client{Addr: kafkago.TCP(strings.Split(e.Addr, ",")...), Timeout: 5 * time.Second}
-		meta, err := client.Metadata(ctx, &kafkago.MetadataRequest{Topics: []string{topic}})
-		if err != nil {
-			return 0, err
-		}
-		if len(meta.Topics) != 1 || meta.Topics[0].Error != nil {
-			return 0, fmt.Errorf("metadata of %s: %v", topic, meta.Topics)
-		}
-		var parts []int
-		var reqs []kafkago.OffsetRequest
-		for _, p := range meta.Topics[0].Partitions {
-			parts = append(parts, p.ID)
-			reqs = append(reqs, kafkago.LastOffsetOf(p.ID))
-		}
-		ends, err := client.ListOffsets(ctx, &kafkago.ListOffsetsRequest{Topics: map[string][]kafkago.OffsetRequest{topic: reqs}})
-		if err != nil {
-			return 0, err
-		}
-		committed, err := client.OffsetFetch(ctx, &kafkago.OffsetFetchRequest{GroupID: e.Group, Topics: map[string][]int{topic: parts}})
-		if err != nil {
-			return 0, err
-		}
-		done := map[int]int64{}
-		for _, p := range committed.Topics[topic] {
-			if p.Error != nil {
-				return 0, p.Error
-			}
-			done[p.Partition] = max(p.CommittedOffset, 0)
-		}
-		var backlog int64
-		for _, p := range ends.Topics[topic] {
-			if p.Error != nil {
-				return 0, p.Error
-			}
-			backlog += max(p.LastOffset-done[p.Partition], 0)
-		}
-		return backlog, nil
+		lag, err := kafka.Lag(ctx, client, e.Group, topic)
+		return lag.Total, err
 	}
 	return 0, fmt.Errorf("unknown broker %q", e.Broker)
 }

@@ -9,7 +9,49 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/idemkit/idem/internal/pgtest"
 )
+
+// On Kafka, Backlog is the group's lag: every record of the topic before the
+// group commits anything, and 0 once its member has acked them all and the
+// acks are committed.
+func TestKafkaBacklogIsTheGroupsLag(t *testing.T) {
+	t.Parallel()
+	c, err := StartKafka()
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	e := Endpoint{Broker: Kafka, Addr: strings.Join(c.ListenAddrs(), ","), Group: "backlog-test"}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	conn, err := Connect(e, nil)
+	require.NoError(t, err)
+	t.Cleanup(conn.Close)
+	const n = 12
+	for i := range n {
+		require.NoError(t, conn.Publisher.Publish(Topic, NewMessage(int64(i))))
+	}
+	backlog, err := Backlog(ctx, e, Topic)
+	require.NoError(t, err)
+	require.EqualValues(t, n, backlog)
+
+	msgs, err := conn.Subscriber.Subscribe(ctx, Topic)
+	require.NoError(t, err)
+	for range n {
+		select {
+		case m := <-msgs:
+			m.Ack()
+		case <-ctx.Done():
+			t.Fatal("the group did not get every message within a minute")
+		}
+	}
+	pgtest.WaitFor(t, time.Minute, "a backlog of 0", func() bool {
+		backlog, err := Backlog(ctx, e, Topic)
+		require.NoError(t, err)
+		return backlog == 0
+	})
+}
 
 // On a broker whose group.min.session.timeout.ms is above the chaos runs' 1 s
 // session (a stock broker's is 6 s), the consumers ask for the broker's floor
