@@ -125,18 +125,23 @@ func exampleTopic(topic string, n int) (brokers []string, name string, cleanup f
 		panic(err)
 	}
 	return brokers, name, func() {
-		_, _ = client.DeleteTopics(ctx, &kafkago.DeleteTopicsRequest{Topics: []string{name}})
 		transport.CloseIdleConnections()
 		stop()
 	}
 }
 
 // exampleBroker is the example's test plumbing: the brokers in KAFKA_BROKERS
-// with a fresh topic name, or else an in-process kfake cluster. cleanup stops
-// the cluster.
+// with a fresh topic name, or else an in-process kfake cluster. cleanup
+// deletes that topic from KAFKA_BROKERS, or stops the cluster.
 func exampleBroker(topic string) (brokers []string, name string, cleanup func()) {
 	if v := os.Getenv("KAFKA_BROKERS"); v != "" {
-		return strings.Split(v, ","), fmt.Sprintf("%s-%d", topic, time.Now().UnixNano()), func() {}
+		brokers, name = strings.Split(v, ","), fmt.Sprintf("%s-%d", topic, time.Now().UnixNano())
+		return brokers, name, func() {
+			transport := &kafkago.Transport{}
+			defer transport.CloseIdleConnections()
+			client := &kafkago.Client{Addr: kafkago.TCP(brokers...), Transport: transport, Timeout: 30 * time.Second}
+			_, _ = client.DeleteTopics(context.Background(), &kafkago.DeleteTopicsRequest{Topics: []string{name}})
+		}
 	}
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1))
 	if err != nil {
