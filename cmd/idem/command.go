@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -395,6 +396,43 @@ func (e *env) notes() io.Writer {
 		return io.Discard
 	}
 	return e.stderr
+}
+
+// question is the confirmation a dangerous command asks for.
+type question struct {
+	// yes: --yes was given, so there is nothing to ask.
+	yes bool
+	// refused is the confirmation_required error returned when it cannot ask:
+	// without a terminal, or with --json.
+	refused error
+	// want is the answer that confirms. It must be typed exactly, but for
+	// spaces around it when it has none itself.
+	want string
+	// shown is how the question names the answer ("yes", "the key (k)"), and
+	// action what typing it does ("revert").
+	shown, action string
+}
+
+// errCancelled: the answer on the terminal was not the one asked for.
+var errCancelled = errors.New("cancelled; nothing was changed")
+
+// confirmed gets a dangerous change confirmed: by --yes, else by the answer
+// typed on the terminal. With --json it never asks (stderr holds JSON only), and
+// like a run without a terminal it returns q.refused.
+func (e *env) confirmed(q question) error {
+	if q.yes {
+		return nil
+	}
+	if e.terminal == nil || e.json {
+		return q.refused
+	}
+	fmt.Fprintf(e.stderr, "Type %s to %s, anything else to cancel: ", q.shown, q.action)
+	answer, _ := bufio.NewReader(e.terminal).ReadString('\n')
+	answer = strings.TrimRight(answer, "\r\n")
+	if answer != q.want && (q.want != strings.TrimSpace(q.want) || strings.TrimSpace(answer) != q.want) {
+		return errCancelled
+	}
+	return nil
 }
 
 // nextPage tells, on stderr, that a --json list goes on: one JSON object with the
