@@ -88,6 +88,21 @@ type env struct {
 	specs      []shardSpec
 	routeTable map[string]string
 	shards     *shard.Map
+	// pinned are the time flags given as an age (--since 1h), as absolute flags
+	// (--since 2026-11-25T09:00:00Z): a list's next page reads the same window.
+	pinned []string
+}
+
+// clockKey is the context key of the clock that a command's ages (--since 1h)
+// are read against: a func() time.Time, time.Now when absent. Tests set it.
+type clockKey struct{}
+
+// nowOf is the invocation's clock reading.
+func nowOf(ctx context.Context) time.Time {
+	if clock, ok := ctx.Value(clockKey{}).(func() time.Time); ok {
+		return clock()
+	}
+	return time.Now()
 }
 
 // usageError is bad usage: exit code 2.
@@ -171,6 +186,7 @@ func (c *command) execute(ctx context.Context, args []string, terminal io.Reader
 		return e.report(c, usagef("%v", err))
 	}
 	e.resolve(fs)
+	e.pinned = resolveAges(fs, nowOf(ctx))
 	if err := e.resolveShards(); err != nil {
 		return e.report(c, err)
 	}
@@ -435,11 +451,20 @@ func (e *env) confirmed(q question) error {
 	return nil
 }
 
+// nextArgs are the flags that ask for the page after cursor, to be added to
+// the command line of this one (a flag given twice takes its last value): the
+// cursor, and the time flags given as an age, as the times they were read as.
+func (e *env) nextArgs(cursor string) []string {
+	return append([]string{"--after", cursor}, e.pinned...)
+}
+
 // nextPage tells, on stderr, that a --json list goes on: one JSON object with the
-// cursor of the next page (stdout holds the page alone).
+// cursor of the next page and the flags that ask for it (stdout holds the page
+// alone).
 func (e *env) nextPage(c, what, cursor string) {
-	b, _ := json.Marshal(map[string]string{"next_after": cursor,
-		"message": fmt.Sprintf("idem %s: more %s follow; next page: --after %s", c, what, cursor)})
+	args := e.nextArgs(cursor)
+	b, _ := json.Marshal(map[string]any{"next_after": cursor, "next_args": args,
+		"message": fmt.Sprintf("idem %s: more %s follow; next page: %s", c, what, strings.Join(args, " "))})
 	fmt.Fprintf(e.stderr, "%s\n", b)
 }
 
@@ -469,7 +494,7 @@ func writePage[T any](e *env, p listPage[T], none string, table func() error) er
 		return err
 	}
 	if p.next != "" {
-		fmt.Fprintf(e.stdout, "(first %d shown; next page: --after %s)\n", len(p.items), p.next)
+		fmt.Fprintf(e.stdout, "(first %d shown; next page: %s)\n", len(p.items), strings.Join(e.nextArgs(p.next), " "))
 	}
 	return nil
 }
