@@ -76,7 +76,7 @@ func TestPagingPinsAges(t *testing.T) {
 		{[]string{"effects", "list", "--kind", "pager"}, "key", "pager-"},
 		{[]string{"failures", "--source", "inbox"}, "consumer", "failing-"},
 	} {
-		args := append(c.args, "--since", "1h", "--until", "10m", "--limit", "1")
+		args := slices.Concat(c.args, []string{"--since", "1h", "--until", "10m", "--limit", "1"})
 		pinned := []string{"--since", since.Format(time.RFC3339), "--until", until.Format(time.RFC3339)}
 		// The text hint.
 		r := b.idemAt(now, args...).ok(t)
@@ -89,7 +89,7 @@ func TestPagingPinsAges(t *testing.T) {
 		require.Equal(t, pinned, next[2:], "%q: the ages as the times the page read", args)
 		// An hour later, "--since 1h --until 10m" is another window; with the
 		// hint's arguments added, the next page is the rest of this one.
-		r = b.idemAt(now.Add(time.Hour), append(args, next...)...).ok(t)
+		r = b.idemAt(now.Add(time.Hour), slices.Concat(args, next)...).ok(t)
 		require.Contains(t, r.stdout, c.name+"c", "%q", args)
 		for _, out := range []string{"a", "b", "d"} {
 			require.NotContains(t, r.stdout, c.name+out, "%q", args)
@@ -98,7 +98,7 @@ func TestPagingPinsAges(t *testing.T) {
 
 		// --json: the object on stderr.
 		var rows []map[string]any
-		r = b.idemAt(now, append(args, "--json")...).ok(t)
+		r = b.idemAt(now, slices.Concat(args, []string{"--json"})...).ok(t)
 		r.decode(t, &rows)
 		require.Len(t, rows, 1)
 		require.Equal(t, c.name+"a", rows[0][c.field])
@@ -111,14 +111,14 @@ func TestPagingPinsAges(t *testing.T) {
 		require.Equal(t, next[1], obj.NextAfter)
 		require.Equal(t, next, obj.NextArgs)
 		require.True(t, strings.HasSuffix(obj.Message, "; next page: "+hint[1]), obj.Message)
-		r = b.idemAt(now.Add(time.Hour), append(append(args, obj.NextArgs...), "--json")...).ok(t)
+		r = b.idemAt(now.Add(time.Hour), slices.Concat(args, obj.NextArgs, []string{"--json"})...).ok(t)
 		r.decode(t, &rows)
 		require.Len(t, rows, 1, "%q: %s", args, r.stdout)
 		require.Equal(t, c.name+"c", rows[0][c.field])
 		require.Empty(t, r.stderr)
 
 		// Times given as times are the command line's own: the hint adds none.
-		abs := append(c.args, "--since", since.Format(time.RFC3339), "--until", until.Format(time.RFC3339), "--limit", "1")
+		abs := slices.Concat(c.args, []string{"--since", since.Format(time.RFC3339), "--until", until.Format(time.RFC3339), "--limit", "1"})
 		r = b.idemAt(now, abs...).ok(t)
 		require.Equal(t, []string{"--after", next[1]}, strings.Fields(nextPageHint.FindStringSubmatch(r.stdout)[1]))
 	}
