@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -87,6 +88,21 @@ type env struct {
 	specs      []shardSpec
 	routeTable map[string]string
 	shards     *shard.Map
+	// pinned are the time flags given as an age (--since 1h), as absolute flags
+	// (--since 2026-11-25T09:00:00Z): a list's next page reads the same window.
+	pinned []string
+}
+
+// clockKey is the context key of the clock that a command's ages (--since 1h)
+// are read against: a func() time.Time, time.Now when absent. Tests set it.
+type clockKey struct{}
+
+// nowOf is the invocation's clock reading.
+func nowOf(ctx context.Context) time.Time {
+	if clock, ok := ctx.Value(clockKey{}).(func() time.Time); ok {
+		return clock()
+	}
+	return time.Now()
 }
 
 // usageError is bad usage: exit code 2.
@@ -170,6 +186,7 @@ func (c *command) execute(ctx context.Context, args []string, terminal io.Reader
 		return e.report(c, usagef("%v", err))
 	}
 	e.resolve(fs)
+	e.pinned = resolveAges(fs, nowOf(ctx))
 	if err := e.resolveShards(); err != nil {
 		return e.report(c, err)
 	}
@@ -397,11 +414,57 @@ func (e *env) notes() io.Writer {
 	return e.stderr
 }
 
+// question is the confirmation a dangerous command asks for.
+type question struct {
+	// yes: --yes was given, so there is nothing to ask.
+	yes bool
+	// refused is the confirmation_required error returned when it cannot ask:
+	// without a terminal, or with --json.
+	refused error
+	// want is the answer that confirms. It must be typed exactly, but for
+	// spaces around it when it has none itself.
+	want string
+	// shown is how the question names the answer ("yes", "the key (k)"), and
+	// action what typing it does ("revert").
+	shown, action string
+}
+
+// errCancelled: the answer on the terminal was not the one asked for.
+var errCancelled = errors.New("cancelled; nothing was changed")
+
+// confirmed gets a dangerous change confirmed: by --yes, else by the answer
+// typed on the terminal. With --json it never asks (stderr holds JSON only), and
+// like a run without a terminal it returns q.refused.
+func (e *env) confirmed(q question) error {
+	if q.yes {
+		return nil
+	}
+	if e.terminal == nil || e.json {
+		return q.refused
+	}
+	fmt.Fprintf(e.stderr, "Type %s to %s, anything else to cancel: ", q.shown, q.action)
+	answer, _ := bufio.NewReader(e.terminal).ReadString('\n')
+	answer = strings.TrimRight(answer, "\r\n")
+	if answer != q.want && (q.want != strings.TrimSpace(q.want) || strings.TrimSpace(answer) != q.want) {
+		return errCancelled
+	}
+	return nil
+}
+
+// nextArgs are the flags that ask for the page after cursor, to be added to
+// the command line of this one (a flag given twice takes its last value): the
+// cursor, and the time flags given as an age, as the times they were read as.
+func (e *env) nextArgs(cursor string) []string {
+	return append([]string{"--after", cursor}, e.pinned...)
+}
+
 // nextPage tells, on stderr, that a --json list goes on: one JSON object with the
-// cursor of the next page (stdout holds the page alone).
+// cursor of the next page and the flags that ask for it (stdout holds the page
+// alone).
 func (e *env) nextPage(c, what, cursor string) {
-	b, _ := json.Marshal(map[string]string{"next_after": cursor,
-		"message": fmt.Sprintf("idem %s: more %s follow; next page: --after %s", c, what, cursor)})
+	args := e.nextArgs(cursor)
+	b, _ := json.Marshal(map[string]any{"next_after": cursor, "next_args": args,
+		"message": fmt.Sprintf("idem %s: more %s follow; next page: %s", c, what, strings.Join(args, " "))})
 	fmt.Fprintf(e.stderr, "%s\n", b)
 }
 
@@ -431,7 +494,7 @@ func writePage[T any](e *env, p listPage[T], none string, table func() error) er
 		return err
 	}
 	if p.next != "" {
-		fmt.Fprintf(e.stdout, "(first %d shown; next page: --after %s)\n", len(p.items), p.next)
+		fmt.Fprintf(e.stdout, "(first %d shown; next page: %s)\n", len(p.items), strings.Join(e.nextArgs(p.next), " "))
 	}
 	return nil
 }

@@ -271,6 +271,8 @@ type consoleConfig struct {
 	// "Authorization: Bearer TOKEN", or the session cookie that POST /api/login
 	// sets for it.
 	Token string
+	// Now is the clock an age (since=1h) is read against; nil is time.Now.
+	Now func() time.Time
 }
 
 // console serves the page and its JSON endpoints, which call the admin API.
@@ -287,6 +289,9 @@ const tokenHeader = "X-Idem-Token"
 func newConsole(a *admin.Admin, cfg consoleConfig) (http.Handler, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
 	}
 	if len(cfg.Hosts) == 0 && len(cfg.Names) == 0 {
 		return nil, errors.New("console: no Host to answer to")

@@ -46,6 +46,15 @@ func (c *console) activity(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, a)
 }
 
+// groupPageJSON is a page of failure groups, with the window it counted as
+// absolute times: the page's More sends them back, so that the next page counts
+// the same window when it was given as an age (since=1h).
+type groupPageJSON struct {
+	*admin.GroupPage
+	Since time.Time `json:"since,omitzero"`
+	Until time.Time `json:"until,omitzero"`
+}
+
 // failureGroups answers a page of failure groups: source, consumer, kind, tenant
 // (absent: every tenant; empty: the unscoped one), code (an error code, exact),
 // since and until (a time, a date or an age such as 1h or 7d, as the CLI's flags
@@ -56,29 +65,32 @@ func (c *console) failureGroups(w http.ResponseWriter, r *http.Request) {
 		Tenant: optional(r, "tenant"), Code: q.Get("code"), Order: q.Get("order")}
 	p, err := page(r)
 	if err == nil {
-		f.Seen, err = seenRange(r)
+		f.Seen, err = seenRange(r, c.cfg.Now())
 	}
 	if err == nil {
 		var out *admin.GroupPage
 		if out, err = c.admin.ListGroups(r.Context(), f, p); err == nil {
-			writeJSON(w, http.StatusOK, out)
+			writeJSON(w, http.StatusOK, groupPageJSON{GroupPage: out, Since: f.Seen.Since, Until: f.Seen.Until})
 			return
 		}
 	}
 	c.fail(w, r, err)
 }
 
-// seenRange reads the since and until parameters of a failure group list.
-func seenRange(r *http.Request) (admin.TimeRange, error) {
+// seenRange reads the since and until parameters of a failure group list, an
+// age (1h) as that long before now.
+func seenRange(r *http.Request, now time.Time) (admin.TimeRange, error) {
 	var tr admin.TimeRange
 	for _, p := range []struct {
 		name string
 		t    *time.Time
 	}{{"since", &tr.Since}, {"until", &tr.Until}} {
-		if v := r.URL.Query().Get(p.name); v != "" {
-			if err := (timeValue{t: p.t, now: time.Now}).Set(v); err != nil {
+		if s := r.URL.Query().Get(p.name); s != "" {
+			v := &timeValue{t: p.t}
+			if err := v.Set(s); err != nil {
 				return tr, codedf(admin.ErrBadFilter, "%s %s", p.name, clip(err.Error(), 200))
 			}
+			v.resolve(now)
 		}
 	}
 	return tr, nil

@@ -19,8 +19,10 @@ idem effects list --state all --tenant acme --key-prefix receipt: --since 7d
 idem effects list --state pending --limit 20 --json
 
 Effects come in primary key order (tenant, kind, key). When more follow, the
-last line gives the --after cursor of the next page (with --json, on stderr, as
-{"next_after": CURSOR, ...}).
+last line gives the flags to add to the command for the next page: --after
+CURSOR, and a --since or --until given as an age (7d) as the time it was read
+as, so that the next page reads the same window (with --json, on stderr, as
+{"next_after": CURSOR, "next_args": [...], ...}).
 --since and --until take a time (2026-11-21T23:02:11Z), a date (2026-11-21) or
 an age (90m, 7d: that long ago), and filter on when the effect was created.`,
 	setup: func(fs *flag.FlagSet) runFunc {

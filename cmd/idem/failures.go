@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"flag"
@@ -306,15 +305,10 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 	if !e.json {
 		e.printPlanTo(e.stderr, fa, plan, "will ")
 	}
-	if !o.yes {
-		if e.terminal == nil || e.json {
-			return confirm(plan, "nothing was changed: %s %s %d row(s) of group %s; to do it, run it again with --yes", fa.verb, "would change", plan.Rows, id)
-		}
-		fmt.Fprintf(e.stderr, "Type yes to %s these %d row(s), anything else to cancel: ", fa.verb, plan.Rows)
-		answer, _ := bufio.NewReader(e.terminal).ReadString('\n')
-		if strings.TrimSpace(answer) != "yes" {
-			return errors.New("cancelled; nothing was changed")
-		}
+	if err := e.confirmed(question{yes: o.yes,
+		refused: confirm(plan, "nothing was changed: %s %s %d row(s) of group %s; to do it, run it again with --yes", fa.verb, "would change", plan.Rows, id),
+		want:    "yes", shown: "yes", action: fmt.Sprintf("%s these %d row(s)", fa.verb, plan.Rows)}); err != nil {
+		return err
 	}
 	o.act.AtMost = plan.Rows // exactly what was shown and confirmed, or nothing
 	res, err := fa.do(a, ctx, o.act)

@@ -94,19 +94,23 @@ func durationVar(fs *flag.FlagSet, p *time.Duration, name string, def time.Durat
 
 // timeValue is a flag.Value for a point in time: RFC 3339 (2026-11-21T23:02:11Z), a
 // date (2026-11-21, midnight UTC), or a duration meaning that long ago (7d, 90m).
+// An age is kept as given until resolve turns it into a time.
 type timeValue struct {
-	t   *time.Time
-	now func() time.Time
+	t *time.Time
+	// age is the value when it was given as an age (isAge).
+	age   time.Duration
+	isAge bool
 }
 
-func (v timeValue) String() string {
+func (v *timeValue) String() string {
 	if v.t == nil || v.t.IsZero() {
 		return ""
 	}
-	return v.t.UTC().Format(time.RFC3339)
+	return v.t.UTC().Format(time.RFC3339Nano)
 }
 
-func (v timeValue) Set(s string) error {
+func (v *timeValue) Set(s string) error {
+	v.isAge = false
 	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
 		*v.t = t
 		return nil
@@ -119,8 +123,33 @@ func (v timeValue) Set(s string) error {
 	if err != nil || d < 0 {
 		return fmt.Errorf("%q: use a time (2026-11-21T23:02:11Z), a date (2026-11-21) or an age (90m, 7d)", s)
 	}
-	*v.t = v.now().Add(-d)
+	v.age, v.isAge = d, true
 	return nil
+}
+
+// resolve sets a value given as an age to the time that long before now, to
+// the second (so that it reads back whole as RFC 3339), and reports whether it
+// was an age.
+func (v *timeValue) resolve(now time.Time) bool {
+	if !v.isAge {
+		return false
+	}
+	*v.t = now.Add(-v.age).UTC().Truncate(time.Second)
+	return true
+}
+
+// resolveAges resolves the time flags of fs given as an age against one now
+// (--since 1h --until 30m: the same now) and returns them as absolute flags,
+// ["--since", "2026-11-25T09:00:00Z", ...], for a list's next page: the age read
+// again by a later run would be another window.
+func resolveAges(fs *flag.FlagSet, now time.Time) []string {
+	var pinned []string
+	fs.Visit(func(f *flag.Flag) {
+		if v, ok := f.Value.(*timeValue); ok && v.resolve(now) {
+			pinned = append(pinned, "--"+f.Name, v.String())
+		}
+	})
+	return pinned
 }
 
 // flagGiven reports whether name was on the command line.
@@ -130,8 +159,10 @@ func flagGiven(fs *flag.FlagSet, name string) bool {
 	return given
 }
 
+// timeVar declares a flag for a point in time (timeValue). An age is resolved
+// when the command runs, by resolveAges.
 func timeVar(fs *flag.FlagSet, p *time.Time, name, usage string) {
-	fs.Var(timeValue{t: p, now: time.Now}, name, usage)
+	fs.Var(&timeValue{t: p}, name, usage)
 }
 
 // optString is a string flag that knows whether it was given, so that an empty
@@ -163,7 +194,7 @@ func flagKind(f *flag.Flag) (string, string) {
 	switch f.Value.(type) {
 	case durationValue:
 		name = "duration"
-	case timeValue:
+	case *timeValue:
 		name = "time"
 	case *optString:
 		name = "string"

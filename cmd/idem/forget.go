@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"flag"
@@ -91,22 +90,16 @@ func runForget(ctx context.Context, e *env, args []string, o forgetOptions) erro
 	fmt.Fprintf(e.notes(), "idem forget: %s is %s (received %s, %d effect(s) made).\n"+
 		"Forgetting it makes its next delivery run the handler again: the business work may commit a second time.\n",
 		describeID(o.id), rec.State, ts(&rec.ReceivedAt), len(rec.Effects))
-	if !o.yes {
-		// With --json it never asks: stderr holds JSON only.
-		if e.terminal == nil || e.json {
-			what := "the inbox key shown above"
-			if e.json {
-				what = "the inbox key of the plan"
-			}
-			plan := map[string]any{"schema": e.schema, "consumer": o.id.Consumer, "tenant": o.id.Tenant, "key": o.id.Key,
-				"state": rec.State, "received_at": rec.ReceivedAt, "effects": len(rec.Effects)}
-			return confirm(plan, "nothing was changed: forget deletes %s, and its next delivery runs the handler again; to do it, run it again with --yes", what)
-		}
-		fmt.Fprintf(e.stderr, "Type the key (%s) to forget it, anything else to cancel: ", printable(o.id.Key))
-		answer, _ := bufio.NewReader(e.terminal).ReadString('\n')
-		if strings.TrimRight(answer, "\r\n") != o.id.Key {
-			return errors.New("cancelled; nothing was changed")
-		}
+	what := "the inbox key shown above"
+	if e.json {
+		what = "the inbox key of the plan"
+	}
+	plan := map[string]any{"schema": e.schema, "consumer": o.id.Consumer, "tenant": o.id.Tenant, "key": o.id.Key,
+		"state": rec.State, "received_at": rec.ReceivedAt, "effects": len(rec.Effects)}
+	if err := e.confirmed(question{yes: o.yes,
+		refused: confirm(plan, "nothing was changed: forget deletes %s, and its next delivery runs the handler again; to do it, run it again with --yes", what),
+		want:    o.id.Key, shown: "the key (" + printable(o.id.Key) + ")", action: "forget it"}); err != nil {
+		return err
 	}
 	k, err := a.Forget(ctx, o.id, o.audit)
 	if err != nil {

@@ -16,8 +16,10 @@ idem inbox list --consumer 'POST /payments' --tenant acct_42 --since 1d --json
 idem inbox list --consumer payments --key-prefix pay_ --limit 50 --after eyJpbmJveCIsIC4uLl0
 
 Keys come in primary key order (consumer, tenant, key). When more follow, the
-last line gives the --after cursor of the next page (with --json, on stderr, as
-{"next_after": CURSOR, ...}).
+last line gives the flags to add to the command for the next page: --after
+CURSOR, and a --since or --until given as an age (1d) as the time it was read
+as, so that the next page reads the same window (with --json, on stderr, as
+{"next_after": CURSOR, "next_args": [...], ...}).
 --since and --until filter on when the key was received.`,
 	setup: func(fs *flag.FlagSet) runFunc {
 		var f admin.InboxFilter

@@ -1,9 +1,7 @@
 package main
 
 import (
-	"bufio"
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"strings"
@@ -164,21 +162,14 @@ func migrateDown(ctx context.Context, e *env, m *migrate.Migrator, yes bool) err
 	}
 	label := migrationLabel(plan.Version)
 	fmt.Fprintf(e.notes(), "idem migrate down: reverting %s in schema %s: %s\n", label, e.schema, describeDrops(plan))
-	if !yes {
-		// With --json it never asks: stderr holds JSON only.
-		if e.terminal == nil || e.json {
-			what := "what is listed above"
-			if e.json {
-				what = "what the plan lists"
-			}
-			return confirm(downJSON(e.schema, plan, label),
-				"nothing was changed: migrate down drops %s, with its data; to do it, run it again with --yes", what)
-		}
-		fmt.Fprintf(e.stderr, "Type the schema name (%s) to revert, anything else to cancel: ", e.schema)
-		answer, _ := bufio.NewReader(e.terminal).ReadString('\n')
-		if strings.TrimSpace(answer) != e.schema {
-			return errors.New("cancelled; nothing was changed")
-		}
+	what := "what is listed above"
+	if e.json {
+		what = "what the plan lists"
+	}
+	if err := e.confirmed(question{yes: yes,
+		refused: confirm(downJSON(e.schema, plan, label), "nothing was changed: migrate down drops %s, with its data; to do it, run it again with --yes", what),
+		want:    e.schema, shown: "the schema name (" + e.schema + ")", action: "revert"}); err != nil {
+		return err
 	}
 	done, err := m.Revert(ctx, plan.Version)
 	if err != nil {

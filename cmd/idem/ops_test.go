@@ -81,8 +81,22 @@ func TestForgetCLI(t *testing.T) {
 	require.Equal(t, exitFailure, r.code)
 	require.Equal(t, "not_found", decodeError(t, lastLine(r.stderr)).Code)
 
+	// A key that begins with a space must be typed with it.
+	_, err := b.pool.Exec(context.Background(), `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at)
+		VALUES ('mailer', ' spaced', '\x00', 'completed', now() + interval '1 day')`)
+	require.NoError(t, err)
+	spaced := func() int {
+		return pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox WHERE consumer = 'mailer' AND key = ' spaced'`)
+	}
+	r = b.idemOn("spaced\n", "forget", "--consumer", "mailer", "--key", " spaced", "--reason", "test")
+	require.Equal(t, exitFailure, r.code, r.stderr)
+	require.Contains(t, r.stderr, "Type the key ( spaced) to forget it, anything else to cancel: idem forget: cancelled; nothing was changed\n")
+	require.Equal(t, 1, spaced())
+	b.idemOn(" spaced\r\n", "forget", "--consumer", "mailer", "--key", " spaced", "--reason", "test").ok(t)
+	require.Zero(t, spaced())
+
 	// A key under a running lease is refused.
-	_, err := b.pool.Exec(context.Background(), `INSERT INTO inbox (consumer, key, fingerprint, state, lease_until, fence, expires_at)
+	_, err = b.pool.Exec(context.Background(), `INSERT INTO inbox (consumer, key, fingerprint, state, lease_until, fence, expires_at)
 		VALUES ('mailer', 'live', '\x00', 'processing', now() + interval '1 minute', 1, now() + interval '1 day')`)
 	require.NoError(t, err)
 	r = b.idem("forget", "--consumer", "mailer", "--key", "live", "--reason", "stuck?", "--yes")

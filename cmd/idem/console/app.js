@@ -395,6 +395,11 @@ async function loadGroups(more) {
   }
   if (more) params = { ...params, after: state.cursors.groups };
   const page = await api("/api/failures?" + query(params));
+  // The server reads an age (since=1h) against its clock on every request: More
+  // sends the times the first page counted from, so that it lists the same window.
+  if (!more) {
+    for (const name of ["since", "until"]) if (page[name]) params[name] = page[name];
+  }
   const body = document.querySelector("#groups tbody");
   if (!more) body.replaceChildren();
   for (const g of page.groups) {
