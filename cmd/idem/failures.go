@@ -272,6 +272,10 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 	if err != nil {
 		return err
 	}
+	// again is what a re-run adds to act on the set planned here: --yes, and the
+	// plan's bound (and the ages given, as times), so that failures arriving
+	// between the two runs stay out.
+	again := append([]string{"--yes"}, e.pinned...)
 	if o.act.Through.IsZero() {
 		g, err := a.Group(ctx, id, admin.TimeRange{Since: o.act.Since})
 		if errors.Is(err, admin.ErrNotFound) {
@@ -281,6 +285,7 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 			return usageIfBad(err)
 		}
 		o.act.Through = g.LastSeen
+		again = append(again, "--through", g.LastSeen.UTC().Format(time.RFC3339Nano))
 	}
 	dry := o.act
 	dry.DryRun = true
@@ -306,7 +311,7 @@ func runFailureAction(ctx context.Context, e *env, args []string, fa failureActi
 		e.printPlanTo(e.stderr, fa, plan, "will ")
 	}
 	if err := e.confirmed(question{yes: o.yes,
-		refused: confirm(plan, "nothing was changed: %s %s %d row(s) of group %s; to do it, run it again with --yes", fa.verb, "would change", plan.Rows, id),
+		refused: confirm(plan, "nothing was changed: %s would change %d row(s) of group %s; to do it, run it again with %s", fa.verb, plan.Rows, id, strings.Join(again, " ")),
 		want:    "yes", shown: "yes", action: fmt.Sprintf("%s these %d row(s)", fa.verb, plan.Rows)}); err != nil {
 		return err
 	}

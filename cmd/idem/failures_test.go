@@ -241,3 +241,35 @@ func countRows(t *testing.T, b *bundle, sql string) int {
 	require.NoError(t, b.pool.QueryRow(context.Background(), sql).Scan(&n))
 	return n
 }
+
+// TestFailuresRefusalPinsThePlan: refused for want of --yes, an action says how
+// to run it again on the set it planned. A failure of the same group that
+// arrives between the two runs is left out of the re-run.
+func TestFailuresRefusalPinsThePlan(t *testing.T) {
+	b := setup(t)
+	b.seedFailures()
+	var groups []admin.FailureGroup
+	b.bin("failures", "--source", "inbox", "--json").ok(t).decode(t, &groups)
+	require.Len(t, groups, 1)
+	g := groups[0]
+
+	r := b.bin("failures", "release", g.ID, "--note", "parser fixed", "--since", "1h")
+	require.Equal(t, exitUsage, r.code, r.stderr)
+	_, again, ok := strings.Cut(r.stderr, "run it again with ")
+	require.True(t, ok, r.stderr)
+	again = strings.TrimSpace(strings.SplitN(again, "\n", 2)[0])
+	require.Contains(t, again, "--through "+g.LastSeen.UTC().Format(time.RFC3339Nano))
+	require.Contains(t, again, "--since ", "an age is given back as a time")
+
+	// A new failure of the group, after the plan was shown.
+	b.process("acme", "pay_late", "bad")
+	var now admin.FailureGroup
+	b.bin("failures", "show", g.ID, "--json").ok(t).decode(t, &now)
+	require.Equal(t, int64(5), now.Count, "the late failure is in the group")
+
+	args := append([]string{"failures", "release", g.ID, "--note", "parser fixed", "--since", "1h"}, strings.Fields(again)...)
+	r = b.bin(args...).ok(t)
+	require.Contains(t, r.stdout, "released 4 failed inbox key(s)")
+	require.Equal(t, 1, countRows(t, b, `SELECT count(*) FROM inbox WHERE state = 'failed' AND key = 'pay_late'`),
+		"the failure that arrived after the plan is not released")
+}
