@@ -108,14 +108,17 @@ func TestHTTPPayments(t *testing.T) {
 	require.Contains(t, string(invalidBody), "positive")
 
 	// The Dispatcher sends the receipt once and publishes payments.created, which
-	// the consumer books once.
+	// the consumer books once. The consumer may book before the Dispatcher has
+	// marked the publish effect done, so the wait covers both effects.
 	pool := pgtest.NewPool(t, schema, 2)
-	pgtest.WaitFor(t, 30*time.Second, "the payment booked in the ledger", func() bool {
-		var booked bool
-		err := pool.QueryRow(context.Background(), `SELECT count(*) >= 1 FROM ledger WHERE payment_id = $1`, p.ID).Scan(&booked)
+	pgtest.WaitFor(t, 30*time.Second, "the payment booked in the ledger and both effects done", func() bool {
+		var booked, done bool
+		err := pool.QueryRow(context.Background(), `SELECT
+			(SELECT count(*) >= 1 FROM ledger WHERE payment_id = $1),
+			(SELECT count(*) >= 2 FROM effects WHERE state = 'done')`, p.ID).Scan(&booked, &done)
 		mu.Lock()
 		defer mu.Unlock()
-		return err == nil && booked && len(mails) >= 1
+		return err == nil && booked && done && len(mails) >= 1
 	})
 	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM ledger WHERE payment_id = $1`, p.ID), "booked once")
 	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM payments`))
