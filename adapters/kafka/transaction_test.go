@@ -170,6 +170,13 @@ func TestTransactionalProducer(t *testing.T) {
 
 					end := partitionEnd(t, b, level.level)
 					requireCommitted(t, b, end)
+					// Lag reads the high watermark, which counts the markers:
+					// a group that passed them shows no lag.
+					transport := &kafkago.Transport{}
+					defer transport.CloseIdleConnections()
+					lag, err := kafka.Lag(context.Background(), &kafkago.Client{Addr: kafkago.TCP(b.brokers...), Transport: transport, Timeout: 10 * time.Second}, b.group, b.topic)
+					require.NoError(t, err)
+					require.Zero(t, lag.Total, "lag after every record and marker is committed: %+v", lag)
 					t.Logf("%s: delivered %d of the partition's %d offsets, at most %d at once; committed %d",
 						level.name, len(got), end, mostAtOnce, end)
 					require.NoError(t, sub.Close())
