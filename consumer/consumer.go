@@ -57,6 +57,8 @@ type Consumer struct {
 	group    *groupCommitter   // GroupCommit mode, started by the first message
 	batches  []*groupCommitter // one per HandleBatch, each started by its first message
 	stop     sync.Once
+	// orderOnce logs the first message refused for a PoisonQueue inside idem.
+	orderOnce sync.Once
 
 	// shards, with a shard map, routes each message to its shard's Consumer; the
 	// fields above are then unused.
@@ -179,6 +181,9 @@ func Tx(ctx context.Context) pgx.Tx {
 
 // Middleware is the Watermill handler middleware.
 func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	if inner := innerMiddleware(h); inner != "" {
+		return c.wrongOrderHandler(inner)
+	}
 	if c.shards != nil {
 		return c.shards.middleware(h)
 	}
@@ -447,12 +452,16 @@ func (c *Consumer) runHandlerBuffered(req *request, tx, owned pgx.Tx, h message.
 	scope := c.scope(req, buf)
 	sctx, span := c.child(req.ctx, spanHandler)
 	hctx := c.handlerContext(sctx, owned, scope)
+	mark := poisonMark(req.msg)
 	out, err := func() (out []*message.Message, err error) {
 		req.msg.SetContext(hctx)
 		defer req.msg.SetContext(req.msgCtx) // even if h panics: the message is not ours
 		defer func() { endSpan(span, err) }()
 		return h(req.msg)
 	}()
+	if err == nil && poisonMark(req.msg) != mark {
+		err = c.poisonedInside(req)
+	}
 	// Before idem sends anything more: a transaction the handler ended would run
 	// idem's statements outside any transaction, each committing on its own.
 	if serr := txState(tx); serr != nil && (err == nil || errors.Is(serr, ErrTxEnded)) {

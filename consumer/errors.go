@@ -127,6 +127,18 @@ var (
 	ErrBusinessKey = errcode.Permanent("business_key", "the business key function failed: no key, so the failure cannot be recorded; poison the message")
 )
 
+// ErrMiddlewareOrder is returned for every message when a middleware that calls
+// the handler again or turns its failure into success (Watermill's Retry,
+// Duplicator, PoisonQueue, IgnoreErrors) runs between idem's middleware and the
+// handler. Inside idem, every attempt of a Retry runs in idem's one transaction, so
+// a failed attempt's writes would commit with the next one's; a PoisonQueue would
+// make idem commit a failed handler's partial writes and record the key as done.
+// Nothing runs and nothing is recorded: the message is nacked (logged once at
+// error level) until the order is fixed. Put idem last, innermost:
+// AddMiddleware(poison, retry.Middleware, c.Middleware). See docs/consumers.md.
+var ErrMiddlewareOrder = errcode.Transient("middleware_order", "a middleware that calls the handler again or swallows its errors (Retry, PoisonQueue, IgnoreErrors, Duplicator) is inside idem's middleware; "+
+	"add it before idem, so idem is innermost: AddMiddleware(poison, retry.Middleware, c.Middleware); nacked, nothing committed")
+
 // PermanentError marks a handler failure that retrying cannot fix: a validation
 // error, an undecodable payload, a business rule. The consumer rolls the work back,
 // records the key as failed, and acks (or poisons) instead of nacking.
