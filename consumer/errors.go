@@ -127,6 +127,14 @@ var (
 	ErrBusinessKey = errcode.Permanent("business_key", "the business key function failed: no key, so the failure cannot be recorded; poison the message")
 )
 
+// ErrNoTx is what Tx panics with, and TxSafely returns, for a context without
+// idem's transaction: the consumer's Middleware is not around the handler, or the
+// middleware that asks is outside idem's (added before it), or the context is not
+// the message's. It is transient: a handler that returns it is nacked, not
+// recorded.
+var ErrNoTx = errcode.Transient("no_transaction", "no idem transaction in this context: the consumer's Middleware is not around this handler, or the code asking runs outside it; "+
+	"add c.Middleware last in AddMiddleware (innermost), and read Tx from the message's context (msg.Context())")
+
 // ErrMiddlewareOrder is returned for every message when a middleware that calls
 // the handler again or turns its failure into success (Watermill's Retry,
 // Duplicator, PoisonQueue, IgnoreErrors) runs between idem's middleware and the
