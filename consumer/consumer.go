@@ -60,6 +60,9 @@ type Consumer struct {
 	// orderOnce logs the first message refused for a PoisonQueue inside idem.
 	orderOnce sync.Once
 
+	// sharded: this is one shard's Consumer of a sharded one, so a message without
+	// a tenant is refused (ErrTenantMissing), never routed by the empty tenant.
+	sharded bool
 	// shards, with a shard map, routes each message to its shard's Consumer; the
 	// fields above are then unused.
 	shards *shards
@@ -300,7 +303,11 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 	if c.cfg.Tenant != nil {
 		tenant, err := c.cfg.Tenant(msg)
 		if err == nil {
+			tenant = cmp.Or(tenant, c.cfg.DefaultTenant)
 			err = inbox.ValidateTenant(tenant)
+		}
+		if err == nil && tenant == "" && c.sharded {
+			err = ErrTenantMissing
 		}
 		if err != nil {
 			req.invalid = err

@@ -127,6 +127,16 @@ var (
 	ErrBusinessKey = errcode.Permanent("business_key", "the business key function failed: no key, so the failure cannot be recorded; poison the message")
 )
 
+// ErrTenantMissing is returned for a message without a tenant (Tenant gave "")
+// when the consumer's Shards route by tenant and no DefaultTenant is set: it is
+// never routed by the empty tenant. It is permanent, with httpidem's code for the
+// same request ("tenant_invalid"), and cannot be recorded (no shard is its own):
+// nothing is claimed, and the message is returned as an error, poisoned by a
+// PoisonQueue filtered on IsPermanent outside idem, or nacked. Give the message its
+// tenant, or set Config.DefaultTenant.
+var ErrTenantMissing = errcode.Permanent("tenant_invalid", "the message has no tenant, and the consumer's Shards route by tenant; nothing was claimed: "+
+	"give the message its tenant, or set Config.DefaultTenant")
+
 // ErrNoTx is what Tx panics with, and TxSafely returns, for a context without
 // idem's transaction: the consumer's Middleware is not around the handler, or the
 // middleware that asks is outside idem's (added before it), or the context is not
