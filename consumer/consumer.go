@@ -711,7 +711,7 @@ func (c *Consumer) finish(req *request, o outcome) (err error) {
 	case outRejected:
 		code := failureCode(o.err)
 		c.metrics.failed.WithLabelValues(name, code, "false").Inc()
-		c.log.Error("idem: message rejected; it has no valid key, so the failure cannot be recorded and the message is returned as an error (nacked, or poisoned by a PoisonQueue)",
+		c.log.Error("idem: message rejected; it has no valid key (or, over a shard map, no tenant), so the failure cannot be recorded and the message is returned as an error (nacked, or poisoned by a PoisonQueue)",
 			append(req.attrs(), "code", code, "err", o.err)...)
 		c.hook(req, Failure{Code: code, Error: o.err.Error()})
 		return o.err
