@@ -55,8 +55,8 @@ func (bb *batchBiz) handle(ctx context.Context, tx pgx.Tx, msgs []*message.Messa
 			return err
 		}
 	}
-	if consumer.Tx(ctx) == nil {
-		return errors.New("no transaction in the batch context")
+	if _, err := consumer.TxSafely(ctx); err != nil {
+		return err
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO biz (key, payload) SELECT * FROM unnest($1::text[], $2::text[])`, keys, payloads); err != nil {
 		return err

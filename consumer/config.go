@@ -152,6 +152,10 @@ type Config struct {
 	// must give a message the same tenant every time it is called: with Shards it
 	// is called once to pick the shard and again by that shard's consumer.
 	Tenant KeyFunc
+	// DefaultTenant, if set, is the tenant of a message for which Tenant gives ""
+	// (it needs Tenant). With Shards and no DefaultTenant, such a message is
+	// refused with ErrTenantMissing instead of being routed by the empty tenant.
+	DefaultTenant string
 	// Fingerprint turns the payload into the fingerprint compared on redelivery
 	// (default inbox.SHA256; see inbox.CanonicalJSON).
 	Fingerprint inbox.Fingerprinter
@@ -276,6 +280,12 @@ func (c Config) Validate() error {
 	}
 	if c.Shards != nil && c.Tenant == nil {
 		return errcode.InvalidConfig("Shards routes by tenant: set Tenant")
+	}
+	if c.DefaultTenant != "" && c.Tenant == nil {
+		return errcode.InvalidConfig("DefaultTenant needs Tenant, the function that reads a message's tenant")
+	}
+	if err := inbox.ValidateTenant(c.DefaultTenant); err != nil {
+		return fmt.Errorf("DefaultTenant: %w", err)
 	}
 	if c.Name != "" {
 		if err := inbox.ValidateConsumer(c.Name); err != nil {

@@ -57,7 +57,12 @@ type Consumer struct {
 	group    *groupCommitter   // GroupCommit mode, started by the first message
 	batches  []*groupCommitter // one per HandleBatch, each started by its first message
 	stop     sync.Once
+	// orderOnce logs the first message refused for a PoisonQueue inside idem.
+	orderOnce sync.Once
 
+	// sharded: this is one shard's Consumer of a sharded one, so a message without
+	// a tenant is refused (ErrTenantMissing), never routed by the empty tenant.
+	sharded bool
 	// shards, with a shard map, routes each message to its shard's Consumer; the
 	// fields above are then unused.
 	shards *shards
@@ -166,19 +171,39 @@ type ownedTx struct{ pgx.Tx }
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
 func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 
-// Tx returns the transaction the consumer opened for the message being handled, or
-// nil outside an idem handler. Business writes and effects.Enqueue go through it. In
-// group-commit mode (and in a BatchHandler) it is shared with the other messages of
-// a batch: do not assume it is the whole transaction. Never end it yourself, with
-// its methods or with raw SQL (COMMIT, ROLLBACK): return nil to commit and an error
-// to roll back. A handler that ends it has its key recorded as failed (ErrTxEnded).
+// Tx returns the transaction the consumer opened for the message being handled.
+// Business writes and effects.Enqueue go through it. In group-commit mode (and in a
+// BatchHandler) it is shared with the other messages of a batch: do not assume it
+// is the whole transaction. Never end it yourself, with its methods or with raw SQL
+// (COMMIT, ROLLBACK): return nil to commit and an error to roll back. A handler
+// that ends it has its key recorded as failed (ErrTxEnded).
+//
+// Outside idem's middleware there is no transaction, and Tx panics with ErrNoTx,
+// whose text says what to fix: the consumer's Middleware is not around this
+// handler, or a middleware that calls Tx is outside idem's, or ctx is not the
+// message's context. TxSafely returns the error instead.
 func Tx(ctx context.Context) pgx.Tx {
-	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	tx, err := TxSafely(ctx)
+	if err != nil {
+		panic(err)
+	}
 	return tx
+}
+
+// TxSafely is Tx, returning ErrNoTx (code "no_transaction") instead of panicking
+// when ctx carries no idem transaction.
+func TxSafely(ctx context.Context) (pgx.Tx, error) {
+	if tx, _ := ctx.Value(txKey{}).(pgx.Tx); tx != nil {
+		return tx, nil
+	}
+	return nil, ErrNoTx
 }
 
 // Middleware is the Watermill handler middleware.
 func (c *Consumer) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	if inner := innerMiddleware(h); inner != "" {
+		return c.wrongOrderHandler(inner)
+	}
 	if c.shards != nil {
 		return c.shards.middleware(h)
 	}
@@ -278,7 +303,11 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 	if c.cfg.Tenant != nil {
 		tenant, err := c.cfg.Tenant(msg)
 		if err == nil {
+			tenant = cmp.Or(tenant, c.cfg.DefaultTenant)
 			err = inbox.ValidateTenant(tenant)
+		}
+		if err == nil && tenant == "" && c.sharded {
+			err = ErrTenantMissing
 		}
 		if err != nil {
 			req.invalid = err
@@ -447,12 +476,16 @@ func (c *Consumer) runHandlerBuffered(req *request, tx, owned pgx.Tx, h message.
 	scope := c.scope(req, buf)
 	sctx, span := c.child(req.ctx, spanHandler)
 	hctx := c.handlerContext(sctx, owned, scope)
+	mark := poisonMark(req.msg)
 	out, err := func() (out []*message.Message, err error) {
 		req.msg.SetContext(hctx)
 		defer req.msg.SetContext(req.msgCtx) // even if h panics: the message is not ours
 		defer func() { endSpan(span, err) }()
 		return h(req.msg)
 	}()
+	if err == nil && poisonMark(req.msg) != mark {
+		err = c.poisonedInside(req)
+	}
 	// Before idem sends anything more: a transaction the handler ended would run
 	// idem's statements outside any transaction, each committing on its own.
 	if serr := txState(tx); serr != nil && (err == nil || errors.Is(serr, ErrTxEnded)) {
@@ -678,7 +711,7 @@ func (c *Consumer) finish(req *request, o outcome) (err error) {
 	case outRejected:
 		code := failureCode(o.err)
 		c.metrics.failed.WithLabelValues(name, code, "false").Inc()
-		c.log.Error("idem: message rejected; it has no valid key, so the failure cannot be recorded and the message is returned as an error (nacked, or poisoned by a PoisonQueue)",
+		c.log.Error("idem: message rejected; it has no valid key (or, over a shard map, no tenant), so the failure cannot be recorded and the message is returned as an error (nacked, or poisoned by a PoisonQueue)",
 			append(req.attrs(), "code", code, "err", o.err)...)
 		c.hook(req, Failure{Code: code, Error: o.err.Error()})
 		return o.err

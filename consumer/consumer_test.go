@@ -58,9 +58,9 @@ func (b *bundle) bizHandler(extra func(msg *message.Message) error) message.Hand
 	return func(msg *message.Message) ([]*message.Message, error) {
 		b.calls.Add(1)
 		ctx := msg.Context()
-		tx := consumer.Tx(ctx)
-		if tx == nil {
-			return nil, errors.New("no transaction in context")
+		tx, err := consumer.TxSafely(ctx)
+		if err != nil {
+			return nil, err
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO biz (key, payload) VALUES ($1, $2)`, msg.UUID, string(msg.Payload)); err != nil {
 			return nil, err

@@ -21,7 +21,8 @@
 // handler may run again after a lease runs out; its database work still commits
 // once".
 //
-// The handler reads its transaction with Tx(ctx). In GroupCommit mode that
+// The handler reads its transaction with Tx(ctx), which panics with ErrNoTx
+// outside idem's middleware (TxSafely returns it). In GroupCommit mode that
 // transaction is shared with the other messages of a batch, so handler code must
 // not assume it owns the whole transaction. A batch is set-based: one statement
 // claims all of its keys (in sorted order, so batches cannot deadlock each other),
@@ -45,6 +46,15 @@
 // set-based batch has claimed every key before its first handler runs, so there a
 // commit guard (migration 004) makes a COMMIT that idem did not send fail: the
 // batch rolls back whole, and its other messages run again.
+//
+// idem's middleware must be the innermost: Watermill's Retry, PoisonQueue,
+// IgnoreErrors or Duplicator inside it would commit a failed attempt's writes, so
+// idem refuses every message with ErrMiddlewareOrder (nacked, nothing run) when one
+// of them is the handler it wraps, and rolls back a handler whose message a
+// PoisonQueue hidden behind other middlewares poisoned.
+//
+// Over a shard map, a message without a tenant is refused (ErrTenantMissing),
+// unless Config.DefaultTenant names its tenant.
 //
 // The messages a handler returns are stored as copies with derived IDs; the
 // handler's messages, including a forwarded input, are never changed.

@@ -127,6 +127,36 @@ var (
 	ErrBusinessKey = errcode.Permanent("business_key", "the business key function failed: no key, so the failure cannot be recorded; poison the message")
 )
 
+// ErrTenantMissing is returned for a message without a tenant (Tenant gave "")
+// when the consumer's Shards route by tenant and no DefaultTenant is set: it is
+// never routed by the empty tenant. It is permanent, with httpidem's code for the
+// same request ("tenant_invalid"), and cannot be recorded (no shard is its own):
+// nothing is claimed, and the message is returned as an error, poisoned by a
+// PoisonQueue filtered on IsPermanent outside idem, or nacked. Give the message its
+// tenant, or set Config.DefaultTenant.
+var ErrTenantMissing = errcode.Permanent("tenant_invalid", "the message has no tenant, and the consumer's Shards route by tenant; nothing was claimed: "+
+	"give the message its tenant, or set Config.DefaultTenant")
+
+// ErrNoTx is what Tx panics with, and TxSafely returns, for a context without
+// idem's transaction: the consumer's Middleware is not around the handler, or the
+// middleware that asks is outside idem's (added before it), or the context is not
+// the message's. It is transient: a handler that returns it is nacked, not
+// recorded.
+var ErrNoTx = errcode.Transient("no_transaction", "no idem transaction in this context: the consumer's Middleware is not around this handler, or the code asking runs outside it; "+
+	"add c.Middleware last in AddMiddleware (innermost), and read Tx from the message's context (msg.Context())")
+
+// ErrMiddlewareOrder is returned for every message when a middleware that calls
+// the handler again or turns its failure into success (Watermill's Retry,
+// Duplicator, PoisonQueue, IgnoreErrors) runs between idem's middleware and the
+// handler. Inside idem, every attempt of a Retry runs in idem's one transaction, so
+// a failed attempt's writes would commit with the next one's; a PoisonQueue would
+// make idem commit a failed handler's partial writes and record the key as done.
+// Nothing runs and nothing is recorded: the message is nacked (logged once at
+// error level) until the order is fixed. Put idem last, innermost:
+// AddMiddleware(poison, retry.Middleware, c.Middleware). See docs/consumers.md.
+var ErrMiddlewareOrder = errcode.Transient("middleware_order", "a middleware that calls the handler again or swallows its errors (Retry, PoisonQueue, IgnoreErrors, Duplicator) is inside idem's middleware; "+
+	"add it before idem, so idem is innermost: AddMiddleware(poison, retry.Middleware, c.Middleware); nacked, nothing committed")
+
 // PermanentError marks a handler failure that retrying cannot fix: a validation
 // error, an undecodable payload, a business rule. The consumer rolls the work back,
 // records the key as failed, and acks (or poisons) instead of nacking.

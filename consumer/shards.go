@@ -1,6 +1,7 @@
 package consumer
 
 import (
+	"cmp"
 	"errors"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -20,6 +21,8 @@ type shards struct {
 	m      *shard.Map
 	each   []*Consumer
 	tenant KeyFunc
+	// defaultTenant is Config.DefaultTenant, the tenant of a message without one.
+	defaultTenant string
 }
 
 // newSharded builds one Consumer a shard, each with its own Prometheus series,
@@ -35,7 +38,10 @@ func newSharded(cfg Config, defaultFP bool) (*Consumer, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &shards{m: cfg.Shards, tenant: cfg.Tenant, each: each}
+	for _, c := range each {
+		c.sharded = true
+	}
+	s := &shards{m: cfg.Shards, tenant: cfg.Tenant, defaultTenant: cfg.DefaultTenant, each: each}
 	return &Consumer{cfg: cfg, shards: s, log: cfg.Logger}, nil
 }
 
@@ -48,12 +54,13 @@ func (c Config) forShard(sh shard.Shard) Config {
 }
 
 // route returns the index of msg's shard. A message whose tenant cannot be read, or
-// is invalid, goes to the first shard, whose Consumer refuses it as it would
-// without shards (nothing is claimed or recorded for it). A route that fails
-// returns an error wrapping shard.ErrRoute.
+// is invalid, or is empty without a DefaultTenant, goes to the first shard, whose
+// Consumer refuses it (ErrTenantMissing for the empty one; nothing is claimed or
+// recorded for it). A route that fails returns an error wrapping shard.ErrRoute.
 func (s *shards) route(msg *message.Message) (int, error) {
 	tenant, err := s.tenant(msg)
-	if err != nil || inbox.ValidateTenant(tenant) != nil {
+	tenant = cmp.Or(tenant, s.defaultTenant)
+	if err != nil || tenant == "" || inbox.ValidateTenant(tenant) != nil {
 		return 0, nil
 	}
 	return s.m.Index(tenant)

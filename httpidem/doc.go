@@ -10,7 +10,9 @@
 //
 // The handler writes through httpidem.Tx(ctx) and enqueues effects with
 // effects.Enqueue(ctx, httpidem.Tx(ctx), …): they commit with the key and the
-// stored response, or not at all.
+// stored response, or not at all. Outside the middleware (or on a safe-method
+// request it passes through) there is no transaction: Tx panics with ErrNoTx,
+// whose text says what to fix, and TxSafely returns it.
 //
 // The key's scope is chosen, never defaulted: Config.Tenant returns the
 // authenticated principal's tenant, or Config.Unscoped puts every client's keys in

@@ -132,13 +132,35 @@ var ErrTxOwned = errcode.Transient("tx_owned", "the request's transaction belong
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
 func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 
-// Tx returns the transaction idem opened for the request being handled, or nil
-// outside idem. Business writes and effects.Enqueue go through it; it commits with
-// the stored response.
+// Tx returns the transaction idem opened for the request being handled. Business
+// writes and effects.Enqueue go through it; it commits with the stored response.
+//
+// Outside httpidem's middleware there is no transaction, and Tx panics with
+// ErrNoTx, whose text says what to fix: the middleware is not around this handler,
+// or ctx is not the request's context. A request with a safe method (GET, HEAD,
+// OPTIONS, TRACE) that passes through untouched has none either: a handler that
+// serves both uses TxSafely, which returns the error instead.
 func Tx(ctx context.Context) pgx.Tx {
-	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	tx, err := TxSafely(ctx)
+	if err != nil {
+		panic(err)
+	}
 	return tx
 }
+
+// TxSafely is Tx, returning ErrNoTx (code "no_transaction") instead of panicking
+// when ctx carries no httpidem transaction.
+func TxSafely(ctx context.Context) (pgx.Tx, error) {
+	if tx, _ := ctx.Value(txKey{}).(pgx.Tx); tx != nil {
+		return tx, nil
+	}
+	return nil, ErrNoTx
+}
+
+// ErrNoTx is what Tx panics with, and TxSafely returns, for a context without
+// httpidem's transaction. Its code is the consumer's for the same mistake.
+var ErrNoTx = errcode.Transient("no_transaction", "no httpidem transaction in this context: httpidem's middleware is not around this handler (wrap it: mux.Handle(pattern, idem.Middleware(h))), "+
+	"or the request passed through untouched (a safe method), or ctx is not the request's (r.Context()); use httpidem.TxSafely where no transaction is expected")
 
 // KeyFrom returns the request's inbox identity (operation, tenant, key), for a
 // handler to pass on as the idempotency key of a provider it calls. The second

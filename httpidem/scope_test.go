@@ -126,7 +126,7 @@ func TestSafeMethodsPassThrough(t *testing.T) {
 	var reads atomic.Int64
 	read := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n := reads.Add(1)
-		if tx := httpidem.Tx(r.Context()); tx != nil {
+		if tx, err := httpidem.TxSafely(r.Context()); err == nil {
 			if _, err := tx.Exec(r.Context(), `INSERT INTO audit (note) VALUES ('read')`); err != nil {
 				http.Error(w, err.Error(), http.StatusInternalServerError)
 				return

@@ -130,7 +130,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 	require.NoError(t, err)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := "http" + r.URL.Path + "-" + r.Header.Get("Idempotency-Key")
-		if tx := httpidem.Tx(r.Context()); tx != nil {
+		if tx, err := httpidem.TxSafely(r.Context()); err == nil {
 			if _, err := tx.Exec(r.Context(), `INSERT INTO `+biz+` (key) VALUES ($1)`, key); err != nil {
 				http.Error(w, err.Error(), http.StatusInternalServerError)
 				return
