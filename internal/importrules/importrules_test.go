@@ -60,9 +60,8 @@ func standard(imp string) bool { return !strings.Contains(strings.SplitN(imp, "/
 func violations(pkgs map[string]pkg) []string {
 	var bad []string
 	// inbox, effects and shard import nothing public of idem: only internal
-	// leaves, for inbox the packages its deprecated aliases point to, and for
-	// effects the shard map its Config takes.
-	allowed := map[string][]string{"inbox": {"migrate", "janitor"}, "effects": {"shard"}, "shard": nil}
+	// leaves, and for effects the shard map its Config takes.
+	allowed := map[string][]string{"inbox": nil, "effects": {"shard"}, "shard": nil}
 	for name, extra := range allowed {
 		for _, imp := range idem(pkgs[name].Imports) {
 			if !internal(imp) && !slices.Contains(extra, imp) {
