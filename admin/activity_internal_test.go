@@ -45,7 +45,7 @@ func seedActivity(tb testing.TB, pool *pgxpool.Pool, n int) {
 // explainActivity is the plan of each of Activity's statements over the last day.
 func explainActivity(tb testing.TB, pool *pgxpool.Pool, schema string) map[string]string {
 	tb.Helper()
-	q := newQueries(schema, true)
+	q := newQueries(schema)
 	start := time.Now().Add(-24 * time.Hour).Truncate(time.Minute)
 	out := map[string]string{}
 	for name, sql := range map[string]string{"inbox": q.activityInbox, "effects": q.activityEffects, "backlog": q.activityBacklog} {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -109,11 +108,6 @@ type Admin struct {
 	db  DB
 	cfg Config
 	q   queries
-	// legacy: the inbox has no response columns (migration 003 has not run). Set
-	// the first time a statement finds them missing, so later reads go straight to
-	// the statements without them.
-	legacy atomic.Bool
-	old    queries
 	// shards are the Admins of each shard of Config.Shards (nil for one
 	// database); name is a shard Admin's shard.
 	shards []*Admin
@@ -156,7 +150,7 @@ func (c Config) forShard(sh shard.Shard) Config {
 }
 
 func newAdmin(cfg Config) *Admin {
-	return &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema, true), old: newQueries(cfg.Schema, false)}
+	return &Admin{db: cfg.Pool, cfg: cfg, q: newQueries(cfg.Schema)}
 }
 
 // Schema is the schema the Admin reads (with Config.Shards, the default one: each
@@ -220,25 +214,6 @@ func (a *Admin) wrap(err error) error {
 	return err
 }
 
-// isUndefinedColumn reports a 42703: the schema predates a migration.
-func isUndefinedColumn(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "42703"
-}
-
-// inboxQueries runs fn with the statements that read the inbox's response
-// columns, and again without them when the schema predates migration 003.
-func (a *Admin) inboxQueries(fn func(q *queries) error) error {
-	if !a.legacy.Load() {
-		err := fn(&a.q)
-		if !isUndefinedColumn(err) {
-			return a.wrap(err)
-		}
-		a.legacy.Store(true)
-	}
-	return a.wrap(fn(&a.old))
-}
-
 // Requeue brings one dead effect, named by its whole identity, back to pending
 // (effects.RequeueDead): attempts start again from 0, it is due now, and
 // dispatchers are notified. An effect that is not dead is ErrNotDead, one that does
@@ -300,11 +275,8 @@ func (a *Admin) Forget(ctx context.Context, id inbox.ID, audit Audit) (*InboxKey
 		return nil, err
 	}
 	var k *InboxKey
-	err := a.inboxQueries(func(q *queries) error {
-		var err error
-		k, err = scanInboxKey(a.db.QueryRow(ctx, q.forget, id.Consumer, id.Tenant, id.Key))
-		return err
-	})
+	k, err := scanInboxKey(a.db.QueryRow(ctx, a.q.forget, id.Consumer, id.Tenant, id.Key))
+	err = a.wrap(err)
 	if errors.Is(err, pgx.ErrNoRows) {
 		var state string
 		var lease *time.Time

@@ -494,27 +494,6 @@ func TestInspectHTTPKey(t *testing.T) {
 	require.Equal(t, 40, found.Inbox[0].Response.BodyBytes)
 }
 
-// A schema from before migration 003 has no response columns: the reads still
-// work, without responses.
-func TestSchemaBeforeMigration003(t *testing.T) {
-	a, b := setup(t)
-	ctx := context.Background()
-	b.exec(t, `ALTER TABLE inbox DROP COLUMN response_status, DROP COLUMN response_headers,
-		DROP COLUMN response_body, DROP COLUMN response_ref`)
-	b.exec(t, `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at) VALUES ('c', 'k', '\x00', 'completed', now() + interval '1 day')`)
-	page, err := a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{})
-	require.NoError(t, err)
-	require.Len(t, page.Keys, 1)
-	got, err := a.InspectInbox(ctx, inbox.ID{Consumer: "c", Key: "k"}, admin.InspectOptions{})
-	require.NoError(t, err)
-	require.Nil(t, got.Response)
-	found, err := a.Find(ctx, "k", admin.FindFilter{})
-	require.NoError(t, err)
-	require.Len(t, found.Inbox, 1)
-	_, err = a.Forget(ctx, inbox.ID{Consumer: "c", Key: "k"}, admin.Audit{})
-	require.NoError(t, err)
-}
-
 func TestRequeue(t *testing.T) {
 	a, b := setup(t)
 	ctx := context.Background()

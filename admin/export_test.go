@@ -5,8 +5,8 @@ package admin
 func SetMoveStep(f func(step string)) { moveStep = f }
 
 // ListGroupsSQL is the statement of ListGroups in schema, for the plan tests.
-func ListGroupsSQL(schema string) string { return newQueries(schema, true).listGroups }
+func ListGroupsSQL(schema string) string { return newQueries(schema).listGroups }
 
 // GroupSamplesSQL is the statement that reads the samples of a merged page's
 // groups on one shard, in schema, for the plan tests.
-func GroupSamplesSQL(schema string) string { return newQueries(schema, true).groupSamples }
+func GroupSamplesSQL(schema string) string { return newQueries(schema).groupSamples }

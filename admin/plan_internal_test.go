@@ -33,7 +33,7 @@ func TestBackfillProbeReadsTheIndex(t *testing.T) {
 		_, err := pool.Exec(ctx, sql)
 		require.NoError(t, err)
 	}
-	q := newQueries(schema, true)
+	q := newQueries(schema)
 	for name, st := range map[string]struct{ sql, index string }{
 		"inbox":   {q.ungroupedInbox, "inbox_failure_group_idx"},
 		"effects": {q.ungroupedEffects, "effects_failure_group_idx"},

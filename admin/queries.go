@@ -31,24 +31,10 @@ type queries struct {
 	activityInbox, activityEffects, activityBacklog string
 }
 
-// inboxColumns are an inbox row's columns for scanInboxKey. Without the response
-// columns (a schema from before migration 003) they read as NULL.
-func inboxColumns(responses bool) string {
-	cols := `i.consumer, i.tenant, i.key, i.fingerprint, i.state, coalesce(i.error_code, ''), coalesce(i.error, ''),
-		i.attempts, i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now()`
-	if responses {
-		return cols + `, i.response_status, i.response_headers, octet_length(i.response_body), i.response_ref`
-	}
-	return cols + `, NULL::smallint, NULL::bytea, NULL::int, NULL::text`
-}
-
-// bodyColumn is the stored response's body, NULL without the response columns.
-func bodyColumn(responses bool) string {
-	if responses {
-		return `i.response_body`
-	}
-	return `NULL::bytea`
-}
+// inboxColumns are an inbox row's columns for scanInboxKey.
+const inboxColumns = `i.consumer, i.tenant, i.key, i.fingerprint, i.state, coalesce(i.error_code, ''), coalesce(i.error, ''),
+	i.attempts, i.lease_until, i.fence, i.received_at, i.completed_at, i.expires_at, now(),
+	i.response_status, i.response_headers, octet_length(i.response_body), i.response_ref`
 
 // effectColumns are an effect row's columns for scanEffect. The payload is read as
 // its size only.
@@ -78,10 +64,10 @@ func pairsOf(table, a, b string) string {
 			)`
 }
 
-func newQueries(schema string, responses bool) queries {
+func newQueries(schema string) queries {
 	t := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
 	inbox, effects := t("inbox"), t("effects")
-	icols := inboxColumns(responses)
+	icols := inboxColumns
 	q := queries{
 		// Stats read whole tables: they answer an operator's question, not a scrape
 		// every few seconds (the Prometheus metrics do that).
@@ -126,7 +112,7 @@ func newQueries(schema string, responses bool) queries {
 			ORDER BY e.tenant, e.kind, e.key
 			LIMIT $14`,
 		// One key with its stored response's body (scanInboxKey's extra column).
-		getInbox: `SELECT ` + icols + `, ` + bodyColumn(responses) + ` FROM ` + inbox + ` i
+		getInbox: `SELECT ` + icols + `, i.response_body FROM ` + inbox + ` i
 			WHERE i.consumer = $1 AND i.tenant = $2 AND i.key = $3`,
 		getEffect: `SELECT ` + effectColumns + ` FROM ` + effects + ` e
 			WHERE e.tenant = $1 AND e.kind = $2 AND e.key = $3`,

@@ -196,12 +196,9 @@ func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*InboxPag
 	}
 	since, until := f.Received.args()
 	var keys []InboxKey
-	err = a.inboxQueries(func(q *queries) error {
-		var err error
-		keys, err = collectInboxKeys(a.db.Query(ctx, q.listInbox, f.Consumer, f.Tenant, f.State, f.KeyPrefix,
-			since, until, after[0], after[1], after[2], limit+1))
-		return err
-	})
+	keys, err = collectInboxKeys(a.db.Query(ctx, a.q.listInbox, f.Consumer, f.Tenant, f.State, f.KeyPrefix,
+		since, until, after[0], after[1], after[2], limit+1))
+	err = a.wrap(err)
 	if err != nil {
 		return nil, err
 	}
@@ -300,10 +297,8 @@ func (a *Admin) InspectInbox(ctx context.Context, id inbox.ID, o InspectOptions)
 	}
 	var key *InboxKey
 	var body []byte
-	err := a.inboxQueries(func(q *queries) (err error) {
-		key, err = scanInboxKey(a.db.QueryRow(ctx, q.getInbox, id.Consumer, id.Tenant, id.Key), &body)
-		return err
-	})
+	key, err := scanInboxKey(a.db.QueryRow(ctx, a.q.getInbox, id.Consumer, id.Tenant, id.Key), &body)
+	err = a.wrap(err)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errorf(ErrNotFound, "no inbox key %s", formatID(id))
 	}
@@ -364,11 +359,9 @@ func (a *Admin) Find(ctx context.Context, key string, f FindFilter) (*Found, err
 		return nil, errorf(ErrBadFilter, "find needs a key")
 	}
 	out := &Found{Key: key}
-	err := a.inboxQueries(func(q *queries) error {
-		var err error
-		out.Inbox, err = collectInboxKeys(a.db.Query(ctx, q.findInbox, key, f.Tenant, FindLimit))
-		return err
-	})
+	var err error
+	out.Inbox, err = collectInboxKeys(a.db.Query(ctx, a.q.findInbox, key, f.Tenant, FindLimit))
+	err = a.wrap(err)
 	if err != nil {
 		return nil, err
 	}

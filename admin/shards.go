@@ -765,9 +765,8 @@ func (a *Admin) shardedAct(ctx context.Context, action, source string, act Group
 // withDB is a copy of a shard's Admin that runs on db (a transaction), quiet: the
 // caller logs what committed.
 func (a *Admin) withDB(db DB) *Admin {
-	c := &Admin{db: db, cfg: a.cfg, q: a.q, old: a.old, name: a.name}
+	c := &Admin{db: db, cfg: a.cfg, q: a.q, name: a.name}
 	c.cfg.Logger = slog.New(slog.DiscardHandler)
-	c.legacy.Store(a.legacy.Load())
 	return c
 }
 

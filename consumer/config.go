@@ -218,10 +218,6 @@ type Config struct {
 	BatchPerTenant bool
 	// Lease is the lease length in Lease mode (default 30 s).
 	Lease time.Duration
-	// LeaseDuration is the old name of Lease, honoured when Lease is not set.
-	//
-	// Deprecated: use Lease.
-	LeaseDuration time.Duration
 
 	// Logger gets structured logs (nil: quiet). Payloads are never logged.
 	Logger *slog.Logger
@@ -244,8 +240,7 @@ type Config struct {
 	Propagator propagation.TextMapPropagator
 }
 
-// WithDefaults returns c with every unset field at its default (and the
-// deprecated LeaseDuration moved to Lease).
+// WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
 	if c.Shards == nil {
 		c.Schema = cmp.Or(c.Schema, DefaultSchema)
@@ -264,8 +259,7 @@ func (c Config) WithDefaults() Config {
 	c.MaxBatch = cmp.Or(c.MaxBatch, DefaultMaxBatch)
 	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
 	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
-	c.Lease = cmp.Or(c.Lease, c.LeaseDuration, DefaultLease)
-	c.LeaseDuration = 0
+	c.Lease = cmp.Or(c.Lease, DefaultLease)
 	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }

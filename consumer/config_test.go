@@ -33,10 +33,6 @@ func TestConfigConvention(t *testing.T) {
 	require.NotNil(t, d.Fingerprint)
 	require.NotNil(t, d.Logger)
 
-	// The deprecated name of a knob is honoured; the new one wins.
-	require.Equal(t, 5*time.Second, consumer.Config{LeaseDuration: 5 * time.Second}.WithDefaults().Lease)
-	require.Equal(t, time.Second, consumer.Config{Lease: time.Second, LeaseDuration: 5 * time.Second}.WithDefaults().Lease)
-
 	require.ErrorIs(t, consumer.Config{}.Validate(), consumer.ErrInvalidConfig)
 	_, err := consumer.New(consumer.Config{Pool: &pgxpool.Pool{}, Retention: time.Second})
 	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())

@@ -61,6 +61,6 @@ func TestConfigConvention(t *testing.T) {
 	_, err = effects.NewLedgerSender(effects.LedgerConfig{Table: "ledger"})
 	require.ErrorIs(t, err, effects.ErrInvalidConfig)
 	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())
-	_, err = effects.LedgerSender(&pgxpool.Pool{}, effects.LedgerConfig{Table: "ledger"})
+	_, err = effects.NewLedgerSender(effects.LedgerConfig{Pool: &pgxpool.Pool{}, Table: "ledger"})
 	require.NoError(t, err)
 }

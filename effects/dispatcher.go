@@ -3,10 +3,8 @@ package effects
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -14,18 +12,16 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/internal/errcode"
-	"github.com/idemkit/idem/internal/failgroup"
+	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/pgschema"
-	"github.com/idemkit/idem/internal/text"
 	"github.com/idemkit/idem/internal/tracing"
+	"github.com/idemkit/idem/shard"
 )
 
 // ErrDispatcherRunning is returned by Run when the Dispatcher is already running.
@@ -39,6 +35,13 @@ const maxErrorLen = 2000
 // claims skip rows that another holds, and fencing keeps a stale attempt from
 // recording over a newer one. See the package documentation for the guarantees.
 type Dispatcher struct {
+	parts   *fanout.Set[*dispatcher]
+	running atomic.Bool
+}
+
+// dispatcher is the Dispatcher of one database: one of a shard map's, or the only
+// one. Each has its own claim loop, LISTEN connection and lanes.
+type dispatcher struct {
 	cfg    Config
 	pool   *pgxpool.Pool
 	q      queries
@@ -49,16 +52,11 @@ type Dispatcher struct {
 	lanes  []*lane // sorted by kind
 	byKind map[string]*lane
 
-	running  atomic.Bool
 	wake     chan struct{} // a notification or a requeue: look for work now
 	freed    chan struct{} // outcomes were recorded: capacity is free again
 	outcomes chan outcome  // made by each Run, closed when it ends
 	sendCtx  context.Context
 	released atomic.Int64 // claims handed back unsent at shutdown, in this Run
-
-	// shards, with a shard map, runs one Dispatcher a shard; the fields above
-	// but cfg and log are then unused.
-	shards *shardSet
 }
 
 // lane is one kind's sender, its workers' queue and its count of claims held.
@@ -134,14 +132,27 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	if cfg.Shards != nil {
-		return newShardedDispatcher(cfg)
+	parts, err := fanout.Build(cfg.Shards, cfg, cfg.forShard, newDispatcher)
+	if err != nil {
+		return nil, err
 	}
+	return &Dispatcher{parts: parts}, nil
+}
+
+// forShard returns c for sh's part of a Dispatcher: sh's database, and c's logger
+// and registerer labelled with sh's name.
+func (c Config) forShard(sh shard.Shard) Config {
+	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.Logger, c.Registerer = fanout.Label(sh, c.Logger, c.Registerer)
+	return c
+}
+
+func newDispatcher(cfg Config) (*dispatcher, error) {
 	m, err := newMetrics(cfg.Registerer)
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	d := &Dispatcher{
+	d := &dispatcher{
 		cfg:    cfg,
 		pool:   cfg.Pool,
 		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders), cfg.Tenant != ""),
@@ -173,16 +184,18 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 // stops claiming, waits up to ShutdownTimeout for the sends in flight (and then
 // cancels them), records every outcome, and releases the claims it had not started
 // so that another Dispatcher takes them at once. It returns nil after a clean
-// shutdown.
+// shutdown. Over a shard map every shard has its own claim loop, LISTEN
+// connection (reconnected with backoff while its poll goes on) and lanes
+// (Concurrency is per shard): a shard that is down does not stop the others.
 func (d *Dispatcher) Run(ctx context.Context) error {
 	if !d.running.CompareAndSwap(false, true) {
 		return ErrDispatcherRunning
 	}
 	defer d.running.Store(false)
-	if d.shards != nil {
-		return d.shards.run(ctx)
-	}
+	return d.parts.Parallel(func(_ int, p *dispatcher) error { return p.run(ctx) })
+}
 
+func (d *dispatcher) run(ctx context.Context) error {
 	// Sends outlive ctx by up to ShutdownTimeout, so they get a context of their own.
 	d.outcomes = make(chan outcome, 4*d.cfg.BatchSize)
 	sendCtx, cancelSends := context.WithCancel(context.WithoutCancel(ctx))
@@ -233,7 +246,7 @@ func (d *Dispatcher) Run(ctx context.Context) error {
 	return nil
 }
 
-func (d *Dispatcher) kinds() []string {
+func (d *dispatcher) kinds() []string {
 	ks := make([]string, len(d.lanes))
 	for i, l := range d.lanes {
 		ks[i] = l.kind
@@ -244,7 +257,7 @@ func (d *Dispatcher) kinds() []string {
 // claimLoop claims effects while ctx lasts, as many as each kind has room for. It
 // claims again at once while claims come back full, and otherwise sleeps until a
 // notification, the poll interval, or (when a kind is full) recorded outcomes.
-func (d *Dispatcher) claimLoop(ctx context.Context) {
+func (d *dispatcher) claimLoop(ctx context.Context) {
 	poll := time.NewTimer(0)
 	defer poll.Stop()
 	failures := 0
@@ -330,7 +343,7 @@ const beginSQL = "BEGIN ISOLATION LEVEL READ COMMITTED"
 // claim runs the claim statement. It runs on a context that ctx's end does not
 // cancel: a claim cut off after its commit would leave rows leased that nobody
 // sends until the lease runs out.
-func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) ([]*claimed, error) {
+func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) ([]*claimed, error) {
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
 	start := time.Now()
@@ -400,521 +413,4 @@ func (d *Dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		}
 	}
 	return out, nil
-}
-
-// work sends the effects of one lane until its queue is closed. A claim taken from
-// the queue after ctx ended is released unsent.
-func (d *Dispatcher) work(ctx context.Context, l *lane) {
-	for c := range l.queue {
-		if ctx.Err() != nil {
-			d.released.Add(1)
-			d.outcomes <- d.release(c)
-			continue
-		}
-		d.outcomes <- d.attempt(c)
-	}
-}
-
-// attempt carries out one claim, in its send span, and says what to record.
-func (d *Dispatcher) attempt(c *claimed) outcome {
-	ctx, span := d.startSend(c)
-	o := d.attemptIn(ctx, c)
-	endSend(span, o)
-	return o
-}
-
-// startSend starts the span of one attempt: the root of a trace of its own (an
-// effect is sent after the work that enqueued it ended, maybe hours later, and
-// retried), linked to the trace context its row kept. The Sender gets it in ctx,
-// so its own spans (an HTTP client's, a publish) nest under it.
-func (d *Dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
-	if tracing.Off(d.cfg.TracerProvider) {
-		return c.batch.ctx, noSpan // no provider installed: no span, no allocation
-	}
-	opts := sendSpanOptions
-	if c.trace != "" {
-		if sc := decodeTrace(c.trace); sc.IsValid() {
-			opts = append(slices.Clip(opts), trace.WithLinks(trace.Link{SpanContext: sc}))
-		}
-	}
-	ctx, span := d.tracer.Start(c.batch.ctx, "idem.send", opts...)
-	if span.IsRecording() {
-		span.SetAttributes(tracing.Kind.String(c.Kind), tracing.EffectKey.String(c.Key),
-			tracing.Tenant.String(c.Tenant), tracing.Attempt.Int(c.Attempt))
-		if c.Source.Consumer != "" {
-			span.SetAttributes(tracing.Consumer.String(c.Source.Consumer), tracing.Key.String(c.Source.Key))
-		}
-	}
-	return ctx, span
-}
-
-// noSpan is a span that does nothing.
-var noSpan = trace.SpanFromContext(context.Background())
-
-// sendSpanOptions are made once: options made per call cost allocations.
-var sendSpanOptions = []trace.SpanStartOption{trace.WithNewRoot(), trace.WithSpanKind(trace.SpanKindProducer)}
-
-// endSend ends an attempt's span with its outcome: done, reconciled, retry, dead
-// or released (handed back unsent).
-func endSend(span trace.Span, o outcome) {
-	if span.IsRecording() {
-		span.SetAttributes(tracing.Outcome.String(o.label))
-		if o.err != "" {
-			span.SetStatus(codes.Error, o.err)
-		}
-	}
-	span.End()
-}
-
-// attemptIn is attempt in the send span's context.
-func (d *Dispatcher) attemptIn(ctx context.Context, c *claimed) outcome {
-	lease := d.cfg.Lease
-	deadline := c.claimedAt.Add(lease - lease/10)
-	if time.Until(deadline) < lease/4 {
-		// The claim waited in the queue for most of its lease. Sending now could
-		// overlap another dispatcher's claim of the same effect once the lease ends.
-		return d.release(c)
-	}
-	shutdown := d.sendCtx
-
-	if c.prevInFlight {
-		log := d.log.With(c.logAttrs()...)
-		if r, ok := c.lane.sender.(Reconciler); ok {
-			done, err := reconcileSafely(ctx, r, c.Delivery)
-			switch {
-			case err != nil:
-				d.m.reconcile.WithLabelValues(c.Kind, "error").Inc()
-				d.m.unknown.WithLabelValues(c.Kind).Inc()
-				log.Warn("effect outcome unknown: reconcile failed", "error", err)
-				return d.failed(c, Indefinite(fmt.Errorf("reconcile: %w", err)), log)
-			case done:
-				d.m.reconcile.WithLabelValues(c.Kind, "done").Inc()
-				log.Info("effect reconciled: the previous attempt took effect")
-				return outcome{c: c, state: "done", label: "reconciled"}
-			default:
-				d.m.reconcile.WithLabelValues(c.Kind, "not_done").Inc()
-			}
-		} else {
-			d.m.unknown.WithLabelValues(c.Kind).Inc()
-			if c.Attempt <= c.maxAttempts {
-				log.Warn("effect outcome of the previous attempt unknown (lease expired or indefinite error); sending again with the same key")
-			}
-		}
-	}
-	if c.Attempt > c.maxAttempts {
-		// The last allowed attempt's outcome was unknown, and no Reconcile settled it.
-		return d.dead(c, errors.New("attempts exhausted; the outcome of the last attempt is unknown"), c.prevInFlight, d.log.With(c.logAttrs()...))
-	}
-
-	c.lane.lag.Observe((c.lagAtClaim + time.Since(c.claimedAt)).Seconds())
-	err := sendSafely(ctx, c.lane.sender, c.Delivery)
-	if err == nil {
-		return outcome{c: c, state: "done", label: "done"}
-	}
-	log := d.log.With(c.logAttrs()...)
-	if ctx.Err() != nil && !IsPermanent(err) {
-		// Cut off by the lease deadline or a forced shutdown: the receiver may have
-		// the effect already.
-		err = Indefinite(err)
-		if shutdown.Err() != nil {
-			// A forced shutdown, not the effect's fault: due again at once, and the
-			// attempt still counts, since it may have happened.
-			o := d.failed(c, err, log)
-			o.delay = 0
-			return o
-		}
-	}
-	return d.failed(c, err, log)
-}
-
-// failed decides between a retry and dead for a failed attempt.
-func (d *Dispatcher) failed(c *claimed, err error, log *slog.Logger) outcome {
-	indefinite := IsIndefinite(err)
-	if IsPermanent(err) {
-		return d.dead(c, err, indefinite, log)
-	}
-	if c.Attempt >= c.maxAttempts {
-		return d.dead(c, fmt.Errorf("max attempts (%d) reached: %w", c.maxAttempts, err), indefinite, log)
-	}
-	delay := d.cfg.Backoff.Delay(c.Attempt)
-	log.Warn("effect attempt failed; will retry", "error", err, "retry_in", delay, "outcome_unknown", indefinite)
-	return outcome{c: c, state: "pending", delay: delay, inFlight: indefinite, err: storedError(err), label: "retry"}
-}
-
-func (d *Dispatcher) dead(c *claimed, err error, inFlight bool, log *slog.Logger) outcome {
-	log.Error("effect dead", "error", err)
-	stored := storedError(err)
-	return outcome{c: c, state: "dead", inFlight: inFlight, err: stored, label: "dead",
-		code: text.Sanitize(errcode.Code(err), 0), masked: failgroup.Mask(stored)}
-}
-
-// release gives a claim back unsent: due now, the attempt returned, and in_flight
-// as the claim found it.
-func (d *Dispatcher) release(c *claimed) outcome {
-	return outcome{c: c, state: "pending", inFlight: c.prevInFlight, undo: 1, label: "released"}
-}
-
-func sendSafely(ctx context.Context, s Sender, dl Delivery) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("sender panicked: %v\n%s", r, debug.Stack())
-		}
-	}()
-	return s.Send(ctx, dl)
-}
-
-func reconcileSafely(ctx context.Context, r Reconciler, dl Delivery) (done bool, err error) {
-	defer func() {
-		if p := recover(); p != nil {
-			done, err = false, fmt.Errorf("reconciler panicked: %v\n%s", p, debug.Stack())
-		}
-	}()
-	return r.Reconcile(ctx, dl)
-}
-
-// storedError is err as last_error: this is the one place where an error becomes
-// stored text. A sender's error may quote a binary response body or a panic value;
-// one NUL byte or invalid UTF-8 sequence in it would make Postgres reject the whole
-// outcome batch, so the text is sanitized and capped at maxErrorLen bytes.
-func storedError(err error) string { return text.Sanitize(err.Error(), maxErrorLen) }
-
-// record writes outcomes in batches until the outcomes channel is closed: it takes
-// what is waiting, up to a limit, and records it in one statement.
-func (d *Dispatcher) record() {
-	limit := max(4*d.cfg.BatchSize, 256)
-	batch := make([]outcome, 0, limit)
-	for o := range d.outcomes {
-		batch = append(batch[:0], o)
-	drain:
-		for len(batch) < limit {
-			select {
-			case o, ok := <-d.outcomes:
-				if !ok {
-					break drain
-				}
-				batch = append(batch, o)
-			default:
-				break drain
-			}
-		}
-		d.recordBatch(batch)
-		for _, o := range batch {
-			o.c.lane.held.Add(-1)
-			o.c.batch.recorded()
-		}
-		select {
-		case d.freed <- struct{}{}:
-		default:
-		}
-	}
-}
-
-func (d *Dispatcher) recordBatch(batch []outcome) {
-	slices.SortFunc(batch, func(a, b outcome) int {
-		return cmp.Or(strings.Compare(a.c.Tenant, b.c.Tenant), strings.Compare(a.c.Kind, b.c.Kind), strings.Compare(a.c.Key, b.c.Key))
-	})
-	notify := false
-	var soonest time.Duration = -1
-	for _, o := range batch {
-		if o.state == "pending" {
-			if o.delay == 0 {
-				notify = true
-			} else if soonest < 0 || o.delay < soonest {
-				soonest = o.delay
-			}
-		}
-	}
-	status, err := d.writeOutcomes(batch)
-	if err != nil && isDataError(err) {
-		// One row's data broke the statement (a constraint of the user's, an
-		// encoding the server cannot take). The batch is all or nothing, so write
-		// each outcome on its own: one bad outcome must not cost the others theirs.
-		d.log.Warn("effects dispatcher: an outcome batch was rejected for its data; writing each outcome on its own", "error", err, "outcomes", len(batch))
-		status, err = d.writeOneByOne(batch), nil
-	}
-	if err != nil {
-		// The leases will run out and the effects will be claimed again: nothing is
-		// lost, though a sent effect will be sent once more.
-		d.log.Error("effects dispatcher: recording outcomes failed; the effects will be retried after their lease", "error", err, "outcomes", len(batch))
-		return
-	}
-	for i, o := range batch {
-		switch status[i] {
-		case notWritten:
-			// logged where it failed
-		case leaseLost:
-			d.m.lostLease.WithLabelValues(o.c.Kind).Inc()
-			d.log.Warn("effect lease lost: it was claimed again before this attempt's outcome was recorded",
-				append(o.c.logAttrs(), "outcome", o.label)...)
-		case recorded:
-			o.c.lane.attempts[o.label].Inc()
-			if o.state == "dead" {
-				d.m.dead.WithLabelValues(o.c.Kind).Inc()
-			}
-		}
-	}
-	if notify {
-		// Released claims are due now; wake every dispatcher, this one included.
-		_ = retry(func(ctx context.Context) error {
-			_, err := d.pool.Exec(ctx, d.q.notify, d.cfg.Schema)
-			return err
-		})
-	}
-	if soonest >= 0 && soonest < d.cfg.PollInterval {
-		time.AfterFunc(soonest, d.signalWake)
-	}
-}
-
-// outcomeStatus is what became of one outcome of a batch.
-type outcomeStatus uint8
-
-const (
-	notWritten outcomeStatus = iota // the write failed
-	leaseLost                       // written, but the effect had been claimed again
-	recorded
-)
-
-// writeOutcomes records batch in one transaction, retried on errors that may pass
-// (a cut connection, a failover) but not on a data error, which the same rows would
-// hit again. It returns, for each outcome of the batch in order, recorded or
-// leaseLost (the lease was lost to a newer claim).
-//
-// The write is retried even when its COMMIT may have gone through (a connection
-// cut after COMMIT was sent): the record statement is idempotent (see queries.go),
-// so the retry changes nothing that the first run changed, and still reports those
-// rows as recorded.
-func (d *Dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
-	n := len(batch)
-	tenants, kinds, keys, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]*string, n)
-	codes, masked := make([]*string, n), make([]*string, n)
-	fences, delays := make([]int64, n), make([]int64, n)
-	inFlight, undo := make([]bool, n), make([]int32, n)
-	for i, o := range batch {
-		tenants[i], kinds[i], keys[i], fences[i], states[i] = o.c.Tenant, o.c.Kind, o.c.Key, o.c.fence, o.state
-		delays[i], inFlight[i], undo[i] = o.delay.Milliseconds(), o.inFlight, int32(o.undo)
-		if o.err != "" {
-			errs[i] = &o.err
-		}
-		if o.state == "dead" {
-			codes[i], masked[i] = &batch[i].code, &batch[i].masked
-		}
-	}
-	status := make([]outcomeStatus, n)
-	args := []any{tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, codes, masked}
-	record, recordAgain := d.q.record, d.q.recordAgain
-	if oneTenant(tenants) {
-		// One tenant's outcomes: the forms that filter on it, for a router.
-		record, recordAgain = d.q.recordOne, d.q.recordAgainOne
-		args = append(args, batch[0].c.Tenant)
-	}
-	err := retryUnless(isDataError, func(ctx context.Context) error {
-		for i := range status {
-			status[i] = leaseLost
-		}
-		// One round trip: the outcome commits without waiting for its WAL flush.
-		// That is safe here, and only here: if the server crashes and loses this
-		// commit, each row goes back to the claim before it, which is durable and
-		// in_flight, so the effect is reconciled or sent again after its lease. The
-		// claim itself always commits synchronously. recordSettings also fix the
-		// plan, as for the claim.
-		b := &pgx.Batch{}
-		b.Queue(beginSQL)
-		for _, s := range recordSettings {
-			b.Queue(s)
-		}
-		q := record
-		record = recordAgain // a retry may find this run committed
-		b.Queue(q, args...).Query(func(rows pgx.Rows) error {
-			var i int64
-			_, err := pgx.ForEachRow(rows, []any{&i}, func() error {
-				if i < 1 || i > int64(n) {
-					return fmt.Errorf("idem: outcome write returned ordinal %d of %d", i, n)
-				}
-				status[i-1] = recorded
-				return nil
-			})
-			return err
-		})
-		b.Queue(`COMMIT`)
-		return d.pool.SendBatch(ctx, b).Close()
-	})
-	if err != nil {
-		return nil, err
-	}
-	return status, nil
-}
-
-// writeOneByOne records each outcome in a transaction of its own. An outcome whose
-// row is still rejected for its data is written once more without its error text;
-// if even that fails, it is left to its lease (logged, and notWritten), and the
-// others are kept.
-func (d *Dispatcher) writeOneByOne(batch []outcome) []outcomeStatus {
-	status := make([]outcomeStatus, len(batch))
-	for i, o := range batch {
-		one, err := d.writeOutcomes([]outcome{o})
-		if err != nil && isDataError(err) && o.err != "" {
-			o.err = "idem: this attempt's error text could not be stored (" + text.Sanitize(err.Error(), 200) + ")"
-			one, err = d.writeOutcomes([]outcome{o})
-		}
-		if err != nil {
-			d.log.Error("effects dispatcher: recording an outcome failed; the effect will be retried after its lease",
-				append(o.c.logAttrs(), "error", err, "outcome", o.label)...)
-			continue
-		}
-		status[i] = one[0]
-	}
-	return status
-}
-
-// isDataError reports an error that the same rows will hit again: a data exception
-// (class 22, such as 22021 invalid text) or an integrity violation (class 23, such
-// as a CHECK constraint).
-func isDataError(err error) bool {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return false
-	}
-	return strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "23")
-}
-
-func (d *Dispatcher) signalWake() {
-	select {
-	case d.wake <- struct{}{}:
-	default:
-	}
-}
-
-// retry runs f up to three times, each with its own timeout, for writes that must
-// happen even while Run's context is ending.
-func retry(f func(ctx context.Context) error) error {
-	return retryUnless(func(error) bool { return false }, f)
-}
-
-// retryUnless is retry that gives up at once on an error for which final is true.
-func retryUnless(final func(error) bool, f func(ctx context.Context) error) error {
-	var err error
-	for i := range 3 {
-		if i > 0 {
-			time.Sleep(time.Duration(i) * 200 * time.Millisecond)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		err = f(ctx)
-		cancel()
-		if err == nil || final(err) {
-			return err
-		}
-	}
-	return err
-}
-
-// listen wakes the claim loop on each notification for this schema. It holds one
-// connection of its own, outside the pool, and reconnects when it drops; after a
-// reconnect it wakes the loop once, for notifications missed meanwhile.
-//
-// The wait before a reconnect doubles, from listenBackoffInitial up to
-// listenBackoffMax, while attempts keep failing, and starts again from the initial
-// wait once a connection got as far as LISTEN: a cut of a connection that worked is
-// a new incident, and every moment without LISTEN delays wake-ups (up to the poll
-// interval).
-func (d *Dispatcher) listen(ctx context.Context) {
-	wait := listenBackoffInitial
-	for ctx.Err() == nil {
-		listened, err := d.listenOnce(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		if listened {
-			wait = listenBackoffInitial
-		}
-		d.log.Warn("effects dispatcher: LISTEN connection lost; polling until it is back", "error", err, "retry_in", wait)
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, listenBackoffMax)
-	}
-}
-
-// The LISTEN connection's reconnect backoff.
-const (
-	listenBackoffInitial = 100 * time.Millisecond
-	listenBackoffMax     = 5 * time.Second
-)
-
-// listenOnce connects, listens and wakes the claim loop on notifications until the
-// connection fails. listened reports whether it got as far as LISTEN.
-func (d *Dispatcher) listenOnce(ctx context.Context) (listened bool, err error) {
-	cc := d.cfg.ListenConnConfig
-	if cc == nil {
-		cc = d.pool.Config().ConnConfig
-	}
-	conn, err := pgx.ConnectConfig(ctx, cc)
-	if err != nil {
-		return false, err
-	}
-	defer func() {
-		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = conn.Close(cctx)
-	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
-		return false, err
-	}
-	d.signalWake()
-	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return true, err
-		}
-		if n.Payload == d.cfg.Schema {
-			d.signalWake()
-		}
-	}
-}
-
-func (d *Dispatcher) refreshPendingLoop(ctx context.Context) {
-	t := time.NewTicker(d.cfg.PendingRefresh)
-	defer t.Stop()
-	// Kinds whose gauge this loop has set: each is set on every refresh, to 0 once it
-	// has no pending effects, so that no kind's gauge is left at a stale count.
-	seen := map[string]bool{}
-	for _, l := range d.lanes {
-		seen[l.kind] = true
-	}
-	for {
-		d.refreshPending(ctx, seen)
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
-}
-
-// refreshPending sets idem_effects_pending for every kind that has pending effects,
-// whether or not this Dispatcher sends it, and to 0 for every kind in seen that has
-// none (this Dispatcher's kinds, and kinds counted before). It adds the counted kinds
-// to seen.
-func (d *Dispatcher) refreshPending(ctx context.Context, seen map[string]bool) {
-	rows, err := d.pool.Query(ctx, d.q.pending)
-	if err != nil {
-		if ctx.Err() == nil {
-			d.log.Warn("effects dispatcher: counting pending effects failed", "error", err)
-		}
-		return
-	}
-	counts := map[string]float64{}
-	var kind string
-	var n int64
-	_, err = pgx.ForEachRow(rows, []any{&kind, &n}, func() error { counts[kind] = float64(n); return nil })
-	if err != nil {
-		return
-	}
-	for k := range counts {
-		seen[k] = true
-	}
-	for k := range seen {
-		d.m.pending.WithLabelValues(k).Set(counts[k])
-	}
 }

@@ -201,11 +201,3 @@ func (c *columnType) isBytea(ctx context.Context) (bool, error) {
 	c.known = true
 	return c.binary, nil
 }
-
-// LedgerSender is NewLedgerSender with the database given apart.
-//
-// Deprecated: set LedgerConfig.Pool and call NewLedgerSender.
-func LedgerSender(db Execer, cfg LedgerConfig) (Sender, error) {
-	cfg.Pool = db
-	return NewLedgerSender(cfg)
-}

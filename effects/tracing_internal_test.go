@@ -12,7 +12,7 @@ import (
 // TestNoopSendSpanAllocatesNothing: with no tracer provider installed, an
 // attempt's span costs no allocation.
 func TestNoopSendSpanAllocatesNothing(t *testing.T) {
-	d := &Dispatcher{tracer: tracing.Tracer(nil)}
+	d := &dispatcher{tracer: tracing.Tracer(nil)}
 	c := &claimed{batch: &claimBatch{ctx: context.Background()}}
 	require.Zero(t, testing.AllocsPerRun(1000, func() {
 		_, span := d.startSend(c)

@@ -32,10 +32,6 @@ const (
 	// DefaultLockTimeout bounds how long a request waits for another request with
 	// the same key to finish before it answers 409.
 	DefaultLockTimeout = 2 * time.Second
-	// DefaultWait is the old name of DefaultLockTimeout.
-	//
-	// Deprecated: use DefaultLockTimeout.
-	DefaultWait = DefaultLockTimeout
 	// DefaultRetryAfter is the Retry-After of 409 and 503 answers.
 	DefaultRetryAfter = time.Second
 	// DefaultMaxRequestBody is the largest request body read (and fingerprinted).
@@ -188,10 +184,6 @@ type Config struct {
 	// (default 2 s); past it the answer is 409 with Retry-After. It is the claim's
 	// lock_timeout in transactional mode, as the consumer's LockTimeout is.
 	LockTimeout time.Duration
-	// Wait is the old name of LockTimeout, honoured when LockTimeout is not set.
-	//
-	// Deprecated: use LockTimeout.
-	Wait time.Duration
 	// RetryAfter is the Retry-After of 409 and 503 answers (default 1 s).
 	RetryAfter time.Duration
 	// Retention is how long keys and responses live (default 24 h).
@@ -200,10 +192,6 @@ type Config struct {
 	// Lease is the lease of a key in lease mode (default 30 s). It must exceed the
 	// handler's longest run.
 	Lease time.Duration
-	// LeaseDuration is the old name of Lease, honoured when Lease is not set.
-	//
-	// Deprecated: use Lease.
-	LeaseDuration time.Duration
 	// Recover decides, in lease mode, what to do with a key whose lease ran out
 	// (see Stale). It runs in the request's transaction, as the handler does:
 	// Tx(ctx) writes the business rows that record what the provider did,
@@ -231,8 +219,7 @@ type Config struct {
 	TracerProvider trace.TracerProvider
 }
 
-// WithDefaults returns c with every unset field at its default (and the
-// deprecated Wait and LeaseDuration moved to LockTimeout and Lease).
+// WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
 	if c.Shards == nil {
 		c.Schema = cmp.Or(c.Schema, DefaultSchema)
@@ -249,12 +236,10 @@ func (c Config) WithDefaults() Config {
 	}
 	c.MaxRequestBody = cmp.Or(c.MaxRequestBody, DefaultMaxRequestBody)
 	c.MaxResponseBody = cmp.Or(c.MaxResponseBody, DefaultMaxResponseBody)
-	c.LockTimeout = cmp.Or(c.LockTimeout, c.Wait, DefaultLockTimeout)
-	c.Wait = 0
+	c.LockTimeout = cmp.Or(c.LockTimeout, DefaultLockTimeout)
 	c.RetryAfter = cmp.Or(c.RetryAfter, DefaultRetryAfter)
 	c.Retention = cmp.Or(c.Retention, DefaultRetention)
-	c.Lease = cmp.Or(c.Lease, c.LeaseDuration, DefaultLease)
-	c.LeaseDuration = 0
+	c.Lease = cmp.Or(c.Lease, DefaultLease)
 	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }

@@ -34,10 +34,6 @@ func TestConfigConvention(t *testing.T) {
 	require.NotNil(t, d.FinalStatus)
 	require.NotNil(t, d.Logger)
 
-	old := httpidem.Config{Wait: 3 * time.Second, LeaseDuration: 4 * time.Second}.WithDefaults()
-	require.Equal(t, 3*time.Second, old.LockTimeout)
-	require.Equal(t, 4*time.Second, old.Lease)
-
 	require.ErrorIs(t, httpidem.Config{Unscoped: true}.Validate(), httpidem.ErrInvalidConfig)
 	_, err := httpidem.New(httpidem.Config{Pool: &pgxpool.Pool{}, Unscoped: true, Retention: time.Second})
 	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())

@@ -734,7 +734,7 @@ func (m *Middleware) storeFailure(q *request, resp *Response) {
 }
 
 // recordFailure records c as failed with code, msg and stored, in a transaction of
-// its own on conn (outside any transaction), waiting up to Wait for a concurrent
+// its own on conn (outside any transaction), waiting up to LockTimeout for a concurrent
 // request with the key; if the key has a row, it returns that instead.
 func (m *Middleware) recordFailure(ctx context.Context, conn *connTx, c inbox.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
 	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {

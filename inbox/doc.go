@@ -19,8 +19,7 @@
 // idem's own packages use lives with them: the set-based batch claim in consumer,
 // the stored HTTP responses in httpidem, and the statements they share with the
 // Store in internal/inboxdb. The schema and its migrator are package migrate, the
-// janitor package janitor; the names that moved stay here as deprecated aliases.
+// janitor package janitor.
 //
-// inbox imports pgx and idem's internal leaf packages, nothing public of idem but
-// the targets of those aliases.
+// inbox imports pgx and idem's internal leaf packages, nothing public of idem.
 package inbox

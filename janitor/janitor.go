@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/promreg"
@@ -83,7 +84,7 @@ func (c Config) WithDefaults() Config {
 // Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
+	if err := fanout.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {
@@ -127,12 +128,15 @@ func (s Stats) Deleted() int64 { return s.InboxDeleted + s.EffectsDeleted }
 // A Postgres advisory lock (per schema) keeps it to one running pass at a time
 // across all processes, so every consumer and dispatcher process may run one.
 type Janitor struct {
+	parts *fanout.Set[*part]
+}
+
+// part is the Janitor of one database: one of a shard map's, or the only one.
+type part struct {
 	cfg             Config
 	q               queries
 	deleted, passes *prometheus.CounterVec
 	lastOK          *prometheus.GaugeVec
-	// shards, with a shard map, runs one Janitor a shard.
-	shards *shardSet
 }
 
 // ErrInvalidConfig is wrapped by the error New returns for a config it refuses
@@ -150,11 +154,24 @@ func New(cfg Config) (*Janitor, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	if cfg.Shards != nil {
-		return newSharded(cfg)
+	parts, err := fanout.Build(cfg.Shards, cfg, cfg.forShard, newPart)
+	if err != nil {
+		return nil, err
 	}
+	return &Janitor{parts: parts}, nil
+}
+
+// forShard returns c for sh's part: sh's database, and c's logger and registerer
+// labelled with sh's name.
+func (c Config) forShard(sh shard.Shard) Config {
+	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.Logger, c.Registerer = fanout.Label(sh, c.Logger, c.Registerer)
+	return c
+}
+
+func newPart(cfg Config) (*part, error) {
 	f := promreg.With(cfg.Registerer)
-	j := &Janitor{
+	j := &part{
 		cfg:     cfg,
 		q:       newQueries(cfg.Schema),
 		deleted: f.Counter("idem_janitor_deleted_total", "Rows the janitor deleted after their retention, by table (inbox, effects).", "schema", "table"),
@@ -181,14 +198,36 @@ func New(cfg Config) (*Janitor, error) {
 // Run runs a pass every Interval until ctx ends, then returns nil. A pass that
 // finds the lock taken is skipped; a pass that fails is logged and tried again at
 // the next interval, so a database restart does not stop the janitor. Use it inside
-// a consumer or dispatcher process: `go janitor.Run(ctx)`.
+// a consumer or dispatcher process: `go janitor.Run(ctx)`. Over a shard map each
+// shard has its own loop, so one shard down does not hold up the others.
 func (j *Janitor) Run(ctx context.Context) error {
-	if j.shards != nil {
-		return j.shards.run(ctx)
-	}
+	return j.parts.Parallel(func(_ int, p *part) error { return p.run(ctx) })
+}
+
+// RunOnce runs one pass to completion: it deletes batches until no expired row is
+// left, and returns what it deleted. It returns ErrBusy at once if another
+// janitor is running a pass on the same schema. `idem gc` calls it. Over a shard
+// map it passes over the shards one after another and adds up their Stats; a
+// shard that fails, or whose lock another janitor holds, does not stop the others,
+// and the error names each such shard.
+func (j *Janitor) RunOnce(ctx context.Context) (Stats, error) {
+	var total Stats
+	start := time.Now()
+	err := j.parts.Each(func(_ int, p *part) error {
+		st, err := p.runOnce(ctx)
+		total.InboxDeleted += st.InboxDeleted
+		total.EffectsDeleted += st.EffectsDeleted
+		total.Batches += st.Batches
+		return err
+	})
+	total.Elapsed = time.Since(start)
+	return total, err
+}
+
+func (j *part) run(ctx context.Context) error {
 	log := j.cfg.Logger.With("schema", j.cfg.Schema)
 	for {
-		st, err := j.RunOnce(ctx)
+		st, err := j.runOnce(ctx)
 		switch {
 		case ctx.Err() != nil:
 			return nil
@@ -208,13 +247,8 @@ func (j *Janitor) Run(ctx context.Context) error {
 	}
 }
 
-// RunOnce runs one pass to completion: it deletes batches until no expired row is
-// left, and returns what it deleted. It returns ErrBusy at once if another
-// janitor is running a pass on the same schema. `idem gc` calls it.
-func (j *Janitor) RunOnce(ctx context.Context) (st Stats, err error) {
-	if j.shards != nil {
-		return j.shards.runOnce(ctx)
-	}
+// runOnce runs one pass on the part's database.
+func (j *part) runOnce(ctx context.Context) (st Stats, err error) {
 	start := time.Now()
 	defer func() {
 		st.Elapsed = time.Since(start)
@@ -298,7 +332,7 @@ func (j *Janitor) RunOnce(ctx context.Context) (st Stats, err error) {
 	return st, nil
 }
 
-func (j *Janitor) count(st *Stats, table string, n int64, total *int64) {
+func (j *part) count(st *Stats, table string, n int64, total *int64) {
 	if n == 0 {
 		return
 	}
