@@ -27,9 +27,20 @@ var toolOnly = []string{
 	"github.com/yuin/goldmark",                  // the docs' snippet and link checks
 }
 
+// brokerOnly are module path prefixes that only the adapter modules
+// (adapters/kafka, adapters/nats), the tools and the examples may need: a library
+// user who uses no broker, or one broker, must not get them, or the other
+// broker's, with the library.
+var brokerOnly = []string{
+	"github.com/segmentio/kafka-go",           // the Kafka adapter's client
+	"github.com/twmb/franz-go",                // kfake, the Kafka adapter's test broker, and its client
+	"github.com/nats-io/",                     // nats.go, the NATS adapter's client, and nats-server
+	"github.com/ThreeDotsLabs/watermill-nats", // the NATS adapter's comparison tests
+}
+
 // TestLibraryModuleNeedsNoToolDependency lists the library module's whole module
-// graph, alone (GOWORK=off: the workspace would add the tools' modules), and
-// fails if a tool-only dependency is in it.
+// graph, alone (GOWORK=off: the workspace would add the other modules), and fails
+// if a tool-only or broker-only dependency is in it.
 func TestLibraryModuleNeedsNoToolDependency(t *testing.T) {
 	t.Parallel()
 	cmd := exec.Command("go", "list", "-mod=readonly", "-m", "all")
@@ -46,7 +57,11 @@ func TestLibraryModuleNeedsNoToolDependency(t *testing.T) {
 	for _, line := range lines[1:] {
 		for _, prefix := range toolOnly {
 			require.False(t, strings.HasPrefix(line, prefix),
-				"the library module's graph holds %s: move the code that needs it into cmd/idem or examples/ and run go mod tidy", line)
+				"the library module's graph holds %s: move the code that needs it into cmd/idem or examples/ and run scripts/tidy", line)
+		}
+		for _, prefix := range brokerOnly {
+			require.False(t, strings.HasPrefix(line, prefix),
+				"the library module's graph holds %s: move the code that needs it into adapters/kafka or adapters/nats and run scripts/tidy", line)
 		}
 	}
 }
