@@ -27,7 +27,7 @@ const CitusURLVar = "IDEM_CITUS_URL"
 const HowToStartCitus = `start it with:
     eval "$(scripts/services start citus)"
 (a Citus coordinator on 127.0.0.1:5460 and two workers on :5461 and :5462, which
-exports ` + CitusURLVar + `; the first start builds Citus, about 6 min on 2 cores)`
+exports ` + CitusURLVar + `; the first start builds Citus, a few minutes on 2 cores)`
 
 // citusLock is the lock file of the Citus cluster (see lockFile).
 const citusLock = "idem-citus-cluster.lock"
