@@ -7,7 +7,9 @@
 //
 // The database is DATABASE_URL, or DefaultURL. Without a reachable Postgres the test
 // fails with a message that says how to start one; it is never skipped. Messages
-// never show the database password: it is masked (internal/redact).
+// never show the database password: it is masked (internal/redact). The shard
+// tests' clusters are IDEM_SHARD_URLS (Shards) and the Citus tests' coordinator
+// IDEM_CITUS_URL (Citus), each failing the same way when missing.
 package pgtest
 
 import (

@@ -48,7 +48,7 @@ func ShardURLs(tb testing.TB) []string {
 // (CrashableShards) never runs beside it.
 func Shards(tb testing.TB, opts ...Options) *shard.Map {
 	tb.Helper()
-	lockShards(tb, syscall.LOCK_SH)
+	lockFile(tb, shardLock, syscall.LOCK_SH)
 	return shardMap(tb, opts)
 }
 
@@ -62,7 +62,7 @@ type ShardCtl struct {
 // they wait for it. When the test ends every cluster is started again.
 func CrashableShards(tb testing.TB, opts ...Options) (*shard.Map, *ShardCtl) {
 	tb.Helper()
-	lockShards(tb, syscall.LOCK_EX)
+	lockFile(tb, shardLock, syscall.LOCK_EX)
 	ctl := &ShardCtl{tb: tb}
 	// Cleanups run last-in first-out: the clusters are up again before the
 	// schemas are dropped and the lock is released.
@@ -80,7 +80,7 @@ func CrashableShards(tb testing.TB, opts ...Options) (*shard.Map, *ShardCtl) {
 // started for shards.
 func (c *ShardCtl) Crash(i int) {
 	c.tb.Helper()
-	services(c.tb, "crash", i)
+	services(c.tb, "crash", shardName(i))
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	if pingURL(ctx, ShardURLs(c.tb)[i]) == nil {
@@ -96,7 +96,7 @@ func (c *ShardCtl) Start(i int) {
 
 func (c *ShardCtl) start(i int, fatal bool) {
 	c.tb.Helper()
-	if err := servicesErr("start", i); err != nil {
+	if err := servicesErr("start", shardName(i)); err != nil {
 		if fatal {
 			c.tb.Fatal(err)
 		}
@@ -104,20 +104,26 @@ func (c *ShardCtl) start(i int, fatal bool) {
 	}
 }
 
-func services(tb testing.TB, cmd string, i int) {
+// shardName is scripts/services' name of shard i (0-based).
+func shardName(i int) string { return fmt.Sprintf("shard%d", i+1) }
+
+// services runs scripts/services cmd service, failing the test if it fails.
+func services(tb testing.TB, cmd, service string) {
 	tb.Helper()
-	if err := servicesErr(cmd, i); err != nil {
+	if err := servicesErr(cmd, service); err != nil {
 		tb.Fatal(err)
 	}
 }
 
-func servicesErr(cmd string, i int) error {
+// servicesErr runs scripts/services cmd service and returns its output with its
+// error.
+func servicesErr(cmd, service string) error {
 	script := filepath.Join(moduleRoot(), "scripts", "services")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, script, cmd, fmt.Sprintf("shard%d", i+1)).CombinedOutput()
+	out, err := exec.CommandContext(ctx, script, cmd, service).CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("scripts/services %s shard%d: %v\n%s", cmd, i+1, err, out)
+		return fmt.Errorf("scripts/services %s %s: %v\n%s", cmd, service, err, out)
 	}
 	return nil
 }
@@ -135,17 +141,21 @@ func moduleRoot() string {
 	}
 }
 
-// lockShards takes a file lock, shared or exclusive, for the test's life. The file
-// is the same for every package's tests on the machine.
-func lockShards(tb testing.TB, how int) {
+// shardLock is the lock file of the shard clusters (see lockFile).
+const shardLock = "idem-shard-clusters.lock"
+
+// lockFile takes a file lock, shared or exclusive, for the test's life. The file,
+// name in the temporary directory, is the same for every package's tests on the
+// machine.
+func lockFile(tb testing.TB, name string, how int) {
 	tb.Helper()
-	f, err := os.OpenFile(filepath.Join(os.TempDir(), "idem-shard-clusters.lock"), os.O_CREATE|os.O_RDWR, 0o666)
+	f, err := os.OpenFile(filepath.Join(os.TempDir(), name), os.O_CREATE|os.O_RDWR, 0o666)
 	if err != nil {
-		tb.Fatalf("shard lock: %v", err)
+		tb.Fatalf("lock %s: %v", name, err)
 	}
 	if err := syscall.Flock(int(f.Fd()), how); err != nil {
 		_ = f.Close()
-		tb.Fatalf("shard lock: %v", err)
+		tb.Fatalf("lock %s: %v", name, err)
 	}
 	tb.Cleanup(func() { _ = f.Close() }) // closing the file releases the lock
 }

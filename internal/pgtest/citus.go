@@ -1,0 +1,167 @@
+package pgtest
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/redact"
+)
+
+// CitusURLVar names the environment variable with the Citus coordinator's URL, as
+// scripts/services start citus prints it.
+const CitusURLVar = "IDEM_CITUS_URL"
+
+// HowToStartCitus says how to bring up the Citus cluster.
+const HowToStartCitus = `start it with:
+    eval "$(scripts/services start citus)"
+(a Citus coordinator on 127.0.0.1:5460 and two workers on :5461 and :5462, which
+exports ` + CitusURLVar + `; the first start builds Citus, a few minutes on 2 cores)`
+
+// citusLock is the lock file of the Citus cluster (see lockFile).
+const citusLock = "idem-citus-cluster.lock"
+
+// CitusURL returns the Citus coordinator's URL, failing the test with instructions
+// when the variable is unset or the coordinator does not answer.
+func CitusURL(tb testing.TB) string {
+	tb.Helper()
+	u := strings.TrimSpace(os.Getenv(CitusURLVar))
+	if u == "" {
+		tb.Fatalf("%s is unset; the Citus tests need a Citus cluster\n%s", CitusURLVar, HowToStartCitus)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := pingURL(ctx, u); err != nil {
+		tb.Fatal(redact.Text(fmt.Sprintf("the Citus coordinator is not reachable at %s: %v\n%s", u, err, HowToStartCitus), u))
+	}
+	return u
+}
+
+// Citus gives the test a fresh empty schema on the Citus coordinator and a pool
+// (opts' MaxConns, default 8, QueryExecMode and Settings) whose search_path is that
+// schema; the test creates and distributes its tables in it. The coordinator
+// creates the schema on the workers too, and dropping it when the test ends drops
+// the tables' shards. The test holds a shared lock on the cluster for its life, so
+// a test that crashes a worker (CrashableCitus) never runs beside it.
+func Citus(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
+	tb.Helper()
+	lockFile(tb, citusLock, syscall.LOCK_SH)
+	return citusSchema(tb, opts)
+}
+
+// CitusCtl crashes and starts the workers of a CrashableCitus test.
+type CitusCtl struct {
+	tb testing.TB
+}
+
+// CrashableCitus is Citus for a test that crashes workers: it holds the lock on the
+// cluster alone, so it waits for the other Citus tests of every package and they
+// wait for it. When the test ends both workers are started again.
+func CrashableCitus(tb testing.TB, opts ...Options) (*pgxpool.Pool, string, *CitusCtl) {
+	tb.Helper()
+	lockFile(tb, citusLock, syscall.LOCK_EX)
+	ctl := &CitusCtl{tb: tb}
+	// Cleanups run last-in first-out: the workers are up again before the schema
+	// is dropped and the lock is released.
+	pool, schema := citusSchema(tb, opts)
+	tb.Cleanup(func() {
+		for n := 1; n <= 2; n++ {
+			if err := servicesErr("start", citusWorker(n)); err != nil {
+				tb.Error(err)
+			}
+		}
+	})
+	return pool, schema, ctl
+}
+
+// citusWorker is scripts/services' name of Citus worker n (1 or 2).
+func citusWorker(n int) string { return fmt.Sprintf("citus-worker%d", n) }
+
+// CrashWorker stops worker n (1 or 2) with pg_ctl stop -m immediate, as a server
+// crash, through scripts/services, which touches only the nodes it started.
+func (c *CitusCtl) CrashWorker(n int) {
+	c.tb.Helper()
+	services(c.tb, "crash", citusWorker(n))
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if pingURL(ctx, CitusWorkerURL(c.tb, n)) == nil {
+		c.tb.Fatalf("Citus worker %d still answers after scripts/services crash %s; the crash tests need the nodes that scripts/services start citus started", n, citusWorker(n))
+	}
+}
+
+// StartWorker starts worker n (1 or 2) again and waits until it answers.
+func (c *CitusCtl) StartWorker(n int) {
+	c.tb.Helper()
+	services(c.tb, "start", citusWorker(n))
+}
+
+// RestartWorker is pg_ctl restart -m immediate on worker n: CrashWorker, then
+// StartWorker.
+func (c *CitusCtl) RestartWorker(n int) {
+	c.tb.Helper()
+	c.CrashWorker(n)
+	c.StartWorker(n)
+}
+
+// CitusWorkerURL is the URL of worker n (1 or 2): the coordinator's URL with the
+// worker's port (CitusWorkerPort).
+func CitusWorkerURL(tb testing.TB, n int) string {
+	tb.Helper()
+	u, port := citusCoordinator(tb)
+	u.Host = net.JoinHostPort(u.Hostname(), strconv.Itoa(port+n))
+	return u.String()
+}
+
+// CitusWorkerPort is the port of worker n (1 or 2), which scripts/services puts at
+// the coordinator's port + n.
+func CitusWorkerPort(tb testing.TB, n int) int {
+	tb.Helper()
+	_, port := citusCoordinator(tb)
+	return port + n
+}
+
+// citusCoordinator is the coordinator's URL, parsed, and its port.
+func citusCoordinator(tb testing.TB) (*url.URL, int) {
+	tb.Helper()
+	coord := CitusURL(tb)
+	u, err := url.Parse(coord)
+	if err != nil {
+		tb.Fatal(redact.Text(fmt.Sprintf("parse %s: %v", CitusURLVar, err), coord))
+	}
+	port, err := strconv.Atoi(cmp.Or(u.Port(), "5432"))
+	if err != nil {
+		tb.Fatal(redact.Text(fmt.Sprintf("parse %s's port: %v", CitusURLVar, err), coord))
+	}
+	return u, port
+}
+
+func citusSchema(tb testing.TB, opts []Options) (*pgxpool.Pool, string) {
+	tb.Helper()
+	var o Options
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	coord := CitusURL(tb)
+	schema := NewSchemaName()
+	cfg, err := configAt(coord, schema, o, 8)
+	if err != nil {
+		tb.Fatal(redact.Text(fmt.Sprintf("parse %s: %v", CitusURLVar, err), coord))
+	}
+	pool := OpenPool(tb, cfg)
+	if _, err := pool.Exec(context.Background(), `CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize()); err != nil {
+		tb.Fatal(redact.Text(fmt.Sprintf("create schema %s on the Citus coordinator %s: %v", schema, coord, err), coord))
+	}
+	tb.Cleanup(func() { dropOn(tb, coord, schema) })
+	return pool, schema
+}
