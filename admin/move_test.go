@@ -279,7 +279,7 @@ func TestMoveTenantCrash(t *testing.T) {
 					continue
 				}
 				require.NoError(t, err)
-				require.Equal(t, map[string]int64{old.Name: int64(g.Count)}, plan.Shards, "a %s group's rows are planned on the old shard alone", source)
+				require.Equal(t, map[string]int64{old.Name: g.Count}, plan.Shards, "a %s group's rows are planned on the old shard alone", source)
 			}
 
 			_, err = a.MoveTenant(ctx, admin.MoveTenant{Tenant: r.tenant, From: old.Name, To: to})
