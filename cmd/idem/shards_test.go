@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -342,4 +344,41 @@ func TestShardsCLIMoveTenant(t *testing.T) {
 	}
 	r = runBin(t, "shard", "move-tenant", "--tenant", "acme", "--to", to.Name, "--database-url", urls[0])
 	require.Equal(t, exitUsage, r.code)
+}
+
+// TestShardsConsoleOffRoute: the console over a shard map answers a requeue of a
+// dead effect that is also on a shard its tenant's route does not name (a move not
+// finished) with 409 off_route, and changes neither shard.
+func TestShardsConsoleOffRoute(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	routed, err := m.Pick("acme")
+	require.NoError(t, err)
+	other := m.Shards[0]
+	if other.Name == routed.Name {
+		other = m.Shards[1]
+	}
+	for _, s := range []shard.Shard{routed, other} {
+		_, err := s.Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, last_error)
+			VALUES ('acme', 'email', 'receipt:1', '\x00', 'dead', 25, 'boom')`)
+		require.NoError(t, err)
+	}
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	srv := httptest.NewUnstartedServer(nil)
+	h, err := newConsole(a, consoleConfig{Hosts: consoleHosts(srv.Listener.Addr(), "127.0.0.1")})
+	require.NoError(t, err)
+	srv.Config.Handler = h
+	srv.Start()
+	t.Cleanup(srv.Close)
+	var session sessionJSON
+	require.NoError(t, json.Unmarshal(call(t, srv, "GET", "/api/session", "", nil).body, &session))
+	r := call(t, srv, "POST", "/api/requeue", `{"tenant": "acme", "kind": "email", "key": "receipt:1"}`,
+		map[string]string{"Content-Type": "application/json", tokenHeader: session.Token, "Sec-Fetch-Site": "same-origin"})
+	require.Equal(t, http.StatusConflict, r.status, "%s", r.body)
+	require.Equal(t, "off_route", r.code(t))
+	for _, s := range []shard.Shard{routed, other} {
+		require.Equal(t, 1, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE state = 'dead'`), s.Name)
+	}
 }
