@@ -81,24 +81,34 @@ func StartOwnCluster(tb testing.TB) *OwnCluster {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	_ = l.Close()
-	c := &OwnCluster{tb: tb, URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port),
-		env: append(os.Environ(), "IDEM_SHARDS_DIR="+dir, fmt.Sprintf("IDEM_SHARD_BASE_PORT=%d", port-1))}
+	c := &OwnCluster{tb: tb}
 	tb.Cleanup(func() {
-		if err := c.services("stop"); err != nil {
-			tb.Error(err)
+		if c.env != nil {
+			if err := c.services("stop"); err != nil {
+				tb.Error(err)
+			}
 		}
 		_ = os.RemoveAll(dir)
 	})
-	if err := c.services("start"); err != nil {
-		tb.Fatal(err)
+	// A port free now may be taken before the cluster listens: then another.
+	for try := 1; ; try++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			tb.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		_ = l.Close()
+		c.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
+		c.env = append(os.Environ(), "IDEM_SHARDS_DIR="+dir, fmt.Sprintf("IDEM_SHARD_BASE_PORT=%d", port-1))
+		err = c.services("start")
+		if err == nil {
+			return c
+		}
+		if try == 3 {
+			tb.Fatal(err)
+		}
+		tb.Logf("own cluster, try %d: %v", try, err)
 	}
-	return c
 }
 
 // Crash stops the cluster with pg_ctl stop -m immediate, as a server crash.

@@ -26,6 +26,7 @@ func TestOwnCluster(t *testing.T) {
 		t.Fatal("the cluster answers after its crash")
 	}
 	c.Start()
+	pool.Reset() // its connections died with the server
 	if n := Count(t, pool, `SELECT sum(n) FROM kept`); n != 7 {
 		t.Fatalf("the committed row after the restart: %d, want 7", n)
 	}

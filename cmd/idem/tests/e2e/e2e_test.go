@@ -524,6 +524,7 @@ loop:
 					}
 				}
 				own.Start()
+				places[ownAt].pool.Reset() // its connections died with the server
 				r.outage[ownAt].after = ledgerOf(ctx, t, places[ownAt])
 				down = false
 				t.Logf("shard %s started again after %s", places[ownAt].name, time.Since(outageStart).Round(100*time.Millisecond))
