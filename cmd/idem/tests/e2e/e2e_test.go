@@ -227,8 +227,9 @@ type run struct {
 	// transaction's received_at).
 	largestCommit, inBatches int
 	// outage is a sharded run's shard outage: per shard, its ledger rows when
-	// its cluster crashed and when it was started again.
-	outage []shardOutage
+	// its cluster crashed and when it was started again, outageFor later.
+	outage    []shardOutage
+	outageFor time.Duration
 }
 
 // shardOutage is one shard's figures over a run's shard outage.
@@ -304,7 +305,8 @@ func targets() []target {
 // Deduplicator. sharded spreads the payments over shardTenants tenants, and the
 // tenants over three shards (idem only): the first two shard clusters of
 // IDEM_SHARD_URLS and a cluster of the run's own, which it crashes (pg_ctl stop -m
-// immediate) halfway through and starts again outageFor later.
+// immediate) halfway through and starts again once the other shards have
+// committed some (outageMin to outageMax later).
 func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed int64, sharded bool) run {
 	t.Helper()
 	broker := tg.broker
@@ -472,7 +474,7 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	lastChange, lastLog := time.Now(), time.Now()
 	// The shard outage: the own cluster (the map's last shard) crashes once the
 	// first cut is done and half of the payments are committed, and starts again
-	// outageFor later.
+	// once the other shards have committed some while it was down.
 	ownAt := len(places) - 1
 	var outageStart time.Time
 	down := false
@@ -513,16 +515,26 @@ loop:
 			killer.Reset(time.Duration(350+rng.IntN(300)) * time.Millisecond)
 		case <-auditTick.C:
 			if down {
-				if time.Since(outageStart) < outageFor {
+				if time.Since(outageStart) < outageMin {
 					continue
 				}
-				// What the other shards committed while it was down; then it
+				// What the other shards committed while it was down. It stays
+				// down until each of them with payments left has committed a few
+				// (a consumer's death, at a crash point or by the killer, holds
+				// the whole group up for a rebalance), outageMax at most; then it
 				// starts again, and its own figure is read.
+				waiting := false
 				for i, pl := range places {
 					if i != ownAt {
-						r.outage[i].after = ledgerOf(ctx, t, pl)
+						o := &r.outage[i]
+						o.after = ledgerOf(ctx, t, pl)
+						waiting = waiting || o.after-o.before < min(3, o.left)
 					}
 				}
+				if waiting && time.Since(outageStart) < outageMax {
+					continue
+				}
+				r.outageFor = time.Since(outageStart)
 				own.Start()
 				places[ownAt].pool.Reset() // its connections died with the server
 				r.outage[ownAt].after = ledgerOf(ctx, t, places[ownAt])
@@ -704,8 +716,12 @@ func auditPlaces(ctx context.Context, places []*place, schema string, box *payme
 	return chaos.Sum(payments.Consumer, each...), each, nil
 }
 
-// outageFor is how long a sharded run's own cluster stays down.
-const outageFor = 4 * time.Second
+// A sharded run's own cluster stays down outageMin at least, and then until the
+// other shards have committed a few payments, outageMax at most.
+const (
+	outageMin = 3 * time.Second
+	outageMax = 30 * time.Second
+)
 
 // ledgerOf counts a database's ledger rows.
 func ledgerOf(ctx context.Context, t *testing.T, pl *place) int {
@@ -816,7 +832,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		for _, o := range r.outage {
 			if o.crashed {
 				t.Logf("shard outage: shard %s, down %s: ledger rows %d when it crashed with %d of its payments left, %d read once it answered again (its tenants' backlog commits as soon as it does)",
-					o.name, outageFor, o.before, o.left, o.after)
+					o.name, r.outageFor.Round(100*time.Millisecond), o.before, o.left, o.after)
 				continue
 			}
 			t.Logf("shard outage: shard %s committed %d payments while the other was down (ledger rows %d when it crashed, %d when it was started again; %d of its payments were left)",
