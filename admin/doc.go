@@ -24,9 +24,11 @@
 // Over a shard map (Config.Shards) every read and action runs on each shard: lists
 // merge the shards' pages with a cursor carrying each shard's position, a failure
 // group is one row of the groups list with its shards' parts summed, Stats sums
-// and lists each shard, one key is looked up on every shard, a failure group acts
-// on each shard's rows; a shard that does not answer is an error naming it
-// (ShardError, ErrShardUnavailable), never a silent gap. See shards.go.
+// and lists each shard, one key is looked up on every shard; an action changes a
+// tenant's rows only on the shard its route names, and is refused (ErrOffRoute)
+// when some are elsewhere; a shard that does not answer is an error naming it
+// (ShardError, ErrShardUnavailable), never a silent gap. MoveTenant moves a
+// tenant's rows, in every state, to its new shard. See shards.go and move.go.
 //
 // What it guarantees: every statement is SQL of this package with bind parameters,
 // on a validated and quoted schema; reads take no locks that a consumer or a

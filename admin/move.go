@@ -16,8 +16,8 @@ import (
 )
 
 // Moving a tenant from one shard to another (see docs/sharding.md): drain the
-// tenant (stop its consumers and HTTP handlers, or route it nowhere), copy its rows
-// with MoveTenant, switch the route (a Table entry), and resume. Without the copy
+// tenant (stop its consumers and HTTP handlers, or route it nowhere), move its rows
+// with MoveTenant, switch the route (a Table entry), and resume. Without the move
 // the new shard has none of the tenant's inbox keys, so a redelivery of a message
 // the old shard recorded runs its handler again, and the old shard's pending
 // effects are sent from there while the new shard knows nothing of them.
@@ -54,13 +54,14 @@ type MoveTenant struct {
 	To string
 	// EffectsRetention: done effects done within it are copied (0:
 	// DefaultMoveRetention). Inbox keys are copied until they expire, pending, dead
-	// and discarded effects always.
+	// and discarded effects always. What is not copied is deleted all the same:
+	// no row of the tenant stays on the old shard.
 	EffectsRetention time.Duration
-	// DryRun counts what would be copied and changes nothing.
+	// DryRun counts what would be moved and changes nothing.
 	DryRun bool
 }
 
-// MoveResult is a move's plan (counted on the old shard) and what the copy did.
+// MoveResult is a move's plan (counted on the old shard) and what the move did.
 type MoveResult struct {
 	Tenant string `json:"tenant"`
 	From   string `json:"from"`
@@ -74,31 +75,50 @@ type MoveResult struct {
 	// Busy counts what keeps the tenant from being drained: keys processing under
 	// a running lease, and effects being sent. A move is refused while it is not 0.
 	Busy int64 `json:"busy"`
-	// InboxCopied and EffectsCopied are the rows the copy inserted on the new
+	// InboxCopied and EffectsCopied are the rows the move inserted on the new
 	// shard (rows already there are left as they are).
 	InboxCopied   int64 `json:"inbox_copied"`
 	EffectsCopied int64 `json:"effects_copied"`
-	// HandedOver are the pending effects deleted from the old shard once their
-	// copies were on the new one, so that they are sent from there alone.
+	// InboxDeleted and EffectsDeleted are the rows the move deleted from the old
+	// shard: each once it was on the new one, and the expired keys and the done
+	// effects past the retention, which are not copied.
+	InboxDeleted   int64 `json:"inbox_deleted"`
+	EffectsDeleted int64 `json:"effects_deleted"`
+	// HandedOver are the pending effects among EffectsDeleted: sent from the new
+	// shard alone from now on.
 	HandedOver int64 `json:"handed_over"`
 }
 
 // moveBatch is how many rows one copy statement carries.
 const moveBatch = 500
 
-// MoveTenant copies a drained tenant's inbox keys (until they expire) and effects
-// (pending, dead, discarded, and done within the retention) from its old shard to
-// its new one, so that after the route is switched its redeliveries are
-// recognised as duplicates and its pending effects are sent once, from the new
-// shard. It needs an Admin over a shard map.
+// MoveTenant moves a drained tenant's rows from its old shard to its new one: its
+// inbox keys (until they expire) and effects in every state (done ones within the
+// retention) are copied, and every row of the tenant is deleted from the old
+// shard, so that after the route is switched its redeliveries are recognised as
+// duplicates, its pending effects are sent once, from the new shard, and its
+// failed keys and dead effects are repaired once, from the new shard. It needs an
+// Admin over a shard map.
 //
-// Pending effects are handed over without a moment where both shards would send
-// them: they are first parked on the old shard (due far in the future, in one
-// transaction that also checks the tenant is drained), then copied with their due
-// times back, then deleted from the old shard. Every step is idempotent, so a move
-// that failed half-way is finished by running it again; a row already on the new
-// shard is kept as it is. The old shard's other copies stay until the janitor
-// deletes them.
+// The move goes batch by batch, and a crash anywhere leaves no effect live on
+// two shards:
+//
+//  1. The tenant's pending effects are parked on the old shard (due far in the
+//     future, in one transaction that also checks the tenant is drained): no
+//     dispatcher claims them there.
+//  2. Each batch of rows is inserted on the new shard (a row already there is kept
+//     as it is), and then deleted from the old shard if it has not changed since
+//     it was read. Between the two, the batch is on both shards: parked (pending
+//     effects), or rows that no operator action touches, since an action refuses
+//     a tenant's rows on a shard its route does not name (ErrOffRoute).
+//  3. The parked effects get their due times back on the new shard, and its
+//     dispatchers are woken up.
+//  4. The tenant's expired keys and old done effects are deleted from the old
+//     shard; a row of the tenant still there (written or changed during the move:
+//     the tenant was not drained) fails the move with ErrNotDrained.
+//
+// Every step is idempotent, so a move that failed half-way is finished by running
+// it again, and a second run finds nothing to move.
 func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, error) {
 	if a.shards == nil {
 		return nil, errorf(ErrBadFilter, "moving a tenant needs an Admin over a shard map (Config.Shards)")
@@ -142,23 +162,24 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 	}
 	moveStep("parked")
 	t := func(s *Admin, name string) string { return pgx.Identifier{s.cfg.Schema, name}.Sanitize() }
-	n, err := copyRows(ctx, from, to, mv.Tenant, "inbox", "consumer", "key",
-		`i.expires_at > now()`, nil)
-	out.InboxCopied = n
+	var m moved
+	err := moveRows(ctx, from, to, mv.Tenant, "inbox", "consumer", "key", `i.expires_at > now()`, nil, &m)
+	out.InboxCopied, out.InboxDeleted = m.copied, m.deleted
 	if err != nil {
 		return out, err
 	}
-	moveStep("inbox_copied")
-	n, err = copyRows(ctx, from, to, mv.Tenant, "effects", "kind", "key",
-		`(i.state <> 'done' OR i.done_at > now() - $4::interval)`, []any{retention})
-	out.EffectsCopied = n
+	moveStep("inbox_moved")
+	m = moved{}
+	err = moveRows(ctx, from, to, mv.Tenant, "effects", "kind", "key",
+		`(i.state <> 'done' OR i.done_at > now() - $4::interval)`, []any{retention}, &m)
+	out.EffectsCopied, out.EffectsDeleted, out.HandedOver = m.copied, m.deleted, m.pending
 	if err != nil {
 		return out, err
 	}
-	moveStep("effects_copied")
+	moveStep("effects_moved")
 	// Every parked effect is on the new shard now: give it its due time back
-	// there (a copy that was already there is not parked), then hand it over.
-	// The new shard's dispatchers are woken up (the copy's INSERT does not).
+	// there (a copy that was already there is not parked). The new shard's
+	// dispatchers are woken up (the copy's INSERT does not).
 	if _, err := to.db.Exec(ctx, `WITH back AS (
 			UPDATE `+t(to, "effects")+` SET next_attempt_at = next_attempt_at - `+parked+`
 			WHERE tenant = $1 AND state = 'pending' AND next_attempt_at > `+parkedAbove+`
@@ -167,15 +188,27 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 		return out, &ShardError{Shard: to.name, Err: to.wrap(err)}
 	}
 	moveStep("handed_back")
-	tag, err := from.db.Exec(ctx, `DELETE FROM `+t(from, "effects")+`
-		WHERE tenant = $1 AND state = 'pending' AND next_attempt_at > `+parkedAbove, mv.Tenant)
+	// What was not copied (keys that expired, done effects past the retention) is
+	// deleted too, and nothing of the tenant may be left.
+	var left int64
+	err = from.db.QueryRow(ctx, `WITH i AS (DELETE FROM `+t(from, "inbox")+` WHERE tenant = $1 AND expires_at <= now() RETURNING 1),
+			e AS (DELETE FROM `+t(from, "effects")+` WHERE tenant = $1 AND state = 'done' AND done_at <= now() - $2::interval RETURNING 1)
+		SELECT (SELECT count(*) FROM i), (SELECT count(*) FROM e),
+			(SELECT count(*) FROM `+t(from, "inbox")+` WHERE tenant = $1 AND expires_at > now())
+			+ (SELECT count(*) FROM `+t(from, "effects")+` WHERE tenant = $1 AND (state <> 'done' OR done_at > now() - $2::interval))`,
+		mv.Tenant, retention).Scan(&m.copied, &m.deleted, &left)
 	if err != nil {
 		return out, &ShardError{Shard: from.name, Err: from.wrap(err)}
 	}
-	out.HandedOver = tag.RowsAffected()
-	a.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: tenant copied to its new shard; switch its route now",
+	out.InboxDeleted += m.copied
+	out.EffectsDeleted += m.deleted
+	if left > 0 {
+		return out, errorf(ErrNotDrained, "tenant %q: %d of its row(s) on shard %q were written or changed during the move, so they stay there; drain the tenant and move it again", mv.Tenant, left, mv.From)
+	}
+	a.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: tenant moved to its new shard; switch its route now",
 		slog.String("tenant", mv.Tenant), slog.String("from", mv.From), slog.String("to", mv.To),
 		slog.Int64("inbox_copied", out.InboxCopied), slog.Int64("effects_copied", out.EffectsCopied),
+		slog.Int64("inbox_deleted", out.InboxDeleted), slog.Int64("effects_deleted", out.EffectsDeleted),
 		slog.Int64("handed_over", out.HandedOver))
 	return out, nil
 }
@@ -258,21 +291,25 @@ func (a *Admin) park(ctx context.Context, tenant string) error {
 	return err
 }
 
-// copyRows copies the tenant's rows of table that match where from one shard to
+// moved counts what moveRows did: rows inserted on the new shard, rows deleted
+// from the old one, and the pending effects among them.
+type moved struct{ copied, deleted, pending int64 }
+
+// moveRows moves the tenant's rows of table that match where from one shard to
 // the other, moveBatch at a time in primary key order, as JSON records of the
-// whole row (so every column a migration added goes too); a row already on the
-// new shard is left as it is. It returns how many rows it inserted.
-func copyRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where string, extra []any) (int64, error) {
+// whole row (so every column a migration added goes too): each batch is inserted
+// on the new shard (a row already there is left as it is) and then deleted from
+// the old one, each row only if it is still the record that was read.
+func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where string, extra []any, m *moved) error {
 	src := pgx.Identifier{from.cfg.Schema, table}.Sanitize()
 	dst := pgx.Identifier{to.cfg.Schema, table}.Sanitize()
-	var copied int64
 	a1, a2 := "", ""
 	for {
 		rows, err := from.db.Query(ctx, `SELECT to_jsonb(i), i.`+k1+`, i.`+k2+` FROM `+src+` i
 			WHERE i.tenant = $1 AND (i.`+k1+`, i.`+k2+`) > ($2, $3) AND `+where+`
 			ORDER BY i.`+k1+`, i.`+k2+` LIMIT `+fmt.Sprint(moveBatch), append([]any{tenant, a1, a2}, extra...)...)
 		if err != nil {
-			return copied, &ShardError{Shard: from.name, Err: from.wrap(err)}
+			return &ShardError{Shard: from.name, Err: from.wrap(err)}
 		}
 		var batch []json.RawMessage
 		var rec json.RawMessage
@@ -281,20 +318,34 @@ func copyRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where
 			return nil
 		})
 		if err != nil {
-			return copied, &ShardError{Shard: from.name, Err: from.wrap(err)}
+			return &ShardError{Shard: from.name, Err: from.wrap(err)}
 		}
 		if len(batch) == 0 {
-			return copied, nil
+			return nil
 		}
 		b, _ := json.Marshal(batch)
 		tag, err := to.db.Exec(ctx, `INSERT INTO `+dst+` SELECT * FROM jsonb_populate_recordset(NULL::`+dst+`, $1::jsonb)
 			ON CONFLICT DO NOTHING`, string(b))
 		if err != nil {
-			return copied, &ShardError{Shard: to.name, Err: to.wrap(err)}
+			return &ShardError{Shard: to.name, Err: to.wrap(err)}
 		}
-		copied += tag.RowsAffected()
+		m.copied += tag.RowsAffected()
+		moveStep(table + "_inserted")
+		var n, pending int64
+		err = from.db.QueryRow(ctx, `WITH d AS (
+				DELETE FROM `+src+` i USING jsonb_array_elements($2::jsonb) r(rec)
+				WHERE i.tenant = $1 AND i.`+k1+` = r.rec->>'`+k1+`' AND i.`+k2+` = r.rec->>'`+k2+`' AND to_jsonb(i) = r.rec
+				RETURNING i.state)
+			SELECT count(*), count(*) FILTER (WHERE state = 'pending') FROM d`, tenant, string(b)).Scan(&n, &pending)
+		if err != nil {
+			return &ShardError{Shard: from.name, Err: from.wrap(err)}
+		}
+		m.deleted += n
+		if table == "effects" {
+			m.pending += pending
+		}
 		if len(batch) < moveBatch {
-			return copied, nil
+			return nil
 		}
 	}
 }

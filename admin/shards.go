@@ -35,7 +35,11 @@ import (
 //     part, and an action acts on each shard's rows of the group;
 //   - Stats sums per consumer and kind, and lists each shard's own figures;
 //   - one key (InspectInbox, InspectEffect, Forget, Requeue) is looked up on every
-//     shard, so a tenant's rows are found wherever the route put them.
+//     shard, so a tenant's rows are found wherever the route put them;
+//   - an action (Requeue, RequeueDead, Forget, RetryGroup, DiscardGroup,
+//     ReleaseGroup) changes a tenant's rows only on the shard its route names: it
+//     is refused (ErrOffRoute, nothing changed) when some of the rows it would
+//     change are on another shard.
 //
 // A shard that does not answer is never a silent gap: a list, a lookup that did
 // not find the key elsewhere, or an action fails with a *ShardError naming it
@@ -46,6 +50,15 @@ import (
 // (Postgres unreachable, the connection broke): the result would miss that shard's
 // rows, so none is returned (Stats returns the others' figures too).
 var ErrShardUnavailable = errcode.Transient("shard_unavailable", "a shard did not answer")
+
+// ErrOffRoute is returned, and nothing was changed, when an action (a requeue, a
+// forget, a failure group's retry, discard or release) would change a tenant's
+// rows on a shard that the map's route does not name for the tenant: rows that a
+// tenant move left behind or has not finished copying. Acting there too would
+// repair the same failure twice (once on each shard). Finish the move
+// (MoveTenant, run again) and switch the route to the shard that holds the rows;
+// then act again.
+var ErrOffRoute = errcode.Transient("off_route", "a tenant has rows on a shard its route does not name: finish its move first")
 
 // ShardError is an error of one shard of the map. Its code is the shard error's
 // own when it has one (not_found, schema_missing...), else shard_unavailable.
@@ -535,8 +548,15 @@ func (a *Admin) shardedFind(ctx context.Context, key string, f FindFilter) (*Fou
 	return out, nil
 }
 
-// shardedRequeue requeues the effect on every shard that has it dead.
+// shardedRequeue requeues the effect on the shard that has it dead, refused when
+// that is not the shard the route names for its tenant.
 func (a *Admin) shardedRequeue(ctx context.Context, id EffectID) error {
+	if err := a.offRoute(ctx, "requeue of effect "+id.String(), func(ctx context.Context, s *Admin) ([]string, error) {
+		return s.tenantsOf(ctx, `SELECT tenant FROM `+s.table("effects")+` WHERE tenant = $1 AND kind = $2 AND key = $3 AND state = 'dead'`,
+			id.Tenant, id.Kind, id.Key)
+	}); err != nil {
+		return err
+	}
 	_, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (struct{}, error) { return struct{}{}, s.Requeue(ctx, id) })
 	var first error
 	for i, err := range errs {
@@ -557,6 +577,13 @@ func (a *Admin) shardedRequeue(ctx context.Context, id EffectID) error {
 }
 
 func (a *Admin) shardedRequeueDead(ctx context.Context, f effects.RequeueFilter) (int64, error) {
+	if err := a.offRoute(ctx, "requeue", func(ctx context.Context, s *Admin) ([]string, error) {
+		return s.tenantsOf(ctx, `SELECT DISTINCT tenant FROM `+s.table("effects")+`
+			WHERE state = 'dead' AND ($1 = '' OR kind = $1) AND ($2 = '' OR key = $2) AND (($3 = '' AND NOT $4) OR tenant = $3)`,
+			f.Kind, f.Key, f.Tenant, f.TenantExact)
+	}); err != nil {
+		return 0, err
+	}
 	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (int64, error) { return s.RequeueDead(ctx, f) })
 	var n int64
 	for _, r := range res {
@@ -565,9 +592,18 @@ func (a *Admin) shardedRequeueDead(ctx context.Context, f effects.RequeueFilter)
 	return n, shardErrors(a.names(), errs)
 }
 
-// shardedForget forgets the key on every shard that has it, and returns one of
-// the rows it deleted.
+// shardedForget forgets the key on the shard that has it, refused when that is
+// not the shard the route names for its tenant, and returns the row it deleted.
 func (a *Admin) shardedForget(ctx context.Context, id inbox.ID, audit Audit) (*InboxKey, error) {
+	if err := id.Validate(); err != nil {
+		return nil, err
+	}
+	if err := a.offRoute(ctx, "forget of inbox key "+formatID(id), func(ctx context.Context, s *Admin) ([]string, error) {
+		return s.tenantsOf(ctx, `SELECT tenant FROM `+s.table("inbox")+` WHERE consumer = $1 AND tenant = $2 AND key = $3`,
+			id.Consumer, id.Tenant, id.Key)
+	}); err != nil {
+		return nil, err
+	}
 	res, errs := fan(ctx, a, func(ctx context.Context, s *Admin) (*InboxKey, error) { return s.Forget(ctx, id, audit) })
 	var held error
 	var out *InboxKey
@@ -662,6 +698,14 @@ func (a *Admin) shardedAct(ctx context.Context, action, source string, act Group
 	}
 	if g.source != source {
 		return a.shards[0].act(ctx, action, source, act) // its error says why
+	}
+	if err := a.offRoute(ctx, action+" of group "+act.ID, func(ctx context.Context, s *Admin) ([]string, error) {
+		if source == SourceInbox {
+			return s.tenantsOf(ctx, `SELECT DISTINCT tenant FROM `+s.table("inbox")+` WHERE error_group = $1 AND state = 'failed'`, g.hash)
+		}
+		return s.tenantsOf(ctx, `SELECT DISTINCT tenant FROM `+s.table("effects")+` WHERE error_group = $1 AND state = 'dead'`, g.hash)
+	}); err != nil {
+		return nil, err
 	}
 	type done struct {
 		res *ActionResult
@@ -806,3 +850,49 @@ func (a *Admin) shardedActivity(ctx context.Context, window time.Duration) (*Act
 	out.Minutes = out.Minutes[max(0, len(out.Minutes)-n):]
 	return out, nil
 }
+
+// offRoute refuses an action (ErrOffRoute) when, on some shard, a tenant has rows
+// it would change and the map's route names another shard for that tenant. read
+// returns, on one shard, the tenants of the rows the action would change there.
+func (a *Admin) offRoute(ctx context.Context, what string, read func(ctx context.Context, s *Admin) ([]string, error)) error {
+	res, errs := fan(ctx, a, read)
+	if err := shardErrors(a.names(), errs); err != nil {
+		return err
+	}
+	for i, tenants := range res {
+		for _, tenant := range tenants {
+			r, err := a.cfg.Shards.Index(tenant)
+			if err != nil {
+				return err
+			}
+			if r != i {
+				on, want := a.shards[i].name, a.shards[r].name
+				return errorf(ErrOffRoute, "%s: tenant %q has rows it would change on shard %q, but the map routes the tenant to %q; nothing was changed. A tenant move left them there or is not finished: run it (again) with idem shard move-tenant --tenant %s --from %s --to %s, route the tenant to %s, then run this again",
+					what, tenant, on, want, quoteArg(tenant), on, want, want)
+			}
+		}
+	}
+	return nil
+}
+
+// quoteArg quotes s for a shell command line when it needs it.
+func quoteArg(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/@") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// tenantsOf runs a statement that returns the tenants of the rows an action would
+// change on one shard.
+func (a *Admin) tenantsOf(ctx context.Context, sql string, args ...any) ([]string, error) {
+	rows, err := a.db.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	return out, a.wrap(err)
+}
+
+// table is the quoted name of one of idem's tables in the Admin's schema.
+func (a *Admin) table(name string) string { return pgx.Identifier{a.cfg.Schema, name}.Sanitize() }

@@ -468,7 +468,7 @@ func (c *console) fail(w http.ResponseWriter, r *http.Request, err error) {
 	switch {
 	case errors.Is(err, admin.ErrNotFound):
 		status = http.StatusNotFound
-	case errors.Is(err, admin.ErrNotDead), errors.Is(err, admin.ErrGroupChanged):
+	case errors.Is(err, admin.ErrNotDead), errors.Is(err, admin.ErrGroupChanged), errors.Is(err, admin.ErrOffRoute):
 		status = http.StatusConflict
 	case errors.Is(err, admin.ErrWrongSource), errors.Is(err, admin.ErrNoteRequired):
 		status = http.StatusBadRequest

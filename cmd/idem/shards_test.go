@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +20,7 @@ import (
 
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/shard"
 )
 
 var (
@@ -258,8 +261,11 @@ func TestShardsCLI(t *testing.T) {
 
 // TestShardsCLIMoveTenant: idem shard move-tenant, built, on the 3 shard
 // clusters: the dry run's plan changes nothing, the move copies the tenant's keys
-// and hands its pending effects over, a second run copies nothing, and with the
-// route switched in the shards file inspect reads the key on the new shard.
+// and effects, hands its pending effects over and leaves no row of the tenant on
+// the old shard, a second run copies nothing, and with the route switched in the
+// shards file inspect reads the key on the new shard and idem effects requeue of
+// one dead key requeues 1. A dead row left on a shard the route does not name
+// makes the requeue exit with off_route, changing nothing.
 func TestShardsCLIMoveTenant(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
@@ -275,6 +281,10 @@ func TestShardsCLIMoveTenant(t *testing.T) {
 		SELECT 'orders', 'acme', 'k' || g, '\x00', 'completed', now() + interval '1 day', now() FROM generate_series(1, 3) g`)
 	require.NoError(t, err)
 	_, err = old.Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint) VALUES ('acme', 'email', 'e1', '\x00'), ('acme', 'email', 'e2', '\x00')`)
+	require.NoError(t, err)
+	deadHook := `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, last_error, error_code, dead_at)
+		VALUES ('acme', 'webhook', $1, '\x00', 'dead', 3, 'refused', 'provider', now())`
+	_, err = old.Pool.Exec(ctx, deadHook, "K")
 	require.NoError(t, err)
 	file := shardsFile{}
 	for i, s := range m.Shards {
@@ -293,15 +303,17 @@ func TestShardsCLIMoveTenant(t *testing.T) {
 	var res admin.MoveResult
 	require.NoError(t, json.Unmarshal([]byte(r.stdout), &res))
 	require.Equal(t, admin.MoveResult{Tenant: "acme", From: old.Name, To: to.Name, DryRun: true,
-		InboxKeys: map[string]int64{"completed": 3}, Effects: map[string]int64{"pending": 2}}, res)
+		InboxKeys: map[string]int64{"completed": 3}, Effects: map[string]int64{"pending": 2, "dead": 1}}, res)
 	require.Zero(t, pgtest.ShardCount(t, to, `SELECT count(*) FROM inbox`))
 
 	r = runBin(t, "shard", "move-tenant", "--shards", path, "--tenant", "acme", "--to", to.Name)
 	require.Equal(t, 0, r.code, r.stderr)
-	require.Contains(t, r.stdout, "copied 3 inbox keys and 2 effects (rows already there kept), handed over 2 pending effects")
+	require.Contains(t, r.stdout, "copied 3 inbox keys and 3 effects (rows already there kept), handed over 2 pending effects, deleted 3 inbox keys and 3 effects from "+old.Name)
 	require.Equal(t, 3, pgtest.ShardCount(t, to, `SELECT count(*) FROM inbox WHERE tenant = 'acme'`))
 	require.Equal(t, 2, pgtest.ShardCount(t, to, `SELECT count(*) FROM effects WHERE state = 'pending' AND next_attempt_at <= now()`))
+	require.Equal(t, 1, pgtest.ShardCount(t, to, `SELECT count(*) FROM effects WHERE state = 'dead'`))
 	require.Zero(t, pgtest.ShardCount(t, old, `SELECT count(*) FROM effects`))
+	require.Zero(t, pgtest.ShardCount(t, old, `SELECT count(*) FROM inbox`))
 	r = runBin(t, "shard", "move-tenant", "--shards", path, "--tenant", "acme", "--from", old.Name, "--to", to.Name, "--json")
 	require.Equal(t, 0, r.code, r.stderr)
 	res = admin.MoveResult{}
@@ -313,6 +325,60 @@ func TestShardsCLIMoveTenant(t *testing.T) {
 	r = runBin(t, "inspect", "--shards", path, "--consumer", "orders", "--tenant", "acme", "--key", "k2", "--json")
 	require.Equal(t, 0, r.code, r.stderr)
 	require.Contains(t, r.stdout, `"shard": "`+to.Name+`"`)
+	r = runBin(t, "effects", "requeue", "--shards", path, "--kind", "webhook", "--tenant", "acme", "--key", "K", "--json")
+	require.Equal(t, 0, r.code, r.stderr)
+	require.Contains(t, r.stdout, `"requeued": 1`)
+	require.Equal(t, 1, pgtest.ShardCount(t, to, `SELECT count(*) FROM effects WHERE key = 'K' AND state = 'pending'`))
+
+	// A dead copy on the old shard (a move not finished): refused, nothing changed.
+	for _, s := range []shard.Shard{old, to} {
+		_, err = s.Pool.Exec(ctx, deadHook, "K2")
+		require.NoError(t, err)
+	}
+	r = runBin(t, "effects", "requeue", "--shards", path, "--kind", "webhook", "--tenant", "acme", "--key", "K2", "--json")
+	require.NotEqual(t, 0, r.code)
+	require.Contains(t, r.stderr, `"code":"off_route"`)
+	require.Contains(t, r.stderr, "--from "+old.Name+" --to "+to.Name)
+	for _, s := range []shard.Shard{old, to} {
+		require.Equal(t, 1, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE key = 'K2' AND state = 'dead'`), s.Name)
+	}
 	r = runBin(t, "shard", "move-tenant", "--tenant", "acme", "--to", to.Name, "--database-url", urls[0])
 	require.Equal(t, exitUsage, r.code)
+}
+
+// TestShardsConsoleOffRoute: the console over a shard map answers a requeue of a
+// dead effect that is also on a shard its tenant's route does not name (a move not
+// finished) with 409 off_route, and changes neither shard.
+func TestShardsConsoleOffRoute(t *testing.T) {
+	t.Parallel()
+	m := pgtest.Shards(t)
+	ctx := context.Background()
+	routed, err := m.Pick("acme")
+	require.NoError(t, err)
+	other := m.Shards[0]
+	if other.Name == routed.Name {
+		other = m.Shards[1]
+	}
+	for _, s := range []shard.Shard{routed, other} {
+		_, err := s.Pool.Exec(ctx, `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, last_error)
+			VALUES ('acme', 'email', 'receipt:1', '\x00', 'dead', 25, 'boom')`)
+		require.NoError(t, err)
+	}
+	a, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	srv := httptest.NewUnstartedServer(nil)
+	h, err := newConsole(a, consoleConfig{Hosts: consoleHosts(srv.Listener.Addr(), "127.0.0.1")})
+	require.NoError(t, err)
+	srv.Config.Handler = h
+	srv.Start()
+	t.Cleanup(srv.Close)
+	var session sessionJSON
+	require.NoError(t, json.Unmarshal(call(t, srv, "GET", "/api/session", "", nil).body, &session))
+	r := call(t, srv, "POST", "/api/requeue", `{"tenant": "acme", "kind": "email", "key": "receipt:1"}`,
+		map[string]string{"Content-Type": "application/json", tokenHeader: session.Token, "Sec-Fetch-Site": "same-origin"})
+	require.Equal(t, http.StatusConflict, r.status, "%s", r.body)
+	require.Equal(t, "off_route", r.code(t))
+	for _, s := range []shard.Shard{routed, other} {
+		require.Equal(t, 1, pgtest.ShardCount(t, s, `SELECT count(*) FROM effects WHERE state = 'dead'`), s.Name)
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -49,7 +50,92 @@ func ShardURLs(tb testing.TB) []string {
 func Shards(tb testing.TB, opts ...Options) *shard.Map {
 	tb.Helper()
 	lockFile(tb, shardLock, syscall.LOCK_SH)
-	return shardMap(tb, opts)
+	return shardMap(tb, ShardURLs(tb), opts)
+}
+
+// ShardsAt is Shards over the clusters of urls (names s1, s2, ... in that order):
+// the shard clusters' and a test's own (OwnCluster), say.
+func ShardsAt(tb testing.TB, urls []string, opts ...Options) *shard.Map {
+	tb.Helper()
+	lockFile(tb, shardLock, syscall.LOCK_SH)
+	return shardMap(tb, urls, opts)
+}
+
+// OwnCluster is a Postgres cluster of one test's own, which it may crash while
+// other tests, of every package and every person on the machine, use the shard
+// clusters: scripts/services starts it as it starts a shard cluster, under a
+// fresh state directory (IDEM_SHARDS_DIR) and on a free port
+// (IDEM_SHARD_BASE_PORT), so its crash and start touch that cluster alone.
+type OwnCluster struct {
+	tb  testing.TB
+	env []string
+	// URL is the cluster's, user postgres, database postgres.
+	URL string
+}
+
+// StartOwnCluster starts a cluster of the test's own; when the test ends it is
+// stopped and its directory removed.
+func StartOwnCluster(tb testing.TB) *OwnCluster {
+	tb.Helper()
+	dir, err := os.MkdirTemp("", "idem-own-cluster-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	c := &OwnCluster{tb: tb}
+	tb.Cleanup(func() {
+		if c.env != nil {
+			if err := c.services("stop"); err != nil {
+				tb.Error(err)
+			}
+		}
+		_ = os.RemoveAll(dir)
+	})
+	// A port free now may be taken before the cluster listens: then another.
+	for try := 1; ; try++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			tb.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		_ = l.Close()
+		c.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
+		c.env = append(os.Environ(), "IDEM_SHARDS_DIR="+dir, fmt.Sprintf("IDEM_SHARD_BASE_PORT=%d", port-1))
+		err = c.services("start")
+		if err == nil {
+			return c
+		}
+		if try == 3 {
+			tb.Fatal(err)
+		}
+		tb.Logf("own cluster, try %d: %v", try, err)
+	}
+}
+
+// Crash stops the cluster with pg_ctl stop -m immediate, as a server crash.
+func (c *OwnCluster) Crash() {
+	c.tb.Helper()
+	if err := c.services("crash"); err != nil {
+		c.tb.Fatal(err)
+	}
+}
+
+// Start starts the cluster again and waits until it answers.
+func (c *OwnCluster) Start() {
+	c.tb.Helper()
+	if err := c.services("start"); err != nil {
+		c.tb.Fatal(err)
+	}
+}
+
+func (c *OwnCluster) services(cmd string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	run := exec.CommandContext(ctx, filepath.Join(moduleRoot(), "scripts", "services"), cmd, "shard1")
+	run.Env = c.env
+	if out, err := run.CombinedOutput(); err != nil {
+		return fmt.Errorf("scripts/services %s shard1 (a test's own cluster): %v\n%s", cmd, err, out)
+	}
+	return nil
 }
 
 // ShardCtl stops and starts the shard clusters of a CrashableShards test.
@@ -66,7 +152,7 @@ func CrashableShards(tb testing.TB, opts ...Options) (*shard.Map, *ShardCtl) {
 	ctl := &ShardCtl{tb: tb}
 	// Cleanups run last-in first-out: the clusters are up again before the
 	// schemas are dropped and the lock is released.
-	m := shardMap(tb, opts)
+	m := shardMap(tb, ShardURLs(tb), opts)
 	tb.Cleanup(func() {
 		for i := range m.Shards {
 			ctl.start(i, false)
@@ -160,13 +246,12 @@ func lockFile(tb testing.TB, name string, how int) {
 	tb.Cleanup(func() { _ = f.Close() }) // closing the file releases the lock
 }
 
-func shardMap(tb testing.TB, opts []Options) *shard.Map {
+func shardMap(tb testing.TB, urls []string, opts []Options) *shard.Map {
 	tb.Helper()
 	var o Options
 	if len(opts) > 0 {
 		o = opts[0]
 	}
-	urls := ShardURLs(tb)
 	schema := NewSchemaName()
 	m := &shard.Map{}
 	for i, url := range urls {

@@ -5,8 +5,10 @@
 // group or durable, emailed by two dispatcher processes to an SMTP receiver, while
 // a killer SIGKILLs a random worker about every half second and Postgres backends
 // are cut. The same run through Watermill's in-memory Deduplicator is the peer. One
-// more run (TestSIGKILLEndToEnd/shards) spreads 12 tenants over the shard clusters
-// of IDEM_SHARD_URLS, every worker serving every shard, and audits each shard.
+// more run (TestSIGKILLEndToEnd/shards) spreads 12 tenants over three shards (two
+// shard clusters of IDEM_SHARD_URLS and a cluster of its own, which it crashes
+// halfway through and starts again), every worker serving every shard, and audits
+// each shard.
 //
 // What it shows for idem, on every target: every payment committed exactly once
 // (lost 0, committed twice 0) and every receipt emailed, repeated only after a

@@ -64,15 +64,15 @@ func TestMain(m *testing.M) {
 // reads p["endpoint"] in p["mode"] (a payments.Mode), as the peer if p["peer"] is
 // "1", and counts its deliveries in the directory p["counts"]; both send their
 // emails to the SMTP server p["smtp"]. With p["shards"] (the shards' names,
-// comma-separated, in the order of the clusters in IDEM_SHARD_URLS) a worker
-// serves every shard; without, the database of DATABASE_URL.
+// comma-separated) and p["shard_urls"] (their clusters' URLs, in the same order) a
+// worker serves every shard; without, the database of DATABASE_URL.
 func runWorker(ctx context.Context, p childproc.Params) error {
 	schema := p["schema"]
 	var pool *pgxpool.Pool
 	var shards *shard.Map
 	if names := p["shards"]; names != "" {
 		var err error
-		if shards, err = openShards(ctx, strings.Split(names, ","), schema); err != nil {
+		if shards, err = openShards(ctx, strings.Split(names, ","), strings.Split(p["shard_urls"], ","), schema); err != nil {
 			return err
 		}
 		defer func() {
@@ -144,18 +144,12 @@ func runWorker(ctx context.Context, p childproc.Params) error {
 	return fmt.Errorf("unknown role %q", p["role"])
 }
 
-// openShards opens a worker's pools on the shard clusters of IDEM_SHARD_URLS, named
-// as the parent's map names them, each tagged with the run's ApplicationName so
-// that the parent's backend cuts reach them.
-func openShards(ctx context.Context, names []string, schema string) (*shard.Map, error) {
-	var urls []string
-	for _, u := range strings.Split(os.Getenv(pgtest.ShardURLsVar), ",") {
-		if u = strings.TrimSpace(u); u != "" {
-			urls = append(urls, u)
-		}
-	}
+// openShards opens a worker's pools on the clusters of urls, named as the parent's
+// map names them, each tagged with the run's ApplicationName so that the parent's
+// backend cuts reach them.
+func openShards(ctx context.Context, names, urls []string, schema string) (*shard.Map, error) {
 	if len(urls) != len(names) {
-		return nil, fmt.Errorf("%d shard names for %d URLs in %s", len(names), len(urls), pgtest.ShardURLsVar)
+		return nil, fmt.Errorf("%d shard names for %d URLs", len(names), len(urls))
 	}
 	m := &shard.Map{}
 	for i, url := range urls {
@@ -232,6 +226,20 @@ type run struct {
 	// keys committed together with others (inbox rows that share their
 	// transaction's received_at).
 	largestCommit, inBatches int
+	// outage is a sharded run's shard outage: per shard, its ledger rows when
+	// its cluster crashed and when it was started again, outageFor later.
+	outage    []shardOutage
+	outageFor time.Duration
+}
+
+// shardOutage is one shard's figures over a run's shard outage.
+type shardOutage struct {
+	name    string
+	crashed bool // this shard's cluster is the one that crashed
+	// before and after are its ledger rows when the cluster crashed and when it
+	// was started again; left is how many of its payments were not committed
+	// yet when it crashed.
+	before, after, left int
 }
 
 func (r run) summary() string {
@@ -295,7 +303,10 @@ func targets() []target {
 
 // runE2E runs one chaos run through tg, through idem in mode or (peer) the
 // Deduplicator. sharded spreads the payments over shardTenants tenants, and the
-// tenants over the shard clusters of IDEM_SHARD_URLS (idem only).
+// tenants over three shards (idem only): the first two shard clusters of
+// IDEM_SHARD_URLS and a cluster of the run's own, which it crashes (pg_ctl stop -m
+// immediate) halfway through and starts again once the other shards have
+// committed some (outageMin to outageMax later).
 func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed int64, sharded bool) run {
 	t.Helper()
 	broker := tg.broker
@@ -304,9 +315,15 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	var places []*place
 	var schema string
 	var shardMap *shard.Map
+	var own *pgtest.OwnCluster
+	var shardURLs []string
 	if sharded {
 		require.False(t, peer, "the peer runs on one database")
-		shardMap = pgtest.Shards(t, pgtest.Options{MaxConns: 3})
+		// The shared clusters are used by every package's tests at once: the
+		// shard that goes down is a cluster of this run's own.
+		own = pgtest.StartOwnCluster(t)
+		shardURLs = append(slices.Clone(pgtest.ShardURLs(t)[:2]), own.URL)
+		shardMap = pgtest.ShardsAt(t, shardURLs, pgtest.Options{MaxConns: 3})
 		schema = shardMap.Shards[0].SchemaName()
 		for _, s := range shardMap.Shards {
 			require.NoError(t, payments.CreateTables(ctx, s.Pool, schema))
@@ -425,6 +442,7 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 			"counts": countsDir, "mode": string(mode)}
 		if sharded {
 			params["shards"] = strings.Join(shardMap.Names(), ",")
+			params["shard_urls"] = strings.Join(shardURLs, ",")
 		}
 		return params
 	}
@@ -454,6 +472,12 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	defer auditTick.Stop()
 	var last figures
 	lastChange, lastLog := time.Now(), time.Now()
+	// The shard outage: the own cluster (the map's last shard) crashes once the
+	// first cut is done and half of the payments are committed, and starts again
+	// once the other shards have committed some while it was down.
+	ownAt := len(places) - 1
+	var outageStart time.Time
+	down := false
 loop:
 	for {
 		select {
@@ -490,6 +514,34 @@ loop:
 			}
 			killer.Reset(time.Duration(350+rng.IntN(300)) * time.Millisecond)
 		case <-auditTick.C:
+			if down {
+				if time.Since(outageStart) < outageMin {
+					continue
+				}
+				// What the other shards committed while it was down. It stays
+				// down until each of them with payments left has committed a few
+				// (a consumer's death, at a crash point or by the killer, holds
+				// the whole group up for a rebalance), outageMax at most; then it
+				// starts again, and its own figure is read.
+				waiting := false
+				for i, pl := range places {
+					if i != ownAt {
+						o := &r.outage[i]
+						o.after = ledgerOf(ctx, t, pl)
+						waiting = waiting || o.after-o.before < min(3, o.left)
+					}
+				}
+				if waiting && time.Since(outageStart) < outageMax {
+					continue
+				}
+				r.outageFor = time.Since(outageStart)
+				own.Start()
+				places[ownAt].pool.Reset() // its connections died with the server
+				r.outage[ownAt].after = ledgerOf(ctx, t, places[ownAt])
+				down = false
+				t.Logf("shard %s started again after %s", places[ownAt].name, time.Since(outageStart).Round(100*time.Millisecond))
+				continue
+			}
 			// Cheap figures first: the full audit reads every inbox and effect row,
 			// which at large N would slow the run it measures.
 			fig, err := placeFigures(ctx, places)
@@ -509,6 +561,20 @@ loop:
 					}
 				}
 				r.cuts++
+			}
+			if own != nil && outageStart.IsZero() && r.cuts == 1 && fig.ledger >= n/2 {
+				for i, pl := range places {
+					before := ledgerOf(ctx, t, pl)
+					keys := 0
+					for _, k := range pl.tenants {
+						keys += len(k)
+					}
+					r.outage = append(r.outage, shardOutage{name: pl.name, crashed: i == ownAt, before: before, left: keys - before})
+				}
+				own.Crash()
+				outageStart, down = time.Now(), true
+				t.Logf("shard %s crashed (pg_ctl stop -m immediate) at %d/%d ledger rows", places[ownAt].name, fig.ledger, n)
+				continue
 			}
 			if time.Since(lastLog) > 5*time.Second {
 				lastLog = time.Now()
@@ -650,6 +716,21 @@ func auditPlaces(ctx context.Context, places []*place, schema string, box *payme
 	return chaos.Sum(payments.Consumer, each...), each, nil
 }
 
+// A sharded run's own cluster stays down outageMin at least, and then until the
+// other shards have committed a few payments, outageMax at most.
+const (
+	outageMin = 3 * time.Second
+	outageMax = 30 * time.Second
+)
+
+// ledgerOf counts a database's ledger rows.
+func ledgerOf(ctx context.Context, t *testing.T, pl *place) int {
+	t.Helper()
+	var n int
+	require.NoError(t, pl.pool.QueryRow(ctx, `SELECT count(*) FROM ledger`).Scan(&n), "shard %s", pl.name)
+	return n
+}
+
 // placeFigures sums the cheap progress figures over a run's databases.
 func placeFigures(ctx context.Context, places []*place) (figures, error) {
 	var fig figures
@@ -745,6 +826,24 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 			require.Positive(t, rep.Messages, "shard %s got no payments", r.shardNames[i])
 			require.Equal(t, rep.Messages, rep.CommittedOnce, "shard %s", r.shardNames[i])
 		}
+		// The outage: the crashed shard's tenants waited, the others went on.
+		require.Len(t, r.outage, len(r.shards), "the shard outage did not happen")
+		working := 0
+		for _, o := range r.outage {
+			if o.crashed {
+				t.Logf("shard outage: shard %s, down %s: ledger rows %d when it crashed with %d of its payments left, %d read once it answered again (its tenants' backlog commits as soon as it does)",
+					o.name, r.outageFor.Round(100*time.Millisecond), o.before, o.left, o.after)
+				continue
+			}
+			t.Logf("shard outage: shard %s committed %d payments while the other was down (ledger rows %d when it crashed, %d when it was started again; %d of its payments were left)",
+				o.name, o.after-o.before, o.before, o.after, o.left)
+			if o.left == 0 {
+				continue
+			}
+			working++
+			require.Positive(t, o.after-o.before, "shard %s, with %d payments left, committed none while shard %s was down", o.name, o.left, r.outage[len(r.outage)-1].name)
+		}
+		require.Positive(t, working, "no other shard had payments left when the shard crashed")
 		require.Greater(t, r.largestCommit, 1, "no transaction committed more than one key")
 	})
 }
