@@ -135,7 +135,8 @@ var errNoKey = fmt.Errorf("%w: the message gave no key. The default Key is the m
 	"which is empty for a message from a producer that sets none (a Kafka record without the "+
 	"_watermill_message_uuid header, a NATS message without Nats-Msg-Id). "+
 	"Set Config.Key to a key the message carries: consumer.BusinessKey (from the payload), "+
-	"consumer.MetadataKey (from a header), or the record's position (kafka.PartitionOffsetKey); "+
+	"consumer.MetadataKey (from a header), or the record's position (kafka.PartitionOffsetKey; "+
+	"on NATS, consumer.MetadataKey(nats.MetadataStreamSeq)); "+
 	"and put a middleware.PoisonQueue outside idem's middleware, or the message is redelivered "+
 	"forever (on Kafka it holds its partition)", ErrEmptyKey)
 
