@@ -97,6 +97,7 @@ func labelMap(m *dto.Metric) map[string]string {
 // bytes.
 func TestRecordWithoutKeyHoldsItsPartitionVisibly(t *testing.T) {
 	t.Parallel()
+	require.Equal(t, consumer.MetadataErrorPermanent, kafka.MetadataErrorPermanent, "the middleware writes the key the adapter reads")
 	forEachBroker(t, func(t *testing.T, brokers []string) {
 		pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 4})
 		_, err := pool.Exec(context.Background(), `CREATE TABLE payments (id text PRIMARY KEY, body bytea NOT NULL)`)
