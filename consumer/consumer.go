@@ -291,7 +291,11 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 	req.claim.Retention = c.cfg.Retention
 
 	key, err := c.cfg.Key(msg)
-	if err == nil {
+	switch {
+	case err != nil:
+	case key == "":
+		err = errNoKey
+	default:
 		err = inbox.ValidateKey(key)
 	}
 	if err != nil {
@@ -711,7 +715,8 @@ func (c *Consumer) finish(req *request, o outcome) (err error) {
 	case outRejected:
 		code := failureCode(o.err)
 		c.metrics.failed.WithLabelValues(name, code, "false").Inc()
-		c.log.Error("idem: message rejected; it has no valid key (or, over a shard map, no tenant), so the failure cannot be recorded and the message is returned as an error (nacked, or poisoned by a PoisonQueue)",
+		c.log.Error("idem: message rejected; it has no valid key (or, over a shard map, no tenant), so the failure cannot be recorded and the message is returned as an error: "+
+			"a middleware.PoisonQueue outside idem's middleware poisons it, else it is nacked and redelivered forever (on Kafka it holds its partition); err says what to configure",
 			append(req.attrs(), "code", code, "err", o.err)...)
 		c.hook(req, Failure{Code: code, Error: o.err.Error()})
 		return o.err

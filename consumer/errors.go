@@ -24,6 +24,7 @@ var (
 	// payload fingerprint (inbox.ErrFingerprintMismatch).
 	ErrFingerprintMismatch = inbox.ErrFingerprintMismatch
 	// ErrEmptyKey is returned when a message gives no key (inbox.ErrEmptyKey).
+	// The middleware's error wraps it with what to configure (see errNoKey).
 	ErrEmptyKey = inbox.ErrEmptyKey
 	// ErrKeyTooLong is returned when a key is longer than inbox.MaxKeyLen bytes
 	// (inbox.ErrKeyTooLong).
@@ -156,6 +157,18 @@ var ErrNoTx = errcode.Transient("no_transaction", "no idem transaction in this c
 // AddMiddleware(poison, retry.Middleware, c.Middleware). See docs/consumers.md.
 var ErrMiddlewareOrder = errcode.Transient("middleware_order", "a middleware that calls the handler again or swallows its errors (Retry, PoisonQueue, IgnoreErrors, Duplicator) is inside idem's middleware; "+
 	"add it before idem, so idem is innermost: AddMiddleware(poison, retry.Middleware, c.Middleware); nacked, nothing committed")
+
+// errNoKey is the middleware's error for a message whose Key function gave the
+// empty key: it wraps ErrEmptyKey (code "empty_key", permanent) and says what to
+// configure. It is the one text of that mistake, whatever the broker.
+var errNoKey = fmt.Errorf("%w: the message gave no key. The default Key is the message UUID, "+
+	"which is empty for a message from a producer that sets none (a Kafka record without the "+
+	"_watermill_message_uuid header, a NATS message without Nats-Msg-Id). "+
+	"Set Config.Key to a key the message carries: consumer.BusinessKey (from the payload), "+
+	"consumer.MetadataKey (from a header), or the record's position (kafka.PartitionOffsetKey; "+
+	"on NATS, consumer.MetadataKey(nats.MetadataStreamSeq)); "+
+	"and put a middleware.PoisonQueue outside idem's middleware, or the message is redelivered "+
+	"forever (on Kafka it holds its partition)", ErrEmptyKey)
 
 // PermanentError marks a handler failure that retrying cannot fix: a validation
 // error, an undecodable payload, a business rule. The consumer rolls the work back,

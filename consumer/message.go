@@ -26,9 +26,17 @@ func NewMessage(payload []byte) *message.Message {
 // the Kafka adapter's kafka.MetadataErrorCode.
 const MetadataErrorCode = "idem_error_code"
 
-// markErrorCode sets MetadataErrorCode on msg when err is not nil. It runs in the
-// message's handler call, before the router sees the error, so whoever reads the
-// metadata after the nack sees it.
+// MetadataErrorPermanent is the metadata key under which the middleware leaves
+// "true", next to MetadataErrorCode, when the error it returns is permanent
+// (IsPermanent): retrying the message cannot succeed, so nacked it holds its
+// partition (Kafka) until a PoisonQueue takes it. The Kafka adapter reads it to
+// report the partition as held (kafka.MetadataErrorPermanent, the same key).
+const MetadataErrorPermanent = "idem_error_permanent"
+
+// markErrorCode sets MetadataErrorCode, and MetadataErrorPermanent for a
+// permanent error, on msg when err is not nil. It runs in the message's handler
+// call, before the router sees the error, so whoever reads the metadata after the
+// nack sees it.
 func markErrorCode(msg *message.Message, err error) {
 	if err == nil || msg == nil {
 		return
@@ -37,4 +45,9 @@ func markErrorCode(msg *message.Message, err error) {
 		msg.Metadata = message.Metadata{}
 	}
 	msg.Metadata.Set(MetadataErrorCode, cmp.Or(Code(err), "transient"))
+	if IsPermanent(err) {
+		msg.Metadata.Set(MetadataErrorPermanent, "true")
+	} else {
+		delete(msg.Metadata, MetadataErrorPermanent)
+	}
 }

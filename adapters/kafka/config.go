@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel/propagation"
 
@@ -286,6 +287,12 @@ type SubscriberConfig struct {
 
 	// Logger; nil means quiet.
 	Logger watermill.LoggerAdapter
+
+	// Registerer gets the Subscriber's metrics (MetricPartitionHeld and
+	// MetricPartitionHeldOffset): which partitions a record nacked with a
+	// permanent error holds, and at which offset. nil registers none. Several
+	// Subscribers may share one Registerer.
+	Registerer prometheus.Registerer
 
 	// Propagator reads the trace context of each received message from its
 	// headers (its metadata) into msg.Context(), so that the consumer's spans

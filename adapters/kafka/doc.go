@@ -1,6 +1,7 @@
 // Package kafka is a Watermill Publisher and Subscriber for Apache Kafka,
-// built on segmentio/kafka-go. It imports only Watermill and kafka-go and is
-// useful without the rest of idem.
+// built on segmentio/kafka-go. It imports Watermill, kafka-go, the Prometheus
+// client and OpenTelemetry's propagation API, none of idem's public packages,
+// and is useful without the rest of idem.
 //
 // # What it guarantees
 //
@@ -32,6 +33,12 @@
 //     handler side set one. Nothing past the record is committed until it is
 //     acked; with N = 1 the partition does not advance meanwhile either, with
 //     N > 1 records of other keys go on. Other partitions never wait for it.
+//     A nack with MetadataErrorPermanent (a permanent error: the record can
+//     never succeed) makes the record held: that first nack is logged at
+//     error level with what to configure (a PoisonQueue, or a key function
+//     for a record without a key), and the metrics on
+//     SubscriberConfig.Registerer show the partition held, at the record's
+//     offset, until it is acked.
 //   - When a rebalance revokes a partition, or the Subscriber closes, its
 //     delivery stops at once. An ack that arrives afterwards is ignored.
 //     The acked prefix is committed one last time; the records in flight,

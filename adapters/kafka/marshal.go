@@ -40,6 +40,16 @@ const (
 // is logged without a code.
 const MetadataErrorCode = "idem_error_code"
 
+// MetadataErrorPermanent is the metadata key the Subscriber reads, with
+// MetadataErrorCode, on a message after it is nacked: "true" says the error
+// was permanent, so the record can never succeed and holds its partition until
+// it is acked (by a PoisonQueue, say). The Subscriber then logs, at its first
+// such nack, an error line that says what to configure, and shows the
+// partition as held in its metrics (SubscriberConfig.Registerer). idem's
+// consumer middleware sets it on every message it returns a permanent error
+// for; any other handler or middleware may set it too.
+const MetadataErrorPermanent = "idem_error_permanent"
+
 // PartitionOffsetKey returns "topic/partition/offset" for a message received
 // by a Subscriber, or "" if the metadata is missing. It names one record of
 // the log for good, so it can serve as an inbox key for messages from

@@ -1,6 +1,7 @@
 package kafka
 
 import (
+	"cmp"
 	"container/heap"
 	"context"
 	"sync"
@@ -55,6 +56,10 @@ type entry struct {
 	// delivery. It lives as long as the entry: until the record is acked,
 	// or its partition revoked.
 	nacks int
+	// held: its latest nack was for a permanent error (MetadataErrorPermanent),
+	// with heldCode, so it holds the partition until it is acked.
+	held     bool
+	heldCode string
 	// msg is its latest delivery: the one in a handler while inHandler.
 	msg *message.Message
 }
@@ -96,8 +101,10 @@ const (
 type settlement struct {
 	e       *entry
 	outcome outcome
-	// code is what the handler side put in MetadataErrorCode before a nack.
-	code string
+	// code is what the handler side put in MetadataErrorCode before a nack,
+	// and permanent whether it set MetadataErrorPermanent.
+	code      string
+	permanent bool
 }
 
 // partitionRun delivers one partition's records for one generation (or one
@@ -122,6 +129,7 @@ type partitionRun struct {
 	maxUnack  int
 	windowCap int
 	onAck     func(partition int, next int64)
+	held      *heldGauge // the partition's held metrics
 
 	window   []*entry            // offset order, from the commit point on
 	byKey    map[string][]*entry // unacked records of each key, offset order
@@ -150,9 +158,12 @@ func (sub *subscription) consumePartition(ctx context.Context, partition int, of
 		maxUnack:  cfg.MaxInFlightPerPartition,
 		windowCap: windowPerInFlight * cfg.MaxInFlightPerPartition,
 		onAck:     onAck,
+		held:      sub.s.metrics.partition(cfg.GroupID, sub.topic, partition),
 		byKey:     map[string][]*entry{},
 		events:    make(chan settlement),
 	}
+	// Revoked or closed: the partition is no longer this process's to hold.
+	defer p.held.show(false, 0, "")
 	if offset >= 0 {
 		// Records before the start were committed: by this member, or by the
 		// partition's owners since this process last had it.
@@ -455,7 +466,8 @@ func (p *partitionRun) hearAcksGiven(ctx context.Context) {
 // nackOf is the settlement of a nacked delivery. The metadata is read only
 // after Nacked is closed, so the handler's writes to it happened before.
 func nackOf(c *candidate) settlement {
-	return settlement{e: c.e, outcome: nacked, code: c.msg.Metadata.Get(MetadataErrorCode)}
+	md := c.msg.Metadata
+	return settlement{e: c.e, outcome: nacked, code: md.Get(MetadataErrorCode), permanent: md.Get(MetadataErrorPermanent) == "true"}
 }
 
 // wait reports what the handler does with a delivery the run loop no longer
@@ -481,7 +493,10 @@ func (p *partitionRun) settle(ctx context.Context, s settlement) {
 		p.handling--
 		<-p.sub.slots
 		e.nacks++
-		pause := p.backOff(e, s.code)
+		newlyHeld := s.permanent && !e.held
+		e.held, e.heldCode = s.permanent, cmp.Or(s.code, "permanent")
+		p.showHeld()
+		pause := p.backOff(e, s.code, newlyHeld)
 		p.spawn(func() {
 			if sleep(ctx, pause) {
 				p.report(ctx, settlement{e: e, outcome: retry})
@@ -493,6 +508,10 @@ func (p *partitionRun) settle(ctx context.Context, s settlement) {
 		heap.Push(&p.retries, e)
 	case acked:
 		e.state = settled
+		if e.held {
+			e.held = false
+			p.showHeld()
+		}
 		p.unacked--
 		p.handling--
 		<-p.sub.slots
@@ -526,14 +545,37 @@ func nackPause(base, limit time.Duration, n int) time.Duration {
 	return min(d, limit)
 }
 
+// showHeld shows in the metrics the lowest record of the window that a
+// permanent error holds, or none.
+func (p *partitionRun) showHeld() {
+	for _, e := range p.window {
+		if e.held {
+			p.held.show(true, e.rec.Offset, e.heldCode)
+			return
+		}
+	}
+	p.held.show(false, 0, "")
+}
+
+// heldHint is the first log line of a record nacked with a permanent error:
+// what holds the partition, and what to configure.
+const heldHint = "Record nacked with a permanent error; it holds its partition until it is acked " +
+	"(nothing past it is committed, and with MaxInFlightPerPartition 1 nothing past it is delivered), " +
+	"and is delivered again every retry_in, up to NackBackoffMax. Configure a PoisonQueue outside idem's middleware " +
+	"(middleware.PoisonQueueWithFilter with consumer.IsPermanent), which acks it; for code empty_key " +
+	"(a record without a key, such as one without the " + UUIDHeader + " header) give the consumer a key function " +
+	"instead: consumer.BusinessKey, consumer.MetadataKey, or kafka.PartitionOffsetKey"
+
 // backOff returns the pause before e's next delivery, after its latest nack,
 // and logs it when it is a new step: once per record and pause, so a record
 // nacked for ever logs about log2(NackBackoffMax/NackBackoff)+1 lines, the
-// last at error level when the pause reaches NackBackoffMax.
-func (p *partitionRun) backOff(e *entry, code string) time.Duration {
+// last at error level when the pause reaches NackBackoffMax. The nack that
+// makes the record held (a permanent error) is logged at error level, with
+// what to configure (heldHint).
+func (p *partitionRun) backOff(e *entry, code string, newlyHeld bool) time.Duration {
 	cfg := p.sub.s.cfg
 	pause := nackPause(cfg.NackBackoff, cfg.NackBackoffMax, e.nacks)
-	if e.nacks > 1 && pause == nackPause(cfg.NackBackoff, cfg.NackBackoffMax, e.nacks-1) {
+	if !newlyHeld && e.nacks > 1 && pause == nackPause(cfg.NackBackoff, cfg.NackBackoffMax, e.nacks-1) {
 		return pause // the same step as before: logged already
 	}
 	fields := watermill.LogFields{
@@ -546,6 +588,9 @@ func (p *partitionRun) backOff(e *entry, code string) time.Duration {
 		fields["code"] = code
 	}
 	switch {
+	case newlyHeld:
+		fields["held"] = true
+		p.sub.logger.Error(heldHint, nil, fields)
 	case e.nacks == 1:
 		p.sub.logger.Debug("Record nacked; delivering it again after a pause", fields)
 	case pause < cfg.NackBackoffMax:

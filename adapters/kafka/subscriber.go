@@ -24,8 +24,9 @@ var ErrSubscriberClosed = errors.New("kafka: subscriber closed")
 // Subscriber delivers Kafka records as Watermill messages. See the package
 // documentation for what it guarantees.
 type Subscriber struct {
-	cfg    SubscriberConfig
-	logger watermill.LoggerAdapter
+	cfg     SubscriberConfig
+	logger  watermill.LoggerAdapter
+	metrics *metrics
 
 	mu      sync.Mutex
 	closed  bool
@@ -39,9 +40,14 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: register metrics: %w", err)
+	}
 	return &Subscriber{
 		cfg:     cfg,
 		logger:  cfg.Logger,
+		metrics: m,
 		closing: make(chan struct{}),
 	}, nil
 }

@@ -7,6 +7,8 @@
 //     every metric family the spec's Observability section names (a list in the
 //     test: the spec lives outside the repository) and the Metrics section of
 //     docs/observability.md names is among them, and that page names every one of them;
+//   - the Kafka adapter's Subscriber, subscribed to a topic on kfake, registers the
+//     idem_kafka_ families that page names, its held gauge at 0 for each partition;
 //   - docs/grafana/idem-dashboard.json decodes strictly into the Grafana Foundation
 //     SDK's dashboard types (unknown fields refused), and every PromQL expression in
 //     it names only metric families, labels and label values that those components
