@@ -2,13 +2,14 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"os"
 	"slices"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
 	"github.com/idemkit/idem/inbox"
@@ -45,10 +46,11 @@ shard alone, then spread by tenant (--tenants, the hash route) over every shard,
 side by side, with each shard's deliveries and Postgres CPU. It uses only the
 map's names and URLs: on each database it works in --bench-schema, never in the
 map's schema, and its tenants follow the hash, not the map's table.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	files: []string{"profile-dir"},
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o benchkit.Options
 		var setups, schema, kafkaBrokers string
-		fs.IntVar(&o.N, "n", 20000, "unique messages per setup")
+		fs.IntVarP(&o.N, "n", "n", 20000, "unique messages per setup")
 		fs.IntVar(&o.Concurrency, "concurrency", 16, "partitions handled at once (one message in flight each)")
 		fs.IntVar(&o.PayloadSize, "payload", 128, "payload size in bytes")
 		fs.Float64Var(&o.DupRate, "dup-rate", 0.1, "fraction of messages delivered twice")

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -17,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/chaos"
 	"github.com/idemkit/idem/cmd/idem/internal/payments"
@@ -51,9 +51,9 @@ It only drops a schema that it or idem bench created and marked; it refuses any
 other (public included), and a schema another demo or bench is using right now.
 Exit codes: 0 nothing lost and nothing committed twice, 1 otherwise (or the
 schema is in use), 2 bad usage (a schema it refuses), 3 no Postgres.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o demoOptions
-		fs.IntVar(&o.n, "n", 1000, "payments to publish")
+		fs.IntVarP(&o.n, "n", "n", 1000, "payments to publish")
 		fs.StringVar(&o.broker, "broker", payments.NATS, "nats (embedded JetStream) or kafka")
 		fs.StringVar(&o.kafkaBrokers, "kafka-brokers", os.Getenv("KAFKA_BROKERS"),
 			"with --broker kafka: Kafka brokers, comma-separated (default $KAFKA_BROKERS; empty: an in-process Kafka-protocol broker)")
