@@ -192,9 +192,9 @@ func (e *env) execute(ctx context.Context, c *command, fs *pflag.FlagSet, runIt 
 	return e.report(c.name, runIt(ctx, e, args))
 }
 
-// wantsJSON reports whether args ask for JSON anywhere (--json, -json,
-// --json=true, or any value strconv.ParseBool takes; the last one wins; a value
-// it refuses counts as asking), for errors found before, or instead of, parsing
+// wantsJSON reports whether args ask for JSON anywhere (--json, --json=true, or
+// any value strconv.ParseBool takes; the last one wins; a value it refuses counts
+// as asking; -json, which pflag refuses, counts too), for errors found before, or instead of, parsing
 // the flags, and where a flag took --json as its value ("--schema --json").
 func wantsJSON(args []string) bool {
 	want := false
@@ -207,7 +207,7 @@ func wantsJSON(args []string) bool {
 			want = true
 			continue
 		}
-		// A value the flag package refuses is an error to report, as JSON.
+		// A value pflag refuses is an error to report, as JSON.
 		b, err := strconv.ParseBool(value)
 		want = b || err != nil
 	}

@@ -23,10 +23,12 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/term"
 )
 
 // commands is the command table. A new command is one file with a command value
-// and one line here. It is filled in init: completion reads the table.
+// and one line here; commandTree makes the cobra commands of it. It is filled
+// in init: the groups' help reads the table.
 var commands []*command
 
 func init() {
@@ -57,7 +59,9 @@ func init() {
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	var terminal io.Reader
-	if stdinIsTerminal() {
+	// A person may be typing on stdin: a terminal (not /dev/null, a file or a
+	// pipe, which CI jobs and cron give).
+	if term.IsTerminal(int(os.Stdin.Fd())) {
 		terminal = os.Stdin
 	}
 	code := runOn(ctx, os.Args[1:], terminal, os.Stdout, os.Stderr)
@@ -296,17 +300,6 @@ func checkLeadingGlobals(args []string) error {
 		}
 	}
 	return nil
-}
-
-// stdinIsTerminal reports whether a person may be typing on stdin: a character
-// device other than /dev/null (which CI jobs and cron often give).
-func stdinIsTerminal() bool {
-	fi, err := os.Stdin.Stat()
-	if err != nil || fi.Mode()&os.ModeCharDevice == 0 {
-		return false
-	}
-	null, err := os.Stat(os.DevNull)
-	return err != nil || !os.SameFile(fi, null)
 }
 
 func isHelp(arg string) bool { return arg == "-h" || arg == "--help" }
