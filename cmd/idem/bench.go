@@ -2,13 +2,14 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"os"
 	"slices"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
 	"github.com/idemkit/idem/inbox"
@@ -45,10 +46,11 @@ shard alone, then spread by tenant (--tenants, the hash route) over every shard,
 side by side, with each shard's deliveries and Postgres CPU. It uses only the
 map's names and URLs: on each database it works in --bench-schema, never in the
 map's schema, and its tenants follow the hash, not the map's table.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	files: []string{"profile-dir"},
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o benchkit.Options
 		var setups, schema, kafkaBrokers string
-		fs.IntVar(&o.N, "n", 20000, "unique messages per setup")
+		fs.IntVarP(&o.N, "n", "n", 20000, "unique messages per setup")
 		fs.IntVar(&o.Concurrency, "concurrency", 16, "partitions handled at once (one message in flight each)")
 		fs.IntVar(&o.PayloadSize, "payload", 128, "payload size in bytes")
 		fs.Float64Var(&o.DupRate, "dup-rate", 0.1, "fraction of messages delivered twice")
@@ -167,7 +169,7 @@ func runBench(ctx context.Context, e *env, o benchkit.Options, setupList, schema
 
 	var results []benchkit.Result
 	for _, s := range setups {
-		bar := newProgressBar(e, string(s))
+		bar := newBenchProgress(e, string(s))
 		o.Progress = bar.update
 		res, err := benchkit.Run(ctx, s, o)
 		bar.done()
@@ -260,31 +262,25 @@ func roundDur(d time.Duration) string {
 
 func mib(b uint64) string { return fmt.Sprintf("%.0f MiB", float64(b)/(1<<20)) }
 
-// progressBar draws one line on stderr, at most five times a second (nothing
-// with --json).
-type progressBar struct {
-	e     *env
+// benchProgress shows a setup's deliveries so far, as bench runs it.
+type benchProgress struct {
+	p     *progress
 	name  string
 	start time.Time
-	last  time.Time
 }
 
-func newProgressBar(e *env, name string) *progressBar {
-	return &progressBar{e: e, name: name, start: time.Now()}
+func newBenchProgress(e *env, name string) *benchProgress {
+	return &benchProgress{p: e.progress(), name: name, start: time.Now()}
 }
 
-func (p *progressBar) update(done, total int) {
-	if time.Since(p.last) < 200*time.Millisecond || total == 0 {
+func (b *benchProgress) update(done, total int) {
+	if total == 0 {
 		return
 	}
-	p.last = time.Now()
-	const width = 30
 	frac := min(float64(done)/float64(total), 1)
-	n := int(frac * width)
-	fmt.Fprintf(p.e.notes(), "\r  %-12s [%s%s] %3.0f%% %d/%d %s ", p.name, strings.Repeat("#", n), strings.Repeat(" ", width-n),
-		frac*100, done, total, time.Since(p.start).Round(time.Second))
+	b.p.show(frac, fmt.Sprintf("%-12s %3.0f%% %d/%d %s", b.name, frac*100, done, total, time.Since(b.start).Round(time.Second)))
 }
 
-func (p *progressBar) done() {
-	fmt.Fprintf(p.e.notes(), "\r  %-12s done in %s%s\n", p.name, time.Since(p.start).Round(100*time.Millisecond), strings.Repeat(" ", 50))
+func (b *benchProgress) done() {
+	b.p.end(fmt.Sprintf("%-12s done in %s", b.name, time.Since(b.start).Round(100*time.Millisecond)))
 }

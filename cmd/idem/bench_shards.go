@@ -3,12 +3,12 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"slices"
 	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
 	"github.com/idemkit/idem/cmd/idem/internal/scratch"
@@ -23,7 +23,7 @@ type shardBenchFlags struct {
 	tenants int
 }
 
-func (f *shardBenchFlags) register(fs *flag.FlagSet) {
+func (f *shardBenchFlags) register(fs *pflag.FlagSet) {
 	fs.IntVar(&f.tenants, "tenants", 64, "with a shard map: tenants the messages are spread over")
 }
 

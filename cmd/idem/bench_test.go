@@ -88,6 +88,10 @@ func TestBench(t *testing.T) {
 		}
 	}
 	require.Contains(t, table.stderr, "idem bench: 50 messages per setup", "without --json, the notes and progress go to stderr")
+	// stderr is no terminal here (idem bench 2>log): plain progress lines, no
+	// bar frames.
+	require.NotContains(t, table.stderr, "\r")
+	require.Regexp(t, `(?m)^bare\s+done in `, table.stderr)
 
 	bad := runCLI(t, "bench", "--setups", "nope", "--database-url", pgtest.URL(), "--bench-schema", benchSchema)
 	require.Equal(t, exitUsage, bad.code)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,9 +14,11 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"cmp"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/inbox"
@@ -54,7 +55,13 @@ type command struct {
 	// example is shown by --help; every command has one.
 	example string
 	// setup declares the command's own flags on fs and returns its run function.
-	setup func(fs *flag.FlagSet) runFunc
+	setup func(fs *pflag.FlagSet) runFunc
+	// words are what its first positional argument completes to (migrate: up,
+	// down, list).
+	words []string
+	// files are its flags whose value is a path: they complete to file names
+	// (every other flag's value completes to nothing).
+	files []string
 	// offline: the command never connects (version, completion): --help leaves the
 	// connection flags out of its list.
 	offline bool
@@ -91,6 +98,9 @@ type env struct {
 	// pinned are the time flags given as an age (--since 1h), as absolute flags
 	// (--since 2026-11-25T09:00:00Z): a list's next page reads the same window.
 	pinned []string
+	// root is the command tree of this invocation (completion generates its
+	// scripts from it).
+	root *cobra.Command
 }
 
 // clockKey is the context key of the clock that a command's ages (--since 1h)
@@ -114,27 +124,22 @@ func usagef(format string, args ...any) error {
 	return &usageError{msg: fmt.Sprintf(format, args...)}
 }
 
-// globalFlags declares the flags every command takes on fs.
-func (e *env) globalFlags(fs *flag.FlagSet) {
-	fs.StringVar(&e.databaseURL, "database-url", "", "Postgres DSN")
-	fs.StringVar(&e.schema, "schema", "", "schema of the idem tables")
+// globalFlags declares the flags every command takes on fs (the root command's
+// persistent flags: before or after the command's name).
+func (e *env) globalFlags(fs *pflag.FlagSet) {
+	fs.StringVar(&e.databaseURL, "database-url", "", "Postgres DSN (default $DATABASE_URL, else the PG* variables, else "+defaultDatabaseURL+")")
+	fs.StringVar(&e.schema, "schema", "", "schema of the idem tables (default $IDEM_SCHEMA, else "+inbox.DefaultSchema+")")
 	fs.BoolVar(&e.json, "json", false, "JSON output for scripts (errors too, on stderr)")
 	fs.Var(&e.shardFlags, "shard", "a shard of a shard map (schema default idem); repeat it for each shard, in place of --database-url and --schema")
-	fs.StringVar(&e.shardsPath, "shards", "", "JSON file of the shard map: {\"shards\": [{\"name\", \"url\", \"schema\"}, ...], \"table\": {tenant: shard}}")
+	fs.StringVar(&e.shardsPath, "shards", "", "JSON file of the shard map: {\"shards\": [{\"name\", \"url\", \"schema\"}, ...], \"table\": {tenant: shard}} (default $IDEM_SHARDS)")
 }
 
 var globalFlagNames = map[string]bool{"database-url": true, "schema": true, "json": true, "shard": true, "shards": true}
 
 // resolve fills in what the global flags leave unset, from the environment.
-func (e *env) resolve(fs *flag.FlagSet) {
-	fs.Visit(func(f *flag.Flag) {
-		if f.Name == "schema" {
-			e.schemaGiven = true
-		}
-		if f.Name == "database-url" {
-			e.databaseGiven = true
-		}
-	})
+func (e *env) resolve(fs *pflag.FlagSet) {
+	e.schemaGiven = flagGiven(fs, "schema")
+	e.databaseGiven = flagGiven(fs, "database-url")
 	if !e.schemaGiven {
 		e.schema = cmp.Or(os.Getenv("IDEM_SCHEMA"), inbox.DefaultSchema)
 	}
@@ -167,31 +172,16 @@ func (e *env) redactDSN() string {
 	return ""
 }
 
-func (c *command) execute(ctx context.Context, args []string, terminal io.Reader, stdout, stderr io.Writer) int {
-	e := &env{stdout: stdout, stderr: stderr, terminal: terminal}
-	fs := flag.NewFlagSet("idem "+c.name, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	e.globalFlags(fs)
-	runIt := c.setup(fs)
-
-	positional, err := parseInterleaved(fs, args)
-	if errors.Is(err, flag.ErrHelp) {
-		c.printHelp(stdout, fs)
-		return exitOK
-	}
-	// --json anywhere on the line, even where the flag package took it as
-	// another flag's value ("--schema --json"), makes errors JSON.
-	e.json = e.json || wantsJSON(args)
-	if err != nil {
-		return e.report(c, usagef("%v", err))
-	}
+// execute runs c once cobra has parsed its flags (fs, the global ones merged in)
+// and returns the exit code.
+func (e *env) execute(ctx context.Context, c *command, fs *pflag.FlagSet, runIt runFunc, args []string) int {
 	e.resolve(fs)
 	e.pinned = resolveAges(fs, nowOf(ctx))
 	if err := e.resolveShards(); err != nil {
-		return e.report(c, err)
+		return e.report(c.name, err)
 	}
 	if err := inbox.ValidateSchema(e.schema); err != nil {
-		return e.report(c, usagef("--schema %q is not a plain lower-case identifier (letters, digits, _; at most 63)", e.schema))
+		return e.report(c.name, usagef("--schema %q is not a plain lower-case identifier (letters, digits, _; at most 63)", e.schema))
 	}
 	defer func() {
 		if e.pool != nil {
@@ -199,13 +189,13 @@ func (c *command) execute(ctx context.Context, args []string, terminal io.Reader
 		}
 		e.closeShards(e.shards)
 	}()
-	return e.report(c, runIt(ctx, e, positional))
+	return e.report(c.name, runIt(ctx, e, args))
 }
 
-// wantsJSON reports whether args ask for JSON anywhere (--json, -json,
-// --json=true, or any value strconv.ParseBool takes, as the flag package does;
-// the last one wins; a value it refuses counts as asking), for errors found
-// before, or instead of, parsing the flags.
+// wantsJSON reports whether args ask for JSON anywhere (--json, --json=true, or
+// any value strconv.ParseBool takes; the last one wins; a value it refuses counts
+// as asking; -json, which pflag refuses, counts too), for errors found before, or instead of, parsing
+// the flags, and where a flag took --json as its value ("--schema --json").
 func wantsJSON(args []string) bool {
 	want := false
 	for _, a := range args {
@@ -217,76 +207,11 @@ func wantsJSON(args []string) bool {
 			want = true
 			continue
 		}
-		// A value the flag package refuses is an error to report, as JSON.
+		// A value pflag refuses is an error to report, as JSON.
 		b, err := strconv.ParseBool(value)
 		want = b || err != nil
 	}
 	return want
-}
-
-// parseInterleaved parses flags that come before, between or after positional
-// arguments ("idem migrate up --json"), which the flag package alone stops at.
-func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
-	var positional []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, err
-		}
-		if fs.NArg() == 0 {
-			return positional, nil
-		}
-		positional = append(positional, fs.Arg(0))
-		args = fs.Args()[1:]
-	}
-}
-
-func (c *command) printHelp(w io.Writer, fs *flag.FlagSet) {
-	fmt.Fprintf(w, "%s\n\nUsage:\n  idem %s %s\n\nFlags:\n", c.summary, c.name, c.args)
-	line := func(f *flag.Flag) {
-		name, usage := flagKind(f)
-		l := "  --" + f.Name
-		if name != "" {
-			l += " " + name
-		}
-		def := f.DefValue
-		switch f.Name {
-		case "database-url":
-			def = "$DATABASE_URL, else the PG* variables, else " + defaultDatabaseURL
-		case "schema":
-			def = "$IDEM_SCHEMA, else " + inbox.DefaultSchema
-		case "shards":
-			def = "$IDEM_SHARDS"
-		}
-		if def != "" && def != "false" && def != "0" && def != "0s" {
-			usage += " (default " + def + ")"
-		}
-		fmt.Fprintf(w, "%-30s %s\n", l, usage)
-	}
-	own := 0
-	fs.VisitAll(func(f *flag.Flag) {
-		if !globalFlagNames[f.Name] {
-			line(f)
-			own++
-		}
-	})
-	if own == 0 {
-		fmt.Fprintln(w, "  (none of its own)")
-	}
-	fmt.Fprintln(w, "\nGlobal flags (before or after the command):")
-	fs.VisitAll(func(f *flag.Flag) {
-		if globalFlagNames[f.Name] && (!c.offline || f.Name == "json") {
-			line(f)
-		}
-	})
-	fmt.Fprintf(w, "\nExample:\n%s\n", indent(strings.TrimSpace(c.example)))
-}
-
-func indent(s string) string {
-	lines := strings.Split(s, "\n")
-	for i, l := range lines {
-		lines[i] = "  " + l
-	}
-	return strings.Join(lines, "\n")
 }
 
 func subcommandsOf(word string) []string {
@@ -570,7 +495,7 @@ func noArgs(args []string) error {
 
 // pageFlags declares the --limit (at most limit of what by default) and --after
 // flags of a command that lists a page at a time.
-func pageFlags(fs *flag.FlagSet, p *admin.Page, limit int, what string) {
+func pageFlags(fs *pflag.FlagSet, p *admin.Page, limit int, what string) {
 	fs.IntVar(&p.Limit, "limit", limit, "at most this many "+what)
 	fs.StringVar(&p.After, "after", "", "the cursor of the page to show, from the previous page")
 }

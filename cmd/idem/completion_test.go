@@ -40,6 +40,24 @@ func writeScript(t *testing.T, shell string) string {
 	return path
 }
 
+// completionEnv is the environment a shell runs a completion script in: the
+// scripts ask the idem binary what to offer (idem __complete <words>), so a
+// freshly built one is first on PATH.
+func completionEnv(t *testing.T) []string {
+	t.Helper()
+	bin := buildIdem(t)
+	return append(os.Environ(), "PATH="+filepath.Dir(bin)+string(os.PathListSeparator)+os.Getenv("PATH"))
+}
+
+// bashCompletion stands in for what bash and the bash-completion package give a
+// completion function on Tab: _get_comp_words_by_ref (from the package) reads
+// COMP_WORDS and COMP_CWORD, and compopt (a builtin that works only inside
+// completion) does nothing.
+const bashCompletion = `_get_comp_words_by_ref() { cur="${COMP_WORDS[COMP_CWORD]}"; prev="${COMP_WORDS[COMP_CWORD-1]}"; words=("${COMP_WORDS[@]}"); cword=$COMP_CWORD; }
+compopt() { :; }
+COMP_TYPE=9
+`
+
 func checkOffered(t *testing.T, shell string, words []string, got string, want, not []string) {
 	t.Helper()
 	offered := strings.Fields(got)
@@ -58,42 +76,50 @@ func TestCompletionBash(t *testing.T) {
 	bash, err := exec.LookPath("bash")
 	require.NoError(t, err, "bash is needed to test the bash completion")
 	script := writeScript(t, "bash")
+	env := completionEnv(t)
 	for _, c := range completionCases {
 		words := append([]string{"idem"}, c.words...)
 		var quoted []string
 		for _, w := range words {
 			quoted = append(quoted, shellQuote(w))
 		}
-		prog := `source ` + shellQuote(script) + `
+		prog := bashCompletion + `source ` + shellQuote(script) + `
 COMP_WORDS=(` + strings.Join(quoted, " ") + `)
 COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 ))
 COMPREPLY=()
-_idem
+__start_idem
 echo "${COMPREPLY[*]}"`
-		out, err := exec.Command(bash, "--norc", "--noprofile", "-c", prog).CombinedOutput()
+		cmd := exec.Command(bash, "--norc", "--noprofile", "-c", prog)
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
 		require.NoError(t, err, "%s", out)
 		checkOffered(t, "bash", c.words, string(out), c.want, c.not)
 	}
 	// After a flag that takes a value, nothing is offered.
-	out, err := exec.Command(bash, "--norc", "-c", `source `+shellQuote(script)+`
-COMP_WORDS=(idem effects list --kind ""); COMP_CWORD=4; COMPREPLY=(); _idem; echo "n=${#COMPREPLY[@]}"`).CombinedOutput()
+	cmd := exec.Command(bash, "--norc", "-c", bashCompletion+`source `+shellQuote(script)+`
+COMP_WORDS=(idem effects list --kind ""); COMP_CWORD=4; COMPREPLY=(); __start_idem; echo "n=${#COMPREPLY[@]}"`)
+	cmd.Env = env
+	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	require.Equal(t, "n=0\n", string(out))
-	require.Contains(t, string(mustRead(t, script)), "complete -F _idem idem")
+	require.Contains(t, string(mustRead(t, script)), "-F __start_idem idem")
 }
 
 // zsh and fish run their scripts the same way when they are installed (Debian:
 // apt-get install -y zsh fish); without them the scripts' text is checked.
 func TestCompletionZshAndFish(t *testing.T) {
 	t.Parallel()
+	env := completionEnv(t)
 	for _, shell := range []string{"zsh", "fish"} {
 		script := writeScript(t, shell)
-		text := string(mustRead(t, script))
-		require.Contains(t, text, "requeue")
-		require.Contains(t, text, "all-dead")
+		// The script asks the binary what to offer: what it gets is checked here,
+		// with the shell or without it.
+		require.Contains(t, string(mustRead(t, script)), "__complete")
+		require.Contains(t, runCLI(t, "__complete", "effects", "").ok(t).stdout, "requeue")
+		require.Contains(t, runCLI(t, "__complete", "effects", "requeue", "--").ok(t).stdout, "all-dead")
 		path, err := exec.LookPath(shell)
 		if err != nil {
-			t.Logf("%s is not installed: checked the %s script's text only (apt-get install -y %s runs it)", shell, shell, shell)
+			t.Logf("%s is not installed: checked that the %s script asks idem __complete, and its answers, only (apt-get install -y %s runs it)", shell, shell, shell)
 			continue
 		}
 		for _, c := range completionCases {
@@ -107,15 +133,25 @@ func TestCompletionZshAndFish(t *testing.T) {
 				for _, w := range append([]string{"idem"}, c.words...) {
 					quoted = append(quoted, shellQuote(w))
 				}
+				// _describe is ours too: it prints the names of the array it
+				// is given ("name:description"), and compdef and _arguments
+				// do nothing.
 				prog := `compadd() { [[ $1 == -- ]] && shift; local w; for w in "$@"; do [[ $w == "${words[CURRENT]}"* ]] && print -r -- "$w"; done; return 0; }
+_describe() { while [[ $1 == -* ]]; do shift; done; local c; for c in "${(@P)2}"; do print -r -- "${c%%:*}"; done; return 0; }
+_arguments() { return 1; }
+compdef() { :; }
 source ` + shellQuote(script) + `
 words=(` + strings.Join(quoted, " ") + `)
 CURRENT=${#words}
 _idem`
-				out, err = exec.Command(path, "-f", "-c", prog).CombinedOutput()
+				cmd := exec.Command(path, "-f", "-c", prog)
+				cmd.Env = env
+				out, err = cmd.CombinedOutput()
 			case "fish":
 				line := "idem " + strings.Join(c.words, " ")
-				out, err = exec.Command(path, "--no-config", "-c", "source "+shellQuote(script)+"; complete -C "+shellQuote(line)).CombinedOutput()
+				cmd := exec.Command(path, "--no-config", "-c", "source "+shellQuote(script)+"; complete -C "+shellQuote(line))
+				cmd.Env = env
+				out, err = cmd.CombinedOutput()
 			}
 			require.NoError(t, err, "%s: %s", shell, out)
 			var first []string

@@ -10,7 +10,6 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"io/fs"
@@ -22,6 +21,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/httpidem"
@@ -56,7 +57,7 @@ proxy in front. --read-only hides the requeue, retry, discard and release
 buttons and refuses those requests on the server. Each of them needs the
 page's token and a same-origin request (CSRF protection), and is logged on
 stderr; a failure group's action is also stored with its note.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o consoleOptions
 		fs.StringVar(&o.addr, "addr", defaultConsoleAddr, "address to listen on")
 		fs.BoolVar(&o.readOnly, "read-only", false, "show, but never change anything: no requeue, retry, discard or release")
@@ -89,6 +90,9 @@ type consoleOptions struct {
 type hostList []string
 
 func (l *hostList) String() string { return strings.Join(*l, ",") }
+
+// Type names the value in --help.
+func (l *hostList) Type() string { return "name" }
 
 func (l *hostList) Set(s string) error {
 	for name := range strings.SplitSeq(s, ",") {

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/spf13/pflag"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/internal/pgtest"
@@ -208,7 +208,7 @@ func TestPGEnvironmentAndIdemSchema(t *testing.T) {
 	t.Setenv("PGPORT", strconv.Itoa(int(cfg.Port)))
 	t.Setenv("PGPASSWORD", cfg.Password)
 	e := &env{}
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs := pflag.NewFlagSet("demo", pflag.ContinueOnError)
 	e.globalFlags(fs)
 	require.NoError(t, fs.Parse(nil))
 	e.resolve(fs)

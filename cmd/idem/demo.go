@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -17,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/chaos"
 	"github.com/idemkit/idem/cmd/idem/internal/payments"
@@ -51,9 +51,9 @@ It only drops a schema that it or idem bench created and marked; it refuses any
 other (public included), and a schema another demo or bench is using right now.
 Exit codes: 0 nothing lost and nothing committed twice, 1 otherwise (or the
 schema is in use), 2 bad usage (a schema it refuses), 3 no Postgres.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o demoOptions
-		fs.IntVar(&o.n, "n", 1000, "payments to publish")
+		fs.IntVarP(&o.n, "n", "n", 1000, "payments to publish")
 		fs.StringVar(&o.broker, "broker", payments.NATS, "nats (embedded JetStream) or kafka")
 		fs.StringVar(&o.kafkaBrokers, "kafka-brokers", os.Getenv("KAFKA_BROKERS"),
 			"with --broker kafka: Kafka brokers, comma-separated (default $KAFKA_BROKERS; empty: an in-process Kafka-protocol broker)")
@@ -193,6 +193,10 @@ type demoRun struct {
 	sessionNote string // when a Kafka broker refuses 1 s sessions
 
 	deliveries, suppressed, restarts, cuts, producerDups atomic.Int64
+
+	// bar shows the run's progress; only the watch goroutine draws on it until
+	// the run has stopped.
+	bar *progress
 }
 
 // say writes a line of notes (stderr).
@@ -315,6 +319,7 @@ func (d *demoRun) run(ctx context.Context) (chaos.Report, time.Duration, error) 
 		wg.Go(func() { fail(disp.Run(runCtx)) })
 	}
 	wg.Go(func() { d.restartAtRandom(runCtx, stops) })
+	d.bar = d.e.progress()
 	watched := d.watch(runCtx, start)
 	keys, err := d.produce(runCtx)
 	fail(err)
@@ -328,9 +333,10 @@ func (d *demoRun) run(ctx context.Context) (chaos.Report, time.Duration, error) 
 	<-watched
 	var rows int
 	if err := d.db.QueryRow(ctx, payments.LedgerRowsSQL(d.schema)).Scan(&rows); err == nil {
-		d.progress(rows, start) // the final state
+		d.bar.end(d.state(rows, start)) // the final state
+	} else {
+		d.bar.end("")
 	}
-	fmt.Fprintln(d.e.notes())
 	if p := runErr.Load(); p != nil {
 		return chaos.Report{}, 0, *p
 	}
@@ -432,7 +438,7 @@ func (d *demoRun) watch(ctx context.Context, start time.Time) <-chan struct{} {
 					d.cuts.Add(1)
 				}
 			}
-			d.progress(rows, start)
+			d.bar.show(float64(rows)/float64(max(d.o.n, 1)), d.state(rows, start))
 		}
 	}()
 	return done
@@ -467,13 +473,11 @@ func (d *demoRun) produce(ctx context.Context) ([]string, error) {
 	return keys, err
 }
 
-// progress draws the bar on stderr (not with --json).
-func (d *demoRun) progress(committed int, start time.Time) {
-	const width = 30
-	done := min(width, committed*width/max(d.o.n, 1))
-	fmt.Fprintf(d.e.notes(), "\r[%s%s] %d/%d committed, %d emails, %d restarts, %d cuts, %s ",
-		strings.Repeat("#", done), strings.Repeat(".", width-done), committed, d.o.n, d.box.Total(), d.restarts.Load(), d.cuts.Load(),
-		time.Since(start).Round(100*time.Millisecond))
+// state is the progress line: payments committed, emails sent, restarts and
+// cuts so far.
+func (d *demoRun) state(committed int, start time.Time) string {
+	return fmt.Sprintf("%d/%d committed, %d emails, %d restarts, %d cuts, %s",
+		committed, d.o.n, d.box.Total(), d.restarts.Load(), d.cuts.Load(), time.Since(start).Round(100*time.Millisecond))
 }
 
 // report prints the run's summary and the auditor's table, or the JSON with

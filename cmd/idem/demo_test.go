@@ -21,6 +21,13 @@ func TestDemo(t *testing.T) {
 		require.Contains(t, squeeze(r.stdout), squeeze(want), r.stdout)
 	}
 	require.Contains(t, r.stderr, "embedded NATS JetStream")
+	// stderr is no terminal here (idem demo 2>log): plain progress lines, the
+	// last one the final state, and no bar frames.
+	require.NotContains(t, r.stderr, "\r")
+	require.Regexp(t, `(?m)^200/200 committed, \d+ emails, \d+ restarts, \d+ cuts, `, r.stderr)
+	for _, l := range strings.Split(r.stderr, "\n") {
+		require.LessOrEqual(t, len(l), 200, "%q", l)
+	}
 }
 
 // The demo through Kafka: always on the in-process kfake broker, and also on the

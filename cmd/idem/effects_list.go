@@ -2,9 +2,10 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"slices"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 )
@@ -25,7 +26,7 @@ as, so that the next page reads the same window (with --json, on stderr, as
 {"next_after": CURSOR, "next_args": [...], ...}).
 --since and --until take a time (2026-11-21T23:02:11Z), a date (2026-11-21) or
 an age (90m, 7d: that long ago), and filter on when the effect was created.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o effectsListOptions
 		fs.StringVar(&o.state, "state", "dead", "dead, pending, done or all")
 		fs.BoolVar(&o.f.Stuck, "stuck", false, "only pending effects that look stuck: in flight, due for a minute without a claim, or 3+ attempts")

@@ -2,9 +2,10 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"strings"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/effects"
@@ -20,7 +21,7 @@ idem effects requeue --kind email --all-dead --json
 
 Without --tenant, --key takes that key's dead effect in every tenant (two
 tenants' receipt:pay_789 are two effects); --tenant '' is the unscoped one alone.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o requeueOptions
 		fs.StringVar(&o.kind, "kind", "", "effect kind (required)")
 		fs.StringVar(&o.key, "key", "", "one effect key")

@@ -129,7 +129,7 @@ func classify(err error) (exit int, code string) {
 // report prints err (nothing when nil) as text or JSON on stderr and returns the
 // exit code. The password of the DSN is masked in whatever is printed: no message
 // of ours quotes it, but a driver's or a server's might.
-func (e *env) report(c *command, err error) int {
+func (e *env) report(name string, err error) int {
 	if err == nil {
 		return exitOK
 	}
@@ -137,7 +137,7 @@ func (e *env) report(c *command, err error) int {
 	msg := e.redactAll(err.Error())
 	hint := e.redactAll(explain(err, e))
 	if exit == exitUsage && code == codeUsage {
-		hint = fmt.Sprintf("Run 'idem %s --help' for usage and an example.", c.name)
+		hint = fmt.Sprintf("Run 'idem %s --help' for usage and an example.", name)
 	}
 	if e.json {
 		out := errorJSON{Code: code, Message: msg, Hint: hint, ExitCode: exit}
@@ -148,7 +148,7 @@ func (e *env) report(c *command, err error) int {
 		e.printErrorJSON(out)
 		return exit
 	}
-	fmt.Fprintf(e.stderr, "idem %s: %s\n", c.name, msg)
+	fmt.Fprintf(e.stderr, "idem %s: %s\n", name, msg)
 	if hint != "" {
 		fmt.Fprintln(e.stderr, hint)
 	}

@@ -3,10 +3,11 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 )
@@ -28,7 +29,7 @@ groups of one error code (exact match, as the CODE column shows it). Act on a gr
 the failures in that time (a time, a date, or an age such as 90m or 7d). Over a
 shard map a group is one row, its shards' failures summed; SHARD names the
 shards that hold it, and 'idem failures show ID' shows each one's part.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o failuresListOptions
 		fs.StringVar(&o.f.Source, "source", "", "inbox (failed keys) or effects (dead effects); default both")
 		fs.StringVar(&o.f.Consumer, "consumer", "", "only this consumer's inbox groups")
@@ -85,7 +86,7 @@ var failuresShowCmd = &command{
 	summary: "Show one failure group: counts, sample keys, an example error, attempts, and the actions taken",
 	example: `idem failures show e-3fa2c0d1e2f3a4b5
 idem failures show i-0c1d2e3f4a5b6c7d --json`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var seen admin.TimeRange
 		timeVar(fs, &seen.Since, "since", "count only failures at or after this time")
 		timeVar(fs, &seen.Until, "until", "count only failures before this time")
@@ -222,7 +223,7 @@ confirmation_required and the plan in the error object. --dry-run shows the
 plan and changes nothing. --note (why) and --by (who) are stored with the
 action: 'idem failures show ID' lists them. Repeating an action changes
 nothing more.`,
-		setup: func(fs *flag.FlagSet) runFunc {
+		setup: func(fs *pflag.FlagSet) runFunc {
 			var o failureActionOptions
 			fs.StringVar(&o.act.Note.Why, "note", "", "why, stored with the action: a ticket, a sentence (required unless --dry-run)")
 			fs.StringVar(&o.act.Note.Who, "by", defaultWho(), "who, stored with the action")

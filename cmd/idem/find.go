@@ -2,8 +2,9 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 )
@@ -17,7 +18,7 @@ idem find --key receipt:pay_789 --tenant acme --json
 
 It probes the primary keys once per (consumer, tenant) and (tenant, kind) pair,
 so it does not scan the tables; it shows at most 100 rows of each.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var key, kind string
 		var tenant optString
 		fs.StringVar(&key, "key", "", "the key: an idempotency key or an effect key (required)")

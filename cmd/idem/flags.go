@@ -2,12 +2,13 @@ package main
 
 import (
 	"errors"
-	"flag"
 	"fmt"
 	"math"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/spf13/pflag"
 )
 
 // errBadDuration says what a duration looks like.
@@ -67,7 +68,7 @@ func formatDuration(d time.Duration) string {
 	return d.String()
 }
 
-// durationValue is a flag.Value for a duration that may be in days.
+// durationValue is a pflag.Value for a duration that may be in days.
 type durationValue struct{ d *time.Duration }
 
 func (v durationValue) String() string {
@@ -76,6 +77,9 @@ func (v durationValue) String() string {
 	}
 	return formatDuration(*v.d)
 }
+
+// Type names the value in --help.
+func (v durationValue) Type() string { return "duration" }
 
 func (v durationValue) Set(s string) error {
 	d, err := parseDuration(s)
@@ -87,12 +91,12 @@ func (v durationValue) Set(s string) error {
 }
 
 // durationVar declares a duration flag that takes days too.
-func durationVar(fs *flag.FlagSet, p *time.Duration, name string, def time.Duration, usage string) {
+func durationVar(fs *pflag.FlagSet, p *time.Duration, name string, def time.Duration, usage string) {
 	*p = def
 	fs.Var(durationValue{p}, name, usage)
 }
 
-// timeValue is a flag.Value for a point in time: RFC 3339 (2026-11-21T23:02:11Z), a
+// timeValue is a pflag.Value for a point in time: RFC 3339 (2026-11-21T23:02:11Z), a
 // date (2026-11-21, midnight UTC), or a duration meaning that long ago (7d, 90m).
 // An age is kept as given until resolve turns it into a time.
 type timeValue struct {
@@ -108,6 +112,9 @@ func (v *timeValue) String() string {
 	}
 	return v.t.UTC().Format(time.RFC3339Nano)
 }
+
+// Type names the value in --help.
+func (v *timeValue) Type() string { return "time" }
 
 func (v *timeValue) Set(s string) error {
 	v.isAge = false
@@ -142,9 +149,9 @@ func (v *timeValue) resolve(now time.Time) bool {
 // (--since 1h --until 30m: the same now) and returns them as absolute flags,
 // ["--since", "2026-11-25T09:00:00Z", ...], for a list's next page: the age read
 // again by a later run would be another window.
-func resolveAges(fs *flag.FlagSet, now time.Time) []string {
+func resolveAges(fs *pflag.FlagSet, now time.Time) []string {
 	var pinned []string
-	fs.Visit(func(f *flag.Flag) {
+	fs.Visit(func(f *pflag.Flag) {
 		if v, ok := f.Value.(*timeValue); ok && v.resolve(now) {
 			pinned = append(pinned, "--"+f.Name, v.String())
 		}
@@ -153,15 +160,15 @@ func resolveAges(fs *flag.FlagSet, now time.Time) []string {
 }
 
 // flagGiven reports whether name was on the command line.
-func flagGiven(fs *flag.FlagSet, name string) bool {
+func flagGiven(fs *pflag.FlagSet, name string) bool {
 	given := false
-	fs.Visit(func(f *flag.Flag) { given = given || f.Name == name })
+	fs.Visit(func(f *pflag.Flag) { given = given || f.Name == name })
 	return given
 }
 
 // timeVar declares a flag for a point in time (timeValue). An age is resolved
 // when the command runs, by resolveAges.
-func timeVar(fs *flag.FlagSet, p *time.Time, name, usage string) {
+func timeVar(fs *pflag.FlagSet, p *time.Time, name, usage string) {
 	fs.Var(&timeValue{t: p}, name, usage)
 }
 
@@ -173,6 +180,9 @@ type optString struct {
 }
 
 func (o *optString) String() string { return o.v }
+
+// Type names the value in --help.
+func (o *optString) Type() string { return "string" }
 
 func (o *optString) Set(s string) error {
 	o.v, o.set = s, true
@@ -186,22 +196,4 @@ func (o *optString) ptr() *string {
 	}
 	v := o.v
 	return &v
-}
-
-// flagKind names a flag's value in --help.
-func flagKind(f *flag.Flag) (string, string) {
-	name, usage := flag.UnquoteUsage(f)
-	switch f.Value.(type) {
-	case durationValue:
-		name = "duration"
-	case *timeValue:
-		name = "time"
-	case *optString:
-		name = "string"
-	case *hostList:
-		name = "name"
-	case *shardFlags:
-		name = "name=URL[,schema=S]"
-	}
-	return name, usage
 }

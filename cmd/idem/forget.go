@@ -3,11 +3,12 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"os"
 	"os/user"
 	"strings"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/inbox"
@@ -32,7 +33,7 @@ forget shows the key first, then asks you to type the key on a terminal, or need
 and the error, code confirmation_required, holds the key and its state). A key that a delivery holds
 under a running lease is refused. Every forget is logged on stderr at WARN level
 with the key, its state and fingerprint, --by and --reason.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var o forgetOptions
 		fs.StringVar(&o.id.Consumer, "consumer", "", "consumer name, or an HTTP operation such as 'POST /payments' (required)")
 		fs.StringVar(&o.id.Key, "key", "", "idempotency key (required)")

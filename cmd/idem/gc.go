@@ -2,9 +2,10 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/janitor"
 )
@@ -16,7 +17,7 @@ var gcCmd = &command{
 		"past their retention",
 	example: `idem gc
 idem gc --batch-size 5000 --pause 0s --effects-retention 3d --json`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var cfg janitor.Config
 		fs.IntVar(&cfg.BatchSize, "batch-size", janitor.DefaultBatchSize, "rows per DELETE")
 		durationVar(fs, &cfg.Pause, "pause", janitor.DefaultPause, "pause between batches (0s for none)")

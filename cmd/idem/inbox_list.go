@@ -2,7 +2,8 @@ package main
 
 import (
 	"context"
-	"flag"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 )
@@ -21,7 +22,7 @@ CURSOR, and a --since or --until given as an age (1d) as the time it was read
 as, so that the next page reads the same window (with --json, on stderr, as
 {"next_after": CURSOR, "next_args": [...], ...}).
 --since and --until filter on when the key was received.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var f admin.InboxFilter
 		var p admin.Page
 		var tenant optString

@@ -3,10 +3,11 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"strconv"
 	"strings"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/inbox"
@@ -23,7 +24,7 @@ idem inspect --consumer 'POST /payments' --tenant acct_42 --key 0b6f3c52-7a4e-4d
 An HTTP key's stored response shows its status, header names and body size; the
 body itself (it may hold personal data) only with --show-body.
 Without --consumer, 'idem find --key K' looks the key up in every consumer.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var id inbox.ID
 		var body bool
 		fs.StringVar(&id.Consumer, "consumer", "", "consumer name, or an HTTP operation such as 'POST /payments' (required)")

@@ -2,10 +2,11 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/migrate"
 )
@@ -24,7 +25,8 @@ down drops the newest migration's tables and every row in them. It first shows
 them with their row counts, then asks you to type the schema name (on a terminal),
 or needs --yes; without either it changes nothing and exits 2. With --json it
 never asks: without --yes the error (code confirmation_required) holds the plan.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	words: []string{"up", "down", "list"},
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var yes bool
 		fs.BoolVar(&yes, "yes", false, "down: revert without asking (it drops the tables shown and their rows)")
 		return runWith(&yes, runMigrate)

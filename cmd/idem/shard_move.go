@@ -2,12 +2,13 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"maps"
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 )
@@ -29,7 +30,7 @@ half-way is finished by running it again.
 Without it, a redelivery of a message the old shard recorded runs its handler
 again on the new shard, and the old shard's pending effects are sent from there.
 --from defaults to the shard the map's route gives the tenant now.`,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		var mv admin.MoveTenant
 		fs.StringVar(&mv.Tenant, "tenant", "", "the tenant to move (required)")
 		fs.StringVar(&mv.To, "to", "", "its new shard (required)")

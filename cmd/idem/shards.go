@@ -48,6 +48,9 @@ func (f *shardFlags) String() string {
 	return strings.Join(names, ",")
 }
 
+// Type names the value in --help.
+func (f *shardFlags) Type() string { return "name=URL[,schema=S]" }
+
 // Set reads name=URL, with ",schema=S" at the end if given (a URL may hold commas:
 // only a last part that starts with "schema=" is the schema).
 func (f *shardFlags) Set(v string) error {

@@ -2,8 +2,9 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
+
+	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
 )
@@ -15,7 +16,7 @@ var statsCmd = &command{
 	example: `idem stats
 idem stats --shard s1=postgres://db1/app --shard s2=postgres://db2/app,schema=idem
 idem stats --schema idem --json | jq '.effects[] | select(.dead > 0)'`,
-	setup: func(fs *flag.FlagSet) runFunc { return runStats },
+	setup: func(fs *pflag.FlagSet) runFunc { return runStats },
 }
 
 func runStats(ctx context.Context, e *env, args []string) error {

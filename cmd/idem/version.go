@@ -3,9 +3,10 @@ package main
 import (
 	"cmp"
 	"context"
-	"flag"
 	"fmt"
 	"runtime/debug"
+
+	"github.com/spf13/pflag"
 )
 
 var versionCmd = &command{
@@ -16,7 +17,7 @@ var versionCmd = &command{
 idem --version
 idem version --json`,
 	offline: true,
-	setup: func(fs *flag.FlagSet) runFunc {
+	setup: func(fs *pflag.FlagSet) runFunc {
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err

@@ -25,6 +25,7 @@ var toolOnly = []string{
 	"github.com/grafana/grafana-foundation-sdk", // the dashboard audit
 	"github.com/emersion/go-smtp",               // the demo's and the examples' SMTP
 	"github.com/yuin/goldmark",                  // the docs' snippet and link checks
+	"github.com/spf13/",                         // the CLI's commands and flags (cobra, pflag)
 }
 
 // brokerOnly are module path prefixes that only the adapter modules
