@@ -24,6 +24,7 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/text"
 	"github.com/idemkit/idem/internal/tracing"
 )
@@ -128,11 +129,26 @@ type outcome struct {
 	code, masked string
 }
 
-// NewDispatcher checks cfg and returns a Dispatcher. Call Run to start it.
+// NewDispatcher validates cfg, checks the schema once, and returns a Dispatcher.
+//
+// The check (unless cfg.SkipSchemaCheck) reads Postgres's catalog: Schema, or
+// every shard's schema, must hold idem's tables at the newest migration this build
+// knows, whichever tool applied them. A schema that lacks them, or lacks a newer
+// migration, fails with an error of code schema_missing that names the schema,
+// the missing versions and `idem migrate up`; with Shards the error names each
+// shard that failed. NewDispatcher takes no context: the check gives up after 10 seconds. A
+// database that does not answer is tried again within that time, so a process
+// that starts while Postgres restarts comes up once it is back; after that NewDispatcher fails
+// with code database_unavailable, and the process's supervisor should start it
+// again.
+// Call Run to start it.
 func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if err := schemacheck.Start(cfg.SkipSchemaCheck, cfg.Shards, cfg.Pool, cfg.Schema); err != nil {
+		return nil, err
 	}
 	if cfg.Shards != nil {
 		return newShardedDispatcher(cfg)

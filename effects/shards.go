@@ -31,6 +31,7 @@ func newShardedDispatcher(cfg Config) (*Dispatcher, error) {
 // logger and registerer labelled with sh's name.
 func (c Config) forShard(sh shard.Shard) Config {
 	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.SkipSchemaCheck = true // New checked every shard
 	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
 	return c
 }

@@ -27,6 +27,7 @@ func newSharded(cfg Config) (*Middleware, error) {
 // logger and registerer labelled with sh's name.
 func (c Config) forShard(sh shard.Shard) Config {
 	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.SkipSchemaCheck = true // New checked every shard
 	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
 	return c
 }

@@ -60,13 +60,8 @@ func TestLevelFollowsEveryMigration(t *testing.T) {
 
 func TestOlderLevelNamesEveryMissingVersion(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
-	ms := migrate.Migrations()
-	for _, mig := range ms[:5] {
-		_, err := pool.Exec(ctx, mig.Up)
-		require.NoError(t, err)
-	}
+	pgtest.ApplyMigrations(t, pool, 1, 5)
 	err := schemacheck.Start(false, nil, pool, schema)
 	requireMissing(t, err, schema, "is at migration 005")
 	require.Contains(t, err.Error(), "006, 007, 008 not applied")
