@@ -82,7 +82,7 @@ func New(cfg Config) (*Consumer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	if err := schemacheck.Start(cfg.SkipSchemaCheck, cfg.Shards, cfg.Pool, cfg.Schema); err != nil {
+	if err := schemacheck.Start(cfg.SkipSchemaCheck, cfg.schemaTargets()); err != nil {
 		return nil, err
 	}
 	if cfg.Shards != nil {

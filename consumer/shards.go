@@ -6,6 +6,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -37,6 +38,19 @@ func newSharded(cfg Config, defaultFP bool) (*Consumer, error) {
 	}
 	s := &shards{m: cfg.Shards, tenant: cfg.Tenant, each: each}
 	return &Consumer{cfg: cfg, shards: s, log: cfg.Logger}, nil
+}
+
+// schemaTargets are the databases New checks at start: every shard, or Pool and
+// Schema.
+func (c Config) schemaTargets() []schemacheck.Target {
+	if c.Shards == nil {
+		return []schemacheck.Target{{DB: c.Pool, Schema: c.Schema}}
+	}
+	out := make([]schemacheck.Target, 0, len(c.Shards.Shards))
+	for _, s := range c.Shards.Shards {
+		out = append(out, schemacheck.Target{Shard: s.Name, DB: s.Pool, Schema: s.SchemaName()})
+	}
+	return out
 }
 
 // forShard returns c for sh's part of a sharded Consumer: sh's database, and c's

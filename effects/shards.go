@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -25,6 +26,19 @@ func newShardedDispatcher(cfg Config) (*Dispatcher, error) {
 		return nil, err
 	}
 	return &Dispatcher{cfg: cfg, log: cfg.Logger, shards: &shardSet{names: cfg.Shards.Names(), each: each}}, nil
+}
+
+// schemaTargets are the databases New checks at start: every shard, or Pool and
+// Schema.
+func (c Config) schemaTargets() []schemacheck.Target {
+	if c.Shards == nil {
+		return []schemacheck.Target{{DB: c.Pool, Schema: c.Schema}}
+	}
+	out := make([]schemacheck.Target, 0, len(c.Shards.Shards))
+	for _, s := range c.Shards.Shards {
+		out = append(out, schemacheck.Target{Shard: s.Name, DB: s.Pool, Schema: s.SchemaName()})
+	}
+	return out
 }
 
 // forShard returns c for sh's part of a sharded Dispatcher: sh's database, and c's

@@ -128,7 +128,7 @@ type Config struct {
 	// Schema (each shard's, with Shards) holds idem's tables at the newest
 	// migration this build knows. Set it only for a role that may not read
 	// Postgres's catalog (New then fails with code schema_check_refused); a schema
-	// that lacks a migration is then found only by the first request, which fails with code schema_missing.
+	// that lacks a migration is then found only by the first request, which is answered 503 (database_unavailable) and logged.
 	SkipSchemaCheck bool
 
 	// KeyHeader names the key's header (default "Idempotency-Key"). A value that

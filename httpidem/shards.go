@@ -4,6 +4,7 @@ import (
 	"net/http"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -21,6 +22,19 @@ func newSharded(cfg Config) (*Middleware, error) {
 		return nil, err
 	}
 	return &Middleware{cfg: cfg, log: cfg.Logger, shards: &shardSet{m: cfg.Shards, each: each}}, nil
+}
+
+// schemaTargets are the databases New checks at start: every shard, or Pool and
+// Schema.
+func (c Config) schemaTargets() []schemacheck.Target {
+	if c.Shards == nil {
+		return []schemacheck.Target{{DB: c.Pool, Schema: c.Schema}}
+	}
+	out := make([]schemacheck.Target, 0, len(c.Shards.Shards))
+	for _, s := range c.Shards.Shards {
+		out = append(out, schemacheck.Target{Shard: s.Name, DB: s.Pool, Schema: s.SchemaName()})
+	}
+	return out
 }
 
 // forShard returns c for sh's part of a sharded Middleware: sh's database, and c's

@@ -12,7 +12,7 @@
 // Timeout the constructor fails with ErrUnavailable, and the process's supervisor
 // restarts it. A server that answers is not tried again: its answer stands.
 //
-// It imports nothing public of idem but shard, so the public packages can use it.
+// It imports nothing public of idem, so every package can use it.
 package schemacheck
 
 import (
@@ -27,7 +27,6 @@ import (
 
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
-	"github.com/idemkit/idem/shard"
 )
 
 // Timeout bounds the whole check, every shard included (they are checked at once).
@@ -139,29 +138,35 @@ func Level(ctx context.Context, db Beginner, schema string) (level int, exists b
 	return level, exists, nil
 }
 
-// Start checks the schema of a constructor's config at start: the one database
-// (db and schema), or every shard of m when m is not nil. It does nothing when
-// skip is set. The error wraps pgschema.ErrMissing (code schema_missing) and names
-// the schema, the missing versions and the command that applies them;
-// ErrUnavailable when a database did not answer within Timeout; ErrCatalog when the
-// role may not read the catalog. With a map, every shard is checked, at once, and
-// the error names each shard that failed.
-func Start(skip bool, m *shard.Map, db Beginner, schema string) error {
+// A Target is one database to check: a shard's (Shard is its name) or, with Shard
+// empty, the one database of a config without shards.
+type Target struct {
+	Shard  string
+	DB     Beginner
+	Schema string
+}
+
+// Start checks the schemas of a constructor's config at start, every target at
+// once. It does nothing when skip is set. The error wraps pgschema.ErrMissing
+// (code schema_missing) and names the schema, the missing versions and the
+// command that applies them; ErrUnavailable when a database did not answer within
+// Timeout; ErrCatalog when the role may not read the catalog. It names each shard
+// that failed.
+func Start(skip bool, targets []Target) error {
 	if skip {
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), Timeout)
 	defer cancel()
-	if m == nil {
-		return one(ctx, db, schema)
-	}
-	errs := make([]error, len(m.Shards))
+	errs := make([]error, len(targets))
 	var wg sync.WaitGroup
-	for i, sh := range m.Shards {
+	for i, t := range targets {
 		wg.Go(func() {
-			if err := one(ctx, sh.Pool, sh.SchemaName()); err != nil {
-				errs[i] = fmt.Errorf("shard %q: %w", sh.Name, err)
+			err := one(ctx, t.DB, t.Schema)
+			if err != nil && t.Shard != "" {
+				err = fmt.Errorf("shard %q: %w", t.Shard, err)
 			}
+			errs[i] = err
 		})
 	}
 	wg.Wait()
