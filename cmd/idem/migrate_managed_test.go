@@ -124,3 +124,29 @@ func errCode(err error) string {
 	}
 	return ""
 }
+
+// goose's table may live outside idem's schema (a goose run whose search_path put
+// it in another schema first): the migrator finds it through its own search_path.
+func TestMigratorFindsAToolTableInSearchPath(t *testing.T) {
+	b := setup(t, pgtest.Options{NoMigrate: true})
+	applyWithGoose(t, b.schema)
+	_, other := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, `ALTER TABLE `+b.schema+`.goose_db_version SET SCHEMA `+other)
+	require.NoError(t, err)
+	pool := pgtest.NewPool(t, other, 2) // search_path: the schema that has goose's table
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: b.schema})
+	require.NoError(t, err)
+	_, err = m.Up(ctx)
+	require.ErrorIs(t, err, migrate.ErrManagedElsewhere)
+	require.Contains(t, err.Error(), fmt.Sprintf("schema %s is managed by goose: its table %s.goose_db_version is at version %d",
+		b.schema, other, len(migrate.Migrations())))
+
+	// With no tool's table anywhere, the migrator still refuses, and says why.
+	_, err = b.pool.Exec(ctx, `DROP TABLE `+other+`.goose_db_version`)
+	require.NoError(t, err)
+	_, err = m.Up(ctx)
+	require.ErrorIs(t, err, migrate.ErrManagedElsewhere)
+	require.Contains(t, err.Error(), "no goose_db_version or schema_migrations table is found")
+	require.Equal(t, 0, pgtest.Count(t, b.pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idem_migrations'`, b.schema))
+}
