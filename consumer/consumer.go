@@ -73,16 +73,18 @@ type Consumer struct {
 // the missing versions and `idem migrate up`; with Shards the error names each
 // shard that failed. New takes no context: the check gives up after 10 seconds. A
 // database that does not answer is tried again within that time, so a process
-// that starts while Postgres restarts comes up once it is back; after that New fails
-// with code database_unavailable, and the process's supervisor should start it
-// again.
+// that starts while Postgres restarts comes up once it is back. After that, without
+// Shards, New fails with code database_unavailable (nothing could be served; the
+// process's supervisor should start it again); a shard that does not answer is
+// logged and left out of the check, and the other shards are served, as when a
+// shard goes down later.
 func New(cfg Config) (*Consumer, error) {
 	defaultFP := cfg.Fingerprint == nil
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	if err := schemacheck.Start(cfg.SkipSchemaCheck, cfg.schemaTargets()); err != nil {
+	if err := schemacheck.Start(cfg.SkipSchemaCheck, cfg.Logger, cfg.schemaTargets()); err != nil {
 		return nil, err
 	}
 	if cfg.Shards != nil {

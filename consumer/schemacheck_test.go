@@ -1,15 +1,19 @@
 package consumer_test
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/migrate"
+	"github.com/idemkit/idem/shard"
 )
 
 // requireRefused checks that New refused schema with code schema_missing, naming
@@ -76,4 +80,48 @@ func TestNewChecksEveryShard(t *testing.T) {
 	pgtest.ApplyMigrations(t, m.Shards[1].Pool, 1, newest)
 	pgtest.ApplyMigrations(t, m.Shards[2].Pool, 4, newest)
 	require.NoError(t, start())
+}
+
+// A shard that does not answer at start does not stop New: the other shards are
+// checked and served, and the shard's own messages are nacked until it is back.
+func TestNewStartsWithoutAShardThatIsDown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	up, schema := pgtest.Setup(t)
+	_, err := up.Exec(ctx, `CREATE TABLE biz (key text NOT NULL)`)
+	require.NoError(t, err)
+	cfg, err := pgxpool.ParseConfig("postgres://postgres@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=1")
+	require.NoError(t, err)
+	down, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(down.Close)
+	m := &shard.Map{Shards: []shard.Shard{{Name: "up", Pool: up, Schema: schema}, {Name: "down", Pool: down}}}
+	tenantOn := func(name string) string {
+		for i := 0; ; i++ {
+			tenant := fmt.Sprintf("t%d", i)
+			if s, err := m.Pick(tenant); err == nil && s.Name == name {
+				return tenant
+			}
+		}
+	}
+
+	c, err := consumer.New(consumer.Config{Name: "x", Shards: m, Tenant: consumer.MetadataTenant("tenant")})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		_, err := consumer.Tx(msg.Context()).Exec(msg.Context(), `INSERT INTO biz VALUES ($1)`, msg.UUID)
+		return nil, err
+	})
+	send := func(tenant, key string) error {
+		msg := message.NewMessage(key, []byte(`{}`))
+		msg.Metadata.Set("tenant", tenant)
+		_, err := h(msg)
+		return err
+	}
+	require.NoError(t, send(tenantOn("up"), "on-up"))
+	err = send(tenantOn("down"), "on-down")
+	require.Equal(t, "database_unavailable", consumer.Code(err), "%v", err)
+	require.Equal(t, 1, pgtest.Count(t, up, `SELECT count(*) FROM biz WHERE key = 'on-up'`))
+	require.Equal(t, 0, pgtest.Count(t, up, `SELECT count(*) FROM biz WHERE key = 'on-down'`))
+	require.Equal(t, 1, pgtest.Count(t, up, `SELECT count(*) FROM inbox`))
 }

@@ -8,9 +8,13 @@
 // The constructors take no context, so the check bounds itself: it gives up after
 // Timeout. A database that does not answer (a refused or broken connection, or a
 // server that is starting or shutting down) is tried again within that time, so a
-// process that starts while Postgres restarts comes up once Postgres is back; after
-// Timeout the constructor fails with ErrUnavailable, and the process's supervisor
-// restarts it. A server that answers is not tried again: its answer stands.
+// process that starts while Postgres restarts comes up once Postgres is back. After
+// Timeout, the one database of a config without shards fails the constructor with
+// ErrUnavailable (nothing could be served; the process's supervisor starts it
+// again), while a shard of a map is logged and left out of the check: the other
+// shards are served, as when a shard goes down later, and the shard's own
+// messages are nacked until it is back. A server that answers is not tried again:
+// its answer stands.
 //
 // It imports nothing public of idem, so every package can use it.
 package schemacheck
@@ -19,6 +23,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"time"
@@ -149,10 +154,11 @@ type Target struct {
 // Start checks the schemas of a constructor's config at start, every target at
 // once. It does nothing when skip is set. The error wraps pgschema.ErrMissing
 // (code schema_missing) and names the schema, the missing versions and the
-// command that applies them; ErrUnavailable when a database did not answer within
-// Timeout; ErrCatalog when the role may not read the catalog. It names each shard
-// that failed.
-func Start(skip bool, targets []Target) error {
+// command that applies them; ErrUnavailable when the database of a target without
+// a Shard name did not answer within Timeout (a shard that did not answer is
+// logged on log, and is no error); ErrCatalog when the role may not read the
+// catalog. It names each shard that failed.
+func Start(skip bool, log *slog.Logger, targets []Target) error {
 	if skip {
 		return nil
 	}
@@ -164,6 +170,11 @@ func Start(skip bool, targets []Target) error {
 		wg.Go(func() {
 			err := one(ctx, t.DB, t.Schema)
 			if err != nil && t.Shard != "" {
+				if errors.Is(err, ErrUnavailable) {
+					log.Warn("idem: a shard did not answer the start-up check of its schema; starting without it: its messages wait until it is back, and find its schema then",
+						"shard", t.Shard, "schema", t.Schema, "err", err)
+					return
+				}
 				err = fmt.Errorf("shard %q: %w", t.Shard, err)
 			}
 			errs[i] = err

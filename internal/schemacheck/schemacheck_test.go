@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -38,7 +39,7 @@ func TestLevelFollowsEveryMigration(t *testing.T) {
 	ms := migrate.Migrations()
 	require.Equal(t, len(ms), schemacheck.Versions(), "a new migration needs its probes in schemacheck")
 
-	requireMissing(t, schemacheck.Start(false, []schemacheck.Target{{DB: pool, Schema: schema}}), schema, "holds none of idem's tables")
+	requireMissing(t, schemacheck.Start(false, discard, []schemacheck.Target{{DB: pool, Schema: schema}}), schema, "holds none of idem's tables")
 	for i, mig := range ms {
 		level, exists, err := schemacheck.Level(ctx, pool, schema)
 		require.NoError(t, err)
@@ -46,7 +47,7 @@ func TestLevelFollowsEveryMigration(t *testing.T) {
 		require.Equal(t, i, level, "before %03d_%s", mig.Version, mig.Name)
 		if i > 0 {
 			want := fmt.Sprintf("is at migration %03d, and this build of idem needs %03d: %03d", i, len(ms), i+1)
-			requireMissing(t, schemacheck.Start(false, []schemacheck.Target{{DB: pool, Schema: schema}}), schema, want)
+			requireMissing(t, schemacheck.Start(false, discard, []schemacheck.Target{{DB: pool, Schema: schema}}), schema, want)
 		}
 		_, err = pool.Exec(ctx, mig.Up)
 		require.NoError(t, err, "apply %03d_%s", mig.Version, mig.Name)
@@ -54,24 +55,24 @@ func TestLevelFollowsEveryMigration(t *testing.T) {
 	level, _, err := schemacheck.Level(ctx, pool, schema)
 	require.NoError(t, err)
 	require.Equal(t, len(ms), level)
-	require.NoError(t, schemacheck.Start(false, []schemacheck.Target{{DB: pool, Schema: schema}}))
+	require.NoError(t, schemacheck.Start(false, discard, []schemacheck.Target{{DB: pool, Schema: schema}}))
 }
 
 func TestOlderLevelNamesEveryMissingVersion(t *testing.T) {
 	t.Parallel()
 	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
 	pgtest.ApplyMigrations(t, pool, 1, 5)
-	err := schemacheck.Start(false, []schemacheck.Target{{DB: pool, Schema: schema}})
+	err := schemacheck.Start(false, discard, []schemacheck.Target{{DB: pool, Schema: schema}})
 	requireMissing(t, err, schema, "is at migration 005")
 	require.Contains(t, err.Error(), "006, 007, 008 not applied")
-	require.NoError(t, schemacheck.Start(true, []schemacheck.Target{{DB: pool, Schema: schema}}), "skipped")
+	require.NoError(t, schemacheck.Start(true, discard, []schemacheck.Target{{DB: pool, Schema: schema}}), "skipped")
 }
 
 func TestSchemaThatDoesNotExist(t *testing.T) {
 	t.Parallel()
 	pool, _ := pgtest.Setup(t)
 	schema := pgtest.NewSchemaName()
-	requireMissing(t, schemacheck.Start(false, []schemacheck.Target{{DB: pool, Schema: schema}}), schema, fmt.Sprintf("schema %q does not exist", schema))
+	requireMissing(t, schemacheck.Start(false, discard, []schemacheck.Target{{DB: pool, Schema: schema}}), schema, fmt.Sprintf("schema %q does not exist", schema))
 }
 
 // Over a shard map every shard is checked, and each that fails is named.
@@ -85,15 +86,18 @@ func TestEveryShardIsChecked(t *testing.T) {
 		{Shard: "b", DB: empty, Schema: emptySchema},
 		{Shard: "c", DB: empty2, Schema: emptySchema2},
 	}
-	err := schemacheck.Start(false, targets)
+	err := schemacheck.Start(false, discard, targets)
 	requireMissing(t, err, emptySchema, `shard "b": `)
 	requireMissing(t, err, emptySchema2, `shard "c": `)
 	require.NotContains(t, err.Error(), `shard "a"`)
 	require.NotContains(t, err.Error(), goodSchema)
-	require.NoError(t, schemacheck.Start(false, targets[:1]))
+	require.NoError(t, schemacheck.Start(false, discard, targets[:1]))
 }
 
-// A database that does not answer is tried until Timeout, then named.
+var discard = slog.New(slog.DiscardHandler)
+
+// A database that does not answer is tried until Timeout, then named; a shard that
+// does not answer is left out, and the others are still checked.
 func TestUnreachableDatabase(t *testing.T) {
 	t.Parallel()
 	cfg, err := pgxpool.ParseConfig("postgres://postgres@127.0.0.1:1/postgres?sslmode=disable&connect_timeout=1")
@@ -101,7 +105,14 @@ func TestUnreachableDatabase(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	err = schemacheck.Start(false, []schemacheck.Target{{DB: pool, Schema: "idem"}})
+	good, goodSchema := pgtest.Setup(t)
+	empty, emptySchema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
+	down := schemacheck.Target{Shard: "down", DB: pool, Schema: "idem"}
+	require.NoError(t, schemacheck.Start(false, discard, []schemacheck.Target{{Shard: "up", DB: good, Schema: goodSchema}, down}))
+	err = schemacheck.Start(false, discard, []schemacheck.Target{{Shard: "empty", DB: empty, Schema: emptySchema}, down})
+	requireMissing(t, err, emptySchema, `shard "empty": `)
+	require.NotContains(t, err.Error(), `shard "down"`)
+	err = schemacheck.Start(false, discard, []schemacheck.Target{{DB: pool, Schema: "idem"}})
 	require.ErrorIs(t, err, schemacheck.ErrUnavailable)
 	require.Equal(t, "database_unavailable", errcode.Code(err))
 	require.Contains(t, err.Error(), `schema "idem"`)
@@ -140,11 +151,11 @@ func TestRoleWithoutCatalog(t *testing.T) {
 	require.NoError(t, own.Close(ctx))
 	pool := pgtest.OpenPool(t, cfg)
 
-	err = schemacheck.Start(false, []schemacheck.Target{{DB: pool, Schema: "idem"}})
+	err = schemacheck.Start(false, discard, []schemacheck.Target{{DB: pool, Schema: "idem"}})
 	require.ErrorIs(t, err, schemacheck.ErrCatalog)
 	require.Equal(t, "schema_check_refused", errcode.Code(err))
 	require.Contains(t, err.Error(), `schema "idem"`)
 	require.Contains(t, err.Error(), "SkipSchemaCheck")
-	require.NoError(t, schemacheck.Start(true, []schemacheck.Target{{DB: pool, Schema: "idem"}}))
+	require.NoError(t, schemacheck.Start(true, discard, []schemacheck.Target{{DB: pool, Schema: "idem"}}))
 	require.False(t, errors.Is(err, pgschema.ErrMissing))
 }
