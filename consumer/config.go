@@ -144,6 +144,12 @@ type Config struct {
 	// shard that is down nacks its own messages with ErrDatabaseUnavailable while
 	// the others commit. A failed route returns an error wrapping shard.ErrRoute.
 	Shards *shard.Map
+	// SkipSchemaCheck turns off the check that New makes at start: that
+	// Schema (each shard's, with Shards) holds idem's tables at the newest
+	// migration this build knows. Set it only for a role that may not read
+	// Postgres's catalog (New then fails with code schema_check_refused); a schema
+	// that lacks a migration is then found only by the first message, which is nacked with ErrSchemaMissing.
+	SkipSchemaCheck bool
 	// Key gives the idempotency key (default: the message UUID). See MetadataKey
 	// and BusinessKey.
 	Key KeyFunc

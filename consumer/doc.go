@@ -65,4 +65,13 @@
 // and its outcome; a batch has a span of its own, linked to its messages' spans.
 // The handler's context carries its span, so the effects it enqueues keep its
 // trace context. Tracing never changes what is committed, acked or nacked.
+//
+// New checks the schema once, at start: it reads Postgres's catalog and refuses a
+// schema (on any shard of a map) that lacks idem's tables or one of the migrations
+// this build needs, with an error of code schema_missing that names the schema, the
+// missing versions and `idem migrate up`. The check is bounded (10 seconds), and a
+// database that does not answer within that time fails New with code
+// database_unavailable (a shard of a map is only logged: the others are served).
+// Config.SkipSchemaCheck turns it off, for a role that may not read the catalog; a
+// schema that lacks a migration is then found by the first message, and nacked.
 package consumer

@@ -29,7 +29,8 @@ func TestMissingSchemaSurfacesInEveryMode(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
 		pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
-		cfg := consumer.Config{Name: "x", Pool: pool, Schema: schema, Mode: mode, BusyDelay: time.Millisecond}
+		// Skipped, New's check would refuse the schema (TestNewChecksTheSchema).
+		cfg := consumer.Config{Name: "x", Pool: pool, Schema: schema, Mode: mode, BusyDelay: time.Millisecond, SkipSchemaCheck: true}
 		batched(&cfg)
 		c, err := consumer.New(cfg)
 		require.NoError(t, err)

@@ -67,6 +67,12 @@ type Config struct {
 	// through the transaction it is given: begin it on the tenant's shard
 	// (shard.Map.Pick).
 	Shards *shard.Map
+	// SkipSchemaCheck turns off the check that NewDispatcher makes at start: that
+	// Schema (each shard's, with Shards) holds idem's tables at the newest
+	// migration this build knows. Set it only for a role that may not read
+	// Postgres's catalog (NewDispatcher then fails with code schema_check_refused); a schema
+	// that lacks a migration is then found only by Run's first claim, which fails with ErrSchemaMissing.
+	SkipSchemaCheck bool
 	// Senders maps each kind to its Sender. Effects of kinds without one are left
 	// alone for a dispatcher that has it; they are never failed. PublishSenders
 	// builds the entries for "publish:<topic>" kinds.

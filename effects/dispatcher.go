@@ -20,6 +20,7 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/pgschema"
+	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/shard"
 )
@@ -126,11 +127,28 @@ type outcome struct {
 	code, masked string
 }
 
-// NewDispatcher checks cfg and returns a Dispatcher. Call Run to start it.
+// NewDispatcher validates cfg, checks the schema once, and returns a Dispatcher.
+//
+// The check (unless cfg.SkipSchemaCheck) reads Postgres's catalog: Schema, or
+// every shard's schema, must hold idem's tables at the newest migration this build
+// knows, whichever tool applied them. A schema that lacks them, or lacks a newer
+// migration, fails with an error of code schema_missing that names the schema,
+// the missing versions and `idem migrate up`; with Shards the error names each
+// shard that failed. NewDispatcher takes no context: the check gives up after 10 seconds. A
+// database that does not answer is tried again within that time, so a process
+// that starts while Postgres restarts comes up once it is back. After that, without
+// Shards, NewDispatcher fails with code database_unavailable (nothing could be served; the
+// process's supervisor should start it again); a shard that does not answer is
+// logged and left out of the check, and the other shards are served, as when a
+// shard goes down later.
+// Call Run to start it.
 func NewDispatcher(cfg Config) (*Dispatcher, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if err := schemacheck.Start(cfg.SkipSchemaCheck, cfg.Logger, fanout.SchemaTargets(cfg.Shards, cfg.Pool, cfg.Schema)); err != nil {
+		return nil, err
 	}
 	parts, err := fanout.Build(cfg.Shards, cfg, cfg.forShard, newDispatcher)
 	if err != nil {
@@ -143,6 +161,7 @@ func NewDispatcher(cfg Config) (*Dispatcher, error) {
 // and registerer labelled with sh's name.
 func (c Config) forShard(sh shard.Shard) Config {
 	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.SkipSchemaCheck = true // NewDispatcher checked every shard
 	c.Logger, c.Registerer = fanout.Label(sh, c.Logger, c.Registerer)
 	return c
 }

@@ -76,4 +76,14 @@
 // each send has a span of its own trace that links to it; PublishSender writes the
 // send's trace context into the message it publishes. A trace context is never part
 // of an effect's identity or fingerprint.
+//
+// NewDispatcher checks the schema once, at start: it reads Postgres's catalog and
+// refuses a schema (on any shard of a map) that lacks idem's tables or one of the
+// migrations this build needs, with an error of code schema_missing that names the
+// schema, the missing versions and `idem migrate up`. The check is bounded (10
+// seconds), and a database that does not answer within that time fails NewDispatcher
+// with code database_unavailable (a shard of a map is only logged: the others are
+// served). Config.SkipSchemaCheck turns it off, for a role that may not read the
+// catalog; a schema that lacks a migration is then found by Run's first claim, which
+// logs it and tries again.
 package effects

@@ -120,6 +120,12 @@ type Config struct {
 	// databases (see package shard); Pool and Schema must then be unset, and Tenant
 	// set: the request's tenant picks its shard before the claim.
 	Shards *shard.Map
+	// SkipSchemaCheck turns off the check that New makes at start: that
+	// Schema (each shard's, with Shards) holds idem's tables at the newest
+	// migration this build knows. Set it only for a role that may not read
+	// Postgres's catalog (New then fails with code schema_check_refused); a schema
+	// that lacks a migration is then found only by the first request, which is answered 503 (database_unavailable) and logged.
+	SkipSchemaCheck bool
 
 	// KeyHeader names the key's header (default "Idempotency-Key"). A value that
 	// starts with a double quote is a Structured Field Item whose value is a

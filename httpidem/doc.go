@@ -101,4 +101,14 @@
 // or a Recover that cannot tell, lead to a second call. Pass the provider an
 // idempotency key made from KeyFrom(ctx), so that a provider that honours keys
 // applies it once. The database work still commits at most once (the fence).
+//
+// New checks the schema once, at start: it reads Postgres's catalog and refuses a
+// schema (on any shard of a map) that lacks idem's tables or one of the migrations
+// this build needs, with an error of code schema_missing that names the schema, the
+// missing versions and `idem migrate up`. The check is bounded (10 seconds), and a
+// database that does not answer within that time fails New with code
+// database_unavailable (a shard of a map is only logged: the others are served).
+// Config.SkipSchemaCheck turns it off, for a role that may not read the catalog; a
+// schema that lacks a migration is then found by the first request, which is
+// answered 503.
 package httpidem

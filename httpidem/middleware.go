@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
 )
@@ -52,11 +53,27 @@ type Middleware struct {
 	shards *shardSet
 }
 
-// New validates cfg and returns a Middleware.
+// New validates cfg, checks the schema once, and returns a Middleware.
+//
+// The check (unless cfg.SkipSchemaCheck) reads Postgres's catalog: Schema, or
+// every shard's schema, must hold idem's tables at the newest migration this build
+// knows, whichever tool applied them. A schema that lacks them, or lacks a newer
+// migration, fails with an error of code schema_missing that names the schema,
+// the missing versions and `idem migrate up`; with Shards the error names each
+// shard that failed. New takes no context: the check gives up after 10 seconds. A
+// database that does not answer is tried again within that time, so a process
+// that starts while Postgres restarts comes up once it is back. After that, without
+// Shards, New fails with code database_unavailable (nothing could be served; the
+// process's supervisor should start it again); a shard that does not answer is
+// logged and left out of the check, and the other shards are served, as when a
+// shard goes down later.
 func New(cfg Config) (*Middleware, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if err := schemacheck.Start(cfg.SkipSchemaCheck, cfg.Logger, cfg.schemaTargets()); err != nil {
+		return nil, err
 	}
 	if cfg.Shards != nil {
 		return newSharded(cfg)

@@ -4,6 +4,8 @@ import (
 	"net/http"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -23,10 +25,17 @@ func newSharded(cfg Config) (*Middleware, error) {
 	return &Middleware{cfg: cfg, log: cfg.Logger, shards: &shardSet{m: cfg.Shards, each: each}}, nil
 }
 
+// schemaTargets are the databases New checks at start: every shard, or Pool and
+// Schema.
+func (c Config) schemaTargets() []schemacheck.Target {
+	return fanout.SchemaTargets(c.Shards, c.Pool, c.Schema)
+}
+
 // forShard returns c for sh's part of a sharded Middleware: sh's database, and c's
 // logger and registerer labelled with sh's name.
 func (c Config) forShard(sh shard.Shard) Config {
 	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
+	c.SkipSchemaCheck = true // New checked every shard
 	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
 	return c
 }

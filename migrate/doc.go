@@ -15,7 +15,11 @@
 // What it does not do: it never reverts more than one step at a time, and it does
 // not touch the business tables of your application. Schema names are a template:
 // the files name no schema (a "/* schema */" comment marks each table), so your own
-// tool applies them into the first schema of search_path.
+// tool applies them into the first schema of search_path. Keep one tool per schema:
+// on a schema that holds idem's tables but no record of idem's migrations, every
+// method refuses with ErrManagedElsewhere (code schema_managed_elsewhere), naming
+// the tool whose version table it finds (goose's goose_db_version, golang-migrate's
+// schema_migrations), its version, and what to run instead.
 //
 // migrate imports pgx and idem's internal leaves, nothing public of idem.
 package migrate

@@ -197,6 +197,16 @@ func New(cfg Config) (*Migrator, error) {
 	return &Migrator{db: cfg.Pool, schema: cfg.Schema, migrations: Migrations()}, nil
 }
 
+// ErrManagedElsewhere is returned by Up, List, PlanDown, Down and Revert when the
+// schema holds idem's tables but idem's migrator has no record of them (its
+// <schema>.idem_migrations is missing or empty): another tool applied them. The
+// message names the tool when its version table is found (goose's
+// goose_db_version, golang-migrate's schema_migrations, in the schema or in the
+// first schema of search_path that has one), with its version, and says what to
+// run instead. Nothing is changed: run that tool, keeping one tool per schema.
+var ErrManagedElsewhere = errcode.Permanent("schema_managed_elsewhere",
+	"another migration tool manages the schema")
+
 // ErrOneShard is returned by a method that works on one database when the Migrator
 // has a shard map: call it on Shard(name).
 var ErrOneShard = errcode.Permanent("one_shard", "this migrator has a shard map; call the method on Shard(name)")
@@ -544,7 +554,7 @@ func (m *Migrator) applied(ctx context.Context, tx pgx.Tx) ([]int, map[int]time.
 	}
 	times := map[int]time.Time{}
 	if !exists {
-		return nil, times, nil
+		return nil, times, m.otherTool(ctx, tx)
 	}
 	rows, err := tx.Query(ctx, `SELECT version, applied_at FROM `+table+` ORDER BY version`)
 	if err != nil {
@@ -563,6 +573,11 @@ func (m *Migrator) applied(ctx context.Context, tx pgx.Tx) ([]int, map[int]time.
 	if err := rows.Err(); err != nil {
 		return nil, nil, err
 	}
+	if len(have) == 0 {
+		if err := m.otherTool(ctx, tx); err != nil {
+			return nil, nil, err
+		}
+	}
 	for i, v := range have {
 		if v > len(m.migrations) {
 			return nil, nil, fmt.Errorf("schema %s is at migration %d, newer than this build knows (%d): upgrade idem", m.schema, slices.Max(have), len(m.migrations))
@@ -572,6 +587,52 @@ func (m *Migrator) applied(ctx context.Context, tx pgx.Tx) ([]int, map[int]time.
 		}
 	}
 	return have, times, nil
+}
+
+// otherTools are the migration tools whose version tables otherTool looks for,
+// with how to read the version and what to run instead.
+var otherTools = []struct {
+	name, table, version, instead string
+}{
+	{"goose", "goose_db_version", `SELECT coalesce(max(version_id), 0) FROM %s WHERE is_applied`,
+		"run goose with idem's goose files instead (migrate.GooseMigrationsFS, or migrate/migrations/goose in idem's module): " +
+			`goose -dir "$IDEM/migrate/migrations/goose" postgres "$DATABASE_URL&search_path=%s" up`},
+	{"golang-migrate", "schema_migrations", `SELECT coalesce(max(version), 0) FROM %s`,
+		"run golang-migrate with idem's files instead (migrate.MigrationsFS, or migrate/migrations in idem's module): " +
+			`migrate -path "$IDEM/migrate/migrations" -database "pgx5://USER@HOST:PORT/DB?sslmode=…&search_path=%s" up`},
+}
+
+// otherTool returns ErrManagedElsewhere when the schema holds idem's tables (its
+// inbox) while idem's migrator recorded none of its migrations; it is called only
+// then. It names the tool whose version table it finds, in the schema first, then
+// in search_path.
+func (m *Migrator) otherTool(ctx context.Context, tx pgx.Tx) error {
+	var has bool
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgschema.Table(m.schema, "inbox")).Scan(&has); err != nil || !has {
+		return err
+	}
+	for _, t := range otherTools {
+		for _, name := range []string{pgschema.Table(m.schema, t.table), pgschema.Quote(t.table)} {
+			var where *string
+			if err := tx.QueryRow(ctx, `SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+				WHERE c.oid = to_regclass($1)`, name).Scan(&where); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+				return err
+			}
+			if where == nil {
+				continue
+			}
+			table := *where + "." + t.table // plain identifiers (pgschema.Valid, and the tools' names)
+			var version int64
+			if err := tx.QueryRow(ctx, fmt.Sprintf(t.version, pgschema.Table(*where, t.table))).Scan(&version); err != nil {
+				return fmt.Errorf("%w: schema %s holds idem's tables and %s, %s's version table, which could not be read: %v",
+					ErrManagedElsewhere, m.schema, table, t.name, err)
+			}
+			return fmt.Errorf("%w: schema %s is managed by %s: its table %s is at version %d, and idem's migrator has no record of its own (%s.idem_migrations), so it would apply every migration again; %s (docs/migrations.md)",
+				ErrManagedElsewhere, m.schema, t.name, table, version, m.schema, fmt.Sprintf(t.instead, m.schema))
+		}
+	}
+	return fmt.Errorf("%w: schema %s holds idem's tables, but idem's migrator has no record of its own (%s.idem_migrations) and no goose_db_version or schema_migrations table is found, in the schema or in search_path: another tool or a person applied them; migrate it with that tool, keeping one tool per schema (docs/migrations.md)",
+		ErrManagedElsewhere, m.schema, m.schema)
 }
 
 func (m *Migrator) render(sql string) string {

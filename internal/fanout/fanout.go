@@ -23,6 +23,7 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/promreg"
+	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -175,6 +176,19 @@ func Collect[T, R any](s *Set[T], fn func(i int, p T) (R, error)) ([]R, []error)
 // nil reg).
 func Label(sh shard.Shard, log *slog.Logger, reg prometheus.Registerer) (*slog.Logger, prometheus.Registerer) {
 	return log.With("shard", sh.Name), promreg.Shard(reg, sh.Name)
+}
+
+// SchemaTargets are the databases a front checks at start (schemacheck.Start):
+// every shard of m, named, or db and schema when m is nil.
+func SchemaTargets(m *shard.Map, db schemacheck.Beginner, schema string) []schemacheck.Target {
+	if m == nil {
+		return []schemacheck.Target{{DB: db, Schema: schema}}
+	}
+	out := make([]schemacheck.Target, 0, len(m.Shards))
+	for _, s := range m.Shards {
+		out = append(out, schemacheck.Target{Shard: s.Name, DB: s.Pool, Schema: s.SchemaName()})
+	}
+	return out
 }
 
 // ValidateDB checks the database a config hands over, the same way in every

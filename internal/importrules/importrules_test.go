@@ -70,13 +70,14 @@ func violations(pkgs map[string]pkg) []string {
 		}
 	}
 	// The adapters import only the standard library, Watermill, their own client
-	// library, the OpenTelemetry API and idem's internal leaves.
+	// library, the OpenTelemetry API, the Prometheus client (metrics on the
+	// Registerer a config takes) and idem's internal leaves.
 	clients := map[string][]string{
 		"adapters/kafka": {"github.com/segmentio/kafka-go"},
 		"adapters/nats":  {"github.com/nats-io/nats.go"},
 	}
 	for name, client := range clients {
-		ok := append([]string{"github.com/ThreeDotsLabs/watermill", "go.opentelemetry.io/otel"}, client...)
+		ok := append([]string{"github.com/ThreeDotsLabs/watermill", "go.opentelemetry.io/otel", "github.com/prometheus/client_golang"}, client...)
 		for _, imp := range pkgs[name].Imports {
 			switch {
 			case standard(imp), strings.HasPrefix(imp, module+"/internal/"):

@@ -24,7 +24,7 @@ var (
 	// ErrMissing is returned when idem's tables, or a column a newer migration
 	// adds, do not exist in the schema: the migrations have not run. It is not
 	// permanent: a message is nacked, and works once the schema exists.
-	ErrMissing = errcode.Transient("schema_missing", "idem tables not found: run `idem migrate up` (or migrate.Migrator.Up) first")
+	ErrMissing = errcode.Transient("schema_missing", "idem's tables, or a newer migration of them, are missing: run `idem migrate up` (or migrate.Migrator.Up) first")
 )
 
 // Valid reports whether name follows the rule ^[a-z_][a-z0-9_]{0,62}$, without the
@@ -67,7 +67,7 @@ func Table(schema, table string) string { return pgx.Identifier{schema, table}.S
 // idem's columns, so the schema lacks a newer migration that this binary needs).
 // Other errors, and nil, come back as they are.
 func Wrap(err error, schema string) error {
-	switch sqlState(err) {
+	switch SQLState(err) {
 	case "42P01", "3F000":
 		return fmt.Errorf("%w (schema %q): %v", ErrMissing, schema, err)
 	case "42703":
@@ -76,8 +76,8 @@ func Wrap(err error, schema string) error {
 	return err
 }
 
-// sqlState is the SQLSTATE of a Postgres error in err's chain, or "".
-func sqlState(err error) string {
+// SQLState is the SQLSTATE of a Postgres error in err's chain, or "".
+func SQLState(err error) string {
 	var pgErr interface{ SQLState() string }
 	if errors.As(err, &pgErr) {
 		return pgErr.SQLState()

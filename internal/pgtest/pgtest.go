@@ -273,3 +273,15 @@ func Count(tb testing.TB, db interface {
 	}
 	return n
 }
+
+// ApplyMigrations applies idem's migrations from to to (both included, 1-based),
+// the files as they are, into the schema of pool's search_path, as a migration
+// tool of one's own applies them; 1 to n makes a schema at an older level.
+func ApplyMigrations(tb testing.TB, pool *pgxpool.Pool, from, to int) {
+	tb.Helper()
+	for _, mig := range migrate.Migrations()[from-1 : to] {
+		if _, err := pool.Exec(context.Background(), mig.Up); err != nil {
+			fatalf(tb, "apply migration %03d_%s: %v", mig.Version, mig.Name, err)
+		}
+	}
+}

@@ -58,6 +58,9 @@ func allowList(schema string) []allowed {
 		{why: "unfiltered Dispatcher: claim", multi: true, re: `^WITH want AS \( .*next_attempt_at <= now\(\) ORDER BY .* WHERE e\.ctid = due\.row RETURNING .*$`},
 		{why: "mixed-tenant outcome batch", multi: true, re: `^UPDATE ` + effectsT + ` e SET .* WHERE e\.tenant = d\.tenant AND .* RETURNING d\.i$`},
 		{why: "mixed-tenant outcome batch, retried", multi: true, rare: true, re: `^WITH d AS \( SELECT \* FROM unnest.* ON e\.tenant = d\.tenant AND .*$`},
+		// consumer.New, effects.NewDispatcher and httpidem.New check the schema once:
+		// the catalog only, no idem table.
+		{why: "start-up check of the schema's migration level", re: `^SELECT EXISTS \(SELECT 1 FROM pg_catalog\.pg_namespace WHERE nspname = \$1\), ARRAY\[EXISTS \(SELECT 1 FROM pg_catalog\..*\]$`},
 		// Wake-ups and the pending gauge: LISTEN/NOTIFY name a channel, the gauge
 		// counts every tenant's pending effects.
 		{why: "LISTEN for new effects", re: `^LISTEN idem_effects$`},
