@@ -96,8 +96,9 @@ type AuditQuery struct {
 	//
 	// Use BusinessSQL when the business rows are in the audited database.
 	// BusinessCount is for rows elsewhere (another database, a shard map, memory):
-	// it is called before the snapshot is taken, so a commit in between shows as
-	// parts that disagree, never as a report that is OK (see Report.Inconsistent).
+	// it is called before the snapshot is taken, so a consumer commit in between
+	// shows as a key not committed yet, and business rows that run ahead of the
+	// inbox as parts that disagree (Report.Inconsistent): either report is not OK.
 	BusinessCount func(ctx context.Context) (map[string]int, error)
 	BusinessSQL   string
 
