@@ -12,6 +12,7 @@ import (
 
 	"cmp"
 
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
 )
 
@@ -20,12 +21,24 @@ type Querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
+// ErrNotOneSnapshot is returned by Report when its Querier cannot begin a
+// transaction (it is not a pool or a connection) and is not a REPEATABLE READ or
+// SERIALIZABLE transaction: each of the report's queries would read its own
+// snapshot. Give the Auditor a pool, or a transaction begun with
+// pgx.TxOptions{IsoLevel: pgx.RepeatableRead}.
+var ErrNotOneSnapshot = errcode.Permanent("audit_not_one_snapshot",
+	"chaos: the Auditor's Querier is a READ COMMITTED transaction, so each query would read its own snapshot: give the Auditor a pool, or a transaction begun with pgx.TxOptions{IsoLevel: pgx.RepeatableRead}")
+
 // Auditor reads idem's inbox and effects tables, and the counts a test supplies,
 // and says whether every message committed once and every effect was carried out.
+// A report's reads of its database are one snapshot (see Report).
 type Auditor struct {
 	db      Querier
 	schema  string
 	queries auditQueries
+	// betweenReads, when set (by tests), runs after a report has read the inbox
+	// and before it reads the business rows.
+	betweenReads func()
 }
 
 // DefaultSchema holds the idem tables unless AuditorConfig.Schema says otherwise.
@@ -33,7 +46,9 @@ const DefaultSchema = pgschema.Default
 
 // AuditorConfig says which idem tables an Auditor reads.
 type AuditorConfig struct {
-	// Pool runs the Auditor's queries: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+	// Pool runs the Auditor's queries: a *pgxpool.Pool or a *pgx.Conn, on which
+	// each report begins a REPEATABLE READ, READ ONLY transaction, or a pgx.Tx at
+	// REPEATABLE READ or SERIALIZABLE, whose snapshot every report reads.
 	// Required.
 	Pool Querier
 	// Schema holds the idem tables (DefaultSchema when empty).
@@ -75,10 +90,22 @@ type AuditQuery struct {
 	// BusinessCount returns, per key, how many times the business operation
 	// committed (for example, ledger rows per payment). It is the ground truth for
 	// "committed once". BusinessSQL is the same as a query returning (key text,
-	// count bigint); it is your own SQL, run as it is. Set at most one. Without
-	// either, the inbox's completed rows stand in for business commits.
+	// count bigint); it is your own SQL, run as it is, in the report's snapshot.
+	// Set at most one. Without either, the inbox's completed rows stand in for
+	// business commits.
+	//
+	// Use BusinessSQL when the business rows are in the audited database.
+	// BusinessCount is for rows elsewhere (another database, a shard map, memory):
+	// it is called before the snapshot is taken, so a consumer commit in between
+	// shows as a key not committed yet, and business rows that run ahead of the
+	// inbox as parts that disagree (Report.Inconsistent): either report is not OK.
 	BusinessCount func(ctx context.Context) (map[string]int, error)
 	BusinessSQL   string
+
+	// WithoutInbox says the consumer keeps no idem inbox (a peer such as
+	// Watermill's Deduplicator): the inbox is not read, and business commits are
+	// not checked against inbox rows.
+	WithoutInbox bool
 
 	// EffectKind and EffectKey name the effect each expected key must have made:
 	// kind EffectKind with key EffectKey(key), for example "email" and
@@ -94,14 +121,18 @@ type AuditQuery struct {
 	// Sends returns, per effect key, how many times the outside world received
 	// the effect (for example, emails per Message-ID at an SMTP receiver). More
 	// than one is possible when a sender was killed mid-send; none, for a done
-	// effect, is a lost effect.
+	// effect, is a lost effect. It is called after the snapshot: a send comes
+	// before its effect is marked done, so every effect done in the snapshot was
+	// sent before the call.
 	Sends func(ctx context.Context) (map[string]int, error)
 
 	// Deliveries is how many deliveries the consumer saw (for example
 	// Subscriber.Stats().Delivered) and DuplicatesSuppressed how many of them it
 	// turned into duplicates (idem_inbox_duplicates_total). The Auditor cannot
 	// read either from Postgres; they are printed as given, and a negative value
-	// prints as "-" (not measured).
+	// prints as "-" (not measured). They are values, read when the query is
+	// built: for Settled, set them on the report it returns (Report.Deliveries),
+	// read once the run has settled.
 	Deliveries           int64
 	DuplicatesSuppressed int64
 }
@@ -128,6 +159,13 @@ type Report struct {
 	Lost int
 	// Unexpected counts keys that committed but were not expected.
 	Unexpected int
+	// Inconsistent counts expected keys whose parts disagree: a business commit
+	// with no completed inbox row (unless AuditQuery.WithoutInbox), or an effect
+	// row with no business commit. An idem consumer writes all three in one
+	// transaction, so one snapshot of its database never shows either; a
+	// BusinessCount read at another moment, or from a database the consumer does
+	// not commit to, can. Such a report is not OK.
+	Inconsistent int
 
 	// The consumer's effects, by state.
 	EffectsDone, EffectsDead, EffectsPending int
@@ -140,13 +178,15 @@ type Report struct {
 	// SendsTotal is every send counted.
 	SendsTotal int
 
-	// Up to ten keys of each failure, for the error message.
-	LostKeys, DuplicatedKeys, MissingEffectKeys, MissingSendKeys []string
+	// Up to ten keys of each failure, for the error message; InconsistentKeys
+	// say which parts disagree ("k: committed 1, inbox row none").
+	LostKeys, DuplicatedKeys, MissingEffectKeys, MissingSendKeys, InconsistentKeys []string
 
 	businessKnown, effectsKnown, sendsKnown bool
 }
 
-// OK reports whether nothing was lost and nothing committed twice.
+// OK reports whether nothing was lost, nothing committed twice, no effect is
+// missing and the report's parts agree.
 func (r Report) OK() bool { return r.Err() == nil }
 
 // DuplicatesDelivered is how many deliveries the consumer saw beyond one per
@@ -176,6 +216,10 @@ func (r Report) Err() error {
 	if r.SendsMissing > 0 {
 		errs = append(errs, fmt.Errorf("%d effects never received (e.g. %s)", r.SendsMissing, strings.Join(r.MissingSendKeys, ", ")))
 	}
+	if r.Inconsistent > 0 {
+		errs = append(errs, fmt.Errorf("%d keys whose business commit, inbox row and effect row disagree, so they were not read at one moment (e.g. %s)",
+			r.Inconsistent, strings.Join(r.InconsistentKeys, "; ")))
+	}
 	if len(errs) == 0 {
 		return nil
 	}
@@ -186,7 +230,12 @@ func (r Report) Err() error {
 // still processing.
 func (r Report) Settled() bool { return r.EffectsPending == 0 && r.InboxProcessing == 0 }
 
-// Report audits once.
+// Report audits once. Its reads of the audited database (the inbox, BusinessSQL
+// and the effects) are one snapshot: one REPEATABLE READ, READ ONLY transaction
+// on a pool or connection, or the snapshot of the pgx.Tx the Auditor was given
+// (ErrNotOneSnapshot if that is READ COMMITTED). BusinessCount is called before
+// the snapshot and Sends after it. Keys whose parts disagree make the report not
+// OK (Report.Inconsistent).
 func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 	if q.BusinessCount != nil && q.BusinessSQL != "" {
 		return Report{}, errors.New("chaos: set BusinessCount or BusinessSQL, not both")
@@ -196,7 +245,32 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 	}
 	r := Report{Consumer: q.Consumer, Deliveries: q.Deliveries, DuplicatesSuppressed: q.DuplicatesSuppressed}
 
-	inbox, err := a.inboxStates(ctx, q)
+	var business map[string]int
+	var err error
+	if q.BusinessCount != nil {
+		if business, err = q.BusinessCount(ctx); err != nil {
+			return r, fmt.Errorf("chaos: business count: %w", err)
+		}
+	}
+	inbox := map[string]string{}
+	var effects effectStates
+	err = a.inSnapshot(ctx, func(db Querier) error {
+		if !q.WithoutInbox {
+			if inbox, err = a.inboxStates(ctx, db, q); err != nil {
+				return err
+			}
+		}
+		if a.betweenReads != nil {
+			a.betweenReads()
+		}
+		if q.BusinessSQL != "" {
+			if business, err = keyCounts(ctx, db, q.BusinessSQL); err != nil {
+				return fmt.Errorf("chaos: business count: %w", err)
+			}
+		}
+		effects, err = a.effectStates(ctx, db, q)
+		return err
+	})
 	if err != nil {
 		return r, err
 	}
@@ -209,17 +283,6 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 		case "processing":
 			r.InboxProcessing++
 		}
-	}
-
-	var business map[string]int
-	switch {
-	case q.BusinessCount != nil:
-		business, err = q.BusinessCount(ctx)
-	case q.BusinessSQL != "":
-		business, err = a.keyCounts(ctx, q.BusinessSQL)
-	}
-	if err != nil {
-		return r, fmt.Errorf("chaos: business count: %w", err)
 	}
 	r.businessKnown = business != nil
 	if !r.businessKnown {
@@ -264,10 +327,6 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 		}
 	}
 
-	effects, err := a.effectStates(ctx, q)
-	if err != nil {
-		return r, err
-	}
 	for _, e := range effects.bySource {
 		switch e {
 		case "done":
@@ -300,17 +359,20 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 			continue
 		}
 		seen[k] = true
+		st, hasEffect := "", false
+		if q.EffectKey != nil {
+			st, hasEffect = effects.byKey[q.EffectKey(k)]
+		}
+		if why := disagreement(q, k, business[k], inbox[k], st, hasEffect); why != "" {
+			r.Inconsistent++
+			r.InconsistentKeys = sample(r.InconsistentKeys, why)
+		}
 		if inbox[k] == "failed" && business[k] == 0 {
 			continue // a recorded permanent failure makes no effect
 		}
-		st := ""
-		if q.EffectKey != nil {
-			ek := q.EffectKey(k)
-			var ok bool
-			if st, ok = effects.byKey[ek]; !ok {
-				r.EffectsMissing++
-				r.MissingEffectKeys = sample(r.MissingEffectKeys, ek)
-			}
+		if q.EffectKey != nil && !hasEffect {
+			r.EffectsMissing++
+			r.MissingEffectKeys = sample(r.MissingEffectKeys, q.EffectKey(k))
 		}
 		if sends == nil || sendKey == nil {
 			continue
@@ -326,6 +388,52 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 		}
 	}
 	return r, nil
+}
+
+// disagreement says how key k's parts disagree, or returns "": an idem consumer
+// commits a key's business rows, its completed inbox row and its effect rows in
+// one transaction, so each of them is there exactly when the others are.
+// Committed n times, the key needs a completed inbox row (unless the consumer
+// has none); not committed, it has no effect row. A completed inbox row with no
+// commit is already a lost key, and a commit with no effect row a missing
+// effect.
+func disagreement(q AuditQuery, k string, n int, inboxState, effectState string, hasEffect bool) string {
+	switch {
+	case n > 0 && !q.WithoutInbox && inboxState != "completed":
+		return fmt.Sprintf("%s: committed %d, inbox row %s", k, n, cmp.Or(inboxState, "none"))
+	case n == 0 && hasEffect:
+		return fmt.Sprintf("%s: not committed, effect %s %s", k, q.EffectKey(k), effectState)
+	}
+	return ""
+}
+
+// inSnapshot runs read with a Querier whose queries all read one snapshot of
+// the Auditor's database.
+func (a *Auditor) inSnapshot(ctx context.Context, read func(db Querier) error) error {
+	if b, ok := a.db.(interface {
+		BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+	}); ok {
+		tx, err := b.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+		if err != nil {
+			return fmt.Errorf("chaos: begin the audit's snapshot: %w", err)
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+		return read(tx)
+	}
+	// A transaction the caller began: its isolation decides whether it is one
+	// snapshot.
+	rows, err := a.db.Query(ctx, `SELECT current_setting('transaction_isolation')`)
+	if err != nil {
+		return fmt.Errorf("chaos: read the audit's isolation: %w", err)
+	}
+	iso, err := pgx.CollectExactlyOneRow(rows, pgx.RowTo[string])
+	if err != nil {
+		return fmt.Errorf("chaos: read the audit's isolation: %w", err)
+	}
+	if iso != "repeatable read" && iso != "serializable" {
+		return ErrNotOneSnapshot
+	}
+	return read(a.db)
 }
 
 // Sum adds up reports of disjoint key sets: the tenants of a run, or the shards of
@@ -350,6 +458,7 @@ func Sum(consumer string, reports ...Report) Report {
 		s.Failed += r.Failed
 		s.Lost += r.Lost
 		s.Unexpected += r.Unexpected
+		s.Inconsistent += r.Inconsistent
 		s.EffectsDone += r.EffectsDone
 		s.EffectsDead += r.EffectsDead
 		s.EffectsPending += r.EffectsPending
@@ -369,6 +478,9 @@ func Sum(consumer string, reports ...Report) Report {
 		}
 		for _, k := range r.MissingSendKeys {
 			s.MissingSendKeys = sample(s.MissingSendKeys, k)
+		}
+		for _, k := range r.InconsistentKeys {
+			s.InconsistentKeys = sample(s.InconsistentKeys, k)
 		}
 		s.businessKnown = s.businessKnown && r.businessKnown
 		s.effectsKnown = s.effectsKnown && r.effectsKnown
@@ -401,9 +513,11 @@ type SettleOptions struct {
 	Quiet time.Duration
 }
 
-// Settled audits until the run is settled (nothing pending or processing, and
-// nothing lost or missing), or its figures stop changing for opts.Quiet, or ctx
-// ends. It returns the last report, and ctx's error in the last case.
+// Settled audits until the run is settled (nothing pending or processing) with a
+// report that is OK, or its figures stop changing for opts.Quiet, or ctx ends. It
+// returns the last report, and ctx's error in the last case. A report whose parts
+// disagree is not OK, so it ends Settled only through Quiet, and then as a
+// failing report that says which keys disagree.
 func (a *Auditor) Settled(ctx context.Context, q AuditQuery, opts SettleOptions) (Report, error) {
 	poll := opts.Poll
 	if poll <= 0 {
@@ -439,8 +553,8 @@ func (a *Auditor) Settled(ctx context.Context, q AuditQuery, opts SettleOptions)
 }
 
 func sameFigures(a, b Report) bool {
-	a.LostKeys, a.DuplicatedKeys, a.MissingEffectKeys, a.MissingSendKeys = nil, nil, nil, nil
-	b.LostKeys, b.DuplicatedKeys, b.MissingEffectKeys, b.MissingSendKeys = nil, nil, nil, nil
+	a.LostKeys, a.DuplicatedKeys, a.MissingEffectKeys, a.MissingSendKeys, a.InconsistentKeys = nil, nil, nil, nil, nil
+	b.LostKeys, b.DuplicatedKeys, b.MissingEffectKeys, b.MissingSendKeys, b.InconsistentKeys = nil, nil, nil, nil, nil
 	return fmt.Sprint(a) == fmt.Sprint(b)
 }
 
@@ -500,6 +614,7 @@ func FormatReports(titles []string, reports ...Report) string {
 	add("failed (recorded)", num(func(r Report) int { return r.Failed }))
 	add("lost !", num(func(r Report) int { return r.Lost }))
 	add("unexpected keys", num(func(r Report) int { return r.Unexpected }))
+	add("parts disagree !", num(func(r Report) int { return r.Inconsistent }))
 	add("inbox completed/failed/processing", func(r Report) string {
 		return fmt.Sprintf("%d/%d/%d", r.InboxCompleted, r.InboxFailed, r.InboxProcessing)
 	})
@@ -555,8 +670,8 @@ func newAuditQueries(schema string) auditQueries {
 	}
 }
 
-func (a *Auditor) inboxStates(ctx context.Context, q AuditQuery) (map[string]string, error) {
-	rows, err := a.db.Query(ctx, a.queries.inbox, q.Consumer, q.Tenant)
+func (a *Auditor) inboxStates(ctx context.Context, db Querier, q AuditQuery) (map[string]string, error) {
+	rows, err := db.Query(ctx, a.queries.inbox, q.Consumer, q.Tenant)
 	if err != nil {
 		return nil, fmt.Errorf("chaos: read inbox: %w", err)
 	}
@@ -574,10 +689,10 @@ type effectStates struct {
 	byKey    map[string]string    // key -> state, of the expected kind in the audited tenant
 }
 
-func (a *Auditor) effectStates(ctx context.Context, q AuditQuery) (effectStates, error) {
+func (a *Auditor) effectStates(ctx context.Context, db Querier, q AuditQuery) (effectStates, error) {
 	es := effectStates{bySource: map[[2]string]string{}, byKey: map[string]string{}}
 	var kind, key, st string
-	rows, err := a.db.Query(ctx, a.queries.effectsBySource, q.Consumer, q.Tenant)
+	rows, err := db.Query(ctx, a.queries.effectsBySource, q.Consumer, q.Tenant)
 	if err == nil {
 		_, err = pgx.ForEachRow(rows, []any{&kind, &key, &st}, func() error {
 			es.bySource[[2]string{kind, key}] = st
@@ -585,7 +700,7 @@ func (a *Auditor) effectStates(ctx context.Context, q AuditQuery) (effectStates,
 		})
 	}
 	if err == nil && q.EffectKind != "" {
-		rows, err = a.db.Query(ctx, a.queries.effectsByKind, q.EffectKind, q.Tenant)
+		rows, err = db.Query(ctx, a.queries.effectsByKind, q.EffectKind, q.Tenant)
 		if err == nil {
 			_, err = pgx.ForEachRow(rows, []any{&kind, &key, &st}, func() error {
 				es.byKey[key] = st
@@ -600,8 +715,8 @@ func (a *Auditor) effectStates(ctx context.Context, q AuditQuery) (effectStates,
 }
 
 // keyCounts runs a query returning (key, count).
-func (a *Auditor) keyCounts(ctx context.Context, sql string) (map[string]int, error) {
-	rows, err := a.db.Query(ctx, sql)
+func keyCounts(ctx context.Context, db Querier, sql string) (map[string]int, error) {
+	rows, err := db.Query(ctx, sql)
 	if err != nil {
 		return nil, err
 	}

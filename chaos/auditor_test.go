@@ -3,10 +3,13 @@ package chaos_test
 import (
 	"context"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/chaos"
+	"github.com/idemkit/idem/internal/errcode"
 )
 
 func TestAuditorRejectsBadSchema(t *testing.T) {
@@ -138,4 +141,159 @@ func TestReportDuplicatesDelivered(t *testing.T) {
 	require.EqualValues(t, -1, unmeasured.DuplicatesDelivered())
 	table := chaos.FormatReports([]string{"idem", "other"}, idem, unmeasured)
 	require.Regexp(t, `(?m)^duplicates delivered +155 +-$`, table)
+}
+
+// writePayments writes, in tx, the rows an idem consumer commits for each key:
+// the completed inbox row, the ledger row and the email effect, done.
+func writePayments(ctx context.Context, t *testing.T, tx pgx.Tx, keys []string) {
+	t.Helper()
+	for _, sql := range []string{
+		`INSERT INTO inbox (consumer, key, fingerprint, state, expires_at)
+			SELECT 'payments', k, '\x00', 'completed', now() + interval '1 day' FROM unnest($1::text[]) AS k`,
+		`INSERT INTO ledger (key, payload) SELECT k, '' FROM unnest($1::text[]) AS k`,
+		`INSERT INTO effects (kind, key, fingerprint, state, source_consumer, source_tenant, source_key)
+			SELECT 'email', 'receipt:' || k, '\x00', 'done', 'payments', '', k FROM unnest($1::text[]) AS k`,
+	} {
+		_, err := tx.Exec(ctx, sql, keys)
+		require.NoError(t, err)
+	}
+}
+
+// A report reads one snapshot: a consumer's transaction that commits after the
+// report has read the inbox and before it reads the ledger is in none of the
+// report's figures. Read in separate queries, the report said inbox 0/0/0 next
+// to committed once 20, and OK.
+func TestReportIsOneSnapshot(t *testing.T) {
+	t.Parallel()
+	pool, schema := setupPayments(t, 4)
+	ctx := context.Background()
+	keys := paymentKeys(20)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	writePayments(ctx, t, tx, keys)
+
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
+	require.NoError(t, err)
+	commits := 0
+	chaos.SetBetweenReads(a, func() {
+		if commits++; commits == 1 {
+			require.NoError(t, tx.Commit(ctx))
+		}
+	})
+	q := auditQuery(idemTransactional, keys, -1, -1)
+	rep, err := a.Report(ctx, q)
+	require.NoError(t, err)
+	t.Logf("\n%s", rep)
+	require.Equal(t, 1, commits, "the consumer committed between the report's reads")
+	require.Equal(t, [3]int{0, 0, 0}, [3]int{rep.InboxCompleted, rep.InboxFailed, rep.InboxProcessing})
+	require.Equal(t, [3]int{0, 0, 20}, [3]int{rep.CommittedOnce, rep.CommittedTwice, rep.Lost})
+	require.Equal(t, [2]int{0, 20}, [2]int{rep.EffectsDone, rep.EffectsMissing})
+	require.Zero(t, rep.Inconsistent)
+	require.False(t, rep.OK())
+
+	rep, err = a.Report(ctx, q)
+	require.NoError(t, err)
+	require.Equal(t, [3]int{20, 0, 0}, [3]int{rep.InboxCompleted, rep.InboxFailed, rep.InboxProcessing})
+	require.Equal(t, [4]int{20, 0, 0, 20}, [4]int{rep.CommittedOnce, rep.Lost, rep.EffectsMissing, rep.EffectsDone})
+	require.True(t, rep.OK(), "%v", rep.Err())
+
+	// A transaction the caller gives the Auditor must be one snapshot itself.
+	rc, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = rc.Rollback(ctx) }()
+	inTx, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: rc, Schema: schema})
+	require.NoError(t, err)
+	_, err = inTx.Report(ctx, q)
+	require.ErrorIs(t, err, chaos.ErrNotOneSnapshot)
+	require.Equal(t, "audit_not_one_snapshot", errcode.Code(err))
+	rr, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	require.NoError(t, err)
+	defer func() { _ = rr.Rollback(ctx) }()
+	inTx, err = chaos.NewAuditor(chaos.AuditorConfig{Pool: rr, Schema: schema})
+	require.NoError(t, err)
+	rep, err = inTx.Report(ctx, q)
+	require.NoError(t, err)
+	require.Equal(t, [2]int{20, 20}, [2]int{rep.InboxCompleted, rep.CommittedOnce})
+}
+
+// Settled never accepts a report whose parts disagree. A BusinessCount reads
+// another moment than the snapshot (here: ledger rows committed before the
+// consumer's inbox rows, as with business rows on a database of their own), so
+// the first reports see 20 commits and no inbox row: not OK, with the keys that
+// disagree. Settled returns the first report whose parts agree.
+func TestSettledRefusesPartsThatDisagree(t *testing.T) {
+	t.Parallel()
+	pool, schema := setupPayments(t, 4)
+	ctx := context.Background()
+	keys := paymentKeys(20)
+	_, err := pool.Exec(ctx, `INSERT INTO ledger (key, payload) SELECT k, '' FROM unnest($1::text[]) AS k`, keys)
+	require.NoError(t, err)
+
+	calls := 0
+	q := chaos.AuditQuery{
+		Consumer: consumerName, ExpectedKeys: keys, Deliveries: -1, DuplicatesSuppressed: -1,
+		BusinessCount: func(ctx context.Context) (map[string]int, error) {
+			counts, err := keyCounts(ctx, pool, ledgerCounts)
+			if calls++; calls == 3 { // the inbox rows commit after the count was read
+				_, err := pool.Exec(ctx, `INSERT INTO inbox (consumer, key, fingerprint, state, expires_at)
+					SELECT 'payments', k, '\x00', 'completed', now() + interval '1 day' FROM unnest($1::text[]) AS k`, keys)
+				require.NoError(t, err)
+			}
+			return counts, err
+		},
+	}
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
+	require.NoError(t, err)
+	rep, err := a.Report(ctx, q)
+	require.NoError(t, err)
+	t.Logf("\n%s", rep)
+	require.Equal(t, [3]int{0, 0, 0}, [3]int{rep.InboxCompleted, rep.InboxFailed, rep.InboxProcessing})
+	require.Equal(t, [2]int{20, 0}, [2]int{rep.CommittedOnce, rep.Lost})
+	require.Equal(t, 20, rep.Inconsistent)
+	require.Len(t, rep.InconsistentKeys, 10)
+	require.Equal(t, keys[0]+": committed 1, inbox row none", rep.InconsistentKeys[0])
+	require.True(t, rep.Settled())
+	require.False(t, rep.OK())
+	require.ErrorContains(t, rep.Err(), "20 keys whose business commit, inbox row and effect row disagree")
+	require.Regexp(t, `(?m)^parts disagree ! +20$`, rep.String())
+
+	rep, err = a.Settled(ctx, q, chaos.SettleOptions{Poll: time.Millisecond})
+	require.NoError(t, err)
+	require.Equal(t, 3, calls, "the second report disagreed too; the third agrees")
+	require.Equal(t, [3]int{20, 0, 0}, [3]int{rep.InboxCompleted, rep.InboxFailed, rep.InboxProcessing})
+	require.Equal(t, [3]int{20, 0, 0}, [3]int{rep.CommittedOnce, rep.Lost, rep.Inconsistent})
+	require.True(t, rep.OK(), "%v", rep.Err())
+
+	// A peer keeps no inbox: its commits are not checked against one.
+	q.WithoutInbox = true
+	_, err = pool.Exec(ctx, `DELETE FROM inbox`)
+	require.NoError(t, err)
+	rep, err = a.Report(ctx, q)
+	require.NoError(t, err)
+	require.Equal(t, [2]int{20, 0}, [2]int{rep.CommittedOnce, rep.Inconsistent})
+	require.True(t, rep.OK(), "%v", rep.Err())
+}
+
+// A key that did not commit has no effect row: an effect of a message recorded
+// as failed (whose writes were rolled back) is a disagreement, not a pass.
+func TestReportRefusesAnEffectWithoutItsCommit(t *testing.T) {
+	t.Parallel()
+	pool, schema := setupPayments(t, 2)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `
+INSERT INTO inbox (consumer, key, fingerprint, state, expires_at) VALUES
+  ('payments', 'failed', '\x00', 'failed', now() + interval '1 day');
+INSERT INTO effects (kind, key, fingerprint, state, source_consumer, source_tenant, source_key) VALUES
+  ('email', 'receipt:failed', '\x00', 'done', 'payments', '', 'failed');`)
+	require.NoError(t, err)
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
+	require.NoError(t, err)
+	rep, err := a.Report(ctx, auditQuery(idemTransactional, []string{"failed"}, -1, -1))
+	require.NoError(t, err)
+	t.Logf("\n%s", rep)
+	require.Equal(t, [3]int{1, 0, 1}, [3]int{rep.Failed, rep.Lost, rep.EffectsDone})
+	require.Equal(t, 1, rep.Inconsistent)
+	require.Equal(t, []string{"failed: not committed, effect receipt:failed done"}, rep.InconsistentKeys)
+	require.False(t, rep.OK())
 }

@@ -18,7 +18,11 @@
 //     there: no deferred call runs, nothing is flushed, as with kill -9 or the OOM
 //     killer. Unarmed, it returns at once.
 //   - [Auditor] reads the idem inbox and effects tables and a business count you
-//     supply, and tells what committed once, twice, or never.
+//     supply, and tells what committed once, twice, or never. A report's reads of
+//     its database are one snapshot (one REPEATABLE READ, READ ONLY transaction),
+//     and a report whose parts disagree (a business commit without its completed
+//     inbox row, an effect row without its commit) is not OK, so
+//     [Auditor.Settled] never accepts it.
 //
 // # What it does not do
 //

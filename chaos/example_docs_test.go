@@ -27,25 +27,26 @@ func docCrashMiddlewareOrder(router *message.Router, idemConsumer *consumer.Cons
 	router.AddMiddleware(chaos.CrashMiddleware, idemConsumer.Middleware) // order matters: outside first
 }
 
-// docAudit runs an audit with every AuditQuery field set.
+// docAudit audits a run until it settles, then adds what only the process
+// counted: its deliveries and the duplicates it suppressed.
 func docAudit(ctx context.Context, t *testing.T, pool *pgxpool.Pool, ids []string, sub *chaos.Subscriber,
 	smtpReceiver interface {
 		CountsByMessageID(context.Context) (map[string]int, error)
-	}, idemDuplicatesCounter int64,
+	}, idemDuplicatesCounter func() int64,
 ) {
 	a, _ := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: "idem"})
 	rep, err := a.Settled(ctx, chaos.AuditQuery{
-		Consumer:             "payments",
-		ExpectedKeys:         ids,                                                  // what was published
-		BusinessSQL:          `SELECT payment_id, count(*) FROM ledger GROUP BY 1`, // the ground truth
-		EffectKind:           "email",
-		EffectKey:            func(k string) string { return "receipt:" + k },
-		Sends:                smtpReceiver.CountsByMessageID, // optional: what the world received
-		Deliveries:           sub.Stats().Delivered,
-		DuplicatesSuppressed: idemDuplicatesCounter, // idem_inbox_duplicates_total, or -1
+		Consumer:     "payments",
+		ExpectedKeys: ids,                                                  // what was published
+		BusinessSQL:  `SELECT payment_id, count(*) FROM ledger GROUP BY 1`, // the ground truth
+		EffectKind:   "email",
+		EffectKey:    func(k string) string { return "receipt:" + k },
+		Sends:        smtpReceiver.CountsByMessageID, // optional: what the world received
 	}, chaos.SettleOptions{})
 	require.NoError(t, err)
-	fmt.Print(rep) // an aligned table
+	rep.Deliveries = sub.Stats().Delivered             // counted once the run has settled
+	rep.DuplicatesSuppressed = idemDuplicatesCounter() // idem_inbox_duplicates_total, or -1
+	fmt.Print(rep)                                     // an aligned table
 	require.True(t, rep.OK(), "%v", rep.Err())
 }
 

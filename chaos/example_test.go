@@ -71,16 +71,16 @@ func Example() {
 		Consumer:     "payments",
 		ExpectedKeys: ids,
 		BusinessSQL:  `SELECT payment, count(*) FROM ledger GROUP BY 1`, // the ground truth
-		Deliveries:   sub.Stats().Delivered,
 	}, chaos.SettleOptions{})
 	if err != nil {
 		panic(err)
 	}
+	rep.Deliveries = sub.Stats().Delivered // read once the run has settled
 	fmt.Println("ok:", rep.OK(), "once:", rep.CommittedOnce, "twice:", rep.CommittedTwice, "lost:", rep.Lost)
-	fmt.Println("duplicates delivered:", sub.Stats().Duplicates > 0)
+	fmt.Println("inbox completed:", rep.InboxCompleted, "duplicates delivered:", rep.DuplicatesDelivered() > 0)
 	// Output:
 	// ok: true once: 20 twice: 0 lost: 0
-	// duplicates delivered: true
+	// inbox completed: 20 duplicates delivered: true
 }
 
 // exampleDB is the example's test plumbing: a pool on the test database

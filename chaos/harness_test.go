@@ -204,6 +204,7 @@ func auditQuery(f flavour, keys []string, deliveries, suppressed int64) chaos.Au
 	q := chaos.AuditQuery{
 		Consumer: consumerName, ExpectedKeys: keys, BusinessSQL: ledgerCounts,
 		SendKey: emailKey, Deliveries: deliveries, DuplicatesSuppressed: suppressed,
+		WithoutInbox: f == peerDeduplicator,
 	}
 	if f != peerDeduplicator {
 		q.EffectKind, q.EffectKey = "email", emailKey

@@ -190,10 +190,14 @@ func newEnqueueQueries(schema string) enqueueQueries {
 // (Config.Tenant), which its claim takes as $4.
 func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 	t := pgx.Identifier{schema, "effects"}.Sanitize()
-	// onlyTenant filters the claim's scan and its update on the Dispatcher's tenant.
-	var onlyTenant string
+	// onlyTenant filters the claim's scan on the Dispatcher's tenant; the scan
+	// returns each claimed row's tenant (claimedTenant), and the update keeps to
+	// rows of that tenant (sameTenant).
+	var onlyTenant, claimedTenant, sameTenant string
 	if oneTenant {
 		onlyTenant = " AND e.tenant = $4"
+		claimedTenant = ", e.tenant"
+		sameTenant = " AND e.tenant = due.tenant"
 	}
 	record := func(tenant string) string {
 		return `UPDATE ` + t + ` e
@@ -241,12 +245,17 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 		// follows it to the new version), the update does not see the new version
 		// and leaves the row unclaimed: it stays due, for the next claim. The outer
 		// LIMIT is redundant for the result and caps the planner's estimate of the
-		// rows out of the LATERAL.
+		// rows out of the LATERAL. A one-tenant claim's update compares each row's
+		// tenant with the tenant of the row it claimed (due.tenant), not with $4:
+		// given the constant, a custom plan (simple protocol, exec mode) whose
+		// statistics say the tenant has no effects (a new tenant's first burst)
+		// found it cheaper to read all the tenant's rows through the primary key
+		// and match each against every claimed ctid.
 		claim: `WITH want AS (
 				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
 			), due AS (
 				SELECT c.* FROM want CROSS JOIN LATERAL (
-					SELECT e.ctid AS row, e.in_flight, e.next_attempt_at
+					SELECT e.ctid AS row, e.in_flight, e.next_attempt_at` + claimedTenant + `
 					FROM ` + t + ` e
 					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + onlyTenant + `
 					ORDER BY e.next_attempt_at
@@ -259,7 +268,7 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
 				attempts = e.attempts + 1, in_flight = true
 			FROM due
-			WHERE e.ctid = due.row` + onlyTenant + `
+			WHERE e.ctid = due.row` + sameTenant + `
 			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
 				due.in_flight, e.created_at, extract(epoch FROM now() - due.next_attempt_at)::float8,
 				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),

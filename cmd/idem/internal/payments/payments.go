@@ -189,12 +189,13 @@ func PeerHandler(pool *pgxpool.Pool, schema string, sender effects.Sender) messa
 }
 
 // AuditQuery is the audit of a run that published keys. sends counts the emails
-// the receiver got, by effect key. peer is true for a run without idem (no effect
-// rows to match).
+// the receiver got, by effect key. peer is true for a run without idem (no inbox
+// rows and no effect rows to match).
 func AuditQuery(schema string, keys []string, sends func(context.Context) (map[string]int, error), peer bool) chaos.AuditQuery {
 	q := chaos.AuditQuery{
 		Consumer: Consumer, ExpectedKeys: keys, BusinessSQL: LedgerCountsSQL(schema),
 		SendKey: EmailKey, Sends: sends, Deliveries: -1, DuplicatesSuppressed: -1,
+		WithoutInbox: peer,
 	}
 	if !peer {
 		q.EffectKind, q.EffectKey = EmailKind, EmailKey
