@@ -12,3 +12,7 @@ func SetOnLeaseWait(m *Middleware, f func(r *http.Request)) { m.onLeaseWait = f 
 
 // ParseKey is parseKey, for the key syntax tests.
 var ParseKey = parseKey
+
+// DefaultFingerprint is the default fingerprint over opts (Config.Fields), for
+// tests that compute a key's fingerprint or wrap the default.
+var DefaultFingerprint = defaultFingerprint

@@ -27,7 +27,7 @@ func (m *Middleware) serveLease(q *request) {
 	ctx := q.r.Context()
 	cctx, span := m.startClaim(q)
 	start := time.Now()
-	res, err := m.store.LeaseResponse(cctx, m.cfg.Pool, q.claim, m.cfg.Lease)
+	res, err := m.store.LeaseResponse(cctx, m.cfg.Pool, q.claim, m.cfg.Lease.Duration)
 	if err == nil && !res.Claimed && !res.Mismatch && res.Existing.State == inbox.StateProcessing {
 		res, err = m.waitForLease(q, start)
 	}
@@ -60,7 +60,7 @@ func (m *Middleware) serveLease(q *request) {
 	// A fence above 1 means an earlier attempt held this key and never settled it.
 	if fence > 1 {
 		decision := "rerun"
-		if m.cfg.Recover != nil {
+		if m.cfg.Lease.Recover != nil {
 			var rerr error
 			resp, f, rerr = m.askRecover(q, tx, fence, onPanic)
 			switch {
@@ -102,7 +102,7 @@ func (m *Middleware) serveLease(q *request) {
 	m.settleLease(q, fence, tx, resp, outcome)
 }
 
-// askRecover asks Config.Recover about a stale key, with the request's transaction
+// askRecover asks Config.Lease.Recover about a stale key, with the request's transaction
 // in its context as a handler has it. A panic rolls back (onPanic) and panics on.
 // A response is judged as a handler's is: it cannot be used if the request's
 // context ended, nor if it is a success and the transaction is no longer open and
@@ -122,7 +122,7 @@ func (m *Middleware) askRecover(q *request, tx *connTx, fence int64, onPanic fun
 			}
 		}()
 		id := q.claim.ID
-		resp, err = m.cfg.Recover(hctx, Stale{Request: q.r, Operation: id.Consumer, Tenant: id.Tenant, Key: id.Key, Fence: fence})
+		resp, err = m.cfg.Lease.Recover(hctx, Stale{Request: q.r, Operation: id.Consumer, Tenant: id.Tenant, Key: id.Key, Fence: fence})
 	}()
 	switch {
 	case err != nil:
@@ -252,7 +252,7 @@ func (m *Middleware) waitForLease(q *request, start time.Time) (responseClaim, e
 		case <-time.After(min(pause, left)):
 		}
 		pause = min(2*pause, 200*time.Millisecond)
-		res, err := m.store.LeaseResponse(ctx, m.cfg.Pool, q.claim, m.cfg.Lease)
+		res, err := m.store.LeaseResponse(ctx, m.cfg.Pool, q.claim, m.cfg.Lease.Duration)
 		if err != nil || res.Claimed || res.Mismatch || res.Existing.State != inbox.StateProcessing {
 			return res, err
 		}

@@ -18,7 +18,6 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
@@ -36,7 +35,7 @@ type Middleware struct {
 	claimPrelude []string
 	// storedNames are cfg.StoredHeaders, canonical, sorted and unique.
 	storedNames []string
-	// fingerprint is DefaultFingerprint(cfg.Fields).
+	// fingerprint is defaultFingerprint(cfg.Fields).
 	fingerprint func(r *http.Request, body []byte) ([]byte, error)
 	// prepared, if set, are the statements of transactional mode's two round
 	// trips, sent through pgconn (see preparedStmts).
@@ -89,7 +88,7 @@ func New(cfg Config) (*Middleware, error) {
 	m := &Middleware{cfg: cfg, store: store, metrics: met, log: cfg.Logger,
 		tracer:       tracing.Tracer(cfg.TracerProvider),
 		claimPrelude: []string{beginSQL},
-		fingerprint:  DefaultFingerprint(cfg.Fields),
+		fingerprint:  defaultFingerprint(cfg.Fields),
 		storedNames:  storedNames(cfg.StoredHeaders),
 	}
 	if usePrepared(cfg.Pool.Config().ConnConfig) {
@@ -142,10 +141,6 @@ type bodyReader struct{ bytes.Reader }
 
 func (*bodyReader) Close() error { return nil }
 
-// ErrTxOwned is returned when the handler calls Commit or Rollback on the
-// transaction idem gave it. Its code is the consumer's for the same mistake.
-var ErrTxOwned = errcode.Transient("tx_owned", "the request's transaction belongs to httpidem: answer with a final status to commit, with any other status to roll back")
-
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
 func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 
@@ -173,11 +168,6 @@ func TxSafely(ctx context.Context) (pgx.Tx, error) {
 	}
 	return nil, ErrNoTx
 }
-
-// ErrNoTx is what Tx panics with, and TxSafely returns, for a context without
-// httpidem's transaction. Its code is the consumer's for the same mistake.
-var ErrNoTx = errcode.Transient("no_transaction", "no httpidem transaction in this context: httpidem's middleware is not around this handler (wrap it: mux.Handle(pattern, idem.Middleware(h))), "+
-	"or the request passed through untouched (a safe method), or ctx is not the request's (r.Context()); use httpidem.TxSafely where no transaction is expected")
 
 // KeyFrom returns the request's inbox identity (operation, tenant, key), for a
 // handler to pass on as the idempotency key of a provider it calls. The second
