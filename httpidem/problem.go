@@ -166,9 +166,3 @@ func problemResponse(code, detail string, retryAfter time.Duration) *Response {
 	}
 	return &Response{Status: p.Status, Header: h, Body: body}
 }
-
-// writeProblem answers with the problem for code.
-func writeProblem(w http.ResponseWriter, code, detail string, retryAfter time.Duration) {
-	w.Header().Del(ReplayedHeader)
-	writeResponse(w, problemResponse(code, detail, retryAfter), false)
-}
