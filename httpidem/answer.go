@@ -60,23 +60,29 @@ type request struct {
 	// holds one while a slow client reads its answer.
 	conn *connTx
 
-	// The answer: out is written (nil: nothing, the client went away), replayed
-	// marks a stored one, problem idem's own; outcome is counted with it ("":
-	// nothing counted).
-	out      *Response
+	// The answer: out is written if answered (not: the client went away; a copy,
+	// so that a replay's Response need not go to the heap), replayed marks a
+	// stored one, problem idem's own; outcome is counted with it ("": nothing
+	// counted).
+	out      Response
+	answered bool
 	replayed bool
 	problem  bool
 	outcome  string
 }
 
-// respond records resp as the answer, counted as outcome.
+// respond records resp as the answer (nil: none), counted as outcome.
 func (q *request) respond(outcome string, resp *Response, replayed bool) {
-	q.outcome, q.out, q.replayed, q.problem = outcome, resp, replayed, false
+	q.outcome, q.answered, q.replayed, q.problem = outcome, resp != nil, replayed, false
+	if resp != nil {
+		q.out = *resp
+	}
 }
 
 // fail records idem's problem for code as the answer, counted as outcome.
 func (q *request) fail(outcome, code, detail string, retryAfter time.Duration) {
-	q.outcome, q.out, q.replayed, q.problem = outcome, problemResponse(code, detail, retryAfter), false, true
+	q.respond(outcome, problemResponse(code, detail, retryAfter), false)
+	q.problem = true
 }
 
 // answer counts the request's outcome, gives its connection back and writes its
@@ -86,13 +92,13 @@ func (q *request) answer() {
 		q.e.metrics.op(q.claim.Consumer).requests[q.outcome].Inc()
 	}
 	q.release()
-	if q.out == nil {
+	if !q.answered {
 		return
 	}
 	if q.problem {
 		q.w.Header().Del(ReplayedHeader)
 	}
-	writeResponse(q.w, q.out, q.replayed)
+	writeResponse(q.w, &q.out, q.replayed)
 }
 
 // acquire returns q's connection, open and outside any transaction: the one q
