@@ -20,7 +20,8 @@ import (
 //
 // It reads each request, picks the part of its database (one database has one
 // part; with Config.Shards the request's tenant picks its shard's part), and walks
-// the request through that part: claim, run, settle, answer (serve).
+// the request through that part: claim its key, run the handler, settle (store the
+// answer and commit, or roll back), answer.
 type Middleware struct {
 	cfg   Config
 	log   *slog.Logger
