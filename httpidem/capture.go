@@ -9,13 +9,8 @@ import (
 	"slices"
 	"strconv"
 
-	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/inboxdb"
 )
-
-// ErrHijack is returned by Hijack: a handler behind idem cannot hijack the
-// connection, because its response is held until the commit.
-var ErrHijack = errcode.Permanent("hijack_refused", "a handler behind httpidem cannot hijack the connection (its response is held until the commit)")
 
 // recorder holds a handler's response until the transaction has committed: the
 // client must never see an answer whose work might still roll back.

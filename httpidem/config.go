@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -50,17 +51,13 @@ const (
 // where the first answer was not).
 var DefaultStoredHeaders = []string{"Content-Type", "Content-Encoding", "Content-Language", "Content-Location", "Location", "ETag", "Last-Modified", "Link", "Cache-Control"}
 
-// SensitiveHeaders carry credentials: Config.StoredHeaders may name them only with
+// sensitiveHeaders carry credentials: Config.StoredHeaders may name them only with
 // Config.StoreSensitiveHeaders set, since a stored answer is replayed to whoever
 // presents its key (in its scope) for as long as the key lives.
-var SensitiveHeaders = []string{"Authorization", "Proxy-Authorization", "Cookie", "Set-Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"}
+var sensitiveHeaders = []string{"Authorization", "Proxy-Authorization", "Cookie", "Set-Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"}
 
-// DefaultFinalStatus reports whether a status is final, and so stored and replayed:
-// 2xx and 3xx (except 304), 400 Bad Request and 422 Unprocessable Content, the
-// answers to a request that is itself wrong, which a retry can only repeat. Any
-// other status (5xx, 408, 409, 429, 401, 403, 404, …) is passed to the client, not
-// stored, and the handler's work is rolled back, so a retry runs again.
-func DefaultFinalStatus(status int) bool {
+// defaultFinalStatus is Config.FinalStatus's default (see there).
+func defaultFinalStatus(status int) bool {
 	switch {
 	case status >= 200 && status < 300, status >= 300 && status < 400 && status != http.StatusNotModified:
 		return true
@@ -92,6 +89,26 @@ type BodyReferencer interface {
 	// Body returns the body for a replay of the response stored with ref. An error
 	// answers the replay with 500 (replay_failed).
 	Body(ctx context.Context, ref string) ([]byte, error)
+}
+
+// Lease configures lease mode, for the routes that choose it (Route.Lease): the key
+// commits first as in progress, with a lease and a fence, for handlers that call a
+// provider themselves. See the package documentation for what it cannot promise.
+type Lease struct {
+	// Duration is the lease of a key (default 30 s). It must exceed the handler's
+	// longest run.
+	Duration time.Duration
+	// Recover decides what to do with a key whose lease ran out (see Stale). It
+	// runs in the request's transaction, as the handler does: Tx(ctx) writes the
+	// business rows that record what the provider did, effects.Enqueue(ctx, Tx(ctx),
+	// …) enqueues effects, and KeyFrom(ctx) gives the key. Return a Response to
+	// settle the key with it (you asked the provider and it had done the work): a
+	// success commits with Recover's writes, a final client error is stored after
+	// they roll back. Return nil to run the handler again, in the same transaction,
+	// after Recover's writes. An error (or a panic) rolls back, answers 503 and
+	// leaves the key to a later retry. Default: run again. Use Tx(ctx), not the
+	// pool: the request already holds a connection.
+	Recover func(ctx context.Context, s Stale) (*Response, error)
 }
 
 // Stale describes a key whose lease ran out (lease mode): an earlier attempt began
@@ -138,40 +155,57 @@ type Config struct {
 	// Route.KeyOptional sets it per route.
 	KeyOptional bool
 	// Operation names a request's operation, the inbox consumer its key lives
-	// under, so keys never collide across operations. Default: DefaultOperation,
-	// the method and the http.ServeMux pattern (r.Pattern). For another router,
-	// return its route template (chi: chi.RouteContext(r.Context()).RoutePattern()),
-	// never the raw path.
+	// under, so keys never collide across operations. Default: the method and the
+	// http.ServeMux pattern ("POST /payments/{id}/refunds"; a pattern that names
+	// its method is used as it is), and without a pattern (the middleware wraps the
+	// whole mux) the request is answered 500 (operation_unknown): wrap each route's
+	// handler, or set Operation. For another router, return its route template
+	// (chi: chi.RouteContext(r.Context()).RoutePattern()), never the raw path.
 	Operation func(r *http.Request) (string, error)
 	// Tenant scopes keys: it returns the authenticated principal's tenant, and two
 	// tenants' equal keys are two requests. An error, or an empty tenant, answers
 	// 400 (tenant_invalid) before anything runs; authenticate before this
 	// middleware. Set Tenant, or Unscoped: New refuses a config with neither
-	// (ErrScopeNotChosen). It must give a request the same tenant every time it
-	// is called: with Shards it is called once to pick the shard and again by
-	// that shard's middleware.
+	// (ErrScopeNotChosen). It is called once per request that is not passed
+	// through (a safe method); with Shards the tenant also picks the shard.
 	Tenant func(r *http.Request) (string, error)
 	// Unscoped puts every client's keys in one space, on purpose: a client that
 	// presents another client's key and request gets that client's stored answer.
 	// Choose it only where every caller may see every other caller's answers (one
 	// trusted client, or keys that are capabilities); otherwise set Tenant.
 	Unscoped bool
-	// Fingerprint, if set, replaces the default fingerprint (DefaultFingerprint over
-	// Fields). It gets a clone of the request without the Authorization, Cookie and
-	// key headers, and the body. An error answers 400 (fingerprint_failed).
+	// Fingerprint, if set, replaces the default fingerprint. It gets a clone of the
+	// request without the Authorization, Cookie and key headers, and the body. An
+	// error answers 400 (fingerprint_failed).
+	//
+	// The default is sha256 over the method, the escaped path, the query (its
+	// parameters sorted by name) and the body. A body that is JSON counts by its
+	// canonical form with exact numbers (inbox.Canonicalize, with the fields that
+	// Fields chooses), whatever its Content-Type says; a body that declares a JSON
+	// media type and is not JSON is answered 400 (body_not_json); a form counts by
+	// its fields sorted by name; any other body counts byte for byte, with its
+	// media type. Headers never count. The path is there because the operation is
+	// the route template: the same key and body on POST /accounts/1/payments and
+	// POST /accounts/2/payments are two different commands.
 	Fingerprint func(r *http.Request, body []byte) ([]byte, error)
-	// Fields chooses the JSON fields the default fingerprint covers.
+	// Fields chooses the JSON fields the default fingerprint covers. It does
+	// nothing with Fingerprint set, and Validate refuses it then.
 	Fields inbox.JSONOptions
 
-	// FinalStatus reports whether a status is stored and replayed (default
-	// DefaultFinalStatus). 5xx statuses are never final, whatever it says.
+	// FinalStatus reports whether a status is final, and so stored and replayed.
+	// The default: 2xx and 3xx (except 304), 400 Bad Request and 422 Unprocessable
+	// Content, the answers to a request that is itself wrong, which a retry can
+	// only repeat. Any other status (5xx, 408, 409, 429, 401, 403, 404, …) is
+	// passed to the client, not stored, and the handler's work is rolled back, so
+	// a retry runs again. 5xx statuses are never final, whatever it says.
 	FinalStatus func(status int) bool
 	// StoredHeaders are the response headers stored and replayed (default
-	// DefaultStoredHeaders). Content-Length is always computed. A header of
-	// SensitiveHeaders (Set-Cookie, Authorization, …) is refused
-	// (ErrSensitiveHeader) unless StoreSensitiveHeaders is set.
+	// DefaultStoredHeaders). Content-Length is always computed. A header that
+	// carries credentials (Set-Cookie, Authorization, …: see ErrSensitiveHeader) is
+	// refused (ErrSensitiveHeader) unless StoreSensitiveHeaders is set.
 	StoredHeaders []string
-	// StoreSensitiveHeaders lets StoredHeaders name SensitiveHeaders: a session
+	// StoreSensitiveHeaders lets StoredHeaders name headers that carry
+	// credentials: a session
 	// cookie or a token in an answer is then stored with the key and replayed to
 	// every retry in the key's scope until the key expires.
 	StoreSensitiveHeaders bool
@@ -195,20 +229,8 @@ type Config struct {
 	// Retention is how long keys and responses live (default 24 h).
 	Retention time.Duration
 
-	// Lease is the lease of a key in lease mode (default 30 s). It must exceed the
-	// handler's longest run.
-	Lease time.Duration
-	// Recover decides, in lease mode, what to do with a key whose lease ran out
-	// (see Stale). It runs in the request's transaction, as the handler does:
-	// Tx(ctx) writes the business rows that record what the provider did,
-	// effects.Enqueue(ctx, Tx(ctx), …) enqueues effects, and KeyFrom(ctx) gives the
-	// key. Return a Response to settle the key with it (you asked the provider and
-	// it had done the work): a success commits with Recover's writes, a final
-	// client error is stored after they roll back. Return nil to run the handler
-	// again, in the same transaction, after Recover's writes. An error (or a panic)
-	// rolls back, answers 503 and leaves the key to a later retry. Default: run
-	// again. Use Tx(ctx), not the pool: the request already holds a connection.
-	Recover func(ctx context.Context, s Stale) (*Response, error)
+	// Lease configures lease mode, for the routes that run in it (Route.Lease).
+	Lease Lease
 
 	// EffectKinds, if set, are the only kinds effects.Enqueue accepts in handlers.
 	EffectKinds []string
@@ -232,10 +254,10 @@ func (c Config) WithDefaults() Config {
 	}
 	c.KeyHeader = http.CanonicalHeaderKey(cmp.Or(c.KeyHeader, DefaultKeyHeader))
 	if c.Operation == nil {
-		c.Operation = DefaultOperation
+		c.Operation = defaultOperation
 	}
 	if c.FinalStatus == nil {
-		c.FinalStatus = DefaultFinalStatus
+		c.FinalStatus = defaultFinalStatus
 	}
 	if c.StoredHeaders == nil {
 		c.StoredHeaders = DefaultStoredHeaders
@@ -245,7 +267,7 @@ func (c Config) WithDefaults() Config {
 	c.LockTimeout = cmp.Or(c.LockTimeout, DefaultLockTimeout)
 	c.RetryAfter = cmp.Or(c.RetryAfter, DefaultRetryAfter)
 	c.Retention = cmp.Or(c.Retention, DefaultRetention)
-	c.Lease = cmp.Or(c.Lease, DefaultLease)
+	c.Lease.Duration = cmp.Or(c.Lease.Duration, DefaultLease)
 	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
@@ -256,7 +278,7 @@ func (c Config) WithDefaults() Config {
 // Tenant (or Unscoped) passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
+	if err := fanout.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.Shards != nil && c.Tenant == nil {
@@ -290,15 +312,18 @@ func (c Config) Validate() error {
 	if c.Retention < time.Minute {
 		return errcode.InvalidConfig("Retention %s is under a minute; it must exceed the longest time a client retries", c.Retention)
 	}
-	if c.Lease < 10*time.Millisecond {
-		return errcode.InvalidConfig("Lease %s is under 10 ms", c.Lease)
+	if c.Lease.Duration < 10*time.Millisecond {
+		return errcode.InvalidConfig("Lease.Duration %s is under 10 ms", c.Lease.Duration)
+	}
+	if c.Fingerprint != nil && (len(c.Fields.Include) > 0 || len(c.Fields.Exclude) > 0) {
+		return errcode.InvalidConfig("Fields chooses the default fingerprint's fields and does nothing with Fingerprint set (a fingerprint of your own): unset one")
 	}
 	for _, h := range c.StoredHeaders {
 		switch http.CanonicalHeaderKey(h) {
 		case "Content-Length", "Transfer-Encoding", "Connection", ReplayedHeader:
 			return errcode.InvalidConfig("StoredHeaders: %q is computed on every answer, never stored", h)
 		}
-		if !c.StoreSensitiveHeaders && slices.Contains(SensitiveHeaders, http.CanonicalHeaderKey(h)) {
+		if !c.StoreSensitiveHeaders && slices.Contains(sensitiveHeaders, http.CanonicalHeaderKey(h)) {
 			return fmt.Errorf("%w: StoredHeaders names %q", ErrSensitiveHeader, h)
 		}
 	}
@@ -312,9 +337,10 @@ type Route struct {
 	Operation string
 	// KeyOptional lets requests without the key through (see Config.KeyOptional).
 	KeyOptional bool
-	// Lease runs this route in lease mode: the key commits first as in progress,
-	// with a lease and a fence, for handlers that call a provider themselves. See
-	// the package documentation for what it cannot promise.
+	// Lease runs this route in lease mode (see Config.Lease): the key commits
+	// first as in progress, with a lease and a fence, for handlers that call a
+	// provider themselves. See the package documentation for what it cannot
+	// promise.
 	Lease bool
 	// SafeMethods runs requests with a safe method (GET, HEAD, OPTIONS, TRACE)
 	// through idem too: keyed, stored and replayed like any other, for a route
@@ -333,13 +359,11 @@ func safeMethod(method string) bool {
 	return false
 }
 
-// DefaultOperation is the method and the http.ServeMux route pattern
-// ("POST /payments/{id}/refunds"); a pattern that names its method is used as it
-// is. Without a pattern (the middleware wraps the whole mux, or another router) it
-// fails with ErrNoOperation: wrap each route's handler, or set Config.Operation.
-func DefaultOperation(r *http.Request) (string, error) {
+// defaultOperation is Config.Operation's default (see there); without a pattern it
+// fails with errNoOperation.
+func defaultOperation(r *http.Request) (string, error) {
 	if r.Pattern == "" {
-		return "", ErrNoOperation
+		return "", errNoOperation
 	}
 	if strings.HasPrefix(r.Pattern, r.Method+" ") {
 		return r.Pattern, nil

@@ -1,6 +1,7 @@
 package httpidem_test
 
 import (
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -26,7 +27,7 @@ func TestConfigConvention(t *testing.T) {
 	require.Equal(t, httpidem.DefaultLockTimeout, d.LockTimeout)
 	require.Equal(t, httpidem.DefaultRetryAfter, d.RetryAfter)
 	require.Equal(t, httpidem.DefaultRetention, d.Retention)
-	require.Equal(t, httpidem.DefaultLease, d.Lease)
+	require.Equal(t, httpidem.DefaultLease, d.Lease.Duration)
 	require.EqualValues(t, httpidem.DefaultMaxRequestBody, d.MaxRequestBody)
 	require.Equal(t, httpidem.DefaultMaxResponseBody, d.MaxResponseBody)
 	require.Equal(t, httpidem.DefaultStoredHeaders, d.StoredHeaders)
@@ -41,4 +42,25 @@ func TestConfigConvention(t *testing.T) {
 	require.Equal(t, "invalid_config", inbox.Code(err))
 	_, err = httpidem.New(httpidem.Config{Pool: &pgxpool.Pool{}})
 	require.ErrorIs(t, err, httpidem.ErrScopeNotChosen)
+}
+
+// TestConfigRefusesAKnobOfAnotherMode: a field that does nothing in the mode the
+// rest of the config chose is refused with invalid_config, naming the field and
+// the mode, not silently ignored: Fields chooses the default fingerprint's fields,
+// and does nothing beside a Fingerprint of one's own.
+func TestConfigRefusesAKnobOfAnotherMode(t *testing.T) {
+	t.Parallel()
+	own := func(*http.Request, []byte) ([]byte, error) { return nil, nil }
+	for _, fields := range []inbox.JSONOptions{{Exclude: []string{"email"}}, {Include: []string{"amount"}}} {
+		c := httpidem.Config{Pool: &pgxpool.Pool{}, Unscoped: true, Fingerprint: own, Fields: fields}
+		err := c.Validate()
+		require.ErrorIs(t, err, httpidem.ErrInvalidConfig)
+		require.Equal(t, "invalid_config", inbox.Code(err))
+		require.ErrorContains(t, err, "Fields")
+		require.ErrorContains(t, err, "Fingerprint set")
+		_, err = httpidem.New(c)
+		require.ErrorIs(t, err, httpidem.ErrInvalidConfig)
+	}
+	require.NoError(t, httpidem.Config{Pool: &pgxpool.Pool{}, Unscoped: true, Fingerprint: own}.Validate())
+	require.NoError(t, httpidem.Config{Pool: &pgxpool.Pool{}, Unscoped: true, Fields: inbox.JSONOptions{Exclude: []string{"email"}}}.Validate())
 }

@@ -102,8 +102,8 @@ func TestOneConnectionPerRequest(t *testing.T) {
 	const n = 2
 	gate := &barrier{n: n}
 	b := setupPooled(t, n, func(c *httpidem.Config) {
-		c.Lease = time.Minute // stale leases are made by hand
-		c.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
+		c.Lease.Duration = time.Minute // stale leases are made by hand
+		c.Lease.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
 			mode := strings.TrimPrefix(s.Tenant, "lease-")
 			if mode == "stale" {
 				return nil, nil // run the handler again

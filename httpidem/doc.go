@@ -69,7 +69,7 @@
 //     (BodyReferencer); a replay by reference is the resource as it is at replay
 //     time, not necessarily the first answer's bytes.
 //   - Headers outside StoredHeaders are sent on the first answer only. Headers
-//     that carry credentials (SensitiveHeaders: Set-Cookie, Authorization, …) are
+//     that carry credentials (Set-Cookie, Authorization, …: ErrSensitiveHeader) are
 //     never stored unless StoreSensitiveHeaders says so.
 //   - A handler must not end the transaction Tx(ctx) gives it. idem catches one
 //     that does (raw COMMIT or ROLLBACK, with or without a BEGIN after it) and never
@@ -92,8 +92,8 @@
 // themselves and cannot hold a transaction open across the call. The key commits
 // first as in progress, with a lease and a fence; a request that finds a fresh
 // lease answers 409 after LockTimeout. When a lease runs out (the server crashed, or the
-// handler outlived Lease, or answered a status that is not final), the next
-// request takes it over with a new fence and Config.Recover decides, in the
+// handler outlived Lease.Duration, or answered a status that is not final), the next
+// request takes it over with a new fence and Config.Lease.Recover decides, in the
 // request's transaction (Tx(ctx), where it can write what the provider did): settle
 // the key with a response (it asked the provider, which had done the work), or run
 // the handler again. Lease mode cannot promise that the provider is called once: a

@@ -82,12 +82,12 @@ func ExampleMiddleware_Route() {
 		Pool:     pool,
 		Schema:   schema,
 		Unscoped: true, // one trusted client
-		Recover: func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
+		Lease: httpidem.Lease{Recover: func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
 			if charged[s.Key] { // the provider did the work: settle with its answer
 				return &httpidem.Response{Status: http.StatusOK, Body: []byte(`{"charged":true}`)}, nil
 			}
 			return nil, nil // run the handler again
-		},
+		}},
 	})
 	if err != nil {
 		panic(err)

@@ -105,9 +105,9 @@ func TestLeaseStaleKey(t *testing.T) {
 	var decide atomic.Value // func(httpidem.Stale) (*httpidem.Response, error)
 	var stales []httpidem.Stale
 	b := setup(t, func(c *httpidem.Config) {
-		c.Lease = time.Minute // leases are run out by hand below, so no test races the clock
+		c.Lease.Duration = time.Minute // leases are run out by hand below, so no test races the clock
 		c.LockTimeout = 50 * time.Millisecond
-		c.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
+		c.Lease.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
 			stales = append(stales, s)
 			return decide.Load().(func(httpidem.Stale) (*httpidem.Response, error))(s)
 		}
@@ -193,8 +193,8 @@ func TestRecoverRunsInTheRequestsTransaction(t *testing.T) {
 	t.Parallel()
 	var fail atomic.Bool
 	b := setup(t, func(c *httpidem.Config) {
-		c.Lease = time.Minute
-		c.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
+		c.Lease.Duration = time.Minute
+		c.Lease.Recover = func(ctx context.Context, s httpidem.Stale) (*httpidem.Response, error) {
 			tx := httpidem.Tx(ctx)
 			if tx == nil {
 				return nil, errors.New("Recover got no transaction")

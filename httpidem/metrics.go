@@ -38,7 +38,7 @@ const (
 	OutcomeError = "error"
 	// OutcomeUnkeyed: a request without a key on a route where the key is optional.
 	OutcomeUnkeyed = "unkeyed"
-	// OutcomeRecovered: Config.Recover settled a stale key without running the
+	// OutcomeRecovered: Config.Lease.Recover settled a stale key without running the
 	// handler.
 	OutcomeRecovered = "recovered"
 )

@@ -10,16 +10,16 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 )
 
-// ReplayedHeader marks a replayed response: "Idempotent-Replayed: true".
-const ReplayedHeader = "Idempotent-Replayed"
-
-// ProblemTypePrefix starts the "type" of every problem idem answers with; the code
-// follows it ("urn:idem:problem:fingerprint_mismatch").
-const ProblemTypePrefix = "urn:idem:problem:"
-
-// Problem codes: the stable "code" member of idem's RFC 9457 answers (and the type's
-// last part). Clients and dashboards match on these, never on the text.
+// What a client reads in idem's answers: the header that marks a replay, and the
+// problem codes, the stable "code" member of idem's RFC 9457 answers (and the
+// type's last part). Clients and dashboards match on these, never on the text.
 const (
+	// ReplayedHeader marks a replayed response: "Idempotent-Replayed: true".
+	ReplayedHeader = "Idempotent-Replayed"
+	// ProblemTypePrefix starts the "type" of every problem idem answers with; the
+	// code follows it ("urn:idem:problem:fingerprint_mismatch").
+	ProblemTypePrefix = "urn:idem:problem:"
+
 	// CodeKeyMissing (400): the route requires the key header and it is absent.
 	CodeKeyMissing = "idempotency_key_missing"
 	// CodeKeyInvalid (400): the key is empty, over 512 bytes, not UTF-8, sent
@@ -67,7 +67,10 @@ const (
 	// and the request never runs again. Fix the handler; never end the transaction
 	// Tx(ctx) gives.
 	CodeHandlerEndedTransaction = "handler_ended_transaction"
-	// CodeNoOperation (500): the request has no operation (see ErrNoOperation).
+	// CodeNoOperation (500): the request has no operation: Route.Operation is not
+	// set, Config.Operation is not set and the request has no http.ServeMux
+	// pattern (the middleware wraps the mux, not each route's handler), or
+	// Config.Operation failed.
 	CodeNoOperation = "operation_unknown"
 	// CodeResponseNotStored (500): the key has a row without a stored response
 	// (a message consumer shares the operation's name, migration 003 came after the
@@ -88,16 +91,16 @@ const (
 	// CodeTimeout (503, Retry-After): the request's context ended (a deadline)
 	// before the commit; its work was rolled back.
 	CodeTimeout = "request_timeout"
-	// CodeRecoveryFailed (503, Retry-After): Config.Recover failed on a stale key.
+	// CodeRecoveryFailed (503, Retry-After): Config.Lease.Recover failed on a stale key.
 	CodeRecoveryFailed = "recovery_failed"
 	// CodeShardRoute (500): with Config.Shards, the route gave no shard for the
 	// request's tenant (shard.ErrRoute); nothing ran.
 	CodeShardRoute = "shard_route"
 )
 
-// ErrNoOperation is returned by DefaultOperation when the request has no route
-// pattern to name its operation by. Its code is CodeNoOperation.
-var ErrNoOperation = errcode.Permanent(CodeNoOperation, "no operation: the request has no http.ServeMux pattern (wrap each route's handler, not the mux) and Config.Operation is not set")
+// errNoOperation is returned by defaultOperation when the request has no route
+// pattern to name its operation by.
+var errNoOperation = errcode.Permanent(CodeNoOperation, "no operation: the request has no http.ServeMux pattern (wrap each route's handler, not the mux) and Config.Operation is not set")
 
 // Problem is an RFC 9457 problem details object, as idem writes it.
 type Problem struct {
@@ -162,10 +165,4 @@ func problemResponse(code, detail string, retryAfter time.Duration) *Response {
 		h.Set("Retry-After", strconv.Itoa(int(math.Ceil(max(retryAfter, time.Second).Seconds()))))
 	}
 	return &Response{Status: p.Status, Header: h, Body: body}
-}
-
-// writeProblem answers with the problem for code.
-func writeProblem(w http.ResponseWriter, code, detail string, retryAfter time.Duration) {
-	w.Header().Del(ReplayedHeader)
-	writeResponse(w, problemResponse(code, detail, retryAfter), false)
 }

@@ -82,23 +82,19 @@ func readBody(r *http.Request, limit int64) ([]byte, error) {
 	}
 }
 
-// ErrBodyNotJSON is what the default fingerprint returns for a body that declares
-// a JSON media type and is not JSON; it wraps inbox.ErrNotJSON.
-var ErrBodyNotJSON = inbox.ErrNotJSON
-
-// DefaultFingerprint returns the default fingerprint: sha256 over the method, the
+// defaultFingerprint returns the default fingerprint: sha256 over the method, the
 // escaped path, the query (its parameters sorted by name) and the body. A body that
 // is JSON counts by its canonical form with exact numbers (inbox.Canonicalize, with
 // the fields chosen by opts), whatever its Content-Type says (curl -d sends JSON as
 // a form); a body that declares a JSON media type and is not JSON is an error
-// (ErrBodyNotJSON); a form (application/x-www-form-urlencoded) counts by its fields
+// (inbox.ErrNotJSON); a form (application/x-www-form-urlencoded) counts by its fields
 // sorted by name; any other body counts byte for byte, with its media type.
 // Headers never count: not Authorization, not the key, not a trace ID.
 //
 // The path is there because the operation is the route template: POST
 // /accounts/1/payments and POST /accounts/2/payments are one operation, and the
 // same key and body on both are two different commands.
-func DefaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byte) ([]byte, error) {
+func defaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byte) ([]byte, error) {
 	selects := len(opts.Include) > 0 || len(opts.Exclude) > 0
 	return func(r *http.Request, body []byte) ([]byte, error) {
 		// The fields are laid out in one buffer and hashed at once. Each is

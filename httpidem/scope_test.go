@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/internal/errcode"
 )
 
 // TestScopeMustBeChosen: New refuses a config that names neither a Tenant function
@@ -30,7 +31,7 @@ func TestScopeMustBeChosen(t *testing.T) {
 		require.ErrorContains(t, err, "invalid config", name)
 		require.ErrorContains(t, err, "Config.Tenant", name)
 		require.ErrorContains(t, err, "Config.Unscoped", name)
-		var coded *httpidem.Error
+		var coded *errcode.Error
 		require.True(t, errors.As(err, &coded), name)
 		require.Equal(t, "scope_not_chosen", coded.Code())
 		require.ErrorIs(t, cfg.Validate(), httpidem.ErrScopeNotChosen, name)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"sync/atomic"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -18,7 +19,7 @@ import (
 
 // Each request is claimed, run and committed on its tenant's shard; a retry with
 // the same key is replayed from there; a route that fails is a shard_route problem.
-// Each shard's series carry its name (the shards share a schema name here): its
+// The tenant is read once a request. Each shard's series carry its name (the shards share a schema name here): its
 // committed and replayed answers are its own inbox rows.
 func TestShardedRequestsRunOnTheirTenantsShard(t *testing.T) {
 	t.Parallel()
@@ -36,7 +37,11 @@ func TestShardedRequestsRunOnTheirTenantsShard(t *testing.T) {
 		return m.Shards[shard.Rendezvous(tenant, m.Shards)].Name, nil
 	}
 	reg := prometheus.NewRegistry()
-	mw, err := httpidem.New(httpidem.Config{Shards: m, Registerer: reg, Tenant: func(r *http.Request) (string, error) { return r.Header.Get("X-Tenant"), nil }})
+	var tenantCalls atomic.Int64
+	mw, err := httpidem.New(httpidem.Config{Shards: m, Registerer: reg, Tenant: func(r *http.Request) (string, error) {
+		tenantCalls.Add(1)
+		return r.Header.Get("X-Tenant"), nil
+	}})
 	require.NoError(t, err)
 	mux := http.NewServeMux()
 	mux.Handle("POST /payments", mw.Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -80,6 +85,8 @@ func TestShardedRequestsRunOnTheirTenantsShard(t *testing.T) {
 		}
 	}
 	require.Len(t, used, len(m.Shards))
+	// The tenant is read once a request: it picks the shard and scopes the key.
+	require.EqualValues(t, 18*2, tenantCalls.Load())
 	answers := func(shard, outcome string) float64 {
 		mfs, err := reg.Gather()
 		require.NoError(t, err)

@@ -27,16 +27,16 @@ var noSpan = trace.SpanFromContext(context.Background())
 // sampler that dropped the request's trace) the children would record nothing
 // either, or be roots of traces of their own, and would cost a context and a
 // span value each. ctx is returned as it is then.
-func (m *Middleware) child(ctx context.Context, name string) (context.Context, trace.Span) {
+func (e *engine) child(ctx context.Context, name string) (context.Context, trace.Span) {
 	if !trace.SpanFromContext(ctx).IsRecording() {
 		return ctx, noSpan
 	}
-	return m.tracer.Start(ctx, name)
+	return e.tracer.Start(ctx, name)
 }
 
 // startClaim starts the span of q's claim, named after its key.
-func (m *Middleware) startClaim(q *request) (context.Context, trace.Span) {
-	ctx, span := m.child(q.r.Context(), spanClaim)
+func (e *engine) startClaim(q *request) (context.Context, trace.Span) {
+	ctx, span := e.child(q.r.Context(), spanClaim)
 	if span.IsRecording() {
 		span.SetAttributes(tracing.Consumer.String(q.claim.Consumer), tracing.Tenant.String(q.claim.Tenant),
 			tracing.Key.String(q.claim.Key))

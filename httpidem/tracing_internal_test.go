@@ -12,11 +12,11 @@ import (
 // TestNoTracingAllocatesNothing: with the default (no-op) provider, a request's
 // claim, handler and commit spans cost no allocation.
 func TestNoTracingAllocatesNothing(t *testing.T) {
-	m := &Middleware{tracer: tracing.Tracer(nil)}
+	e := &engine{tracer: tracing.Tracer(nil)}
 	ctx := context.Background()
 	allocs := testing.AllocsPerRun(100, func() {
 		for _, name := range []string{spanClaim, spanHandler, spanCommit} {
-			_, span := m.child(ctx, name)
+			_, span := e.child(ctx, name)
 			endSpan(span, nil)
 		}
 	})

@@ -70,7 +70,11 @@ func TestStoredResponseRoundTrip(t *testing.T) {
 
 	// A row without a response (a message consumer's) reads as nil.
 	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		_, err := store.ClaimTx(ctx, tx, httpClaim("k3", "fp"))
+		consumerStore, err := inbox.NewStore(store.Schema())
+		if err != nil {
+			return err
+		}
+		_, err = consumerStore.ClaimTx(ctx, tx, httpClaim("k3", "fp"))
 		return err
 	}))
 	rec, got, err := store.GetResponse(ctx, pool, httpClaim("k3", "").ID)

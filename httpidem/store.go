@@ -52,27 +52,65 @@ type responseClaim struct {
 	Row rowRef
 }
 
-// responseStore is the inbox with the HTTP response that a key's row may hold
-// (migration 003): stored in the transaction that claims the key, read back on a
-// retry, and deleted by the janitor with the key. The plain inbox operations
-// (ReleaseLease) are inbox.Store's.
+// responseStore is httpidem's one store: every statement a request sends to its
+// key's inbox row, with the HTTP response that the row may hold (migration 003):
+// stored in the transaction that claims the key, read back on a retry, and deleted
+// by the janitor with the key.
 type responseStore struct {
-	*inbox.Store
-	q inboxdb.Queries
+	schema string
+	q      inboxdb.Queries
+	// prepared, if set, are the statements of transactional mode's two round
+	// trips, sent through pgconn (see preparedStmts): claimTx and saveCommit use
+	// them.
+	prepared *preparedStmts
 }
 
-// newResponseStore returns the store for schema, which the Config has validated.
+// newResponseStore returns the store for schema.
 func newResponseStore(schema string) (*responseStore, error) {
-	store, err := inbox.NewStore(schema)
-	if err != nil {
+	schema = cmp.Or(schema, inbox.DefaultSchema)
+	if err := pgschema.Validate(schema); err != nil {
 		return nil, err
 	}
-	return &responseStore{Store: store, q: inboxdb.New(schema)}, nil
+	return &responseStore{schema: schema, q: inboxdb.New(schema)}, nil
 }
+
+// Schema is the schema the store's table lives in.
+func (s *responseStore) Schema() string { return s.schema }
 
 // wrap turns a missing table or column (migration 003 has not run) into
 // inbox.ErrSchemaMissing.
-func (s *responseStore) wrap(err error) error { return pgschema.Wrap(err, s.Schema()) }
+func (s *responseStore) wrap(err error) error { return pgschema.Wrap(err, s.schema) }
+
+// claimPrelude goes with a transactional claim in its round trip: BEGIN.
+var claimPrelude = []string{beginSQL}
+
+// claimTx begins a transaction on tx (outside any) and claims c in it, in one
+// round trip, waiting up to wait for a concurrent claim of the key: through the
+// prepared statements if the store has them (it returns them as prepared on the
+// connection, for saveCommit), otherwise through pgx (ClaimResponseTx).
+func (s *responseStore) claimTx(ctx context.Context, tx *connTx, c inbox.Claim, wait time.Duration) (responseClaim, described, error) {
+	if s.prepared != nil {
+		return s.ClaimResponsePrepared(ctx, tx.conn, s.prepared, c, wait)
+	}
+	res, err := s.ClaimResponseTx(ctx, tx, claimPrelude, c, wait)
+	return res, described{}, err
+}
+
+// saveCommit stores resp on the row claimTx claimed (row) and commits, in one
+// round trip, through the statements claimTx prepared (d) if it did.
+func (s *responseStore) saveCommit(ctx context.Context, conn *pgx.Conn, d described, id inbox.ID, row rowRef, resp *storedResponse) error {
+	if d.save != nil {
+		return s.saveCommitPrepared(ctx, conn, d, id, row, resp)
+	}
+	return s.SaveResponseCommit(ctx, conn, id, row, resp)
+}
+
+// releaseLease gives a leased key back at once (lease_until = now()), if fence
+// still holds it.
+func (s *responseStore) releaseLease(ctx context.Context, db inbox.DBTX, id inbox.ID, fence int64) error {
+	_, err := db.Exec(ctx, s.q.ReleaseLease, id.Consumer, id.Tenant, id.Key, fence)
+	return s.wrap(err)
+}
 
 // retentionOf is a key's retention: d, or the inbox's default when d is 0.
 func retentionOf(d time.Duration) time.Duration { return cmp.Or(d, inbox.DefaultRetention) }
