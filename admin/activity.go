@@ -2,10 +2,13 @@ package admin
 
 import (
 	"context"
+	"slices"
 	"sort"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/internal/fanout"
 )
 
 // Activity windows: what the console's charts show.
@@ -98,9 +101,44 @@ func (a *Admin) Activity(ctx context.Context, window time.Duration) (*Activity, 
 	if window < MinActivityWindow || window > MaxActivityWindow {
 		return nil, errorf(ErrBadFilter, "activity window %s: use from %s to %s", window, MinActivityWindow, MaxActivityWindow)
 	}
-	if a.shards != nil {
-		return a.shardedActivity(ctx, window)
+	res, errs := fanout.Collect(a.parts, func(_ int, p *part) (*Activity, error) { return p.activity(ctx, window) })
+	if err := a.join(errs); err != nil {
+		return nil, err
 	}
+	// The parts' activity summed minute by minute (the latest Now, the oldest
+	// pending age of any part).
+	out := &Activity{}
+	byMinute := map[time.Time]*ActivityMinute{}
+	for _, r := range res {
+		out.Now = maxTime(out.Now, r.Now)
+		for _, m := range r.Minutes {
+			at := m.At.UTC()
+			x := byMinute[at]
+			if x == nil {
+				x = &ActivityMinute{At: m.At}
+				byMinute[at] = x
+			}
+			x.Completed += m.Completed
+			x.Failed += m.Failed
+			x.Sent += m.Sent
+			x.Dead += m.Dead
+			x.Pending += m.Pending
+			x.OldestPendingSeconds = max(x.OldestPendingSeconds, m.OldestPendingSeconds)
+		}
+	}
+	for _, m := range byMinute {
+		out.Minutes = append(out.Minutes, *m)
+	}
+	slices.SortFunc(out.Minutes, func(x, y ActivityMinute) int { return x.At.Compare(y.At) })
+	// Shards whose clocks straddle a minute give one more minute: keep the
+	// window's length, the newest minutes.
+	n := int((window + time.Minute - 1) / time.Minute)
+	out.Minutes = out.Minutes[max(0, len(out.Minutes)-n):]
+	return out, nil
+}
+
+// activity is Activity on one database.
+func (a *part) activity(ctx context.Context, window time.Duration) (*Activity, error) {
 	n := int((window + time.Minute - 1) / time.Minute)
 	var now, minute time.Time
 	if err := a.db.QueryRow(ctx, `SELECT now(), date_trunc('minute', now())`).Scan(&now, &minute); err != nil {
@@ -185,4 +223,18 @@ func (a *Admin) Activity(ctx context.Context, window time.Duration) (*Activity, 
 		}
 	}
 	return out, nil
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
 }

@@ -34,7 +34,7 @@ var (
 // process that registers it reports the same numbers, whoever failed or repaired
 // the rows.
 type failureMetrics struct {
-	a *Admin
+	a *part
 
 	mu      sync.Mutex
 	readAt  time.Time
@@ -43,7 +43,7 @@ type failureMetrics struct {
 	actions map[string]float64
 }
 
-func newFailureMetrics(a *Admin) *failureMetrics {
+func newFailureMetrics(a *part) *failureMetrics {
 	m := &failureMetrics{a: a, inbox: map[string]float64{}, effects: map[string]float64{}, actions: map[string]float64{}}
 	for _, c := range a.cfg.Consumers {
 		m.inbox[c] = 0

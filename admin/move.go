@@ -120,27 +120,26 @@ const moveBatch = 500
 // Every step is idempotent, so a move that failed half-way is finished by running
 // it again, and a second run finds nothing to move.
 func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, error) {
-	if a.shards == nil {
-		return nil, errorf(ErrBadFilter, "moving a tenant needs an Admin over a shard map (Config.Shards)")
-	}
 	if !text.Storable(mv.Tenant) {
 		// Postgres text never holds it, so no shard has rows of it.
 		return nil, errorf(ErrBadFilter, "tenant %q: not valid UTF-8 text without NUL bytes, so no shard has rows of it", clip(mv.Tenant))
 	}
 	if mv.From == "" {
-		s, err := a.cfg.Shards.Pick(mv.Tenant)
+		i, err := a.parts.Index(mv.Tenant)
 		if err != nil {
 			return nil, err
 		}
-		mv.From = s.Name
+		mv.From = a.parts.Name(i)
 	}
-	from, to := a.shardNamed(mv.From), a.shardNamed(mv.To)
+	f, t := a.parts.IndexOf(mv.From), a.parts.IndexOf(mv.To)
 	switch {
-	case from == nil:
-		return nil, errorf(ErrBadFilter, "move from %q: not a shard of the map (%v)", mv.From, a.names())
-	case to == nil:
-		return nil, errorf(ErrBadFilter, "move to %q: not a shard of the map (%v)", mv.To, a.names())
-	case from == to:
+	case f < 0 || mv.From == "":
+		return nil, errorf(ErrBadFilter, "move from %q: not a shard of the map (%v)", mv.From, a.Shards())
+	case t < 0 || mv.To == "":
+		return nil, errorf(ErrBadFilter, "move to %q: not a shard of the map (%v)", mv.To, a.Shards())
+	}
+	from, to := a.parts.Part(f), a.parts.Part(t)
+	if from == to {
 		return nil, errorf(ErrBadFilter, "tenant %q: from and to are the same shard %q", mv.Tenant, mv.From)
 	}
 	retention := cmp.Or(mv.EffectsRetention, DefaultMoveRetention)
@@ -161,7 +160,6 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 		return out, err
 	}
 	moveStep("parked")
-	t := func(s *Admin, name string) string { return pgx.Identifier{s.cfg.Schema, name}.Sanitize() }
 	var m moved
 	err := moveRows(ctx, from, to, mv.Tenant, "inbox", "consumer", "key", `i.expires_at > now()`, nil, &m)
 	out.InboxCopied, out.InboxDeleted = m.copied, m.deleted
@@ -181,7 +179,7 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 	// there (a copy that was already there is not parked). The new shard's
 	// dispatchers are woken up (the copy's INSERT does not).
 	if _, err := to.db.Exec(ctx, `WITH back AS (
-			UPDATE `+t(to, "effects")+` SET next_attempt_at = next_attempt_at - `+parked+`
+			UPDATE `+to.table("effects")+` SET next_attempt_at = next_attempt_at - `+parked+`
 			WHERE tenant = $1 AND state = 'pending' AND next_attempt_at > `+parkedAbove+`
 			RETURNING 1)
 		SELECT count(*), pg_notify('idem_effects', $2) FROM back`, mv.Tenant, to.cfg.Schema); err != nil {
@@ -191,11 +189,11 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 	// What was not copied (keys that expired, done effects past the retention) is
 	// deleted too, and nothing of the tenant may be left.
 	var left int64
-	err = from.db.QueryRow(ctx, `WITH i AS (DELETE FROM `+t(from, "inbox")+` WHERE tenant = $1 AND expires_at <= now() RETURNING 1),
-			e AS (DELETE FROM `+t(from, "effects")+` WHERE tenant = $1 AND state = 'done' AND done_at <= now() - $2::interval RETURNING 1)
+	err = from.db.QueryRow(ctx, `WITH i AS (DELETE FROM `+from.table("inbox")+` WHERE tenant = $1 AND expires_at <= now() RETURNING 1),
+			e AS (DELETE FROM `+from.table("effects")+` WHERE tenant = $1 AND state = 'done' AND done_at <= now() - $2::interval RETURNING 1)
 		SELECT (SELECT count(*) FROM i), (SELECT count(*) FROM e),
-			(SELECT count(*) FROM `+t(from, "inbox")+` WHERE tenant = $1 AND expires_at > now())
-			+ (SELECT count(*) FROM `+t(from, "effects")+` WHERE tenant = $1 AND (state <> 'done' OR done_at > now() - $2::interval))`,
+			(SELECT count(*) FROM `+from.table("inbox")+` WHERE tenant = $1 AND expires_at > now())
+			+ (SELECT count(*) FROM `+from.table("effects")+` WHERE tenant = $1 AND (state <> 'done' OR done_at > now() - $2::interval))`,
 		mv.Tenant, retention).Scan(&m.copied, &m.deleted, &left)
 	if err != nil {
 		return out, &ShardError{Shard: from.name, Err: from.wrap(err)}
@@ -217,22 +215,13 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 // name. It does nothing; the crash tests set it to kill the process there.
 var moveStep = func(string) {}
 
-func (a *Admin) shardNamed(name string) *Admin {
-	for _, s := range a.shards {
-		if s.name == name {
-			return s
-		}
-	}
-	return nil
-}
-
 // busyWhere: what keeps a tenant from being drained.
 const (
 	busyInbox   = `state = 'processing' AND lease_until > now()`
 	busyEffects = `state = 'pending' AND in_flight AND next_attempt_at > now() AND next_attempt_at <= ` + parkedAbove
 )
 
-func (a *Admin) movePlan(ctx context.Context, tenant string, retention time.Duration, out *MoveResult) error {
+func (a *part) movePlan(ctx context.Context, tenant string, retention time.Duration, out *MoveResult) error {
 	t := func(name string) string { return pgx.Identifier{a.cfg.Schema, name}.Sanitize() }
 	out.InboxKeys, out.Effects = map[string]int64{}, map[string]int64{}
 	rows, err := a.db.Query(ctx, `SELECT 'inbox', state, count(*), count(*) FILTER (WHERE `+busyInbox+`)
@@ -261,7 +250,7 @@ func (a *Admin) movePlan(ctx context.Context, tenant string, retention time.Dura
 // park pushes the tenant's pending effects far into the future, in one
 // transaction that refuses (ErrNotDrained, nothing changed) if any is being sent
 // or any inbox key is processing under a lease. A parked effect is never claimed.
-func (a *Admin) park(ctx context.Context, tenant string) error {
+func (a *part) park(ctx context.Context, tenant string) error {
 	t := func(name string) string { return pgx.Identifier{a.cfg.Schema, name}.Sanitize() }
 	db, ok := a.db.(interface {
 		Begin(context.Context) (pgx.Tx, error)
@@ -300,7 +289,7 @@ type moved struct{ copied, deleted, pending int64 }
 // whole row (so every column a migration added goes too): each batch is inserted
 // on the new shard (a row already there is left as it is) and then deleted from
 // the old one, each row only if it is still the record that was read.
-func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where string, extra []any, m *moved) error {
+func moveRows(ctx context.Context, from, to *part, tenant, table, k1, k2, where string, extra []any, m *moved) error {
 	src := pgx.Identifier{from.cfg.Schema, table}.Sanitize()
 	dst := pgx.Identifier{to.cfg.Schema, table}.Sanitize()
 	a1, a2 := "", ""
@@ -351,8 +340,8 @@ func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where
 }
 
 // sameColumns refuses a move between shards whose inbox or effects tables differ.
-func sameColumns(ctx context.Context, from, to *Admin) error {
-	cols := func(s *Admin) (string, error) {
+func sameColumns(ctx context.Context, from, to *part) error {
+	cols := func(s *part) (string, error) {
 		var c string
 		err := s.db.QueryRow(ctx, `SELECT coalesce(string_agg(table_name || '.' || column_name || ' ' || data_type, ', ' ORDER BY table_name, column_name), '')
 			FROM information_schema.columns WHERE table_schema = $1 AND table_name IN ('inbox', 'effects')`, s.cfg.Schema).Scan(&c)

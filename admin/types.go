@@ -125,7 +125,7 @@ func (e *Effect) Source() (inbox.ID, bool) {
 	return inbox.ID{Consumer: e.SourceConsumer, Tenant: e.SourceTenant, Key: e.SourceKey}, e.SourceConsumer != ""
 }
 
-func (a *Admin) stuckReason(e *Effect) string {
+func (a *part) stuckReason(e *Effect) string {
 	if e.State != "pending" {
 		return ""
 	}
@@ -173,7 +173,7 @@ func scanInboxKey(row pgx.Row, extra ...any) (*InboxKey, error) {
 	return &k, nil
 }
 
-func (a *Admin) scanEffect(row pgx.Row) (*Effect, error) {
+func (a *part) scanEffect(row pgx.Row) (*Effect, error) {
 	var e Effect
 	err := row.Scan(&e.Tenant, &e.Kind, &e.Key, &e.State, &e.Attempts, &e.MaxAttempts, &e.InFlight,
 		&e.NextAttemptAt, &e.CreatedAt, &e.DoneAt, &e.LastError, &e.PayloadBytes,
@@ -182,10 +182,11 @@ func (a *Admin) scanEffect(row pgx.Row) (*Effect, error) {
 		return nil, err
 	}
 	e.Stuck = a.stuckReason(&e)
+	e.Shard = a.name
 	return &e, nil
 }
 
-func (a *Admin) collectEffects(rows pgx.Rows, err error) ([]Effect, error) {
+func (a *part) collectEffects(rows pgx.Rows, err error) ([]Effect, error) {
 	if err != nil {
 		return nil, a.wrap(err)
 	}

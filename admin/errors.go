@@ -1,0 +1,173 @@
+package admin
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/fanout"
+)
+
+// Error is an idem error with a stable code, such as "not_dead"; compare with
+// errors.Is against the sentinels. It is the one coded error type of every idem
+// package (inbox.Error is the same type).
+type Error = errcode.Error
+
+// Sentinel errors.
+var (
+	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+	// (code "invalid_config"), unless a more specific sentinel says what is wrong
+	// (inbox.ErrInvalidSchema). Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
+	// ErrNotFound is returned when no inbox key or effect has that identity.
+	ErrNotFound = errcode.Transient("not_found", "not found")
+	// ErrNotDead is returned when the effect exists but is not dead, so there is
+	// nothing to requeue.
+	ErrNotDead = errcode.Transient("not_dead", "effect is not dead")
+	// ErrLeaseHeld is returned when Forget found the key processing under a lease
+	// that has not run out: a delivery is working on it right now.
+	ErrLeaseHeld = errcode.Transient("lease_held", "a delivery holds the key's lease right now")
+	// ErrBadCursor is returned when Page.After is not a cursor that this list
+	// returned.
+	ErrBadCursor = errcode.Permanent("bad_cursor", "bad page cursor")
+	// ErrBadFilter is returned when a filter names an unknown state, or is
+	// otherwise invalid.
+	ErrBadFilter = errcode.Permanent("bad_filter", "bad filter")
+)
+
+// keyError is a sentinel with a message that names the key it is about.
+type keyError struct {
+	sentinel *Error
+	msg      string
+}
+
+func (e *keyError) Error() string { return "idem: " + e.msg }
+func (e *keyError) Unwrap() error { return e.sentinel }
+
+// Code is the sentinel's code.
+func (e *keyError) Code() string { return e.sentinel.Code() }
+
+func errorf(sentinel *Error, format string, args ...any) error {
+	return &keyError{sentinel: sentinel, msg: fmt.Sprintf(format, args...)}
+}
+
+// wrap turns a missing table into inbox.ErrSchemaMissing (which effects'
+// ErrSchemaMissing callers also understand through the hint), and leaves other
+// errors as they are.
+func (a *part) wrap(err error) error {
+	if err == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000") {
+		return fmt.Errorf("%w (schema %q): %v", inbox.ErrSchemaMissing, a.cfg.Schema, err)
+	}
+	return err
+}
+
+// ErrShardUnavailable is wrapped by a *ShardError whose shard could not be read
+// (Postgres unreachable, the connection broke): the result would miss that shard's
+// rows, so none is returned (Stats returns the others' figures too).
+var ErrShardUnavailable = errcode.Transient("shard_unavailable", "a shard did not answer")
+
+// ErrOffRoute is returned, and nothing was changed, when an action (a requeue, a
+// forget, a failure group's retry, discard or release) would change a tenant's
+// rows on a shard that the map's route does not name for the tenant: rows that a
+// tenant move left behind or has not finished copying. Acting there too would
+// repair the same failure twice (once on each shard). Finish the move
+// (MoveTenant, run again) and switch the route to the shard that holds the rows;
+// then act again.
+var ErrOffRoute = errcode.Transient("off_route", "a tenant has rows on a shard its route does not name: finish its move first")
+
+// ShardError is an error of one shard of the map. Its code is the shard error's
+// own when it has one (not_found, schema_missing...), else shard_unavailable.
+type ShardError struct {
+	Shard string
+	Err   error
+}
+
+func (e *ShardError) Error() string {
+	return fmt.Sprintf("idem: shard %q: %v", e.Shard, strings.TrimPrefix(e.Err.Error(), "idem: "))
+}
+
+// Unwrap gives the shard's error, and ErrShardUnavailable when that one has no
+// code of its own.
+func (e *ShardError) Unwrap() []error {
+	if errcode.Code(e.Err) != "" {
+		return []error{e.Err}
+	}
+	return []error{ErrShardUnavailable, e.Err}
+}
+
+// Code is the code of the shard's error, else shard_unavailable.
+func (e *ShardError) Code() string { return cmp.Or(errcode.Code(e.Err), ErrShardUnavailable.Code()) }
+
+// join makes one error of the parts' errors (one a part, nil for a part that did
+// not fail): one database's error as it is; a shard's as a *ShardError naming it,
+// the shards' joined; an error that every part gives alike (a bad filter or
+// cursor) as it is.
+func (a *Admin) join(errs []error) error {
+	return a.parts.Join(errs, alike, func(name string, err error) error { return &ShardError{Shard: name, Err: err} })
+}
+
+// partErr is part i's error err as join shows it.
+func (a *Admin) partErr(i int, err error) error {
+	errs := make([]error, a.parts.Len())
+	errs[i] = err
+	return a.join(errs)
+}
+
+// alike says err is one that every part gives alike: it says nothing of a shard.
+func alike(err error) bool {
+	return errors.Is(err, ErrBadFilter) || errors.Is(err, ErrBadCursor) || errors.Is(err, ErrWrongSource) ||
+		errors.Is(err, ErrNoteRequired) || errors.Is(err, ErrInvalidConfig)
+}
+
+// badCursor is the error of a merged cursor that a list did not return.
+func badCursor(msg string) error { return &keyError{sentinel: ErrBadCursor, msg: msg} }
+
+// offRoute refuses an action (ErrOffRoute) when, on some shard, a tenant has rows
+// it would change and the map's route names another shard for that tenant. read
+// returns, on one part, the tenants of the rows the action would change there.
+// With one database every tenant routes to it: nothing is read.
+func (a *Admin) offRoute(ctx context.Context, what string, read func(ctx context.Context, p *part) ([]string, error)) error {
+	tenant, on, want, errs, err := fanout.Stray(a.parts, func(_ int, p *part) ([]string, error) { return read(ctx, p) })
+	if err := cmp.Or(a.join(errs), err); err != nil {
+		return err
+	}
+	if on < 0 {
+		return nil
+	}
+	from, to := a.parts.Name(on), a.parts.Name(want)
+	return errorf(ErrOffRoute, "%s: tenant %q has rows it would change on shard %q, but the map routes the tenant to %q; nothing was changed. A tenant move left them there or is not finished: run it (again) with idem shard move-tenant --tenant %s --from %s --to %s, route the tenant to %s, then run this again",
+		what, tenant, from, to, quoteArg(tenant), from, to, to)
+}
+
+// quoteArg quotes s for a shell command line when it needs it.
+func quoteArg(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/@") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// tenantsOf runs a statement that returns the tenants of the rows an action would
+// change on one part.
+func (p *part) tenantsOf(ctx context.Context, sql string, args ...any) ([]string, error) {
+	rows, err := p.db.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, p.wrap(err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	return out, p.wrap(err)
+}
+
+// table is the quoted name of one of idem's tables in the part's schema.
+func (p *part) table(name string) string { return pgx.Identifier{p.cfg.Schema, name}.Sanitize() }
