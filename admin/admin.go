@@ -15,33 +15,44 @@ import (
 	"github.com/idemkit/idem/shard"
 )
 
-// DB is what the API runs its statements on: a *pgxpool.Pool, a *pgx.Conn or a
-// pgx.Tx (then every read and action is part of that transaction). It is
-// inbox.DBTX.
-type DB = inbox.DBTX
-
-// Defaults of Config.
+// Defaults and limits.
 const (
-	// DefaultSchema holds the idem tables unless Config.Schema says otherwise.
-	DefaultSchema = inbox.DefaultSchema
 	// DefaultStuckAfter: a pending effect due for longer than this without a claim
 	// counts as stuck (no dispatcher is sending its kind, or they are far behind).
 	DefaultStuckAfter = time.Minute
 	// DefaultStuckAttempts: a pending effect that has failed this many times counts
 	// as stuck.
 	DefaultStuckAttempts = 3
+	// DefaultMetricsInterval is how long the failure metrics reuse one reading of
+	// the tables.
+	DefaultMetricsInterval = 30 * time.Second
+	// DefaultMoveRetention is how far back MoveTenant copies done effects (the
+	// janitor's default retention of done effects).
+	DefaultMoveRetention = 7 * 24 * time.Hour
 	// DefaultLimit is a list's page size when Page.Limit is 0.
 	DefaultLimit = 100
 	// MaxLimit is the largest page a list returns.
 	MaxLimit = 10000
+	// FindLimit is the most rows of each table Find returns.
+	FindLimit = 100
+	// ListSamples is how many sample keys each group of a list carries.
+	ListSamples = 3
+	// GroupSamples is how many sample keys Group returns.
+	GroupSamples = 20
+	// PlanKeys is the most keys an action's result names (all of them are counted).
+	PlanKeys = 100
+	// MinActivityWindow and MaxActivityWindow bound Activity's window: per-minute
+	// points over at most a day.
+	MinActivityWindow = time.Minute
+	MaxActivityWindow = 24 * time.Hour
 )
 
 // Config configures an Admin.
 type Config struct {
 	// Pool runs the reads and actions: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx
 	// (then every read and action is part of that transaction). Required.
-	Pool DB
-	// Schema of the idem tables (DefaultSchema when empty).
+	Pool inbox.DBTX
+	// Schema of the idem tables (inbox.DefaultSchema when empty).
 	Schema string
 	// Logger receives the audit line of every Forget, at warn level (nil: a quiet
 	// logger, which a caller that forgets keys should not want). With Shards, the
@@ -73,7 +84,7 @@ type Config struct {
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
 	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
+		c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
 	}
 	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
 	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
@@ -112,7 +123,7 @@ type Admin struct {
 
 // part runs the reads and actions on one database.
 type part struct {
-	db  DB
+	db  inbox.DBTX
 	cfg Config
 	q   queries
 	// name is its shard's name, "" for one database: rows read on it carry it.
@@ -159,7 +170,7 @@ func (c Config) forShard(sh shard.Shard) Config {
 
 // Schema is the schema the Admin reads (with Config.Shards, the default one: each
 // shard has its own).
-func (a *Admin) Schema() string { return cmp.Or(a.cfg.Schema, DefaultSchema) }
+func (a *Admin) Schema() string { return cmp.Or(a.cfg.Schema, inbox.DefaultSchema) }
 
 // Shards are the names of the shards of Config.Shards, in map order; nil for one
 // database.

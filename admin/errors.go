@@ -15,12 +15,8 @@ import (
 	"github.com/idemkit/idem/internal/fanout"
 )
 
-// Error is an idem error with a stable code, such as "not_dead"; compare with
-// errors.Is against the sentinels. It is the one coded error type of every idem
-// package (inbox.Error is the same type).
-type Error = errcode.Error
-
-// Sentinel errors.
+// Sentinel errors: compare with errors.Is. Each is an *inbox.Error, idem's one
+// coded error type, with a stable code (inbox.Code reads it).
 var (
 	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
 	// (code "invalid_config"), unless a more specific sentinel says what is wrong
@@ -40,11 +36,42 @@ var (
 	// ErrBadFilter is returned when a filter names an unknown state, or is
 	// otherwise invalid.
 	ErrBadFilter = errcode.Permanent("bad_filter", "bad filter")
+	// ErrWrongSource is returned for an action that does not apply to the group's
+	// source: retry and discard act on dead effects, release on failed inbox keys.
+	ErrWrongSource = errcode.Permanent("wrong_source", "the action does not apply to this failure group")
+	// ErrNoteRequired is returned for an action (not a dry run) without an audit
+	// note that says who asks and why.
+	ErrNoteRequired = errcode.Permanent("note_required", "a repair action needs a note: who asks, and why")
+	// ErrGroupChanged is returned, and nothing was changed, when an action with
+	// AtMost would change more rows than that: failures within its bound appeared
+	// after the operator looked (a failure whose transaction was still committing).
+	// Look again.
+	ErrGroupChanged = errcode.Transient("group_changed", "the failure group holds more rows than the plan said; nothing was changed: look again")
+	// ErrNotDrained is returned, and nothing was changed on either shard, when the
+	// tenant is still being worked on its old shard: an inbox key processing under
+	// a running lease, or an effect being sent. Drain the tenant and run it again.
+	ErrNotDrained = errcode.Transient("not_drained", "the tenant is still being worked on its old shard: drain it first")
+	// ErrSchemaDiffers is returned when the two shards' inbox or effects tables do
+	// not have the same columns: migrate both to the same version first.
+	ErrSchemaDiffers = errcode.Permanent("schema_differs", "the shards' idem tables differ: migrate both to the same version")
+	// ErrShardUnavailable is wrapped by a *shardError whose shard could not be read
+	// (Postgres unreachable, the connection broke): the result would miss that shard's
+	// rows, so none is returned (Stats returns the others' figures too).
+	ErrShardUnavailable = errcode.Transient("shard_unavailable", "a shard did not answer")
+
+	// ErrOffRoute is returned, and nothing was changed, when an action (a requeue, a
+	// forget, a failure group's retry, discard or release) would change a tenant's
+	// rows on a shard that the map's route does not name for the tenant: rows that a
+	// tenant move left behind or has not finished copying. Acting there too would
+	// repair the same failure twice (once on each shard). Finish the move
+	// (MoveTenant, run again) and switch the route to the shard that holds the rows;
+	// then act again.
+	ErrOffRoute = errcode.Transient("off_route", "a tenant has rows on a shard its route does not name: finish its move first")
 )
 
 // keyError is a sentinel with a message that names the key it is about.
 type keyError struct {
-	sentinel *Error
+	sentinel *errcode.Error
 	msg      string
 }
 
@@ -54,7 +81,7 @@ func (e *keyError) Unwrap() error { return e.sentinel }
 // Code is the sentinel's code.
 func (e *keyError) Code() string { return e.sentinel.Code() }
 
-func errorf(sentinel *Error, format string, args ...any) error {
+func errorf(sentinel *errcode.Error, format string, args ...any) error {
 	return &keyError{sentinel: sentinel, msg: fmt.Sprintf(format, args...)}
 }
 
@@ -72,34 +99,20 @@ func (a *part) wrap(err error) error {
 	return err
 }
 
-// ErrShardUnavailable is wrapped by a *ShardError whose shard could not be read
-// (Postgres unreachable, the connection broke): the result would miss that shard's
-// rows, so none is returned (Stats returns the others' figures too).
-var ErrShardUnavailable = errcode.Transient("shard_unavailable", "a shard did not answer")
-
-// ErrOffRoute is returned, and nothing was changed, when an action (a requeue, a
-// forget, a failure group's retry, discard or release) would change a tenant's
-// rows on a shard that the map's route does not name for the tenant: rows that a
-// tenant move left behind or has not finished copying. Acting there too would
-// repair the same failure twice (once on each shard). Finish the move
-// (MoveTenant, run again) and switch the route to the shard that holds the rows;
-// then act again.
-var ErrOffRoute = errcode.Transient("off_route", "a tenant has rows on a shard its route does not name: finish its move first")
-
-// ShardError is an error of one shard of the map. Its code is the shard error's
+// shardError is an error of one shard of the map: its message names the shard. Its code is the shard error's
 // own when it has one (not_found, schema_missing...), else shard_unavailable.
-type ShardError struct {
+type shardError struct {
 	Shard string
 	Err   error
 }
 
-func (e *ShardError) Error() string {
+func (e *shardError) Error() string {
 	return fmt.Sprintf("idem: shard %q: %v", e.Shard, strings.TrimPrefix(e.Err.Error(), "idem: "))
 }
 
 // Unwrap gives the shard's error, and ErrShardUnavailable when that one has no
 // code of its own.
-func (e *ShardError) Unwrap() []error {
+func (e *shardError) Unwrap() []error {
 	if errcode.Code(e.Err) != "" {
 		return []error{e.Err}
 	}
@@ -107,14 +120,14 @@ func (e *ShardError) Unwrap() []error {
 }
 
 // Code is the code of the shard's error, else shard_unavailable.
-func (e *ShardError) Code() string { return cmp.Or(errcode.Code(e.Err), ErrShardUnavailable.Code()) }
+func (e *shardError) Code() string { return cmp.Or(errcode.Code(e.Err), ErrShardUnavailable.Code()) }
 
 // join makes one error of the parts' errors (one a part, nil for a part that did
-// not fail): one database's error as it is; a shard's as a *ShardError naming it,
+// not fail): one database's error as it is; a shard's as a *shardError naming it,
 // the shards' joined; an error that every part gives alike (a bad filter or
 // cursor) as it is.
 func (a *Admin) join(errs []error) error {
-	return a.parts.Join(errs, alike, func(name string, err error) error { return &ShardError{Shard: name, Err: err} })
+	return a.parts.Join(errs, alike, func(name string, err error) error { return &shardError{Shard: name, Err: err} })
 }
 
 // partErr is part i's error err as join shows it.
@@ -160,14 +173,14 @@ func quoteArg(s string) string {
 
 // tenantsOf runs a statement that returns the tenants of the rows an action would
 // change on one part.
-func (p *part) tenantsOf(ctx context.Context, sql string, args ...any) ([]string, error) {
-	rows, err := p.db.Query(ctx, sql, args...)
+func (a *part) tenantsOf(ctx context.Context, sql string, args ...any) ([]string, error) {
+	rows, err := a.db.Query(ctx, sql, args...)
 	if err != nil {
-		return nil, p.wrap(err)
+		return nil, a.wrap(err)
 	}
 	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	return out, p.wrap(err)
+	return out, a.wrap(err)
 }
 
 // table is the quoted name of one of idem's tables in the part's schema.
-func (p *part) table(name string) string { return pgx.Identifier{p.cfg.Schema, name}.Sanitize() }
+func (a *part) table(name string) string { return pgx.Identifier{a.cfg.Schema, name}.Sanitize() }

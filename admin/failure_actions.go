@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
 )
@@ -227,7 +228,7 @@ func actionID(shard, id string) string {
 
 // act runs the statement of a repair action (its plan on a dry run) on db, the
 // part's database or a transaction on it; the front has checked the action.
-func (a *part) act(ctx context.Context, db DB, action string, g groupID, act GroupAction) (*ActionResult, error) {
+func (a *part) act(ctx context.Context, db inbox.DBTX, action string, g groupID, act GroupAction) (*ActionResult, error) {
 	var since *time.Time
 	if !act.Since.IsZero() {
 		since = &act.Since
@@ -282,15 +283,9 @@ type ActionFilter struct {
 	At TimeRange
 }
 
-// ActionPage is one page of repair actions, newest first.
-type ActionPage struct {
-	Actions []FailureAction `json:"actions"`
-	Next    string          `json:"next,omitempty"`
-}
-
 // ListActions returns one page of the stored repair actions, newest first: the
 // audit trail of retries, discards and releases.
-func (a *Admin) ListActions(ctx context.Context, f ActionFilter, p Page) (*ActionPage, error) {
+func (a *Admin) ListActions(ctx context.Context, f ActionFilter, p Page) (*List[FailureAction], error) {
 	var hash []byte
 	if f.Group != "" {
 		g, err := parseGroupID(f.Group)
@@ -317,7 +312,7 @@ func (a *Admin) ListActions(ctx context.Context, f ActionFilter, p Page) (*Actio
 	if err != nil {
 		return nil, err
 	}
-	return &ActionPage{Actions: acts, Next: next}, nil
+	return &List[FailureAction]{Rows: acts, Next: next}, nil
 }
 
 func (a *part) listActions(ctx context.Context, f ActionFilter, hash []byte, limit int, c string) ([]FailureAction, string, error) {

@@ -14,22 +14,23 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/text"
 )
 
-// Sources of failures, the two kinds of failure group.
+// Failure groups: their sources, their orders and the repair actions on them.
 const (
 	// SourceInbox groups failed inbox keys, by consumer and tenant.
 	SourceInbox = "inbox"
 	// SourceEffects groups dead effects, by kind and tenant.
 	SourceEffects = "effects"
-)
 
-// Repair actions on a failure group.
-const (
+	// ByCount lists the largest groups first.
+	ByCount = "count"
+	// ByRecent lists the groups with the most recent failure first.
+	ByRecent = "recent"
+
 	// ActionRetry brings a group's dead effects back to pending, attempts from 0.
 	ActionRetry = "retry"
 	// ActionDiscard settles a group's dead effects as discarded: never sent, and
@@ -40,32 +41,8 @@ const (
 	ActionRelease = "release"
 )
 
-// Actions are the repair actions, in the order the metrics list them.
-var Actions = []string{ActionRetry, ActionDiscard, ActionRelease}
-
-var (
-	// ErrWrongSource is returned for an action that does not apply to the group's
-	// source: retry and discard act on dead effects, release on failed inbox keys.
-	ErrWrongSource = errcode.Permanent("wrong_source", "the action does not apply to this failure group")
-	// ErrNoteRequired is returned for an action (not a dry run) without an audit
-	// note that says who asks and why.
-	ErrNoteRequired = errcode.Permanent("note_required", "a repair action needs a note: who asks, and why")
-	// ErrGroupChanged is returned, and nothing was changed, when an action with
-	// AtMost would change more rows than that: failures within its bound appeared
-	// after the operator looked (a failure whose transaction was still committing).
-	// Look again.
-	ErrGroupChanged = errcode.Transient("group_changed", "the failure group holds more rows than the plan said; nothing was changed: look again")
-)
-
-// Group sample sizes.
-const (
-	// ListSamples is how many sample keys each group of a list carries.
-	ListSamples = 3
-	// GroupSamples is how many sample keys Group returns.
-	GroupSamples = 20
-	// PlanKeys is the most keys an action's result names (all of them are counted).
-	PlanKeys = 100
-)
+// actions are the repair actions, in the order the metrics list them.
+var actions = []string{ActionRetry, ActionDiscard, ActionRelease}
 
 // FailureGroup is the failures of one consumer (or effect kind) and tenant that
 // share an error code and a masked error text: most likely one cause.
@@ -94,8 +71,12 @@ type FailureGroup struct {
 	LastSeen  time.Time `json:"last_seen"`
 	// SampleKeys are a few of its keys (inbox keys, or effect keys), newest first.
 	SampleKeys []string `json:"sample_keys"`
-	// Attempts is an effects group's distribution of attempts made (Group only).
-	Attempts []AttemptsCount `json:"attempts,omitempty"`
+	// Attempts is an effects group's distribution of attempts made (Group only):
+	// how many of its dead effects made that many attempts, by attempts.
+	Attempts []struct {
+		Attempts int   `json:"attempts"`
+		Effects  int64 `json:"effects"`
+	} `json:"attempts,omitempty"`
 	// Actions are the repair actions taken on the group so far, newest first
 	// (Group only).
 	Actions []FailureAction `json:"actions,omitempty"`
@@ -105,33 +86,37 @@ type FailureGroup struct {
 	// Parts are each of those shards' part of the group, in map order (an Admin
 	// over a shard map): Count, FirstSeen and LastSeen above are their sum,
 	// earliest and latest.
-	Parts []GroupPart `json:"parts,omitempty"`
+	Parts []struct {
+		Shard     string    `json:"shard"`
+		Count     int64     `json:"count"`
+		FirstSeen time.Time `json:"first_seen"`
+		LastSeen  time.Time `json:"last_seen"`
+	} `json:"parts,omitempty"`
 }
 
-// GroupPart is one shard's part of a failure group.
-type GroupPart struct {
-	Shard     string    `json:"shard"`
-	Count     int64     `json:"count"`
-	FirstSeen time.Time `json:"first_seen"`
-	LastSeen  time.Time `json:"last_seen"`
+// attemptsCount and groupPart are the types of FailureGroup.Attempts and Parts.
+type (
+	attemptsCount = struct {
+		Attempts int   `json:"attempts"`
+		Effects  int64 `json:"effects"`
+	}
+	groupPart = struct {
+		Shard     string    `json:"shard"`
+		Count     int64     `json:"count"`
+		FirstSeen time.Time `json:"first_seen"`
+		LastSeen  time.Time `json:"last_seen"`
+	}
+)
+
+// add appends a zero element to s and returns s and the element (for slices of
+// an unnamed struct type).
+func add[T any](s []T) ([]T, *T) {
+	s = append(s, *new(T))
+	return s, &s[len(s)-1]
 }
 
 // Place is the group's consumer or kind.
 func (g *FailureGroup) Place() string { return cmp.Or(g.Consumer, g.Kind) }
-
-// AttemptsCount is how many dead effects of a group made that many attempts.
-type AttemptsCount struct {
-	Attempts int   `json:"attempts"`
-	Effects  int64 `json:"effects"`
-}
-
-// Group orders.
-const (
-	// ByCount lists the largest groups first.
-	ByCount = "count"
-	// ByRecent lists the groups with the most recent failure first.
-	ByRecent = "recent"
-)
 
 // GroupFilter picks failure groups; zero fields do not filter.
 type GroupFilter struct {
@@ -153,13 +138,6 @@ type GroupFilter struct {
 	Seen TimeRange
 	// Order is ByCount (the default) or ByRecent. Ties go by ID.
 	Order string
-}
-
-// GroupPage is one page of failure groups.
-type GroupPage struct {
-	Groups []FailureGroup `json:"groups"`
-	// Next is the cursor of the next page, empty on the last one.
-	Next string `json:"next,omitempty"`
 }
 
 // groupID is a parsed FailureGroup.ID.
@@ -207,26 +185,26 @@ func clip(s string) string {
 //
 // Over a shard map a group whose failures are on several shards is one row (see
 // mergeGroups).
-func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
+func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*List[FailureGroup], error) {
 	gp, err := f.paging(p)
 	if err != nil {
 		return nil, err
 	}
-	return fanout.Whole(a.parts, func(one *part) (*GroupPage, error) { return one.listGroups(ctx, f, gp, p.After != "") },
-		func() (*GroupPage, error) { return a.mergeGroups(ctx, f, p, gp) })
+	return fanout.Whole(a.parts, func(one *part) (*List[FailureGroup], error) { return one.listGroups(ctx, f, gp, p.After != "") },
+		func() (*List[FailureGroup], error) { return a.mergeGroups(ctx, f, p, gp) })
 }
 
 // listGroups is ListGroups on one database: one statement, that reads a page of
 // groups with their samples.
-func (a *part) listGroups(ctx context.Context, f GroupFilter, gp groupPaging, after bool) (*GroupPage, error) {
+func (a *part) listGroups(ctx context.Context, f GroupFilter, gp groupPaging, after bool) (*List[FailureGroup], error) {
 	limit := gp.limit
 	groups, err := a.groups(ctx, f, gp, after, limit+1)
 	if err != nil {
 		return nil, err
 	}
-	out := &GroupPage{Groups: groups}
+	out := &List[FailureGroup]{Rows: groups}
 	if len(groups) > limit {
-		out.Groups = groups[:limit]
+		out.Rows = groups[:limit]
 		out.Next = encodeGroupCursor(groups[limit-1], gp.order)
 	}
 	return out, nil
@@ -462,13 +440,15 @@ func (a *Admin) Group(ctx context.Context, id string, seen TimeRange) (*FailureG
 	}
 	out := mergeGroup(parts, GroupSamples)
 	for _, n := range slices.Sorted(maps.Keys(attempts)) {
-		out.Attempts = append(out.Attempts, AttemptsCount{Attempts: n, Effects: attempts[n]})
+		var at *attemptsCount
+		out.Attempts, at = add(out.Attempts)
+		at.Attempts, at.Effects = n, attempts[n]
 	}
 	acts, err := a.ListActions(ctx, ActionFilter{Group: id}, Page{Limit: 20})
 	if err != nil {
 		return nil, err
 	}
-	out.Actions = acts.Actions
+	out.Actions = acts.Rows
 	return out, nil
 }
 
@@ -496,7 +476,7 @@ func (a *part) group(ctx context.Context, id string, seen TimeRange) (*FailureGr
 		if err != nil {
 			return nil, a.wrap(err)
 		}
-		out.Attempts, err = pgx.CollectRows(rows, pgx.RowToStructByPos[AttemptsCount])
+		out.Attempts, err = pgx.CollectRows(rows, pgx.RowToStructByPos[attemptsCount])
 		if err != nil {
 			return nil, a.wrap(err)
 		}

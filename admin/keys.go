@@ -172,7 +172,7 @@ func (a *part) forget(ctx context.Context, id inbox.ID, audit Audit) (*InboxKey,
 	a.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: inbox key forgotten; its next delivery runs the handler again",
 		slog.String("schema", a.cfg.Schema),
 		slog.String("consumer", k.Consumer), slog.String("tenant", k.Tenant), slog.String("key", k.Key),
-		slog.String("state", k.State), slog.String("fingerprint", k.Fingerprint.String()),
+		slog.String("state", k.State), slog.String("fingerprint", k.Fingerprint),
 		slog.Time("received_at", k.ReceivedAt),
 		slog.String("who", cmp.Or(audit.Who, "unknown")), slog.String("why", audit.Why))
 	return k, nil

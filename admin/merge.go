@@ -21,7 +21,7 @@ import (
 // for each page of groups already; one database alike.) Then each shard that
 // holds some of the page's groups reads their codes, texts and sample keys, with
 // one statement: the samples cost grows with the page, not with the groups.
-func (a *Admin) mergeGroups(ctx context.Context, f GroupFilter, p Page, gp groupPaging) (*GroupPage, error) {
+func (a *Admin) mergeGroups(ctx context.Context, f GroupFilter, p Page, gp groupPaging) (*List[FailureGroup], error) {
 	order, limit, afterValue, afterID := gp.order, gp.limit, gp.afterValue, gp.afterID
 	// Every group of the filter on each shard, from one aggregate of its failures:
 	// each group there once, with one count.
@@ -51,13 +51,13 @@ func (a *Admin) mergeGroups(ctx context.Context, f GroupFilter, p Page, gp group
 	slices.SortFunc(merged, func(x, y FailureGroup) int {
 		return cmp.Or(cmp.Compare(groupValue(y, order), groupValue(x, order)), cmp.Compare(x.ID, y.ID))
 	})
-	out := &GroupPage{Groups: merged[:min(limit, len(merged))]}
+	out := &List[FailureGroup]{Rows: merged[:min(limit, len(merged))]}
 	if len(merged) > limit {
 		out.Next = encodeGroupCursor(merged[limit-1], order)
 	}
 	// The page's groups' samples, read on the shards that hold them, then merged.
 	onShard := map[string][]*FailureGroup{}
-	for _, g := range out.Groups {
+	for _, g := range out.Rows {
 		for _, part := range parts[g.ID] {
 			onShard[part.Shard] = append(onShard[part.Shard], part)
 		}
@@ -71,8 +71,8 @@ func (a *Admin) mergeGroups(ctx context.Context, f GroupFilter, p Page, gp group
 	if err := a.join(errs); err != nil {
 		return nil, err
 	}
-	for i, g := range out.Groups {
-		out.Groups[i] = *mergeGroup(parts[g.ID], ListSamples)
+	for i, g := range out.Rows {
+		out.Rows[i] = *mergeGroup(parts[g.ID], ListSamples)
 	}
 	return out, nil
 }
@@ -96,7 +96,7 @@ func mergeGroup(parts []*FailureGroup, samples int) *FailureGroup {
 			latest = g
 		}
 		if g.Shard != "" { // read on a shard of a map
-			out.Parts = append(out.Parts, GroupPart{Shard: g.Shard, Count: g.Count, FirstSeen: g.FirstSeen, LastSeen: g.LastSeen})
+			out.Parts = append(out.Parts, groupPart{Shard: g.Shard, Count: g.Count, FirstSeen: g.FirstSeen, LastSeen: g.LastSeen})
 		}
 	}
 	out.Shard = strings.Join(names, ",")

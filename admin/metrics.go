@@ -10,10 +10,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// DefaultMetricsInterval is how long the failure metrics reuse one reading of the
-// tables (Config.MetricsInterval).
-const DefaultMetricsInterval = 30 * time.Second
-
 // The failure metrics' descriptions. No label names a failure group: groups are
 // unbounded in number, and a series per group would be too.
 var (
@@ -51,7 +47,7 @@ func newFailureMetrics(a *part) *failureMetrics {
 	for _, k := range a.cfg.Kinds {
 		m.effects[k] = 0
 	}
-	for _, act := range Actions {
+	for _, act := range actions {
 		m.actions[act] = 0
 	}
 	return m

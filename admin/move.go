@@ -22,20 +22,6 @@ import (
 // the old shard recorded runs its handler again, and the old shard's pending
 // effects are sent from there while the new shard knows nothing of them.
 
-// DefaultMoveRetention is how far back MoveTenant copies done effects (the
-// janitor's default retention of done effects).
-const DefaultMoveRetention = 7 * 24 * time.Hour
-
-var (
-	// ErrNotDrained is returned, and nothing was changed on either shard, when the
-	// tenant is still being worked on its old shard: an inbox key processing under
-	// a running lease, or an effect being sent. Drain the tenant and run it again.
-	ErrNotDrained = errcode.Transient("not_drained", "the tenant is still being worked on its old shard: drain it first")
-	// ErrSchemaDiffers is returned when the two shards' inbox or effects tables do
-	// not have the same columns: migrate both to the same version first.
-	ErrSchemaDiffers = errcode.Permanent("schema_differs", "the shards' idem tables differ: migrate both to the same version")
-)
-
 // parked is how far in the future MoveTenant pushes the due time of a pending
 // effect it hands over: no dispatcher claims it there, and the copy on the new
 // shard gets its due time back by subtracting it.
@@ -148,7 +134,7 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 	}
 	out := &MoveResult{Tenant: mv.Tenant, From: mv.From, To: mv.To, DryRun: mv.DryRun}
 	if err := from.movePlan(ctx, mv.Tenant, retention, out); err != nil {
-		return nil, &ShardError{Shard: from.name, Err: err}
+		return nil, &shardError{Shard: from.name, Err: err}
 	}
 	if mv.DryRun {
 		return out, nil
@@ -183,7 +169,7 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 			WHERE tenant = $1 AND state = 'pending' AND next_attempt_at > `+parkedAbove+`
 			RETURNING 1)
 		SELECT count(*), pg_notify('idem_effects', $2) FROM back`, mv.Tenant, to.cfg.Schema); err != nil {
-		return out, &ShardError{Shard: to.name, Err: to.wrap(err)}
+		return out, &shardError{Shard: to.name, Err: to.wrap(err)}
 	}
 	moveStep("handed_back")
 	// What was not copied (keys that expired, done effects past the retention) is
@@ -196,7 +182,7 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 			+ (SELECT count(*) FROM `+from.table("effects")+` WHERE tenant = $1 AND (state <> 'done' OR done_at > now() - $2::interval))`,
 		mv.Tenant, retention).Scan(&m.copied, &m.deleted, &left)
 	if err != nil {
-		return out, &ShardError{Shard: from.name, Err: from.wrap(err)}
+		return out, &shardError{Shard: from.name, Err: from.wrap(err)}
 	}
 	out.InboxDeleted += m.copied
 	out.EffectsDeleted += m.deleted
@@ -275,7 +261,7 @@ func (a *part) park(ctx context.Context, tenant string) error {
 		return nil
 	})
 	if err != nil && errcode.Code(err) == "" {
-		return &ShardError{Shard: a.name, Err: a.wrap(err)}
+		return &shardError{Shard: a.name, Err: a.wrap(err)}
 	}
 	return err
 }
@@ -298,7 +284,7 @@ func moveRows(ctx context.Context, from, to *part, tenant, table, k1, k2, where 
 			WHERE i.tenant = $1 AND (i.`+k1+`, i.`+k2+`) > ($2, $3) AND `+where+`
 			ORDER BY i.`+k1+`, i.`+k2+` LIMIT `+fmt.Sprint(moveBatch), append([]any{tenant, a1, a2}, extra...)...)
 		if err != nil {
-			return &ShardError{Shard: from.name, Err: from.wrap(err)}
+			return &shardError{Shard: from.name, Err: from.wrap(err)}
 		}
 		var batch []json.RawMessage
 		var rec json.RawMessage
@@ -307,7 +293,7 @@ func moveRows(ctx context.Context, from, to *part, tenant, table, k1, k2, where 
 			return nil
 		})
 		if err != nil {
-			return &ShardError{Shard: from.name, Err: from.wrap(err)}
+			return &shardError{Shard: from.name, Err: from.wrap(err)}
 		}
 		if len(batch) == 0 {
 			return nil
@@ -316,7 +302,7 @@ func moveRows(ctx context.Context, from, to *part, tenant, table, k1, k2, where 
 		tag, err := to.db.Exec(ctx, `INSERT INTO `+dst+` SELECT * FROM jsonb_populate_recordset(NULL::`+dst+`, $1::jsonb)
 			ON CONFLICT DO NOTHING`, string(b))
 		if err != nil {
-			return &ShardError{Shard: to.name, Err: to.wrap(err)}
+			return &shardError{Shard: to.name, Err: to.wrap(err)}
 		}
 		m.copied += tag.RowsAffected()
 		moveStep(table + "_inserted")
@@ -327,7 +313,7 @@ func moveRows(ctx context.Context, from, to *part, tenant, table, k1, k2, where 
 				RETURNING i.state)
 			SELECT count(*), count(*) FILTER (WHERE state = 'pending') FROM d`, tenant, string(b)).Scan(&n, &pending)
 		if err != nil {
-			return &ShardError{Shard: from.name, Err: from.wrap(err)}
+			return &shardError{Shard: from.name, Err: from.wrap(err)}
 		}
 		m.deleted += n
 		if table == "effects" {
@@ -346,7 +332,7 @@ func sameColumns(ctx context.Context, from, to *part) error {
 		err := s.db.QueryRow(ctx, `SELECT coalesce(string_agg(table_name || '.' || column_name || ' ' || data_type, ', ' ORDER BY table_name, column_name), '')
 			FROM information_schema.columns WHERE table_schema = $1 AND table_name IN ('inbox', 'effects')`, s.cfg.Schema).Scan(&c)
 		if err != nil {
-			return "", &ShardError{Shard: s.name, Err: s.wrap(err)}
+			return "", &shardError{Shard: s.name, Err: s.wrap(err)}
 		}
 		return c, nil
 	}

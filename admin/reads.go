@@ -34,6 +34,13 @@ func (p Page) limit() (int, error) {
 	return p.Limit, nil
 }
 
+// List is one page of a list: its rows, and the cursor of the next page.
+type List[T any] struct {
+	Rows []T `json:"rows"`
+	// Next is the cursor of the next page (its Page.After), empty on the last one.
+	Next string `json:"next,omitempty"`
+}
+
 // A cursor is the primary key of the last row of a page, with the list's name, as
 // base64url of a JSON array. It holds no filter: a cursor used with other filters
 // still pages correctly through the rows after that key.
@@ -84,14 +91,6 @@ type InboxFilter struct {
 	Received TimeRange
 }
 
-// InboxPage is one page of inbox keys, in primary key order (consumer, tenant,
-// key).
-type InboxPage struct {
-	Keys []InboxKey `json:"keys"`
-	// Next is the cursor of the next page, empty on the last one.
-	Next string `json:"next,omitempty"`
-}
-
 var inboxStates = []string{"", string(inbox.StateCompleted), string(inbox.StateFailed), string(inbox.StateProcessing)}
 
 // ListInbox returns one page of the inbox keys that f picks, in primary key order.
@@ -100,7 +99,7 @@ var inboxStates = []string{"", string(inbox.StateCompleted), string(inbox.StateF
 //
 // Over a shard map the shards' pages merge in the same order, with a cursor that
 // carries each shard's position, and each key names its shard.
-func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*InboxPage, error) {
+func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*List[InboxKey], error) {
 	if !slices.Contains(inboxStates, f.State) {
 		return nil, errorf(ErrBadFilter, "inbox state %q: use completed, failed or processing", f.State)
 	}
@@ -122,7 +121,7 @@ func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*InboxPag
 	if err != nil {
 		return nil, err
 	}
-	return &InboxPage{Keys: keys, Next: next}, nil
+	return &List[InboxKey]{Rows: keys, Next: next}, nil
 }
 
 // listInbox reads a page of at most limit keys after the cursor after, and the
@@ -167,18 +166,11 @@ type EffectFilter struct {
 	Created TimeRange
 }
 
-// EffectPage is one page of effects, in primary key order (tenant, kind, key).
-type EffectPage struct {
-	Effects []Effect `json:"effects"`
-	// Next is the cursor of the next page, empty on the last one.
-	Next string `json:"next,omitempty"`
-}
-
 var effectStates = []string{"", "pending", "done", "dead", "discarded"}
 
 // ListEffects returns one page of the effects that f picks, in primary key order,
 // paged by keyset like ListInbox.
-func (a *Admin) ListEffects(ctx context.Context, f EffectFilter, p Page) (*EffectPage, error) {
+func (a *Admin) ListEffects(ctx context.Context, f EffectFilter, p Page) (*List[Effect], error) {
 	if !slices.Contains(effectStates, f.State) {
 		return nil, errorf(ErrBadFilter, "effect state %q: use pending, done, dead or discarded", f.State)
 	}
@@ -203,7 +195,7 @@ func (a *Admin) ListEffects(ctx context.Context, f EffectFilter, p Page) (*Effec
 	if err != nil {
 		return nil, err
 	}
-	return &EffectPage{Effects: effs, Next: next}, nil
+	return &List[Effect]{Rows: effs, Next: next}, nil
 }
 
 func (a *part) listEffects(ctx context.Context, f EffectFilter, limit int, c string) ([]Effect, string, error) {
@@ -305,9 +297,6 @@ func lookup[R any](a *Admin, tenant string, read func(p *part) (R, error)) (R, e
 	}
 	return r, miss
 }
-
-// FindLimit is the most rows of each table Find returns.
-const FindLimit = 100
 
 // Found is what Find found under one key.
 type Found struct {

@@ -13,13 +13,21 @@ import (
 
 // Stats is the state of one schema's tables.
 type Stats struct {
-	Schema    string          `json:"schema"`
+	// Shard is the shard of one of Stats.Shards.
+	Shard  string `json:"shard,omitempty"`
+	Schema string `json:"schema"`
+	// Error says why the shard of one of Stats.Shards did not answer; its figures
+	// are then empty.
+	Error     string          `json:"error,omitempty"`
 	Consumers []ConsumerStats `json:"consumers"`
 	Effects   []KindStats     `json:"effects"`
 	// Shards are each shard's own figures, and which shard did not answer (an
 	// Admin over a shard map; the figures above are their sums).
-	Shards []ShardStats `json:"shards,omitempty"`
+	Shards []Stats `json:"shards,omitempty"`
 }
+
+// Up says whether the shard of one of Stats.Shards answered.
+func (s *Stats) Up() bool { return s.Error == "" }
 
 // ConsumerStats counts one consumer's inbox rows by state.
 type ConsumerStats struct {
@@ -75,7 +83,7 @@ func (a *Admin) Stats(ctx context.Context) (*Stats, error) {
 	kinds := map[string]*KindStats{}
 	for i, st := range res {
 		if name := a.parts.Name(i); name != "" {
-			ss := ShardStats{Shard: name, Schema: a.parts.Part(i).cfg.Schema, Consumers: []ConsumerStats{}, Effects: []KindStats{}}
+			ss := Stats{Shard: name, Schema: a.parts.Part(i).cfg.Schema, Consumers: []ConsumerStats{}, Effects: []KindStats{}}
 			if errs[i] != nil {
 				ss.Error = errs[i].Error()
 			} else {
@@ -158,16 +166,3 @@ func (a *part) stats(ctx context.Context) (*Stats, error) {
 	}
 	return &Stats{Schema: a.cfg.Schema, Consumers: nonNil(cs), Effects: nonNil(ks)}, nil
 }
-
-// ShardStats is one shard's figures in Stats.
-type ShardStats struct {
-	Shard  string `json:"shard"`
-	Schema string `json:"schema"`
-	// Error says why the shard did not answer; its figures are then empty.
-	Error     string          `json:"error,omitempty"`
-	Consumers []ConsumerStats `json:"consumers"`
-	Effects   []KindStats     `json:"effects"`
-}
-
-// Up says whether the shard answered.
-func (s ShardStats) Up() bool { return s.Error == "" }

@@ -105,8 +105,6 @@ type List[T, R any] struct {
 	Order func(x, y R) int
 	// Cursor is a part's cursor after row x.
 	Cursor func(x R) string
-	// Tag marks a merged row with the part it was read on.
-	Tag func(x *R, i int)
 	// BadCursor is the error of a cursor this list did not return.
 	BadCursor func(msg string) error
 	// Join makes one error of the parts' errors (see Set.Join).
@@ -162,9 +160,7 @@ func (l List[T, R]) Page(s *Set[T], after string, limit int) ([]R, string, error
 		if best < 0 {
 			break
 		}
-		row := pages[best].rows[taken[best]]
-		l.Tag(&row, best)
-		out = append(out, row)
+		out = append(out, pages[best].rows[taken[best]])
 		taken[best]++
 	}
 	more := false

@@ -38,7 +38,7 @@ func numbers(s *fanout.Set[[]int], fetches *int) fanout.List[[]int, row] {
 			}
 			var out []row
 			for _, n := range p[from:min(len(p), from+limit)] {
-				out = append(out, row{n: n})
+				out = append(out, row{n: n, shard: s.Name(i)})
 			}
 			next := ""
 			if from+limit < len(p) {
@@ -48,7 +48,6 @@ func numbers(s *fanout.Set[[]int], fetches *int) fanout.List[[]int, row] {
 		},
 		Order:     func(x, y row) int { return cmp.Compare(x.n, y.n) },
 		Cursor:    func(x row) string { return strconv.Itoa(x.n) },
-		Tag:       func(x *row, i int) { x.shard = s.Name(i) },
 		BadCursor: func(msg string) error { return fmt.Errorf("%w: %s", errBadCursor, msg) },
 		Join: func(errs []error) error {
 			return s.Join(errs, func(err error) bool { return errors.Is(err, errBadCursor) },
