@@ -172,16 +172,17 @@ func (a *Admin) act(ctx context.Context, action, source string, act GroupAction)
 		return nil, err
 	}
 	out := &ActionResult{Action: action, Group: act.ID, DryRun: act.DryRun, Since: act.Since, Through: act.Through, Keys: []string{}}
+	shards := map[string]int64{}
 	for i, p := range parts {
 		out.Rows += p.res.Rows
 		out.Keys = append(out.Keys, p.res.Keys...)
 		out.Who, out.Why, out.At = p.res.Who, p.res.Why, maxTime(out.At, p.res.At)
 		if name := a.parts.Name(i); p.res.Rows > 0 && name != "" {
-			if out.Shards == nil {
-				out.Shards = map[string]int64{}
-			}
-			out.Shards[name] = p.res.Rows
+			shards[name] = p.res.Rows
 		}
+	}
+	if len(shards) > 0 {
+		out.Shards = shards
 	}
 	if act.AtMost > 0 && out.Rows > act.AtMost {
 		rollback(parts)
@@ -209,7 +210,7 @@ func (a *Admin) act(ctx context.Context, action, source string, act GroupAction)
 	if !act.DryRun {
 		attrs := []slog.Attr{slog.String("schema", a.Schema()), slog.String("group", act.ID), slog.Int64("rows", out.Rows),
 			slog.Time("through", act.Through), slog.String("who", out.Who), slog.String("why", out.Why)}
-		if out.Shards != nil {
+		if len(out.Shards) > 0 {
 			attrs = append(attrs, slog.Any("shards", out.Shards))
 		}
 		a.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: failure group "+action, attrs...)
