@@ -112,10 +112,9 @@ func (c Config) Validate() error {
 // Admin runs the operator reads and actions against the idem tables of one
 // database, or of every shard of a map. It is safe for concurrent use.
 //
-// It is a front over one part a database (one for Config.Pool, one a shard of
-// Config.Shards): every read and action runs on the parts through
-// internal/fanout, and the parts' answers are merged there or below (see
-// merge.go). With one database the one part's answer is the Admin's, as it is.
+// It runs the same code over one database and over a shard map: each read and
+// action runs on every database (a part each) and their answers are merged; with
+// one database the answer is that database's own, cursors and errors included.
 type Admin struct {
 	cfg   Config
 	parts *fanout.Set[*part]

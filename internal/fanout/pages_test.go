@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -23,11 +24,11 @@ type row struct {
 
 // numbers is a list over parts that each hold some numbers in order: a part's
 // cursor is its last number.
-func numbers(s *fanout.Set[[]int], fetches *int) fanout.List[[]int, row] {
+func numbers(s *fanout.Set[[]int], fetches *atomic.Int32) fanout.List[[]int, row] {
 	return fanout.List[[]int, row]{
 		Name: "numbers",
 		Fetch: func(i int, p []int, limit int, after string) ([]row, string, error) {
-			*fetches++
+			fetches.Add(1)
 			from := 0
 			if after != "" {
 				n, err := strconv.Atoi(after)
@@ -80,12 +81,12 @@ func TestListOneDatabase(t *testing.T) {
 	s, err := fanout.Build(nil, []int{1, 2, 3, 4, 5}, func(shard.Shard) []int { panic("no shards") },
 		func(p []int) ([]int, error) { return p, nil })
 	require.NoError(t, err)
-	var fetches int
+	var fetches atomic.Int32
 	l := numbers(s, &fetches)
 	rows, cursors := all(t, l, s, 2)
 	require.Equal(t, []row{{n: 1}, {n: 2}, {n: 3}, {n: 4}, {n: 5}}, rows)
 	require.Equal(t, []string{"2", "4"}, cursors, "the part's own cursors")
-	require.Equal(t, 3, fetches)
+	require.EqualValues(t, 3, fetches.Load())
 	_, _, err = l.Page(s, "x", 2)
 	require.Same(t, errBadCursor, err, "the part's own error")
 }
@@ -97,7 +98,7 @@ func TestListShardMap(t *testing.T) {
 	s, err := fanout.Build(m, nil, func(sh shard.Shard) []int { return data[sh.Name] },
 		func(p []int) ([]int, error) { return p, nil })
 	require.NoError(t, err)
-	var fetches int
+	var fetches atomic.Int32
 	l := numbers(s, &fetches)
 	for limit := 1; limit <= 8; limit++ {
 		rows, _ := all(t, l, s, limit)
