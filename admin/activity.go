@@ -2,18 +2,13 @@ package admin
 
 import (
 	"context"
+	"slices"
 	"sort"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-)
 
-// Activity windows: what the console's charts show.
-const (
-	// MinActivityWindow and MaxActivityWindow bound Activity's window: per-minute
-	// points over at most a day.
-	MinActivityWindow = time.Minute
-	MaxActivityWindow = 24 * time.Hour
+	"github.com/idemkit/idem/internal/fanout"
 )
 
 // Activity is what happened per minute over a window that ends now, read from the
@@ -26,26 +21,23 @@ type Activity struct {
 	Now time.Time `json:"now"`
 	// Minutes are the window's minutes, oldest first, the last one the current
 	// (partial) minute.
-	Minutes []ActivityMinute `json:"minutes"`
-}
-
-// ActivityMinute is one minute of Activity.
-type ActivityMinute struct {
-	// At is the minute's start.
-	At time.Time `json:"at"`
-	// Completed and Failed are the inbox keys settled in the minute (messages and
-	// HTTP requests).
-	Completed int64 `json:"completed"`
-	Failed    int64 `json:"failed"`
-	// Sent and Dead are the effects sent (done) and given up on (dead) in the
-	// minute.
-	Sent int64 `json:"sent"`
-	Dead int64 `json:"dead"`
-	// Pending is the backlog at the minute's end (at Now for the last one): the
-	// effects enqueued and not yet sent or dead. OldestPendingSeconds is the age
-	// then of the oldest of them, 0 when there were none.
-	Pending              int64   `json:"pending"`
-	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
+	Minutes []struct {
+		// At is the minute's start.
+		At time.Time `json:"at"`
+		// Completed and Failed are the inbox keys settled in the minute (messages and
+		// HTTP requests).
+		Completed int64 `json:"completed"`
+		Failed    int64 `json:"failed"`
+		// Sent and Dead are the effects sent (done) and given up on (dead) in the
+		// minute.
+		Sent int64 `json:"sent"`
+		Dead int64 `json:"dead"`
+		// Pending is the backlog at the minute's end (at Now for the last one): the
+		// effects enqueued and not yet sent or dead. OldestPendingSeconds is the age
+		// then of the oldest of them, 0 when there were none.
+		Pending              int64   `json:"pending"`
+		OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
+	} `json:"minutes"`
 }
 
 // activityQueries renders the statements of Activity. $1 is the window's first
@@ -98,16 +90,51 @@ func (a *Admin) Activity(ctx context.Context, window time.Duration) (*Activity, 
 	if window < MinActivityWindow || window > MaxActivityWindow {
 		return nil, errorf(ErrBadFilter, "activity window %s: use from %s to %s", window, MinActivityWindow, MaxActivityWindow)
 	}
-	if a.shards != nil {
-		return a.shardedActivity(ctx, window)
+	res, errs := fanout.Collect(a.parts, func(_ int, p *part) (*Activity, error) { return p.activity(ctx, window) })
+	if err := a.join(errs); err != nil {
+		return nil, err
 	}
+	// The parts' activity summed minute by minute (the latest Now, the oldest
+	// pending age of any part).
+	out := &Activity{}
+	byMinute := map[time.Time]int{} // in out.Minutes
+	for _, r := range res {
+		out.Now = maxTime(out.Now, r.Now)
+		for _, m := range r.Minutes {
+			at := m.At.UTC()
+			i, ok := byMinute[at]
+			if !ok {
+				byMinute[at] = len(out.Minutes)
+				out.Minutes = append(out.Minutes, m)
+				continue
+			}
+			x := &out.Minutes[i]
+			x.Completed += m.Completed
+			x.Failed += m.Failed
+			x.Sent += m.Sent
+			x.Dead += m.Dead
+			x.Pending += m.Pending
+			x.OldestPendingSeconds = max(x.OldestPendingSeconds, m.OldestPendingSeconds)
+		}
+	}
+	slices.SortFunc(out.Minutes, func(x, y activityMinute) int { return x.At.Compare(y.At) })
+	// Shards whose clocks straddle a minute give one more minute: keep the
+	// window's length, the newest minutes.
+	n := int((window + time.Minute - 1) / time.Minute)
+	out.Minutes = out.Minutes[max(0, len(out.Minutes)-n):]
+	return out, nil
+}
+
+// activity is Activity on one database.
+func (a *part) activity(ctx context.Context, window time.Duration) (*Activity, error) {
 	n := int((window + time.Minute - 1) / time.Minute)
 	var now, minute time.Time
 	if err := a.db.QueryRow(ctx, `SELECT now(), date_trunc('minute', now())`).Scan(&now, &minute); err != nil {
 		return nil, a.wrap(err)
 	}
 	start := minute.Add(-time.Duration(n-1) * time.Minute)
-	out := &Activity{Now: now, Minutes: make([]ActivityMinute, n)}
+	out := &Activity{Now: now}
+	out.Minutes = make([]activityMinute, n)
 	for i := range out.Minutes {
 		out.Minutes[i].At = start.Add(time.Duration(i) * time.Minute)
 	}
@@ -118,10 +145,10 @@ func (a *Admin) Activity(ctx context.Context, window time.Duration) (*Activity, 
 	// The inbox's and the effects' counts per minute.
 	for _, q := range []struct {
 		sql  string
-		a, b func(m *ActivityMinute) *int64
+		a, b func(m *activityMinute) *int64
 	}{
-		{a.q.activityInbox, func(m *ActivityMinute) *int64 { return &m.Completed }, func(m *ActivityMinute) *int64 { return &m.Failed }},
-		{a.q.activityEffects, func(m *ActivityMinute) *int64 { return &m.Sent }, func(m *ActivityMinute) *int64 { return &m.Dead }},
+		{a.q.activityInbox, func(m *activityMinute) *int64 { return &m.Completed }, func(m *activityMinute) *int64 { return &m.Failed }},
+		{a.q.activityEffects, func(m *activityMinute) *int64 { return &m.Sent }, func(m *activityMinute) *int64 { return &m.Dead }},
 	} {
 		rows, err := a.db.Query(ctx, q.sql, start)
 		if err != nil {
@@ -185,4 +212,29 @@ func (a *Admin) Activity(ctx context.Context, window time.Duration) (*Activity, 
 		}
 	}
 	return out, nil
+}
+
+// activityMinute is the type of one of Activity.Minutes.
+type activityMinute = struct {
+	At                   time.Time `json:"at"`
+	Completed            int64     `json:"completed"`
+	Failed               int64     `json:"failed"`
+	Sent                 int64     `json:"sent"`
+	Dead                 int64     `json:"dead"`
+	Pending              int64     `json:"pending"`
+	OldestPendingSeconds float64   `json:"oldest_pending_seconds"`
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
 }

@@ -37,13 +37,13 @@ func TestActivity(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, act.Minutes, 60)
 	n := len(act.Minutes)
-	m := func(k int) admin.ActivityMinute { return act.Minutes[n-1-k] }
+	m := func(k int) minute { return act.Minutes[n-1-k] }
 	require.Equal(t, act.Now.Truncate(time.Minute).UTC(), m(0).At.UTC(), "the last minute is the current one")
 	require.Equal(t, time.Minute, m(0).At.Sub(m(1).At))
 
-	require.Equal(t, admin.ActivityMinute{At: m(10).At, Completed: 3, Failed: 2, Pending: 3, OldestPendingSeconds: 3*24*3600 - 9*60}, m(10),
+	require.Equal(t, minute{At: m(10).At, Completed: 3, Failed: 2, Pending: 3, OldestPendingSeconds: 3*24*3600 - 9*60}, m(10),
 		"three keys completed and two failed in minute M-10; the pending, the dead and the discarded effects were waiting at its end")
-	require.Equal(t, admin.ActivityMinute{At: m(5).At, Sent: 2, Dead: 1, Pending: 2, OldestPendingSeconds: 3*24*3600 - 4*60}, m(5),
+	require.Equal(t, minute{At: m(5).At, Sent: 2, Dead: 1, Pending: 2, OldestPendingSeconds: 3*24*3600 - 4*60}, m(5),
 		"two sent and one dead in minute M-5; at its end the pending effect and the discarded one (dead at M-3) wait")
 	var completed, failed, sent, dead int64
 	for _, x := range act.Minutes {
@@ -70,4 +70,15 @@ func TestActivity(t *testing.T) {
 		_, err = a.Activity(ctx, w)
 		require.ErrorIs(t, err, admin.ErrBadFilter)
 	}
+}
+
+// minute is the type of Activity.Minutes' elements.
+type minute = struct {
+	At                   time.Time `json:"at"`
+	Completed            int64     `json:"completed"`
+	Failed               int64     `json:"failed"`
+	Sent                 int64     `json:"sent"`
+	Dead                 int64     `json:"dead"`
+	Pending              int64     `json:"pending"`
+	OldestPendingSeconds float64   `json:"oldest_pending_seconds"`
 }

@@ -76,7 +76,7 @@ func TestNewValidates(t *testing.T) {
 	fresh := admin.Config{Pool: &pgxpool.Pool{}}
 	require.NoError(t, fresh.Validate())
 	d := fresh.WithDefaults()
-	require.Equal(t, admin.DefaultSchema, d.Schema)
+	require.Equal(t, inbox.DefaultSchema, d.Schema)
 	require.Equal(t, admin.DefaultStuckAfter, d.StuckAfter)
 	require.Equal(t, admin.DefaultStuckAttempts, d.StuckAttempts)
 	require.NotNil(t, d.Logger)
@@ -153,14 +153,14 @@ func listAllInbox(t *testing.T, a *admin.Admin, f admin.InboxFilter, limit int, 
 	for page := 0; ; page++ {
 		out, err := a.ListInbox(context.Background(), f, p)
 		require.NoError(t, err)
-		require.LessOrEqual(t, len(out.Keys), limit)
-		for _, k := range out.Keys {
+		require.LessOrEqual(t, len(out.Rows), limit)
+		for _, k := range out.Rows {
 			seen = append(seen, k.Consumer+"|"+k.Tenant+"|"+k.Key)
 		}
 		if out.Next == "" {
 			return seen
 		}
-		require.Len(t, out.Keys, limit, "a page with a next cursor is full")
+		require.Len(t, out.Rows, limit, "a page with a next cursor is full")
 		if between != nil {
 			between(page)
 		}
@@ -242,7 +242,7 @@ func TestListInboxFilters(t *testing.T) {
 		out, err := a.ListInbox(ctx, f, admin.Page{})
 		require.NoError(t, err)
 		var ks []string
-		for _, k := range out.Keys {
+		for _, k := range out.Rows {
 			ks = append(ks, k.Consumer+"|"+k.Tenant+"|"+k.Key)
 		}
 		return ks
@@ -258,10 +258,10 @@ func TestListInboxFilters(t *testing.T) {
 
 	out, err := a.ListInbox(ctx, admin.InboxFilter{State: "failed"}, admin.Page{})
 	require.NoError(t, err)
-	k := out.Keys[0]
+	k := out.Rows[0]
 	require.Equal(t, "permanent", k.ErrorCode)
 	require.Equal(t, "card declined", k.Error)
-	require.Equal(t, "02", k.Fingerprint.String())
+	require.Equal(t, "02", k.Fingerprint)
 
 	_, err = a.ListInbox(ctx, admin.InboxFilter{State: "pending"}, admin.Page{})
 	require.ErrorIs(t, err, admin.ErrBadFilter)
@@ -300,7 +300,7 @@ func TestListEffectsFiltersAndPaging(t *testing.T) {
 		out, err := a.ListEffects(ctx, f, admin.Page{})
 		require.NoError(t, err)
 		var s []string
-		for _, e := range out.Effects {
+		for _, e := range out.Rows {
 			s = append(s, e.ID().String())
 		}
 		return s
@@ -316,7 +316,7 @@ func TestListEffectsFiltersAndPaging(t *testing.T) {
 
 	out, err := a.ListEffects(ctx, admin.EffectFilter{Tenant: ptr("")}, admin.Page{})
 	require.NoError(t, err)
-	e := out.Effects[0]
+	e := out.Rows[0]
 	require.Equal(t, 5, e.PayloadBytes)
 	require.Equal(t, "smtp: 550 <b>mailbox</b> unavailable", e.LastError)
 	src, ok := e.Source()
@@ -324,7 +324,7 @@ func TestListEffectsFiltersAndPaging(t *testing.T) {
 	require.Equal(t, inbox.ID{Consumer: "payments", Key: "pay_1"}, src)
 	out, err = a.ListEffects(ctx, admin.EffectFilter{Stuck: true}, admin.Page{})
 	require.NoError(t, err)
-	require.Contains(t, out.Effects[0].Stuck, "lease ran out")
+	require.Contains(t, out.Rows[0].Stuck, "lease ran out")
 
 	_, err = a.ListEffects(ctx, admin.EffectFilter{State: "failed"}, admin.Page{})
 	require.ErrorIs(t, err, admin.ErrBadFilter)
@@ -337,7 +337,7 @@ func TestListEffectsFiltersAndPaging(t *testing.T) {
 	for page := 0; ; page++ {
 		out, err := a.ListEffects(ctx, admin.EffectFilter{}, p)
 		require.NoError(t, err)
-		for _, e := range out.Effects {
+		for _, e := range out.Rows {
 			seen = append(seen, e.ID().String())
 		}
 		if out.Next == "" {
@@ -396,7 +396,7 @@ func TestInspectAndFind(t *testing.T) {
 	got, err := a.InspectInbox(ctx, inbox.ID{Consumer: "payments", Tenant: "acme", Key: "pay_1"}, admin.InspectOptions{})
 	require.NoError(t, err)
 	require.Equal(t, "completed", got.State)
-	require.Len(t, got.Fingerprint, 32)
+	require.Len(t, got.Fingerprint, 64, "32 bytes in hex")
 	require.Nil(t, got.Response)
 	require.Len(t, got.Effects, 1)
 	require.Equal(t, admin.EffectID{Tenant: "acme", Kind: "email", Key: "receipt:pay_1"}, got.Effects[0].ID())
@@ -488,7 +488,7 @@ func TestInspectHTTPKey(t *testing.T) {
 	// Lists and Find show the response without its body too.
 	page, err := a.ListInbox(ctx, admin.InboxFilter{Consumer: "POST /payments"}, admin.Page{})
 	require.NoError(t, err)
-	require.Equal(t, &admin.Response{Status: 201, BodyBytes: 40, Headers: map[string][]string{"Content-Type": {"application/json"}}}, page.Keys[0].Response)
+	require.Equal(t, &admin.Response{Status: 201, BodyBytes: 40, Headers: map[string][]string{"Content-Type": {"application/json"}}}, page.Rows[0].Response)
 	found, err := a.Find(ctx, "k-1", admin.FindFilter{})
 	require.NoError(t, err)
 	require.Equal(t, 40, found.Inbox[0].Response.BodyBytes)
@@ -541,7 +541,7 @@ func TestForget(t *testing.T) {
 	require.Equal(t, "WARN", line["level"])
 	require.Contains(t, line["msg"], "forgotten")
 	for field, want := range map[string]string{"schema": b.schema, "consumer": "payments", "tenant": "acme", "key": "pay_1",
-		"state": "completed", "fingerprint": k.Fingerprint.String(), "who": "ann", "why": "INC-42: replay after the fix"} {
+		"state": "completed", "fingerprint": k.Fingerprint, "who": "ann", "why": "INC-42: replay after the fix"} {
 		require.Equal(t, want, line[field], field)
 	}
 

@@ -21,14 +21,18 @@
 //     and the pending backlog with its oldest age, over the last hour or day, each
 //     read from a range of a partial index (the console's charts).
 //
-// Over a shard map (Config.Shards) every read and action runs on each shard: lists
-// merge the shards' pages with a cursor carrying each shard's position, a failure
-// group is one row of the groups list with its shards' parts summed, Stats sums
-// and lists each shard, one key is looked up on every shard; an action changes a
-// tenant's rows only on the shard its route names, and is refused (ErrOffRoute)
-// when some are elsewhere; a shard that does not answer is an error naming it
-// (ShardError, ErrShardUnavailable), never a silent gap. MoveTenant moves a
-// tenant's rows, in every state, to its new shard. See shards.go and move.go.
+// An Admin is a front over one part a database: one for Config.Pool, or one a
+// shard of Config.Shards. Every read and action runs the same code on its parts
+// through internal/fanout, which merges what they return; with one database the
+// one part's answer is the Admin's as it is (its page, its cursor, its error).
+// Over a shard map lists merge the shards' pages with a cursor carrying each
+// shard's position, a failure group is one row of the groups list with its
+// shards' parts summed, Stats sums and lists each shard, one key is looked up on
+// every shard; an action changes a tenant's rows only on the shard its route
+// names, and is refused (ErrOffRoute) when some are elsewhere; a shard that does
+// not answer is an error naming it (ErrShardUnavailable), never a silent gap.
+// MoveTenant moves a tenant's rows, in every state, to its new shard. See
+// merge.go and move.go.
 //
 // What it guarantees: every statement is SQL of this package with bind parameters,
 // on a validated and quoted schema; reads take no locks that a consumer or a

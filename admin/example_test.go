@@ -43,7 +43,7 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	g := groups.Groups[0]
+	g := groups.Rows[0]
 	fmt.Println(g.Consumer, g.Code, g.Count, g.Masked)
 
 	act := admin.GroupAction{ID: g.ID, Through: g.LastSeen, DryRun: true}

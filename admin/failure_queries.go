@@ -112,10 +112,9 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 			GROUP BY attempts ORDER BY attempts`
 
 	// The actions: $1 the group's hash, $2 since (or NULL), $3 through, $4 how many
-	// keys to name; then $5 who, $6 why, $7 the most rows it may change (0: no
-	// limit), and $8 the schema, for retry's wake-up. Past $7 the statement fails
-	// (a text cast to int, SQLSTATE 22P02 with groupChanged in its message, as
-	// txmark's guard does), so nothing it changed stays.
+	// keys to name; then $5 who, $6 why, and $7 the schema, for retry's wake-up.
+	// The Admin bounds the rows an action changes (GroupAction.AtMost) across its
+	// parts, each action's statement in a transaction it commits or rolls back.
 	// Each is one statement: the change and its audit row commit together. The
 	// change is a conditional UPDATE (or DELETE) on the state the group's rows
 	// have, so two operators acting at once change each row once: the second waits
@@ -145,7 +144,7 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 				AND ($2::timestamptz IS NULL OR ` + a + `.` + tg.at + ` >= $2)`
 		keys := `(SELECT coalesce(array_agg(key ORDER BY key), '{}') FROM (SELECT key FROM moved ORDER BY key LIMIT $4) k)`
 		q.plan[action] = `WITH moved AS (SELECT ` + a + `.key FROM ` + tg.table + ` ` + a + ` WHERE ` + where + `)
-			SELECT (SELECT count(*) FROM moved), ` + keys + `, now(), NULL::text, 0`
+			SELECT (SELECT count(*) FROM moved), ` + keys + `, now(), NULL::text`
 		source := SourceEffects
 		if tg.table == inbox {
 			source = SourceInbox
@@ -153,7 +152,7 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 		wake, wakeFrom := "", ""
 		if action == ActionRetry {
 			// Dispatchers wake when the retry commits.
-			wake, wakeFrom = `, wake AS (SELECT pg_notify('idem_effects', $8))`, `, wake`
+			wake, wakeFrom = `, wake AS (SELECT pg_notify('idem_effects', $7))`, `, wake`
 		}
 		q.act[action] = `WITH moved AS (` + change[action](where) + `
 				RETURNING ` + a + `.key, ` + a + `.` + tg.place + ` AS place, ` + a + `.tenant
@@ -163,8 +162,7 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 				FROM moved
 				RETURNING id, at
 			)` + wake + `
-			SELECT (SELECT count(*) FROM moved), ` + keys + `, audit.at, audit.id::text,
-				(CASE WHEN $7 > 0 AND (SELECT count(*) FROM moved) > $7 THEN '` + groupChanged + `' ELSE '0' END)::int
+			SELECT (SELECT count(*) FROM moved), ` + keys + `, audit.at, audit.id::text
 			FROM audit` + wakeFrom
 	}
 	q.listActions = `SELECT id::text, at, action, source, group_id, place, tenant, through, affected, who, why

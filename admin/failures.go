@@ -6,7 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"log/slog"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -14,21 +14,23 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/failgroup"
+	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/text"
 )
 
-// Sources of failures, the two kinds of failure group.
+// Failure groups: their sources, their orders and the repair actions on them.
 const (
 	// SourceInbox groups failed inbox keys, by consumer and tenant.
 	SourceInbox = "inbox"
 	// SourceEffects groups dead effects, by kind and tenant.
 	SourceEffects = "effects"
-)
 
-// Repair actions on a failure group.
-const (
+	// ByCount lists the largest groups first.
+	ByCount = "count"
+	// ByRecent lists the groups with the most recent failure first.
+	ByRecent = "recent"
+
 	// ActionRetry brings a group's dead effects back to pending, attempts from 0.
 	ActionRetry = "retry"
 	// ActionDiscard settles a group's dead effects as discarded: never sent, and
@@ -39,36 +41,8 @@ const (
 	ActionRelease = "release"
 )
 
-// Actions are the repair actions, in the order the metrics list them.
-var Actions = []string{ActionRetry, ActionDiscard, ActionRelease}
-
-var (
-	// ErrWrongSource is returned for an action that does not apply to the group's
-	// source: retry and discard act on dead effects, release on failed inbox keys.
-	ErrWrongSource = errcode.Permanent("wrong_source", "the action does not apply to this failure group")
-	// ErrNoteRequired is returned for an action (not a dry run) without an audit
-	// note that says who asks and why.
-	ErrNoteRequired = errcode.Permanent("note_required", "a repair action needs a note: who asks, and why")
-	// ErrGroupChanged is returned, and nothing was changed, when an action with
-	// AtMost would change more rows than that: failures within its bound appeared
-	// after the operator looked (a failure whose transaction was still committing).
-	// Look again.
-	ErrGroupChanged = errcode.Transient("group_changed", "the failure group holds more rows than the plan said; nothing was changed: look again")
-)
-
-// groupChanged is the text of the error an action's statement fails with past
-// GroupAction.AtMost.
-const groupChanged = "idem: failure group changed since the plan"
-
-// Group sample sizes.
-const (
-	// ListSamples is how many sample keys each group of a list carries.
-	ListSamples = 3
-	// GroupSamples is how many sample keys Group returns.
-	GroupSamples = 20
-	// PlanKeys is the most keys an action's result names (all of them are counted).
-	PlanKeys = 100
-)
+// actions are the repair actions, in the order the metrics list them.
+var actions = []string{ActionRetry, ActionDiscard, ActionRelease}
 
 // FailureGroup is the failures of one consumer (or effect kind) and tenant that
 // share an error code and a masked error text: most likely one cause.
@@ -97,8 +71,12 @@ type FailureGroup struct {
 	LastSeen  time.Time `json:"last_seen"`
 	// SampleKeys are a few of its keys (inbox keys, or effect keys), newest first.
 	SampleKeys []string `json:"sample_keys"`
-	// Attempts is an effects group's distribution of attempts made (Group only).
-	Attempts []AttemptsCount `json:"attempts,omitempty"`
+	// Attempts is an effects group's distribution of attempts made (Group only):
+	// how many of its dead effects made that many attempts, by attempts.
+	Attempts []struct {
+		Attempts int   `json:"attempts"`
+		Effects  int64 `json:"effects"`
+	} `json:"attempts,omitempty"`
 	// Actions are the repair actions taken on the group so far, newest first
 	// (Group only).
 	Actions []FailureAction `json:"actions,omitempty"`
@@ -108,33 +86,37 @@ type FailureGroup struct {
 	// Parts are each of those shards' part of the group, in map order (an Admin
 	// over a shard map): Count, FirstSeen and LastSeen above are their sum,
 	// earliest and latest.
-	Parts []GroupPart `json:"parts,omitempty"`
+	Parts []struct {
+		Shard     string    `json:"shard"`
+		Count     int64     `json:"count"`
+		FirstSeen time.Time `json:"first_seen"`
+		LastSeen  time.Time `json:"last_seen"`
+	} `json:"parts,omitempty"`
 }
 
-// GroupPart is one shard's part of a failure group.
-type GroupPart struct {
-	Shard     string    `json:"shard"`
-	Count     int64     `json:"count"`
-	FirstSeen time.Time `json:"first_seen"`
-	LastSeen  time.Time `json:"last_seen"`
+// attemptsCount and groupPart are the types of FailureGroup.Attempts and Parts.
+type (
+	attemptsCount = struct {
+		Attempts int   `json:"attempts"`
+		Effects  int64 `json:"effects"`
+	}
+	groupPart = struct {
+		Shard     string    `json:"shard"`
+		Count     int64     `json:"count"`
+		FirstSeen time.Time `json:"first_seen"`
+		LastSeen  time.Time `json:"last_seen"`
+	}
+)
+
+// add appends a zero element to s and returns s and the element (for slices of
+// an unnamed struct type).
+func add[T any](s []T) ([]T, *T) {
+	s = append(s, *new(T))
+	return s, &s[len(s)-1]
 }
 
 // Place is the group's consumer or kind.
 func (g *FailureGroup) Place() string { return cmp.Or(g.Consumer, g.Kind) }
-
-// AttemptsCount is how many dead effects of a group made that many attempts.
-type AttemptsCount struct {
-	Attempts int   `json:"attempts"`
-	Effects  int64 `json:"effects"`
-}
-
-// Group orders.
-const (
-	// ByCount lists the largest groups first.
-	ByCount = "count"
-	// ByRecent lists the groups with the most recent failure first.
-	ByRecent = "recent"
-)
 
 // GroupFilter picks failure groups; zero fields do not filter.
 type GroupFilter struct {
@@ -156,13 +138,6 @@ type GroupFilter struct {
 	Seen TimeRange
 	// Order is ByCount (the default) or ByRecent. Ties go by ID.
 	Order string
-}
-
-// GroupPage is one page of failure groups.
-type GroupPage struct {
-	Groups []FailureGroup `json:"groups"`
-	// Next is the cursor of the next page, empty on the last one.
-	Next string `json:"next,omitempty"`
 }
 
 // groupID is a parsed FailureGroup.ID.
@@ -207,22 +182,29 @@ func clip(s string) string {
 //
 // Failures recorded before the schema had failure groups (migration 006) are put
 // in their groups first, in batches, if the API's role may update them.
-func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPage, error) {
-	if a.shards != nil {
-		return a.shardedListGroups(ctx, f, p)
-	}
+//
+// Over a shard map a group whose failures are on several shards is one row (see
+// mergeGroups).
+func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*List[FailureGroup], error) {
 	gp, err := f.paging(p)
 	if err != nil {
 		return nil, err
 	}
+	return fanout.Whole(a.parts, func(one *part) (*List[FailureGroup], error) { return one.listGroups(ctx, f, gp, p.After != "") },
+		func() (*List[FailureGroup], error) { return a.mergeGroups(ctx, f, p, gp) })
+}
+
+// listGroups is ListGroups on one database: one statement, that reads a page of
+// groups with their samples.
+func (a *part) listGroups(ctx context.Context, f GroupFilter, gp groupPaging, after bool) (*List[FailureGroup], error) {
 	limit := gp.limit
-	groups, err := a.groups(ctx, f, gp, p.After != "", limit+1)
+	groups, err := a.groups(ctx, f, gp, after, limit+1)
 	if err != nil {
 		return nil, err
 	}
-	out := &GroupPage{Groups: groups}
+	out := &List[FailureGroup]{Rows: groups}
 	if len(groups) > limit {
-		out.Groups = groups[:limit]
+		out.Rows = groups[:limit]
 		out.Next = encodeGroupCursor(groups[limit-1], gp.order)
 	}
 	return out, nil
@@ -231,7 +213,7 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*GroupPa
 // groups reads, on one database, the groups that f picks in gp's order, after
 // gp's cursor when after is set, at most limit of them, with one aggregate of
 // the failures.
-func (a *Admin) groups(ctx context.Context, f GroupFilter, gp groupPaging, after bool, limit int) ([]FailureGroup, error) {
+func (a *part) groups(ctx context.Context, f GroupFilter, gp groupPaging, after bool, limit int) ([]FailureGroup, error) {
 	if err := a.backfill(ctx, gp.inbox, gp.effects); err != nil {
 		return nil, err
 	}
@@ -251,7 +233,7 @@ func (a *Admin) groups(ctx context.Context, f GroupFilter, gp groupPaging, after
 // groupCounts reads, on one database, every group that f picks, with one
 // aggregate of the failures: their counts and times, without code, texts or
 // sample keys (sampleGroups reads those for the groups a page shows).
-func (a *Admin) groupCounts(ctx context.Context, f GroupFilter, gp groupPaging) ([]FailureGroup, error) {
+func (a *part) groupCounts(ctx context.Context, f GroupFilter, gp groupPaging) ([]FailureGroup, error) {
 	if err := a.backfill(ctx, gp.inbox, gp.effects); err != nil {
 		return nil, err
 	}
@@ -269,6 +251,7 @@ func (a *Admin) groupCounts(ctx context.Context, f GroupFilter, gp groupPaging) 
 		}
 		g.setPlace(hash, place)
 		g.SampleKeys = []string{}
+		g.Shard = a.name
 		return g, nil
 	})
 	if err != nil {
@@ -280,7 +263,7 @@ func (a *Admin) groupCounts(ctx context.Context, f GroupFilter, gp groupPaging) 
 // sampleGroups reads, on one database and with one statement, the code, texts
 // and newest n sample keys (of the failures in seen) of each of groups, as
 // groupCounts read them there.
-func (a *Admin) sampleGroups(ctx context.Context, groups []*FailureGroup, seen TimeRange, n int) error {
+func (a *part) sampleGroups(ctx context.Context, groups []*FailureGroup, seen TimeRange, n int) error {
 	sources, hashes, places, tenants := make([]string, len(groups)), make([][]byte, len(groups)), make([]string, len(groups)), make([]string, len(groups))
 	for i, g := range groups {
 		id, err := parseGroupID(g.ID)
@@ -424,25 +407,54 @@ func (g *FailureGroup) setPlace(hash []byte, place string) {
 // seen counts only the failures in that range, as GroupFilter.Seen does. A group
 // that holds no failure (in the range) is ErrNotFound; its actions stay readable
 // with ListActions.
+//
+// Over a shard map the group's parts on every shard are merged (see mergeGroup),
+// with each shard's part in Parts, and its actions are those of every shard.
 func (a *Admin) Group(ctx context.Context, id string, seen TimeRange) (*FailureGroup, error) {
-	if a.shards != nil {
-		return a.shardedGroup(ctx, id, seen)
-	}
-	out, err := a.group(ctx, id, seen)
-	if err != nil {
+	if _, err := parseGroupID(id); err != nil {
 		return nil, err
+	}
+	res, errs := fanout.Collect(a.parts, func(_ int, p *part) (*FailureGroup, error) { return p.group(ctx, id, seen) })
+	var parts []*FailureGroup
+	var notFound error
+	attempts := map[int]int64{}
+	for i, g := range res {
+		if errors.Is(errs[i], ErrNotFound) {
+			notFound = cmp.Or(notFound, errs[i])
+			errs[i] = nil
+			continue
+		}
+		if errs[i] != nil {
+			continue
+		}
+		parts = append(parts, g)
+		for _, at := range g.Attempts {
+			attempts[at.Attempts] += at.Effects
+		}
+	}
+	if err := a.join(errs); err != nil {
+		return nil, err
+	}
+	if parts == nil {
+		return nil, notFound
+	}
+	out := mergeGroup(parts, GroupSamples)
+	for _, n := range slices.Sorted(maps.Keys(attempts)) {
+		var at *attemptsCount
+		out.Attempts, at = add(out.Attempts)
+		at.Attempts, at.Effects = n, attempts[n]
 	}
 	acts, err := a.ListActions(ctx, ActionFilter{Group: id}, Page{Limit: 20})
 	if err != nil {
 		return nil, err
 	}
-	out.Actions = acts.Actions
+	out.Actions = acts.Rows
 	return out, nil
 }
 
 // group is Group on one database without the actions (a shard map's Group reads
 // them from every shard, merged, once).
-func (a *Admin) group(ctx context.Context, id string, seen TimeRange) (*FailureGroup, error) {
+func (a *part) group(ctx context.Context, id string, seen TimeRange) (*FailureGroup, error) {
 	g, err := parseGroupID(id)
 	if err != nil {
 		return nil, err
@@ -458,232 +470,18 @@ func (a *Admin) group(ctx context.Context, id string, seen TimeRange) (*FailureG
 	if err != nil {
 		return nil, a.wrap(err)
 	}
+	out.Shard = a.name
 	if g.source == SourceEffects {
 		rows, err := a.db.Query(ctx, a.q.groupAttempts, g.hash, since, until)
 		if err != nil {
 			return nil, a.wrap(err)
 		}
-		out.Attempts, err = pgx.CollectRows(rows, pgx.RowToStructByPos[AttemptsCount])
+		out.Attempts, err = pgx.CollectRows(rows, pgx.RowToStructByPos[attemptsCount])
 		if err != nil {
 			return nil, a.wrap(err)
 		}
 	}
 	return &out, nil
-}
-
-// GroupAction names the failures a repair action acts on: those of group ID that
-// failed in [Since, Through]. Through is required: pass the LastSeen of the group
-// as it was shown, so that a failure that arrived after the operator looked is not
-// swept in unseen (Since, when the list was filtered by Seen.Since).
-type GroupAction struct {
-	ID      string
-	Since   time.Time
-	Through time.Time
-	// DryRun changes nothing and records nothing: the result says what the action
-	// would touch now.
-	DryRun bool
-	// AtMost, when above 0, is the most rows the action may change: pass the Rows
-	// of the dry run the operator confirmed. An action that would change more
-	// changes nothing and returns ErrGroupChanged. It closes the one gap Through
-	// leaves: a failure whose recording transaction began before the look (its
-	// time is that transaction's start) and committed after it.
-	AtMost int64
-	// Note says who asks and why; it is stored with the action, and Why is
-	// required unless DryRun.
-	Note Audit
-}
-
-// ActionResult is what a repair action did, or would do on a dry run.
-type ActionResult struct {
-	// ActionID is the stored action's ID; empty on a dry run.
-	ActionID string    `json:"action_id,omitempty"`
-	Action   string    `json:"action"`
-	Group    string    `json:"group"`
-	DryRun   bool      `json:"dry_run"`
-	Since    time.Time `json:"since,omitzero"`
-	Through  time.Time `json:"through"`
-	// Rows is how many failures it changed (would change, on a dry run).
-	Rows int64 `json:"rows"`
-	// Keys are the keys it changed, sorted, at most PlanKeys of them.
-	Keys []string  `json:"keys"`
-	Who  string    `json:"who,omitempty"`
-	Why  string    `json:"why,omitempty"`
-	At   time.Time `json:"at"`
-	// Shards are the rows changed on each shard (an Admin over a shard map); the
-	// ActionID is then "shard/id" of each shard's stored action, comma-separated.
-	Shards map[string]int64 `json:"shards,omitempty"`
-}
-
-// RetryGroup brings the dead effects of an effects group that died in the action's
-// range back to pending: attempts from 0, due now, dispatchers notified. Each
-// effect is requeued once, however many operators retry the group at once: the
-// UPDATE takes only rows that are still dead when it locks them.
-func (a *Admin) RetryGroup(ctx context.Context, act GroupAction) (*ActionResult, error) {
-	return a.act(ctx, ActionRetry, SourceEffects, act)
-}
-
-// DiscardGroup settles the dead effects of an effects group that died in the
-// action's range as discarded: never sent, and deleted by the janitor after the
-// retention of done effects. An effect that a concurrent retry took is left to it,
-// so each effect ends either pending or discarded, never both.
-func (a *Admin) DiscardGroup(ctx context.Context, act GroupAction) (*ActionResult, error) {
-	return a.act(ctx, ActionDiscard, SourceEffects, act)
-}
-
-// ReleaseGroup deletes the failed inbox keys of an inbox group that failed in the
-// action's range, so that the next delivery of each, a broker's redelivery or a
-// republish (Watermill's requeuer, a NATS or Kafka publish with the same message
-// ID), runs its handler again. Use it after the cause is fixed. Effects the failed
-// runs enqueued (none, since a failure rolls the handler's work back) are not
-// touched. A copy of the message being handled while the key is released commits
-// once: the inbox claim settles which copy runs.
-func (a *Admin) ReleaseGroup(ctx context.Context, act GroupAction) (*ActionResult, error) {
-	return a.act(ctx, ActionRelease, SourceInbox, act)
-}
-
-func (a *Admin) act(ctx context.Context, action, source string, act GroupAction) (*ActionResult, error) {
-	if a.shards != nil {
-		return a.shardedAct(ctx, action, source, act)
-	}
-	g, err := parseGroupID(act.ID)
-	if err != nil {
-		return nil, err
-	}
-	if g.source != source {
-		verbs := map[string]string{SourceInbox: "release", SourceEffects: "retry or discard"}
-		return nil, errorf(ErrWrongSource, "%s acts on %s groups, and %s is an %s group: %s it", action, source, act.ID, g.source, verbs[g.source])
-	}
-	if act.Through.IsZero() {
-		return nil, errorf(ErrBadFilter, "%s needs Through, the last failure time of the group as it was shown", action)
-	}
-	who, why := cmp.Or(strings.TrimSpace(act.Note.Who), "unknown"), strings.TrimSpace(act.Note.Why)
-	if !act.DryRun && why == "" {
-		return nil, errorf(ErrNoteRequired, "%s of group %s: say why in the note", action, act.ID)
-	}
-	var since *time.Time
-	if !act.Since.IsZero() {
-		since = &act.Since
-	}
-	out := &ActionResult{Action: action, Group: act.ID, DryRun: act.DryRun, Since: act.Since, Through: act.Through}
-	var sql string
-	args := []any{g.hash, since, act.Through, PlanKeys}
-	if act.DryRun {
-		sql = a.q.plan[action]
-	} else {
-		sql = a.q.act[action]
-		args = append(args, who, why, max(act.AtMost, 0))
-		if action == ActionRetry {
-			args = append(args, a.cfg.Schema) // the dispatchers' wake-up
-		}
-		out.Who, out.Why = who, why
-	}
-	var actionID *string
-	var guard int
-	err = a.db.QueryRow(ctx, sql, args...).Scan(&out.Rows, &out.Keys, &out.At, &actionID, &guard)
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "22P02" && strings.Contains(pgErr.Message, groupChanged) {
-		return nil, errorf(ErrGroupChanged, "%s of group %s would change more than the %d row(s) planned: failures arrived within the bound since; nothing was changed, look again", action, act.ID, act.AtMost)
-	}
-	if err != nil {
-		return nil, a.wrap(err)
-	}
-	if actionID != nil {
-		out.ActionID = *actionID
-	}
-	out.Keys = nonNil(out.Keys)
-	if !act.DryRun {
-		a.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: failure group "+action,
-			slog.String("schema", a.cfg.Schema), slog.String("group", act.ID), slog.Int64("rows", out.Rows),
-			slog.Time("through", act.Through), slog.String("who", who), slog.String("why", why))
-	}
-	return out, nil
-}
-
-// FailureAction is one stored repair action: who did what to which group, when,
-// why, and how many rows it changed.
-type FailureAction struct {
-	ID      string    `json:"id"`
-	At      time.Time `json:"at"`
-	Action  string    `json:"action"`
-	Group   string    `json:"group"`
-	Source  string    `json:"source"`
-	Place   string    `json:"place"`
-	Tenant  string    `json:"tenant"`
-	Through time.Time `json:"through"`
-	Rows    int64     `json:"rows"`
-	Who     string    `json:"who"`
-	Why     string    `json:"why"`
-	// Shard is the shard that stored it (an Admin over a shard map).
-	Shard string `json:"shard,omitempty"`
-}
-
-// ActionFilter picks stored repair actions; zero fields do not filter.
-type ActionFilter struct {
-	// Group keeps the actions on that group.
-	Group string
-	// At filters on when the action was taken.
-	At TimeRange
-}
-
-// ActionPage is one page of repair actions, newest first.
-type ActionPage struct {
-	Actions []FailureAction `json:"actions"`
-	Next    string          `json:"next,omitempty"`
-}
-
-// ListActions returns one page of the stored repair actions, newest first: the
-// audit trail of retries, discards and releases.
-func (a *Admin) ListActions(ctx context.Context, f ActionFilter, p Page) (*ActionPage, error) {
-	if a.shards != nil {
-		return a.shardedListActions(ctx, f, p)
-	}
-	var hash []byte
-	if f.Group != "" {
-		g, err := parseGroupID(f.Group)
-		if err != nil {
-			return nil, err
-		}
-		hash = g.hash
-	}
-	limit, err := p.limit()
-	if err != nil {
-		return nil, err
-	}
-	after, err := decodeCursor("actions", p.After)
-	if err != nil {
-		return nil, err
-	}
-	var afterAt *time.Time
-	if p.After != "" {
-		var us int64
-		if _, err := fmt.Sscan(after[0], &us); err != nil {
-			return nil, errorf(ErrBadCursor, "page cursor %q is not one that the actions list returned", clip(p.After))
-		}
-		t := time.UnixMicro(us)
-		afterAt = &t
-	}
-	since, until := f.At.args()
-	rows, err := a.db.Query(ctx, a.q.listActions, hash, since, until, afterAt, after[1], limit+1)
-	if err != nil {
-		return nil, a.wrap(err)
-	}
-	acts, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (FailureAction, error) {
-		var x FailureAction
-		var h []byte
-		err := r.Scan(&x.ID, &x.At, &x.Action, &x.Source, &h, &x.Place, &x.Tenant, &x.Through, &x.Rows, &x.Who, &x.Why)
-		x.Group = formatGroupID(x.Source, h)
-		return x, err
-	})
-	if err != nil {
-		return nil, a.wrap(err)
-	}
-	out := &ActionPage{Actions: nonNil(acts)}
-	if len(acts) > limit {
-		out.Actions = acts[:limit]
-		last := acts[limit-1]
-		out.Next = encodeCursor("actions", fmt.Sprint(last.At.UnixMicro()), last.ID, "")
-	}
-	return out, nil
 }
 
 // backfillBatch is how many old failures one backfill statement groups.
@@ -697,7 +495,7 @@ const backfillBatch = 1000
 // per batch, until none is left. It is idempotent and safe to run in several
 // processes at once (a row that another run grouped first is left alone). A role
 // that may not update the tables leaves them out of the groups, and the lists go on.
-func (a *Admin) backfill(ctx context.Context, inboxOn, effectsOn bool) error {
+func (a *part) backfill(ctx context.Context, inboxOn, effectsOn bool) error {
 	for _, on := range []struct {
 		on          bool
 		read, write string

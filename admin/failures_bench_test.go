@@ -140,8 +140,8 @@ func BenchmarkListGroups1M(b *testing.B) {
 	ctx := context.Background()
 	first, err := a.ListGroups(ctx, admin.GroupFilter{Source: admin.SourceInbox}, admin.Page{Limit: 50})
 	require.NoError(b, err)
-	require.Len(b, first.Groups, 50)
-	g := first.Groups[0]
+	require.Len(b, first.Rows, 50)
+	g := first.Rows[0]
 
 	b.Run("list", func(b *testing.B) {
 		for b.Loop() {

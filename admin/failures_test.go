@@ -88,7 +88,7 @@ func groupsOf(t *testing.T, a *admin.Admin, f admin.GroupFilter) []admin.Failure
 	t.Helper()
 	p, err := a.ListGroups(context.Background(), f, admin.Page{})
 	require.NoError(t, err)
-	return p.Groups
+	return p.Rows
 }
 
 // TestFailureGroups: failed keys and dead effects written by the real writers
@@ -153,7 +153,7 @@ func TestFailureGroups(t *testing.T) {
 		for {
 			p, err := a.ListGroups(ctx, admin.GroupFilter{Order: order}, page)
 			require.NoError(t, err)
-			for _, g := range p.Groups {
+			for _, g := range p.Rows {
 				ids = append(ids, g.ID)
 			}
 			if p.Next == "" {
@@ -177,7 +177,10 @@ func TestFailureGroups(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(3), shown.Count)
 	require.Len(t, shown.SampleKeys, 3)
-	require.Equal(t, []admin.AttemptsCount{{Attempts: 1, Effects: 3}}, shown.Attempts)
+	require.Equal(t, []struct {
+		Attempts int   `json:"attempts"`
+		Effects  int64 `json:"effects"`
+	}{{Attempts: 1, Effects: 3}}, shown.Attempts)
 	_, err = a.Group(ctx, "e-0000000000000000", admin.TimeRange{})
 	require.ErrorIs(t, err, admin.ErrNotFound)
 	_, err = a.Group(ctx, "x-00", admin.TimeRange{})
@@ -250,7 +253,7 @@ func TestFailureGroupsByCode(t *testing.T) {
 			require.Less(t, pages, 10)
 			p, err := a.ListGroups(ctx, admin.GroupFilter{Code: "payment_declined", Order: order}, page)
 			require.NoError(t, err)
-			got = append(got, ids(p.Groups)...)
+			got = append(got, ids(p.Rows)...)
 			if p.Next == "" {
 				break
 			}
@@ -349,23 +352,23 @@ func TestFailureGroupActions(t *testing.T) {
 	// The audit trail, newest first, through the API and per group.
 	acts, err := a.ListActions(ctx, admin.ActionFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, acts.Actions, 4)
-	last := acts.Actions[0]
+	require.Len(t, acts.Rows, 4)
+	last := acts.Rows[0]
 	require.Equal(t, admin.ActionDiscard, last.Action)
 	require.Equal(t, "bob", last.Who)
 	require.Equal(t, "obsolete", last.Why)
 	require.Equal(t, "email", last.Place)
 	require.Equal(t, eg.ID, last.Group)
 	require.Equal(t, int64(1), last.Rows)
-	require.Equal(t, []int64{1, 3, 0, 3}, []int64{acts.Actions[0].Rows, acts.Actions[1].Rows, acts.Actions[2].Rows, acts.Actions[3].Rows})
+	require.Equal(t, []int64{1, 3, 0, 3}, []int64{acts.Rows[0].Rows, acts.Rows[1].Rows, acts.Rows[2].Rows, acts.Rows[3].Rows})
 	perGroup, err := a.ListActions(ctx, admin.ActionFilter{Group: eg.ID}, admin.Page{Limit: 2})
 	require.NoError(t, err)
-	require.Len(t, perGroup.Actions, 2)
+	require.Len(t, perGroup.Rows, 2)
 	require.NotEmpty(t, perGroup.Next)
 	rest, err := a.ListActions(ctx, admin.ActionFilter{Group: eg.ID}, admin.Page{Limit: 2, After: perGroup.Next})
 	require.NoError(t, err)
-	require.Len(t, rest.Actions, 1)
-	require.Equal(t, admin.ActionRetry, rest.Actions[0].Action)
+	require.Len(t, rest.Rows, 1)
+	require.Equal(t, admin.ActionRetry, rest.Rows[0].Action)
 	require.Empty(t, rest.Next)
 
 	// The discarded effect is never sent.

@@ -10,10 +10,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// DefaultMetricsInterval is how long the failure metrics reuse one reading of the
-// tables (Config.MetricsInterval).
-const DefaultMetricsInterval = 30 * time.Second
-
 // The failure metrics' descriptions. No label names a failure group: groups are
 // unbounded in number, and a series per group would be too.
 var (
@@ -34,7 +30,7 @@ var (
 // process that registers it reports the same numbers, whoever failed or repaired
 // the rows.
 type failureMetrics struct {
-	a *Admin
+	a *part
 
 	mu      sync.Mutex
 	readAt  time.Time
@@ -43,7 +39,7 @@ type failureMetrics struct {
 	actions map[string]float64
 }
 
-func newFailureMetrics(a *Admin) *failureMetrics {
+func newFailureMetrics(a *part) *failureMetrics {
 	m := &failureMetrics{a: a, inbox: map[string]float64{}, effects: map[string]float64{}, actions: map[string]float64{}}
 	for _, c := range a.cfg.Consumers {
 		m.inbox[c] = 0
@@ -51,7 +47,7 @@ func newFailureMetrics(a *Admin) *failureMetrics {
 	for _, k := range a.cfg.Kinds {
 		m.effects[k] = 0
 	}
-	for _, act := range Actions {
+	for _, act := range actions {
 		m.actions[act] = 0
 	}
 	return m

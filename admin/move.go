@@ -22,20 +22,6 @@ import (
 // the old shard recorded runs its handler again, and the old shard's pending
 // effects are sent from there while the new shard knows nothing of them.
 
-// DefaultMoveRetention is how far back MoveTenant copies done effects (the
-// janitor's default retention of done effects).
-const DefaultMoveRetention = 7 * 24 * time.Hour
-
-var (
-	// ErrNotDrained is returned, and nothing was changed on either shard, when the
-	// tenant is still being worked on its old shard: an inbox key processing under
-	// a running lease, or an effect being sent. Drain the tenant and run it again.
-	ErrNotDrained = errcode.Transient("not_drained", "the tenant is still being worked on its old shard: drain it first")
-	// ErrSchemaDiffers is returned when the two shards' inbox or effects tables do
-	// not have the same columns: migrate both to the same version first.
-	ErrSchemaDiffers = errcode.Permanent("schema_differs", "the shards' idem tables differ: migrate both to the same version")
-)
-
 // parked is how far in the future MoveTenant pushes the due time of a pending
 // effect it hands over: no dispatcher claims it there, and the copy on the new
 // shard gets its due time back by subtracting it.
@@ -120,27 +106,26 @@ const moveBatch = 500
 // Every step is idempotent, so a move that failed half-way is finished by running
 // it again, and a second run finds nothing to move.
 func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, error) {
-	if a.shards == nil {
-		return nil, errorf(ErrBadFilter, "moving a tenant needs an Admin over a shard map (Config.Shards)")
-	}
 	if !text.Storable(mv.Tenant) {
 		// Postgres text never holds it, so no shard has rows of it.
 		return nil, errorf(ErrBadFilter, "tenant %q: not valid UTF-8 text without NUL bytes, so no shard has rows of it", clip(mv.Tenant))
 	}
 	if mv.From == "" {
-		s, err := a.cfg.Shards.Pick(mv.Tenant)
+		i, err := a.parts.Index(mv.Tenant)
 		if err != nil {
 			return nil, err
 		}
-		mv.From = s.Name
+		mv.From = a.parts.Name(i)
 	}
-	from, to := a.shardNamed(mv.From), a.shardNamed(mv.To)
+	f, t := a.parts.IndexOf(mv.From), a.parts.IndexOf(mv.To)
 	switch {
-	case from == nil:
-		return nil, errorf(ErrBadFilter, "move from %q: not a shard of the map (%v)", mv.From, a.names())
-	case to == nil:
-		return nil, errorf(ErrBadFilter, "move to %q: not a shard of the map (%v)", mv.To, a.names())
-	case from == to:
+	case f < 0 || mv.From == "":
+		return nil, errorf(ErrBadFilter, "move from %q: not a shard of the map (%v)", mv.From, a.Shards())
+	case t < 0 || mv.To == "":
+		return nil, errorf(ErrBadFilter, "move to %q: not a shard of the map (%v)", mv.To, a.Shards())
+	}
+	from, to := a.parts.Part(f), a.parts.Part(t)
+	if from == to {
 		return nil, errorf(ErrBadFilter, "tenant %q: from and to are the same shard %q", mv.Tenant, mv.From)
 	}
 	retention := cmp.Or(mv.EffectsRetention, DefaultMoveRetention)
@@ -149,7 +134,7 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 	}
 	out := &MoveResult{Tenant: mv.Tenant, From: mv.From, To: mv.To, DryRun: mv.DryRun}
 	if err := from.movePlan(ctx, mv.Tenant, retention, out); err != nil {
-		return nil, &ShardError{Shard: from.name, Err: err}
+		return nil, &shardError{Shard: from.name, Err: err}
 	}
 	if mv.DryRun {
 		return out, nil
@@ -161,7 +146,6 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 		return out, err
 	}
 	moveStep("parked")
-	t := func(s *Admin, name string) string { return pgx.Identifier{s.cfg.Schema, name}.Sanitize() }
 	var m moved
 	err := moveRows(ctx, from, to, mv.Tenant, "inbox", "consumer", "key", `i.expires_at > now()`, nil, &m)
 	out.InboxCopied, out.InboxDeleted = m.copied, m.deleted
@@ -181,24 +165,24 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 	// there (a copy that was already there is not parked). The new shard's
 	// dispatchers are woken up (the copy's INSERT does not).
 	if _, err := to.db.Exec(ctx, `WITH back AS (
-			UPDATE `+t(to, "effects")+` SET next_attempt_at = next_attempt_at - `+parked+`
+			UPDATE `+to.table("effects")+` SET next_attempt_at = next_attempt_at - `+parked+`
 			WHERE tenant = $1 AND state = 'pending' AND next_attempt_at > `+parkedAbove+`
 			RETURNING 1)
 		SELECT count(*), pg_notify('idem_effects', $2) FROM back`, mv.Tenant, to.cfg.Schema); err != nil {
-		return out, &ShardError{Shard: to.name, Err: to.wrap(err)}
+		return out, &shardError{Shard: to.name, Err: to.wrap(err)}
 	}
 	moveStep("handed_back")
 	// What was not copied (keys that expired, done effects past the retention) is
 	// deleted too, and nothing of the tenant may be left.
 	var left int64
-	err = from.db.QueryRow(ctx, `WITH i AS (DELETE FROM `+t(from, "inbox")+` WHERE tenant = $1 AND expires_at <= now() RETURNING 1),
-			e AS (DELETE FROM `+t(from, "effects")+` WHERE tenant = $1 AND state = 'done' AND done_at <= now() - $2::interval RETURNING 1)
+	err = from.db.QueryRow(ctx, `WITH i AS (DELETE FROM `+from.table("inbox")+` WHERE tenant = $1 AND expires_at <= now() RETURNING 1),
+			e AS (DELETE FROM `+from.table("effects")+` WHERE tenant = $1 AND state = 'done' AND done_at <= now() - $2::interval RETURNING 1)
 		SELECT (SELECT count(*) FROM i), (SELECT count(*) FROM e),
-			(SELECT count(*) FROM `+t(from, "inbox")+` WHERE tenant = $1 AND expires_at > now())
-			+ (SELECT count(*) FROM `+t(from, "effects")+` WHERE tenant = $1 AND (state <> 'done' OR done_at > now() - $2::interval))`,
+			(SELECT count(*) FROM `+from.table("inbox")+` WHERE tenant = $1 AND expires_at > now())
+			+ (SELECT count(*) FROM `+from.table("effects")+` WHERE tenant = $1 AND (state <> 'done' OR done_at > now() - $2::interval))`,
 		mv.Tenant, retention).Scan(&m.copied, &m.deleted, &left)
 	if err != nil {
-		return out, &ShardError{Shard: from.name, Err: from.wrap(err)}
+		return out, &shardError{Shard: from.name, Err: from.wrap(err)}
 	}
 	out.InboxDeleted += m.copied
 	out.EffectsDeleted += m.deleted
@@ -217,22 +201,13 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 // name. It does nothing; the crash tests set it to kill the process there.
 var moveStep = func(string) {}
 
-func (a *Admin) shardNamed(name string) *Admin {
-	for _, s := range a.shards {
-		if s.name == name {
-			return s
-		}
-	}
-	return nil
-}
-
 // busyWhere: what keeps a tenant from being drained.
 const (
 	busyInbox   = `state = 'processing' AND lease_until > now()`
 	busyEffects = `state = 'pending' AND in_flight AND next_attempt_at > now() AND next_attempt_at <= ` + parkedAbove
 )
 
-func (a *Admin) movePlan(ctx context.Context, tenant string, retention time.Duration, out *MoveResult) error {
+func (a *part) movePlan(ctx context.Context, tenant string, retention time.Duration, out *MoveResult) error {
 	t := func(name string) string { return pgx.Identifier{a.cfg.Schema, name}.Sanitize() }
 	out.InboxKeys, out.Effects = map[string]int64{}, map[string]int64{}
 	rows, err := a.db.Query(ctx, `SELECT 'inbox', state, count(*), count(*) FILTER (WHERE `+busyInbox+`)
@@ -261,7 +236,7 @@ func (a *Admin) movePlan(ctx context.Context, tenant string, retention time.Dura
 // park pushes the tenant's pending effects far into the future, in one
 // transaction that refuses (ErrNotDrained, nothing changed) if any is being sent
 // or any inbox key is processing under a lease. A parked effect is never claimed.
-func (a *Admin) park(ctx context.Context, tenant string) error {
+func (a *part) park(ctx context.Context, tenant string) error {
 	t := func(name string) string { return pgx.Identifier{a.cfg.Schema, name}.Sanitize() }
 	db, ok := a.db.(interface {
 		Begin(context.Context) (pgx.Tx, error)
@@ -286,7 +261,7 @@ func (a *Admin) park(ctx context.Context, tenant string) error {
 		return nil
 	})
 	if err != nil && errcode.Code(err) == "" {
-		return &ShardError{Shard: a.name, Err: a.wrap(err)}
+		return &shardError{Shard: a.name, Err: a.wrap(err)}
 	}
 	return err
 }
@@ -300,7 +275,7 @@ type moved struct{ copied, deleted, pending int64 }
 // whole row (so every column a migration added goes too): each batch is inserted
 // on the new shard (a row already there is left as it is) and then deleted from
 // the old one, each row only if it is still the record that was read.
-func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where string, extra []any, m *moved) error {
+func moveRows(ctx context.Context, from, to *part, tenant, table, k1, k2, where string, extra []any, m *moved) error {
 	src := pgx.Identifier{from.cfg.Schema, table}.Sanitize()
 	dst := pgx.Identifier{to.cfg.Schema, table}.Sanitize()
 	a1, a2 := "", ""
@@ -309,7 +284,7 @@ func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where
 			WHERE i.tenant = $1 AND (i.`+k1+`, i.`+k2+`) > ($2, $3) AND `+where+`
 			ORDER BY i.`+k1+`, i.`+k2+` LIMIT `+fmt.Sprint(moveBatch), append([]any{tenant, a1, a2}, extra...)...)
 		if err != nil {
-			return &ShardError{Shard: from.name, Err: from.wrap(err)}
+			return &shardError{Shard: from.name, Err: from.wrap(err)}
 		}
 		var batch []json.RawMessage
 		var rec json.RawMessage
@@ -318,7 +293,7 @@ func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where
 			return nil
 		})
 		if err != nil {
-			return &ShardError{Shard: from.name, Err: from.wrap(err)}
+			return &shardError{Shard: from.name, Err: from.wrap(err)}
 		}
 		if len(batch) == 0 {
 			return nil
@@ -327,7 +302,7 @@ func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where
 		tag, err := to.db.Exec(ctx, `INSERT INTO `+dst+` SELECT * FROM jsonb_populate_recordset(NULL::`+dst+`, $1::jsonb)
 			ON CONFLICT DO NOTHING`, string(b))
 		if err != nil {
-			return &ShardError{Shard: to.name, Err: to.wrap(err)}
+			return &shardError{Shard: to.name, Err: to.wrap(err)}
 		}
 		m.copied += tag.RowsAffected()
 		moveStep(table + "_inserted")
@@ -338,7 +313,7 @@ func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where
 				RETURNING i.state)
 			SELECT count(*), count(*) FILTER (WHERE state = 'pending') FROM d`, tenant, string(b)).Scan(&n, &pending)
 		if err != nil {
-			return &ShardError{Shard: from.name, Err: from.wrap(err)}
+			return &shardError{Shard: from.name, Err: from.wrap(err)}
 		}
 		m.deleted += n
 		if table == "effects" {
@@ -351,13 +326,13 @@ func moveRows(ctx context.Context, from, to *Admin, tenant, table, k1, k2, where
 }
 
 // sameColumns refuses a move between shards whose inbox or effects tables differ.
-func sameColumns(ctx context.Context, from, to *Admin) error {
-	cols := func(s *Admin) (string, error) {
+func sameColumns(ctx context.Context, from, to *part) error {
+	cols := func(s *part) (string, error) {
 		var c string
 		err := s.db.QueryRow(ctx, `SELECT coalesce(string_agg(table_name || '.' || column_name || ' ' || data_type, ', ' ORDER BY table_name, column_name), '')
 			FROM information_schema.columns WHERE table_schema = $1 AND table_name IN ('inbox', 'effects')`, s.cfg.Schema).Scan(&c)
 		if err != nil {
-			return "", &ShardError{Shard: s.name, Err: s.wrap(err)}
+			return "", &shardError{Shard: s.name, Err: s.wrap(err)}
 		}
 		return c, nil
 	}

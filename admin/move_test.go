@@ -268,8 +268,8 @@ func TestMoveTenantCrash(t *testing.T) {
 			for _, source := range []string{admin.SourceEffects, admin.SourceInbox} {
 				gs, err := a.ListGroups(ctx, admin.GroupFilter{Source: source}, admin.Page{})
 				require.NoError(t, err)
-				require.Len(t, gs.Groups, 1)
-				g := gs.Groups[0]
+				require.Len(t, gs.Rows, 1)
+				g := gs.Rows[0]
 				act := a.RetryGroup
 				if source == admin.SourceInbox {
 					act = a.ReleaseGroup
@@ -300,8 +300,8 @@ func TestMoveTenantCrash(t *testing.T) {
 			require.NoError(t, err)
 			gs, err := am.ListGroups(ctx, admin.GroupFilter{Source: admin.SourceEffects}, admin.Page{})
 			require.NoError(t, err)
-			require.Len(t, gs.Groups, 1)
-			res, err := am.RetryGroup(ctx, admin.GroupAction{ID: gs.Groups[0].ID, Through: gs.Groups[0].LastSeen, Note: admin.Audit{Who: "op", Why: "after the move"}})
+			require.Len(t, gs.Rows, 1)
+			res, err := am.RetryGroup(ctx, admin.GroupAction{ID: gs.Rows[0].ID, Through: gs.Rows[0].LastSeen, Note: admin.Audit{Who: "op", Why: "after the move"}})
 			require.NoError(t, err)
 			require.Equal(t, map[string]int64{to: 5}, res.Shards)
 			sent := r.dispatchKinds(moved, 10, "email", "webhook")
@@ -421,8 +421,8 @@ func TestMoveTenantDeadEffectsOnce(t *testing.T) {
 	for _, source := range []string{admin.SourceEffects, admin.SourceInbox} {
 		gs, err := a.ListGroups(ctx, admin.GroupFilter{Source: source}, admin.Page{})
 		require.NoError(t, err)
-		require.Len(t, gs.Groups, 1, source)
-		g := gs.Groups[0]
+		require.Len(t, gs.Rows, 1, source)
+		g := gs.Rows[0]
 		require.EqualValues(t, want[source], g.Count, source)
 		require.Equal(t, s3.Name, g.Shard, source)
 		act := a.RetryGroup
@@ -490,8 +490,8 @@ func TestShardsActionsRefuseOffRoute(t *testing.T) {
 	note := admin.Audit{Who: "op", Why: "test"}
 	groups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, groups.Groups, 2)
-	for _, g := range groups.Groups {
+	require.Len(t, groups.Rows, 2)
+	for _, g := range groups.Rows {
 		require.EqualValues(t, map[string]int64{admin.SourceEffects: 6, admin.SourceInbox: 4}[g.Source], g.Count, "the list shows both shards' rows")
 		acts := map[string]func(context.Context, admin.GroupAction) (*admin.ActionResult, error){
 			"retry": a.RetryGroup, "discard": a.DiscardGroup}

@@ -151,7 +151,7 @@ func TestRetryRacingDispatcher(t *testing.T) {
 		for !allDone() && time.Now().Before(deadline) {
 			p, err := a.ListGroups(ctx, admin.GroupFilter{Kind: "mail"}, admin.Page{})
 			require.NoError(t, err)
-			for _, g := range p.Groups {
+			for _, g := range p.Rows {
 				res, err := a.RetryGroup(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, Note: admin.Audit{Who: "ops", Why: "provider fixed"}})
 				require.NoError(t, err)
 				retried.Add(res.Rows)

@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"cmp"
 	"context"
 	"encoding/base64"
 	"encoding/json"
@@ -11,92 +12,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/text"
 )
-
-// Stats is the state of one schema's tables.
-type Stats struct {
-	Schema    string          `json:"schema"`
-	Consumers []ConsumerStats `json:"consumers"`
-	Effects   []KindStats     `json:"effects"`
-	// Shards are each shard's own figures, and which shard did not answer (an
-	// Admin over a shard map; the figures above are their sums).
-	Shards []ShardStats `json:"shards,omitempty"`
-}
-
-// ConsumerStats counts one consumer's inbox rows by state.
-type ConsumerStats struct {
-	Consumer   string `json:"consumer"`
-	Rows       int64  `json:"rows"`
-	Completed  int64  `json:"completed"`
-	Failed     int64  `json:"failed"`
-	Processing int64  `json:"processing"`
-	// Expired rows are settled and past expires_at: the janitor's next work.
-	Expired int64 `json:"expired"`
-	// Oldest is when the oldest row was received.
-	Oldest *time.Time `json:"oldest_received_at,omitempty"`
-	// OldestProcessingSeconds is the age of the oldest processing row (lease mode),
-	// in seconds; 0 when none.
-	OldestProcessingSeconds float64 `json:"oldest_processing_age_seconds"`
-}
-
-// KindStats counts one effect kind's rows by state.
-type KindStats struct {
-	Kind    string `json:"kind"`
-	Pending int64  `json:"pending"`
-	// Due are pending effects whose due time has come.
-	Due  int64 `json:"due"`
-	Dead int64 `json:"dead"`
-	Done int64 `json:"done"`
-	// Discarded are dead effects an operator discarded (DiscardGroup): never
-	// sent, deleted by the janitor after the retention.
-	Discarded int64 `json:"discarded"`
-	// InFlight are pending effects claimed by a dispatcher, outcome not recorded yet.
-	InFlight int64 `json:"in_flight"`
-	// Stuck are pending effects that look stuck (see Effect.Stuck).
-	Stuck int64 `json:"stuck"`
-	// OldestPendingSeconds is the age of the oldest pending effect, in seconds
-	// (0 when none is pending).
-	OldestPendingSeconds float64 `json:"oldest_pending_age_seconds"`
-}
-
-// OldestPendingAge is OldestPendingSeconds as a duration.
-func (k KindStats) OldestPendingAge() time.Duration {
-	return time.Duration(k.OldestPendingSeconds * float64(time.Second))
-}
-
-// Stats counts the inbox rows per consumer and state, and the effects per kind and
-// state, with the age of the oldest pending one. It scans both tables.
-func (a *Admin) Stats(ctx context.Context) (*Stats, error) {
-	if a.shards != nil {
-		return a.shardedStats(ctx)
-	}
-	rows, err := a.db.Query(ctx, a.q.consumerStats)
-	if err != nil {
-		return nil, a.wrap(err)
-	}
-	cs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ConsumerStats, error) {
-		var s ConsumerStats
-		err := r.Scan(&s.Consumer, &s.Rows, &s.Completed, &s.Failed, &s.Processing, &s.Expired, &s.Oldest, &s.OldestProcessingSeconds)
-		return s, err
-	})
-	if err != nil {
-		return nil, a.wrap(err)
-	}
-	rows, err = a.db.Query(ctx, a.q.effectStats, a.cfg.StuckAfter, a.cfg.StuckAttempts)
-	if err != nil {
-		return nil, a.wrap(err)
-	}
-	ks, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (KindStats, error) {
-		var s KindStats
-		err := r.Scan(&s.Kind, &s.Pending, &s.Due, &s.Dead, &s.Done, &s.Discarded, &s.InFlight, &s.Stuck, &s.OldestPendingSeconds)
-		return s, err
-	})
-	if err != nil {
-		return nil, a.wrap(err)
-	}
-	return &Stats{Schema: a.cfg.Schema, Consumers: nonNil(cs), Effects: nonNil(ks)}, nil
-}
 
 // Page asks for one page of a list.
 type Page struct {
@@ -114,6 +32,13 @@ func (p Page) limit() (int, error) {
 		return 0, errorf(ErrBadFilter, "page limit %d: use 1 to %d", p.Limit, MaxLimit)
 	}
 	return p.Limit, nil
+}
+
+// List is one page of a list: its rows, and the cursor of the next page.
+type List[T any] struct {
+	Rows []T `json:"rows"`
+	// Next is the cursor of the next page (its Page.After), empty on the last one.
+	Next string `json:"next,omitempty"`
 }
 
 // A cursor is the primary key of the last row of a page, with the list's name, as
@@ -166,23 +91,15 @@ type InboxFilter struct {
 	Received TimeRange
 }
 
-// InboxPage is one page of inbox keys, in primary key order (consumer, tenant,
-// key).
-type InboxPage struct {
-	Keys []InboxKey `json:"keys"`
-	// Next is the cursor of the next page, empty on the last one.
-	Next string `json:"next,omitempty"`
-}
-
 var inboxStates = []string{"", string(inbox.StateCompleted), string(inbox.StateFailed), string(inbox.StateProcessing)}
 
 // ListInbox returns one page of the inbox keys that f picks, in primary key order.
 // Paging is by keyset: a key inserted or deleted between two pages never makes
 // another key appear twice or go missing.
-func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*InboxPage, error) {
-	if a.shards != nil {
-		return a.shardedListInbox(ctx, f, p)
-	}
+//
+// Over a shard map the shards' pages merge in the same order, with a cursor that
+// carries each shard's position, and each key names its shard.
+func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*List[InboxKey], error) {
 	if !slices.Contains(inboxStates, f.State) {
 		return nil, errorf(ErrBadFilter, "inbox state %q: use completed, failed or processing", f.State)
 	}
@@ -190,9 +107,29 @@ func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*InboxPag
 	if err != nil {
 		return nil, err
 	}
-	after, err := decodeCursor("inbox", p.After)
+	keys, next, err := fanout.List[*part, InboxKey]{
+		Name: "inbox",
+		Fetch: func(_ int, p *part, limit int, after string) ([]InboxKey, string, error) {
+			return p.listInbox(ctx, f, limit, after)
+		},
+		Order: func(x, y InboxKey) int {
+			return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Key, y.Key))
+		},
+		Cursor:    func(k InboxKey) string { return encodeCursor("inbox", k.Consumer, k.Tenant, k.Key) },
+		BadCursor: badCursor, Join: a.join,
+	}.Page(a.parts, p.After, limit)
 	if err != nil {
 		return nil, err
+	}
+	return &List[InboxKey]{Rows: keys, Next: next}, nil
+}
+
+// listInbox reads a page of at most limit keys after the cursor after, and the
+// cursor of the next page.
+func (a *part) listInbox(ctx context.Context, f InboxFilter, limit int, c string) ([]InboxKey, string, error) {
+	after, err := decodeCursor("inbox", c)
+	if err != nil {
+		return nil, "", err
 	}
 	since, until := f.Received.args()
 	var keys []InboxKey
@@ -200,15 +137,16 @@ func (a *Admin) ListInbox(ctx context.Context, f InboxFilter, p Page) (*InboxPag
 		since, until, after[0], after[1], after[2], limit+1))
 	err = a.wrap(err)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
-	out := &InboxPage{Keys: nonNil(keys)}
+	for i := range keys {
+		keys[i].Shard = a.name
+	}
 	if len(keys) > limit {
-		out.Keys = keys[:limit]
 		last := keys[limit-1]
-		out.Next = encodeCursor("inbox", last.Consumer, last.Tenant, last.Key)
+		return keys[:limit], encodeCursor("inbox", last.Consumer, last.Tenant, last.Key), nil
 	}
-	return out, nil
+	return nonNil(keys), "", nil
 }
 
 // EffectFilter picks effects; zero fields do not filter.
@@ -228,21 +166,11 @@ type EffectFilter struct {
 	Created TimeRange
 }
 
-// EffectPage is one page of effects, in primary key order (tenant, kind, key).
-type EffectPage struct {
-	Effects []Effect `json:"effects"`
-	// Next is the cursor of the next page, empty on the last one.
-	Next string `json:"next,omitempty"`
-}
-
 var effectStates = []string{"", "pending", "done", "dead", "discarded"}
 
 // ListEffects returns one page of the effects that f picks, in primary key order,
 // paged by keyset like ListInbox.
-func (a *Admin) ListEffects(ctx context.Context, f EffectFilter, p Page) (*EffectPage, error) {
-	if a.shards != nil {
-		return a.shardedListEffects(ctx, f, p)
-	}
+func (a *Admin) ListEffects(ctx context.Context, f EffectFilter, p Page) (*List[Effect], error) {
 	if !slices.Contains(effectStates, f.State) {
 		return nil, errorf(ErrBadFilter, "effect state %q: use pending, done, dead or discarded", f.State)
 	}
@@ -253,23 +181,39 @@ func (a *Admin) ListEffects(ctx context.Context, f EffectFilter, p Page) (*Effec
 	if err != nil {
 		return nil, err
 	}
-	after, err := decodeCursor("effects", p.After)
+	effs, next, err := fanout.List[*part, Effect]{
+		Name: "effects",
+		Fetch: func(_ int, p *part, limit int, after string) ([]Effect, string, error) {
+			return p.listEffects(ctx, f, limit, after)
+		},
+		Order: func(x, y Effect) int {
+			return cmp.Or(cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Kind, y.Kind), cmp.Compare(x.Key, y.Key))
+		},
+		Cursor:    func(e Effect) string { return encodeCursor("effects", e.Tenant, e.Kind, e.Key) },
+		BadCursor: badCursor, Join: a.join,
+	}.Page(a.parts, p.After, limit)
 	if err != nil {
 		return nil, err
+	}
+	return &List[Effect]{Rows: effs, Next: next}, nil
+}
+
+func (a *part) listEffects(ctx context.Context, f EffectFilter, limit int, c string) ([]Effect, string, error) {
+	after, err := decodeCursor("effects", c)
+	if err != nil {
+		return nil, "", err
 	}
 	since, until := f.Created.args()
 	effs, err := a.collectEffects(a.db.Query(ctx, a.q.listEffects, f.Tenant, f.Kind, f.State, f.KeyPrefix, f.Consumer,
 		since, until, f.Stuck, a.cfg.StuckAfter, a.cfg.StuckAttempts, after[0], after[1], after[2], limit+1))
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
-	out := &EffectPage{Effects: nonNil(effs)}
 	if len(effs) > limit {
-		out.Effects = effs[:limit]
 		last := effs[limit-1]
-		out.Next = encodeCursor("effects", last.Tenant, last.Kind, last.Key)
+		return effs[:limit], encodeCursor("effects", last.Tenant, last.Kind, last.Key), nil
 	}
-	return out, nil
+	return nonNil(effs), "", nil
 }
 
 // InspectOptions tune InspectInbox.
@@ -288,13 +232,16 @@ type Inspection struct {
 
 // InspectInbox reads one inbox key, its stored HTTP response if it has one, and the
 // effects that its message or request made. A missing key is ErrNotFound.
+// Over a shard map the key is looked up on every shard (its tenant's first), so
+// that it is found wherever the route put it.
 func (a *Admin) InspectInbox(ctx context.Context, id inbox.ID, o InspectOptions) (*Inspection, error) {
-	if a.shards != nil {
-		return a.shardedInspectInbox(ctx, id, o)
-	}
 	if err := id.Validate(); err != nil {
 		return nil, err
 	}
+	return lookup(a, id.Tenant, func(p *part) (*Inspection, error) { return p.inspectInbox(ctx, id, o) })
+}
+
+func (a *part) inspectInbox(ctx context.Context, id inbox.ID, o InspectOptions) (*Inspection, error) {
 	var key *InboxKey
 	var body []byte
 	key, err := scanInboxKey(a.db.QueryRow(ctx, a.q.getInbox, id.Consumer, id.Tenant, id.Key), &body)
@@ -314,23 +261,42 @@ func (a *Admin) InspectInbox(ctx context.Context, id inbox.ID, o InspectOptions)
 		return nil, err
 	}
 	out.Effects = nonNil(effs)
+	out.Shard = a.name
 	return out, nil
 }
 
 // InspectEffect reads one effect; a missing one is ErrNotFound.
+// Over a shard map it is looked up on every shard, as InspectInbox's key is.
 func (a *Admin) InspectEffect(ctx context.Context, id EffectID) (*Effect, error) {
-	if a.shards != nil {
-		return a.shardedInspectEffect(ctx, id)
-	}
+	return lookup(a, id.Tenant, func(p *part) (*Effect, error) { return p.inspectEffect(ctx, id) })
+}
+
+func (a *part) inspectEffect(ctx context.Context, id EffectID) (*Effect, error) {
 	e, err := a.scanEffect(a.db.QueryRow(ctx, a.q.getEffect, id.Tenant, id.Kind, id.Key))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errorf(ErrNotFound, "no effect %s", id)
 	}
-	return e, a.wrap(err)
+	if err != nil {
+		return nil, a.wrap(err)
+	}
+	return e, nil
 }
 
-// FindLimit is the most rows of each table Find returns.
-const FindLimit = 100
+// lookup reads one row with read on every part and returns the row of the first
+// part (the tenant's routed part first, then map order) that has it. ErrNotFound
+// is returned only when every part answered and none has it; otherwise the
+// parts' errors.
+func lookup[R any](a *Admin, tenant string, read func(p *part) (R, error)) (R, error) {
+	r, at, errs, miss := fanout.Lookup(a.parts, tenant, func(_ int, p *part) (R, error) { return read(p) },
+		func(err error) bool { return errors.Is(err, ErrNotFound) })
+	if at >= 0 {
+		return r, nil
+	}
+	if err := a.join(errs); err != nil {
+		return r, err
+	}
+	return r, miss
+}
 
 // Found is what Find found under one key.
 type Found struct {
@@ -350,14 +316,33 @@ type FindFilter struct {
 // Find looks key up across the whole schema: the inbox keys of every consumer
 // (messages and HTTP operations) and the effects of every kind with that key, at
 // most FindLimit of each. It probes the primary keys once per distinct (consumer,
-// tenant) and (tenant, kind) pair, so it does not scan the tables.
+// tenant) and (tenant, kind) pair, so it does not scan the tables. Over a shard
+// map each shard's rows name it, in the same order.
 func (a *Admin) Find(ctx context.Context, key string, f FindFilter) (*Found, error) {
-	if a.shards != nil {
-		return a.shardedFind(ctx, key, f)
-	}
 	if key == "" {
 		return nil, errorf(ErrBadFilter, "find needs a key")
 	}
+	res, errs := fanout.Collect(a.parts, func(_ int, p *part) (*Found, error) { return p.find(ctx, key, f) })
+	if err := a.join(errs); err != nil {
+		return nil, err
+	}
+	out := &Found{Key: key, Inbox: []InboxKey{}, Effects: []Effect{}}
+	for _, r := range res {
+		out.Inbox = append(out.Inbox, r.Inbox...)
+		out.Effects = append(out.Effects, r.Effects...)
+	}
+	slices.SortStableFunc(out.Inbox, func(x, y InboxKey) int {
+		return cmp.Or(cmp.Compare(x.Consumer, y.Consumer), cmp.Compare(x.Tenant, y.Tenant))
+	})
+	slices.SortStableFunc(out.Effects, func(x, y Effect) int {
+		return cmp.Or(cmp.Compare(x.Tenant, y.Tenant), cmp.Compare(x.Kind, y.Kind))
+	})
+	out.Inbox = out.Inbox[:min(len(out.Inbox), FindLimit)]
+	out.Effects = out.Effects[:min(len(out.Effects), FindLimit)]
+	return out, nil
+}
+
+func (a *part) find(ctx context.Context, key string, f FindFilter) (*Found, error) {
 	out := &Found{Key: key}
 	var err error
 	out.Inbox, err = collectInboxKeys(a.db.Query(ctx, a.q.findInbox, key, f.Tenant, FindLimit))
@@ -369,7 +354,9 @@ func (a *Admin) Find(ctx context.Context, key string, f FindFilter) (*Found, err
 	if err != nil {
 		return nil, err
 	}
-	out.Inbox, out.Effects = nonNil(out.Inbox), nonNil(out.Effects)
+	for i := range out.Inbox {
+		out.Inbox[i].Shard = a.name
+	}
 	return out, nil
 }
 

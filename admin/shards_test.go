@@ -3,7 +3,6 @@ package admin_test
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -108,8 +107,8 @@ func TestShardsMergedPagesNoGapNoDuplicate(t *testing.T) {
 	// Repair actions on some groups of every shard: the audit list.
 	groups, err := a.ListGroups(ctx, admin.GroupFilter{Source: admin.SourceEffects}, admin.Page{Limit: 100})
 	require.NoError(t, err)
-	require.Len(t, groups.Groups, 12)
-	for _, g := range groups.Groups[:9] {
+	require.Len(t, groups.Rows, 12)
+	for _, g := range groups.Rows[:9] {
 		_, err := a.DiscardGroup(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, Note: admin.Audit{Who: "test", Why: "paging"}})
 		require.NoError(t, err)
 	}
@@ -136,7 +135,7 @@ func TestShardsMergedPagesNoGapNoDuplicate(t *testing.T) {
 	var wantGroups []string
 	inboxGroups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 1000})
 	require.NoError(t, err)
-	for _, g := range inboxGroups.Groups {
+	for _, g := range inboxGroups.Rows {
 		wantGroups = append(wantGroups, g.Shard+"|"+g.ID)
 	}
 	require.Len(t, wantGroups, 12+3, "12 inbox groups and the 3 effects groups not discarded")
@@ -182,7 +181,7 @@ func TestShardsMergedPagesNoGapNoDuplicate(t *testing.T) {
 			return nil, "", err
 		}
 		var ids []string
-		for _, k := range p.Keys {
+		for _, k := range p.Rows {
 			require.NotEmpty(t, k.Shard)
 			require.True(t, orderedInbox(lastInbox[k.Shard], k), "inbox out of its shard's order: %+v after %+v", k, lastInbox[k.Shard])
 			lastInbox[k.Shard] = k
@@ -197,7 +196,7 @@ func TestShardsMergedPagesNoGapNoDuplicate(t *testing.T) {
 			return nil, "", err
 		}
 		var ids []string
-		for _, e := range p.Effects {
+		for _, e := range p.Rows {
 			require.True(t, orderedEffect(lastEffect[e.Shard], e), "effects out of their shard's order: %+v after %+v", e, lastEffect[e.Shard])
 			lastEffect[e.Shard] = e
 			ids = append(ids, e.Shard+"|"+e.Tenant+"/"+e.Kind+"/"+e.Key)
@@ -211,7 +210,7 @@ func TestShardsMergedPagesNoGapNoDuplicate(t *testing.T) {
 				return nil, "", err
 			}
 			var ids []string
-			for _, g := range p.Groups {
+			for _, g := range p.Rows {
 				ids = append(ids, g.Shard+"|"+g.ID)
 			}
 			return ids, p.Next, nil
@@ -224,9 +223,9 @@ func TestShardsMergedPagesNoGapNoDuplicate(t *testing.T) {
 			return nil, "", err
 		}
 		var ids []string
-		for i, x := range p.Actions {
+		for i, x := range p.Rows {
 			if i > 0 {
-				require.False(t, x.At.After(p.Actions[i-1].At), "actions newest first")
+				require.False(t, x.At.After(p.Rows[i-1].At), "actions newest first")
 			}
 			ids = append(ids, x.Shard+"|"+x.ID)
 		}
@@ -373,8 +372,8 @@ func TestShardsStatsInspectAndGroups(t *testing.T) {
 	// Release one tenant's inbox group: its shard's failed keys go, the others stay.
 	gs, err := a.ListGroups(ctx, admin.GroupFilter{Source: admin.SourceInbox, Tenant: &tenants[0]}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, gs.Groups, 1)
-	g, err := a.Group(ctx, gs.Groups[0].ID, admin.TimeRange{})
+	require.Len(t, gs.Rows, 1)
+	g, err := a.Group(ctx, gs.Rows[0].ID, admin.TimeRange{})
 	require.NoError(t, err)
 	require.Equal(t, int64(2), g.Count)
 	_, err = a.ReleaseGroup(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, AtMost: 1, Note: admin.Audit{Why: "test"}})
@@ -391,8 +390,8 @@ func TestShardsStatsInspectAndGroups(t *testing.T) {
 	require.Equal(t, int64(4), st.Consumers[0].Failed)
 	acts, err := a.ListActions(ctx, admin.ActionFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, acts.Actions, 1, "the shards without the group record no action")
-	require.Equal(t, s0.Name, acts.Actions[0].Shard)
+	require.Len(t, acts.Rows, 1, "the shards without the group record no action")
+	require.Equal(t, s0.Name, acts.Rows[0].Shard)
 	for _, s := range m.Shards {
 		failed, released := 2.0, 0.0
 		if s.Name == s0.Name {
@@ -460,9 +459,6 @@ func TestShardsOneDown(t *testing.T) {
 	defer cancel()
 	_, err = a.ListInbox(deadline, admin.InboxFilter{}, admin.Page{})
 	require.ErrorIs(t, err, admin.ErrShardUnavailable)
-	var se *admin.ShardError
-	require.True(t, errors.As(err, &se))
-	require.Equal(t, "s2", se.Shard)
 	require.Equal(t, "shard_unavailable", errcode.Code(err))
 	require.Contains(t, err.Error(), `shard "s2"`)
 	_, err = a.ListEffects(deadline, admin.EffectFilter{}, admin.Page{})
@@ -486,7 +482,7 @@ func TestShardsOneDown(t *testing.T) {
 	ctl.Start(1)
 	require.Eventually(t, func() bool {
 		p, err := a.ListInbox(ctx, admin.InboxFilter{}, admin.Page{})
-		return err == nil && len(p.Keys) == 6
+		return err == nil && len(p.Rows) == 6
 	}, 30*time.Second, 100*time.Millisecond)
 }
 
@@ -540,8 +536,8 @@ func TestShardsFailureGroupsMerged(t *testing.T) {
 				require.Less(t, pages, 10)
 				pg, err := a.ListGroups(ctx, admin.GroupFilter{Order: order}, admin.Page{Limit: limit, After: after})
 				require.NoError(t, err)
-				require.LessOrEqual(t, len(pg.Groups), limit)
-				for _, g := range pg.Groups {
+				require.LessOrEqual(t, len(pg.Rows), limit)
+				for _, g := range pg.Rows {
 					got = append(got, g.Tenant)
 					byTenant[g.Tenant] = g
 				}
@@ -564,7 +560,12 @@ func TestShardsFailureGroupsMerged(t *testing.T) {
 	require.Equal(t, "s1-3", acme.SampleKeys[0], "the latest part's keys first")
 	solo := byTenant["solo"]
 	require.Equal(t, "s3", solo.Shard)
-	require.Equal(t, []admin.GroupPart{{Shard: "s3", Count: 5, FirstSeen: solo.FirstSeen, LastSeen: solo.LastSeen}}, solo.Parts)
+	require.Equal(t, []struct {
+		Shard     string    `json:"shard"`
+		Count     int64     `json:"count"`
+		FirstSeen time.Time `json:"first_seen"`
+		LastSeen  time.Time `json:"last_seen"`
+	}{{Shard: "s3", Count: 5, FirstSeen: solo.FirstSeen, LastSeen: solo.LastSeen}}, solo.Parts)
 
 	g, err := a.Group(ctx, acme.ID, admin.TimeRange{})
 	require.NoError(t, err)
@@ -577,9 +578,9 @@ func TestShardsFailureGroupsMerged(t *testing.T) {
 	// part is before it.
 	pg, err := a.ListGroups(ctx, admin.GroupFilter{Seen: admin.TimeRange{Since: t0.Add(5 * time.Minute)}, Tenant: &acme.Tenant}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, pg.Groups, 1)
-	require.Equal(t, int64(3), pg.Groups[0].Count)
-	require.Equal(t, "s1", pg.Groups[0].Shard)
+	require.Len(t, pg.Rows, 1)
+	require.Equal(t, int64(3), pg.Rows[0].Count)
+	require.Equal(t, "s1", pg.Rows[0].Shard)
 
 	_, err = a.ListGroups(ctx, admin.GroupFilter{Order: admin.ByRecent}, admin.Page{Limit: 1, After: func() string {
 		pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 1})
@@ -636,8 +637,8 @@ func TestShardsFailureGroupsByCode(t *testing.T) {
 					require.Less(t, pages, 10)
 					pg, err := a.ListGroups(ctx, admin.GroupFilter{Code: code, Order: order}, admin.Page{Limit: limit, After: after})
 					require.NoError(t, err)
-					require.LessOrEqual(t, len(pg.Groups), limit)
-					for _, g := range pg.Groups {
+					require.LessOrEqual(t, len(pg.Rows), limit)
+					for _, g := range pg.Rows {
 						require.Equal(t, code, g.Code)
 						got = append(got, g.Tenant)
 						if code == "payment_declined" && g.Tenant == "acme" {
@@ -656,10 +657,10 @@ func TestShardsFailureGroupsByCode(t *testing.T) {
 	}
 	all, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, all.Groups, 8, "without a code, both codes' groups")
+	require.Len(t, all.Rows, 8, "without a code, both codes' groups")
 	none, err := a.ListGroups(ctx, admin.GroupFilter{Code: "handler"}, admin.Page{})
 	require.NoError(t, err)
-	require.Empty(t, none.Groups)
+	require.Empty(t, none.Rows)
 	_, err = a.ListGroups(ctx, admin.GroupFilter{Code: "bad\x00code"}, admin.Page{})
 	require.ErrorIs(t, err, admin.ErrBadFilter, "checked as on one database")
 }
@@ -715,8 +716,8 @@ func TestShardsFailureGroupsOneAggregateAShard(t *testing.T) {
 	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 5})
 	require.NoError(t, err)
 	require.Equal(t, int64(1), counter.n.Load()-before, "the first shard's groups read with one aggregate")
-	require.Len(t, pg.Groups, 5)
-	require.Equal(t, "acme", pg.Groups[0].Tenant, "the largest group, on the second shard")
+	require.Len(t, pg.Rows, 5)
+	require.Equal(t, "acme", pg.Rows[0].Tenant, "the largest group, on the second shard")
 	require.NotEmpty(t, pg.Next)
 }
 
@@ -773,16 +774,16 @@ func TestShardsFailureGroupsSamplesThePageOnly(t *testing.T) {
 
 	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{Limit: 5})
 	require.NoError(t, err)
-	require.Len(t, pg.Groups, 5)
+	require.Len(t, pg.Rows, 5)
 	require.Equal(t, []int{5}, tracer.groups, "the first shard read samples once, for its 5 groups on the page")
-	acme := pg.Groups[0]
+	acme := pg.Rows[0]
 	require.Equal(t, "acme", acme.Tenant)
 	require.Equal(t, int64(4), acme.Count)
 	require.Equal(t, "handler", acme.Code)
 	require.Equal(t, "order <n> refused", acme.Masked)
 	require.Equal(t, "order 2 refused", acme.Example, "the newest failure, on s1")
 	require.Equal(t, []string{"s1-2", "s1-1", "s2-2"}, acme.SampleKeys, "the latest part's keys first, then the other's")
-	for _, g := range pg.Groups[1:] {
+	for _, g := range pg.Rows[1:] {
 		require.Equal(t, int64(1), g.Count)
 		require.Equal(t, "handler", g.Code)
 		require.Equal(t, []string{"k-1"}, g.SampleKeys)
@@ -878,8 +879,8 @@ func TestShardsGroupReadsActionsOnce(t *testing.T) {
 	failOn(t, m.Shards[1], "acme", 2, t0)
 	pg, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, pg.Groups, 1, "one group on two shards")
-	g := pg.Groups[0]
+	require.Len(t, pg.Rows, 1, "one group on two shards")
+	g := pg.Rows[0]
 	// The map refuses to act on acme's rows off its route: release each shard's
 	// first failure through an Admin of that database alone.
 	for _, s := range m.Shards[:2] {

@@ -13,29 +13,15 @@ import (
 	"github.com/idemkit/idem/internal/inboxdb"
 )
 
-// Hex is bytes that JSON shows as lower-case hex (a fingerprint).
-type Hex []byte
-
-// String is the hex form.
-func (h Hex) String() string { return hex.EncodeToString(h) }
-
-// MarshalText writes the hex form.
-func (h Hex) MarshalText() ([]byte, error) { return []byte(h.String()), nil }
-
-// UnmarshalText reads the hex form.
-func (h *Hex) UnmarshalText(b []byte) error {
-	out, err := hex.DecodeString(string(b))
-	*h = out
-	return err
-}
-
 // InboxKey is one inbox row: a message's key, or an HTTP request's.
 type InboxKey struct {
-	Consumer    string     `json:"consumer"`
-	Tenant      string     `json:"tenant"`
-	Key         string     `json:"key"`
-	State       string     `json:"state"`
-	Fingerprint Hex        `json:"fingerprint"`
+	Consumer string `json:"consumer"`
+	Tenant   string `json:"tenant"`
+	Key      string `json:"key"`
+	State    string `json:"state"`
+	// Fingerprint is the fingerprint of the key's message or request, in
+	// lower-case hex.
+	Fingerprint string     `json:"fingerprint"`
 	Attempts    int        `json:"attempts"`
 	ErrorCode   string     `json:"error_code,omitempty"`
 	Error       string     `json:"error,omitempty"`
@@ -125,7 +111,7 @@ func (e *Effect) Source() (inbox.ID, bool) {
 	return inbox.ID{Consumer: e.SourceConsumer, Tenant: e.SourceTenant, Key: e.SourceKey}, e.SourceConsumer != ""
 }
 
-func (a *Admin) stuckReason(e *Effect) string {
+func (a *part) stuckReason(e *Effect) string {
 	if e.State != "pending" {
 		return ""
 	}
@@ -155,12 +141,14 @@ func scanInboxKey(row pgx.Row, extra ...any) (*InboxKey, error) {
 	var header []byte
 	var bodyLen *int32
 	var ref *string
-	err := row.Scan(append([]any{&k.Consumer, &k.Tenant, &k.Key, &k.Fingerprint, &k.State, &k.ErrorCode, &k.Error,
+	var fp []byte
+	err := row.Scan(append([]any{&k.Consumer, &k.Tenant, &k.Key, &fp, &k.State, &k.ErrorCode, &k.Error,
 		&k.Attempts, &k.LeaseUntil, &k.Fence, &k.ReceivedAt, &k.CompletedAt, &k.ExpiresAt, &k.Now,
 		&status, &header, &bodyLen, &ref}, extra...)...)
 	if err != nil {
 		return nil, err
 	}
+	k.Fingerprint = hex.EncodeToString(fp)
 	if status != nil {
 		k.Response = &Response{Status: int(*status), Headers: inboxdb.DecodeHeader(header)}
 		if bodyLen != nil {
@@ -173,7 +161,7 @@ func scanInboxKey(row pgx.Row, extra ...any) (*InboxKey, error) {
 	return &k, nil
 }
 
-func (a *Admin) scanEffect(row pgx.Row) (*Effect, error) {
+func (a *part) scanEffect(row pgx.Row) (*Effect, error) {
 	var e Effect
 	err := row.Scan(&e.Tenant, &e.Kind, &e.Key, &e.State, &e.Attempts, &e.MaxAttempts, &e.InFlight,
 		&e.NextAttemptAt, &e.CreatedAt, &e.DoneAt, &e.LastError, &e.PayloadBytes,
@@ -182,10 +170,11 @@ func (a *Admin) scanEffect(row pgx.Row) (*Effect, error) {
 		return nil, err
 	}
 	e.Stuck = a.stuckReason(&e)
+	e.Shard = a.name
 	return &e, nil
 }
 
-func (a *Admin) collectEffects(rows pgx.Rows, err error) ([]Effect, error) {
+func (a *part) collectEffects(rows pgx.Rows, err error) ([]Effect, error) {
 	if err != nil {
 		return nil, a.wrap(err)
 	}

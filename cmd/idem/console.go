@@ -538,15 +538,28 @@ func page(r *http.Request) (admin.Page, error) {
 	return p, nil
 }
 
+// inboxPageJSON and effectPageJSON are the console's pages of inbox keys and of
+// effects, as its page script reads them.
+type (
+	inboxPageJSON struct {
+		Keys []admin.InboxKey `json:"keys"`
+		Next string           `json:"next,omitempty"`
+	}
+	effectPageJSON struct {
+		Effects []admin.Effect `json:"effects"`
+		Next    string         `json:"next,omitempty"`
+	}
+)
+
 func (c *console) effects(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	f := admin.EffectFilter{Tenant: optional(r, "tenant"), Kind: q.Get("kind"), State: q.Get("state"),
 		Stuck: q.Get("stuck") == "1", KeyPrefix: q.Get("prefix"), Consumer: q.Get("consumer")}
 	p, err := page(r)
 	if err == nil {
-		var out *admin.EffectPage
+		var out *admin.List[admin.Effect]
 		if out, err = c.admin.ListEffects(r.Context(), f, p); err == nil {
-			writeJSON(w, http.StatusOK, out)
+			writeJSON(w, http.StatusOK, effectPageJSON{Effects: out.Rows, Next: out.Next})
 			return
 		}
 	}
@@ -568,9 +581,9 @@ func (c *console) inboxList(w http.ResponseWriter, r *http.Request) {
 	f := admin.InboxFilter{Consumer: q.Get("consumer"), Tenant: optional(r, "tenant"), State: q.Get("state"), KeyPrefix: q.Get("prefix")}
 	p, err := page(r)
 	if err == nil {
-		var out *admin.InboxPage
+		var out *admin.List[admin.InboxKey]
 		if out, err = c.admin.ListInbox(r.Context(), f, p); err == nil {
-			writeJSON(w, http.StatusOK, out)
+			writeJSON(w, http.StatusOK, inboxPageJSON{Keys: out.Rows, Next: out.Next})
 			return
 		}
 	}

@@ -50,9 +50,10 @@ func (c *console) activity(w http.ResponseWriter, r *http.Request) {
 // absolute times: the page's More sends them back, so that the next page counts
 // the same window when it was given as an age (since=1h).
 type groupPageJSON struct {
-	*admin.GroupPage
-	Since time.Time `json:"since,omitzero"`
-	Until time.Time `json:"until,omitzero"`
+	Groups []admin.FailureGroup `json:"groups"`
+	Next   string               `json:"next,omitempty"`
+	Since  time.Time            `json:"since,omitzero"`
+	Until  time.Time            `json:"until,omitzero"`
 }
 
 // failureGroups answers a page of failure groups: source, consumer, kind, tenant
@@ -68,9 +69,9 @@ func (c *console) failureGroups(w http.ResponseWriter, r *http.Request) {
 		f.Seen, err = seenRange(r, c.cfg.Now())
 	}
 	if err == nil {
-		var out *admin.GroupPage
+		var out *admin.List[admin.FailureGroup]
 		if out, err = c.admin.ListGroups(r.Context(), f, p); err == nil {
-			writeJSON(w, http.StatusOK, groupPageJSON{GroupPage: out, Since: f.Seen.Since, Until: f.Seen.Until})
+			writeJSON(w, http.StatusOK, groupPageJSON{Groups: out.Rows, Next: out.Next, Since: f.Seen.Since, Until: f.Seen.Until})
 			return
 		}
 	}
@@ -104,9 +105,9 @@ func (c *console) failureGroup(w http.ResponseWriter, r *http.Request) {
 	g, err := c.admin.Group(r.Context(), id, admin.TimeRange{})
 	if errors.Is(err, admin.ErrNotFound) {
 		acts, aerr := c.admin.ListActions(r.Context(), admin.ActionFilter{Group: id}, admin.Page{Limit: 20})
-		if aerr == nil && len(acts.Actions) > 0 {
-			last := acts.Actions[0]
-			out := admin.FailureGroup{ID: id, Source: last.Source, Tenant: last.Tenant, SampleKeys: []string{}, Actions: acts.Actions}
+		if aerr == nil && len(acts.Rows) > 0 {
+			last := acts.Rows[0]
+			out := admin.FailureGroup{ID: id, Source: last.Source, Tenant: last.Tenant, SampleKeys: []string{}, Actions: acts.Rows}
 			if last.Source == admin.SourceInbox {
 				out.Consumer = last.Place
 			} else {

@@ -141,9 +141,9 @@ func TestConsoleFailuresInBrowser(t *testing.T) {
 	require.NoError(t, err)
 	groups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, groups.Groups, 3)
+	require.Len(t, groups.Rows, 3)
 	ids := map[string]string{}
-	for _, g := range groups.Groups {
+	for _, g := range groups.Rows {
 		ids[g.Place()] = g.ID
 	}
 	emailGroup, smsGroup, inboxGroup := ids["email"], ids["sms"], ids["payments"]
@@ -258,7 +258,7 @@ func TestConsoleFailuresAPI(t *testing.T) {
 
 	r := call(t, srv, "GET", "/api/failures", "", nil)
 	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
-	var groups admin.GroupPage
+	var groups groupPageJSON
 	require.NoError(t, json.Unmarshal(r.body, &groups))
 	require.Len(t, groups.Groups, 1)
 	g := groups.Groups[0]
@@ -402,9 +402,9 @@ func seedGroupIDs(t *testing.T, b *bundle) map[string]string {
 	require.NoError(t, err)
 	groups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, groups.Groups, 4)
+	require.Len(t, groups.Rows, 4)
 	ids := map[string]string{}
-	for _, g := range groups.Groups {
+	for _, g := range groups.Rows {
 		ids[g.Place()] = g.ID
 	}
 	require.Len(t, ids, 4)
@@ -422,7 +422,7 @@ func TestConsoleFailuresAPIFilters(t *testing.T) {
 		t.Helper()
 		r := call(t, srv, "GET", "/api/failures?"+query, "", nil)
 		require.Equal(t, http.StatusOK, r.status, "%s: %s", query, r.body)
-		var page admin.GroupPage
+		var page groupPageJSON
 		require.NoError(t, json.Unmarshal(r.body, &page))
 		var places []string
 		for _, g := range page.Groups {

@@ -112,15 +112,15 @@ func TestConsoleAPI(t *testing.T) {
 	require.Equal(t, http.StatusOK, r.status)
 	require.Contains(t, string(r.body), `\u003cscript\u003e`)
 	require.NotContains(t, string(r.body), `<script>`)
-	var dead admin.EffectPage
+	var dead effectPageJSON
 	require.NoError(t, json.Unmarshal(r.body, &dead))
 	require.Len(t, dead.Effects, 2)
 	require.Equal(t, "smtp: 550 <script>window.pwned=1</script> \\x00 \x01", dead.Effects[1].LastError)
-	var stuck admin.EffectPage
+	var stuck effectPageJSON
 	require.NoError(t, json.Unmarshal(call(t, srv, "GET", "/api/effects?stuck=1", "", nil).body, &stuck))
 	require.Len(t, stuck.Effects, 1)
 	require.Contains(t, stuck.Effects[0].Stuck, "5 of 25 attempts")
-	var onePage admin.EffectPage
+	var onePage effectPageJSON
 	require.NoError(t, json.Unmarshal(call(t, srv, "GET", "/api/effects?state=dead&tenant=&limit=1", "", nil).body, &onePage))
 	require.Len(t, onePage.Effects, 1)
 	require.Equal(t, "", onePage.Effects[0].Tenant, "tenant= is the unscoped tenant")

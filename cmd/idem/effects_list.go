@@ -87,14 +87,14 @@ func runEffectsList(ctx context.Context, e *env, args []string, o effectsListOpt
 	if o.f.Kind != "" {
 		none += " " + o.f.Kind
 	}
-	return writePage(e, listPage[admin.Effect]{command: "effects list", what: "effects", items: page.Effects, next: page.Next},
+	return writePage(e, listPage[admin.Effect]{command: "effects list", what: "effects", items: page.Rows, next: page.Next},
 		"no "+none+" effects", func() error {
-			if err := e.effectsTable(page.Effects); err != nil {
+			if err := e.effectsTable(page.Rows); err != nil {
 				return err
 			}
 			if o.f.Stuck {
 				fmt.Fprintln(e.stdout, "\nWhy each looks stuck:")
-				for _, x := range page.Effects {
+				for _, x := range page.Rows {
 					fmt.Fprintf(e.stdout, "  %s: %s\n", printable(x.ID().String()), x.Stuck)
 				}
 			}

@@ -66,10 +66,10 @@ func runFailuresList(ctx context.Context, e *env, args []string, o failuresListO
 	if err != nil {
 		return usageIfBad(err)
 	}
-	return writePage(e, listPage[admin.FailureGroup]{command: "failures", what: "groups", items: page.Groups, next: page.Next},
+	return writePage(e, listPage[admin.FailureGroup]{command: "failures", what: "groups", items: page.Rows, next: page.Next},
 		"no failures: no failed inbox keys and no dead effects", func() error {
 			tw := e.rowsTable("ID", "SOURCE", "CONSUMER/KIND", "TENANT", "CODE", "COUNT", "LAST SEEN", "ERROR (MASKED)")
-			for _, g := range page.Groups {
+			for _, g := range page.Rows {
 				e.shardRow(tw, g.Shard, g.ID, g.Source, clip(g.Place(), 24), clip(g.Tenant, 12), clip(g.Code, 20), g.Count, ts(&g.LastSeen), clip(g.Masked, 60))
 			}
 			if err := tw.Flush(); err != nil {
@@ -114,12 +114,12 @@ func runFailuresShow(ctx context.Context, e *env, args []string, seen admin.Time
 	if errors.Is(err, admin.ErrNotFound) {
 		// An empty group may still have its audit trail: show it.
 		acts, aerr := a.ListActions(ctx, admin.ActionFilter{Group: id}, admin.Page{Limit: 20})
-		if aerr == nil && len(acts.Actions) > 0 {
+		if aerr == nil && len(acts.Rows) > 0 {
 			if e.json {
-				return e.writeJSON(map[string]any{"id": id, "count": 0, "actions": acts.Actions})
+				return e.writeJSON(map[string]any{"id": id, "count": 0, "actions": acts.Rows})
 			}
 			fmt.Fprintf(e.stdout, "Group %s holds no failures now.\n", id)
-			e.actionsTable(acts.Actions)
+			e.actionsTable(acts.Rows)
 			return nil
 		}
 	}
@@ -338,10 +338,10 @@ func nothingLeft(ctx context.Context, e *env, a *admin.Admin, fa failureAction, 
 	if err != nil {
 		return usageIfBad(err)
 	}
-	if len(acts.Actions) == 0 {
+	if len(acts.Rows) == 0 {
 		return codedf(admin.ErrNotFound, "no failures in group %s, and no action was ever taken on it: check the ID with 'idem failures'", id)
 	}
-	last := acts.Actions[0]
+	last := acts.Rows[0]
 	if e.json {
 		return e.writeJSON(admin.ActionResult{Action: fa.verb, Group: id, Keys: []string{}, At: time.Now().UTC()})
 	}

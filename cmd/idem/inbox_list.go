@@ -49,8 +49,8 @@ as, so that the next page reads the same window (with --json, on stderr, as
 			if err != nil {
 				return usageIfBad(err)
 			}
-			return writePage(e, listPage[admin.InboxKey]{command: "inbox list", what: "keys", items: page.Keys, next: page.Next},
-				"no inbox keys", func() error { return e.inboxTable(page.Keys) })
+			return writePage(e, listPage[admin.InboxKey]{command: "inbox list", what: "keys", items: page.Rows, next: page.Next},
+				"no inbox keys", func() error { return e.inboxTable(page.Rows) })
 		}
 	},
 }

@@ -192,10 +192,10 @@ func (r *run) walk(ctx context.Context) (*Result, error) {
 	var group *admin.FailureGroup
 	tw := tabwriter.NewWriter(r.cfg.Out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "   ID\tCOUNT\tCODE\tERROR (MASKED)")
-	for i, g := range page.Groups {
+	for i, g := range page.Rows {
 		fmt.Fprintf(tw, "   %s\t%d\t%s\t%s\n", g.ID, g.Count, g.Code, g.Masked)
 		if i == 0 {
-			group = &page.Groups[0] // the largest: v1's bug
+			group = &page.Rows[0] // the largest: v1's bug
 		}
 	}
 	_ = tw.Flush()

@@ -164,9 +164,9 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	// no sequence to grant).
 	groups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, groups.Groups, 4, "the failed key of each consumer mode, and the dead receipt")
+	require.Len(t, groups.Rows, 4, "the failed key of each consumer mode, and the dead receipt")
 	note := admin.Audit{Who: "test", Why: "least privilege"}
-	for _, g := range groups.Groups {
+	for _, g := range groups.Rows {
 		act := a.ReleaseGroup
 		if g.Source == admin.SourceEffects {
 			act = a.DiscardGroup
@@ -177,7 +177,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	}
 	acts, err := a.ListActions(ctx, admin.ActionFilter{}, admin.Page{})
 	require.NoError(t, err)
-	require.Len(t, acts.Actions, 4)
+	require.Len(t, acts.Rows, 4)
 	_, err = owner.Exec(ctx, `UPDATE inbox SET expires_at = now() - interval '1 second' WHERE state IN ('completed', 'failed')`)
 	require.NoError(t, err)
 	j, err := janitor.New(janitor.Config{Pool: pool, Schema: schema})

@@ -145,7 +145,7 @@ func (w world) ownerLabel(family string) (string, []string) {
 	case strings.HasPrefix(family, "idem_http_"):
 		return "operation", []string{operation}
 	case strings.HasPrefix(family, "idem_failures_"):
-		return "action", admin.Actions
+		return "action", []string{admin.ActionRetry, admin.ActionDiscard, admin.ActionRelease}
 	}
 	return "", nil
 }
