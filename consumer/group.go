@@ -21,7 +21,7 @@ import (
 // A batch runs on the set-based path (batch.go) and falls back to one savepoint per
 // message (runSavepoints) when a failure cannot be pinned on a message there.
 type groupCommitter struct {
-	c     *Consumer
+	c     *engine
 	batch BatchHandler // nil: each request carries its own handler
 	// single is g.single as a handler, made once (a method value costs an
 	// allocation each time it is taken).
@@ -40,7 +40,7 @@ type groupReq struct {
 	done chan outcome
 }
 
-func newGroupCommitter(c *Consumer, batch BatchHandler) *groupCommitter {
+func newGroupCommitter(c *engine, batch BatchHandler) *groupCommitter {
 	g := &groupCommitter{c: c, batch: batch, reqs: make(chan *groupReq), stop: make(chan struct{})}
 	g.single = g.runSingle
 	g.close = sync.OnceFunc(func() {

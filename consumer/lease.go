@@ -19,7 +19,7 @@ import (
 // only if the fence still matches. A delivery that finds a fresh lease nacks after
 // BusyDelay; one that finds a lease that ran out takes it over (fence + 1), so a
 // handler that crashed, or outlived its lease, is run again.
-func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
+func (c *engine) handleLease(req *request, h message.HandlerFunc) error {
 	ctx := req.ctx
 	db, ok := c.cfg.Pool.(inbox.DBTX)
 	if !ok {
@@ -112,7 +112,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 // code, on the lease row (fenced), with the connection of the handler's transaction
 // back in the pool: it is never run again and never silently dropped (OnFailure,
 // the failed metric, and PoisonOnPermanent see it).
-func (c *Consumer) failLease(req *request, db inbox.DBTX, fence int64, cause error) outcome {
+func (c *engine) failLease(req *request, db inbox.DBTX, fence int64, cause error) outcome {
 	c.logEnded(req, cause)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.ctx), c.cfg.CommitTimeout)
 	defer cancel()

@@ -23,8 +23,8 @@ func TestShardConsumersKeepTheDefaultFingerprint(t *testing.T) {
 		}
 		c, err := New(cfg)
 		require.NoError(t, err)
-		require.Len(t, c.shards.each, 2)
-		for _, one := range c.shards.each {
+		require.Equal(t, 2, c.parts.Len())
+		for _, one := range c.parts.Parts() {
 			require.Equal(t, !custom, one.defaultFP, "custom Fingerprint %v", custom)
 		}
 		require.NoError(t, c.Close())

@@ -46,7 +46,7 @@ var noSpan = trace.SpanFromContext(context.Background())
 // startMessage starts msg's idem.consume span. With tracing off (no provider
 // installed, tracing.Off) it starts none, at no allocation: the context is the
 // message's, with any trace context its metadata carried.
-func (c *Consumer) startMessage(msg *message.Message, name string) (context.Context, trace.Span) {
+func (c *engine) startMessage(msg *message.Message, name string) (context.Context, trace.Span) {
 	ctx := tracing.MessageContext(msg.Context(), msg.Metadata, c.prop)
 	if tracing.Off(c.cfg.TracerProvider) {
 		return ctx, noSpan
@@ -64,7 +64,7 @@ func (c *Consumer) startMessage(msg *message.Message, name string) (context.Cont
 // children would record nothing either, and would cost a context and a span
 // value each. ctx is returned as it is then, so what runs under it (effects'
 // Enqueue) still sees the message's span context.
-func (c *Consumer) child(ctx context.Context, name string) (context.Context, trace.Span) {
+func (c *engine) child(ctx context.Context, name string) (context.Context, trace.Span) {
 	if !trace.SpanFromContext(ctx).IsRecording() {
 		return ctx, noSpan
 	}
@@ -150,7 +150,7 @@ func endSpan(span trace.Span, err error) {
 
 // startBatch starts the idem.batch span of a sorted batch and links it and each
 // message's span both ways.
-func (c *Consumer) startBatch(batch []*groupReq) (context.Context, trace.Span) {
+func (c *engine) startBatch(batch []*groupReq) (context.Context, trace.Span) {
 	if tracing.Off(c.cfg.TracerProvider) {
 		return context.Background(), noSpan
 	}

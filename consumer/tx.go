@@ -50,13 +50,13 @@ func guardSQL(schema string) string {
 
 // begin starts a transaction whose COMMIT checks the mark. The caller sets the mark
 // (txmark.Mark) before anything else.
-func (c *Consumer) begin(ctx context.Context) (pgx.Tx, error) {
+func (c *engine) begin(ctx context.Context) (pgx.Tx, error) {
 	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: commitSQL})
 }
 
 // beginGroup starts a group-commit batch's transaction: its COMMIT checks the mark
 // and lets the commit guard pass.
-func (c *Consumer) beginGroup(ctx context.Context) (pgx.Tx, error) {
+func (c *engine) beginGroup(ctx context.Context) (pgx.Tx, error) {
 	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: groupCommitSQL})
 }
 
@@ -85,7 +85,7 @@ func txState(tx pgx.Tx) error {
 // CommitTimeout, because a COMMIT cut in flight has an unknown outcome. The errors:
 // ErrTxEnded or ErrTxAborted (nothing committed by idem), ErrCanceled (nothing
 // committed), ErrCommitUnknown (COMMIT was sent and failed: it may have happened).
-func (c *Consumer) commit(ctx context.Context, tx pgx.Tx) error {
+func (c *engine) commit(ctx context.Context, tx pgx.Tx) error {
 	if err := txState(tx); err != nil {
 		return err
 	}
