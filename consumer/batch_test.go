@@ -305,8 +305,7 @@ func TestBatchHandlerBackendCut(t *testing.T) {
 func TestBatchHandlersOnTwoConsumersShareKeys(t *testing.T) {
 	t.Parallel()
 	h1, bb1, b := setupBatch(t)
-	c2, err := consumer.New(consumer.Config{Name: "payments", Pool: b.pool, Schema: b.schema, MaxWait: 300 * time.Millisecond,
-		Workers: 1, LockTimeout: 30 * time.Second})
+	c2, err := consumer.New(consumer.Config{Name: "payments", Pool: b.pool, Schema: b.schema, Batch: consumer.BatchConfig{MaxWait: 300 * time.Millisecond, Workers: 1}, LockTimeout: 30 * time.Second})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c2.Close() })
 	bb2 := &batchBiz{b: b}
@@ -349,8 +348,8 @@ func TestBatchHandlerInARouter(t *testing.T) {
 	t.Parallel()
 	c, b := setup(t, consumer.Transactional, func(cfg *consumer.Config) {
 		cfg.Name = ""
-		cfg.MaxBatch = 64
-		cfg.MaxWait = time.Millisecond
+		cfg.Batch.MaxBatch = 64
+		cfg.Batch.MaxWait = time.Millisecond
 	})
 	bb := &batchBiz{b: b}
 	h := c.HandleBatch(bb.handle)

@@ -23,7 +23,7 @@ import (
 func TestContextCancelledBeforeCommit(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
+		c, b := setup(t, mode, leaseMode(time.Hour))
 		var cancelIt atomic.Bool
 		cancelIt.Store(true)
 		ctx, cancel := context.WithCancel(context.Background())
@@ -64,7 +64,7 @@ func TestContextCancelledBeforeCommit(t *testing.T) {
 func TestCommitInFlightIsNotCancelled(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
+		c, b := setup(t, mode, leaseMode(time.Hour))
 		ctx := context.Background()
 		_, err := b.pool.Exec(ctx, `
 			CREATE FUNCTION hold_commit() RETURNS trigger LANGUAGE plpgsql AS $$

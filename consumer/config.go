@@ -200,30 +200,11 @@ type Config struct {
 
 	// Mode: Transactional (default), GroupCommit or Lease.
 	Mode Mode
-	// MaxBatch and MaxWait bound a batch, of GroupCommit mode or of HandleBatch
-	// (defaults 32 and 2 ms). A batch takes the messages that are in flight at
-	// once, so it is never larger than the partitions (or the unacked messages) the
-	// subscriber delivers together. The set-based path makes one savepoint a batch;
-	// the fallback that isolates a failure it cannot pin makes one a message, and
-	// past 64 of them in one transaction Postgres's per-backend subtransaction cache
-	// overflows, which slows every snapshot while that transaction runs.
-	MaxBatch int
-	MaxWait  time.Duration
-	// Workers is how many batches (of GroupCommit mode, or of each HandleBatch) run
-	// at once (default 2).
-	Workers int
-	// BatchPerTenant splits every batch (of GroupCommit mode, or of HandleBatch)
-	// by tenant: the messages that arrive together run as one batch per tenant, one
-	// after another on the same worker, each in its own transaction. Every
-	// statement of a batch then names its one tenant (tenant = $n), so that a
-	// distributed Postgres that routes by tenant can run each batch's transaction
-	// on one node. Off by default: a batch of one tenant already uses those
-	// statements, and a mixed batch commits its tenants in one transaction, which
-	// is cheaper on one database. With many tenants in flight at once it makes
-	// more, smaller transactions. Without Tenant every message's tenant is "", and
-	// nothing is split.
-	BatchPerTenant bool
-	// Lease is the lease length in Lease mode (default 30 s).
+	// Batch bounds the batches of GroupCommit mode and of every HandleBatch. Lease
+	// mode has no batches: Validate refuses a Batch set with Mode Lease.
+	Batch BatchConfig
+	// Lease is the lease of a key in Lease mode (default 30 s). Validate refuses it
+	// in the other modes, which hold no lease.
 	Lease time.Duration
 
 	// Logger gets structured logs (nil: quiet). Payloads are never logged.
@@ -247,6 +228,33 @@ type Config struct {
 	Propagator propagation.TextMapPropagator
 }
 
+// BatchConfig bounds the batches of GroupCommit mode and of HandleBatch
+// (Config.Batch). A zero field takes its default.
+type BatchConfig struct {
+	// MaxBatch and MaxWait bound a batch (defaults 32 and 2 ms). A batch takes the
+	// messages that are in flight at once, so it is never larger than the
+	// partitions (or the unacked messages) the subscriber delivers together. The
+	// set-based path makes one savepoint a batch; the fallback that isolates a
+	// failure it cannot pin makes one a message, and past 64 of them in one
+	// transaction Postgres's per-backend subtransaction cache overflows, which
+	// slows every snapshot while that transaction runs.
+	MaxBatch int
+	MaxWait  time.Duration
+	// Workers is how many batches (of GroupCommit mode, or of each HandleBatch) run
+	// at once (default 2).
+	Workers int
+	// PerTenant splits every batch by tenant: the messages that arrive together
+	// run as one batch per tenant, one after another on the same worker, each in
+	// its own transaction. Every statement of a batch then names its one tenant
+	// (tenant = $n), so that a distributed Postgres that routes by tenant can run
+	// each batch's transaction on one node. Off by default: a batch of one tenant
+	// already uses those statements, and a mixed batch commits its tenants in one
+	// transaction, which is cheaper on one database. With many tenants in flight
+	// at once it makes more, smaller transactions. Without Tenant every message's
+	// tenant is "", and nothing is split.
+	PerTenant bool
+}
+
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
 	if c.Shards == nil {
@@ -263,18 +271,25 @@ func (c Config) WithDefaults() Config {
 	c.BusyDelay = cmp.Or(c.BusyDelay, DefaultBusyDelay)
 	c.IsoLevel = cmp.Or(c.IsoLevel, pgx.ReadCommitted)
 	c.CommitTimeout = cmp.Or(c.CommitTimeout, DefaultCommitTimeout)
-	c.MaxBatch = cmp.Or(c.MaxBatch, DefaultMaxBatch)
-	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
-	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
-	c.Lease = cmp.Or(c.Lease, DefaultLease)
+	if c.Mode == Lease {
+		c.Lease = cmp.Or(c.Lease, DefaultLease)
+	} else {
+		c.Batch.MaxBatch = cmp.Or(c.Batch.MaxBatch, DefaultMaxBatch)
+		c.Batch.MaxWait = cmp.Or(c.Batch.MaxWait, DefaultMaxWait)
+		c.Batch.Workers = cmp.Or(c.Batch.Workers, DefaultWorkers)
+	}
 	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
 // Validate reports what New would refuse in c: no Pool, a bad schema or Name, a
-// retention or timeout too short, an unknown Mode. It checks c.WithDefaults(), so a
-// config that sets only Pool passes.
+// retention or timeout too short, an unknown Mode, a field that does nothing in
+// the chosen Mode (Batch in Lease mode, Lease in the others). It checks
+// c.WithDefaults(), so a config that sets only Pool passes.
 func (c Config) Validate() error {
+	if err := c.validateMode(); err != nil {
+		return err
+	}
 	c = c.WithDefaults()
 	if err := fanout.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
@@ -302,14 +317,25 @@ func (c Config) Validate() error {
 	if c.CommitTimeout < time.Millisecond {
 		return errcode.InvalidConfig("CommitTimeout %s is under a millisecond", c.CommitTimeout)
 	}
-	if c.Lease < 10*time.Millisecond {
+	if c.Mode == Lease && c.Lease < 10*time.Millisecond {
 		return errcode.InvalidConfig("Lease %s is under 10 ms", c.Lease)
 	}
-	if c.Mode < Transactional || c.Mode > Lease {
-		return errcode.InvalidConfig("unknown Mode %d", c.Mode)
+	if c.Mode != Lease && (c.Batch.MaxBatch < 1 || c.Batch.Workers < 1) {
+		return errcode.InvalidConfig("Batch.MaxBatch and Batch.Workers must be at least 1")
 	}
-	if c.MaxBatch < 1 || c.Workers < 1 {
-		return errcode.InvalidConfig("MaxBatch and Workers must be at least 1")
+	return nil
+}
+
+// validateMode refuses an unknown Mode, and a field set that the Mode does not
+// use: it would be ignored, so the config does not do what it says.
+func (c Config) validateMode() error {
+	switch {
+	case c.Mode < Transactional || c.Mode > Lease:
+		return errcode.InvalidConfig("unknown Mode %d", c.Mode)
+	case c.Mode == Lease && c.Batch != BatchConfig{}:
+		return errcode.InvalidConfig("Batch configures the batches of GroupCommit mode and HandleBatch; Mode is %s, which has none: unset Batch or choose another Mode", c.Mode)
+	case c.Mode != Lease && c.Lease != 0:
+		return errcode.InvalidConfig("Lease is the lease of Lease mode; Mode is %s, which holds no lease: unset Lease or set Mode: Lease", c.Mode)
 	}
 	return nil
 }

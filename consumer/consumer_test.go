@@ -53,6 +53,16 @@ func setup(t *testing.T, mode consumer.Mode, mutate ...func(*consumer.Config)) (
 	return c, b
 }
 
+// leaseMode sets the lease to d in Lease mode; the other modes hold no lease, and
+// refuse one.
+func leaseMode(d time.Duration) func(*consumer.Config) {
+	return func(cfg *consumer.Config) {
+		if cfg.Mode == consumer.Lease {
+			cfg.Lease = d
+		}
+	}
+}
+
 // bizHandler writes one business row and one email effect per message.
 func (b *bundle) bizHandler(extra func(msg *message.Message) error) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
@@ -124,8 +134,11 @@ func forAllModes(t *testing.T, fn func(t *testing.T, mode consumer.Mode)) {
 // batched makes GroupCommit gather the messages a test sends together into one
 // batch; it changes nothing in the other modes.
 func batched(cfg *consumer.Config) {
-	cfg.MaxWait = 300 * time.Millisecond
-	cfg.Workers = 1
+	if cfg.Mode == consumer.Lease {
+		return // no batches, and a Batch is refused
+	}
+	cfg.Batch.MaxWait = 300 * time.Millisecond
+	cfg.Batch.Workers = 1
 }
 
 // inboxState is the committed inbox row of key: "" when there is none.

@@ -15,7 +15,7 @@ import (
 )
 
 // groupCommitter runs batches: workers take the messages that arrive together (up to
-// MaxBatch, waiting at most MaxWait for more) and run them in one transaction, then
+// Batch.MaxBatch, waiting at most Batch.MaxWait for more) and run them in one transaction, then
 // answer them all after the commit. Middleware in GroupCommit mode has one, with
 // each message's own handler; each HandleBatch has one, with its batch handler.
 // A batch runs on the set-based path (batch.go) and falls back to one savepoint per
@@ -47,7 +47,7 @@ func newGroupCommitter(c *engine, batch BatchHandler) *groupCommitter {
 		close(g.stop)
 		g.wg.Wait()
 	})
-	for range c.cfg.Workers {
+	for range c.cfg.Batch.Workers {
 		g.wg.Add(1)
 		go g.work()
 	}
@@ -106,9 +106,9 @@ func (g *groupCommitter) work() {
 		case <-g.stop:
 			return
 		}
-		timer := time.NewTimer(g.c.cfg.MaxWait)
+		timer := time.NewTimer(g.c.cfg.Batch.MaxWait)
 	collect:
-		for len(batch) < g.c.cfg.MaxBatch {
+		for len(batch) < g.c.cfg.Batch.MaxBatch {
 			select {
 			case r := <-g.reqs:
 				batch = append(batch, r)
@@ -119,7 +119,7 @@ func (g *groupCommitter) work() {
 			}
 		}
 		timer.Stop()
-		if g.c.cfg.BatchPerTenant {
+		if g.c.cfg.Batch.PerTenant {
 			g.runPerTenant(batch)
 			continue
 		}
@@ -128,7 +128,7 @@ func (g *groupCommitter) work() {
 }
 
 // runPerTenant runs batch as one batch per tenant, one after another
-// (Config.BatchPerTenant).
+// (Config.Batch.PerTenant).
 func (g *groupCommitter) runPerTenant(batch []*groupReq) {
 	slices.SortStableFunc(batch, func(a, b *groupReq) int { return cmp.Compare(a.req.claim.Tenant, b.req.claim.Tenant) })
 	for len(batch) > 0 {

@@ -143,7 +143,7 @@ func TestHandlerSwallowingAFailedStatementCostsOnlyItself(t *testing.T) {
 func TestPanickingHandlerLeavesTheKeyFree(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
+		c, b := setup(t, mode, leaseMode(time.Hour))
 		var n atomic.Int64
 		h := c.Middleware(b.bizHandler(func(*message.Message) error {
 			if n.Add(1) == 1 {

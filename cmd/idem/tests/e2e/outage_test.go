@@ -57,7 +57,7 @@ func testPostgresOutage(t *testing.T, mode consumer.Mode) {
 	go func() { done <- d.Run(runCtx) }()
 
 	c, err := consumer.New(consumer.Config{Name: "orders", Pool: pool, Schema: schema, Mode: mode,
-		MaxWait: 5 * time.Millisecond, LockTimeout: 5 * time.Second, BusyDelay: 5 * time.Millisecond})
+		Batch: batchWait(mode, 5*time.Millisecond), LockTimeout: 5 * time.Second, BusyDelay: 5 * time.Millisecond})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	h := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
