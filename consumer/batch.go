@@ -39,10 +39,9 @@ import (
 // transaction has every message of that call recorded as failed (ErrTxEnded).
 type BatchHandler func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error
 
-// MessageError names the message of a batch that an error belongs to. A
-// BatchHandler returns one per failing message (see ForMessage). Its code and
-// permanence are Err's.
-type MessageError struct {
+// messageError names the message of a batch that an error belongs to
+// (ForMessage). Its code and permanence are Err's.
+type messageError struct {
 	Msg *message.Message
 	Err error
 }
@@ -54,10 +53,10 @@ func ForMessage(msg *message.Message, err error) error {
 	if err == nil {
 		return nil
 	}
-	return &MessageError{Msg: msg, Err: err}
+	return &messageError{Msg: msg, Err: err}
 }
 
-func (e *MessageError) Error() string {
+func (e *messageError) Error() string {
 	id := "<nil>"
 	if e.Msg != nil {
 		id = e.Msg.UUID
@@ -66,9 +65,9 @@ func (e *MessageError) Error() string {
 }
 
 // Unwrap returns the message's own error.
-func (e *MessageError) Unwrap() error { return e.Err }
+func (e *messageError) Unwrap() error { return e.Err }
 
-// pinned maps the MessageErrors in err to the batch indexes of the messages they
+// pinned maps the messageErrors in err to the batch indexes of the messages they
 // name (index). One that names a message outside index makes foreign
 // ErrMessageNotInBatch, with err's text but not its chain: a permanent error about
 // a message that is not there must not record the innocent ones as failed.
@@ -86,14 +85,14 @@ func pinned(err error, index map[*message.Message]int) (named map[int]error, for
 	return named, nil
 }
 
-// messageErrors returns the MessageErrors in err's tree, without looking inside them.
-func messageErrors(err error) []*MessageError {
-	var out []*MessageError
+// messageErrors returns the messageErrors in err's tree, without looking inside them.
+func messageErrors(err error) []*messageError {
+	var out []*messageError
 	var walk func(error)
 	walk = func(err error) {
-		switch e := err.(type) { //nolint:errorlint // it walks the tree itself, to stop at each MessageError
+		switch e := err.(type) { //nolint:errorlint // it walks the tree itself, to stop at each messageError
 		case nil:
-		case *MessageError:
+		case *messageError:
 			out = append(out, e)
 		case interface{ Unwrap() []error }:
 			for _, inner := range e.Unwrap() {

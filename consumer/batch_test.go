@@ -23,6 +23,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -452,7 +453,7 @@ func TestBatchHandlerNamingAMessageOutsideItsBatch(t *testing.T) {
 			errs := sendTogether(h, msgs...)
 			for i, err := range errs {
 				require.ErrorIs(t, err, consumer.ErrMessageNotInBatch, "message %d", i)
-				require.Equal(t, "message_not_in_batch", consumer.Code(err))
+				require.Equal(t, "message_not_in_batch", inbox.Code(err))
 				require.False(t, consumer.IsPermanent(err), "never a recorded failure")
 				require.ErrorContains(t, err, "declined", "the handler's error is in the text")
 			}

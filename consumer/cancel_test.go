@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -43,7 +44,7 @@ func TestContextCancelledBeforeCommit(t *testing.T) {
 		} else {
 			require.ErrorIs(t, err, consumer.ErrCanceled)
 			require.NotErrorIs(t, err, consumer.ErrCommitUnknown)
-			require.Equal(t, "canceled", consumer.Code(err))
+			require.Equal(t, "canceled", inbox.Code(err))
 			require.False(t, consumer.IsPermanent(err))
 			require.Equal(t, 0, b.bizRows(t, "c-1"))
 			state, _ := inboxState(t, b, "c-1")
@@ -154,7 +155,7 @@ func TestCloseIsSafeAtAnyTimeAndFinal(t *testing.T) {
 			}
 			_, err = h(newMsg(fmt.Sprintf("after-%d", i), `{}`))
 			require.ErrorIs(t, err, consumer.ErrClosed)
-			require.Equal(t, "closed", consumer.Code(err))
+			require.Equal(t, "closed", inbox.Code(err))
 			require.False(t, consumer.IsPermanent(err), "nacked, not poisoned")
 			require.NoError(t, c.Close(), "a second Close is a no-op")
 		}

@@ -16,10 +16,11 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/txmark"
 	"github.com/idemkit/idem/shard"
 )
 
-// Defaults of Config.
+// Defaults of Config, and the metadata keys the middleware writes.
 const (
 	// DefaultSchema holds the idem tables unless Config.Schema says otherwise.
 	DefaultSchema = inbox.DefaultSchema
@@ -41,6 +42,22 @@ const (
 	DefaultCommitTimeout = 30 * time.Second
 	// MaxErrorLen caps the error text stored with a failed key.
 	MaxErrorLen = 4096
+
+	// MetadataErrorCode is the metadata key under which the middleware leaves, on
+	// a message it returns an error for (so one the router nacks, or a
+	// PoisonQueue poisons), the error's stable code: inbox.Code(err), or
+	// "transient" for an error without one. A broker adapter sees only the nack;
+	// idem's Kafka adapter reads this key to log the code with its redelivery
+	// pause. The key is the same string as the Kafka adapter's
+	// kafka.MetadataErrorCode.
+	MetadataErrorCode = "idem_error_code"
+	// MetadataErrorPermanent is the metadata key under which the middleware leaves
+	// "true", next to MetadataErrorCode, when the error it returns is permanent
+	// (IsPermanent): retrying the message cannot succeed, so nacked it holds its
+	// partition (Kafka) until a PoisonQueue takes it. The Kafka adapter reads it
+	// to report the partition as held (kafka.MetadataErrorPermanent, the same
+	// key).
+	MetadataErrorPermanent = "idem_error_permanent"
 )
 
 // Mode is how the consumer uses transactions.
@@ -80,43 +97,8 @@ func (m Mode) String() string {
 	return fmt.Sprintf("Mode(%d)", int(m))
 }
 
-// PermanentPolicy says what happens to a message whose handling failed permanently,
-// after the failure is recorded in the inbox.
-type PermanentPolicy int
-
-const (
-	// AckOnPermanent (the default): record the failure and ack. Redeliveries are
-	// acked too, and the failure is replayed to OnFailure and the metrics.
-	AckOnPermanent PermanentPolicy = iota
-	// PoisonOnPermanent records the failure and returns a *FailedError, so that a
-	// middleware.PoisonQueue placed outside publishes the message to a poison topic
-	// (and acks it). Redeliveries of a recorded failure are acked, not poisoned
-	// again.
-	PoisonOnPermanent
-)
-
-// ExpiredRetryPolicy says what happens to a message older than the retention.
-type ExpiredRetryPolicy int
-
-const (
-	// ExpiredRetryWarn (the default): count it, log a warning, and process it. Its
-	// inbox row may already be gone, so a duplicate could commit twice.
-	ExpiredRetryWarn ExpiredRetryPolicy = iota
-	// ExpiredRetryFail counts it and fails it permanently (ErrExpiredRetry).
-	ExpiredRetryFail
-)
-
 // KeyFunc returns a message's idempotency key.
 type KeyFunc func(msg *message.Message) (string, error)
-
-// Beginner starts a transaction; *pgxpool.Pool and *pgx.Conn do. BeginTx must honour
-// pgx.TxOptions.CommitQuery, as pgx's own implementations do: idem marks every
-// transaction it begins and checks the mark in its COMMIT, to know that the
-// transaction it commits is still its own (see ErrTxEnded).
-type Beginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-}
 
 // Failure is a permanent failure, fresh or replayed, given to Config.OnFailure.
 type Failure struct {
@@ -133,8 +115,11 @@ type Config struct {
 	// Watermill handler name from the message context. Two handlers that share a
 	// Name share their inbox.
 	Name string
-	// Pool runs the transactions. Required.
-	Pool Beginner
+	// Pool runs the transactions. Required: a *pgxpool.Pool (or a *pgx.Conn, or
+	// another type with Begin and BeginTx whose BeginTx honours
+	// pgx.TxOptions.CommitQuery, as pgx's do: idem checks in its COMMIT that the
+	// transaction it commits is still its own, see ErrTxEnded).
+	Pool txmark.Beginner
 	// Schema holds the idem tables (default "idem").
 	Schema string
 	// Shards, in place of Pool and Schema, spreads the work over several databases
@@ -151,11 +136,11 @@ type Config struct {
 	// Postgres's catalog (New then fails with code schema_check_refused); a schema
 	// that lacks a migration is then found only by the first message, which is nacked with ErrSchemaMissing.
 	SkipSchemaCheck bool
-	// Key gives the idempotency key (default: the message UUID). See MetadataKey
+	// Key gives the idempotency key (default: the message's UUID). See MetadataKey
 	// and BusinessKey.
 	Key KeyFunc
 	// Tenant, if set, gives a tenant scope that becomes part of the inbox key, so
-	// the same key from two tenants is two operations. See MetadataTenant. It
+	// the same key from two tenants is two operations. See MetadataKey. It
 	// must give a message the same tenant every time it is called: with Shards it
 	// is called once to pick the shard and again by that shard's consumer.
 	Tenant KeyFunc
@@ -185,13 +170,21 @@ type Config struct {
 	// that comes while it is in flight does not cut it; a cancellation that comes
 	// before it is sent rolls back and nacks with ErrCanceled.
 	CommitTimeout time.Duration
-	// OnPermanent chooses what a permanent failure does after it is recorded.
-	OnPermanent PermanentPolicy
+	// PoisonOnPermanent makes a permanent failure, once recorded, return a
+	// *FailedError, so that a middleware.PoisonQueue placed outside publishes the
+	// message to a poison topic (and acks it). Redeliveries of a recorded failure
+	// are acked, not poisoned again. Off (the default), the failure is recorded and
+	// acked; redeliveries are acked too, and the failure is replayed to OnFailure
+	// and the metrics.
+	PoisonOnPermanent bool
 	// OnFailure, if set, is called for every permanent failure, including replays.
 	OnFailure func(ctx context.Context, f Failure)
-	// ExpiredRetry chooses what a message older than Retention does. The message's
-	// age comes from MessageTime.
-	ExpiredRetry ExpiredRetryPolicy
+	// FailExpiredRetry fails a message older than Retention permanently
+	// (ErrExpiredRetry), after counting it. Off (the default), such a message is
+	// counted, logged as a warning, and processed: its inbox row may already be
+	// gone, so a duplicate could commit twice. The message's age comes from
+	// MessageTime.
+	FailExpiredRetry bool
 	// MessageTime gives the broker timestamp of a message, for expired retries
 	// (default: none, so no message counts as expired).
 	MessageTime func(msg *message.Message) (time.Time, bool)
@@ -261,7 +254,7 @@ func (c Config) WithDefaults() Config {
 		c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	}
 	if c.Key == nil {
-		c.Key = MessageUUID
+		c.Key = messageUUID
 	}
 	if c.Fingerprint == nil {
 		c.Fingerprint = inbox.SHA256
@@ -340,11 +333,12 @@ func (c Config) validateMode() error {
 	return nil
 }
 
-// MessageUUID is the default KeyFunc: the message's UUID.
-func MessageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
+// messageUUID is the default KeyFunc: the message's UUID.
+func messageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
 
-// MetadataKey returns a KeyFunc that reads the key from a metadata field. A missing
-// field is an empty key, which fails with ErrEmptyKey: the key is never guessed.
+// MetadataKey returns a KeyFunc that reads a metadata field: the key (Config.Key;
+// a missing field is an empty key, which fails with ErrEmptyKey: the key is never
+// guessed) or the tenant (Config.Tenant).
 func MetadataKey(field string) KeyFunc {
 	return func(msg *message.Message) (string, error) { return msg.Metadata.Get(field), nil }
 }
@@ -355,7 +349,7 @@ func MetadataKey(field string) KeyFunc {
 // An error from fn is permanent (IsPermanent reports true, so ShouldRetry does not
 // retry it), but it cannot be recorded in the inbox: without a key there is no row
 // to record it under. So the middleware returns it as an error that wraps
-// ErrBusinessKey (code "business_key") and fn's error, whatever OnPermanent says.
+// ErrBusinessKey (code "business_key") and fn's error, whatever PoisonOnPermanent says.
 // Without a middleware.PoisonQueue outside idem the message is nacked and
 // redelivered forever; on Kafka it stalls its partition. Put a PoisonQueue filtered
 // on IsPermanent outside idem (see the middleware order in docs/consumers.md), so a malformed
@@ -369,6 +363,3 @@ func BusinessKey(fn func(payload []byte) (string, error)) KeyFunc {
 		return k, nil
 	}
 }
-
-// MetadataTenant returns a Tenant func that reads the tenant from a metadata field.
-func MetadataTenant(field string) KeyFunc { return MetadataKey(field) }

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 )
 
 // TestConfigConvention: WithDefaults fills every default, Validate passes on a
@@ -37,7 +38,7 @@ func TestConfigConvention(t *testing.T) {
 	_, err := consumer.New(consumer.Config{Pool: &pgxpool.Pool{}, Retention: time.Second})
 	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
-	require.Equal(t, "invalid_config", consumer.Code(err))
+	require.Equal(t, "invalid_config", inbox.Code(err))
 }
 
 // TestConfigRefusesAFieldTheModeDoesNotUse: Batch does nothing in Lease mode, and

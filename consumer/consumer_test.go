@@ -167,7 +167,7 @@ func requireAnswerMatchesInbox(t *testing.T, b *bundle, key string, err error) {
 		}
 		return
 	}
-	require.NotEmpty(t, consumer.Code(err), "%s: every nack has a stable code: %v", key, err)
+	require.NotEmpty(t, inbox.Code(err), "%s: every nack has a stable code: %v", key, err)
 }
 
 func TestDeliveredTenTimesCommitsOnce(t *testing.T) {
@@ -299,7 +299,7 @@ func TestPermanentFailureRecordedAndReplayed(t *testing.T) {
 func TestPermanentFailurePoisonPolicy(t *testing.T) {
 	t.Parallel()
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.OnPermanent = consumer.PoisonOnPermanent })
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.PoisonOnPermanent = true })
 		h := c.Middleware(b.bizHandler(func(*message.Message) error {
 			return consumer.Permanent(errors.New("bad amount"))
 		}))
@@ -322,7 +322,7 @@ func TestFingerprintMismatch(t *testing.T) {
 		require.NoError(t, err)
 		_, err = h(newMsg("pay-4", `{"amount":99}`))
 		require.ErrorIs(t, err, consumer.ErrFingerprintMismatch, "not acked as a duplicate")
-		require.Equal(t, "fingerprint_mismatch", consumer.Code(err))
+		require.Equal(t, "fingerprint_mismatch", inbox.Code(err))
 		require.EqualValues(t, 1, b.calls.Load(), "the handler did not run")
 		require.Equal(t, 1, b.bizRows(t, "pay-4"))
 		require.EqualValues(t, 1, b.counter("idem_inbox_fingerprint_mismatch_total"))
@@ -381,7 +381,7 @@ func TestBadInputIsTypedAndNeverDropped(t *testing.T) {
 			_, err := h(newMsg(tc.id, `{}`))
 			require.ErrorIs(t, err, tc.want, "returned, so the message is nacked or poisoned, not acked")
 			require.True(t, consumer.IsPermanent(err))
-			require.NotEmpty(t, consumer.Code(err))
+			require.NotEmpty(t, inbox.Code(err))
 		}
 		require.EqualValues(t, 0, b.calls.Load())
 		require.EqualValues(t, len(cases), b.counter("idem_inbox_failed_total"))
@@ -415,7 +415,7 @@ func requireDatabaseUnavailable(t *testing.T, reg *prometheus.Registry, err erro
 	t.Helper()
 	require.Error(t, err)
 	require.ErrorIs(t, err, consumer.ErrDatabaseUnavailable)
-	require.Equal(t, "database_unavailable", consumer.Code(err), "%v", err)
+	require.Equal(t, "database_unavailable", inbox.Code(err), "%v", err)
 	require.False(t, consumer.IsPermanent(err))
 	if reg != nil {
 		require.Equal(t, 1.0, series(t, reg, "idem_inbox_nacked_total", map[string]string{"code": "database_unavailable"}))
@@ -509,7 +509,7 @@ func TestIdleInTransactionTimeoutNacks(t *testing.T) {
 func TestTenantsAreSeparateOperations(t *testing.T) {
 	t.Parallel()
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Tenant = consumer.MetadataTenant("tenant") })
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Tenant = consumer.MetadataKey("tenant") })
 		h := c.Middleware(b.bizHandler(nil))
 		for _, tenant := range []string{"acme", "globex", "acme"} {
 			m := newMsg("order-1", `{}`)

@@ -258,7 +258,7 @@ func (c *engine) prepare(msg *message.Message) (*request, error) {
 		if at, ok := c.cfg.MessageTime(msg); ok && time.Since(at) > c.cfg.Retention {
 			c.metrics.expiredRetry.WithLabelValues(name).Inc()
 			req.expiredCounted = true
-			if c.cfg.ExpiredRetry == ExpiredRetryFail {
+			if c.cfg.FailExpiredRetry {
 				req.invalid = fmt.Errorf("%w: sent %s ago, retention %s", ErrExpiredRetry, time.Since(at).Round(time.Second), c.cfg.Retention)
 				req.recordable = true
 				req.claim.Fingerprint, _ = inbox.SHA256(msg.Payload)

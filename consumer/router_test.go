@@ -148,7 +148,7 @@ func TestMiddlewareOrderWithRetryAndPoisonQueue(t *testing.T) {
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
 		c, b := setup(t, mode, func(cfg *consumer.Config) {
 			cfg.Name = ""
-			cfg.OnPermanent = consumer.PoisonOnPermanent
+			cfg.PoisonOnPermanent = true
 		})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
 		defer func() { require.NoError(t, pubsub.Close()) }()

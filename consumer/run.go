@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -51,7 +52,7 @@ func (c *engine) handleOne(req *request, h message.HandlerFunc) error {
 // (pgx refuses to send, or cuts, a statement under it) as ErrCanceled: nothing of
 // the message was committed.
 func canceled(ctx context.Context, o outcome) outcome {
-	if o.kind == outTransient && ctx.Err() != nil && Code(o.err) == "" &&
+	if o.kind == outTransient && ctx.Err() != nil && errcode.Code(o.err) == "" &&
 		(errors.Is(o.err, context.Canceled) || errors.Is(o.err, context.DeadlineExceeded)) {
 		o.err = fmt.Errorf("%w (%v)", ErrCanceled, o.err)
 	}
@@ -151,9 +152,9 @@ func (c *engine) runHandlerBuffered(req *request, tx, owned pgx.Tx, h message.Ha
 // outputNamespace is the UUIDv5 namespace of output message IDs.
 var outputNamespace = uuid.MustParse("6f1b7a3e-8c44-4d39-9f0e-1d2c3b4a5e60")
 
-// OutputUUID is the UUID of the index-th message that consumer's handler returned for
+// outputUUID is the UUID of the index-th message that consumer's handler returned for
 // key (and tenant). It is the same on every run, so a re-run stores nothing new.
-func OutputUUID(consumer, tenant, key string, index int) string {
+func outputUUID(consumer, tenant, key string, index int) string {
 	name := consumer + "\x00" + tenant + "\x00" + key + "\x00" + strconv.Itoa(index)
 	return uuid.NewSHA1(outputNamespace, []byte(name)).String()
 }
@@ -179,7 +180,7 @@ func (c *engine) storeOutput(ctx context.Context, req *request, tx pgx.Tx, scope
 			return Permanent(fmt.Errorf("the handler returned a nil message at index %d", i))
 		}
 		m = m.Copy()
-		m.UUID = OutputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
+		m.UUID = outputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
 		e, err := effects.PublishEffect(topic, m)
 		if err != nil {
 			return Permanent(err)

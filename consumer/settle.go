@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/text"
 )
 
@@ -124,7 +125,7 @@ func notRecorded(cause, err error) outcome {
 }
 
 func failureCode(err error) string {
-	if code := Code(err); code != "" {
+	if code := errcode.Code(err); code != "" {
 		return code
 	}
 	return "permanent"
@@ -187,10 +188,10 @@ func (c *engine) finish(req *request, o outcome) (err error) {
 		}
 		return o.err
 	case outTransient, outEnded: // outEnded never comes here (recordEnded settles it)
-		if Code(o.err) == "" && connectionLost(o.err) {
+		if errcode.Code(o.err) == "" && connectionLost(o.err) {
 			o.err = fmt.Errorf("%w: %w", ErrDatabaseUnavailable, o.err)
 		}
-		code := cmp.Or(Code(o.err), "transient")
+		code := cmp.Or(errcode.Code(o.err), "transient")
 		c.metrics.transientNack.WithLabelValues(name, code).Inc()
 		if errors.Is(o.err, ErrMessageNotInBatch) {
 			c.log.Error("idem: the batch handler named a message that is not in its batch; nacking", append(req.attrs(), "err", o.err)...)
@@ -211,7 +212,7 @@ func (c *engine) finish(req *request, o outcome) (err error) {
 		c.metrics.failed.WithLabelValues(name, code, "false").Inc()
 		c.log.Warn("idem: permanent failure recorded", append(req.attrs(), "code", code, "err", o.err)...)
 		c.hook(req, Failure{Code: code, Error: o.err.Error()})
-		if c.cfg.OnPermanent == PoisonOnPermanent {
+		if c.cfg.PoisonOnPermanent {
 			return &FailedError{Consumer: name, Tenant: req.claim.Tenant, Key: req.claim.Key, Err: o.err}
 		}
 		return nil

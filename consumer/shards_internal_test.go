@@ -17,7 +17,7 @@ func TestShardConsumersKeepTheDefaultFingerprint(t *testing.T) {
 	t.Parallel()
 	m := &shard.Map{Shards: []shard.Shard{{Name: "s1", Pool: &pgxpool.Pool{}}, {Name: "s2", Pool: &pgxpool.Pool{}}}}
 	for _, custom := range []bool{false, true} {
-		cfg := Config{Shards: m, Tenant: MetadataTenant("tenant"), SkipSchemaCheck: true} // pools of no database
+		cfg := Config{Shards: m, Tenant: MetadataKey("tenant"), SkipSchemaCheck: true} // pools of no database
 		if custom {
 			cfg.Fingerprint = inbox.SHA256
 		}

@@ -11,6 +11,7 @@ import (
 	"cmp"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -118,11 +119,11 @@ func outcomeName(o outcome) (name, code string, failed bool) {
 		}
 		return "replayed", "", false
 	case outMismatch:
-		return "mismatch", cmp.Or(Code(o.err), "fingerprint_mismatch"), true
+		return "mismatch", cmp.Or(errcode.Code(o.err), "fingerprint_mismatch"), true
 	case outBusy:
 		return "busy", "busy", true
 	case outTransient:
-		return "nacked", cmp.Or(Code(o.err), "transient"), true
+		return "nacked", cmp.Or(errcode.Code(o.err), "transient"), true
 	case outRecorded, outPermanent:
 		return "failed", failureCode(o.err), true
 	case outRejected:

@@ -237,7 +237,7 @@ func sendTogether(t *testing.T, h func(*message.Message) error, msgs ...*message
 func runConsumer(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, schema string, mode consumer.Mode, batch, split bool) {
 	ctx := context.Background()
 	name := fmt.Sprintf("c-%s-%v-%v", mode, batch, split)
-	cfg := consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: mode, Tenant: consumer.MetadataTenant("tenant")}
+	cfg := consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: mode, Tenant: consumer.MetadataKey("tenant")}
 	if mode != consumer.Lease {
 		cfg.Batch = consumer.BatchConfig{MaxBatch: 3, MaxWait: 2 * time.Second, Workers: 1, PerTenant: split}
 	}

@@ -117,7 +117,7 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 		}
 		if cfg.Shards != nil {
 			ccfg.Pool, ccfg.Schema = nil, ""
-			ccfg.Shards, ccfg.Tenant = cfg.Shards, consumer.MetadataTenant(TenantMetadata)
+			ccfg.Shards, ccfg.Tenant = cfg.Shards, consumer.MetadataKey(TenantMetadata)
 		}
 		switch cfg.Mode {
 		case Transactional:

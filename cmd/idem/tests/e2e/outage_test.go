@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -92,7 +93,7 @@ func testPostgresOutage(t *testing.T, mode consumer.Mode) {
 						break
 					}
 					codesMu.Lock()
-					codes[consumer.Code(err)]++
+					codes[inbox.Code(err)]++
 					codesMu.Unlock()
 					if consumer.IsPermanent(err) || time.Now().After(deadline) {
 						t.Errorf("%s: %v", key, err)
