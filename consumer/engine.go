@@ -47,8 +47,8 @@ type engine struct {
 	mu       sync.Mutex
 	closed   bool
 	inflight sync.WaitGroup
-	group    *groupCommitter   // GroupCommit mode, started by the first message
-	batches  []*groupCommitter // one per HandleBatch, each started by its first message
+	group    *groupCommitter   // the Middleware's, in GroupCommit mode, started by its first message
+	batches  []*groupCommitter // every committer started: group, and one per HandleBatch
 	stop     sync.Once
 	// orderOnce logs the first message refused for a PoisonQueue inside idem.
 	orderOnce sync.Once
@@ -95,9 +95,6 @@ func (c *engine) close() error {
 		c.mu.Lock()
 		c.closed = true
 		groups := slices.Clone(c.batches)
-		if c.group != nil {
-			groups = append(groups, c.group)
-		}
 		c.mu.Unlock()
 		// No delivery enters after closed is set, so Wait cannot race an Add.
 		c.inflight.Wait()
@@ -108,61 +105,81 @@ func (c *engine) close() error {
 	return nil
 }
 
-// enter admits one delivery, starting the group-commit workers on first use. It
-// reports false after Close. Every admitted delivery calls c.inflight.Done.
-func (c *engine) enter() (*groupCommitter, bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return nil, false
+// middleware is the handler of h on this engine. In GroupCommit mode every
+// Middleware handler of the engine shares one committer (c.group), each message
+// carrying its own handler.
+func (c *engine) middleware(h message.HandlerFunc) message.HandlerFunc {
+	var slot **groupCommitter
+	if c.cfg.Mode == GroupCommit {
+		slot = &c.group
 	}
-	c.inflight.Add(1)
-	if c.cfg.Mode == GroupCommit && c.group == nil {
-		c.group = newGroupCommitter(c, nil)
+	return func(msg *message.Message) ([]*message.Message, error) {
+		return nil, c.handle(msg, h, slot, nil)
 	}
-	return c.group, true
 }
 
-// enterBatch is enter for a HandleBatch handler, whose committer lives in *slot.
-func (c *engine) enterBatch(slot **groupCommitter, h BatchHandler) (*groupCommitter, bool) {
+// handleBatch is the handler of h on this engine: a message joins a batch of
+// this handler's committer, and is answered once the batch has settled.
+func (c *engine) handleBatch(h BatchHandler) message.NoPublishHandlerFunc {
+	var committer *groupCommitter
+	return func(msg *message.Message) error {
+		return c.handle(msg, nil, &committer, h)
+	}
+}
+
+// handle is one message's flow through the engine, in every mode: read its key,
+// tenant and fingerprint (prepare), admit it (enter), claim its key, run its
+// handler and settle the outcome in the inbox (process), and answer it: ack, nack
+// or poison (finish). slot, if not nil, holds the committer of the batches the
+// message joins (GroupCommit mode, HandleBatch), started by the first message;
+// batch is HandleBatch's handler, h the message handler of the other cases.
+func (c *engine) handle(msg *message.Message, h message.HandlerFunc, slot **groupCommitter, batch BatchHandler) error {
+	req, err := c.prepare(msg)
+	if err != nil {
+		return err
+	}
+	defer endPanicked(req)
+	group, ok := c.enter(slot, batch)
+	if !ok {
+		return c.finish(req, outcome{kind: outTransient, err: ErrClosed})
+	}
+	defer c.inflight.Done()
+	return c.finish(req, c.process(req, group, h))
+}
+
+// enter admits one delivery, starting the committer in *slot (if slot is not nil)
+// on first use. It reports false after Close. Every admitted delivery calls
+// c.inflight.Done.
+func (c *engine) enter(slot **groupCommitter, batch BatchHandler) (*groupCommitter, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
 		return nil, false
 	}
 	c.inflight.Add(1)
+	if slot == nil {
+		return nil, true
+	}
 	if *slot == nil {
-		*slot = newGroupCommitter(c, h)
+		*slot = newGroupCommitter(c, batch)
 		c.batches = append(c.batches, *slot)
 	}
 	return *slot, true
 }
 
-// middleware is the handler of h on this engine: one message's flow, from its
-// key to its answer.
-func (c *engine) middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		req, err := c.prepare(msg)
-		if err != nil {
-			return nil, err
-		}
-		defer endPanicked(req)
-		group, ok := c.enter()
-		if !ok {
-			return nil, c.finish(req, outcome{kind: outTransient, err: ErrClosed})
-		}
-		defer c.inflight.Done()
-		if req.invalid != nil {
-			return nil, c.finish(req, c.recordFailure(req, req.invalid))
-		}
-		switch c.cfg.Mode {
-		case GroupCommit:
-			return nil, group.submit(req, h)
-		case Lease:
-			return nil, c.handleLease(req, h)
-		default:
-			return nil, c.handleOne(req, h)
-		}
+// process claims req's key, runs its handler and settles the outcome in the
+// inbox: in a batch of group's, in a lease, or in a transaction of its own. A
+// message found invalid before any claim only has its failure recorded.
+func (c *engine) process(req *request, group *groupCommitter, h message.HandlerFunc) outcome {
+	switch {
+	case req.invalid != nil:
+		return c.recordFailure(req, req.invalid)
+	case group != nil:
+		return group.submit(req, h)
+	case c.cfg.Mode == Lease:
+		return c.handleLease(req, h)
+	default:
+		return c.handleOne(req, h)
 	}
 }
 
@@ -285,26 +302,4 @@ func (c *engine) prepare(msg *message.Message) (*request, error) {
 	}
 	req.claim.Fingerprint = fp
 	return req, nil
-}
-
-// handleBatch is the handler of h on this engine: a message joins a batch of
-// this engine's, and is answered once the batch has settled.
-func (c *engine) handleBatch(h BatchHandler) message.NoPublishHandlerFunc {
-	var slot *groupCommitter
-	return func(msg *message.Message) error {
-		req, err := c.prepare(msg)
-		if err != nil {
-			return err
-		}
-		defer endPanicked(req)
-		g, ok := c.enterBatch(&slot, h)
-		if !ok {
-			return c.finish(req, outcome{kind: outTransient, err: ErrClosed})
-		}
-		defer c.inflight.Done()
-		if req.invalid != nil {
-			return c.finish(req, c.recordFailure(req, req.invalid))
-		}
-		return g.submit(req, nil)
-	}
 }

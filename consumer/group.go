@@ -56,7 +56,7 @@ func newGroupCommitter(c *engine, batch BatchHandler) *groupCommitter {
 
 // submit hands one message to a batch and waits for its outcome. h is the message's
 // handler; with a batch handler it is nil.
-func (g *groupCommitter) submit(req *request, h message.HandlerFunc) error {
+func (g *groupCommitter) submit(req *request, h message.HandlerFunc) outcome {
 	// One message's cancelled context must not cancel a statement of the shared
 	// transaction: pgx closes the connection on cancel, which would fail the batch.
 	req.ctx = context.WithoutCancel(req.ctx)
@@ -71,13 +71,13 @@ func (g *groupCommitter) submit(req *request, h message.HandlerFunc) error {
 	select {
 	case g.reqs <- gr:
 	case <-g.stop:
-		return g.c.finish(req, outcome{kind: outTransient, err: ErrClosed})
+		return outcome{kind: outTransient, err: ErrClosed}
 	}
 	o := <-gr.done
 	// The batch sends one outcome and keeps nothing of gr after it.
 	*gr = groupReq{done: gr.done}
 	g.free.Put(gr)
-	return g.c.finish(req, o)
+	return o
 }
 
 // runSingle runs the batch handler on one message, as a message handler: the

@@ -16,11 +16,11 @@ import (
 	"github.com/idemkit/idem/internal/tracing"
 )
 
-func (c *engine) handleOne(req *request, h message.HandlerFunc) error {
+func (c *engine) handleOne(req *request, h message.HandlerFunc) outcome {
 	ctx := req.ctx
 	tx, err := c.begin(ctx)
 	if err != nil {
-		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
+		return canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)})
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	o := c.runInTx(req, tx, c.prelude, h)
@@ -43,9 +43,9 @@ func (c *engine) handleOne(req *request, h message.HandlerFunc) error {
 		// The connection goes back to the pool (rolling back a transaction the
 		// handler began in place of idem's) before the failure is recorded.
 		_ = tx.Rollback(context.WithoutCancel(ctx))
-		return c.finish(req, c.recordEnded(req, o.err))
+		return c.recordEnded(req, o.err)
 	}
-	return c.finish(req, canceled(ctx, o))
+	return canceled(ctx, o)
 }
 
 // canceled reports a transient failure that a cancelled message context caused
