@@ -206,6 +206,16 @@ func SchemaTargets(m *shard.Map, db schemacheck.Beginner, schema string) []schem
 	return out
 }
 
+// Schema is a config's Schema with its default: def for one database (m nil)
+// when schema is unset; with a shard map, schema as given, since each shard
+// names its own (and ValidateDB refuses a Schema beside Shards).
+func Schema(m *shard.Map, schema, def string) string {
+	if m == nil && schema == "" {
+		return def
+	}
+	return schema
+}
+
 // ValidateDB checks the database a config hands over, the same way in every
 // package: one database (pool and schema) or a shard map (m), not both. With m
 // nil, pool is required (its zero value, a nil pointer or interface, is refused)

@@ -91,3 +91,13 @@ func TestFront(t *testing.T) {
 	})
 	require.Equal(t, "part:s2 routed", h())
 }
+
+// Schema defaults one database's schema and leaves a shard map's unset.
+func TestSchema(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "idem", fanout.Schema(nil, "", "idem"))
+	require.Equal(t, "mine", fanout.Schema(nil, "mine", "idem"))
+	m := &shard.Map{Shards: []shard.Shard{{Name: "s1"}}}
+	require.Empty(t, fanout.Schema(m, "", "idem"))
+	require.Equal(t, "mine", fanout.Schema(m, "mine", "idem"), "kept, for ValidateDB to refuse")
+}
