@@ -16,6 +16,8 @@ import (
 	"github.com/idemkit/idem/internal/tracing"
 )
 
+// handleOne is the transactional mode: one transaction per message, in which the
+// key is claimed, the handler runs and its work commits with the inbox row.
 func (c *engine) handleOne(req *request, h message.HandlerFunc) outcome {
 	ctx := req.ctx
 	tx, err := c.begin(ctx)

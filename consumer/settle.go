@@ -16,6 +16,7 @@ import (
 	"github.com/idemkit/idem/internal/text"
 )
 
+// outcomeKind is how a delivery ended in the inbox; finish answers it.
 type outcomeKind int
 
 const (
@@ -34,6 +35,7 @@ const (
 	outEnded
 )
 
+// outcome is a delivery's settled result, for finish to answer.
 type outcome struct {
 	kind outcomeKind
 	err  error
@@ -42,7 +44,7 @@ type outcome struct {
 	claimFailed bool
 }
 
-// handleOne is the transactional mode: one transaction per message.
+// existingOutcome is the outcome of a claim that found the key's row.
 func existingOutcome(res inbox.ClaimResult) outcome {
 	rec := res.Existing
 	switch {
