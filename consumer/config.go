@@ -126,7 +126,7 @@ type Config struct {
 	// by tenant (see package shard); Pool and Schema must then be unset, and Tenant
 	// set. A message's tenant picks its shard before the claim, and the handler
 	// gets a transaction on that shard. Each shard has its own group-commit and
-	// batch workers (Workers a shard), so a batch holds one shard's messages. A
+	// batch workers (Batch.Workers a shard), so a batch holds one shard's messages. A
 	// shard that is down nacks its own messages with ErrDatabaseUnavailable while
 	// the others commit. A failed route returns an error wrapping shard.ErrRoute.
 	Shards *shard.Map
@@ -142,7 +142,7 @@ type Config struct {
 	// Tenant, if set, gives a tenant scope that becomes part of the inbox key, so
 	// the same key from two tenants is two operations. See MetadataKey. It
 	// must give a message the same tenant every time it is called: with Shards it
-	// is called once to pick the shard and again by that shard's consumer.
+	// is called once to pick the shard and again to scope the message's key.
 	Tenant KeyFunc
 	// DefaultTenant, if set, is the tenant of a message for which Tenant gives ""
 	// (it needs Tenant). With Shards and no DefaultTenant, such a message is
