@@ -363,7 +363,7 @@ type payments struct {
 
 func newPayments(t *testing.T, b *testBundle) *payments {
 	p := &payments{t: t}
-	c, err := consumer.New(consumer.Config{Name: "payments", Pool: b.pool, Schema: b.schema, Tenant: consumer.MetadataTenant("tenant")})
+	c, err := consumer.New(consumer.Config{Name: "payments", Pool: b.pool, Schema: b.schema, Tenant: consumer.MetadataKey("tenant")})
 	require.NoError(t, err)
 	p.mw = c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		p.runs.Add(1)

@@ -468,8 +468,11 @@ func TestFailureMetrics(t *testing.T) {
 func TestEveryWriterGroupsFailures(t *testing.T) {
 	a, b := setup(t)
 	for _, mode := range []consumer.Mode{consumer.Transactional, consumer.GroupCommit, consumer.Lease} {
-		c, err := consumer.New(consumer.Config{Name: "orders-" + mode.String(), Pool: b.pool, Schema: b.schema, Mode: mode,
-			MaxWait: 20 * time.Millisecond})
+		cfg := consumer.Config{Name: "orders-" + mode.String(), Pool: b.pool, Schema: b.schema, Mode: mode}
+		if mode != consumer.Lease {
+			cfg.Batch.MaxWait = 20 * time.Millisecond
+		}
+		c, err := consumer.New(cfg)
 		require.NoError(t, err)
 		h := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
 			return nil, consumer.Permanent(fmt.Errorf("order %s refused", m.UUID))

@@ -39,7 +39,7 @@ type moveRig struct {
 // consumer over m. A message whose ID starts with "bad" fails permanently (a
 // failed inbox key); the others enqueue their effects.
 func (r *moveRig) consumer(m *shard.Map) func(key string) {
-	c, err := consumer.New(consumer.Config{Name: "orders", Shards: m, Tenant: consumer.MetadataTenant("tenant"),
+	c, err := consumer.New(consumer.Config{Name: "orders", Shards: m, Tenant: consumer.MetadataKey("tenant"),
 		Registerer: prometheus.NewRegistry()})
 	require.NoError(r.t, err)
 	r.t.Cleanup(func() { _ = c.Close() })

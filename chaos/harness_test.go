@@ -139,7 +139,10 @@ func newStack(f flavour, pool *pgxpool.Pool, schema string, flaky func(*message.
 	cfg := consumer.Config{
 		Name: consumerName, Pool: pool, Schema: schema, Mode: f.mode(),
 		LockTimeout: 2 * time.Second, BusyDelay: 5 * time.Millisecond,
-		Registerer: st.reg, Workers: 1,
+		Registerer: st.reg,
+	}
+	if cfg.Mode != consumer.Lease {
+		cfg.Batch.Workers = 1
 	}
 	if mutate != nil {
 		mutate(&cfg)

@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -225,7 +226,7 @@ func requireAnswerAgreesWithInbox(t *testing.T, b *bundle, key string, err error
 		return
 	}
 	require.False(t, consumer.IsPermanent(err), "%s: a cut is transient: %v", key, err)
-	require.Contains(t, []string{"database_unavailable", "commit_unknown", "batch_aborted"}, consumer.Code(err), "%s: %v", key, err)
+	require.Contains(t, []string{"database_unavailable", "commit_unknown", "batch_aborted"}, inbox.Code(err), "%s: %v", key, err)
 	state, _ := inboxState(t, b, key)
 	require.Empty(t, state, "%s was nacked, so nothing of it is committed", key)
 	require.Zero(t, b.bizRows(t, key), "%s was nacked, so nothing of it is committed", key)

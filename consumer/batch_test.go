@@ -23,6 +23,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -305,8 +306,7 @@ func TestBatchHandlerBackendCut(t *testing.T) {
 func TestBatchHandlersOnTwoConsumersShareKeys(t *testing.T) {
 	t.Parallel()
 	h1, bb1, b := setupBatch(t)
-	c2, err := consumer.New(consumer.Config{Name: "payments", Pool: b.pool, Schema: b.schema, MaxWait: 300 * time.Millisecond,
-		Workers: 1, LockTimeout: 30 * time.Second})
+	c2, err := consumer.New(consumer.Config{Name: "payments", Pool: b.pool, Schema: b.schema, Batch: consumer.BatchConfig{MaxWait: 300 * time.Millisecond, Workers: 1}, LockTimeout: 30 * time.Second})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c2.Close() })
 	bb2 := &batchBiz{b: b}
@@ -349,8 +349,8 @@ func TestBatchHandlerInARouter(t *testing.T) {
 	t.Parallel()
 	c, b := setup(t, consumer.Transactional, func(cfg *consumer.Config) {
 		cfg.Name = ""
-		cfg.MaxBatch = 64
-		cfg.MaxWait = time.Millisecond
+		cfg.Batch.MaxBatch = 64
+		cfg.Batch.MaxWait = time.Millisecond
 	})
 	bb := &batchBiz{b: b}
 	h := c.HandleBatch(bb.handle)
@@ -453,7 +453,7 @@ func TestBatchHandlerNamingAMessageOutsideItsBatch(t *testing.T) {
 			errs := sendTogether(h, msgs...)
 			for i, err := range errs {
 				require.ErrorIs(t, err, consumer.ErrMessageNotInBatch, "message %d", i)
-				require.Equal(t, "message_not_in_batch", consumer.Code(err))
+				require.Equal(t, "message_not_in_batch", inbox.Code(err))
 				require.False(t, consumer.IsPermanent(err), "never a recorded failure")
 				require.ErrorContains(t, err, "declined", "the handler's error is in the text")
 			}

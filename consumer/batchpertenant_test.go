@@ -25,8 +25,8 @@ func TestBatchPerTenant(t *testing.T) {
 			_, b := setup(t, consumer.Transactional)
 			pool, log := tracedPool(t, b.schema)
 			c, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: b.schema, Mode: consumer.GroupCommit,
-				Tenant: consumer.MetadataTenant("tenant"), MaxBatch: 5, MaxWait: 2 * time.Second, Workers: 1,
-				BatchPerTenant: split, Registerer: b.reg})
+				Tenant: consumer.MetadataKey("tenant"), Batch: consumer.BatchConfig{MaxBatch: 5, MaxWait: 2 * time.Second, Workers: 1, PerTenant: split},
+				Registerer: b.reg})
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = c.Close() })
 			h := middlewareFunc(c.Middleware(b.bizHandler(nil)))

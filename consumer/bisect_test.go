@@ -147,7 +147,7 @@ func TestBatchPoisonIsolationIsLogarithmic(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			sc := &savepointCounter{}
-			h, bb, b := setupBatch(t, countSavepoints(t, sc), func(cfg *consumer.Config) { cfg.MaxBatch = 128 })
+			h, bb, b := setupBatch(t, countSavepoints(t, sc), func(cfg *consumer.Config) { cfg.Batch.MaxBatch = 128 })
 			bb.fail = func(msgs []*message.Message) error {
 				for _, m := range msgs {
 					if string(m.Payload) == "poison" {
@@ -207,7 +207,7 @@ func TestBatchManyPoisonsStayWithinTheSavepointBound(t *testing.T) {
 	t.Parallel()
 	const n = 100
 	sc := &savepointCounter{}
-	h, bb, b := setupBatch(t, countSavepoints(t, sc), func(cfg *consumer.Config) { cfg.MaxBatch = 128 })
+	h, bb, b := setupBatch(t, countSavepoints(t, sc), func(cfg *consumer.Config) { cfg.Batch.MaxBatch = 128 })
 	bb.fail = func(msgs []*message.Message) error {
 		for _, m := range msgs {
 			if string(m.Payload) == "poison" {
@@ -247,7 +247,7 @@ func TestSavepointPathStaysWithinTheSavepointBound(t *testing.T) {
 	t.Parallel()
 	const n = 100
 	sc := &savepointCounter{}
-	c, b := setup(t, consumer.GroupCommit, batched, countSavepoints(t, sc), func(cfg *consumer.Config) { cfg.MaxBatch = 128 })
+	c, b := setup(t, consumer.GroupCommit, batched, countSavepoints(t, sc), func(cfg *consumer.Config) { cfg.Batch.MaxBatch = 128 })
 	h := c.Middleware(b.bizHandler(func(msg *message.Message) error {
 		if msg.UUID == "m-090" {
 			_, err := consumer.Tx(msg.Context()).Exec(msg.Context(), "ROLLBACK; BEGIN")
@@ -308,7 +308,7 @@ func TestBatchBisectionBackendCut(t *testing.T) {
 	for _, at := range []int{2, 3, 5} { // the handler call that cuts
 		t.Run(fmt.Sprintf("call-%d", at), func(t *testing.T) {
 			t.Parallel()
-			h, bb, b := setupBatch(t, func(cfg *consumer.Config) { cfg.MaxBatch = 64 })
+			h, bb, b := setupBatch(t, func(cfg *consumer.Config) { cfg.Batch.MaxBatch = 64 })
 			var calls atomic.Int64
 			bb.fail = func(msgs []*message.Message) error {
 				for _, m := range msgs {

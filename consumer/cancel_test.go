@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -23,7 +24,7 @@ import (
 func TestContextCancelledBeforeCommit(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
+		c, b := setup(t, mode, leaseMode(time.Hour))
 		var cancelIt atomic.Bool
 		cancelIt.Store(true)
 		ctx, cancel := context.WithCancel(context.Background())
@@ -43,7 +44,7 @@ func TestContextCancelledBeforeCommit(t *testing.T) {
 		} else {
 			require.ErrorIs(t, err, consumer.ErrCanceled)
 			require.NotErrorIs(t, err, consumer.ErrCommitUnknown)
-			require.Equal(t, "canceled", consumer.Code(err))
+			require.Equal(t, "canceled", inbox.Code(err))
 			require.False(t, consumer.IsPermanent(err))
 			require.Equal(t, 0, b.bizRows(t, "c-1"))
 			state, _ := inboxState(t, b, "c-1")
@@ -64,7 +65,7 @@ func TestContextCancelledBeforeCommit(t *testing.T) {
 func TestCommitInFlightIsNotCancelled(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
+		c, b := setup(t, mode, leaseMode(time.Hour))
 		ctx := context.Background()
 		_, err := b.pool.Exec(ctx, `
 			CREATE FUNCTION hold_commit() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -154,7 +155,7 @@ func TestCloseIsSafeAtAnyTimeAndFinal(t *testing.T) {
 			}
 			_, err = h(newMsg(fmt.Sprintf("after-%d", i), `{}`))
 			require.ErrorIs(t, err, consumer.ErrClosed)
-			require.Equal(t, "closed", consumer.Code(err))
+			require.Equal(t, "closed", inbox.Code(err))
 			require.False(t, consumer.IsPermanent(err), "nacked, not poisoned")
 			require.NoError(t, c.Close(), "a second Close is a no-op")
 		}

@@ -15,10 +15,12 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/txmark"
 	"github.com/idemkit/idem/shard"
 )
 
-// Defaults of Config.
+// Defaults of Config, and the metadata keys the middleware writes.
 const (
 	// DefaultSchema holds the idem tables unless Config.Schema says otherwise.
 	DefaultSchema = inbox.DefaultSchema
@@ -40,6 +42,22 @@ const (
 	DefaultCommitTimeout = 30 * time.Second
 	// MaxErrorLen caps the error text stored with a failed key.
 	MaxErrorLen = 4096
+
+	// MetadataErrorCode is the metadata key under which the middleware leaves, on
+	// a message it returns an error for (so one the router nacks, or a
+	// PoisonQueue poisons), the error's stable code: inbox.Code(err), or
+	// "transient" for an error without one. A broker adapter sees only the nack;
+	// idem's Kafka adapter reads this key to log the code with its redelivery
+	// pause. The key is the same string as the Kafka adapter's
+	// kafka.MetadataErrorCode.
+	MetadataErrorCode = "idem_error_code"
+	// MetadataErrorPermanent is the metadata key under which the middleware leaves
+	// "true", next to MetadataErrorCode, when the error it returns is permanent
+	// (IsPermanent): retrying the message cannot succeed, so nacked it holds its
+	// partition (Kafka) until a PoisonQueue takes it. The Kafka adapter reads it
+	// to report the partition as held (kafka.MetadataErrorPermanent, the same
+	// key).
+	MetadataErrorPermanent = "idem_error_permanent"
 )
 
 // Mode is how the consumer uses transactions.
@@ -79,43 +97,8 @@ func (m Mode) String() string {
 	return fmt.Sprintf("Mode(%d)", int(m))
 }
 
-// PermanentPolicy says what happens to a message whose handling failed permanently,
-// after the failure is recorded in the inbox.
-type PermanentPolicy int
-
-const (
-	// AckOnPermanent (the default): record the failure and ack. Redeliveries are
-	// acked too, and the failure is replayed to OnFailure and the metrics.
-	AckOnPermanent PermanentPolicy = iota
-	// PoisonOnPermanent records the failure and returns a *FailedError, so that a
-	// middleware.PoisonQueue placed outside publishes the message to a poison topic
-	// (and acks it). Redeliveries of a recorded failure are acked, not poisoned
-	// again.
-	PoisonOnPermanent
-)
-
-// ExpiredRetryPolicy says what happens to a message older than the retention.
-type ExpiredRetryPolicy int
-
-const (
-	// ExpiredRetryWarn (the default): count it, log a warning, and process it. Its
-	// inbox row may already be gone, so a duplicate could commit twice.
-	ExpiredRetryWarn ExpiredRetryPolicy = iota
-	// ExpiredRetryFail counts it and fails it permanently (ErrExpiredRetry).
-	ExpiredRetryFail
-)
-
 // KeyFunc returns a message's idempotency key.
 type KeyFunc func(msg *message.Message) (string, error)
-
-// Beginner starts a transaction; *pgxpool.Pool and *pgx.Conn do. BeginTx must honour
-// pgx.TxOptions.CommitQuery, as pgx's own implementations do: idem marks every
-// transaction it begins and checks the mark in its COMMIT, to know that the
-// transaction it commits is still its own (see ErrTxEnded).
-type Beginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-}
 
 // Failure is a permanent failure, fresh or replayed, given to Config.OnFailure.
 type Failure struct {
@@ -132,15 +115,18 @@ type Config struct {
 	// Watermill handler name from the message context. Two handlers that share a
 	// Name share their inbox.
 	Name string
-	// Pool runs the transactions. Required.
-	Pool Beginner
+	// Pool runs the transactions. Required: a *pgxpool.Pool (or a *pgx.Conn, or
+	// another type with Begin and BeginTx whose BeginTx honours
+	// pgx.TxOptions.CommitQuery, as pgx's do: idem checks in its COMMIT that the
+	// transaction it commits is still its own, see ErrTxEnded).
+	Pool txmark.Beginner
 	// Schema holds the idem tables (default "idem").
 	Schema string
 	// Shards, in place of Pool and Schema, spreads the work over several databases
 	// by tenant (see package shard); Pool and Schema must then be unset, and Tenant
 	// set. A message's tenant picks its shard before the claim, and the handler
 	// gets a transaction on that shard. Each shard has its own group-commit and
-	// batch workers (Workers a shard), so a batch holds one shard's messages. A
+	// batch workers (Batch.Workers a shard), so a batch holds one shard's messages. A
 	// shard that is down nacks its own messages with ErrDatabaseUnavailable while
 	// the others commit. A failed route returns an error wrapping shard.ErrRoute.
 	Shards *shard.Map
@@ -150,13 +136,13 @@ type Config struct {
 	// Postgres's catalog (New then fails with code schema_check_refused); a schema
 	// that lacks a migration is then found only by the first message, which is nacked with ErrSchemaMissing.
 	SkipSchemaCheck bool
-	// Key gives the idempotency key (default: the message UUID). See MetadataKey
+	// Key gives the idempotency key (default: the message's UUID). See MetadataKey
 	// and BusinessKey.
 	Key KeyFunc
 	// Tenant, if set, gives a tenant scope that becomes part of the inbox key, so
-	// the same key from two tenants is two operations. See MetadataTenant. It
+	// the same key from two tenants is two operations. See MetadataKey. It
 	// must give a message the same tenant every time it is called: with Shards it
-	// is called once to pick the shard and again by that shard's consumer.
+	// is called once to pick the shard and again to scope the message's key.
 	Tenant KeyFunc
 	// DefaultTenant, if set, is the tenant of a message for which Tenant gives ""
 	// (it needs Tenant). With Shards and no DefaultTenant, such a message is
@@ -184,13 +170,21 @@ type Config struct {
 	// that comes while it is in flight does not cut it; a cancellation that comes
 	// before it is sent rolls back and nacks with ErrCanceled.
 	CommitTimeout time.Duration
-	// OnPermanent chooses what a permanent failure does after it is recorded.
-	OnPermanent PermanentPolicy
+	// PoisonOnPermanent makes a permanent failure, once recorded, return a
+	// *FailedError, so that a middleware.PoisonQueue placed outside publishes the
+	// message to a poison topic (and acks it). Redeliveries of a recorded failure
+	// are acked, not poisoned again. Off (the default), the failure is recorded and
+	// acked; redeliveries are acked too, and the failure is replayed to OnFailure
+	// and the metrics.
+	PoisonOnPermanent bool
 	// OnFailure, if set, is called for every permanent failure, including replays.
 	OnFailure func(ctx context.Context, f Failure)
-	// ExpiredRetry chooses what a message older than Retention does. The message's
-	// age comes from MessageTime.
-	ExpiredRetry ExpiredRetryPolicy
+	// FailExpiredRetry fails a message older than Retention permanently
+	// (ErrExpiredRetry), after counting it. Off (the default), such a message is
+	// counted, logged as a warning, and processed: its inbox row may already be
+	// gone, so a duplicate could commit twice. The message's age comes from
+	// MessageTime.
+	FailExpiredRetry bool
 	// MessageTime gives the broker timestamp of a message, for expired retries
 	// (default: none, so no message counts as expired).
 	MessageTime func(msg *message.Message) (time.Time, bool)
@@ -199,30 +193,11 @@ type Config struct {
 
 	// Mode: Transactional (default), GroupCommit or Lease.
 	Mode Mode
-	// MaxBatch and MaxWait bound a batch, of GroupCommit mode or of HandleBatch
-	// (defaults 32 and 2 ms). A batch takes the messages that are in flight at
-	// once, so it is never larger than the partitions (or the unacked messages) the
-	// subscriber delivers together. The set-based path makes one savepoint a batch;
-	// the fallback that isolates a failure it cannot pin makes one a message, and
-	// past 64 of them in one transaction Postgres's per-backend subtransaction cache
-	// overflows, which slows every snapshot while that transaction runs.
-	MaxBatch int
-	MaxWait  time.Duration
-	// Workers is how many batches (of GroupCommit mode, or of each HandleBatch) run
-	// at once (default 2).
-	Workers int
-	// BatchPerTenant splits every batch (of GroupCommit mode, or of HandleBatch)
-	// by tenant: the messages that arrive together run as one batch per tenant, one
-	// after another on the same worker, each in its own transaction. Every
-	// statement of a batch then names its one tenant (tenant = $n), so that a
-	// distributed Postgres that routes by tenant can run each batch's transaction
-	// on one node. Off by default: a batch of one tenant already uses those
-	// statements, and a mixed batch commits its tenants in one transaction, which
-	// is cheaper on one database. With many tenants in flight at once it makes
-	// more, smaller transactions. Without Tenant every message's tenant is "", and
-	// nothing is split.
-	BatchPerTenant bool
-	// Lease is the lease length in Lease mode (default 30 s).
+	// Batch bounds the batches of GroupCommit mode and of every HandleBatch. Lease
+	// mode has no batches: Validate refuses a Batch set with Mode Lease.
+	Batch BatchConfig
+	// Lease is the lease of a key in Lease mode (default 30 s). Validate refuses it
+	// in the other modes, which hold no lease.
 	Lease time.Duration
 
 	// Logger gets structured logs (nil: quiet). Payloads are never logged.
@@ -246,13 +221,38 @@ type Config struct {
 	Propagator propagation.TextMapPropagator
 }
 
+// BatchConfig bounds the batches of GroupCommit mode and of HandleBatch
+// (Config.Batch). A zero field takes its default.
+type BatchConfig struct {
+	// MaxBatch and MaxWait bound a batch (defaults 32 and 2 ms). A batch takes the
+	// messages that are in flight at once, so it is never larger than the
+	// partitions (or the unacked messages) the subscriber delivers together. The
+	// set-based path makes one savepoint a batch; the fallback that isolates a
+	// failure it cannot pin makes one a message, and past 64 of them in one
+	// transaction Postgres's per-backend subtransaction cache overflows, which
+	// slows every snapshot while that transaction runs.
+	MaxBatch int
+	MaxWait  time.Duration
+	// Workers is how many batches (of GroupCommit mode, or of each HandleBatch) run
+	// at once (default 2).
+	Workers int
+	// PerTenant splits every batch by tenant: the messages that arrive together
+	// run as one batch per tenant, one after another on the same worker, each in
+	// its own transaction. Every statement of a batch then names its one tenant
+	// (tenant = $n), so that a distributed Postgres that routes by tenant can run
+	// each batch's transaction on one node. Off by default: a batch of one tenant
+	// already uses those statements, and a mixed batch commits its tenants in one
+	// transaction, which is cheaper on one database. With many tenants in flight
+	// at once it makes more, smaller transactions. Without Tenant every message's
+	// tenant is "", and nothing is split.
+	PerTenant bool
+}
+
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, DefaultSchema)
 	if c.Key == nil {
-		c.Key = MessageUUID
+		c.Key = messageUUID
 	}
 	if c.Fingerprint == nil {
 		c.Fingerprint = inbox.SHA256
@@ -262,20 +262,27 @@ func (c Config) WithDefaults() Config {
 	c.BusyDelay = cmp.Or(c.BusyDelay, DefaultBusyDelay)
 	c.IsoLevel = cmp.Or(c.IsoLevel, pgx.ReadCommitted)
 	c.CommitTimeout = cmp.Or(c.CommitTimeout, DefaultCommitTimeout)
-	c.MaxBatch = cmp.Or(c.MaxBatch, DefaultMaxBatch)
-	c.MaxWait = cmp.Or(c.MaxWait, DefaultMaxWait)
-	c.Workers = cmp.Or(c.Workers, DefaultWorkers)
-	c.Lease = cmp.Or(c.Lease, DefaultLease)
+	if c.Mode == Lease {
+		c.Lease = cmp.Or(c.Lease, DefaultLease)
+	} else {
+		c.Batch.MaxBatch = cmp.Or(c.Batch.MaxBatch, DefaultMaxBatch)
+		c.Batch.MaxWait = cmp.Or(c.Batch.MaxWait, DefaultMaxWait)
+		c.Batch.Workers = cmp.Or(c.Batch.Workers, DefaultWorkers)
+	}
 	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
 	return c
 }
 
 // Validate reports what New would refuse in c: no Pool, a bad schema or Name, a
-// retention or timeout too short, an unknown Mode. It checks c.WithDefaults(), so a
-// config that sets only Pool passes.
+// retention or timeout too short, an unknown Mode, a field that does nothing in
+// the chosen Mode (Batch in Lease mode, Lease in the others). It checks
+// c.WithDefaults(), so a config that sets only Pool passes.
 func (c Config) Validate() error {
+	if err := c.validateMode(); err != nil {
+		return err
+	}
 	c = c.WithDefaults()
-	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
+	if err := fanout.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.Shards != nil && c.Tenant == nil {
@@ -301,23 +308,35 @@ func (c Config) Validate() error {
 	if c.CommitTimeout < time.Millisecond {
 		return errcode.InvalidConfig("CommitTimeout %s is under a millisecond", c.CommitTimeout)
 	}
-	if c.Lease < 10*time.Millisecond {
+	if c.Mode == Lease && c.Lease < 10*time.Millisecond {
 		return errcode.InvalidConfig("Lease %s is under 10 ms", c.Lease)
 	}
-	if c.Mode < Transactional || c.Mode > Lease {
-		return errcode.InvalidConfig("unknown Mode %d", c.Mode)
-	}
-	if c.MaxBatch < 1 || c.Workers < 1 {
-		return errcode.InvalidConfig("MaxBatch and Workers must be at least 1")
+	if c.Mode != Lease && (c.Batch.MaxBatch < 1 || c.Batch.Workers < 1) {
+		return errcode.InvalidConfig("Batch.MaxBatch and Batch.Workers must be at least 1")
 	}
 	return nil
 }
 
-// MessageUUID is the default KeyFunc: the message's UUID.
-func MessageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
+// validateMode refuses an unknown Mode, and a field set that the Mode does not
+// use: it would be ignored, so the config does not do what it says.
+func (c Config) validateMode() error {
+	switch {
+	case c.Mode < Transactional || c.Mode > Lease:
+		return errcode.InvalidConfig("unknown Mode %d", c.Mode)
+	case c.Mode == Lease && c.Batch != BatchConfig{}:
+		return errcode.InvalidConfig("Batch configures the batches of GroupCommit mode and HandleBatch; Mode is %s, which has none: unset Batch or choose another Mode", c.Mode)
+	case c.Mode != Lease && c.Lease != 0:
+		return errcode.InvalidConfig("Lease is the lease of Lease mode; Mode is %s, which holds no lease: unset Lease or set Mode: Lease", c.Mode)
+	}
+	return nil
+}
 
-// MetadataKey returns a KeyFunc that reads the key from a metadata field. A missing
-// field is an empty key, which fails with ErrEmptyKey: the key is never guessed.
+// messageUUID is the default KeyFunc: the message's UUID.
+func messageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
+
+// MetadataKey returns a KeyFunc that reads a metadata field: the key (Config.Key;
+// a missing field is an empty key, which fails with ErrEmptyKey: the key is never
+// guessed) or the tenant (Config.Tenant).
 func MetadataKey(field string) KeyFunc {
 	return func(msg *message.Message) (string, error) { return msg.Metadata.Get(field), nil }
 }
@@ -328,7 +347,7 @@ func MetadataKey(field string) KeyFunc {
 // An error from fn is permanent (IsPermanent reports true, so ShouldRetry does not
 // retry it), but it cannot be recorded in the inbox: without a key there is no row
 // to record it under. So the middleware returns it as an error that wraps
-// ErrBusinessKey (code "business_key") and fn's error, whatever OnPermanent says.
+// ErrBusinessKey (code "business_key") and fn's error, whatever PoisonOnPermanent says.
 // Without a middleware.PoisonQueue outside idem the message is nacked and
 // redelivered forever; on Kafka it stalls its partition. Put a PoisonQueue filtered
 // on IsPermanent outside idem (see the middleware order in docs/consumers.md), so a malformed
@@ -342,6 +361,3 @@ func BusinessKey(fn func(payload []byte) (string, error)) KeyFunc {
 		return k, nil
 	}
 }
-
-// MetadataTenant returns a Tenant func that reads the tenant from a metadata field.
-func MetadataTenant(field string) KeyFunc { return MetadataKey(field) }

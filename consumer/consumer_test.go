@@ -53,6 +53,16 @@ func setup(t *testing.T, mode consumer.Mode, mutate ...func(*consumer.Config)) (
 	return c, b
 }
 
+// leaseMode sets the lease to d in Lease mode; the other modes hold no lease, and
+// refuse one.
+func leaseMode(d time.Duration) func(*consumer.Config) {
+	return func(cfg *consumer.Config) {
+		if cfg.Mode == consumer.Lease {
+			cfg.Lease = d
+		}
+	}
+}
+
 // bizHandler writes one business row and one email effect per message.
 func (b *bundle) bizHandler(extra func(msg *message.Message) error) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
@@ -124,8 +134,11 @@ func forAllModes(t *testing.T, fn func(t *testing.T, mode consumer.Mode)) {
 // batched makes GroupCommit gather the messages a test sends together into one
 // batch; it changes nothing in the other modes.
 func batched(cfg *consumer.Config) {
-	cfg.MaxWait = 300 * time.Millisecond
-	cfg.Workers = 1
+	if cfg.Mode == consumer.Lease {
+		return // no batches, and a Batch is refused
+	}
+	cfg.Batch.MaxWait = 300 * time.Millisecond
+	cfg.Batch.Workers = 1
 }
 
 // inboxState is the committed inbox row of key: "" when there is none.
@@ -154,7 +167,7 @@ func requireAnswerMatchesInbox(t *testing.T, b *bundle, key string, err error) {
 		}
 		return
 	}
-	require.NotEmpty(t, consumer.Code(err), "%s: every nack has a stable code: %v", key, err)
+	require.NotEmpty(t, inbox.Code(err), "%s: every nack has a stable code: %v", key, err)
 }
 
 func TestDeliveredTenTimesCommitsOnce(t *testing.T) {
@@ -286,7 +299,7 @@ func TestPermanentFailureRecordedAndReplayed(t *testing.T) {
 func TestPermanentFailurePoisonPolicy(t *testing.T) {
 	t.Parallel()
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.OnPermanent = consumer.PoisonOnPermanent })
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.PoisonOnPermanent = true })
 		h := c.Middleware(b.bizHandler(func(*message.Message) error {
 			return consumer.Permanent(errors.New("bad amount"))
 		}))
@@ -309,7 +322,7 @@ func TestFingerprintMismatch(t *testing.T) {
 		require.NoError(t, err)
 		_, err = h(newMsg("pay-4", `{"amount":99}`))
 		require.ErrorIs(t, err, consumer.ErrFingerprintMismatch, "not acked as a duplicate")
-		require.Equal(t, "fingerprint_mismatch", consumer.Code(err))
+		require.Equal(t, "fingerprint_mismatch", inbox.Code(err))
 		require.EqualValues(t, 1, b.calls.Load(), "the handler did not run")
 		require.Equal(t, 1, b.bizRows(t, "pay-4"))
 		require.EqualValues(t, 1, b.counter("idem_inbox_fingerprint_mismatch_total"))
@@ -368,7 +381,7 @@ func TestBadInputIsTypedAndNeverDropped(t *testing.T) {
 			_, err := h(newMsg(tc.id, `{}`))
 			require.ErrorIs(t, err, tc.want, "returned, so the message is nacked or poisoned, not acked")
 			require.True(t, consumer.IsPermanent(err))
-			require.NotEmpty(t, consumer.Code(err))
+			require.NotEmpty(t, inbox.Code(err))
 		}
 		require.EqualValues(t, 0, b.calls.Load())
 		require.EqualValues(t, len(cases), b.counter("idem_inbox_failed_total"))
@@ -402,7 +415,7 @@ func requireDatabaseUnavailable(t *testing.T, reg *prometheus.Registry, err erro
 	t.Helper()
 	require.Error(t, err)
 	require.ErrorIs(t, err, consumer.ErrDatabaseUnavailable)
-	require.Equal(t, "database_unavailable", consumer.Code(err), "%v", err)
+	require.Equal(t, "database_unavailable", inbox.Code(err), "%v", err)
 	require.False(t, consumer.IsPermanent(err))
 	if reg != nil {
 		require.Equal(t, 1.0, series(t, reg, "idem_inbox_nacked_total", map[string]string{"code": "database_unavailable"}))
@@ -496,7 +509,7 @@ func TestIdleInTransactionTimeoutNacks(t *testing.T) {
 func TestTenantsAreSeparateOperations(t *testing.T) {
 	t.Parallel()
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Tenant = consumer.MetadataTenant("tenant") })
+		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Tenant = consumer.MetadataKey("tenant") })
 		h := c.Middleware(b.bizHandler(nil))
 		for _, tenant := range []string{"acme", "globex", "acme"} {
 			m := newMsg("order-1", `{}`)

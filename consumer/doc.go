@@ -31,6 +31,10 @@
 // pinned on one message, each message in its own savepoint (at most 32 in one
 // transaction).
 //
+// Config.Batch bounds the batches of GroupCommit mode and of HandleBatch; Lease
+// mode has none and refuses a Batch, as the other modes refuse a Lease: a knob
+// that does nothing in the chosen Mode is an error of Validate, never ignored.
+//
 // HandleBatch takes a BatchHandler, which gets the claimed messages of a batch and
 // the transaction together, for set-based business writes. Duplicates, recorded
 // failures and mismatches never reach it. It names its failing messages with
@@ -53,8 +57,9 @@
 // of them is the handler it wraps, and rolls back a handler whose message a
 // PoisonQueue hidden behind other middlewares poisoned.
 //
-// Over a shard map, a message without a tenant is refused (ErrTenantMissing),
-// unless Config.DefaultTenant names its tenant.
+// A Consumer over a shard map (Config.Shards) routes each message by its tenant
+// to its shard, where it runs as on one database; a message without a tenant is
+// refused (ErrTenantMissing), unless Config.DefaultTenant names its tenant.
 //
 // The messages a handler returns are stored as copies with derived IDs; the
 // handler's messages, including a forwarded input, are never changed.

@@ -56,7 +56,7 @@ func TestTenantScopedEffects(t *testing.T) {
 	t.Parallel()
 	pool, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 4})
 	c, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: schema,
-		Tenant: consumer.MetadataTenant("tenant")})
+		Tenant: consumer.MetadataKey("tenant")})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	results, errs := map[string]effects.Result{}, map[string]error{}

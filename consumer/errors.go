@@ -17,8 +17,9 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 )
 
-// Re-exported errors of other idem packages (the same values), so handler code
-// needs one import.
+// The consumer's errors. The first ones are other idem packages' errors (the same
+// values), so that handler code needs one import. Compare with errors.Is; the
+// stable code of an error is inbox.Code(err).
 var (
 	// ErrFingerprintMismatch is returned when a key comes again with a different
 	// payload fingerprint (inbox.ErrFingerprintMismatch).
@@ -43,14 +44,7 @@ var (
 	// (code "invalid_config"), unless a more specific sentinel says what is wrong
 	// (such as inbox.ErrInvalidSchema). Every idem package has the same value.
 	ErrInvalidConfig = errcode.ErrInvalidConfig
-)
 
-// Error is an idem error with a stable code. Compare with errors.Is against the
-// sentinels. It is the one coded error type of every idem package (inbox.Error and
-// effects.Error are the same type).
-type Error = errcode.Error
-
-var (
 	// ErrBusy is returned when another delivery of the same key is running right
 	// now and did not finish within LockTimeout (or holds a fresh lease). The
 	// message is nacked after BusyDelay; the redelivery finds the other delivery's
@@ -71,7 +65,7 @@ var (
 	// transaction idem gave it. Return nil to commit and an error to roll back.
 	ErrTxOwned = errcode.Transient("tx_owned", "the handler's transaction belongs to idem: return nil to commit, an error to roll back")
 	// ErrExpiredRetry is returned when the message is older than the consumer's
-	// retention, so its inbox row may be gone. Returned only with ExpiredRetryFail.
+	// retention, so its inbox row may be gone. Returned only with Config.FailExpiredRetry.
 	ErrExpiredRetry = errcode.Permanent("expired_retry", "message is older than the inbox retention")
 	// ErrTxEnded is returned when the handler ended idem's transaction itself, with
 	// raw SQL such as tx.Exec(ctx, "COMMIT") or "ROLLBACK" (perhaps followed by a
@@ -126,37 +120,34 @@ var (
 	// middleware.PoisonQueue outside idem takes it. On Kafka a message redelivered
 	// forever stalls its partition.
 	ErrBusinessKey = errcode.Permanent("business_key", "the business key function failed: no key, so the failure cannot be recorded; poison the message")
+	// ErrMiddlewareOrder is returned for every message when a middleware that calls
+	// the handler again or turns its failure into success (Watermill's Retry,
+	// Duplicator, PoisonQueue, IgnoreErrors) runs between idem's middleware and the
+	// handler. Inside idem, every attempt of a Retry runs in idem's one transaction, so
+	// a failed attempt's writes would commit with the next one's; a PoisonQueue would
+	// make idem commit a failed handler's partial writes and record the key as done.
+	// Nothing runs and nothing is recorded: the message is nacked (logged once at
+	// error level) until the order is fixed. Put idem last, innermost:
+	// AddMiddleware(poison, retry.Middleware, c.Middleware). See docs/consumers.md.
+	ErrMiddlewareOrder = errcode.Transient("middleware_order", "a middleware that calls the handler again or swallows its errors (Retry, PoisonQueue, IgnoreErrors, Duplicator) is inside idem's middleware; "+
+		"add it before idem, so idem is innermost: AddMiddleware(poison, retry.Middleware, c.Middleware); nacked, nothing committed")
+	// ErrNoTx is what Tx panics with, and TxSafely returns, for a context without
+	// idem's transaction: the consumer's Middleware is not around the handler, or the
+	// middleware that asks is outside idem's (added before it), or the context is not
+	// the message's. It is transient: a handler that returns it is nacked, not
+	// recorded.
+	ErrNoTx = errcode.Transient("no_transaction", "no idem transaction in this context: the consumer's Middleware is not around this handler, or the code asking runs outside it; "+
+		"add c.Middleware last in AddMiddleware (innermost), and read Tx from the message's context (msg.Context())")
+	// ErrTenantMissing is returned for a message without a tenant (Tenant gave "")
+	// when the consumer's Shards route by tenant and no DefaultTenant is set: it is
+	// never routed by the empty tenant. It is permanent, with httpidem's code for the
+	// same request ("tenant_invalid"), and cannot be recorded (no shard is its own):
+	// nothing is claimed, and the message is returned as an error, poisoned by a
+	// PoisonQueue filtered on IsPermanent outside idem, or nacked. Give the message its
+	// tenant, or set Config.DefaultTenant.
+	ErrTenantMissing = errcode.Permanent("tenant_invalid", "the message has no tenant, and the consumer's Shards route by tenant; nothing was claimed: "+
+		"give the message its tenant, or set Config.DefaultTenant")
 )
-
-// ErrTenantMissing is returned for a message without a tenant (Tenant gave "")
-// when the consumer's Shards route by tenant and no DefaultTenant is set: it is
-// never routed by the empty tenant. It is permanent, with httpidem's code for the
-// same request ("tenant_invalid"), and cannot be recorded (no shard is its own):
-// nothing is claimed, and the message is returned as an error, poisoned by a
-// PoisonQueue filtered on IsPermanent outside idem, or nacked. Give the message its
-// tenant, or set Config.DefaultTenant.
-var ErrTenantMissing = errcode.Permanent("tenant_invalid", "the message has no tenant, and the consumer's Shards route by tenant; nothing was claimed: "+
-	"give the message its tenant, or set Config.DefaultTenant")
-
-// ErrNoTx is what Tx panics with, and TxSafely returns, for a context without
-// idem's transaction: the consumer's Middleware is not around the handler, or the
-// middleware that asks is outside idem's (added before it), or the context is not
-// the message's. It is transient: a handler that returns it is nacked, not
-// recorded.
-var ErrNoTx = errcode.Transient("no_transaction", "no idem transaction in this context: the consumer's Middleware is not around this handler, or the code asking runs outside it; "+
-	"add c.Middleware last in AddMiddleware (innermost), and read Tx from the message's context (msg.Context())")
-
-// ErrMiddlewareOrder is returned for every message when a middleware that calls
-// the handler again or turns its failure into success (Watermill's Retry,
-// Duplicator, PoisonQueue, IgnoreErrors) runs between idem's middleware and the
-// handler. Inside idem, every attempt of a Retry runs in idem's one transaction, so
-// a failed attempt's writes would commit with the next one's; a PoisonQueue would
-// make idem commit a failed handler's partial writes and record the key as done.
-// Nothing runs and nothing is recorded: the message is nacked (logged once at
-// error level) until the order is fixed. Put idem last, innermost:
-// AddMiddleware(poison, retry.Middleware, c.Middleware). See docs/consumers.md.
-var ErrMiddlewareOrder = errcode.Transient("middleware_order", "a middleware that calls the handler again or swallows its errors (Retry, PoisonQueue, IgnoreErrors, Duplicator) is inside idem's middleware; "+
-	"add it before idem, so idem is innermost: AddMiddleware(poison, retry.Middleware, c.Middleware); nacked, nothing committed")
 
 // errNoKey is the middleware's error for a message whose Key function gave the
 // empty key: it wraps ErrEmptyKey (code "empty_key", permanent) and says what to
@@ -170,30 +161,31 @@ var errNoKey = fmt.Errorf("%w: the message gave no key. The default Key is the m
 	"and put a middleware.PoisonQueue outside idem's middleware, or the message is redelivered "+
 	"forever (on Kafka it holds its partition)", ErrEmptyKey)
 
-// PermanentError marks a handler failure that retrying cannot fix: a validation
-// error, an undecodable payload, a business rule. The consumer rolls the work back,
-// records the key as failed, and acks (or poisons) instead of nacking.
-type PermanentError struct {
+// permanentError marks a handler failure that retrying cannot fix (Permanent).
+type permanentError struct {
 	Err error
 }
 
-// Permanent wraps err as a permanent failure. A nil err stays nil.
+// Permanent marks err as a handler failure that retrying cannot fix: a validation
+// error, an undecodable payload, a business rule. The consumer rolls the work back,
+// records the key as failed, and acks (or poisons) instead of nacking. The
+// failure's code is err's, or "permanent". A nil err stays nil.
 func Permanent(err error) error {
 	if err == nil {
 		return nil
 	}
-	return &PermanentError{Err: err}
+	return &permanentError{Err: err}
 }
 
-func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
-func (e *PermanentError) Unwrap() error { return e.Err }
+func (e *permanentError) Error() string { return "permanent: " + e.Err.Error() }
+func (e *permanentError) Unwrap() error { return e.Err }
 
 // Permanent reports true: retrying the message cannot succeed.
-func (e *PermanentError) Permanent() bool { return true }
+func (e *permanentError) Permanent() bool { return true }
 
 // Code is the wrapped error's code, or "permanent".
-func (e *PermanentError) Code() string {
-	if c := Code(e.Err); c != "" {
+func (e *permanentError) Code() string {
+	if c := errcode.Code(e.Err); c != "" {
 		return c
 	}
 	return "permanent"
@@ -202,9 +194,6 @@ func (e *PermanentError) Code() string {
 // IsPermanent reports whether err is a permanent failure: marked with Permanent, or
 // an idem validation error (bad key, non-JSON payload, mismatch, bad effect).
 func IsPermanent(err error) bool { return errcode.IsPermanent(err) }
-
-// Code returns the stable code of the first coded error in err's chain, or "".
-func Code(err error) string { return errcode.Code(err) }
 
 // FailedError is returned, under PoisonOnPermanent, for a permanent failure that
 // was recorded in the inbox, so that a PoisonQueue placed outside can route it.

@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -52,7 +53,7 @@ func TestMissingSchemaSurfacesInEveryMode(t *testing.T) {
 			require.Error(t, err, keys[i])
 			require.False(t, consumer.IsPermanent(err), "a missing schema is nacked, never recorded")
 			require.NotContains(t, err.Error(), "savepoint", "the real cause, not the rollback's error")
-			switch consumer.Code(err) {
+			switch inbox.Code(err) {
 			case "schema_missing":
 				require.ErrorIs(t, err, consumer.ErrSchemaMissing)
 				require.Contains(t, err.Error(), "idem migrate up")
@@ -61,7 +62,7 @@ func TestMissingSchemaSurfacesInEveryMode(t *testing.T) {
 				require.Equal(t, consumer.GroupCommit, mode)
 				require.Contains(t, err.Error(), "idem migrate up", "names the first message's cause")
 			default:
-				t.Fatalf("%s: unexpected code %q: %v", keys[i], consumer.Code(err), err)
+				t.Fatalf("%s: unexpected code %q: %v", keys[i], inbox.Code(err), err)
 			}
 		}
 		require.Positive(t, missing, "the first error surfaces with its own code")
@@ -84,14 +85,14 @@ func TestBusinessKeyErrorIsCodedAndPoisonable(t *testing.T) {
 		})
 		c, b := setup(t, mode, func(cfg *consumer.Config) {
 			cfg.Key = key
-			cfg.OnPermanent = consumer.PoisonOnPermanent // it must not matter
+			cfg.PoisonOnPermanent = true // it must not matter
 		})
 		// Without a PoisonQueue: the error comes back, so the message is nacked.
 		h := c.Middleware(b.bizHandler(nil))
 		_, err := h(newMsg("m-1", `{"amount":1}`))
 		require.ErrorIs(t, err, consumer.ErrBusinessKey)
 		require.ErrorIs(t, err, errNoID, "the key function's own error is kept")
-		require.Equal(t, "business_key", consumer.Code(err))
+		require.Equal(t, "business_key", inbox.Code(err))
 		require.True(t, consumer.IsPermanent(err), "so a PoisonQueue filtered on IsPermanent takes it")
 		require.Zero(t, b.calls.Load())
 		require.Zero(t, pgtest.Count(t, b.pool, `SELECT count(*) FROM inbox`), "nothing to record it under")

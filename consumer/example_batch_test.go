@@ -23,7 +23,7 @@ func ExampleConsumer_HandleBatch() {
 	defer cleanup()
 	ctx := context.Background()
 
-	idem, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: schema, MaxBatch: 256})
+	idem, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: schema, Batch: consumer.BatchConfig{MaxBatch: 256}})
 	if err != nil {
 		panic(err)
 	}

@@ -80,7 +80,7 @@ func ExampleBusinessKey() {
 	})
 
 	for range 2 {
-		msg := consumer.NewMessage([]byte(`{"PaymentID":"pay_789","Amount":10}`)) // a new UUID each time
+		msg := message.NewMessage(consumer.NewUUID(), []byte(`{"PaymentID":"pay_789","Amount":10}`)) // a new UUID each time
 		if _, err := handler(msg); err != nil {
 			fmt.Println(err)
 		}
@@ -95,7 +95,7 @@ func ExampleBusinessKey() {
 
 // A tenant scope makes the same key from two tenants two operations, and keeps
 // a redelivery within one tenant a duplicate.
-func ExampleMetadataTenant() {
+func ExampleMetadataKey_tenant() {
 	pool, schema, cleanup := exampleDB(`CREATE TABLE orders (tenant text, id text)`)
 	defer cleanup()
 	ctx := context.Background()
@@ -103,7 +103,7 @@ func ExampleMetadataTenant() {
 	idem, err := consumer.New(consumer.Config{
 		Name: "orders", Pool: pool, Schema: schema,
 		Key:    consumer.MetadataKey("order_id"),
-		Tenant: consumer.MetadataTenant("tenant"),
+		Tenant: consumer.MetadataKey("tenant"),
 	})
 	if err != nil {
 		panic(err)
@@ -115,7 +115,7 @@ func ExampleMetadataTenant() {
 	})
 
 	for _, tenant := range []string{"acme", "globex", "acme"} {
-		msg := consumer.NewMessage([]byte(`{}`))
+		msg := message.NewMessage(consumer.NewUUID(), []byte(`{}`))
 		msg.Metadata.Set("tenant", tenant)
 		msg.Metadata.Set("order_id", "ord_1")
 		if _, err := handler(msg); err != nil {

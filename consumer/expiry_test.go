@@ -117,17 +117,17 @@ func TestExpiredKeyIsForgottenInEveryMode(t *testing.T) {
 }
 
 // A message older than the retention (MessageTime) that also meets its expired
-// row is counted as expired once, not twice; under ExpiredRetryFail its failure
+// row is counted as expired once, not twice; under FailExpiredRetry its failure
 // replaces the expired row.
 func TestExpiredMessageAndRowCountOnce(t *testing.T) {
 	t.Parallel()
 	for _, p := range expiryPaths {
-		for name, policy := range map[string]consumer.ExpiredRetryPolicy{"warn": consumer.ExpiredRetryWarn, "fail": consumer.ExpiredRetryFail} {
+		for name, fail := range map[string]bool{"warn": false, "fail": true} {
 			t.Run(p.name+"/"+name, func(t *testing.T) {
 				t.Parallel()
 				h, b := handlerFor(t, p, func(cfg *consumer.Config) {
 					cfg.Retention = time.Hour
-					cfg.ExpiredRetry = policy
+					cfg.FailExpiredRetry = fail
 					cfg.MessageTime = func(*message.Message) (time.Time, bool) { return time.Now().Add(-2 * time.Hour), true }
 				})
 				_, err := b.pool.Exec(context.Background(), `INSERT INTO inbox (consumer, key, fingerprint, state, completed_at, expires_at)
@@ -136,7 +136,7 @@ func TestExpiredMessageAndRowCountOnce(t *testing.T) {
 				require.NoError(t, h(newMsg("k", `{}`)))
 				require.EqualValues(t, 1, b.counter("idem_inbox_expired_retry_total"))
 				state, code := inboxState(t, b, "k")
-				if policy == consumer.ExpiredRetryFail {
+				if fail {
 					require.Equal(t, "failed", state)
 					require.Equal(t, "expired_retry", code)
 					require.Zero(t, b.bizRows(t, "k"))

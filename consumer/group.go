@@ -15,13 +15,13 @@ import (
 )
 
 // groupCommitter runs batches: workers take the messages that arrive together (up to
-// MaxBatch, waiting at most MaxWait for more) and run them in one transaction, then
+// Batch.MaxBatch, waiting at most Batch.MaxWait for more) and run them in one transaction, then
 // answer them all after the commit. Middleware in GroupCommit mode has one, with
 // each message's own handler; each HandleBatch has one, with its batch handler.
 // A batch runs on the set-based path (batch.go) and falls back to one savepoint per
 // message (runSavepoints) when a failure cannot be pinned on a message there.
 type groupCommitter struct {
-	c     *Consumer
+	c     *engine
 	batch BatchHandler // nil: each request carries its own handler
 	// single is g.single as a handler, made once (a method value costs an
 	// allocation each time it is taken).
@@ -40,14 +40,14 @@ type groupReq struct {
 	done chan outcome
 }
 
-func newGroupCommitter(c *Consumer, batch BatchHandler) *groupCommitter {
+func newGroupCommitter(c *engine, batch BatchHandler) *groupCommitter {
 	g := &groupCommitter{c: c, batch: batch, reqs: make(chan *groupReq), stop: make(chan struct{})}
 	g.single = g.runSingle
 	g.close = sync.OnceFunc(func() {
 		close(g.stop)
 		g.wg.Wait()
 	})
-	for range c.cfg.Workers {
+	for range c.cfg.Batch.Workers {
 		g.wg.Add(1)
 		go g.work()
 	}
@@ -56,7 +56,7 @@ func newGroupCommitter(c *Consumer, batch BatchHandler) *groupCommitter {
 
 // submit hands one message to a batch and waits for its outcome. h is the message's
 // handler; with a batch handler it is nil.
-func (g *groupCommitter) submit(req *request, h message.HandlerFunc) error {
+func (g *groupCommitter) submit(req *request, h message.HandlerFunc) outcome {
 	// One message's cancelled context must not cancel a statement of the shared
 	// transaction: pgx closes the connection on cancel, which would fail the batch.
 	req.ctx = context.WithoutCancel(req.ctx)
@@ -71,13 +71,13 @@ func (g *groupCommitter) submit(req *request, h message.HandlerFunc) error {
 	select {
 	case g.reqs <- gr:
 	case <-g.stop:
-		return g.c.finish(req, outcome{kind: outTransient, err: ErrClosed})
+		return outcome{kind: outTransient, err: ErrClosed}
 	}
 	o := <-gr.done
 	// The batch sends one outcome and keeps nothing of gr after it.
 	*gr = groupReq{done: gr.done}
 	g.free.Put(gr)
-	return g.c.finish(req, o)
+	return o
 }
 
 // runSingle runs the batch handler on one message, as a message handler: the
@@ -106,9 +106,9 @@ func (g *groupCommitter) work() {
 		case <-g.stop:
 			return
 		}
-		timer := time.NewTimer(g.c.cfg.MaxWait)
+		timer := time.NewTimer(g.c.cfg.Batch.MaxWait)
 	collect:
-		for len(batch) < g.c.cfg.MaxBatch {
+		for len(batch) < g.c.cfg.Batch.MaxBatch {
 			select {
 			case r := <-g.reqs:
 				batch = append(batch, r)
@@ -119,7 +119,7 @@ func (g *groupCommitter) work() {
 			}
 		}
 		timer.Stop()
-		if g.c.cfg.BatchPerTenant {
+		if g.c.cfg.Batch.PerTenant {
 			g.runPerTenant(batch)
 			continue
 		}
@@ -128,7 +128,7 @@ func (g *groupCommitter) work() {
 }
 
 // runPerTenant runs batch as one batch per tenant, one after another
-// (Config.BatchPerTenant).
+// (Config.Batch.PerTenant).
 func (g *groupCommitter) runPerTenant(batch []*groupReq) {
 	slices.SortStableFunc(batch, func(a, b *groupReq) int { return cmp.Compare(a.req.claim.Tenant, b.req.claim.Tenant) })
 	for len(batch) > 0 {

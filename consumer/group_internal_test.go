@@ -24,7 +24,7 @@ func TestGroupBatchesClaimKeysInSortedOrder(t *testing.T) {
 	require.NoError(t, err)
 	c, err := New(Config{Name: "payments", Pool: pool, Schema: schema, Mode: GroupCommit, LockTimeout: 10 * time.Second})
 	require.NoError(t, err)
-	g := &groupCommitter{c: c} // no workers: the test forms the batches itself
+	g := &groupCommitter{c: c.parts.Part(0)} // no workers: the test forms the batches itself
 	h := func(msg *message.Message) ([]*message.Message, error) {
 		if _, err := Tx(msg.Context()).Exec(msg.Context(), `INSERT INTO biz VALUES ($1)`, msg.UUID); err != nil {
 			return nil, err
@@ -35,7 +35,7 @@ func TestGroupBatchesClaimKeysInSortedOrder(t *testing.T) {
 	batch := func(ids ...string) []*groupReq {
 		var out []*groupReq
 		for _, id := range ids {
-			req, err := c.prepare(message.NewMessage(id, []byte(`{}`)))
+			req, err := c.parts.Part(0).prepare(message.NewMessage(id, []byte(`{}`)))
 			require.NoError(t, err)
 			out = append(out, &groupReq{req: req, h: h, done: make(chan outcome, 1)})
 		}
@@ -83,9 +83,10 @@ func TestCloseStopsWorkersARacingMessageStarted(t *testing.T) {
 		_, err = h(message.NewMessage("after", []byte(`{}`)))
 		require.ErrorIs(t, err, ErrClosed)
 
-		c.mu.Lock()
-		g := c.group
-		c.mu.Unlock()
+		e := c.parts.Part(0)
+		e.mu.Lock()
+		g := e.group
+		e.mu.Unlock()
 		if g == nil {
 			continue // the racing message came after Close: no worker ever started
 		}

@@ -17,8 +17,8 @@ import (
 func TestGroupCommitDuplicateInsideOneBatch(t *testing.T) {
 	t.Parallel()
 	c, b := setup(t, consumer.GroupCommit, func(cfg *consumer.Config) {
-		cfg.MaxWait = 300 * time.Millisecond // wait long enough to gather both copies
-		cfg.Workers = 1
+		cfg.Batch.MaxWait = 300 * time.Millisecond // wait long enough to gather both copies
+		cfg.Batch.Workers = 1
 	})
 	h := c.Middleware(b.bizHandler(nil))
 	var wg sync.WaitGroup
@@ -47,8 +47,8 @@ func TestGroupCommitDuplicateInsideOneBatch(t *testing.T) {
 func TestGroupCommitFailureIsolatedToItsSavepoint(t *testing.T) {
 	t.Parallel()
 	c, b := setup(t, consumer.GroupCommit, func(cfg *consumer.Config) {
-		cfg.MaxWait = 300 * time.Millisecond
-		cfg.Workers = 1
+		cfg.Batch.MaxWait = 300 * time.Millisecond
+		cfg.Batch.Workers = 1
 	})
 	h := c.Middleware(b.bizHandler(func(m *message.Message) error {
 		switch m.UUID {

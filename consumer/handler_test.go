@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -126,7 +127,7 @@ func TestHandlerSwallowingAFailedStatementCostsOnlyItself(t *testing.T) {
 				continue
 			}
 			require.ErrorIs(t, errs[i], consumer.ErrTxAborted)
-			require.Equal(t, "tx_aborted", consumer.Code(errs[i]))
+			require.Equal(t, "tx_aborted", inbox.Code(errs[i]))
 			require.False(t, consumer.IsPermanent(errs[i]))
 		}
 		misbehave.Store(false)
@@ -143,7 +144,7 @@ func TestHandlerSwallowingAFailedStatementCostsOnlyItself(t *testing.T) {
 func TestPanickingHandlerLeavesTheKeyFree(t *testing.T) {
 	t.Parallel()
 	forAllModes(t, func(t *testing.T, mode consumer.Mode) {
-		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.Lease = time.Hour })
+		c, b := setup(t, mode, leaseMode(time.Hour))
 		var n atomic.Int64
 		h := c.Middleware(b.bizHandler(func(*message.Message) error {
 			if n.Add(1) == 1 {

@@ -19,11 +19,11 @@ import (
 // only if the fence still matches. A delivery that finds a fresh lease nacks after
 // BusyDelay; one that finds a lease that ran out takes it over (fence + 1), so a
 // handler that crashed, or outlived its lease, is run again.
-func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
+func (c *engine) handleLease(req *request, h message.HandlerFunc) outcome {
 	ctx := req.ctx
 	db, ok := c.cfg.Pool.(inbox.DBTX)
 	if !ok {
-		return c.finish(req, outcome{kind: outTransient, err: errors.New("lease mode needs a Pool that can Exec and Query (a *pgxpool.Pool)")})
+		return outcome{kind: outTransient, err: errors.New("lease mode needs a Pool that can Exec and Query (a *pgxpool.Pool)")}
 	}
 	cctx, span := c.child(ctx, spanClaim)
 	start := time.Now()
@@ -34,11 +34,11 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	}
 	endSpan(span, err)
 	if err != nil {
-		return c.finish(req, classify(err))
+		return classify(err)
 	}
 	c.noteExpired(req, res)
 	if !res.Claimed {
-		return c.finish(req, existingOutcome(res))
+		return existingOutcome(res)
 	}
 	id, fence := req.claim.ID, res.Fence
 	// release gives the key back at once, so the redelivery need not wait out the
@@ -50,12 +50,12 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 	tx, err := c.begin(ctx)
 	if err != nil {
 		release()
-		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
+		return canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)})
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	if _, err := tx.Exec(ctx, txmark.Mark); err != nil {
 		release()
-		return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)}))
+		return canceled(ctx, outcome{kind: outTransient, err: fmt.Errorf("begin: %w", err)})
 	}
 	defer func() {
 		// A panicking handler gives its lease back like a failing one, then panics
@@ -76,32 +76,32 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 			// (and the fenced release is a no-op). Any other error rolls back.
 			endSpan(span, err)
 			release()
-			return c.finish(req, canceled(ctx, outcome{kind: outTransient, err: err}))
+			return canceled(ctx, outcome{kind: outTransient, err: err})
 		}
 		err := c.commit(ctx, tx)
 		endSpan(span, err)
 		if err != nil {
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 			if errors.Is(err, ErrTxEnded) {
-				return c.finish(req, c.failLease(req, db, fence, err))
+				return c.failLease(req, db, fence, err)
 			}
 			release()
-			return c.finish(req, outcome{kind: outTransient, err: err})
+			return outcome{kind: outTransient, err: err}
 		}
-		return c.finish(req, o)
+		return o
 	case outPermanent:
 		_ = tx.Rollback(context.WithoutCancel(ctx))
 		if err := c.store.FailLease(ctx, db, id, fence, c.cfg.Retention, failureCode(o.err), truncate(o.err.Error())); err != nil {
-			return c.finish(req, outcome{kind: outTransient, err: fmt.Errorf("record permanent failure (%v): %w", o.err, err)})
+			return outcome{kind: outTransient, err: fmt.Errorf("record permanent failure (%v): %w", o.err, err)}
 		}
-		return c.finish(req, outcome{kind: outRecorded, err: o.err})
+		return outcome{kind: outRecorded, err: o.err}
 	case outEnded:
 		_ = tx.Rollback(context.WithoutCancel(ctx))
-		return c.finish(req, c.failLease(req, db, fence, o.err))
+		return c.failLease(req, db, fence, o.err)
 	default:
 		_ = tx.Rollback(context.WithoutCancel(ctx))
 		release()
-		return c.finish(req, canceled(ctx, o))
+		return canceled(ctx, o)
 	}
 }
 
@@ -112,7 +112,7 @@ func (c *Consumer) handleLease(req *request, h message.HandlerFunc) error {
 // code, on the lease row (fenced), with the connection of the handler's transaction
 // back in the pool: it is never run again and never silently dropped (OnFailure,
 // the failed metric, and PoisonOnPermanent see it).
-func (c *Consumer) failLease(req *request, db inbox.DBTX, fence int64, cause error) outcome {
+func (c *engine) failLease(req *request, db inbox.DBTX, fence int64, cause error) outcome {
 	c.logEnded(req, cause)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.ctx), c.cfg.CommitTimeout)
 	defer cancel()

@@ -4,6 +4,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
+	"github.com/idemkit/idem/internal/errcode"
+
 	"cmp"
 )
 
@@ -12,26 +14,6 @@ import (
 // per logical operation and reuse it on every retry: a new ID per attempt defeats the
 // inbox.
 func NewUUID() string { return uuid.Must(uuid.NewV7()).String() }
-
-// NewMessage returns a Watermill message with a UUIDv7 (see NewUUID).
-func NewMessage(payload []byte) *message.Message {
-	return message.NewMessage(NewUUID(), payload)
-}
-
-// MetadataErrorCode is the metadata key under which the middleware leaves, on a
-// message it returns an error for (so one the router nacks, or a PoisonQueue
-// poisons), the error's stable code: Code(err), or "transient" for an error
-// without one. A broker adapter sees only the nack; idem's Kafka adapter reads this
-// key to log the code with its redelivery pause. The key is the same string as
-// the Kafka adapter's kafka.MetadataErrorCode.
-const MetadataErrorCode = "idem_error_code"
-
-// MetadataErrorPermanent is the metadata key under which the middleware leaves
-// "true", next to MetadataErrorCode, when the error it returns is permanent
-// (IsPermanent): retrying the message cannot succeed, so nacked it holds its
-// partition (Kafka) until a PoisonQueue takes it. The Kafka adapter reads it to
-// report the partition as held (kafka.MetadataErrorPermanent, the same key).
-const MetadataErrorPermanent = "idem_error_permanent"
 
 // markErrorCode sets MetadataErrorCode, and MetadataErrorPermanent for a
 // permanent error, on msg when err is not nil. It runs in the message's handler
@@ -44,7 +26,7 @@ func markErrorCode(msg *message.Message, err error) {
 	if msg.Metadata == nil {
 		msg.Metadata = message.Metadata{}
 	}
-	msg.Metadata.Set(MetadataErrorCode, cmp.Or(Code(err), "transient"))
+	msg.Metadata.Set(MetadataErrorCode, cmp.Or(errcode.Code(err), "transient"))
 	if IsPermanent(err) {
 		msg.Metadata.Set(MetadataErrorPermanent, "true")
 	} else {

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 )
 
 // A message without a key gets one error, whatever gave the empty key (the
@@ -27,7 +28,7 @@ func TestNoKeyIsOneErrorThatSaysWhatToConfigure(t *testing.T) {
 			msg := newMsg("", `{"amount": 10}`)
 			_, err := c.Middleware(b.bizHandler(nil))(msg)
 			require.ErrorIs(t, err, consumer.ErrEmptyKey)
-			require.Equal(t, "empty_key", consumer.Code(err))
+			require.Equal(t, "empty_key", inbox.Code(err))
 			require.True(t, consumer.IsPermanent(err))
 			for _, want := range []string{"idem: empty idempotency key", "Config.Key", "consumer.BusinessKey",
 				"consumer.MetadataKey", "kafka.PartitionOffsetKey", "Nats-Msg-Id", "_watermill_message_uuid", "middleware.PoisonQueue"} {

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 )
 
 // Outside idem's middleware Tx panics with ErrNoTx, whose text names the mistake
@@ -20,7 +21,7 @@ func TestTxOutsideMiddleware(t *testing.T) {
 	tx, err := consumer.TxSafely(ctx)
 	require.Nil(t, tx)
 	require.ErrorIs(t, err, consumer.ErrNoTx)
-	require.Equal(t, "no_transaction", consumer.Code(err))
+	require.Equal(t, "no_transaction", inbox.Code(err))
 	require.False(t, consumer.IsPermanent(err))
 	require.Contains(t, err.Error(), "Middleware is not around this handler")
 	require.Contains(t, err.Error(), "add c.Middleware last in AddMiddleware")

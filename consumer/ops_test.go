@@ -127,13 +127,13 @@ func TestMetricsCountEveryOutcome(t *testing.T) {
 	})
 }
 
-// TestExpiredRetryFailPolicy: under ExpiredRetryFail an old message is counted,
+// TestExpiredRetryFailPolicy: under FailExpiredRetry an old message is counted,
 // recorded as failed and never handled.
 func TestExpiredRetryFailPolicy(t *testing.T) {
 	t.Parallel()
 	c, b := setup(t, consumer.Transactional, func(cfg *consumer.Config) {
 		cfg.MessageTime = sentAt
-		cfg.ExpiredRetry = consumer.ExpiredRetryFail
+		cfg.FailExpiredRetry = true
 	})
 	h := c.Middleware(b.bizHandler(nil))
 	old := newMsg("old", `{}`)
@@ -160,7 +160,7 @@ func TestLogsCarryKeyFieldsNotPayloads(t *testing.T) {
 	logger := slog.New(slog.NewJSONHandler(&lockedWriter{w: &buf, mu: &mu}, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	c, b := setup(t, consumer.Transactional, func(cfg *consumer.Config) {
 		cfg.Logger = logger
-		cfg.Tenant = consumer.MetadataTenant("tenant")
+		cfg.Tenant = consumer.MetadataKey("tenant")
 		cfg.MessageTime = sentAt
 	})
 	h := c.Middleware(b.bizHandler(func(msg *message.Message) error {

@@ -1,6 +1,7 @@
 package consumer
 
 import (
+	"log/slog"
 	"reflect"
 	"regexp"
 	"runtime"
@@ -64,12 +65,12 @@ func innerMiddleware(h message.HandlerFunc) string {
 // wrongOrderHandler is the handler idem's Middleware returns around inner, a
 // middleware that must be outside idem: it refuses every message with
 // ErrMiddlewareOrder, and logs the fix once at error level.
-func (c *Consumer) wrongOrderHandler(inner string) message.HandlerFunc {
+func wrongOrderHandler(log *slog.Logger, inner string) message.HandlerFunc {
 	var once sync.Once
 	err := orderError(inner)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		once.Do(func() {
-			c.log.Error("idem: "+inner+" is inside idem's middleware; every message is refused (nacked, nothing run) until it is outside",
+			log.Error("idem: "+inner+" is inside idem's middleware; every message is refused (nacked, nothing run) until it is outside",
 				"handler", message.HandlerNameFromCtx(msg.Context()), "code", ErrMiddlewareOrder.Code(), "err", err)
 		})
 		markErrorCode(msg, err)
@@ -102,7 +103,7 @@ func poisonMark(msg *message.Message) [4]string {
 // PoisonQueue between idem and the handler poisoned while it ran (its mark changed
 // from before): the handler failed, so its writes must not commit. It logs the fix
 // once at error level.
-func (c *Consumer) poisonedInside(req *request) error {
+func (c *engine) poisonedInside(req *request) error {
 	err := orderError("middleware.PoisonQueue (behind other middlewares)")
 	c.orderOnce.Do(func() {
 		c.log.Error("idem: a PoisonQueue inside idem's middleware poisoned a message and returned nil; its writes are rolled back and the message is nacked (the poison topic has a copy). Put the PoisonQueue outside idem",

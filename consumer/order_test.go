@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -106,7 +107,7 @@ func TestMiddlewareOrderEnforced(t *testing.T) {
 			require.NoError(t, pubsub.Publish("in-"+tc.id, newMsg(tc.id, "{}")))
 			err = a.next(t)
 			require.ErrorIs(t, err, consumer.ErrMiddlewareOrder, tc.id)
-			require.Equal(t, "middleware_order", consumer.Code(err), tc.id)
+			require.Equal(t, "middleware_order", inbox.Code(err), tc.id)
 			require.False(t, consumer.IsPermanent(err), "nacked, not recorded")
 			require.Equal(t, 0, b.bizRows(t, tc.id), "%s: a failed attempt's insert committed", tc.id)
 			require.Equal(t, 0, inboxRows(tc.id), "%s: the key is recorded", tc.id)

@@ -37,7 +37,7 @@ func benchPath(b *testing.B, batch bool, partitions int) {
 	require.NoError(b, err)
 	cfg := Config{Name: "bench", Pool: pool, Schema: schema}
 	if batch {
-		cfg.MaxBatch = 256
+		cfg.Batch.MaxBatch = 256
 	} else {
 		cfg.Mode = GroupCommit
 	}

@@ -47,7 +47,9 @@ func TestRouterEndToEndThousandTimesThree(t *testing.T) {
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
 		c, b := setup(t, mode, func(cfg *consumer.Config) {
 			cfg.Name = "" // the Watermill handler name ("payments") is the default
-			cfg.MaxWait = 200 * time.Microsecond
+			if mode != consumer.Lease {
+				cfg.Batch.MaxWait = 200 * time.Microsecond
+			}
 		})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 4096}, watermill.NopLogger{})
 		defer func() { require.NoError(t, pubsub.Close()) }()
@@ -146,7 +148,7 @@ func TestMiddlewareOrderWithRetryAndPoisonQueue(t *testing.T) {
 	forModes(t, func(t *testing.T, mode consumer.Mode) {
 		c, b := setup(t, mode, func(cfg *consumer.Config) {
 			cfg.Name = ""
-			cfg.OnPermanent = consumer.PoisonOnPermanent
+			cfg.PoisonOnPermanent = true
 		})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, watermill.NopLogger{})
 		defer func() { require.NoError(t, pubsub.Close()) }()

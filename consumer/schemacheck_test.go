@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/migrate"
 	"github.com/idemkit/idem/shard"
@@ -21,7 +22,7 @@ import (
 func requireRefused(t *testing.T, err error, schema, want string) {
 	t.Helper()
 	require.ErrorIs(t, err, consumer.ErrSchemaMissing)
-	require.Equal(t, "schema_missing", consumer.Code(err))
+	require.Equal(t, "schema_missing", inbox.Code(err))
 	require.Contains(t, err.Error(), fmt.Sprintf("schema %q", schema))
 	require.Contains(t, err.Error(), "`idem migrate up --schema "+schema+"`")
 	require.Contains(t, err.Error(), want)
@@ -65,7 +66,7 @@ func TestNewChecksEveryShard(t *testing.T) {
 	pgtest.ApplyMigrations(t, m.Shards[0].Pool, 1, newest)
 	pgtest.ApplyMigrations(t, m.Shards[2].Pool, 1, 3)
 	start := func() error {
-		c, err := consumer.New(consumer.Config{Name: "x", Shards: m, Tenant: consumer.MetadataTenant("tenant")})
+		c, err := consumer.New(consumer.Config{Name: "x", Shards: m, Tenant: consumer.MetadataKey("tenant")})
 		if err == nil {
 			require.NoError(t, c.Close())
 		}
@@ -105,7 +106,7 @@ func TestNewStartsWithoutAShardThatIsDown(t *testing.T) {
 		}
 	}
 
-	c, err := consumer.New(consumer.Config{Name: "x", Shards: m, Tenant: consumer.MetadataTenant("tenant")})
+	c, err := consumer.New(consumer.Config{Name: "x", Shards: m, Tenant: consumer.MetadataKey("tenant")})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -120,7 +121,7 @@ func TestNewStartsWithoutAShardThatIsDown(t *testing.T) {
 	}
 	require.NoError(t, send(tenantOn("up"), "on-up"))
 	err = send(tenantOn("down"), "on-down")
-	require.Equal(t, "database_unavailable", consumer.Code(err), "%v", err)
+	require.Equal(t, "database_unavailable", inbox.Code(err), "%v", err)
 	require.Equal(t, 1, pgtest.Count(t, up, `SELECT count(*) FROM biz WHERE key = 'on-up'`))
 	require.Equal(t, 0, pgtest.Count(t, up, `SELECT count(*) FROM biz WHERE key = 'on-down'`))
 	require.Equal(t, 1, pgtest.Count(t, up, `SELECT count(*) FROM inbox`))

@@ -118,7 +118,7 @@ func TestGroupCommitIsSetBased(t *testing.T) {
 	// SkipSchemaCheck: the round trips counted below are the batch's alone (New's
 	// check is three more, before any message).
 	c, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: b.schema, Mode: consumer.GroupCommit,
-		MaxWait: 300 * time.Millisecond, Workers: 1, Registerer: b.reg, SkipSchemaCheck: true})
+		Batch: consumer.BatchConfig{MaxWait: 300 * time.Millisecond, Workers: 1}, Registerer: b.reg, SkipSchemaCheck: true})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	h := middlewareFunc(c.Middleware(b.bizHandler(nil)))
@@ -168,7 +168,7 @@ func TestGroupCommitFailureRerunsTheRestWithoutIt(t *testing.T) {
 			_, b := setup(t, consumer.Transactional)
 			pool, log := tracedPool(t, b.schema)
 			c, err := consumer.New(consumer.Config{Name: "payments", Pool: pool, Schema: b.schema, Mode: consumer.GroupCommit,
-				MaxWait: 300 * time.Millisecond, Workers: 1, Registerer: b.reg})
+				Batch: consumer.BatchConfig{MaxWait: 300 * time.Millisecond, Workers: 1}, Registerer: b.reg})
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = c.Close() })
 			var mu sync.Mutex

@@ -30,8 +30,9 @@ import (
 func BenchmarkSetBatch(b *testing.B) {
 	pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: 1})
 	ctx := context.Background()
-	c, err := New(Config{Name: "bench", Pool: pool, Schema: schema})
+	front, err := New(Config{Name: "bench", Pool: pool, Schema: schema})
 	require.NoError(b, err)
+	c := front.parts.Part(0)
 	const n = 256
 	payload := make([]byte, 128)
 	var prev []batchClaim

@@ -17,14 +17,14 @@ func TestShardConsumersKeepTheDefaultFingerprint(t *testing.T) {
 	t.Parallel()
 	m := &shard.Map{Shards: []shard.Shard{{Name: "s1", Pool: &pgxpool.Pool{}}, {Name: "s2", Pool: &pgxpool.Pool{}}}}
 	for _, custom := range []bool{false, true} {
-		cfg := Config{Shards: m, Tenant: MetadataTenant("tenant"), SkipSchemaCheck: true} // pools of no database
+		cfg := Config{Shards: m, Tenant: MetadataKey("tenant"), SkipSchemaCheck: true} // pools of no database
 		if custom {
 			cfg.Fingerprint = inbox.SHA256
 		}
 		c, err := New(cfg)
 		require.NoError(t, err)
-		require.Len(t, c.shards.each, 2)
-		for _, one := range c.shards.each {
+		require.Equal(t, 2, c.parts.Len())
+		for _, one := range c.parts.Parts() {
 			require.Equal(t, !custom, one.defaultFP, "custom Fingerprint %v", custom)
 		}
 		require.NoError(t, c.Close())

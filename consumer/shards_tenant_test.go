@@ -58,7 +58,7 @@ func TestShardsRefuseMessageWithoutTenant(t *testing.T) {
 			for _, msg := range []*message.Message{tenantMsg("", "no-tenant"), message.NewMessage("no-field", []byte(`{}`))} {
 				err := h(msg)
 				require.ErrorIs(t, err, consumer.ErrTenantMissing, msg.UUID)
-				require.Equal(t, "tenant_invalid", consumer.Code(err))
+				require.Equal(t, "tenant_invalid", inbox.Code(err))
 				require.True(t, consumer.IsPermanent(err))
 				require.Empty(t, sb.rows(t, "inbox", msg.UUID), "%s: claimed on a shard", msg.UUID)
 				require.Empty(t, sb.rows(t, "biz", msg.UUID), msg.UUID)
@@ -93,7 +93,7 @@ func TestShardsRefuseMessageWithoutTenant(t *testing.T) {
 func TestDefaultTenantValidated(t *testing.T) {
 	t.Parallel()
 	m := pgtest.Shards(t)
-	base := consumer.Config{Name: "orders", Shards: m, Tenant: consumer.MetadataTenant("tenant")}
+	base := consumer.Config{Name: "orders", Shards: m, Tenant: consumer.MetadataKey("tenant")}
 	bad := base
 	bad.DefaultTenant = "a\x00b"
 	require.ErrorIs(t, bad.Validate(), inbox.ErrTenantInvalid)

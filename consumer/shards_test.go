@@ -18,6 +18,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/shard"
 )
@@ -76,7 +77,7 @@ func tenantMsg(tenant, key string) *message.Message {
 
 func shardedConsumer(t *testing.T, m *shard.Map, mode consumer.Mode, mutate ...func(*consumer.Config)) *consumer.Consumer {
 	t.Helper()
-	cfg := consumer.Config{Name: "orders", Shards: m, Tenant: consumer.MetadataTenant("tenant"), Mode: mode,
+	cfg := consumer.Config{Name: "orders", Shards: m, Tenant: consumer.MetadataKey("tenant"), Mode: mode,
 		LockTimeout: 2 * time.Second, BusyDelay: time.Millisecond, Registerer: prometheus.NewRegistry()}
 	for _, f := range mutate {
 		f(&cfg)
@@ -226,7 +227,7 @@ func TestShardRouteErrorIsReturned(t *testing.T) {
 	h := c.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	_, err := h(tenantMsg("lost", "k1"))
 	require.ErrorIs(t, err, shard.ErrRoute)
-	require.Equal(t, "shard_route", consumer.Code(err))
+	require.Equal(t, "shard_route", inbox.Code(err))
 	require.True(t, consumer.IsPermanent(err))
 	_, err = h(tenantMsg("found", "k2"))
 	require.NoError(t, err)
@@ -289,7 +290,7 @@ func crashMidStream(t *testing.T, m *shard.Map, ctl *pgtest.ShardCtl, sb *shardB
 			otherFailures = append(otherFailures, fmt.Errorf("%s on %s: %w", it.key, sb.want(t, it.tenant), err))
 			return
 		}
-		if code := consumer.Code(err); code != "database_unavailable" && code != "commit_unknown" && code != "batch_aborted" {
+		if code := inbox.Code(err); code != "database_unavailable" && code != "commit_unknown" && code != "batch_aborted" {
 			otherFailures = append(otherFailures, fmt.Errorf("%s on the crashed shard nacked with code %q: %w", it.key, code, err))
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"cmp"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -46,7 +47,7 @@ var noSpan = trace.SpanFromContext(context.Background())
 // startMessage starts msg's idem.consume span. With tracing off (no provider
 // installed, tracing.Off) it starts none, at no allocation: the context is the
 // message's, with any trace context its metadata carried.
-func (c *Consumer) startMessage(msg *message.Message, name string) (context.Context, trace.Span) {
+func (c *engine) startMessage(msg *message.Message, name string) (context.Context, trace.Span) {
 	ctx := tracing.MessageContext(msg.Context(), msg.Metadata, c.prop)
 	if tracing.Off(c.cfg.TracerProvider) {
 		return ctx, noSpan
@@ -64,7 +65,7 @@ func (c *Consumer) startMessage(msg *message.Message, name string) (context.Cont
 // children would record nothing either, and would cost a context and a span
 // value each. ctx is returned as it is then, so what runs under it (effects'
 // Enqueue) still sees the message's span context.
-func (c *Consumer) child(ctx context.Context, name string) (context.Context, trace.Span) {
+func (c *engine) child(ctx context.Context, name string) (context.Context, trace.Span) {
 	if !trace.SpanFromContext(ctx).IsRecording() {
 		return ctx, noSpan
 	}
@@ -118,11 +119,11 @@ func outcomeName(o outcome) (name, code string, failed bool) {
 		}
 		return "replayed", "", false
 	case outMismatch:
-		return "mismatch", cmp.Or(Code(o.err), "fingerprint_mismatch"), true
+		return "mismatch", cmp.Or(errcode.Code(o.err), "fingerprint_mismatch"), true
 	case outBusy:
 		return "busy", "busy", true
 	case outTransient:
-		return "nacked", cmp.Or(Code(o.err), "transient"), true
+		return "nacked", cmp.Or(errcode.Code(o.err), "transient"), true
 	case outRecorded, outPermanent:
 		return "failed", failureCode(o.err), true
 	case outRejected:
@@ -150,7 +151,7 @@ func endSpan(span trace.Span, err error) {
 
 // startBatch starts the idem.batch span of a sorted batch and links it and each
 // message's span both ways.
-func (c *Consumer) startBatch(batch []*groupReq) (context.Context, trace.Span) {
+func (c *engine) startBatch(batch []*groupReq) (context.Context, trace.Span) {
 	if tracing.Off(c.cfg.TracerProvider) {
 		return context.Background(), noSpan
 	}

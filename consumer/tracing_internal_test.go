@@ -32,15 +32,15 @@ func TestNoopTracingAllocatesNothing(t *testing.T) {
 // noopTracing is a consumer with the default (global, no-op) provider and
 // propagator, a message that carries a traceparent, which the no-op propagator
 // does not read, and a request to reuse.
-func noopTracing() (*Consumer, *message.Message, *request) {
-	c := &Consumer{tracer: tracing.Tracer(nil), prop: tracing.Propagator(nil)}
+func noopTracing() (*engine, *message.Message, *request) {
+	c := &engine{tracer: tracing.Tracer(nil), prop: tracing.Propagator(nil)}
 	msg := message.NewMessage("0192f0c4-0000-7000-8000-000000000001", []byte(`{}`))
 	msg.Metadata.Set("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
 	return c, msg, &request{msg: msg, msgCtx: msg.Context()}
 }
 
 // traceOneMessage starts and ends a message's spans as handleOne does.
-func traceOneMessage(tb testing.TB, c *Consumer, msg *message.Message, req *request) {
+func traceOneMessage(tb testing.TB, c *engine, msg *message.Message, req *request) {
 	*req = request{msg: msg, msgCtx: msg.Context()}
 	req.ctx, req.span = c.startMessage(msg, "payments")
 	_, claim := c.child(req.ctx, spanClaim)

@@ -188,7 +188,7 @@ func TestTracingPrefersTheMessageContext(t *testing.T) {
 // keeps.
 func TestTracingGroupCommit(t *testing.T) {
 	t.Parallel()
-	c, b, rec := traced(t, consumer.GroupCommit, func(cfg *consumer.Config) { cfg.Workers = 1 })
+	c, b, rec := traced(t, consumer.GroupCommit, func(cfg *consumer.Config) { cfg.Batch.Workers = 1 })
 	// Two deliveries of one key in the batch: the second is a duplicate.
 	h := c.Middleware(b.bizHandler(nil))
 	const n = 6
@@ -260,7 +260,7 @@ func TestTracingGroupCommit(t *testing.T) {
 // message's effect keeps the context of that message's own span.
 func TestTracingHandleBatch(t *testing.T) {
 	t.Parallel()
-	c, b, rec := traced(t, consumer.Transactional, func(cfg *consumer.Config) { cfg.Workers = 1 })
+	c, b, rec := traced(t, consumer.Transactional, func(cfg *consumer.Config) { cfg.Batch.Workers = 1 })
 	h := c.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
 		for _, m := range msgs {
 			if _, err := effects.Enqueue(m.Context(), tx, effects.Effect{Kind: "email", Key: "receipt:" + m.UUID, Payload: m.Payload}); err != nil {

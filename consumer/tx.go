@@ -50,13 +50,13 @@ func guardSQL(schema string) string {
 
 // begin starts a transaction whose COMMIT checks the mark. The caller sets the mark
 // (txmark.Mark) before anything else.
-func (c *Consumer) begin(ctx context.Context) (pgx.Tx, error) {
+func (c *engine) begin(ctx context.Context) (pgx.Tx, error) {
 	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: commitSQL})
 }
 
 // beginGroup starts a group-commit batch's transaction: its COMMIT checks the mark
 // and lets the commit guard pass.
-func (c *Consumer) beginGroup(ctx context.Context) (pgx.Tx, error) {
+func (c *engine) beginGroup(ctx context.Context) (pgx.Tx, error) {
 	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: groupCommitSQL})
 }
 
@@ -85,7 +85,7 @@ func txState(tx pgx.Tx) error {
 // CommitTimeout, because a COMMIT cut in flight has an unknown outcome. The errors:
 // ErrTxEnded or ErrTxAborted (nothing committed by idem), ErrCanceled (nothing
 // committed), ErrCommitUnknown (COMMIT was sent and failed: it may have happened).
-func (c *Consumer) commit(ctx context.Context, tx pgx.Tx) error {
+func (c *engine) commit(ctx context.Context, tx pgx.Tx) error {
 	if err := txState(tx); err != nil {
 		return err
 	}
@@ -116,4 +116,45 @@ func savepointGone(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) &&
 		(pgErr.Code == pgerrcode.InvalidSavepointSpecification || pgErr.Code == pgerrcode.NoActiveSQLTransaction)
+}
+
+type txKey struct{}
+
+// ownedTx is the transaction a handler sees. idem owns it: Commit and Rollback are
+// refused, because in group-commit mode the handler's work is part of a transaction
+// shared with other messages, and in every mode the commit must cover the inbox row
+// too. Return an error instead to roll back. Raw SQL that ends the
+// transaction (Exec "COMMIT" or "ROLLBACK") cannot be refused; idem detects it
+// and records the key as failed with ErrTxEnded (see tx.go).
+type ownedTx struct{ pgx.Tx }
+
+func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
+func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
+
+// Tx returns the transaction the consumer opened for the message being handled.
+// Business writes and effects.Enqueue go through it. In group-commit mode (and in a
+// BatchHandler) it is shared with the other messages of a batch: do not assume it
+// is the whole transaction. Never end it yourself, with its methods or with raw SQL
+// (COMMIT, ROLLBACK): return nil to commit and an error to roll back. A handler
+// that ends it has its key recorded as failed (ErrTxEnded).
+//
+// Outside idem's middleware there is no transaction, and Tx panics with ErrNoTx,
+// whose text says what to fix: the consumer's Middleware is not around this
+// handler, or a middleware that calls Tx is outside idem's, or ctx is not the
+// message's context. TxSafely returns the error instead.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, err := TxSafely(ctx)
+	if err != nil {
+		panic(err)
+	}
+	return tx
+}
+
+// TxSafely is Tx, returning ErrNoTx (code "no_transaction") instead of panicking
+// when ctx carries no idem transaction.
+func TxSafely(ctx context.Context) (pgx.Tx, error) {
+	if tx, _ := ctx.Value(txKey{}).(pgx.Tx); tx != nil {
+		return tx, nil
+	}
+	return nil, ErrNoTx
 }

@@ -29,7 +29,7 @@ func propagatorFrom(ctx context.Context) propagation.TextMapPropagator {
 
 // TenantMetadataKey is the metadata field in which PublishSender passes on the
 // tenant of a tenant-scoped publish effect. A consumer downstream scopes its inbox by
-// it with consumer.MetadataTenant(effects.TenantMetadataKey).
+// it with consumer.MetadataKey(effects.TenantMetadataKey).
 const TenantMetadataKey = "idem_tenant"
 
 // PublishSender forwards stored Watermill messages to pub. It serves kinds

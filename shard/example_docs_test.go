@@ -34,7 +34,7 @@ func docConfigsOverOneMap(poolEU1, poolEU2, poolUS1 *pgxpool.Pool, senders map[s
 	}
 
 	_, errM := migrate.New(migrate.Config{Shards: m}) // Up migrates every shard
-	_, errC := consumer.New(consumer.Config{Shards: m, Tenant: consumer.MetadataTenant("tenant")})
+	_, errC := consumer.New(consumer.Config{Shards: m, Tenant: consumer.MetadataKey("tenant")})
 	_, errE := effects.NewDispatcher(effects.Config{Shards: m, Senders: senders})
 	_, errJ := janitor.New(janitor.Config{Shards: m})
 	_, errH := httpidem.New(httpidem.Config{Shards: m, Tenant: tenantOf})

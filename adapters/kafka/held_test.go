@@ -22,6 +22,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/consumer"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -202,7 +203,7 @@ func TestRecordWithoutKeyHoldsItsPartitionVisibly(t *testing.T) {
 		err = firstErr
 		mu.Unlock()
 		require.ErrorIs(t, err, consumer.ErrEmptyKey)
-		require.Equal(t, "empty_key", consumer.Code(err))
+		require.Equal(t, "empty_key", inbox.Code(err))
 		require.True(t, consumer.IsPermanent(err))
 		for _, want := range []string{"idem: empty idempotency key", "_watermill_message_uuid", "Config.Key",
 			"consumer.BusinessKey", "consumer.MetadataKey", "kafka.PartitionOffsetKey", "middleware.PoisonQueue", "holds its partition"} {

@@ -186,7 +186,7 @@ func (b *bundle) process(tenant, key, payload string) {
 	b.t.Helper()
 	c, err := consumer.New(consumer.Config{
 		Name: "payments", Pool: b.pool, Schema: b.schema,
-		Tenant: consumer.MetadataTenant("tenant"),
+		Tenant: consumer.MetadataKey("tenant"),
 	})
 	require.NoError(b.t, err)
 	h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {

@@ -308,7 +308,7 @@ func (r *run) consume(ctx context.Context, p parse) (stop func() error, err erro
 		return nil, err
 	}
 	idem, err := consumer.New(consumer.Config{Name: Consumer, Pool: r.pool, Schema: r.cfg.Schema,
-		OnPermanent: consumer.PoisonOnPermanent, Logger: r.cfg.Logger})
+		PoisonOnPermanent: true, Logger: r.cfg.Logger})
 	if err != nil {
 		return nil, err
 	}

@@ -100,7 +100,7 @@ func run(ctx context.Context, cfg config, ln net.Listener, logger *slog.Logger) 
 
 	c, err := consumer.New(consumer.Config{
 		Name: "payments", Pool: pool, Schema: cfg.schema,
-		Tenant:      consumer.MetadataTenant("tenant"),
+		Tenant:      consumer.MetadataKey("tenant"),
 		MessageTime: sentAt,
 		Logger:      logger,
 		Registerer:  reg,

@@ -171,6 +171,21 @@ func Collect[T, R any](s *Set[T], fn func(i int, p T) (R, error)) ([]R, []error)
 	return out, errs
 }
 
+// Front returns the handler of a front over s: part(p) for every part p and, with
+// one database, that part's handler itself, so the front adds nothing to a call
+// (no route, no allocation). With a shard map it returns routed(hs), hs being the
+// parts' handlers in map order, for routed to pick one a call.
+func Front[T, H any](s *Set[T], part func(T) H, routed func(hs []H) H) H {
+	hs := make([]H, len(s.parts))
+	for i, p := range s.parts {
+		hs[i] = part(p)
+	}
+	if s.m == nil {
+		return hs[0]
+	}
+	return routed(hs)
+}
+
 // Label returns log and reg for a shard's part: log with the attribute
 // shard=name, reg with the constant label shard=name on every series (nil for a
 // nil reg).
@@ -189,6 +204,16 @@ func SchemaTargets(m *shard.Map, db schemacheck.Beginner, schema string) []schem
 		out = append(out, schemacheck.Target{Shard: s.Name, DB: s.Pool, Schema: s.SchemaName()})
 	}
 	return out
+}
+
+// Schema is a config's Schema with its default: def for one database (m nil)
+// when schema is unset; with a shard map, schema as given, since each shard
+// names its own (and ValidateDB refuses a Schema beside Shards).
+func Schema(m *shard.Map, schema, def string) string {
+	if m == nil && schema == "" {
+		return def
+	}
+	return schema
 }
 
 // ValidateDB checks the database a config hands over, the same way in every

@@ -72,3 +72,32 @@ func TestShardMap(t *testing.T) {
 		func(sh shard.Shard) cfg { return cfg{db: sh.Name} }, build)
 	require.EqualError(t, err, `shard "bad": refused`)
 }
+
+// Front gives one database's part handler itself, and routes over a shard map.
+func TestFront(t *testing.T) {
+	t.Parallel()
+	part := func(p string) func() string { return func() string { return p } }
+	one, err := fanout.Build(nil, cfg{db: "one"}, func(shard.Shard) cfg { panic("no shards") }, build)
+	require.NoError(t, err)
+	h := fanout.Front(one, part, func([]func() string) func() string { panic("one database never routes") })
+	require.Equal(t, "part:one", h())
+
+	m := &shard.Map{Shards: []shard.Shard{{Name: "s1"}, {Name: "s2"}}}
+	two, err := fanout.Build(m, cfg{}, func(sh shard.Shard) cfg { return cfg{db: sh.Name} }, build)
+	require.NoError(t, err)
+	h = fanout.Front(two, part, func(hs []func() string) func() string {
+		require.Len(t, hs, 2)
+		return func() string { return hs[1]() + " routed" }
+	})
+	require.Equal(t, "part:s2 routed", h())
+}
+
+// Schema defaults one database's schema and leaves a shard map's unset.
+func TestSchema(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "idem", fanout.Schema(nil, "", "idem"))
+	require.Equal(t, "mine", fanout.Schema(nil, "mine", "idem"))
+	m := &shard.Map{Shards: []shard.Shard{{Name: "s1"}}}
+	require.Empty(t, fanout.Schema(m, "", "idem"))
+	require.Equal(t, "mine", fanout.Schema(m, "mine", "idem"), "kept, for ValidateDB to refuse")
+}

@@ -230,15 +230,18 @@ func sendTogether(t *testing.T, h func(*message.Message) error, msgs ...*message
 }
 
 // runConsumer drives a consumer in mode (with a batch handler if batch, with
-// BatchPerTenant if split): a one-tenant batch, a mixed one, both again after
+// Batch.PerTenant if split): a one-tenant batch, a mixed one, both again after
 // their keys expired, and the one-tenant batch once more (duplicates). Each batch
 // holds a message whose handler fails permanently. A one-tenant batch, and with
 // split a mixed one too, must send only statements that name the tenant.
 func runConsumer(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, schema string, mode consumer.Mode, batch, split bool) {
 	ctx := context.Background()
 	name := fmt.Sprintf("c-%s-%v-%v", mode, batch, split)
-	c, err := consumer.New(consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: mode,
-		Tenant: consumer.MetadataTenant("tenant"), MaxBatch: 3, MaxWait: 2 * time.Second, Workers: 1, BatchPerTenant: split})
+	cfg := consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: mode, Tenant: consumer.MetadataKey("tenant")}
+	if mode != consumer.Lease {
+		cfg.Batch = consumer.BatchConfig{MaxBatch: 3, MaxWait: 2 * time.Second, Workers: 1, PerTenant: split}
+	}
+	c, err := consumer.New(cfg)
 	require.NoError(t, err)
 	defer func() { require.NoError(t, c.Close()) }()
 	write := func(ctx context.Context, tx pgx.Tx, m *message.Message) error {

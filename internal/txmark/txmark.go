@@ -25,6 +25,15 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 )
 
+// Beginner starts a transaction; *pgxpool.Pool and *pgx.Conn do. BeginTx must
+// honour pgx.TxOptions.CommitQuery, as pgx's own implementations do: idem marks
+// every transaction it begins and checks the mark in its COMMIT, to know that the
+// transaction it commits is still its own.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
 // Mark marks the transaction it runs in as the one idem began. Send it in the
 // transaction's first round trip, after BEGIN.
 const Mark = "SET LOCAL idem.tx = 'on'"

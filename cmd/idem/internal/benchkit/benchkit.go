@@ -473,7 +473,7 @@ func build(setup Setup, o Options) (message.NoPublishHandlerFunc, func(), error)
 		return func(msg *message.Message) error { _, err := h(msg); return err }, func() {}, nil
 	case PerMessage, GroupCommit:
 		cfg := consumer.Config{Name: "bench", Pool: o.pool, Schema: o.Schema,
-			MaxBatch: o.MaxBatch, MaxWait: o.MaxWait, Workers: o.Workers}
+			Batch: consumer.BatchConfig{MaxBatch: o.MaxBatch, MaxWait: o.MaxWait, Workers: o.Workers}}
 		if setup == GroupCommit {
 			cfg.Mode = consumer.GroupCommit
 		}
@@ -489,7 +489,7 @@ func build(setup Setup, o Options) (message.NoPublishHandlerFunc, func(), error)
 		return func(msg *message.Message) error { _, err := h(msg); return err }, func() { _ = c.Close() }, nil
 	case Batch:
 		c, err := consumer.New(consumer.Config{Name: "bench", Pool: o.pool, Schema: o.Schema,
-			MaxBatch: o.BatchMaxBatch, MaxWait: o.MaxWait, Workers: o.Workers})
+			Batch: consumer.BatchConfig{MaxBatch: o.BatchMaxBatch, MaxWait: o.MaxWait, Workers: o.Workers}})
 		if err != nil {
 			return nil, nil, err
 		}

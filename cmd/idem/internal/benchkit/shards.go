@@ -132,7 +132,7 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 			return ShardResult{}, err
 		}
 	}
-	cfg := consumer.Config{Name: "bench", Shards: m, Tenant: consumer.MetadataTenant("tenant")}
+	cfg := consumer.Config{Name: "bench", Shards: m, Tenant: consumer.MetadataKey("tenant")}
 	if o.Setup == GroupCommit {
 		cfg.Mode = consumer.GroupCommit
 	}

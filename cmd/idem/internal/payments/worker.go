@@ -117,14 +117,14 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 		}
 		if cfg.Shards != nil {
 			ccfg.Pool, ccfg.Schema = nil, ""
-			ccfg.Shards, ccfg.Tenant = cfg.Shards, consumer.MetadataTenant(TenantMetadata)
+			ccfg.Shards, ccfg.Tenant = cfg.Shards, consumer.MetadataKey(TenantMetadata)
 		}
 		switch cfg.Mode {
 		case Transactional:
 		case GroupCommit:
-			ccfg.Mode, ccfg.MaxBatch = consumer.GroupCommit, batchSize
+			ccfg.Mode, ccfg.Batch.MaxBatch = consumer.GroupCommit, batchSize
 		case Batch:
-			ccfg.MaxBatch = batchSize
+			ccfg.Batch.MaxBatch = batchSize
 		default:
 			return fmt.Errorf("unknown mode %q (want %q, %q or %q)", cfg.Mode, Transactional, GroupCommit, Batch)
 		}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -57,7 +58,7 @@ func testPostgresOutage(t *testing.T, mode consumer.Mode) {
 	go func() { done <- d.Run(runCtx) }()
 
 	c, err := consumer.New(consumer.Config{Name: "orders", Pool: pool, Schema: schema, Mode: mode,
-		MaxWait: 5 * time.Millisecond, LockTimeout: 5 * time.Second, BusyDelay: 5 * time.Millisecond})
+		Batch: batchWait(mode, 5*time.Millisecond), LockTimeout: 5 * time.Second, BusyDelay: 5 * time.Millisecond})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	h := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
@@ -92,7 +93,7 @@ func testPostgresOutage(t *testing.T, mode consumer.Mode) {
 						break
 					}
 					codesMu.Lock()
-					codes[consumer.Code(err)]++
+					codes[inbox.Code(err)]++
 					codesMu.Unlock()
 					if consumer.IsPermanent(err) || time.Now().After(deadline) {
 						t.Errorf("%s: %v", key, err)

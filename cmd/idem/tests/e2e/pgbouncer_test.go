@@ -79,7 +79,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 		var hs []message.HandlerFunc
 		for range 2 {
 			c, err := consumer.New(consumer.Config{Name: "orders-" + cm.String(), Pool: pool, Schema: schema, Mode: cm,
-				MaxWait: 20 * time.Millisecond, LockTimeout: 10 * time.Second, BusyDelay: 5 * time.Millisecond})
+				Batch: batchWait(cm, 20*time.Millisecond), LockTimeout: 10 * time.Second, BusyDelay: 5 * time.Millisecond})
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = c.Close() })
 			hs = append(hs, c.Middleware(func(m *message.Message) ([]*message.Message, error) {
@@ -108,7 +108,7 @@ func testBehindPgBouncer(t *testing.T, url string, mode pgx.QueryExecMode) {
 		}
 		wg.Wait()
 	}
-	c, err := consumer.New(consumer.Config{Name: "orders-batch", Pool: pool, Schema: schema, MaxWait: 20 * time.Millisecond})
+	c, err := consumer.New(consumer.Config{Name: "orders-batch", Pool: pool, Schema: schema, Batch: consumer.BatchConfig{MaxWait: 20 * time.Millisecond}})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	hb := c.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {

@@ -60,7 +60,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	}
 	for _, mode := range []consumer.Mode{consumer.Transactional, consumer.GroupCommit, consumer.Lease} {
 		c, err := consumer.New(consumer.Config{Name: "orders-" + mode.String(), Pool: pool, Schema: schema, Mode: mode,
-			MaxWait: 50 * time.Millisecond, LockTimeout: 2 * time.Second, BusyDelay: time.Millisecond})
+			Batch: batchWait(mode, 50*time.Millisecond), LockTimeout: 2 * time.Second, BusyDelay: time.Millisecond})
 		require.NoError(t, err)
 		h := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
 			if m.UUID == "bad-"+mode.String() {
@@ -74,7 +74,7 @@ func TestLeastPrivilegeRole(t *testing.T) {
 		}
 		require.NoError(t, c.Close())
 	}
-	c, err := consumer.New(consumer.Config{Name: "orders-batch", Pool: pool, Schema: schema, MaxWait: 50 * time.Millisecond})
+	c, err := consumer.New(consumer.Config{Name: "orders-batch", Pool: pool, Schema: schema, Batch: consumer.BatchConfig{MaxWait: 50 * time.Millisecond}})
 	require.NoError(t, err)
 	hb := c.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
 		for _, m := range msgs {
@@ -227,4 +227,13 @@ func appRolePool(t *testing.T, owner *pgxpool.Pool, schema string) *pgxpool.Pool
 	require.NoError(t, pool.QueryRow(ctx, `SELECT current_user`).Scan(&who))
 	require.Equal(t, role, who)
 	return pool
+}
+
+// batchWait is Config.Batch with MaxWait d, in the modes that batch (Lease mode
+// refuses a Batch).
+func batchWait(m consumer.Mode, d time.Duration) consumer.BatchConfig {
+	if m == consumer.Lease {
+		return consumer.BatchConfig{}
+	}
+	return consumer.BatchConfig{MaxWait: d}
 }

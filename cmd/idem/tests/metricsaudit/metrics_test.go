@@ -72,7 +72,7 @@ func buildSharded(t *testing.T) (world, *shard.Map) {
 	return buildOn(t, m.Shards[0].Schema, func(cfg any) {
 		switch c := cfg.(type) {
 		case *consumer.Config:
-			c.Shards, c.Tenant = m, consumer.MetadataTenant("tenant")
+			c.Shards, c.Tenant = m, consumer.MetadataKey("tenant")
 		case *effects.Config:
 			c.Shards = m
 		case *janitor.Config:
