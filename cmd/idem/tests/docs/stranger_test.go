@@ -72,7 +72,7 @@ func openings(t *testing.T) []opening {
 // block, as the page shows it) into a fresh module outside the repository, whose
 // go.mod has nothing but a replace to this checkout for idem and its adapter
 // modules; runs go mod tidy and go build there; runs the program against the
-// services of scripts/services (DATABASE_URL, KAFKA_BROKERS, NATS_URL) with a
+// services of scripts/services (DATABASE_URL, KAFKA_BROKERS, NATS_URL, PGBOUNCER_URL) with a
 // timeout; and checks that it prints what the page's text block after the
 // program says. It never skips: without the services it fails saying how to
 // start them.
@@ -83,7 +83,7 @@ func openings(t *testing.T) []opening {
 // warm caches: about 60 s for the fourteen pages.
 func TestOpeningProgramsRunInABlankModule(t *testing.T) {
 	var missing []string
-	for _, v := range []string{"DATABASE_URL", "KAFKA_BROKERS", "NATS_URL"} {
+	for _, v := range []string{"DATABASE_URL", "KAFKA_BROKERS", "NATS_URL", "PGBOUNCER_URL"} {
 		if os.Getenv(v) == "" {
 			missing = append(missing, v)
 		}
