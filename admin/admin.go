@@ -15,6 +15,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
@@ -90,7 +91,7 @@ func (c Config) WithDefaults() Config {
 // stuck threshold. It checks c.WithDefaults(), so a config with a Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
+	if err := fanout.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.StuckAfter < 0 || c.StuckAttempts < 0 {
@@ -122,10 +123,11 @@ func New(cfg Config) (*Admin, error) {
 	}
 	cfg = cfg.WithDefaults()
 	if cfg.Shards != nil {
-		parts, err := shard.Each(cfg.Shards, cfg.forShard, New)
+		set, err := fanout.Build(cfg.Shards, cfg, cfg.forShard, New)
 		if err != nil {
 			return nil, err
 		}
+		parts := set.Parts()
 		for i, part := range parts {
 			part.name = cfg.Shards.Shards[i].Name
 		}
@@ -145,7 +147,7 @@ func New(cfg Config) (*Admin, error) {
 // labelled with sh's name.
 func (c Config) forShard(sh shard.Shard) Config {
 	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
-	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
+	c.Logger, c.Registerer = fanout.Label(sh, c.Logger, c.Registerer)
 	return c
 }
 

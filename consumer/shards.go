@@ -36,10 +36,11 @@ func newSharded(cfg Config, defaultFP bool) (*Consumer, error) {
 	if defaultFP {
 		part.Fingerprint = nil
 	}
-	each, err := shard.Each(cfg.Shards, part.forShard, New)
+	set, err := fanout.Build(cfg.Shards, part, part.forShard, New)
 	if err != nil {
 		return nil, err
 	}
+	each := set.Parts()
 	for _, c := range each {
 		c.sharded = true
 	}
@@ -58,7 +59,7 @@ func (c Config) schemaTargets() []schemacheck.Target {
 func (c Config) forShard(sh shard.Shard) Config {
 	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
 	c.SkipSchemaCheck = true // New checked every shard
-	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
+	c.Logger, c.Registerer = fanout.Label(sh, c.Logger, c.Registerer)
 	return c
 }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -256,7 +257,7 @@ func (c Config) WithDefaults() Config {
 // Tenant (or Unscoped) passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
+	if err := fanout.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.Shards != nil && c.Tenant == nil {

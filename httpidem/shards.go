@@ -18,10 +18,11 @@ type shardSet struct {
 }
 
 func newSharded(cfg Config) (*Middleware, error) {
-	each, err := shard.Each(cfg.Shards, cfg.forShard, New)
+	set, err := fanout.Build(cfg.Shards, cfg, cfg.forShard, New)
 	if err != nil {
 		return nil, err
 	}
+	each := set.Parts()
 	return &Middleware{cfg: cfg, log: cfg.Logger, shards: &shardSet{m: cfg.Shards, each: each}}, nil
 }
 
@@ -36,7 +37,7 @@ func (c Config) schemaTargets() []schemacheck.Target {
 func (c Config) forShard(sh shard.Shard) Config {
 	c.Shards, c.Pool, c.Schema = nil, sh.Pool, sh.SchemaName()
 	c.SkipSchemaCheck = true // New checked every shard
-	c.Logger, c.Registerer = sh.Label(c.Logger, c.Registerer)
+	c.Logger, c.Registerer = fanout.Label(sh, c.Logger, c.Registerer)
 	return c
 }
 

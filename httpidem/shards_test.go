@@ -29,11 +29,13 @@ func TestShardedRequestsRunOnTheirTenantsShard(t *testing.T) {
 		require.NoError(t, err)
 		ports[int(s.Pool.Config().ConnConfig.Port)] = s.Name
 	}
+	hash := &shard.Map{Shards: m.Shards}
 	m.Route = func(tenant string) (string, error) {
 		if tenant == "nowhere" {
 			return "", errors.New("no directory entry")
 		}
-		return m.Shards[shard.Rendezvous(tenant, m.Shards)].Name, nil
+		s, err := hash.Pick(tenant)
+		return s.Name, err
 	}
 	reg := prometheus.NewRegistry()
 	mw, err := httpidem.New(httpidem.Config{Shards: m, Registerer: reg, Tenant: func(r *http.Request) (string, error) { return r.Header.Get("X-Tenant"), nil }})
