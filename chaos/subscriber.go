@@ -16,10 +16,19 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
-// Defaults for Config.
+// Defaults of Config and AuditorConfig.
 const (
+	// DefaultSchema holds the idem tables unless AuditorConfig.Schema says
+	// otherwise.
+	DefaultSchema = pgschema.Default
+	// DefaultSettlePoll is the time between the audits of Auditor.Settled.
+	DefaultSettlePoll = 50 * time.Millisecond
+	// DefaultSettleQuiet is how long Auditor.Settled waits for figures that stopped
+	// changing before it takes the run as settled.
+	DefaultSettleQuiet = 2 * time.Second
 	// DefaultMaxCopies caps the extra copies of one message when duplicating.
 	DefaultMaxCopies = 2
 	// DefaultRedeliverDelay is how long after an ack a message is redelivered.
@@ -67,9 +76,6 @@ type Config struct {
 	// MaxDelay, if set, delays every delivery (originals and copies) by a random
 	// time in [0, MaxDelay).
 	MaxDelay time.Duration
-	// Observer, if set, is told of every delivery and injected fault, in the order
-	// they happen. It must not block.
-	Observer func(Event)
 	// Logger gets a debug line per injected fault (nil: quiet).
 	Logger *slog.Logger
 }
@@ -113,30 +119,25 @@ func validProbability(name string, p float64) error {
 	return nil
 }
 
-// ErrInvalidConfig is wrapped by the error a constructor of this package returns
-// for a config it refuses (code "invalid_config"). Every idem package has the same
-// value.
-var ErrInvalidConfig = errcode.ErrInvalidConfig
-
-// EventKind names what happened to a delivery.
-type EventKind string
+// eventKind names what happened to a delivery.
+type eventKind string
 
 // Event kinds.
 const (
-	// EventOriginal: the message as the upstream subscriber delivered it. Its ack
+	// eventOriginal: the message as the upstream subscriber delivered it. Its ack
 	// or nack goes upstream.
-	EventOriginal EventKind = "original"
-	// EventDuplicate: an extra copy, injected next to the original.
-	EventDuplicate EventKind = "duplicate"
-	// EventRedelivery: a copy delivered after the original was acked.
-	EventRedelivery EventKind = "redelivery"
-	// EventNackRedelivery: an injected copy delivered again after it was nacked.
-	EventNackRedelivery EventKind = "nack-redelivery"
+	eventOriginal eventKind = "original"
+	// eventDuplicate: an extra copy, injected next to the original.
+	eventDuplicate eventKind = "duplicate"
+	// eventRedelivery: a copy delivered after the original was acked.
+	eventRedelivery eventKind = "redelivery"
+	// eventNackRedelivery: an injected copy delivered again after it was nacked.
+	eventNackRedelivery eventKind = "nack-redelivery"
 )
 
-// Event is one delivery by a Subscriber.
-type Event struct {
-	Kind EventKind
+// event is one delivery by a Subscriber, as the tests' observer sees it.
+type event struct {
+	Kind eventKind
 	// UUID of the message.
 	UUID string
 	// Seq is the message's position in the upstream order, from 0.
@@ -147,11 +148,11 @@ type Event struct {
 
 type kindKey struct{}
 
-// KindOf tells what kind of delivery a message handed on by a Subscriber is, from
-// its context (or a context derived from it, such as a handler's). It is for logs
-// and tests; a handler must never behave differently for injected copies.
-func KindOf(ctx context.Context) (EventKind, bool) {
-	k, ok := ctx.Value(kindKey{}).(EventKind)
+// kindOf tells what kind of delivery a message handed on by a Subscriber is, from
+// its context (or a context derived from it, such as a handler's). It is for the
+// tests; a handler must never behave differently for injected copies.
+func kindOf(ctx context.Context) (eventKind, bool) {
+	k, ok := ctx.Value(kindKey{}).(eventKind)
 	return k, ok
 }
 
@@ -202,6 +203,9 @@ type Subscriber struct {
 		received, delivered, duplicates, redeliveries, nackRedeliveries,
 		reordered, delayed, acked, nacked, upAcked, upNacked atomic.Int64
 	}
+	// observer, set by tests before Subscribe, is told of every delivery and
+	// injected fault, in the order they happen.
+	observer func(event)
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -292,7 +296,7 @@ type subscription struct {
 type delivery struct {
 	due  time.Time // zero: at once
 	seq  int64
-	kind EventKind
+	kind eventKind
 	n    int64 // upstream position
 	up   *message.Message
 	// redeliver: after the original is acked, deliver it again.
@@ -388,7 +392,7 @@ func (sub *subscription) read() {
 			}
 			s.stats.received.Add(1)
 			r := s.rng(n, streamFaults)
-			d := &delivery{kind: EventOriginal, n: n, up: up, delay: s.delay(r)}
+			d := &delivery{kind: eventOriginal, n: n, up: up, delay: s.delay(r)}
 			copies := 0
 			if r.Float64() < s.cfg.DuplicateProbability {
 				copies = 1 + r.IntN(s.cfg.MaxCopies)
@@ -411,7 +415,7 @@ func (sub *subscription) read() {
 			}
 			for range copies {
 				s.stats.duplicates.Add(1)
-				sub.schedule(&delivery{kind: EventDuplicate, n: d.n, up: up, delay: s.delay(r)})
+				sub.schedule(&delivery{kind: eventDuplicate, n: d.n, up: up, delay: s.delay(r)})
 			}
 		}
 	}
@@ -434,7 +438,7 @@ func (sub *subscription) schedule(d *delivery) {
 }
 
 // scheduleAfter schedules a copy of d of the given kind after delay.
-func (sub *subscription) scheduleAfter(d *delivery, kind EventKind, delay time.Duration) {
+func (sub *subscription) scheduleAfter(d *delivery, kind eventKind, delay time.Duration) {
 	sub.schedule(&delivery{kind: kind, n: d.n, up: d.up, delay: delay})
 }
 
@@ -506,7 +510,7 @@ func (sub *subscription) deliver(d *delivery) bool {
 	}
 	var cancel context.CancelFunc = func() {}
 	ctx := d.up.Context()
-	if d.kind != EventOriginal {
+	if d.kind != eventOriginal {
 		// The upstream message's context may be cancelled once it is acked (the
 		// GoChannel does that), and a copy outlives it.
 		ctx, cancel = context.WithCancel(context.WithoutCancel(ctx))
@@ -528,15 +532,15 @@ func (sub *subscription) deliver(d *delivery) bool {
 		s.stats.delayed.Add(1)
 	}
 	switch d.kind {
-	case EventRedelivery:
+	case eventRedelivery:
 		s.stats.redeliveries.Add(1)
-	case EventNackRedelivery:
+	case eventNackRedelivery:
 		s.stats.nackRedeliveries.Add(1)
 	}
-	if s.cfg.Observer != nil {
-		s.cfg.Observer(Event{Kind: d.kind, UUID: d.up.UUID, Seq: d.n, Delay: d.delay})
+	if s.observer != nil {
+		s.observer(event{Kind: d.kind, UUID: d.up.UUID, Seq: d.n, Delay: d.delay})
 	}
-	if d.kind != EventOriginal {
+	if d.kind != eventOriginal {
 		s.cfg.Logger.Debug("chaos: injected delivery", "kind", string(d.kind), "uuid", d.up.UUID, "seq", d.n, "delay", d.delay)
 	}
 	sub.watchers.Add(1)
@@ -558,7 +562,7 @@ func (sub *subscription) drop() {
 
 // giveBack nacks an original that could not be delivered.
 func (sub *subscription) giveBack(d *delivery) {
-	if d.kind == EventOriginal {
+	if d.kind == eventOriginal {
 		d.up.Nack()
 		sub.s.stats.upNacked.Add(1)
 	}
@@ -592,23 +596,23 @@ func (sub *subscription) watch(d *delivery, msg *message.Message, cancel context
 	switch {
 	case acked:
 		s.stats.acked.Add(1)
-		if d.kind != EventOriginal {
+		if d.kind != eventOriginal {
 			return
 		}
 		d.up.Ack()
 		s.stats.upAcked.Add(1)
 		if d.redeliver {
-			sub.scheduleAfter(d, EventRedelivery, s.cfg.RedeliverDelay)
+			sub.scheduleAfter(d, eventRedelivery, s.cfg.RedeliverDelay)
 		}
 	case nacked:
 		s.stats.nacked.Add(1)
-		if d.kind == EventOriginal {
+		if d.kind == eventOriginal {
 			// The upstream subscriber redelivers it; a later delivery gets the
 			// same redelivery decision again from its new position.
 			d.up.Nack()
 			s.stats.upNacked.Add(1)
 			return
 		}
-		sub.scheduleAfter(d, EventNackRedelivery, s.cfg.NackDelay)
+		sub.scheduleAfter(d, eventNackRedelivery, s.cfg.NackDelay)
 	}
 }
