@@ -22,15 +22,15 @@ func NewMessage(payload []byte) *message.Message {
 // message it returns an error for (so one the router nacks, or a PoisonQueue
 // poisons), the error's stable code: Code(err), or "transient" for an error
 // without one. A broker adapter sees only the nack; idem's Kafka adapter reads this
-// key to log the code with its redelivery pause. The key is the same string as
-// the Kafka adapter's kafka.MetadataErrorCode.
+// key to log the code with its redelivery pause (a test checks the adapter reads
+// this very key).
 const MetadataErrorCode = "idem_error_code"
 
 // MetadataErrorPermanent is the metadata key under which the middleware leaves
 // "true", next to MetadataErrorCode, when the error it returns is permanent
 // (IsPermanent): retrying the message cannot succeed, so nacked it holds its
 // partition (Kafka) until a PoisonQueue takes it. The Kafka adapter reads it to
-// report the partition as held (kafka.MetadataErrorPermanent, the same key).
+// report the partition as held.
 const MetadataErrorPermanent = "idem_error_permanent"
 
 // markErrorCode sets MetadataErrorCode, and MetadataErrorPermanent for a

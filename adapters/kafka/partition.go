@@ -56,8 +56,9 @@ type entry struct {
 	// delivery. It lives as long as the entry: until the record is acked,
 	// or its partition revoked.
 	nacks int
-	// held: its latest nack was for a permanent error (MetadataErrorPermanent),
-	// with heldCode, so it holds the partition until it is acked.
+	// held: its latest nack was for a permanent error
+	// (consumer.MetadataErrorPermanent), with heldCode, so it holds the partition
+	// until it is acked.
 	held     bool
 	heldCode string
 	// msg is its latest delivery: the one in a handler while inHandler.
@@ -101,8 +102,8 @@ const (
 type settlement struct {
 	e       *entry
 	outcome outcome
-	// code is what the handler side put in MetadataErrorCode before a nack,
-	// and permanent whether it set MetadataErrorPermanent.
+	// code is what the handler side put in consumer.MetadataErrorCode before a nack,
+	// and permanent whether it set consumer.MetadataErrorPermanent.
 	code      string
 	permanent bool
 }
@@ -467,7 +468,7 @@ func (p *partitionRun) hearAcksGiven(ctx context.Context) {
 // after Nacked is closed, so the handler's writes to it happened before.
 func nackOf(c *candidate) settlement {
 	md := c.msg.Metadata
-	return settlement{e: c.e, outcome: nacked, code: md.Get(MetadataErrorCode), permanent: md.Get(MetadataErrorPermanent) == "true"}
+	return settlement{e: c.e, outcome: nacked, code: md.Get(metadataErrorCode), permanent: md.Get(metadataErrorPermanent) == "true"}
 }
 
 // wait reports what the handler does with a delivery the run loop no longer

@@ -18,7 +18,7 @@ import (
 // a user types; wiring that only idem's packages share lives under internal/.
 // Issue 31 aims at 180; the budget is the count today, lowered as each package
 // reaches its share.
-const surfaceBudget = 301
+const surfaceBudget = 270
 
 // publicDirs are the public packages, by path relative to the module, and their
 // folders: the core module's but internal/, cmd/ and examples/, and the adapters'.
