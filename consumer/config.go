@@ -48,15 +48,13 @@ const (
 	// PoisonQueue poisons), the error's stable code: inbox.Code(err), or
 	// "transient" for an error without one. A broker adapter sees only the nack;
 	// idem's Kafka adapter reads this key to log the code with its redelivery
-	// pause. The key is the same string as the Kafka adapter's
-	// kafka.MetadataErrorCode.
+	// pause (a test checks the adapter reads this very key).
 	MetadataErrorCode = "idem_error_code"
 	// MetadataErrorPermanent is the metadata key under which the middleware leaves
 	// "true", next to MetadataErrorCode, when the error it returns is permanent
 	// (IsPermanent): retrying the message cannot succeed, so nacked it holds its
 	// partition (Kafka) until a PoisonQueue takes it. The Kafka adapter reads it
-	// to report the partition as held (kafka.MetadataErrorPermanent, the same
-	// key).
+	// to report the partition as held.
 	MetadataErrorPermanent = "idem_error_permanent"
 )
 
