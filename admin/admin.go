@@ -83,9 +83,7 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, inbox.DefaultSchema)
 	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
 	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
 	c.MetricsInterval = cmp.Or(c.MetricsInterval, DefaultMetricsInterval)

@@ -192,9 +192,7 @@ func (b Backoff) Delay(n int) time.Duration {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, DefaultSchema)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.Lease = cmp.Or(c.Lease, DefaultLease)
 	c.Backoff = c.Backoff.WithDefaults()

@@ -249,9 +249,7 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, DefaultSchema)
 	c.KeyHeader = http.CanonicalHeaderKey(cmp.Or(c.KeyHeader, DefaultKeyHeader))
 	if c.Operation == nil {
 		c.Operation = defaultOperation

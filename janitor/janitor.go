@@ -68,9 +68,7 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, DefaultSchema)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.Pause = cmp.Or(c.Pause, DefaultPause)
 	c.EffectsRetention = cmp.Or(c.EffectsRetention, DefaultEffectsRetention)

@@ -1,7 +1,6 @@
 package migrate
 
 import (
-	"cmp"
 	"context"
 	"embed"
 	"fmt"
@@ -143,9 +142,7 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, pgschema.Default)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, pgschema.Default)
 	return c
 }
 
