@@ -1,12 +1,11 @@
-// Package inboxdb holds every statement idem runs on the inbox table to claim and
-// settle keys, the Store that runs them with the key, tenant and consumer rules
-// and their coded errors (package inbox re-exports what a user types), and the
-// encoding of the table's stored-response columns, in one
-// place: the Store (store.go), the consumer's set-based batch claim, httpidem's
-// stored responses and the janitor all take their SQL from here, so that a key is claimed,
-// forgotten and expired by the same statements whoever asks. Every value is a bind
-// parameter; the schema is validated by the caller and quoted here. It imports
-// nothing public of idem.
+// Package inboxdb is the inbox's engine: every statement idem runs on the inbox
+// table to claim and settle keys, the Store that runs them, the key, tenant and
+// consumer rules and their coded errors (package inbox re-exports what a user
+// types), and the encoding of the table's stored-response columns. The Store, the
+// consumer's set-based batch claim, httpidem's stored responses and the janitor all
+// take their SQL from here, so that a key is claimed, forgotten and expired by the
+// same statements whoever asks. Every value is a bind parameter; the schema is
+// validated by the caller and quoted here. It imports nothing public of idem.
 package inboxdb
 
 import (
