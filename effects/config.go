@@ -14,12 +14,35 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/shard"
 )
 
-// Defaults of Config.
+// Limits and defaults.
 const (
+	// MaxKeyLen is the longest effect key and tenant, in bytes.
+	MaxKeyLen = effectsdb.MaxKeyLen
+	// MaxPayloadLen is the largest effect payload, in bytes.
+	MaxPayloadLen = effectsdb.MaxPayloadLen
+	// DefaultMaxAttempts is how many times a sender tries an effect before it is
+	// dead.
+	DefaultMaxAttempts = effectsdb.DefaultMaxAttempts
+	// DefaultSchema is the schema used when none is given.
+	DefaultSchema = pgschema.Default
+	// PublishKindPrefix starts the kind of an effect that publishes a Watermill
+	// message: "publish:<topic>" (see PublishEffect and PublishSenders).
+	PublishKindPrefix = effectsdb.PublishKindPrefix
+	// TenantMetadataKey is the metadata field in which PublishSender passes on the
+	// effect's tenant.
+	TenantMetadataKey = "idem_tenant"
+	// DefaultLedgerKeyColumn holds the effect key unless LedgerConfig says otherwise.
+	DefaultLedgerKeyColumn = "effect_key"
+	// DefaultLedgerPayloadColumn receives the payload unless LedgerConfig says
+	// otherwise.
+	DefaultLedgerPayloadColumn = "payload"
+
 	// DefaultBatchSize is how many effects of one kind a claim takes at most.
 	DefaultBatchSize = 100
 	// DefaultConcurrency is how many sends of one kind run at once.
@@ -219,7 +242,7 @@ func (c Config) Validate() error {
 		return errcode.InvalidConfig("no Senders registered")
 	}
 	for kind, s := range c.Senders {
-		if !kindRe.MatchString(kind) {
+		if !effectsdb.ValidKind(kind) {
 			return fmt.Errorf("sender for %q: %w", kind, ErrInvalidKind)
 		}
 		if s == nil {
@@ -234,7 +257,7 @@ func (c Config) Validate() error {
 			return errcode.InvalidConfig("concurrency for %q must be positive, got %d", kind, n)
 		}
 	}
-	if err := validateTenant(c.Tenant); err != nil {
+	if err := effectsdb.ValidateTenant(c.Tenant); err != nil {
 		return fmt.Errorf("tenant: %w", err)
 	}
 	if c.BatchSize <= 0 {

@@ -17,16 +17,12 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/shard"
 )
-
-// ErrDispatcherRunning is returned by Run when the Dispatcher is already running.
-var ErrDispatcherRunning = errcode.Transient("dispatcher_running", "dispatcher is already running")
 
 // maxErrorLen caps the last_error stored for an effect.
 const maxErrorLen = 2000

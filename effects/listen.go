@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -58,7 +59,7 @@ func (d *dispatcher) listenOnce(ctx context.Context) (listened bool, err error) 
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+effectsdb.NotifyChannel); err != nil {
 		return false, err
 	}
 	d.signalWake()

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/text"
@@ -49,7 +50,7 @@ func (d *dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
 	}
 	opts := sendSpanOptions
 	if c.trace != "" {
-		if sc := decodeTrace(c.trace); sc.IsValid() {
+		if sc := effectsdb.DecodeTrace(c.trace); sc.IsValid() {
 			opts = append(slices.Clip(opts), trace.WithLinks(trace.Link{SpanContext: sc}))
 		}
 	}
@@ -128,7 +129,7 @@ func (d *dispatcher) attemptIn(ctx context.Context, c *claimed) outcome {
 		return outcome{c: c, state: "done", label: "done"}
 	}
 	log := d.log.With(c.logAttrs()...)
-	if ctx.Err() != nil && !IsPermanent(err) {
+	if ctx.Err() != nil && !isPermanent(err) {
 		// Cut off by the lease deadline or a forced shutdown: the receiver may have
 		// the effect already.
 		err = Indefinite(err)
@@ -145,8 +146,8 @@ func (d *dispatcher) attemptIn(ctx context.Context, c *claimed) outcome {
 
 // failed decides between a retry and dead for a failed attempt.
 func (d *dispatcher) failed(c *claimed, err error, log *slog.Logger) outcome {
-	indefinite := IsIndefinite(err)
-	if IsPermanent(err) {
+	indefinite := isIndefinite(err)
+	if isPermanent(err) {
 		return d.dead(c, err, indefinite, log)
 	}
 	if c.Attempt >= c.maxAttempts {

@@ -83,15 +83,15 @@ func Indefinite(err error) error {
 	return &indefiniteError{err}
 }
 
-// IsPermanent reports whether err is marked Permanent, or is an error whose
+// isPermanent reports whether err is marked Permanent, or is an error whose
 // Permanent() method says so (such as ErrFingerprintMismatch).
-func IsPermanent(err error) bool {
+func isPermanent(err error) bool {
 	var p interface{ Permanent() bool }
 	return errors.As(err, &p) && p.Permanent()
 }
 
-// IsIndefinite reports whether err is marked Indefinite.
-func IsIndefinite(err error) bool {
+// isIndefinite reports whether err is marked Indefinite.
+func isIndefinite(err error) bool {
 	var i *indefiniteError
 	return errors.As(err, &i)
 }
