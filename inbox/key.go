@@ -23,21 +23,3 @@ const (
 // key (ErrEmptyKey), one over MaxKeyLen bytes (ErrKeyTooLong), or one that is not
 // UTF-8 or holds a NUL byte (ErrKeyInvalid). A key is never guessed or truncated.
 func ValidateKey(key string) error { return inboxdb.ValidateKey(key) }
-
-// ID names one inbox row: what admin.Admin's Forget and InspectInbox take and
-// httpidem.KeyFrom returns.
-type ID = inboxdb.ID
-
-// State is an inbox row's state (admin.InboxKey.State holds it as text).
-type State = inboxdb.State
-
-const (
-	// StateCompleted is a key whose handler's work committed.
-	StateCompleted State = State(inboxdb.StateCompleted)
-	// StateFailed is a key whose handler failed permanently; redeliveries replay
-	// the failure.
-	StateFailed State = State(inboxdb.StateFailed)
-	// StateProcessing is a key a delivery holds until its lease ends (lease mode
-	// only).
-	StateProcessing State = State(inboxdb.StateProcessing)
-)
