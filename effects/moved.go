@@ -31,7 +31,7 @@ var (
 	RequeueDead   = effectsdb.RequeueDead
 	PublishKind   = effectsdb.PublishKind
 	Code          = errcode.Code
-	IsPermanent   = isPermanent
+	IsPermanent   = errcode.IsPermanent
 	IsIndefinite  = isIndefinite
 )
 

@@ -129,7 +129,7 @@ func (d *dispatcher) attemptIn(ctx context.Context, c *claimed) outcome {
 		return outcome{c: c, state: "done", label: "done"}
 	}
 	log := d.log.With(c.logAttrs()...)
-	if ctx.Err() != nil && !isPermanent(err) {
+	if ctx.Err() != nil && !errcode.IsPermanent(err) {
 		// Cut off by the lease deadline or a forced shutdown: the receiver may have
 		// the effect already.
 		err = Indefinite(err)
@@ -147,7 +147,7 @@ func (d *dispatcher) attemptIn(ctx context.Context, c *claimed) outcome {
 // failed decides between a retry and dead for a failed attempt.
 func (d *dispatcher) failed(c *claimed, err error, log *slog.Logger) outcome {
 	indefinite := isIndefinite(err)
-	if isPermanent(err) {
+	if errcode.IsPermanent(err) {
 		return d.dead(c, err, indefinite, log)
 	}
 	if c.Attempt >= c.maxAttempts {

@@ -83,13 +83,6 @@ func Indefinite(err error) error {
 	return &indefiniteError{err}
 }
 
-// isPermanent reports whether err is marked Permanent, or is an error whose
-// Permanent() method says so (such as ErrFingerprintMismatch).
-func isPermanent(err error) bool {
-	var p interface{ Permanent() bool }
-	return errors.As(err, &p) && p.Permanent()
-}
-
 // isIndefinite reports whether err is marked Indefinite.
 func isIndefinite(err error) bool {
 	var i *indefiniteError
