@@ -391,7 +391,7 @@ func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		c := &claimed{claimedAt: start}
 		var lag float64
 		err := rows.Scan(&c.Tenant, &c.Kind, &c.Key, &c.Payload, &c.Attempt, &c.maxAttempts, &c.fence,
-			&c.prevInFlight, &c.CreatedAt, &lag, &c.Source.Consumer, &c.Source.Tenant, &c.Source.Key, &c.trace)
+			&c.prevInFlight, &c.CreatedAt, &lag, &c.SourceConsumer, &c.SourceTenant, &c.SourceKey, &c.trace)
 		if err != nil {
 			rows.Close()
 			return nil, err

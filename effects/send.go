@@ -58,8 +58,8 @@ func (d *dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
 	if span.IsRecording() {
 		span.SetAttributes(tracing.Kind.String(c.Kind), tracing.EffectKey.String(c.Key),
 			tracing.Tenant.String(c.Tenant), tracing.Attempt.Int(c.Attempt))
-		if c.Source.Consumer != "" {
-			span.SetAttributes(tracing.Consumer.String(c.Source.Consumer), tracing.Key.String(c.Source.Key))
+		if c.SourceConsumer != "" {
+			span.SetAttributes(tracing.Consumer.String(c.SourceConsumer), tracing.Key.String(c.SourceKey))
 		}
 	}
 	return ctx, span

@@ -28,8 +28,10 @@ type Delivery struct {
 	Attempt int
 	// CreatedAt is when the effect was enqueued (the database's clock).
 	CreatedAt time.Time
-	// Source names the message that made the effect; empty outside a consumer.
-	Source Source
+	// SourceConsumer, SourceTenant and SourceKey name the message (or HTTP
+	// request) that made the effect: its consumer, tenant and inbox key. They are
+	// empty when the effect was enqueued outside a consumer or httpidem handler.
+	SourceConsumer, SourceTenant, SourceKey string
 }
 
 // Sender carries out effects of one kind.

@@ -74,8 +74,8 @@ func TestEnqueueTenantScope(t *testing.T) {
 	for _, d := range sends {
 		require.Equal(t, 1, d.Attempt)
 		got[d.Tenant] = string(d.Payload)
-		if d.Source.Consumer != "" {
-			require.Equal(t, d.Tenant, d.Source.Tenant, "a consumer's effect has its message's tenant")
+		if d.SourceConsumer != "" {
+			require.Equal(t, d.Tenant, d.SourceTenant, "a consumer's effect has its message's tenant")
 		}
 	}
 	require.Equal(t, map[string]string{"acme": `{"to":"a"}`, "globex": `{"to":"g"}`, "": `{"to":"u"}`, "initech": `{"to":"i"}`}, got)
