@@ -22,27 +22,6 @@ import (
 
 // Limits and defaults.
 const (
-	// MaxKeyLen is the longest effect key and tenant, in bytes.
-	MaxKeyLen = effectsdb.MaxKeyLen
-	// MaxPayloadLen is the largest effect payload, in bytes.
-	MaxPayloadLen = effectsdb.MaxPayloadLen
-	// DefaultMaxAttempts is how many times a sender tries an effect before it is
-	// dead.
-	DefaultMaxAttempts = effectsdb.DefaultMaxAttempts
-	// DefaultSchema is the schema used when none is given.
-	DefaultSchema = pgschema.Default
-	// PublishKindPrefix starts the kind of an effect that publishes a Watermill
-	// message: "publish:<topic>" (see PublishEffect and PublishSenders).
-	PublishKindPrefix = effectsdb.PublishKindPrefix
-	// TenantMetadataKey is the metadata field in which PublishSender passes on the
-	// effect's tenant.
-	TenantMetadataKey = "idem_tenant"
-	// DefaultLedgerKeyColumn holds the effect key unless LedgerConfig says otherwise.
-	DefaultLedgerKeyColumn = "effect_key"
-	// DefaultLedgerPayloadColumn receives the payload unless LedgerConfig says
-	// otherwise.
-	DefaultLedgerPayloadColumn = "payload"
-
 	// DefaultBatchSize is how many effects of one kind a claim takes at most.
 	DefaultBatchSize = 100
 	// DefaultConcurrency is how many sends of one kind run at once.
@@ -67,6 +46,27 @@ const (
 	// DefaultBackoffJitter spreads each delay by up to ±20%, so effects that failed
 	// together do not all come back together.
 	DefaultBackoffJitter = 0.2
+
+	// MaxKeyLen is the longest effect key and tenant, in bytes (512).
+	MaxKeyLen = effectsdb.MaxKeyLen
+	// MaxPayloadLen is the largest effect payload, in bytes (8 MiB).
+	MaxPayloadLen = effectsdb.MaxPayloadLen
+	// DefaultMaxAttempts is how many times a sender tries an effect before it is
+	// dead (25).
+	DefaultMaxAttempts = effectsdb.DefaultMaxAttempts
+	// DefaultSchema is the schema used when none is given.
+	DefaultSchema = pgschema.Default
+	// PublishKindPrefix starts the kind of an effect that publishes a Watermill
+	// message: "publish:<topic>" (see PublishEffect and PublishSenders).
+	PublishKindPrefix = effectsdb.PublishKindPrefix
+	// TenantMetadataKey is the metadata field in which PublishSender passes on the
+	// effect's tenant.
+	TenantMetadataKey = "idem_tenant"
+	// DefaultLedgerKeyColumn holds the effect key unless LedgerConfig says otherwise.
+	DefaultLedgerKeyColumn = "effect_key"
+	// DefaultLedgerPayloadColumn receives the payload unless LedgerConfig says
+	// otherwise.
+	DefaultLedgerPayloadColumn = "payload"
 )
 
 // Config configures a Dispatcher.

@@ -11,6 +11,9 @@ import (
 // are the values every idem package returns, so errors.Is holds whichever package
 // produced the error.
 var (
+	// ErrDispatcherRunning is returned by Run when the Dispatcher is already
+	// running. It is transient.
+	ErrDispatcherRunning = errcode.Transient("dispatcher_running", "dispatcher is already running")
 	// ErrFingerprintMismatch is returned when the (tenant, kind, key) exists with a
 	// different payload.
 	ErrFingerprintMismatch = effectsdb.ErrFingerprintMismatch
@@ -36,9 +39,6 @@ var (
 	ErrBufferClosed = effectsdb.ErrBufferClosed
 	// ErrNoTx is returned when Enqueue is called without a transaction.
 	ErrNoTx = effectsdb.ErrNoTx
-	// ErrDispatcherRunning is returned by Run when the Dispatcher is already
-	// running. It is transient.
-	ErrDispatcherRunning = errcode.Transient("dispatcher_running", "dispatcher is already running")
 	// ErrInvalidSchema is returned when the schema name is not a plain lower-case
 	// identifier. It is inbox.ErrInvalidSchema.
 	ErrInvalidSchema = pgschema.ErrInvalid

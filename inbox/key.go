@@ -9,13 +9,14 @@ import (
 const (
 	// DefaultSchema is the Postgres schema idem uses unless told otherwise.
 	DefaultSchema = pgschema.Default
-	// DefaultRetention is how long inbox rows live unless a consumer says otherwise.
+	// DefaultRetention is how long inbox rows live unless a consumer says
+	// otherwise (7 days).
 	DefaultRetention = inboxdb.DefaultRetention
 	// MaxKeyLen is the longest key, tenant or consumer name the inbox accepts, in
-	// bytes. It keeps primary-key entries well inside a B-tree page.
+	// bytes (512). It keeps primary-key entries well inside a B-tree page.
 	MaxKeyLen = inboxdb.MaxKeyLen
 	// MaxJSONDepth is the deepest nesting of arrays and objects CanonicalJSON
-	// accepts (the limit encoding/json has too).
+	// accepts (10000, the limit encoding/json has too).
 	MaxJSONDepth = canonjson.MaxDepth
 )
 
