@@ -4,8 +4,9 @@ import (
 	"context"
 	"time"
 
-	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/internal/effectsdb"
 )
 
 // listen wakes the claim loop on each notification for this schema. It holds one
