@@ -12,17 +12,18 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
 
 // DB is what the API runs its statements on: a *pgxpool.Pool, a *pgx.Conn or a
 // pgx.Tx (then every read and action is part of that transaction). It is
-// inbox.DBTX.
-type DB = inbox.DBTX
+// inboxdb.DBTX.
+type DB = inboxdb.DBTX
 
 // Defaults of Config.
 const (
@@ -222,7 +223,7 @@ func (a *Admin) Requeue(ctx context.Context, id EffectID) error {
 	if a.shards != nil {
 		return a.shardedRequeue(ctx, id)
 	}
-	n, err := effects.RequeueDead(ctx, a.db, a.cfg.Schema, effects.RequeueFilter{
+	n, err := effectsdb.RequeueDead(ctx, a.db, a.cfg.Schema, effectsdb.RequeueFilter{
 		Tenant: id.Tenant, TenantExact: true, Kind: id.Kind, Key: id.Key,
 	})
 	if err != nil {
@@ -240,11 +241,11 @@ func (a *Admin) Requeue(ctx context.Context, id EffectID) error {
 
 // RequeueDead brings every dead effect that f picks back to pending and returns how
 // many; see effects.RequeueDead for the filter's rules.
-func (a *Admin) RequeueDead(ctx context.Context, f effects.RequeueFilter) (int64, error) {
+func (a *Admin) RequeueDead(ctx context.Context, f effectsdb.RequeueFilter) (int64, error) {
 	if a.shards != nil {
 		return a.shardedRequeueDead(ctx, f)
 	}
-	n, err := effects.RequeueDead(ctx, a.db, a.cfg.Schema, f)
+	n, err := effectsdb.RequeueDead(ctx, a.db, a.cfg.Schema, f)
 	return n, a.wrap(err)
 }
 

@@ -16,8 +16,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/text"
 )
@@ -576,7 +576,7 @@ func (a *Admin) shardedRequeue(ctx context.Context, id EffectID) error {
 	return cmp.Or(first, errorf(ErrNotFound, "no effect %s on any shard", id))
 }
 
-func (a *Admin) shardedRequeueDead(ctx context.Context, f effects.RequeueFilter) (int64, error) {
+func (a *Admin) shardedRequeueDead(ctx context.Context, f effectsdb.RequeueFilter) (int64, error) {
 	if err := a.offRoute(ctx, "requeue", func(ctx context.Context, s *Admin) ([]string, error) {
 		return s.tenantsOf(ctx, `SELECT DISTINCT tenant FROM `+s.table("effects")+`
 			WHERE state = 'dead' AND ($1 = '' OR kind = $1) AND ($2 = '' OR key = $2) AND (($3 = '' AND NOT $4) OR tenant = $3)`,

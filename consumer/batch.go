@@ -16,8 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/attribute"
 
-	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -191,7 +191,7 @@ type keyGroup struct {
 	rep int
 	// rec is the row the claim found committed already; then the key is settled
 	// for the whole batch and is not claimed again in later rounds.
-	rec *inbox.Record
+	rec *inboxdb.Record
 }
 
 type roundEnd int
@@ -336,7 +336,7 @@ func (r *setRun) round(n int) roundEnd {
 		}
 	}
 
-	var items []effects.Item
+	var items []effectsdb.Item
 	var itemOwner []int
 	if len(r.claimed) > 0 {
 		var end roundEnd
@@ -353,8 +353,8 @@ func (r *setRun) round(n int) roundEnd {
 		}
 	}
 	if len(items) > 0 {
-		if _, err := effects.EnqueueItems(r.ctx, r.tx, items); err != nil {
-			var ie *effects.ItemErrors
+		if _, err := effectsdb.EnqueueItems(r.ctx, r.tx, items); err != nil {
+			var ie *effectsdb.ItemErrors
 			if !errors.As(err, &ie) {
 				return roundFallback
 			}
@@ -404,9 +404,9 @@ func (r *setRun) committed() {
 			claim := r.batch[owner].req.claim
 			switch o := r.res[owner]; o.kind {
 			case outCommitted:
-				rec = r.ownRow(claim, inbox.StateCompleted, "", "")
+				rec = r.ownRow(claim, inboxdb.StateCompleted, "", "")
 			case outRecorded:
-				rec = r.ownRow(claim, inbox.StateFailed, failureCode(o.err), truncate(o.err.Error()))
+				rec = r.ownRow(claim, inboxdb.StateFailed, failureCode(o.err), truncate(o.err.Error()))
 			}
 		}
 		for k := grp.rep + 1; k < len(grp.copies); k++ {
@@ -416,15 +416,15 @@ func (r *setRun) committed() {
 				continue
 			}
 			fp := r.batch[i].req.claim.Fingerprint
-			r.res[i] = existingOutcome(inbox.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)})
+			r.res[i] = existingOutcome(inboxdb.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)})
 		}
 	}
 }
 
 // ownRow is the row this batch wrote for claim, as a later copy of its key meets it.
-func (r *setRun) ownRow(claim inbox.Claim, state inbox.State, code, msg string) *inbox.Record {
+func (r *setRun) ownRow(claim inboxdb.Claim, state inboxdb.State, code, msg string) *inboxdb.Record {
 	now := time.Now()
-	return &inbox.Record{Consumer: claim.Consumer, Tenant: claim.Tenant, Key: claim.Key,
+	return &inboxdb.Record{Consumer: claim.Consumer, Tenant: claim.Tenant, Key: claim.Key,
 		Fingerprint: claim.Fingerprint, State: state, ErrorCode: code, Error: msg,
 		Attempts: 1, ReceivedAt: now, CompletedAt: &now, Now: now}
 }
@@ -464,10 +464,10 @@ func outcomeOf(err error) outcome {
 
 // runHandlers runs each claimed message's own handler in turn, with no savepoint,
 // and stops at the first failure.
-func (r *setRun) runHandlers() ([]effects.Item, []int, roundEnd) {
-	var items []effects.Item
+func (r *setRun) runHandlers() ([]effectsdb.Item, []int, roundEnd) {
+	var items []effectsdb.Item
 	var owners []int
-	bufs := make([]effects.Buffer, len(r.claimed)) // one allocation for the round's buffers
+	bufs := make([]effectsdb.Buffer, len(r.claimed)) // one allocation for the round's buffers
 	for j, i := range r.claimed {
 		gr := r.batch[i]
 		buf := &bufs[j]
@@ -496,7 +496,7 @@ func (r *setRun) runHandlers() ([]effects.Item, []int, roundEnd) {
 // the batch index of each one's message) if it succeeded, its error (a panic's,
 // recovered), and the transaction's state after it (txState).
 type callResult struct {
-	items  []effects.Item
+	items  []effectsdb.Item
 	owners []int
 	err    error
 	state  error
@@ -510,7 +510,7 @@ func (r *setRun) call(idx []int) callResult {
 	c := r.c
 	r.lastCall = idx
 	msgs := make([]*message.Message, len(idx))
-	bufs := make([]effects.Buffer, len(idx)) // one allocation for the call's buffers
+	bufs := make([]effectsdb.Buffer, len(idx)) // one allocation for the call's buffers
 	for j, i := range idx {
 		req := r.batch[i].req
 		req.msg.SetContext(c.handlerContext(req.ctx, r.owned, c.scope(req, &bufs[j])))
@@ -520,8 +520,8 @@ func (r *setRun) call(idx []int) callResult {
 	if span.IsRecording() {
 		span.SetAttributes(tracing.BatchSize.Int(len(msgs)))
 	}
-	bctx := effects.WithScope(context.WithValue(sctx, txKey{}, r.owned),
-		effects.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
+	bctx := effectsdb.WithScope(context.WithValue(sctx, txKey{}, r.owned),
+		effectsdb.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
 	var cr callResult
 	func() {
 		defer func() {
@@ -596,7 +596,7 @@ func (r *setRun) judge(idx []int, cr callResult) verdict {
 }
 
 // runBatchHandler runs the batch handler once on every claimed message.
-func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
+func (r *setRun) runBatchHandler() ([]effectsdb.Item, []int, roundEnd) {
 	cr := r.call(r.claimed)
 	switch r.judge(r.claimed, cr) {
 	case callOK:
@@ -622,9 +622,9 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 // messages fail only all together), the halves' work is what the round commits.
 // When tx has had maxSavepoints savepoints it stops, and the undecided messages go
 // on in a fresh run, which isolates at once.
-func (r *setRun) isolate() ([]effects.Item, []int, roundEnd) {
+func (r *setRun) isolate() ([]effectsdb.Item, []int, roundEnd) {
 	r.suspect = false
-	var items []effects.Item
+	var items []effectsdb.Item
 	var owners []int
 	found := false
 	var test func(part []int) roundEnd

@@ -21,8 +21,9 @@ import (
 
 	"cmp"
 
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/text"
 	"github.com/idemkit/idem/internal/tracing"
@@ -33,7 +34,7 @@ import (
 // router handler. It is safe for concurrent use.
 type Consumer struct {
 	cfg        Config
-	store      *inbox.Store
+	store      *inboxdb.Store
 	batchStore *batchStore
 	metrics    *metrics
 	log        *slog.Logger
@@ -95,7 +96,7 @@ func New(cfg Config) (*Consumer, error) {
 	if cfg.Shards != nil {
 		return newSharded(cfg, defaultFP)
 	}
-	store, err := inbox.NewStore(cfg.Schema)
+	store, err := inboxdb.NewStore(cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -258,7 +259,7 @@ type request struct {
 	msgCtx   context.Context
 	span     trace.Span
 	spanDone bool
-	claim    inbox.Claim
+	claim    inboxdb.Claim
 	// invalid: a permanent error found before any claim (bad key, bad payload).
 	invalid error
 	// recordable: invalid, but the key is good, so the failure can be recorded.
@@ -273,7 +274,7 @@ type request struct {
 
 // noteExpired counts a delivery whose claim forgot its key's expired row, once per
 // delivery however many claims of it (group-commit rounds) meet the row.
-func (c *Consumer) noteExpired(req *request, res inbox.ClaimResult) {
+func (c *Consumer) noteExpired(req *request, res inboxdb.ClaimResult) {
 	if !res.Expired || req.expiredCounted {
 		return
 	}
@@ -325,7 +326,7 @@ func (c *Consumer) prepare(msg *message.Message) (*request, error) {
 		tenant, err := c.cfg.Tenant(msg)
 		if err == nil {
 			tenant = cmp.Or(tenant, c.cfg.DefaultTenant)
-			err = inbox.ValidateTenant(tenant)
+			err = inboxdb.ValidateTenant(tenant)
 		}
 		if err == nil && tenant == "" && c.sharded {
 			err = ErrTenantMissing
@@ -391,7 +392,7 @@ const (
 type outcome struct {
 	kind outcomeKind
 	err  error
-	rec  *inbox.Record
+	rec  *inboxdb.Record
 	// claimFailed: err came from the claim's round trip, before the handler ran.
 	claimFailed bool
 }
@@ -476,10 +477,10 @@ func (c *Consumer) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) ou
 
 // scope is the effects scope of req's handler. With buf, Enqueue adds effects to
 // it, for the batch to write them all at once.
-func (c *Consumer) scope(req *request, buf *effects.Buffer) effects.Scope {
-	return effects.Scope{
+func (c *Consumer) scope(req *request, buf *effectsdb.Buffer) effectsdb.Scope {
+	return effectsdb.Scope{
 		Schema: c.cfg.Schema,
-		Source: effects.Source{Consumer: req.claim.Consumer, Tenant: req.claim.Tenant, Key: req.claim.Key},
+		Source: effectsdb.Source{Consumer: req.claim.Consumer, Tenant: req.claim.Tenant, Key: req.claim.Key},
 		Kinds:  c.cfg.EffectKinds,
 		Buffer: buf,
 	}
@@ -487,13 +488,13 @@ func (c *Consumer) scope(req *request, buf *effects.Buffer) effects.Scope {
 
 // handlerContext is the context a handler runs with: its transaction as idem's
 // ownedTx (owned, wrapped once by the caller) and its effects scope.
-func (c *Consumer) handlerContext(ctx context.Context, owned pgx.Tx, scope effects.Scope) context.Context {
-	return effects.WithScope(context.WithValue(ctx, txKey{}, owned), scope)
+func (c *Consumer) handlerContext(ctx context.Context, owned pgx.Tx, scope effectsdb.Scope) context.Context {
+	return effectsdb.WithScope(context.WithValue(ctx, txKey{}, owned), scope)
 }
 
 // runHandlerBuffered is runHandler with effects and output messages going to buf
 // (written now when buf is nil). owned is tx as the handler sees it (ownedTx).
-func (c *Consumer) runHandlerBuffered(req *request, tx, owned pgx.Tx, h message.HandlerFunc, buf *effects.Buffer) outcome {
+func (c *Consumer) runHandlerBuffered(req *request, tx, owned pgx.Tx, h message.HandlerFunc, buf *effectsdb.Buffer) outcome {
 	scope := c.scope(req, buf)
 	sctx, span := c.child(req.ctx, spanHandler)
 	hctx := c.handlerContext(sctx, owned, scope)
@@ -546,7 +547,7 @@ func OutputUUID(consumer, tenant, key string, index int) string {
 // (forwarding), and the output's identity must not leak into it. If it did, a retry
 // of that message (middleware.Retry outside idem) would claim the output UUID as its
 // key and commit the work a second time under a second key.
-func (c *Consumer) storeOutput(ctx context.Context, req *request, tx pgx.Tx, scope effects.Scope, out []*message.Message) error {
+func (c *Consumer) storeOutput(ctx context.Context, req *request, tx pgx.Tx, scope effectsdb.Scope, out []*message.Message) error {
 	if len(out) == 0 {
 		return nil
 	}
@@ -562,25 +563,25 @@ func (c *Consumer) storeOutput(ctx context.Context, req *request, tx pgx.Tx, sco
 		}
 		m = m.Copy()
 		m.UUID = OutputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
-		e, err := effects.PublishEffect(topic, m)
+		e, err := effectsdb.PublishEffect(topic, m)
 		if err != nil {
 			return Permanent(err)
 		}
-		if _, err := effects.EnqueueScoped(ctx, tx, scope, e); err != nil {
+		if _, err := effectsdb.Enqueue(ctx, tx, scope, e); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func existingOutcome(res inbox.ClaimResult) outcome {
+func existingOutcome(res inboxdb.ClaimResult) outcome {
 	rec := res.Existing
 	switch {
 	case res.Mismatch:
 		return outcome{kind: outMismatch, rec: rec, err: fmt.Errorf("%w: consumer %q key %q", ErrFingerprintMismatch, rec.Consumer, rec.Key)}
-	case rec.State == inbox.StateCompleted:
+	case rec.State == inboxdb.StateCompleted:
 		return outcome{kind: outDuplicate, rec: rec}
-	case rec.State == inbox.StateFailed:
+	case rec.State == inboxdb.StateFailed:
 		return outcome{kind: outReplayed, rec: rec}
 	default: // a fresh lease held by another delivery
 		return outcome{kind: outBusy, rec: rec, err: inbox.ErrLeaseHeld}
@@ -597,7 +598,7 @@ func (c *Consumer) recordFailureCtx(ctx context.Context, req *request, cause err
 	if !req.recordable && req.invalid != nil {
 		return outcome{kind: outRejected, err: cause}
 	}
-	var res inbox.ClaimResult
+	var res inboxdb.ClaimResult
 	err := pgx.BeginTxFunc(ctx, c.cfg.Pool, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel}, func(tx pgx.Tx) error {
 		if err := c.setLockTimeout(ctx, tx); err != nil {
 			return err

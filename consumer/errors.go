@@ -47,7 +47,7 @@ var (
 
 // Error is an idem error with a stable code. Compare with errors.Is against the
 // sentinels. It is the one coded error type of every idem package (inbox.Error and
-// effects.Error are the same type).
+// inbox.Error are the same type).
 type Error = errcode.Error
 
 var (

@@ -6,8 +6,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/shard"
 )
@@ -69,7 +69,7 @@ func (c Config) forShard(sh shard.Shard) Config {
 func (s *shards) route(msg *message.Message) (int, error) {
 	tenant, err := s.tenant(msg)
 	tenant = cmp.Or(tenant, s.defaultTenant)
-	if err != nil || tenant == "" || inbox.ValidateTenant(tenant) != nil {
+	if err != nil || tenant == "" || inboxdb.ValidateTenant(tenant) != nil {
 		return 0, nil
 	}
 	return s.m.Index(tenant)

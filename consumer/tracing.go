@@ -10,7 +10,7 @@ import (
 
 	"cmp"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -132,7 +132,7 @@ func outcomeName(o outcome) (name, code string, failed bool) {
 }
 
 // claimOutcome names what a claim found.
-func claimOutcome(res inbox.ClaimResult) string {
+func claimOutcome(res inboxdb.ClaimResult) string {
 	if res.Claimed {
 		return "claimed"
 	}

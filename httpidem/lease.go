@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/txmark"
 )
 
@@ -28,7 +29,7 @@ func (m *Middleware) serveLease(q *request) {
 	cctx, span := m.startClaim(q)
 	start := time.Now()
 	res, err := m.store.LeaseResponse(cctx, m.cfg.Pool, q.claim, m.cfg.Lease)
-	if err == nil && !res.Claimed && !res.Mismatch && res.Existing.State == inbox.StateProcessing {
+	if err == nil && !res.Claimed && !res.Mismatch && res.Existing.State == inboxdb.StateProcessing {
 		res, err = m.waitForLease(q, start)
 	}
 	m.metrics.op(q.claim.Consumer).lockWait.Observe(time.Since(start).Seconds())
@@ -244,7 +245,7 @@ func (m *Middleware) waitForLease(q *request, start time.Time) (responseClaim, e
 	for {
 		left := m.cfg.LockTimeout - time.Since(start)
 		if left <= 0 {
-			return responseClaim{ClaimResult: inbox.ClaimResult{Existing: &inbox.Record{State: inbox.StateProcessing}}}, nil
+			return responseClaim{ClaimResult: inboxdb.ClaimResult{Existing: &inboxdb.Record{State: inboxdb.StateProcessing}}}, nil
 		}
 		select {
 		case <-ctx.Done():
@@ -253,7 +254,7 @@ func (m *Middleware) waitForLease(q *request, start time.Time) (responseClaim, e
 		}
 		pause = min(2*pause, 200*time.Millisecond)
 		res, err := m.store.LeaseResponse(ctx, m.cfg.Pool, q.claim, m.cfg.Lease)
-		if err != nil || res.Claimed || res.Mismatch || res.Existing.State != inbox.StateProcessing {
+		if err != nil || res.Claimed || res.Mismatch || res.Existing.State != inboxdb.StateProcessing {
 			return res, err
 		}
 	}

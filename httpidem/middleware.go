@@ -16,9 +16,10 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
@@ -113,7 +114,7 @@ func (m *Middleware) Middleware(next http.Handler) http.Handler { return m.Route
 // pattern: it is a programming error, found at start-up.
 func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 	if rt.Operation != "" {
-		if err := inbox.ValidateConsumer(rt.Operation); err != nil {
+		if err := inboxdb.ValidateConsumer(rt.Operation); err != nil {
 			panic(fmt.Sprintf("httpidem: Route.Operation %q: %v", rt.Operation, err))
 		}
 		for _, one := range m.parts() {
@@ -193,7 +194,7 @@ type request struct {
 	r     *http.Request
 	next  http.Handler
 	body  []byte
-	claim inbox.Claim
+	claim inboxdb.Claim
 	// stmts are the prepared statements on conn, when the middleware uses them
 	// (prepared).
 	stmts    described
@@ -266,7 +267,7 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 	if op == "" {
 		var err error
 		if op, err = m.cfg.Operation(r); err == nil {
-			err = inbox.ValidateConsumer(op)
+			err = inboxdb.ValidateConsumer(op)
 		}
 		if err != nil {
 			m.log.Error("idem: request without an operation; set Route.Operation or Config.Operation", "err", err, "method", r.Method, "path", r.URL.Path)
@@ -289,7 +290,7 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 		m.reject(w, op, CodeKeyInvalid, err.Error())
 		return
 	}
-	q := &request{w: w, r: r, next: next, claim: inbox.Claim{ID: inbox.ID{Consumer: op, Key: key}, Retention: m.cfg.Retention}}
+	q := &request{w: w, r: r, next: next, claim: inboxdb.Claim{ID: inboxdb.ID{Consumer: op, Key: key}, Retention: m.cfg.Retention}}
 	defer q.release()
 	if m.cfg.Tenant != nil {
 		tenant, err := m.cfg.Tenant(r)
@@ -297,7 +298,7 @@ func (m *Middleware) serve(rt Route, next http.Handler, w http.ResponseWriter, r
 			err = errEmptyTenant
 		}
 		if err == nil {
-			err = inbox.ValidateTenant(tenant)
+			err = inboxdb.ValidateTenant(tenant)
 		}
 		if err != nil {
 			m.log.Info("idem: tenant refused", append(q.attrs(), "err", err)...)
@@ -638,12 +639,12 @@ func (m *Middleware) run(q *request, tx pgx.Tx, onPanic func()) (*Response, faul
 // handlerContext is the context the handler (and Recover) runs with: the
 // transaction (Tx), the key (KeyFrom) and the effects scope.
 func (m *Middleware) handlerContext(ctx context.Context, q *request, tx pgx.Tx) context.Context {
-	scope := effects.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
+	scope := effectsdb.Scope{Schema: m.cfg.Schema, Kinds: m.cfg.EffectKinds}
 	if q.claim.Key != "" {
-		scope.Source = effects.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
+		scope.Source = effectsdb.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
 	}
 	q.owned = ownedTx{tx}
-	return &handlerCtx{Context: effects.WithScope(ctx, scope), q: q}
+	return &handlerCtx{Context: effectsdb.WithScope(ctx, scope), q: q}
 }
 
 // handlerCtx answers Tx and KeyFrom from the request itself, so that they cost no
@@ -659,7 +660,7 @@ func (c *handlerCtx) Value(key any) any {
 		return &c.q.owned
 	case keyKey:
 		if c.q.claim.Key != "" {
-			return c.q.claim.ID
+			return inbox.ID(c.q.claim.ID)
 		}
 	}
 	return c.Context.Value(key)
@@ -753,7 +754,7 @@ func (m *Middleware) storeFailure(q *request, resp *Response) {
 // recordFailure records c as failed with code, msg and stored, in a transaction of
 // its own on conn (outside any transaction), waiting up to LockTimeout for a concurrent
 // request with the key; if the key has a row, it returns that instead.
-func (m *Middleware) recordFailure(ctx context.Context, conn *connTx, c inbox.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
+func (m *Middleware) recordFailure(ctx context.Context, conn *connTx, c inboxdb.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
 	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.LockTimeout)); err != nil {
 			return err
@@ -782,7 +783,7 @@ func (m *Middleware) answerExisting(q *request, res responseClaim) {
 		m.count(q.claim.Consumer, OutcomeMismatch)
 		m.log.Warn("idem: key reused with a different request", q.attrs()...)
 		q.problem(CodeFingerprintMismatch, "this key was first used with a different request (method, path, query or body); use a new key for a new request", 0)
-	case rec.State == inbox.StateProcessing:
+	case rec.State == inboxdb.StateProcessing:
 		m.inProgress(q)
 	case res.Response == nil:
 		m.count(q.claim.Consumer, OutcomeError)
@@ -793,7 +794,7 @@ func (m *Middleware) answerExisting(q *request, res responseClaim) {
 	}
 }
 
-func (m *Middleware) replay(q *request, rec *inbox.Record, stored *storedResponse) {
+func (m *Middleware) replay(q *request, rec *inboxdb.Record, stored *storedResponse) {
 	body := stored.Body
 	if stored.BodyRef != "" {
 		var err error
@@ -851,7 +852,7 @@ func (m *Middleware) dbFailed(q *request, what string, err error) {
 // serveUnkeyed runs a request without a key on a route where the key is optional:
 // in a transaction, committed before the answer, with nothing stored.
 func (m *Middleware) serveUnkeyed(op string, next http.Handler, w http.ResponseWriter, r *http.Request) {
-	q := &request{w: w, r: r, next: next, claim: inbox.Claim{ID: inbox.ID{Consumer: op}}}
+	q := &request{w: w, r: r, next: next, claim: inboxdb.Claim{ID: inboxdb.ID{Consumer: op}}}
 	defer q.release()
 	ctx := r.Context()
 	tx, err := m.begin(ctx, q, false)

@@ -14,6 +14,7 @@ import (
 	"github.com/dunglas/httpsfv"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/canonjson"
 )
 
 // errKeyAbsent: the request has no key header.
@@ -113,11 +114,11 @@ func DefaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byt
 			buf = appendField(buf, "empty")
 			return sum(buf), nil
 		}
-		if !selects && inbox.IsCanonical(body) { // already canonical: no parse tree
+		if !selects && canonjson.IsCanonical(body) { // already canonical: no parse tree
 			buf = appendField(buf, "json")
 			return sum(appendField(buf, body)), nil
 		}
-		canon, err := inbox.Canonicalize(body, opts)
+		canon, err := canonjson.Canonicalize(body, canonjson.Options(opts))
 		if err == nil {
 			buf = appendField(buf, "json")
 			return sum(appendField(buf, canon)), nil

@@ -41,7 +41,7 @@ type storedResponse struct {
 
 // responseClaim is what a claim that knows about stored responses found.
 type responseClaim struct {
-	inbox.ClaimResult
+	inboxdb.ClaimResult
 	// Response is the existing row's stored response, if it has one.
 	Response *storedResponse
 	// ReplacedExpired: the key had a settled row past its expires_at; the claim
@@ -55,15 +55,15 @@ type responseClaim struct {
 // responseStore is the inbox with the HTTP response that a key's row may hold
 // (migration 003): stored in the transaction that claims the key, read back on a
 // retry, and deleted by the janitor with the key. The plain inbox operations
-// (ReleaseLease) are inbox.Store's.
+// (ReleaseLease) are inboxdb.Store's.
 type responseStore struct {
-	*inbox.Store
+	*inboxdb.Store
 	q inboxdb.Queries
 }
 
 // newResponseStore returns the store for schema, which the Config has validated.
 func newResponseStore(schema string) (*responseStore, error) {
-	store, err := inbox.NewStore(schema)
+	store, err := inboxdb.NewStore(schema)
 	if err != nil {
 		return nil, err
 	}
@@ -78,8 +78,8 @@ func (s *responseStore) wrap(err error) error { return pgschema.Wrap(err, s.Sche
 func retentionOf(d time.Duration) time.Duration { return cmp.Or(d, inbox.DefaultRetention) }
 
 // existing is what a claim that met rec says, for a claim of fingerprint fp.
-func existing(rec *inbox.Record, fp []byte) inbox.ClaimResult {
-	return inbox.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)}
+func existing(rec *inboxdb.Record, fp []byte) inboxdb.ClaimResult {
+	return inboxdb.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)}
 }
 
 // responseArgs are a response's column values, in column order.
@@ -134,9 +134,9 @@ func validateStored(r *storedResponse) error {
 // response. A settled row past its expires_at is deleted in tx and the key claimed
 // as new (ReplacedExpired). A claim returns Row, for SaveResponseCommit.
 func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
-	inbox.DBTX
-	inbox.BatchSender
-}, prelude []string, c inbox.Claim, wait time.Duration) (responseClaim, error) {
+	inboxdb.DBTX
+	inboxdb.BatchSender
+}, prelude []string, c inboxdb.Claim, wait time.Duration) (responseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, err
 	}
@@ -174,7 +174,7 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 // ClaimResponsePrepared is ClaimResponseTx with BEGIN for its prelude, on conn
 // outside any transaction, through the prepared statements p (see
 // preparedStmts). It returns them as prepared on conn, for saveCommitPrepared.
-func (s *responseStore) ClaimResponsePrepared(ctx context.Context, conn *pgx.Conn, p *preparedStmts, c inbox.Claim, wait time.Duration) (responseClaim, described, error) {
+func (s *responseStore) ClaimResponsePrepared(ctx context.Context, conn *pgx.Conn, p *preparedStmts, c inboxdb.Claim, wait time.Duration) (responseClaim, described, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, described{}, err
 	}
@@ -211,7 +211,7 @@ type rowRef struct{ tid pgtype.TID }
 // ran out (fence + 1, Attempts + 1). On a conflict it returns the existing row and
 // its stored response; a settled row past its expires_at is deleted and the key
 // leased as new.
-func (s *responseStore) LeaseResponse(ctx context.Context, db inbox.DBTX, c inbox.Claim, lease time.Duration) (responseClaim, error) {
+func (s *responseStore) LeaseResponse(ctx context.Context, db inboxdb.DBTX, c inboxdb.Claim, lease time.Duration) (responseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, err
 	}
@@ -224,12 +224,12 @@ func (s *responseStore) LeaseResponse(ctx context.Context, db inbox.DBTX, c inbo
 
 // insertOrResponse is insertOr that reads the existing row with its response, and
 // replaces an expired settled row.
-func (s *responseStore) insertOrResponse(ctx context.Context, db inbox.DBTX, c inbox.Claim, insert func() (int64, error)) (responseClaim, error) {
+func (s *responseStore) insertOrResponse(ctx context.Context, db inboxdb.DBTX, c inboxdb.Claim, insert func() (int64, error)) (responseClaim, error) {
 	var out responseClaim
 	for {
 		fence, err := insert()
 		if err == nil {
-			out.ClaimResult = inbox.ClaimResult{Claimed: true, Fence: fence}
+			out.ClaimResult = inboxdb.ClaimResult{Claimed: true, Fence: fence}
 			return out, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
@@ -258,7 +258,7 @@ func (s *responseStore) insertOrResponse(ctx context.Context, db inbox.DBTX, c i
 // SaveResponseTx stores resp on id's row, in the transaction that claimed it with
 // ClaimResponseTx and holds the handler's work, so the response commits with the
 // work or not at all.
-func (s *responseStore) SaveResponseTx(ctx context.Context, tx inbox.DBTX, id inbox.ID, resp *storedResponse) error {
+func (s *responseStore) SaveResponseTx(ctx context.Context, tx inboxdb.DBTX, id inboxdb.ID, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -281,7 +281,7 @@ func (s *responseStore) SaveResponseTx(ctx context.Context, tx inbox.DBTX, id in
 // response, nothing commits: the COMMIT behind the failed statement is never
 // executed and the transaction is left failed, for the caller to roll back. A
 // failed COMMIT returns ErrCommitUnknown.
-func (s *responseStore) SaveResponseCommit(ctx context.Context, conn inbox.BatchSender, id inbox.ID, row rowRef, resp *storedResponse) error {
+func (s *responseStore) SaveResponseCommit(ctx context.Context, conn inboxdb.BatchSender, id inboxdb.ID, row rowRef, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -294,7 +294,7 @@ func (s *responseStore) SaveResponseCommit(ctx context.Context, conn inbox.Batch
 // CompleteLeaseResponseCommit is CompleteLeaseResponseTx and COMMIT in one round
 // trip, in a transaction marked with TxMark; a fence that no longer matches returns
 // inbox.ErrLeaseLost and a missing mark ErrTxReplaced, and neither commits anything.
-func (s *responseStore) CompleteLeaseResponseCommit(ctx context.Context, conn inbox.BatchSender, id inbox.ID, fence int64, retention time.Duration, resp *storedResponse) error {
+func (s *responseStore) CompleteLeaseResponseCommit(ctx context.Context, conn inboxdb.BatchSender, id inboxdb.ID, fence int64, retention time.Duration, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -305,7 +305,7 @@ func (s *responseStore) CompleteLeaseResponseCommit(ctx context.Context, conn in
 // commitAfter sends an "OrFail" statement and COMMIT in one batch. A missing mark
 // is ErrTxReplaced; a division by zero is noRow. Either way nothing commits: the
 // COMMIT behind a failed statement is never executed.
-func (s *responseStore) commitAfter(ctx context.Context, conn inbox.BatchSender, sql string, args []any, noRow func() error) error {
+func (s *responseStore) commitAfter(ctx context.Context, conn inboxdb.BatchSender, sql string, args []any, noRow func() error) error {
 	b := &pgx.Batch{}
 	b.Queue(sql, args...)
 	b.Queue("commit")
@@ -334,7 +334,7 @@ func (s *responseStore) commitAfter(ctx context.Context, conn inbox.BatchSender,
 // reports whether it found such a row: false means the claim never committed (tx
 // mode) or the lease was lost (lease mode). Run it outside the request's
 // transaction, after that has ended.
-func (s *responseStore) AnswerCommitted(ctx context.Context, db inbox.DBTX, c inbox.Claim, fence int64, code, msg string, resp *storedResponse) (bool, error) {
+func (s *responseStore) AnswerCommitted(ctx context.Context, db inboxdb.DBTX, c inboxdb.Claim, fence int64, code, msg string, resp *storedResponse) (bool, error) {
 	if err := c.Validate(); err != nil {
 		return false, err
 	}
@@ -355,7 +355,7 @@ func (s *responseStore) AnswerCommitted(ctx context.Context, db inbox.DBTX, c in
 // FailResponseTx records c as failed with its response (a final client error),
 // unless the key already has a row, whose outcome and response it then returns.
 // Call it in a transaction of its own, after the handler's transaction rolled back.
-func (s *responseStore) FailResponseTx(ctx context.Context, tx inbox.DBTX, c inbox.Claim, code, msg string, resp *storedResponse) (responseClaim, error) {
+func (s *responseStore) FailResponseTx(ctx context.Context, tx inboxdb.DBTX, c inboxdb.Claim, code, msg string, resp *storedResponse) (responseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, err
 	}
@@ -371,7 +371,7 @@ func (s *responseStore) FailResponseTx(ctx context.Context, tx inbox.DBTX, c inb
 }
 
 // CompleteLeaseResponseTx is CompleteLeaseTx that stores resp on the row too.
-func (s *responseStore) CompleteLeaseResponseTx(ctx context.Context, tx inbox.DBTX, id inbox.ID, fence int64, retention time.Duration, resp *storedResponse) error {
+func (s *responseStore) CompleteLeaseResponseTx(ctx context.Context, tx inboxdb.DBTX, id inboxdb.ID, fence int64, retention time.Duration, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -387,7 +387,7 @@ func (s *responseStore) CompleteLeaseResponseTx(ctx context.Context, tx inbox.DB
 }
 
 // FailLeaseResponse is FailLease that stores resp on the row too.
-func (s *responseStore) FailLeaseResponse(ctx context.Context, db inbox.DBTX, id inbox.ID, fence int64, retention time.Duration, code, msg string, resp *storedResponse) error {
+func (s *responseStore) FailLeaseResponse(ctx context.Context, db inboxdb.DBTX, id inboxdb.ID, fence int64, retention time.Duration, code, msg string, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -405,8 +405,8 @@ func (s *responseStore) FailLeaseResponse(ctx context.Context, db inbox.DBTX, id
 
 // GetResponse reads one inbox row and its stored response (nil when it has none),
 // or returns inbox.ErrNotFound.
-func (s *responseStore) GetResponse(ctx context.Context, db inbox.DBTX, id inbox.ID) (*inbox.Record, *storedResponse, error) {
-	var r inbox.Record
+func (s *responseStore) GetResponse(ctx context.Context, db inboxdb.DBTX, id inboxdb.ID) (*inboxdb.Record, *storedResponse, error) {
+	var r inboxdb.Record
 	var code, msg, ref *string
 	var status *int16
 	var header, body []byte

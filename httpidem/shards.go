@@ -3,8 +3,8 @@ package httpidem
 import (
 	"net/http"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/shard"
 )
@@ -61,7 +61,7 @@ func (s *shardSet) route(rt Route, next http.Handler) http.Handler {
 	log := s.each[0].log
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		i := 0
-		if t, err := tenant(r); err == nil && t != "" && inbox.ValidateTenant(t) == nil {
+		if t, err := tenant(r); err == nil && t != "" && inboxdb.ValidateTenant(t) == nil {
 			if i, err = s.m.Index(t); err != nil {
 				log.Error("idem: no shard for the request's tenant", "tenant", t, "err", err)
 				writeProblem(w, CodeShardRoute, "the server has no shard for this tenant; nothing was run", 0)

@@ -2,15 +2,20 @@ package inbox
 
 import "github.com/idemkit/idem/internal/inboxdb"
 
-// The rename step's stand-ins, until the call sites follow: the rename commit
-// writes the public ID and State in this file.
-
 // ID names one inbox row: what admin.Admin's Forget and InspectInbox take and
 // httpidem.KeyFrom returns.
-type ID = inboxdb.ID
+type ID struct {
+	Consumer string
+	Tenant   string // "" means no tenant scope
+	Key      string
+}
+
+// Validate checks the consumer, tenant and key: ErrConsumerInvalid,
+// ErrTenantInvalid, or what ValidateKey returns.
+func (id ID) Validate() error { return inboxdb.ID(id).Validate() }
 
 // State is an inbox row's state (admin.InboxKey.State holds it as text).
-type State = inboxdb.State
+type State string
 
 const (
 	// StateCompleted is a key whose handler's work committed.
