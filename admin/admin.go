@@ -216,7 +216,7 @@ func (a *Admin) wrap(err error) error {
 }
 
 // Requeue brings one dead effect, named by its whole identity, back to pending
-// (effects.RequeueDead): attempts start again from 0, it is due now, and
+// (effectsdb.RequeueDead): attempts start again from 0, it is due now, and
 // dispatchers are notified. An effect that is not dead is ErrNotDead, one that does
 // not exist ErrNotFound; either way nothing changed.
 func (a *Admin) Requeue(ctx context.Context, id EffectID) error {
@@ -240,7 +240,7 @@ func (a *Admin) Requeue(ctx context.Context, id EffectID) error {
 }
 
 // RequeueDead brings every dead effect that f picks back to pending and returns how
-// many; see effects.RequeueDead for the filter's rules.
+// many; see effectsdb.RequeueDead for the filter's rules.
 func (a *Admin) RequeueDead(ctx context.Context, f effectsdb.RequeueFilter) (int64, error) {
 	if a.shards != nil {
 		return a.shardedRequeueDead(ctx, f)

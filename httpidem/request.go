@@ -89,7 +89,7 @@ var ErrBodyNotJSON = inbox.ErrNotJSON
 
 // DefaultFingerprint returns the default fingerprint: sha256 over the method, the
 // escaped path, the query (its parameters sorted by name) and the body. A body that
-// is JSON counts by its canonical form with exact numbers (inbox.Canonicalize, with
+// is JSON counts by its canonical form with exact numbers (canonjson.Canonicalize, with
 // the fields chosen by opts), whatever its Content-Type says (curl -d sends JSON as
 // a form); a body that declares a JSON media type and is not JSON is an error
 // (ErrBodyNotJSON); a form (application/x-www-form-urlencoded) counts by its fields
