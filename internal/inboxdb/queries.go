@@ -161,8 +161,8 @@ func New(schema string) Queries {
 		ReleaseLease: `UPDATE ` + t + ` SET lease_until = now()
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		// A claim that meets a settled row past its expiry deletes it and claims the
-		// key again (the Store, the consumer's batch claim, httpidem): a key past its retention is forgotten
-		// whether or not the janitor has come by. Only such a row goes; a processing
+		// key again (the Store, the consumer's batch claim, httpidem): a key past its
+		// retention is forgotten whether or not the janitor has come by. Only such a row goes; a processing
 		// row never does. A row that a concurrent claimer deletes first makes this
 		// delete wait for it, then find nothing: the claim that follows meets that
 		// claimer's row.
