@@ -11,6 +11,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
@@ -51,7 +52,7 @@ const (
 type Config struct {
 	// Pool runs the reads and actions: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx
 	// (then every read and action is part of that transaction). Required.
-	Pool inbox.DBTX
+	Pool inboxdb.DBTX
 	// Schema of the idem tables (inbox.DefaultSchema when empty).
 	Schema string
 	// Logger receives the audit line of every Forget, at warn level (nil: a quiet
@@ -120,7 +121,7 @@ type Admin struct {
 
 // part runs the reads and actions on one database.
 type part struct {
-	db  inbox.DBTX
+	db  inboxdb.DBTX
 	cfg Config
 	q   queries
 	// name is its shard's name, "" for one database: rows read on it carry it.

@@ -16,6 +16,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/txmark"
 	"github.com/idemkit/idem/shard"
 )
@@ -75,7 +76,7 @@ const (
 	// more than once for one delivery; its database work commits once), and when a
 	// failure cannot be pinned on one message, each message runs in its own
 	// savepoint. Handler code is the same as in Transactional mode, except that
-	// effects.Enqueue answers Result{Deferred: true} (see effects.Buffer).
+	// effects.Enqueue answers Result{Deferred: true} (see effectsdb.Buffer).
 	GroupCommit
 	// Lease mode: the inbox row commits first as processing, with a lease and a fence,
 	// for handlers that must call the outside world themselves. See docs/consumers.md
@@ -289,11 +290,11 @@ func (c Config) Validate() error {
 	if c.DefaultTenant != "" && c.Tenant == nil {
 		return errcode.InvalidConfig("DefaultTenant needs Tenant, the function that reads a message's tenant")
 	}
-	if err := inbox.ValidateTenant(c.DefaultTenant); err != nil {
+	if err := inboxdb.ValidateTenant(c.DefaultTenant); err != nil {
 		return fmt.Errorf("DefaultTenant: %w", err)
 	}
 	if c.Name != "" {
-		if err := inbox.ValidateConsumer(c.Name); err != nil {
+		if err := inboxdb.ValidateConsumer(c.Name); err != nil {
 			return err
 		}
 	}

@@ -180,7 +180,7 @@ type Config struct {
 	//
 	// The default is sha256 over the method, the escaped path, the query (its
 	// parameters sorted by name) and the body. A body that is JSON counts by its
-	// canonical form with exact numbers (inbox.Canonicalize, with the fields that
+	// canonical form with exact numbers (canonjson.Canonicalize, with the fields that
 	// Fields chooses), whatever its Content-Type says; a body that declares a JSON
 	// media type and is not JSON is answered 400 (body_not_json); a form counts by
 	// its fields sorted by name; any other body counts byte for byte, with its
