@@ -11,6 +11,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/promreg"
 	"github.com/idemkit/idem/shard"
 )
@@ -51,7 +52,7 @@ const (
 type Config struct {
 	// Pool runs the reads and actions: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx
 	// (then every read and action is part of that transaction). Required.
-	Pool inbox.DBTX
+	Pool inboxdb.DBTX
 	// Schema of the idem tables (inbox.DefaultSchema when empty).
 	Schema string
 	// Logger receives the audit line of every Forget, at warn level (nil: a quiet
@@ -83,9 +84,7 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, inbox.DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, inbox.DefaultSchema)
 	c.StuckAfter = cmp.Or(c.StuckAfter, DefaultStuckAfter)
 	c.StuckAttempts = cmp.Or(c.StuckAttempts, DefaultStuckAttempts)
 	c.MetricsInterval = cmp.Or(c.MetricsInterval, DefaultMetricsInterval)
@@ -122,7 +121,7 @@ type Admin struct {
 
 // part runs the reads and actions on one database.
 type part struct {
-	db  inbox.DBTX
+	db  inboxdb.DBTX
 	cfg Config
 	q   queries
 	// name is its shard's name, "" for one database: rows read on it carry it.

@@ -24,6 +24,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -517,7 +518,7 @@ func TestRequeue(t *testing.T) {
 	err = a.Requeue(ctx, admin.EffectID{Tenant: "acme", Kind: "email", Key: "nope"})
 	require.ErrorIs(t, err, admin.ErrNotFound)
 
-	n, err := a.RequeueDead(ctx, effects.RequeueFilter{Kind: "email", All: true})
+	n, err := a.RequeueDead(ctx, effectsdb.RequeueFilter{Kind: "email", All: true})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 }

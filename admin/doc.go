@@ -10,7 +10,7 @@
 //     response (status, header names and values, body size; never the body unless
 //     asked) and the effects it made; one effect; or a key looked up across every
 //     consumer and every effect kind.
-//   - Requeue and RequeueDead: dead effects back to pending (effects.RequeueDead).
+//   - Requeue and RequeueDead: dead effects back to pending (effectsdb.RequeueDead).
 //   - Forget: delete one inbox key, audited in the log.
 //   - Failure groups: ListGroups and Group show failed inbox keys and dead effects
 //     grouped by consumer or kind, tenant, code and masked error text;

@@ -11,9 +11,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 )
 
 // GroupAction names the failures a repair action acts on: those of group ID that
@@ -229,7 +229,7 @@ func actionID(shard, id string) string {
 
 // act runs the statement of a repair action (its plan on a dry run) on db, the
 // part's database or a transaction on it; the front has checked the action.
-func (a *part) act(ctx context.Context, db inbox.DBTX, action string, g groupID, act GroupAction) (*ActionResult, error) {
+func (a *part) act(ctx context.Context, db inboxdb.DBTX, action string, g groupID, act GroupAction) (*ActionResult, error) {
 	var since *time.Time
 	if !act.Since.IsZero() {
 		since = &act.Since

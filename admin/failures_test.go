@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -29,11 +30,11 @@ import (
 func (b *testBundle) failKeys(t *testing.T, consumer, tenant, prefix, code string, n int, msg func(i int) string) {
 	t.Helper()
 	ctx := context.Background()
-	store, err := inbox.NewStore(b.schema)
+	store, err := inboxdb.NewStore(b.schema)
 	require.NoError(t, err)
 	for i := range n {
 		err := pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-			_, err := store.FailTx(ctx, tx, inbox.Claim{ID: inbox.ID{Consumer: consumer, Tenant: tenant, Key: fmt.Sprintf("%s%d", prefix, i)},
+			_, err := store.FailTx(ctx, tx, inboxdb.Claim{ID: inboxdb.ID{Consumer: consumer, Tenant: tenant, Key: fmt.Sprintf("%s%d", prefix, i)},
 				Fingerprint: []byte{1}}, code, msg(i))
 			return err
 		})
@@ -48,7 +49,7 @@ func (b *testBundle) killEffects(t *testing.T, kind, prefix string, n int, send 
 	ctx := context.Background()
 	err := pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
 		for i := range n {
-			if _, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: b.schema},
+			if _, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: b.schema}), tx,
 				effects.Effect{Kind: kind, Key: fmt.Sprintf("%s%d", prefix, i), Payload: []byte(`{}`)}); err != nil {
 				return err
 			}

@@ -10,13 +10,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/fanout"
 )
 
 // Requeue brings one dead effect, named by its whole identity, back to pending
-// (effects.RequeueDead): attempts start again from 0, it is due now, and
+// (effectsdb.RequeueDead): attempts start again from 0, it is due now, and
 // dispatchers are notified. An effect that is not dead is ErrNotDead, one that does
 // not exist ErrNotFound; either way nothing changed. Over a shard map it requeues
 // the effect on the shard that has it dead, and is refused (ErrOffRoute) when that
@@ -49,7 +49,7 @@ func (a *Admin) Requeue(ctx context.Context, id EffectID) error {
 }
 
 func (a *part) requeue(ctx context.Context, id EffectID) error {
-	n, err := effects.RequeueDead(ctx, a.db, a.cfg.Schema, effects.RequeueFilter{
+	n, err := effectsdb.RequeueDead(ctx, a.db, a.cfg.Schema, effectsdb.RequeueFilter{
 		Tenant: id.Tenant, TenantExact: true, Kind: id.Kind, Key: id.Key,
 	})
 	if err != nil {
@@ -66,10 +66,10 @@ func (a *part) requeue(ctx context.Context, id EffectID) error {
 }
 
 // RequeueDead brings every dead effect that f picks back to pending and returns how
-// many; see effects.RequeueDead for the filter's rules. Over a shard map it is
+// many; see effectsdb.RequeueDead for the filter's rules. Over a shard map it is
 // refused (ErrOffRoute) when some of those effects are on a shard their tenant's
 // route does not name.
-func (a *Admin) RequeueDead(ctx context.Context, f effects.RequeueFilter) (int64, error) {
+func (a *Admin) RequeueDead(ctx context.Context, f effectsdb.RequeueFilter) (int64, error) {
 	if err := a.offRoute(ctx, "requeue", func(ctx context.Context, p *part) ([]string, error) {
 		return p.tenantsOf(ctx, `SELECT DISTINCT tenant FROM `+p.table("effects")+`
 			WHERE state = 'dead' AND ($1 = '' OR kind = $1) AND ($2 = '' OR key = $2) AND (($3 = '' AND NOT $4) OR tenant = $3)`,
@@ -78,7 +78,7 @@ func (a *Admin) RequeueDead(ctx context.Context, f effects.RequeueFilter) (int64
 		return 0, err
 	}
 	res, errs := fanout.Collect(a.parts, func(_ int, p *part) (int64, error) {
-		n, err := effects.RequeueDead(ctx, p.db, p.cfg.Schema, f)
+		n, err := effectsdb.RequeueDead(ctx, p.db, p.cfg.Schema, f)
 		return n, p.wrap(err)
 	})
 	var n int64

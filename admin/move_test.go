@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/childproc"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/shard"
 )
@@ -431,7 +432,7 @@ func TestMoveTenantDeadEffectsOnce(t *testing.T) {
 		}
 		if source == admin.SourceEffects {
 			// One key first: requeued once, on s3.
-			n, err := a.RequeueDead(ctx, effects.RequeueFilter{Kind: "webhook", Tenant: "movee", TenantExact: true, Key: "hook:m07"})
+			n, err := a.RequeueDead(ctx, effectsdb.RequeueFilter{Kind: "webhook", Tenant: "movee", TenantExact: true, Key: "hook:m07"})
 			require.NoError(t, err)
 			require.EqualValues(t, 1, n)
 			want[source]--
@@ -508,7 +509,7 @@ func TestShardsActionsRefuseOffRoute(t *testing.T) {
 	}
 	err = a.Requeue(ctx, admin.EffectID{Tenant: "acme", Kind: "webhook", Key: "k1"})
 	require.ErrorIs(t, err, admin.ErrOffRoute)
-	_, err = a.RequeueDead(ctx, effects.RequeueFilter{Kind: "webhook", All: true})
+	_, err = a.RequeueDead(ctx, effectsdb.RequeueFilter{Kind: "webhook", All: true})
 	require.ErrorIs(t, err, admin.ErrOffRoute)
 	_, err = a.Forget(ctx, inbox.ID{Consumer: "orders", Tenant: "acme", Key: "f-1"}, note)
 	require.ErrorIs(t, err, admin.ErrOffRoute)
@@ -517,7 +518,7 @@ func TestShardsActionsRefuseOffRoute(t *testing.T) {
 	// Finish the move (the rows on the routed shard are kept): then each acts once.
 	_, err = a.MoveTenant(ctx, admin.MoveTenant{Tenant: "acme", From: other.Name, To: routed.Name})
 	require.NoError(t, err)
-	n, err := a.RequeueDead(ctx, effects.RequeueFilter{Kind: "webhook", All: true})
+	n, err := a.RequeueDead(ctx, effectsdb.RequeueFilter{Kind: "webhook", All: true})
 	require.NoError(t, err)
 	require.EqualValues(t, 3, n)
 	require.Equal(t, 3, pgtest.ShardCount(t, routed, `SELECT count(*) FROM effects WHERE state = 'pending'`))

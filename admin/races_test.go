@@ -221,7 +221,7 @@ func enqueue(t *testing.T, b *testBundle, kind string, n int) {
 	tx, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
 	for i := range n {
-		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: b.schema}, effects.Effect{Kind: kind, Key: fmt.Sprintf("k%d", i), Payload: []byte(`{}`)})
+		_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: b.schema}), tx, effects.Effect{Kind: kind, Key: fmt.Sprintf("k%d", i), Payload: []byte(`{}`)})
 		require.NoError(t, err)
 	}
 	require.NoError(t, tx.Commit(ctx))

@@ -18,8 +18,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/admin"
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/shard"
@@ -413,7 +413,7 @@ func TestShardsStatsInspectAndGroups(t *testing.T) {
 	require.Equal(t, 1, pgtest.ShardCount(t, want2, `SELECT count(*) FROM effects WHERE key = 'd1' AND state = 'pending'`))
 	require.ErrorIs(t, a.Requeue(ctx, admin.EffectID{Tenant: tenants[2], Kind: "dead-mail", Key: "d1"}), admin.ErrNotDead)
 	require.ErrorIs(t, a.Requeue(ctx, admin.EffectID{Tenant: tenants[2], Kind: "dead-mail", Key: "nope"}), admin.ErrNotFound)
-	n, err := a.RequeueDead(ctx, effects.RequeueFilter{Kind: "dead-mail"})
+	n, err := a.RequeueDead(ctx, effectsdb.RequeueFilter{Kind: "dead-mail"})
 	require.NoError(t, err)
 	require.EqualValues(t, 5, n, "the dead effects of every shard")
 

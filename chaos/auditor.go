@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -16,24 +15,32 @@ import (
 	"github.com/idemkit/idem/internal/pgschema"
 )
 
-// Querier runs the Auditor's queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx do.
-type Querier interface {
+// querier runs the Auditor's queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx do.
+type querier = interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
-// ErrNotOneSnapshot is returned by Report when its Querier cannot begin a
-// transaction (it is not a pool or a connection) and is not a REPEATABLE READ or
-// SERIALIZABLE transaction: each of the report's queries would read its own
-// snapshot. Give the Auditor a pool, or a transaction begun with
-// pgx.TxOptions{IsoLevel: pgx.RepeatableRead}.
-var ErrNotOneSnapshot = errcode.Permanent("audit_not_one_snapshot",
-	"chaos: the Auditor's Querier is a READ COMMITTED transaction, so each query would read its own snapshot: give the Auditor a pool, or a transaction begun with pgx.TxOptions{IsoLevel: pgx.RepeatableRead}")
+var (
+	// ErrInvalidConfig is wrapped by the error a constructor of this package
+	// returns for a config it refuses (code "invalid_config"). Every idem package
+	// has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
+
+	// ErrNotOneSnapshot is returned by Report when its Pool cannot begin a
+	// transaction (it is not a pool or a connection) and is not a REPEATABLE READ
+	// or SERIALIZABLE transaction: each of the report's queries would read its own
+	// snapshot. Give the Auditor a pool, or a transaction begun with
+	// pgx.TxOptions{IsoLevel: pgx.RepeatableRead}.
+	ErrNotOneSnapshot = errcode.Permanent("audit_not_one_snapshot",
+		"chaos: the Auditor's Pool is a READ COMMITTED transaction, so each query would read its own snapshot: give the Auditor a pool, or a transaction begun with pgx.TxOptions{IsoLevel: pgx.RepeatableRead}")
+)
 
 // Auditor reads idem's inbox and effects tables, and the counts a test supplies,
 // and says whether every message committed once and every effect was carried out.
 // A report's reads of its database are one snapshot (see Report).
 type Auditor struct {
-	db      Querier
+	cfg     AuditorConfig
+	db      querier
 	schema  string
 	queries auditQueries
 	// betweenReads, when set (by tests), runs after a report has read the inbox
@@ -41,30 +48,41 @@ type Auditor struct {
 	betweenReads func()
 }
 
-// DefaultSchema holds the idem tables unless AuditorConfig.Schema says otherwise.
-const DefaultSchema = pgschema.Default
-
 // AuditorConfig says which idem tables an Auditor reads.
 type AuditorConfig struct {
 	// Pool runs the Auditor's queries: a *pgxpool.Pool or a *pgx.Conn, on which
 	// each report begins a REPEATABLE READ, READ ONLY transaction, or a pgx.Tx at
 	// REPEATABLE READ or SERIALIZABLE, whose snapshot every report reads.
 	// Required.
-	Pool Querier
+	Pool interface {
+		Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	}
 	// Schema holds the idem tables (DefaultSchema when empty).
 	Schema string
+	// SettlePoll is the time between the audits of Settled (default 50 ms).
+	SettlePoll time.Duration
+	// SettleQuiet: if the figures stop changing for this long, Settled takes the
+	// run as settled even with failures in it (default 2 s), so a run that lost
+	// messages ends with a report instead of waiting for its deadline.
+	SettleQuiet time.Duration
 }
 
 // WithDefaults returns c with every unset field at its default.
 func (c AuditorConfig) WithDefaults() AuditorConfig {
 	c.Schema = cmp.Or(c.Schema, DefaultSchema)
+	c.SettlePoll = cmp.Or(c.SettlePoll, DefaultSettlePoll)
+	c.SettleQuiet = cmp.Or(c.SettleQuiet, DefaultSettleQuiet)
 	return c
 }
 
-// Validate reports what NewAuditor would refuse in c: no Pool, or a bad schema
-// name; the empty schema is the default.
+// Validate reports what NewAuditor would refuse in c: no Pool, a bad schema name
+// (the empty schema is the default), or a negative SettlePoll or SettleQuiet.
 func (c AuditorConfig) Validate() error {
-	return pgschema.ValidateDB(c.Pool, c.WithDefaults().Schema)
+	c = c.WithDefaults()
+	if c.SettlePoll < 0 || c.SettleQuiet < 0 {
+		return errcode.InvalidConfig("SettlePoll and SettleQuiet must not be negative")
+	}
+	return pgschema.ValidateDB(c.Pool, c.Schema)
 }
 
 // NewAuditor returns an Auditor of the idem tables in cfg.Schema, or an error that
@@ -74,7 +92,7 @@ func NewAuditor(cfg AuditorConfig) (*Auditor, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	return &Auditor{db: cfg.Pool, schema: cfg.Schema, queries: newAuditQueries(cfg.Schema)}, nil
+	return &Auditor{cfg: cfg, db: cfg.Pool, schema: cfg.Schema, queries: newAuditQueries(cfg.Schema)}, nil
 }
 
 // AuditQuery says what to audit.
@@ -137,99 +155,6 @@ type AuditQuery struct {
 	DuplicatesSuppressed int64
 }
 
-// Report is what the Auditor found. Lost, CommittedTwice, EffectsMissing and
-// SendsMissing are failures; the rest describe the run.
-type Report struct {
-	Consumer string
-	// Messages is the number of expected keys (or of inbox keys, without them).
-	Messages             int
-	Deliveries           int64
-	DuplicatesSuppressed int64
-
-	// The inbox rows of the consumer, by state.
-	InboxCompleted, InboxFailed, InboxProcessing int
-
-	// CommittedOnce and CommittedTwice count expected keys whose business
-	// operation committed once, and more than once (duplicated).
-	CommittedOnce, CommittedTwice int
-	// Failed counts expected keys recorded as permanent failures and not
-	// committed.
-	Failed int
-	// Lost counts expected keys with no commit and no recorded failure.
-	Lost int
-	// Unexpected counts keys that committed but were not expected.
-	Unexpected int
-	// Inconsistent counts expected keys whose parts disagree: a business commit
-	// with no completed inbox row (unless AuditQuery.WithoutInbox), or an effect
-	// row with no business commit. An idem consumer writes all three in one
-	// transaction, so one snapshot of its database never shows either; a
-	// BusinessCount read at another moment, or from a database the consumer does
-	// not commit to, can. Such a report is not OK.
-	Inconsistent int
-
-	// The consumer's effects, by state.
-	EffectsDone, EffectsDead, EffectsPending int
-	// EffectsMissing counts expected effects with no row: lost effects.
-	EffectsMissing int
-
-	// With AuditQuery.Sends: effects received once, more than once, and never
-	// (though the effect is not dead and its message not failed).
-	SendsOnce, SendsRepeated, SendsMissing int
-	// SendsTotal is every send counted.
-	SendsTotal int
-
-	// Up to ten keys of each failure, for the error message; InconsistentKeys
-	// say which parts disagree ("k: committed 1, inbox row none").
-	LostKeys, DuplicatedKeys, MissingEffectKeys, MissingSendKeys, InconsistentKeys []string
-
-	businessKnown, effectsKnown, sendsKnown bool
-}
-
-// OK reports whether nothing was lost, nothing committed twice, no effect is
-// missing and the report's parts agree.
-func (r Report) OK() bool { return r.Err() == nil }
-
-// DuplicatesDelivered is how many deliveries the consumer saw beyond one per
-// message: the producer's copies that the broker passed on, the broker's
-// redeliveries, injected copies. These are what the consumer had to recognise
-// (it suppressed some and ran the handler again for others, whose first try did
-// not commit). -1 when Deliveries was not measured.
-func (r Report) DuplicatesDelivered() int64 {
-	if r.Deliveries < 0 {
-		return -1
-	}
-	return r.Deliveries - int64(r.Messages)
-}
-
-// Err describes every failure in the report, or returns nil.
-func (r Report) Err() error {
-	var errs []error
-	if r.Lost > 0 {
-		errs = append(errs, fmt.Errorf("%d lost (e.g. %s)", r.Lost, strings.Join(r.LostKeys, ", ")))
-	}
-	if r.CommittedTwice > 0 {
-		errs = append(errs, fmt.Errorf("%d committed more than once (e.g. %s)", r.CommittedTwice, strings.Join(r.DuplicatedKeys, ", ")))
-	}
-	if r.EffectsMissing > 0 {
-		errs = append(errs, fmt.Errorf("%d effects missing (e.g. %s)", r.EffectsMissing, strings.Join(r.MissingEffectKeys, ", ")))
-	}
-	if r.SendsMissing > 0 {
-		errs = append(errs, fmt.Errorf("%d effects never received (e.g. %s)", r.SendsMissing, strings.Join(r.MissingSendKeys, ", ")))
-	}
-	if r.Inconsistent > 0 {
-		errs = append(errs, fmt.Errorf("%d keys whose business commit, inbox row and effect row disagree, so they were not read at one moment (e.g. %s)",
-			r.Inconsistent, strings.Join(r.InconsistentKeys, "; ")))
-	}
-	if len(errs) == 0 {
-		return nil
-	}
-	return fmt.Errorf("chaos audit of %s: %w", r.Consumer, errors.Join(errs...))
-}
-
-// Settled reports whether nothing is in flight: no pending effect and no inbox row
-// still processing.
-func (r Report) Settled() bool { return r.EffectsPending == 0 && r.InboxProcessing == 0 }
-
 // Report audits once. Its reads of the audited database (the inbox, BusinessSQL
 // and the effects) are one snapshot: one REPEATABLE READ, READ ONLY transaction
 // on a pool or connection, or the snapshot of the pgx.Tx the Auditor was given
@@ -254,7 +179,7 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 	}
 	inbox := map[string]string{}
 	var effects effectStates
-	err = a.inSnapshot(ctx, func(db Querier) error {
+	err = a.inSnapshot(ctx, func(db querier) error {
 		if !q.WithoutInbox {
 			if inbox, err = a.inboxStates(ctx, db, q); err != nil {
 				return err
@@ -284,8 +209,8 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 			r.InboxProcessing++
 		}
 	}
-	r.businessKnown = business != nil
-	if !r.businessKnown {
+	r.businessUnknown = business == nil
+	if r.businessUnknown {
 		business = map[string]int{}
 		for k, st := range inbox {
 			if st == "completed" {
@@ -339,11 +264,11 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 	}
 
 	var sends map[string]int
+	r.sendsUnknown = q.Sends == nil
 	if q.Sends != nil {
 		if sends, err = q.Sends(ctx); err != nil {
 			return r, fmt.Errorf("chaos: sends: %w", err)
 		}
-		r.sendsKnown = true
 		for _, n := range sends {
 			r.SendsTotal += n
 		}
@@ -352,7 +277,7 @@ func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 	if sendKey == nil {
 		sendKey = q.EffectKey
 	}
-	r.effectsKnown = q.EffectKey != nil
+	r.effectsUnknown = q.EffectKey == nil
 	seen := make(map[string]bool, len(expected))
 	for _, k := range expected {
 		if seen[k] {
@@ -407,9 +332,9 @@ func disagreement(q AuditQuery, k string, n int, inboxState, effectState string,
 	return ""
 }
 
-// inSnapshot runs read with a Querier whose queries all read one snapshot of
+// inSnapshot runs read with a querier whose queries all read one snapshot of
 // the Auditor's database.
-func (a *Auditor) inSnapshot(ctx context.Context, read func(db Querier) error) error {
+func (a *Auditor) inSnapshot(ctx context.Context, read func(db querier) error) error {
 	if b, ok := a.db.(interface {
 		BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
 	}); ok {
@@ -436,97 +361,14 @@ func (a *Auditor) inSnapshot(ctx context.Context, read func(db Querier) error) e
 	return read(a.db)
 }
 
-// Sum adds up reports of disjoint key sets: the tenants of a run, or the shards of
-// a run over several databases, each audited on its own. Deliveries and
-// DuplicatesSuppressed are added where every report measured them, and are -1
-// otherwise. The result is named consumer.
-func Sum(consumer string, reports ...Report) Report {
-	s := Report{Consumer: consumer, businessKnown: true, effectsKnown: true, sendsKnown: true}
-	for i, r := range reports {
-		if i == 0 {
-			s.Deliveries, s.DuplicatesSuppressed = r.Deliveries, r.DuplicatesSuppressed
-		} else {
-			s.Deliveries = addMeasured(s.Deliveries, r.Deliveries)
-			s.DuplicatesSuppressed = addMeasured(s.DuplicatesSuppressed, r.DuplicatesSuppressed)
-		}
-		s.Messages += r.Messages
-		s.InboxCompleted += r.InboxCompleted
-		s.InboxFailed += r.InboxFailed
-		s.InboxProcessing += r.InboxProcessing
-		s.CommittedOnce += r.CommittedOnce
-		s.CommittedTwice += r.CommittedTwice
-		s.Failed += r.Failed
-		s.Lost += r.Lost
-		s.Unexpected += r.Unexpected
-		s.Inconsistent += r.Inconsistent
-		s.EffectsDone += r.EffectsDone
-		s.EffectsDead += r.EffectsDead
-		s.EffectsPending += r.EffectsPending
-		s.EffectsMissing += r.EffectsMissing
-		s.SendsOnce += r.SendsOnce
-		s.SendsRepeated += r.SendsRepeated
-		s.SendsMissing += r.SendsMissing
-		s.SendsTotal += r.SendsTotal
-		for _, k := range r.LostKeys {
-			s.LostKeys = sample(s.LostKeys, k)
-		}
-		for _, k := range r.DuplicatedKeys {
-			s.DuplicatedKeys = sample(s.DuplicatedKeys, k)
-		}
-		for _, k := range r.MissingEffectKeys {
-			s.MissingEffectKeys = sample(s.MissingEffectKeys, k)
-		}
-		for _, k := range r.MissingSendKeys {
-			s.MissingSendKeys = sample(s.MissingSendKeys, k)
-		}
-		for _, k := range r.InconsistentKeys {
-			s.InconsistentKeys = sample(s.InconsistentKeys, k)
-		}
-		s.businessKnown = s.businessKnown && r.businessKnown
-		s.effectsKnown = s.effectsKnown && r.effectsKnown
-		s.sendsKnown = s.sendsKnown && r.sendsKnown
-	}
-	return s
-}
-
-func addMeasured(a, b int64) int64 {
-	if a < 0 || b < 0 {
-		return -1
-	}
-	return a + b
-}
-
-func sample(keys []string, k string) []string {
-	if len(keys) < 10 {
-		keys = append(keys, k)
-	}
-	return keys
-}
-
-// SettleOptions tune Settled.
-type SettleOptions struct {
-	// Poll is the time between audits (default 50 ms).
-	Poll time.Duration
-	// Quiet: if the figures stop changing for this long, the run is taken as
-	// settled even with failures in it (default 2 s), so a run that lost messages
-	// ends with a report instead of waiting for its deadline.
-	Quiet time.Duration
-}
-
 // Settled audits until the run is settled (nothing pending or processing) with a
-// report that is OK, or its figures stop changing for opts.Quiet, or ctx ends. It
+// report that is OK, or its figures stop changing for AuditorConfig.SettleQuiet,
+// or ctx ends, auditing every AuditorConfig.SettlePoll. It
 // returns the last report, and ctx's error in the last case. A report whose parts
 // disagree is not OK, so it ends Settled only through Quiet, and then as a
 // failing report that says which keys disagree.
-func (a *Auditor) Settled(ctx context.Context, q AuditQuery, opts SettleOptions) (Report, error) {
-	poll := opts.Poll
-	if poll <= 0 {
-		poll = 50 * time.Millisecond
-	}
-	quiet := opts.Quiet
-	if quiet <= 0 {
-		quiet = 2 * time.Second
-	}
+func (a *Auditor) Settled(ctx context.Context, q AuditQuery) (Report, error) {
+	poll, quiet := a.cfg.SettlePoll, a.cfg.SettleQuiet
 	var last Report
 	var since time.Time
 	for {
@@ -558,101 +400,6 @@ func sameFigures(a, b Report) bool {
 	return fmt.Sprint(a) == fmt.Sprint(b)
 }
 
-// String prints the report as an aligned table.
-func (r Report) String() string { return FormatReports([]string{r.Consumer}, r) }
-
-// FormatReports prints reports side by side, one column each, under the given
-// titles: for example idem next to a peer in the same chaos run. Rows marked "!"
-// are failures when not zero; "-" means the figure was not measured.
-func FormatReports(titles []string, reports ...Report) string {
-	type row struct {
-		label string
-		cells []string
-	}
-	var rows []row
-	add := func(label string, cell func(Report) string) {
-		r := row{label: label}
-		for _, rep := range reports {
-			r.cells = append(r.cells, cell(rep))
-		}
-		rows = append(rows, r)
-	}
-	num := func(f func(Report) int) func(Report) string {
-		return func(r Report) string { return fmt.Sprint(f(r)) }
-	}
-	given := func(f func(Report) int64) func(Report) string {
-		return func(r Report) string {
-			if f(r) < 0 {
-				return "-"
-			}
-			return fmt.Sprint(f(r))
-		}
-	}
-	known := func(ok func(Report) bool, f func(Report) int) func(Report) string {
-		return func(r Report) string {
-			if !ok(r) {
-				return "-"
-			}
-			return fmt.Sprint(f(r))
-		}
-	}
-	head := row{}
-	for i := range reports {
-		t := ""
-		if i < len(titles) {
-			t = titles[i]
-		}
-		head.cells = append(head.cells, t)
-	}
-	rows = append(rows, head)
-	add("messages", num(func(r Report) int { return r.Messages }))
-	add("deliveries", given(func(r Report) int64 { return r.Deliveries }))
-	add("duplicates delivered", given(Report.DuplicatesDelivered))
-	add("duplicates suppressed", given(func(r Report) int64 { return r.DuplicatesSuppressed }))
-	add("committed once", num(func(r Report) int { return r.CommittedOnce }))
-	add("committed twice (duplicated) !", num(func(r Report) int { return r.CommittedTwice }))
-	add("failed (recorded)", num(func(r Report) int { return r.Failed }))
-	add("lost !", num(func(r Report) int { return r.Lost }))
-	add("unexpected keys", num(func(r Report) int { return r.Unexpected }))
-	add("parts disagree !", num(func(r Report) int { return r.Inconsistent }))
-	add("inbox completed/failed/processing", func(r Report) string {
-		return fmt.Sprintf("%d/%d/%d", r.InboxCompleted, r.InboxFailed, r.InboxProcessing)
-	})
-	add("effects done", num(func(r Report) int { return r.EffectsDone }))
-	add("effects dead", num(func(r Report) int { return r.EffectsDead }))
-	add("effects pending", num(func(r Report) int { return r.EffectsPending }))
-	effects := func(r Report) bool { return r.effectsKnown }
-	sends := func(r Report) bool { return r.sendsKnown }
-	add("effects missing (lost) !", known(effects, func(r Report) int { return r.EffectsMissing }))
-	add("sends total", known(sends, func(r Report) int { return r.SendsTotal }))
-	add("keys sent once", known(sends, func(r Report) int { return r.SendsOnce }))
-	add("keys sent more than once", known(sends, func(r Report) int { return r.SendsRepeated }))
-	add("keys never sent (lost) !", known(sends, func(r Report) int { return r.SendsMissing }))
-	add("verdict", func(r Report) string {
-		if r.OK() {
-			return "OK"
-		}
-		return "FAIL"
-	})
-	labelW := 0
-	cellW := make([]int, len(reports))
-	for _, r := range rows {
-		labelW = max(labelW, len(r.label))
-		for i, c := range r.cells {
-			cellW[i] = max(cellW[i], len(c))
-		}
-	}
-	var b strings.Builder
-	for _, r := range rows {
-		fmt.Fprintf(&b, "%-*s", labelW, r.label)
-		for i, c := range r.cells {
-			fmt.Fprintf(&b, "  %*s", cellW[i], c)
-		}
-		b.WriteString("\n")
-	}
-	return b.String()
-}
-
 // auditQueries is the Auditor's SQL, with the schema quoted in once.
 type auditQueries struct {
 	inbox, effectsBySource, effectsByKind string
@@ -670,7 +417,7 @@ func newAuditQueries(schema string) auditQueries {
 	}
 }
 
-func (a *Auditor) inboxStates(ctx context.Context, db Querier, q AuditQuery) (map[string]string, error) {
+func (a *Auditor) inboxStates(ctx context.Context, db querier, q AuditQuery) (map[string]string, error) {
 	rows, err := db.Query(ctx, a.queries.inbox, q.Consumer, q.Tenant)
 	if err != nil {
 		return nil, fmt.Errorf("chaos: read inbox: %w", err)
@@ -689,7 +436,7 @@ type effectStates struct {
 	byKey    map[string]string    // key -> state, of the expected kind in the audited tenant
 }
 
-func (a *Auditor) effectStates(ctx context.Context, db Querier, q AuditQuery) (effectStates, error) {
+func (a *Auditor) effectStates(ctx context.Context, db querier, q AuditQuery) (effectStates, error) {
 	es := effectStates{bySource: map[[2]string]string{}, byKey: map[string]string{}}
 	var kind, key, st string
 	rows, err := db.Query(ctx, a.queries.effectsBySource, q.Consumer, q.Tenant)
@@ -715,7 +462,7 @@ func (a *Auditor) effectStates(ctx context.Context, db Querier, q AuditQuery) (e
 }
 
 // keyCounts runs a query returning (key, count).
-func keyCounts(ctx context.Context, db Querier, sql string) (map[string]int, error) {
+func keyCounts(ctx context.Context, db querier, sql string) (map[string]int, error) {
 	rows, err := db.Query(ctx, sql)
 	if err != nil {
 		return nil, err

@@ -78,7 +78,7 @@ INSERT INTO emails (effect_key) VALUES ('receipt:once'), ('receipt:twice'), ('re
 	// Reports of disjoint key sets (the shards of a run) add up, failures and all;
 	// a report whose deliveries were not measured leaves the sum unmeasured.
 	ok := chaos.Report{Consumer: "payments", Messages: 2, CommittedOnce: 2, Deliveries: 5, DuplicatesSuppressed: 3}
-	sum := chaos.Sum("all shards", rep, ok)
+	sum := chaos.Report{Consumer: "all shards"}.Add(rep, ok)
 	require.Equal(t, "all shards", sum.Consumer)
 	require.Equal(t, [4]int{8, 5, 1, 1}, [4]int{sum.Messages, sum.CommittedOnce, sum.CommittedTwice, sum.Lost})
 	require.Equal(t, []string{"lost"}, sum.LostKeys)
@@ -86,8 +86,8 @@ INSERT INTO emails (effect_key) VALUES ('receipt:once'), ('receipt:twice'), ('re
 	require.EqualValues(t, 5+q.Deliveries, sum.Deliveries)
 	require.False(t, sum.OK())
 	require.ErrorContains(t, sum.Err(), "1 lost")
-	require.EqualValues(t, -1, chaos.Sum("x", rep, chaos.Report{Deliveries: -1}).Deliveries)
-	require.True(t, chaos.Sum("x", ok, ok).OK())
+	require.EqualValues(t, -1, chaos.Report{Consumer: "x"}.Add(rep, chaos.Report{Deliveries: -1}).Deliveries)
+	require.True(t, chaos.Report{Consumer: "x"}.Add(ok, ok).OK())
 
 	// Without a business count the inbox stands in for it.
 	q.BusinessSQL = ""
@@ -139,7 +139,7 @@ func TestReportDuplicatesDelivered(t *testing.T) {
 	require.EqualValues(t, 155, idem.DuplicatesDelivered())
 	unmeasured := chaos.Report{Consumer: "other", Messages: 300, Deliveries: -1}
 	require.EqualValues(t, -1, unmeasured.DuplicatesDelivered())
-	table := chaos.FormatReports([]string{"idem", "other"}, idem, unmeasured)
+	table := idem.Beside(unmeasured)
 	require.Regexp(t, `(?m)^duplicates delivered +155 +-$`, table)
 }
 
@@ -243,7 +243,7 @@ func TestSettledRefusesPartsThatDisagree(t *testing.T) {
 			return counts, err
 		},
 	}
-	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema, SettlePoll: time.Millisecond})
 	require.NoError(t, err)
 	rep, err := a.Report(ctx, q)
 	require.NoError(t, err)
@@ -258,7 +258,7 @@ func TestSettledRefusesPartsThatDisagree(t *testing.T) {
 	require.ErrorContains(t, rep.Err(), "20 keys whose business commit, inbox row and effect row disagree")
 	require.Regexp(t, `(?m)^parts disagree ! +20$`, rep.String())
 
-	rep, err = a.Settled(ctx, q, chaos.SettleOptions{Poll: time.Millisecond})
+	rep, err = a.Settled(ctx, q)
 	require.NoError(t, err)
 	require.Equal(t, 3, calls, "the second report disagreed too; the third agrees")
 	require.Equal(t, [3]int{20, 0, 0}, [3]int{rep.InboxCompleted, rep.InboxFailed, rep.InboxProcessing})

@@ -15,8 +15,9 @@ import (
 // make the process die.
 type CrashPoint string
 
-// The crash points. Each one is a call to Crash at the place described; the
-// CrashMiddleware makes the AfterCommitBeforeAck call for you.
+// The crash points, and the environment variables that arm them. Each point is a
+// call to Crash at the place described; the CrashMiddleware makes the
+// AfterCommitBeforeAck call for you.
 const (
 	// BeforeCommit: the handler has done its database work inside the consumer's
 	// transaction and has not returned yet, so nothing is committed. Call
@@ -36,19 +37,18 @@ const (
 	// send and before returning. Expected: the effect stays pending until its lease
 	// ends, then is sent again with the same effect key.
 	MidSend CrashPoint = "mid-send"
+
+	// EnvCrash is the environment variable that arms crash points in a process:
+	// a comma-separated list of point:trigger, where the trigger is a probability
+	// ("after-commit-before-ack:0.05") or the n-th time the point is reached
+	// ("before-commit:nth=3"). A point without a trigger fires the first time.
+	EnvCrash = "IDEM_CHAOS_CRASH"
+	// EnvCrashSeed seeds the probabilities of EnvCrash (default: random).
+	EnvCrashSeed = "IDEM_CHAOS_SEED"
 )
 
-// CrashPoints lists every crash point.
-var CrashPoints = []CrashPoint{BeforeCommit, AfterCommitBeforeAck, MidSend}
-
-// EnvCrash is the environment variable that arms crash points in a process:
-// a comma-separated list of point:trigger, where the trigger is a probability
-// ("after-commit-before-ack:0.05") or the n-th time the point is reached
-// ("before-commit:nth=3"). A point without a trigger fires the first time.
-const EnvCrash = "IDEM_CHAOS_CRASH"
-
-// EnvCrashSeed seeds the probabilities of EnvCrash (default: random).
-const EnvCrashSeed = "IDEM_CHAOS_SEED"
+// crashPoints lists every crash point.
+var crashPoints = []CrashPoint{BeforeCommit, AfterCommitBeforeAck, MidSend}
 
 // trigger says when one armed point fires.
 type trigger struct {
@@ -57,20 +57,20 @@ type trigger struct {
 	hits int64
 }
 
-// Crasher holds armed crash points. The zero Crasher has none armed. It is safe
+// crasher holds armed crash points. The zero crasher has none armed. It is safe
 // for concurrent use.
-type Crasher struct {
+type crasher struct {
 	mu    sync.Mutex
 	armed map[CrashPoint]*trigger
 	rng   *rand.Rand
-	// kill ends the process; tests of the Crasher itself replace it.
+	// kill ends the process; tests of the crasher itself replace it.
 	kill func(CrashPoint)
 }
 
-// ParseCrashSpec parses an EnvCrash value into a Crasher that uses seed for its
+// parseCrashSpec parses an EnvCrash value into a crasher that uses seed for its
 // probabilities.
-func ParseCrashSpec(spec string, seed int64) (*Crasher, error) {
-	c := &Crasher{armed: map[CrashPoint]*trigger{}, rng: rand.New(rand.NewPCG(uint64(seed), 0xc4a5))}
+func parseCrashSpec(spec string, seed int64) (*crasher, error) {
+	c := &crasher{armed: map[CrashPoint]*trigger{}, rng: rand.New(rand.NewPCG(uint64(seed), 0xc4a5))}
 	for part := range strings.SplitSeq(spec, ",") {
 		part = strings.TrimSpace(part)
 		if part == "" {
@@ -79,7 +79,7 @@ func ParseCrashSpec(spec string, seed int64) (*Crasher, error) {
 		name, trig, _ := strings.Cut(part, ":")
 		p := CrashPoint(strings.TrimSpace(name))
 		if !p.valid() {
-			return nil, fmt.Errorf("chaos: unknown crash point %q (known: %v)", name, CrashPoints)
+			return nil, fmt.Errorf("chaos: unknown crash point %q (known: %v)", name, crashPoints)
 		}
 		t := &trigger{nth: 1}
 		trig = strings.TrimSpace(trig)
@@ -104,7 +104,7 @@ func ParseCrashSpec(spec string, seed int64) (*Crasher, error) {
 }
 
 func (p CrashPoint) valid() bool {
-	for _, q := range CrashPoints {
+	for _, q := range crashPoints {
 		if p == q {
 			return true
 		}
@@ -113,7 +113,7 @@ func (p CrashPoint) valid() bool {
 }
 
 // Armed reports whether point is armed.
-func (c *Crasher) Armed(point CrashPoint) bool {
+func (c *crasher) Armed(point CrashPoint) bool {
 	if c == nil {
 		return false
 	}
@@ -124,7 +124,7 @@ func (c *Crasher) Armed(point CrashPoint) bool {
 
 // Hit records that point was reached and reports whether it fires now, without
 // crashing.
-func (c *Crasher) Hit(point CrashPoint) bool {
+func (c *crasher) Hit(point CrashPoint) bool {
 	if c == nil {
 		return false
 	}
@@ -143,7 +143,7 @@ func (c *Crasher) Hit(point CrashPoint) bool {
 
 // Crash kills the process with SIGKILL if point fires. It returns only if it does
 // not fire.
-func (c *Crasher) Crash(point CrashPoint) {
+func (c *crasher) Crash(point CrashPoint) {
 	if !c.Hit(point) {
 		return
 	}
@@ -155,10 +155,8 @@ func (c *Crasher) Crash(point CrashPoint) {
 }
 
 // Middleware is a Watermill handler middleware that fires AfterCommitBeforeAck
-// when the inner handler returns no error. Add it outside the idem middleware
-// (router.AddMiddleware(crasher.Middleware) before the consumer's), so that the
-// inner handler's nil means "committed" and the router has not acked yet.
-func (c *Crasher) Middleware(h message.HandlerFunc) message.HandlerFunc {
+// when the inner handler returns no error (see CrashMiddleware).
+func (c *crasher) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		out, err := h(msg)
 		if err == nil {
@@ -170,12 +168,12 @@ func (c *Crasher) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 var (
 	envOnce    sync.Once
-	envCrasher *Crasher
+	envCrasher *crasher
 )
 
-// FromEnv returns the Crasher armed by EnvCrash and EnvCrashSeed, parsed once. A bad
+// fromEnv returns the crasher armed by EnvCrash and EnvCrashSeed, parsed once. A bad
 // spec panics, so a test run with a typo dies loudly instead of never crashing.
-func FromEnv() *Crasher {
+func fromEnv() *crasher {
 	envOnce.Do(func() {
 		spec := os.Getenv(EnvCrash)
 		seed := rand.Int64()
@@ -186,7 +184,7 @@ func FromEnv() *Crasher {
 			}
 			seed = v
 		}
-		c, err := ParseCrashSpec(spec, seed)
+		c, err := parseCrashSpec(spec, seed)
 		if err != nil {
 			panic(fmt.Sprintf("chaos: %s=%q: %v", EnvCrash, spec, err))
 		}
@@ -198,7 +196,11 @@ func FromEnv() *Crasher {
 // Crash kills the process with SIGKILL at point if EnvCrash armed it and its
 // trigger fires; otherwise it returns at once. Unarmed, it costs one map look-up
 // behind a mutex, so it can stay in code that also runs in production tests.
-func Crash(point CrashPoint) { FromEnv().Crash(point) }
+func Crash(point CrashPoint) { fromEnv().Crash(point) }
 
-// CrashMiddleware is Crasher.Middleware on the Crasher armed from the environment.
-func CrashMiddleware(h message.HandlerFunc) message.HandlerFunc { return FromEnv().Middleware(h) }
+// CrashMiddleware is a Watermill handler middleware that fires AfterCommitBeforeAck,
+// when EnvCrash armed it, as the inner handler returns no error. Add it outside
+// the idem middleware (router.AddMiddleware(chaos.CrashMiddleware) before the
+// consumer's), so that the inner handler's nil means "committed" and the router
+// has not acked yet.
+func CrashMiddleware(h message.HandlerFunc) message.HandlerFunc { return fromEnv().Middleware(h) }

@@ -9,9 +9,9 @@ import (
 )
 
 func TestParseCrashSpec(t *testing.T) {
-	c, err := ParseCrashSpec("before-commit:nth=3, after-commit-before-ack:0.5,mid-send", 1)
+	c, err := parseCrashSpec("before-commit:nth=3, after-commit-before-ack:0.5,mid-send", 1)
 	require.NoError(t, err)
-	for _, p := range CrashPoints {
+	for _, p := range crashPoints {
 		require.True(t, c.Armed(p), p)
 	}
 	var hits []bool
@@ -30,18 +30,18 @@ func TestParseCrashSpec(t *testing.T) {
 	require.InDelta(t, 500, fired, 80)
 
 	for _, bad := range []string{"after-commit", "before-commit:nth=0", "before-commit:1.5", "mid-send:x"} {
-		_, err := ParseCrashSpec(bad, 1)
+		_, err := parseCrashSpec(bad, 1)
 		require.Error(t, err, bad)
 	}
-	empty, err := ParseCrashSpec("", 1)
+	empty, err := parseCrashSpec("", 1)
 	require.NoError(t, err)
 	require.False(t, empty.Hit(BeforeCommit))
-	var none *Crasher
-	none.Crash(BeforeCommit) // a nil Crasher never fires
+	var none *crasher
+	none.Crash(BeforeCommit) // a nil crasher never fires
 }
 
 func TestCrashMiddlewareFiresOnlyAfterSuccess(t *testing.T) {
-	c, err := ParseCrashSpec("after-commit-before-ack:1", 1)
+	c, err := parseCrashSpec("after-commit-before-ack:1", 1)
 	require.NoError(t, err)
 	var fired []CrashPoint
 	c.kill = func(p CrashPoint) { fired = append(fired, p) }

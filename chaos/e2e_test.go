@@ -111,7 +111,7 @@ func runGoChannelChaos(t *testing.T, f flavour, n int, seed int64) e2eResult {
 		require.NoError(t, err)
 	}
 	stats := sub.Stats()
-	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema, SettleQuiet: 200 * time.Millisecond})
 	require.NoError(t, err)
 	suppressed := st.counter("idem_inbox_duplicates_total")
 	if f == peerDeduplicator {
@@ -119,7 +119,7 @@ func runGoChannelChaos(t *testing.T, f flavour, n int, seed int64) e2eResult {
 	}
 	q := auditQuery(f, keys, stats.Delivered, suppressed)
 	q = withSends(q, pool)
-	rep, err := a.Settled(ctx, q, chaos.SettleOptions{Quiet: 200 * time.Millisecond})
+	rep, err := a.Settled(ctx, q)
 	require.NoError(t, err)
 	return e2eResult{report: rep, stats: stats, pubDup: pub.Duplicates()}
 }
@@ -162,12 +162,12 @@ func TestGoChannelChaosEndToEnd(t *testing.T) {
 		return
 	}
 	var reps []chaos.Report
-	var titles []string
 	for i, f := range flavours {
-		reps = append(reps, results[i].report)
-		titles = append(titles, string(f))
+		r := results[i].report
+		r.Consumer = string(f) // the column's title
+		reps = append(reps, r)
 	}
-	t.Logf("GoChannel chaos run, N=%d, seed %d:\n%s", n, seed, chaos.FormatReports(titles, reps...))
+	t.Logf("GoChannel chaos run, N=%d, seed %d:\n%s", n, seed, reps[0].Beside(reps[1:]...))
 	peer := results[2].report
 	require.False(t, peer.OK(), "the peer came through a run with transient failures and a restart unharmed; the harness is not biting:\n%s", peer)
 }

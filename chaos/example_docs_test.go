@@ -42,7 +42,7 @@ func docAudit(ctx context.Context, t *testing.T, pool *pgxpool.Pool, ids []strin
 		EffectKind:   "email",
 		EffectKey:    func(k string) string { return "receipt:" + k },
 		Sends:        smtpReceiver.CountsByMessageID, // optional: what the world received
-	}, chaos.SettleOptions{})
+	})
 	require.NoError(t, err)
 	rep.Deliveries = sub.Stats().Delivered             // counted once the run has settled
 	rep.DuplicatesSuppressed = idemDuplicatesCounter() // idem_inbox_duplicates_total, or -1

@@ -71,7 +71,7 @@ func Example() {
 		Consumer:     "payments",
 		ExpectedKeys: ids,
 		BusinessSQL:  `SELECT payment, count(*) FROM ledger GROUP BY 1`, // the ground truth
-	}, chaos.SettleOptions{})
+	})
 	if err != nil {
 		panic(err)
 	}

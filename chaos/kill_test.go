@@ -165,10 +165,10 @@ func runKillChaos(t *testing.T, f flavour, n int, seed int64) killRun {
 		_, err := sendEmails(ctx, pool, time.Second)
 		require.NoError(t, err)
 	}
-	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema})
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: pool, Schema: schema, SettleQuiet: 200 * time.Millisecond})
 	require.NoError(t, err)
 	q := withSends(auditQuery(f, keys, int64(run.deliveries), -1), pool)
-	run.report, err = a.Settled(ctx, q, chaos.SettleOptions{Quiet: 200 * time.Millisecond})
+	run.report, err = a.Settled(ctx, q)
 	require.NoError(t, err)
 	return run
 }
@@ -224,11 +224,11 @@ func TestSIGKILLConsumerProcesses(t *testing.T) {
 		return
 	}
 	var reps []chaos.Report
-	var titles []string
 	for i, f := range flavours {
-		reps = append(reps, runs[i].report)
-		titles = append(titles, string(f))
+		r := runs[i].report
+		r.Consumer = string(f) // the column's title
+		reps = append(reps, r)
 	}
-	t.Logf("SIGKILL run, N=%d, 3 consumer processes, seed %d:\n%s", n, seed, chaos.FormatReports(titles, reps...))
+	t.Logf("SIGKILL run, N=%d, 3 consumer processes, seed %d:\n%s", n, seed, reps[0].Beside(reps[1:]...))
 	require.Positive(t, runs[2].report.CommittedTwice, "the peer never committed twice; the kills are not biting:\n%s", runs[2].report)
 }

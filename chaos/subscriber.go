@@ -1,12 +1,10 @@
 package chaos
 
 import (
-	"cmp"
 	"container/heap"
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -18,125 +16,25 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 )
 
-// Defaults for Config.
-const (
-	// DefaultMaxCopies caps the extra copies of one message when duplicating.
-	DefaultMaxCopies = 2
-	// DefaultRedeliverDelay is how long after an ack a message is redelivered.
-	DefaultRedeliverDelay = 50 * time.Millisecond
-	// DefaultNackDelay is how long after a nack a copy is delivered again.
-	DefaultNackDelay = 10 * time.Millisecond
-	// DefaultReorderIdle is how long the reorder window waits for more messages
-	// before it lets the held ones go, so a subscriber that sends one message at a
-	// time and waits for its ack never stalls.
-	DefaultReorderIdle = 5 * time.Millisecond
-)
-
-// Config says which faults a Subscriber injects. The zero Config injects none.
-type Config struct {
-	// Seed makes the run deterministic. Every decision about the n-th message
-	// from the upstream subscriber (copies, redelivery, delays) comes from a
-	// generator seeded with (Seed, n), so the same seed and the same upstream order
-	// inject the same faults into the same messages. With several messages in
-	// flight at once, when they reach the handler still depends on timing.
-	Seed int64
-	// DuplicateProbability is the chance that a message is delivered more than
-	// once straight away: between 1 and MaxCopies extra copies, which arrive while
-	// the original may still be in flight (as a producer retry or a rebalance
-	// would cause).
-	DuplicateProbability float64
-	// MaxCopies caps the extra copies (default 2).
-	MaxCopies int
-	// RedeliverProbability is the chance that a message is delivered again after
-	// its original was acked, as a broker does when it crashed before it stored
-	// the ack (or a consumer group rebalanced before the offset commit).
-	RedeliverProbability float64
-	// RedeliverDelay is how long after the ack that redelivery comes (default
-	// 50 ms).
-	RedeliverDelay time.Duration
-	// NackDelay is how long after a nack an injected copy is delivered again
-	// (default 10 ms). Nacked originals go back to the upstream subscriber, which
-	// redelivers them itself.
-	NackDelay time.Duration
-	// ReorderWindow, if above 1, holds up to that many messages and lets them go
-	// in a shuffled order.
-	ReorderWindow int
-	// ReorderIdle is how long the window waits for the next message before it
-	// releases what it holds (default 5 ms).
-	ReorderIdle time.Duration
-	// MaxDelay, if set, delays every delivery (originals and copies) by a random
-	// time in [0, MaxDelay).
-	MaxDelay time.Duration
-	// Observer, if set, is told of every delivery and injected fault, in the order
-	// they happen. It must not block.
-	Observer func(Event)
-	// Logger gets a debug line per injected fault (nil: quiet).
-	Logger *slog.Logger
-}
-
-// WithDefaults returns c with every unset field at its default.
-func (c Config) WithDefaults() Config {
-	c.MaxCopies = cmp.Or(c.MaxCopies, DefaultMaxCopies)
-	c.RedeliverDelay = cmp.Or(c.RedeliverDelay, DefaultRedeliverDelay)
-	c.NackDelay = cmp.Or(c.NackDelay, DefaultNackDelay)
-	c.ReorderIdle = cmp.Or(c.ReorderIdle, DefaultReorderIdle)
-	c.Logger = cmp.Or(c.Logger, slog.New(slog.DiscardHandler))
-	return c
-}
-
-// Validate reports what NewSubscriber would refuse in c. It checks
-// c.WithDefaults(), so the zero Config (no faults) passes.
-func (c Config) Validate() error {
-	c = c.WithDefaults()
-	if err := validProbability("DuplicateProbability", c.DuplicateProbability); err != nil {
-		return err
-	}
-	if err := validProbability("RedeliverProbability", c.RedeliverProbability); err != nil {
-		return err
-	}
-	switch {
-	case c.MaxCopies < 1:
-		return errcode.InvalidConfig("MaxCopies %d is under 1", c.MaxCopies)
-	case c.RedeliverDelay < 0 || c.NackDelay < 0 || c.MaxDelay < 0 || c.ReorderIdle < 0:
-		return errcode.InvalidConfig("delays must not be negative")
-	case c.ReorderWindow < 0:
-		return errcode.InvalidConfig("ReorderWindow %d is negative", c.ReorderWindow)
-	}
-	return nil
-}
-
-// validProbability refuses a probability outside [0, 1].
-func validProbability(name string, p float64) error {
-	if p < 0 || p > 1 {
-		return errcode.InvalidConfig("%s %v is outside [0, 1]", name, p)
-	}
-	return nil
-}
-
-// ErrInvalidConfig is wrapped by the error a constructor of this package returns
-// for a config it refuses (code "invalid_config"). Every idem package has the same
-// value.
-var ErrInvalidConfig = errcode.ErrInvalidConfig
-
-// EventKind names what happened to a delivery.
-type EventKind string
+// eventKind names what happened to a delivery.
+type eventKind string
 
 // Event kinds.
 const (
-	// EventOriginal: the message as the upstream subscriber delivered it. Its ack
+	// eventOriginal: the message as the upstream subscriber delivered it. Its ack
 	// or nack goes upstream.
-	EventOriginal EventKind = "original"
-	// EventDuplicate: an extra copy, injected next to the original.
-	EventDuplicate EventKind = "duplicate"
-	// EventRedelivery: a copy delivered after the original was acked.
-	EventRedelivery EventKind = "redelivery"
-	// EventNackRedelivery: an injected copy delivered again after it was nacked.
-	EventNackRedelivery EventKind = "nack-redelivery"
+	eventOriginal eventKind = "original"
+	// eventDuplicate: an extra copy, injected next to the original.
+	eventDuplicate eventKind = "duplicate"
+	// eventRedelivery: a copy delivered after the original was acked.
+	eventRedelivery eventKind = "redelivery"
+	// eventNackRedelivery: an injected copy delivered again after it was nacked.
+	eventNackRedelivery eventKind = "nack-redelivery"
 )
 
-// Event is one delivery by a Subscriber.
-type Event struct {
-	Kind EventKind
+// event is one delivery by a Subscriber, as the tests' observer sees it.
+type event struct {
+	Kind eventKind
 	// UUID of the message.
 	UUID string
 	// Seq is the message's position in the upstream order, from 0.
@@ -147,11 +45,11 @@ type Event struct {
 
 type kindKey struct{}
 
-// KindOf tells what kind of delivery a message handed on by a Subscriber is, from
-// its context (or a context derived from it, such as a handler's). It is for logs
-// and tests; a handler must never behave differently for injected copies.
-func KindOf(ctx context.Context) (EventKind, bool) {
-	k, ok := ctx.Value(kindKey{}).(EventKind)
+// kindOf tells what kind of delivery a message handed on by a Subscriber is, from
+// its context (or a context derived from it, such as a handler's). It is for the
+// tests; a handler must never behave differently for injected copies.
+func kindOf(ctx context.Context) (eventKind, bool) {
+	k, ok := ctx.Value(kindKey{}).(eventKind)
 	return k, ok
 }
 
@@ -202,6 +100,9 @@ type Subscriber struct {
 		received, delivered, duplicates, redeliveries, nackRedeliveries,
 		reordered, delayed, acked, nacked, upAcked, upNacked atomic.Int64
 	}
+	// observer, set by tests before Subscribe, is told of every delivery and
+	// injected fault, in the order they happen.
+	observer func(event)
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -292,7 +193,7 @@ type subscription struct {
 type delivery struct {
 	due  time.Time // zero: at once
 	seq  int64
-	kind EventKind
+	kind eventKind
 	n    int64 // upstream position
 	up   *message.Message
 	// redeliver: after the original is acked, deliver it again.
@@ -388,7 +289,7 @@ func (sub *subscription) read() {
 			}
 			s.stats.received.Add(1)
 			r := s.rng(n, streamFaults)
-			d := &delivery{kind: EventOriginal, n: n, up: up, delay: s.delay(r)}
+			d := &delivery{kind: eventOriginal, n: n, up: up, delay: s.delay(r)}
 			copies := 0
 			if r.Float64() < s.cfg.DuplicateProbability {
 				copies = 1 + r.IntN(s.cfg.MaxCopies)
@@ -411,7 +312,7 @@ func (sub *subscription) read() {
 			}
 			for range copies {
 				s.stats.duplicates.Add(1)
-				sub.schedule(&delivery{kind: EventDuplicate, n: d.n, up: up, delay: s.delay(r)})
+				sub.schedule(&delivery{kind: eventDuplicate, n: d.n, up: up, delay: s.delay(r)})
 			}
 		}
 	}
@@ -434,7 +335,7 @@ func (sub *subscription) schedule(d *delivery) {
 }
 
 // scheduleAfter schedules a copy of d of the given kind after delay.
-func (sub *subscription) scheduleAfter(d *delivery, kind EventKind, delay time.Duration) {
+func (sub *subscription) scheduleAfter(d *delivery, kind eventKind, delay time.Duration) {
 	sub.schedule(&delivery{kind: kind, n: d.n, up: d.up, delay: delay})
 }
 
@@ -506,7 +407,7 @@ func (sub *subscription) deliver(d *delivery) bool {
 	}
 	var cancel context.CancelFunc = func() {}
 	ctx := d.up.Context()
-	if d.kind != EventOriginal {
+	if d.kind != eventOriginal {
 		// The upstream message's context may be cancelled once it is acked (the
 		// GoChannel does that), and a copy outlives it.
 		ctx, cancel = context.WithCancel(context.WithoutCancel(ctx))
@@ -528,15 +429,15 @@ func (sub *subscription) deliver(d *delivery) bool {
 		s.stats.delayed.Add(1)
 	}
 	switch d.kind {
-	case EventRedelivery:
+	case eventRedelivery:
 		s.stats.redeliveries.Add(1)
-	case EventNackRedelivery:
+	case eventNackRedelivery:
 		s.stats.nackRedeliveries.Add(1)
 	}
-	if s.cfg.Observer != nil {
-		s.cfg.Observer(Event{Kind: d.kind, UUID: d.up.UUID, Seq: d.n, Delay: d.delay})
+	if s.observer != nil {
+		s.observer(event{Kind: d.kind, UUID: d.up.UUID, Seq: d.n, Delay: d.delay})
 	}
-	if d.kind != EventOriginal {
+	if d.kind != eventOriginal {
 		s.cfg.Logger.Debug("chaos: injected delivery", "kind", string(d.kind), "uuid", d.up.UUID, "seq", d.n, "delay", d.delay)
 	}
 	sub.watchers.Add(1)
@@ -558,7 +459,7 @@ func (sub *subscription) drop() {
 
 // giveBack nacks an original that could not be delivered.
 func (sub *subscription) giveBack(d *delivery) {
-	if d.kind == EventOriginal {
+	if d.kind == eventOriginal {
 		d.up.Nack()
 		sub.s.stats.upNacked.Add(1)
 	}
@@ -592,23 +493,23 @@ func (sub *subscription) watch(d *delivery, msg *message.Message, cancel context
 	switch {
 	case acked:
 		s.stats.acked.Add(1)
-		if d.kind != EventOriginal {
+		if d.kind != eventOriginal {
 			return
 		}
 		d.up.Ack()
 		s.stats.upAcked.Add(1)
 		if d.redeliver {
-			sub.scheduleAfter(d, EventRedelivery, s.cfg.RedeliverDelay)
+			sub.scheduleAfter(d, eventRedelivery, s.cfg.RedeliverDelay)
 		}
 	case nacked:
 		s.stats.nacked.Add(1)
-		if d.kind == EventOriginal {
+		if d.kind == eventOriginal {
 			// The upstream subscriber redelivers it; a later delivery gets the
 			// same redelivery decision again from its new position.
 			d.up.Nack()
 			s.stats.upNacked.Add(1)
 			return
 		}
-		sub.scheduleAfter(d, EventNackRedelivery, s.cfg.NackDelay)
+		sub.scheduleAfter(d, eventNackRedelivery, s.cfg.NackDelay)
 	}
 }

@@ -366,13 +366,16 @@ func TestSubscriberIsDeterministic(t *testing.T) {
 		cfg := chaos.Config{
 			Seed: seed, DuplicateProbability: 0.3, MaxCopies: 2, ReorderWindow: 5, ReorderIdle: time.Second,
 			RedeliverProbability: 0.2, RedeliverDelay: time.Hour, // redeliveries are decided, not reached
-			Observer: func(e chaos.Event) {
-				mu.Lock()
-				events = append(events, string(e.Kind)+":"+e.UUID)
-				mu.Unlock()
-			},
 		}
-		s, ch := newChaos(t, up, cfg)
+		s, err := chaos.NewSubscriber(up, cfg)
+		require.NoError(t, err)
+		chaos.SetObserver(s, func(e chaos.Event) {
+			mu.Lock()
+			events = append(events, string(e.Kind)+":"+e.UUID)
+			mu.Unlock()
+		})
+		ch, err := s.Subscribe(context.Background(), "payments")
+		require.NoError(t, err)
 		var want int
 		all := []got{}
 		for want = 150; len(all) < want; {

@@ -114,7 +114,7 @@ func testSetBasedBatchBackendCut(t *testing.T, layout, point string) {
 		var err error
 		blocker, err = b.pool.Begin(ctx)
 		require.NoError(t, err)
-		_, err = effects.EnqueueScoped(ctx, blocker, effects.Scope{Schema: b.schema},
+		_, err = effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: b.schema}), blocker,
 			effects.Effect{Kind: "email", Key: "receipt:" + cutVictim, Payload: []byte(`{}`)})
 		require.NoError(t, err)
 		require.NoError(t, blocker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&blockerPID))

@@ -257,7 +257,7 @@ func TestBatchHandlerEffectMismatchFailsItsMessage(t *testing.T) {
 	h, bb, b := setupBatch(t)
 	ctx := context.Background()
 	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: b.schema},
+		_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: b.schema}), tx,
 			effects.Effect{Kind: "email", Key: "receipt:b", Payload: []byte("something else")})
 		return err
 	}))

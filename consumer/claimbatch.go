@@ -33,7 +33,7 @@ func newBatchStore(schema string) *batchStore {
 
 // batchClaim is one key of a set-based claim (ClaimBatchTx).
 type batchClaim struct {
-	inbox.Claim
+	inboxdb.Claim
 	// Failed writes the row as failed, with Code and Error, instead of claiming the
 	// key for a handler: a permanent failure recorded in the batch's transaction, as
 	// FailTx records one. Code and Error are sanitised (valid UTF-8, no NUL bytes).
@@ -72,10 +72,10 @@ type batchClaim struct {
 // ClaimAfterTx; with no claims, only the prelude is sent. claims must name
 // distinct keys.
 func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
-	inbox.DBTX
-	inbox.BatchSender
-}, prelude []string, claims []batchClaim) ([]inbox.ClaimResult, error) {
-	results := make([]inbox.ClaimResult, len(claims))
+	inboxdb.DBTX
+	inboxdb.BatchSender
+}, prelude []string, claims []batchClaim) ([]inboxdb.ClaimResult, error) {
+	results := make([]inboxdb.ClaimResult, len(claims))
 	for i := range claims {
 		if err := claims[i].Validate(); err != nil {
 			return nil, err
@@ -110,10 +110,10 @@ func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 
 	// settled[i]: results[i] holds what the last statement found for claims[i].
 	settled := make([]bool, len(claims))
-	found := func(i int, rec *inbox.Record) {
+	found := func(i int, rec *inboxdb.Record) {
 		c := &claims[i]
 		rec.Consumer, rec.Tenant, rec.Key = c.Consumer, c.Tenant, c.Key
-		results[i] = inbox.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, c.Fingerprint)}
+		results[i] = inboxdb.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, c.Fingerprint)}
 		settled[i] = true
 	}
 	expired := make([]bool, len(claims))
@@ -129,7 +129,7 @@ func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 		}
 		for _, i := range todo {
 			if !settled[i] && !slices.Contains(unread, i) {
-				results[i], settled[i] = inbox.ClaimResult{Claimed: true}, true
+				results[i], settled[i] = inboxdb.ClaimResult{Claimed: true}, true
 			}
 		}
 		if len(unread) > 0 {
@@ -180,7 +180,7 @@ func keyColumns(claims []batchClaim, idx []int) (consumers, tenants, keys pgarra
 }
 
 // deleteExpiredBatch deletes the settled rows past their expiry of claims[idx].
-func (s *batchStore) deleteExpiredBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int) error {
+func (s *batchStore) deleteExpiredBatch(ctx context.Context, db inboxdb.DBTX, claims []batchClaim, idx []int) error {
 	consumers, tenants, keys, one := keyColumns(claims, idx)
 	sql, args := s.q.DeleteExpiredKeys, []any{consumers, tenants, keys}
 	if one {
@@ -194,9 +194,9 @@ func (s *batchStore) deleteExpiredBatch(ctx context.Context, db inbox.DBTX, clai
 // and hands each row it read to found. It returns the keys it neither claimed nor
 // read (unread): their rows were committed while the claim waited for them.
 func (s *batchStore) claimBatch(ctx context.Context, tx interface {
-	inbox.DBTX
-	inbox.BatchSender
-}, prelude []string, claims []batchClaim, idx []int, found func(int, *inbox.Record)) (unread []int, err error) {
+	inboxdb.DBTX
+	inboxdb.BatchSender
+}, prelude []string, claims []batchClaim, idx []int, found func(int, *inboxdb.Record)) (unread []int, err error) {
 	n := len(idx)
 	consumers, tenants, keys, one := keyColumns(claims, idx)
 	fps := make(pgarray.Bytea, n)
@@ -223,7 +223,7 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 		sql, args = s.q.ClaimBatchOneTenant, append(args, tenants[0])
 	}
 	scan := func(rows pgx.Rows) error {
-		return s.scanRows(rows, idx, func(i int, rec *inbox.Record) {
+		return s.scanRows(rows, idx, func(i int, rec *inboxdb.Record) {
 			if rec == nil {
 				unread = append(unread, i)
 				return
@@ -263,7 +263,7 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 }
 
 // getBatch reads the rows of claims[idx] and hands each to found.
-func (s *batchStore) getBatch(ctx context.Context, db inbox.DBTX, claims []batchClaim, idx []int, found func(int, *inbox.Record)) error {
+func (s *batchStore) getBatch(ctx context.Context, db inboxdb.DBTX, claims []batchClaim, idx []int, found func(int, *inboxdb.Record)) error {
 	consumers, tenants, keys, one := keyColumns(claims, idx)
 	sql, args := s.q.GetBatch, []any{consumers, tenants, keys}
 	if one {
@@ -273,7 +273,7 @@ func (s *batchStore) getBatch(ctx context.Context, db inbox.DBTX, claims []batch
 	if err != nil {
 		return pgschema.Wrap(err, s.schema)
 	}
-	return s.scanRows(rows, idx, func(i int, rec *inbox.Record) {
+	return s.scanRows(rows, idx, func(i int, rec *inboxdb.Record) {
 		if rec != nil {
 			found(i, rec)
 		}
@@ -282,7 +282,7 @@ func (s *batchStore) getBatch(ctx context.Context, db inbox.DBTX, claims []batch
 
 // scanRows hands each row of ClaimBatch or GetBatch to row: the claim it is about
 // (idx[ord-1]) and the inbox row read, nil when none was.
-func (s *batchStore) scanRows(rows pgx.Rows, idx []int, row func(i int, rec *inbox.Record)) error {
+func (s *batchStore) scanRows(rows pgx.Rows, idx []int, row func(i int, rec *inboxdb.Record)) error {
 	defer rows.Close()
 	var ord int
 	var state, code, msg *string
@@ -290,7 +290,7 @@ func (s *batchStore) scanRows(rows pgx.Rows, idx []int, row func(i int, rec *inb
 	var fence *int64
 	var received, expires, now *time.Time
 	for rows.Next() {
-		rec := &inbox.Record{}
+		rec := &inboxdb.Record{}
 		if err := rows.Scan(&ord, &rec.Fingerprint, &state, &code, &msg, &attempts, &rec.LeaseUntil, &fence,
 			&received, &rec.CompletedAt, &expires, &now); err != nil {
 			return pgschema.Wrap(err, s.schema)
@@ -302,7 +302,7 @@ func (s *batchStore) scanRows(rows pgx.Rows, idx []int, row func(i int, rec *inb
 			row(idx[ord-1], nil)
 			continue
 		}
-		rec.State = inbox.State(*state)
+		rec.State = inboxdb.State(*state)
 		rec.ErrorCode, rec.Error = deref(code), deref(msg)
 		rec.Attempts, rec.Fence = deref(attempts), deref(fence)
 		rec.ReceivedAt, rec.ExpiresAt, rec.Now = deref(received), deref(expires), deref(now)

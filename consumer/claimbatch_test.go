@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/internal/text"
 )
@@ -49,12 +50,12 @@ func (c *countingTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResul
 
 // testStores is the inbox store and the batch claimer on one schema.
 type testStores struct {
-	*inbox.Store
+	*inboxdb.Store
 	*batchStore
 }
 
 func newTestStores(schema string) (*testStores, error) {
-	store, err := inbox.NewStore(schema)
+	store, err := inboxdb.NewStore(schema)
 	if err != nil {
 		return nil, err
 	}
@@ -71,8 +72,8 @@ func setupStores(t *testing.T) (*testStores, *pgxpool.Pool) {
 	return store, pool
 }
 
-func claimOf(key string, fp string) inbox.Claim {
-	return inbox.Claim{ID: inbox.ID{Consumer: "c", Key: key}, Fingerprint: []byte(fp)}
+func claimOf(key string, fp string) inboxdb.Claim {
+	return inboxdb.Claim{ID: inboxdb.ID{Consumer: "c", Key: key}, Fingerprint: []byte(fp)}
 }
 
 func batchOf(keys ...string) []batchClaim {
@@ -103,13 +104,13 @@ func testClaimBatchTx(t *testing.T, mixed bool) {
 	require.NoError(t, err)
 
 	round := 0
-	claim := func(claims []batchClaim) (res []inbox.ClaimResult, statements int64) {
+	claim := func(claims []batchClaim) (res []inboxdb.ClaimResult, statements int64) {
 		t.Helper()
 		n := len(claims)
 		if mixed && n > 0 {
 			round++
-			claims = append(claims, batchClaim{Claim: inbox.Claim{
-				ID: inbox.ID{Consumer: "c", Tenant: "t2", Key: fmt.Sprint("other-", round)}, Fingerprint: []byte("fp")}})
+			claims = append(claims, batchClaim{Claim: inboxdb.Claim{
+				ID: inboxdb.ID{Consumer: "c", Tenant: "t2", Key: fmt.Sprint("other-", round)}, Fingerprint: []byte("fp")}})
 		}
 		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
 			ct := &countingTx{Tx: tx}
@@ -138,7 +139,7 @@ func testClaimBatchTx(t *testing.T, mixed bool) {
 	require.True(t, res[0].Claimed, "k4 is new")
 	require.False(t, res[1].Claimed)
 	require.True(t, res[1].Mismatch, "k2 came with another payload")
-	require.Equal(t, inbox.StateCompleted, res[1].Existing.State)
+	require.Equal(t, inboxdb.StateCompleted, res[1].Existing.State)
 	require.False(t, res[2].Claimed)
 	require.False(t, res[2].Mismatch, "k1 is a duplicate")
 	require.Equal(t, "k1", res[2].Existing.Key)
@@ -153,7 +154,7 @@ func testClaimBatchTx(t *testing.T, mixed bool) {
 	// A recorded failure is replayed to a later claim of the key.
 	res, _ = claim(batchOf("k5"))
 	require.False(t, res[0].Claimed)
-	require.Equal(t, inbox.StateFailed, res[0].Existing.State)
+	require.Equal(t, inboxdb.StateFailed, res[0].Existing.State)
 	require.Equal(t, "card_declined", res[0].Existing.ErrorCode)
 
 	// Only the prelude, when nothing is to be claimed.
@@ -193,7 +194,7 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 			}
 
 			type answer struct {
-				res []inbox.ClaimResult
+				res []inboxdb.ClaimResult
 				n   int64
 				err error
 			}
@@ -204,7 +205,7 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 					ct := &countingTx{Tx: tx}
 					claims := batchOf("k0", "k1", "k2", "k3")
 					if c.mixed {
-						claims = append(claims, batchClaim{Claim: inbox.Claim{ID: inbox.ID{Consumer: "c", Tenant: "t2", Key: "k1"}, Fingerprint: []byte("fp")}})
+						claims = append(claims, batchClaim{Claim: inboxdb.Claim{ID: inboxdb.ID{Consumer: "c", Tenant: "t2", Key: "k1"}, Fingerprint: []byte("fp")}})
 					}
 					a.res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 30000"}, claims)
 					a.n = ct.sent.Load()
@@ -241,7 +242,7 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 				for _, i := range []int{1, 3} {
 					require.False(t, a.res[i].Claimed)
 					require.False(t, a.res[i].Mismatch)
-					require.Equal(t, inbox.StateCompleted, a.res[i].Existing.State)
+					require.Equal(t, inboxdb.StateCompleted, a.res[i].Existing.State)
 				}
 			} else {
 				require.EqualValues(t, 1, a.n)

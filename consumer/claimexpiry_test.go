@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -27,24 +27,24 @@ func expire(t *testing.T, pool *pgxpool.Pool) {
 func TestClaimsForgetExpiredRows(t *testing.T) {
 	store, pool := setupStores(t)
 	ctx := context.Background()
-	claims := map[string]func(c inbox.Claim) (inbox.ClaimResult, error){
-		"ClaimTx": func(c inbox.Claim) (res inbox.ClaimResult, err error) {
+	claims := map[string]func(c inboxdb.Claim) (inboxdb.ClaimResult, error){
+		"ClaimTx": func(c inboxdb.Claim) (res inboxdb.ClaimResult, err error) {
 			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) { res, err = store.ClaimTx(ctx, tx, c); return })
 			return
 		},
-		"ClaimAfterTx": func(c inbox.Claim) (res inbox.ClaimResult, err error) {
+		"ClaimAfterTx": func(c inboxdb.Claim) (res inboxdb.ClaimResult, err error) {
 			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
 				res, err = store.ClaimAfterTx(ctx, tx, []string{"SAVEPOINT s"}, c)
 				return
 			})
 			return
 		},
-		"FailTx": func(c inbox.Claim) (res inbox.ClaimResult, err error) {
+		"FailTx": func(c inboxdb.Claim) (res inboxdb.ClaimResult, err error) {
 			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) { res, err = store.FailTx(ctx, tx, c, "code", "text"); return })
 			return
 		},
-		"Lease": func(c inbox.Claim) (inbox.ClaimResult, error) { return store.Lease(ctx, pool, c, time.Minute) },
-		"ClaimBatchTx": func(c inbox.Claim) (res inbox.ClaimResult, err error) {
+		"Lease": func(c inboxdb.Claim) (inboxdb.ClaimResult, error) { return store.Lease(ctx, pool, c, time.Minute) },
+		"ClaimBatchTx": func(c inboxdb.Claim) (res inboxdb.ClaimResult, err error) {
 			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 				results, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: c}, {Claim: claimOf(c.Key+"-other", "fp")}})
 				if err == nil {
@@ -55,7 +55,7 @@ func TestClaimsForgetExpiredRows(t *testing.T) {
 			return
 		},
 		// A batch of two tenants' keys: the statements' forms for several tenants.
-		"ClaimBatchTx, mixed tenants": func(c inbox.Claim) (res inbox.ClaimResult, err error) {
+		"ClaimBatchTx, mixed tenants": func(c inboxdb.Claim) (res inboxdb.ClaimResult, err error) {
 			other := claimOf(c.Key, "fp")
 			other.Tenant = "t2"
 			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -113,7 +113,7 @@ func TestClaimsForgetExpiredRows(t *testing.T) {
 		require.NoError(t, err, name)
 		require.False(t, res.Claimed, name)
 		require.False(t, res.Expired, name)
-		require.Equal(t, inbox.StateProcessing, res.Existing.State, name)
+		require.Equal(t, inboxdb.StateProcessing, res.Existing.State, name)
 	}
 }
 
@@ -128,7 +128,7 @@ func TestConcurrentClaimsOfAnExpiredKey(t *testing.T) {
 		require.NoError(t, err)
 		expire(t, pool)
 		var wg sync.WaitGroup
-		results := make([]inbox.ClaimResult, 2)
+		results := make([]inboxdb.ClaimResult, 2)
 		errs := make([]error, 2)
 		for w := range 2 {
 			wg.Go(func() {
@@ -155,7 +155,7 @@ func TestConcurrentClaimsOfAnExpiredKey(t *testing.T) {
 		require.NotEqual(t, results[0].Claimed, results[1].Claimed, "exactly one claims the key")
 		for _, r := range results {
 			if !r.Claimed {
-				require.Equal(t, inbox.StateCompleted, r.Existing.State)
+				require.Equal(t, inboxdb.StateCompleted, r.Existing.State)
 				require.True(t, r.Existing.ExpiresAt.After(r.Existing.Now), "the loser meets the winner's live row")
 			}
 		}

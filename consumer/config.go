@@ -16,6 +16,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/txmark"
 	"github.com/idemkit/idem/shard"
 )
@@ -48,15 +49,13 @@ const (
 	// PoisonQueue poisons), the error's stable code: inbox.Code(err), or
 	// "transient" for an error without one. A broker adapter sees only the nack;
 	// idem's Kafka adapter reads this key to log the code with its redelivery
-	// pause. The key is the same string as the Kafka adapter's
-	// kafka.MetadataErrorCode.
+	// pause (a test checks the adapter reads this very key).
 	MetadataErrorCode = "idem_error_code"
 	// MetadataErrorPermanent is the metadata key under which the middleware leaves
 	// "true", next to MetadataErrorCode, when the error it returns is permanent
 	// (IsPermanent): retrying the message cannot succeed, so nacked it holds its
 	// partition (Kafka) until a PoisonQueue takes it. The Kafka adapter reads it
-	// to report the partition as held (kafka.MetadataErrorPermanent, the same
-	// key).
+	// to report the partition as held.
 	MetadataErrorPermanent = "idem_error_permanent"
 )
 
@@ -77,7 +76,7 @@ const (
 	// more than once for one delivery; its database work commits once), and when a
 	// failure cannot be pinned on one message, each message runs in its own
 	// savepoint. Handler code is the same as in Transactional mode, except that
-	// effects.Enqueue answers Result{Deferred: true} (see effects.Buffer).
+	// effects.Enqueue answers Result{Deferred: true} (see effectsdb.Buffer).
 	GroupCommit
 	// Lease mode: the inbox row commits first as processing, with a lease and a fence,
 	// for handlers that must call the outside world themselves. See docs/consumers.md
@@ -291,11 +290,11 @@ func (c Config) Validate() error {
 	if c.DefaultTenant != "" && c.Tenant == nil {
 		return errcode.InvalidConfig("DefaultTenant needs Tenant, the function that reads a message's tenant")
 	}
-	if err := inbox.ValidateTenant(c.DefaultTenant); err != nil {
+	if err := inboxdb.ValidateTenant(c.DefaultTenant); err != nil {
 		return fmt.Errorf("DefaultTenant: %w", err)
 	}
 	if c.Name != "" {
-		if err := inbox.ValidateConsumer(c.Name); err != nil {
+		if err := inboxdb.ValidateConsumer(c.Name); err != nil {
 			return err
 		}
 	}

@@ -7,8 +7,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/shard"
 )
@@ -148,7 +148,7 @@ func (c *Consumer) HandleBatch(h BatchHandler) message.NoPublishHandlerFunc {
 func (c *Consumer) route(msg *message.Message) (int, error) {
 	tenant, err := c.tenant(msg)
 	tenant = cmp.Or(tenant, c.defaultTenant)
-	if err != nil || tenant == "" || inbox.ValidateTenant(tenant) != nil {
+	if err != nil || tenant == "" || inboxdb.ValidateTenant(tenant) != nil {
 		return 0, nil
 	}
 	return c.parts.Index(tenant)

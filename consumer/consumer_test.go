@@ -20,6 +20,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -336,12 +337,12 @@ func TestLockTimeoutNacks(t *testing.T) {
 		c, b := setup(t, mode, func(cfg *consumer.Config) { cfg.LockTimeout = 100 * time.Millisecond })
 		ctx := context.Background()
 		// Another instance holds an uncommitted claim of the key.
-		store, err := inbox.NewStore(b.schema)
+		store, err := inboxdb.NewStore(b.schema)
 		require.NoError(t, err)
 		tx, err := b.pool.Begin(ctx)
 		require.NoError(t, err)
 		defer tx.Rollback(ctx)
-		res, err := store.ClaimTx(ctx, tx, inbox.Claim{ID: inbox.ID{Consumer: "payments", Key: "pay-5"}, Fingerprint: mustFP(`{}`)})
+		res, err := store.ClaimTx(ctx, tx, inboxdb.Claim{ID: inboxdb.ID{Consumer: "payments", Key: "pay-5"}, Fingerprint: mustFP(`{}`)})
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
 

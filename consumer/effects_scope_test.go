@@ -14,7 +14,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -37,11 +37,11 @@ func TestPermanentErrorWithBinaryTextIsRecorded(t *testing.T) {
 			})
 			_, err = h(message.NewMessage("pay-1", []byte(`{}`)))
 			require.NoError(t, err, "recorded and acked")
-			store, err := inbox.NewStore(schema)
+			store, err := inboxdb.NewStore(schema)
 			require.NoError(t, err)
-			rec, err := store.Get(context.Background(), pool, inbox.ID{Consumer: "payments", Key: "pay-1"})
+			rec, err := store.Get(context.Background(), pool, inboxdb.ID{Consumer: "payments", Key: "pay-1"})
 			require.NoError(t, err)
-			require.Equal(t, inbox.StateFailed, rec.State)
+			require.Equal(t, inboxdb.StateFailed, rec.State)
 			require.Contains(t, rec.Error, `upstream replied \x00\xff\xfe\x89PNG`)
 		})
 	}

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
 )
@@ -25,7 +26,7 @@ import (
 // group-commit and batch workers. It is safe for concurrent use.
 type engine struct {
 	cfg        Config
-	store      *inbox.Store
+	store      *inboxdb.Store
 	batchStore *batchStore
 	metrics    *metrics
 	log        *slog.Logger
@@ -63,7 +64,7 @@ type engine struct {
 // valid, and names that database (Pool and Schema).
 func newEngine(pc partConfig) (*engine, error) {
 	cfg := pc.Config
-	store, err := inbox.NewStore(cfg.Schema)
+	store, err := inboxdb.NewStore(cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
@@ -192,7 +193,7 @@ type request struct {
 	msgCtx   context.Context
 	span     trace.Span
 	spanDone bool
-	claim    inbox.Claim
+	claim    inboxdb.Claim
 	// invalid: a permanent error found before any claim (bad key, bad payload).
 	invalid error
 	// recordable: invalid, but the key is good, so the failure can be recorded.
@@ -207,7 +208,7 @@ type request struct {
 
 // noteExpired counts a delivery whose claim forgot its key's expired row, once per
 // delivery however many claims of it (group-commit rounds) meet the row.
-func (c *engine) noteExpired(req *request, res inbox.ClaimResult) {
+func (c *engine) noteExpired(req *request, res inboxdb.ClaimResult) {
 	if !res.Expired || req.expiredCounted {
 		return
 	}
@@ -259,7 +260,7 @@ func (c *engine) prepare(msg *message.Message) (*request, error) {
 		tenant, err := c.cfg.Tenant(msg)
 		if err == nil {
 			tenant = cmp.Or(tenant, c.cfg.DefaultTenant)
-			err = inbox.ValidateTenant(tenant)
+			err = inboxdb.ValidateTenant(tenant)
 		}
 		if err == nil && tenant == "" && c.requireTenant {
 			err = ErrTenantMissing

@@ -10,16 +10,16 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
 // runHandlers runs each claimed message's own handler in turn, with no savepoint,
 // and stops at the first failure.
-func (r *setRun) runHandlers() ([]effects.Item, []int, roundEnd) {
-	var items []effects.Item
+func (r *setRun) runHandlers() ([]effectsdb.Item, []int, roundEnd) {
+	var items []effectsdb.Item
 	var owners []int
-	bufs := make([]effects.Buffer, len(r.claimed)) // one allocation for the round's buffers
+	bufs := make([]effectsdb.Buffer, len(r.claimed)) // one allocation for the round's buffers
 	for j, i := range r.claimed {
 		gr := r.batch[i]
 		buf := &bufs[j]
@@ -48,7 +48,7 @@ func (r *setRun) runHandlers() ([]effects.Item, []int, roundEnd) {
 // the batch index of each one's message) if it succeeded, its error (a panic's,
 // recovered), and the transaction's state after it (txState).
 type callResult struct {
-	items  []effects.Item
+	items  []effectsdb.Item
 	owners []int
 	err    error
 	state  error
@@ -62,7 +62,7 @@ func (r *setRun) call(idx []int) callResult {
 	c := r.c
 	r.lastCall = idx
 	msgs := make([]*message.Message, len(idx))
-	bufs := make([]effects.Buffer, len(idx)) // one allocation for the call's buffers
+	bufs := make([]effectsdb.Buffer, len(idx)) // one allocation for the call's buffers
 	for j, i := range idx {
 		req := r.batch[i].req
 		req.msg.SetContext(c.handlerContext(req.ctx, r.owned, c.scope(req, &bufs[j])))
@@ -72,8 +72,8 @@ func (r *setRun) call(idx []int) callResult {
 	if span.IsRecording() {
 		span.SetAttributes(tracing.BatchSize.Int(len(msgs)))
 	}
-	bctx := effects.WithScope(context.WithValue(sctx, txKey{}, r.owned),
-		effects.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
+	bctx := effectsdb.WithScope(context.WithValue(sctx, txKey{}, r.owned),
+		effectsdb.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
 	var cr callResult
 	func() {
 		defer func() {
@@ -148,7 +148,7 @@ func (r *setRun) judge(idx []int, cr callResult) verdict {
 }
 
 // runBatchHandler runs the batch handler once on every claimed message.
-func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
+func (r *setRun) runBatchHandler() ([]effectsdb.Item, []int, roundEnd) {
 	cr := r.call(r.claimed)
 	switch r.judge(r.claimed, cr) {
 	case callOK:
@@ -174,9 +174,9 @@ func (r *setRun) runBatchHandler() ([]effects.Item, []int, roundEnd) {
 // messages fail only all together), the halves' work is what the round commits.
 // When tx has had maxSavepoints savepoints it stops, and the undecided messages go
 // on in a fresh run, which isolates at once.
-func (r *setRun) isolate() ([]effects.Item, []int, roundEnd) {
+func (r *setRun) isolate() ([]effectsdb.Item, []int, roundEnd) {
 	r.suspect = false
-	var items []effects.Item
+	var items []effectsdb.Item
 	var owners []int
 	found := false
 	var test func(part []int) roundEnd

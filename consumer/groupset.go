@@ -12,8 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/attribute"
 
-	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -89,7 +89,7 @@ type keyGroup struct {
 	rep int
 	// rec is the row the claim found committed already; then the key is settled
 	// for the whole batch and is not claimed again in later rounds.
-	rec *inbox.Record
+	rec *inboxdb.Record
 }
 
 type roundEnd int
@@ -234,7 +234,7 @@ func (r *setRun) round(n int) roundEnd {
 		}
 	}
 
-	var items []effects.Item
+	var items []effectsdb.Item
 	var itemOwner []int
 	if len(r.claimed) > 0 {
 		var end roundEnd
@@ -251,8 +251,8 @@ func (r *setRun) round(n int) roundEnd {
 		}
 	}
 	if len(items) > 0 {
-		if _, err := effects.EnqueueItems(r.ctx, r.tx, items); err != nil {
-			var ie *effects.ItemErrors
+		if _, err := effectsdb.EnqueueItems(r.ctx, r.tx, items); err != nil {
+			var ie *effectsdb.ItemErrors
 			if !errors.As(err, &ie) {
 				return roundFallback
 			}
@@ -302,9 +302,9 @@ func (r *setRun) committed() {
 			claim := r.batch[owner].req.claim
 			switch o := r.res[owner]; o.kind {
 			case outCommitted:
-				rec = r.ownRow(claim, inbox.StateCompleted, "", "")
+				rec = r.ownRow(claim, inboxdb.StateCompleted, "", "")
 			case outRecorded:
-				rec = r.ownRow(claim, inbox.StateFailed, failureCode(o.err), truncate(o.err.Error()))
+				rec = r.ownRow(claim, inboxdb.StateFailed, failureCode(o.err), truncate(o.err.Error()))
 			}
 		}
 		for k := grp.rep + 1; k < len(grp.copies); k++ {
@@ -314,15 +314,15 @@ func (r *setRun) committed() {
 				continue
 			}
 			fp := r.batch[i].req.claim.Fingerprint
-			r.res[i] = existingOutcome(inbox.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)})
+			r.res[i] = existingOutcome(inboxdb.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)})
 		}
 	}
 }
 
 // ownRow is the row this batch wrote for claim, as a later copy of its key meets it.
-func (r *setRun) ownRow(claim inbox.Claim, state inbox.State, code, msg string) *inbox.Record {
+func (r *setRun) ownRow(claim inboxdb.Claim, state inboxdb.State, code, msg string) *inboxdb.Record {
 	now := time.Now()
-	return &inbox.Record{Consumer: claim.Consumer, Tenant: claim.Tenant, Key: claim.Key,
+	return &inboxdb.Record{Consumer: claim.Consumer, Tenant: claim.Tenant, Key: claim.Key,
 		Fingerprint: claim.Fingerprint, State: state, ErrorCode: code, Error: msg,
 		Attempts: 1, ReceivedAt: now, CompletedAt: &now, Now: now}
 }

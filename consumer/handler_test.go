@@ -20,8 +20,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -92,7 +92,7 @@ func TestForwardingHandlerKeepsItsInputsIdentity(t *testing.T) {
 		var stored []byte
 		require.NoError(t, b.pool.QueryRow(ctx, `SELECT payload FROM effects WHERE kind = 'publish:out' AND key = $1`,
 			consumer.OutputUUID("payments", "", "fwd-1", 0)).Scan(&stored))
-		out, err := effects.DecodeMessage(stored)
+		out, err := effectsdb.DecodeMessage(stored)
 		require.NoError(t, err)
 		require.Equal(t, consumer.OutputUUID("payments", "", "fwd-1", 0), out.UUID, "the stored copy has the derived UUID")
 		require.Equal(t, `{"n":1}`, string(out.Payload))

@@ -9,7 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
 )
@@ -21,7 +21,7 @@ import (
 // handler that crashed, or outlived its lease, is run again.
 func (c *engine) handleLease(req *request, h message.HandlerFunc) outcome {
 	ctx := req.ctx
-	db, ok := c.cfg.Pool.(inbox.DBTX)
+	db, ok := c.cfg.Pool.(inboxdb.DBTX)
 	if !ok {
 		return outcome{kind: outTransient, err: errors.New("lease mode needs a Pool that can Exec and Query (a *pgxpool.Pool)")}
 	}
@@ -112,7 +112,7 @@ func (c *engine) handleLease(req *request, h message.HandlerFunc) outcome {
 // code, on the lease row (fenced), with the connection of the handler's transaction
 // back in the pool: it is never run again and never silently dropped (OnFailure,
 // the failed metric, and PoisonOnPermanent see it).
-func (c *engine) failLease(req *request, db inbox.DBTX, fence int64, cause error) outcome {
+func (c *engine) failLease(req *request, db inboxdb.DBTX, fence int64, cause error) outcome {
 	c.logEnded(req, cause)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(req.ctx), c.cfg.CommitTimeout)
 	defer cancel()

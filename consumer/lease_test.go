@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -59,9 +60,9 @@ func TestLeaseTakeoverAfterCrash(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	c, b := setup(t, consumer.Lease, func(cfg *consumer.Config) { cfg.Lease = 300 * time.Millisecond })
-	store, err := inbox.NewStore(b.schema)
+	store, err := inboxdb.NewStore(b.schema)
 	require.NoError(t, err)
-	claim := inbox.Claim{ID: inbox.ID{Consumer: "payments", Key: "l-crash"}, Fingerprint: mustFP("x")}
+	claim := inboxdb.Claim{ID: inboxdb.ID{Consumer: "payments", Key: "l-crash"}, Fingerprint: mustFP("x")}
 	res, err := store.Lease(ctx, b.pool, claim, 300*time.Millisecond) // the holder that "crashes"
 	require.NoError(t, err)
 	require.True(t, res.Claimed)

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -126,7 +126,7 @@ func TestOutputMessagesStoredOnceWithStableUUIDs(t *testing.T) {
 		require.Len(t, got, 2)
 		first, ok := got[consumer.OutputUUID("payments", "", "order-7", 0)]
 		require.True(t, ok, "output 0 has the derived UUID")
-		m, err := effects.DecodeMessage(first)
+		m, err := effectsdb.DecodeMessage(first)
 		require.NoError(t, err)
 		require.Equal(t, "shipped", string(m.Payload))
 		require.Equal(t, "abc", m.Metadata.Get("trace"))

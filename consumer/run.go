@@ -11,7 +11,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/tracing"
 )
@@ -97,10 +97,10 @@ func (c *engine) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) outc
 
 // scope is the effects scope of req's handler. With buf, Enqueue adds effects to
 // it, for the batch to write them all at once.
-func (c *engine) scope(req *request, buf *effects.Buffer) effects.Scope {
-	return effects.Scope{
+func (c *engine) scope(req *request, buf *effectsdb.Buffer) effectsdb.Scope {
+	return effectsdb.Scope{
 		Schema: c.cfg.Schema,
-		Source: effects.Source{Consumer: req.claim.Consumer, Tenant: req.claim.Tenant, Key: req.claim.Key},
+		Source: effectsdb.Source{Consumer: req.claim.Consumer, Tenant: req.claim.Tenant, Key: req.claim.Key},
 		Kinds:  c.cfg.EffectKinds,
 		Buffer: buf,
 	}
@@ -108,13 +108,13 @@ func (c *engine) scope(req *request, buf *effects.Buffer) effects.Scope {
 
 // handlerContext is the context a handler runs with: its transaction as idem's
 // ownedTx (owned, wrapped once by the caller) and its effects scope.
-func (c *engine) handlerContext(ctx context.Context, owned pgx.Tx, scope effects.Scope) context.Context {
-	return effects.WithScope(context.WithValue(ctx, txKey{}, owned), scope)
+func (c *engine) handlerContext(ctx context.Context, owned pgx.Tx, scope effectsdb.Scope) context.Context {
+	return effectsdb.WithScope(context.WithValue(ctx, txKey{}, owned), scope)
 }
 
 // runHandlerBuffered is runHandler with effects and output messages going to buf
 // (written now when buf is nil). owned is tx as the handler sees it (ownedTx).
-func (c *engine) runHandlerBuffered(req *request, tx, owned pgx.Tx, h message.HandlerFunc, buf *effects.Buffer) outcome {
+func (c *engine) runHandlerBuffered(req *request, tx, owned pgx.Tx, h message.HandlerFunc, buf *effectsdb.Buffer) outcome {
 	scope := c.scope(req, buf)
 	sctx, span := c.child(req.ctx, spanHandler)
 	hctx := c.handlerContext(sctx, owned, scope)
@@ -167,7 +167,7 @@ func outputUUID(consumer, tenant, key string, index int) string {
 // (forwarding), and the output's identity must not leak into it. If it did, a retry
 // of that message (middleware.Retry outside idem) would claim the output UUID as its
 // key and commit the work a second time under a second key.
-func (c *engine) storeOutput(ctx context.Context, req *request, tx pgx.Tx, scope effects.Scope, out []*message.Message) error {
+func (c *engine) storeOutput(ctx context.Context, req *request, tx pgx.Tx, scope effectsdb.Scope, out []*message.Message) error {
 	if len(out) == 0 {
 		return nil
 	}
@@ -183,11 +183,11 @@ func (c *engine) storeOutput(ctx context.Context, req *request, tx pgx.Tx, scope
 		}
 		m = m.Copy()
 		m.UUID = outputUUID(req.claim.Consumer, req.claim.Tenant, req.claim.Key, i)
-		e, err := effects.PublishEffect(topic, m)
+		e, err := effectsdb.PublishEffect(topic, m)
 		if err != nil {
 			return Permanent(err)
 		}
-		if _, err := effects.EnqueueScoped(ctx, tx, scope, e); err != nil {
+		if _, err := effectsdb.Enqueue(ctx, tx, scope, e); err != nil {
 			return err
 		}
 	}

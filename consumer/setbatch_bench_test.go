@@ -10,9 +10,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/effects"
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/cpustat"
+	"github.com/idemkit/idem/internal/effectsdb"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -44,7 +44,7 @@ func BenchmarkSetBatch(b *testing.B) {
 				continue
 			}
 			fp := sha256.Sum256(payload)
-			claims = append(claims, batchClaim{Claim: inbox.Claim{ID: inbox.ID{Consumer: "bench", Key: NewUUID()},
+			claims = append(claims, batchClaim{Claim: inboxdb.Claim{ID: inboxdb.ID{Consumer: "bench", Key: NewUUID()},
 				Fingerprint: fp[:], Retention: c.cfg.Retention}})
 		}
 		prev = claims
@@ -67,15 +67,15 @@ func BenchmarkSetBatch(b *testing.B) {
 		res, err := c.batchStore.ClaimBatchTx(ctx, tx, c.setPrelude, claims)
 		require.NoError(b, err)
 		t0 = step(0, t0)
-		items := make([]effects.Item, 0, len(claims))
+		items := make([]effectsdb.Item, 0, len(claims))
 		for i, r := range res {
 			if r.Claimed {
-				items = append(items, effects.Item{
-					Scope:  effects.Scope{Schema: schema, Source: effects.Source{Consumer: "bench", Key: claims[i].Key}},
-					Effect: effects.Effect{Kind: "bench", Key: "fx:" + claims[i].Key, Payload: payload}})
+				items = append(items, effectsdb.Item{
+					Scope:  effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "bench", Key: claims[i].Key}},
+					Effect: effectsdb.Effect{Kind: "bench", Key: "fx:" + claims[i].Key, Payload: payload}})
 			}
 		}
-		_, err = effects.EnqueueItems(ctx, tx, items)
+		_, err = effectsdb.EnqueueItems(ctx, tx, items)
 		require.NoError(b, err)
 		t0 = step(1, t0)
 		require.NoError(b, c.commit(ctx, tx))

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/text"
 )
 
@@ -39,20 +40,20 @@ const (
 type outcome struct {
 	kind outcomeKind
 	err  error
-	rec  *inbox.Record
+	rec  *inboxdb.Record
 	// claimFailed: err came from the claim's round trip, before the handler ran.
 	claimFailed bool
 }
 
 // existingOutcome is the outcome of a claim that found the key's row.
-func existingOutcome(res inbox.ClaimResult) outcome {
+func existingOutcome(res inboxdb.ClaimResult) outcome {
 	rec := res.Existing
 	switch {
 	case res.Mismatch:
 		return outcome{kind: outMismatch, rec: rec, err: fmt.Errorf("%w: consumer %q key %q", ErrFingerprintMismatch, rec.Consumer, rec.Key)}
-	case rec.State == inbox.StateCompleted:
+	case rec.State == inboxdb.StateCompleted:
 		return outcome{kind: outDuplicate, rec: rec}
-	case rec.State == inbox.StateFailed:
+	case rec.State == inboxdb.StateFailed:
 		return outcome{kind: outReplayed, rec: rec}
 	default: // a fresh lease held by another delivery
 		return outcome{kind: outBusy, rec: rec, err: inbox.ErrLeaseHeld}
@@ -69,7 +70,7 @@ func (c *engine) recordFailureCtx(ctx context.Context, req *request, cause error
 	if !req.recordable && req.invalid != nil {
 		return outcome{kind: outRejected, err: cause}
 	}
-	var res inbox.ClaimResult
+	var res inboxdb.ClaimResult
 	err := pgx.BeginTxFunc(ctx, c.cfg.Pool, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel}, func(tx pgx.Tx) error {
 		if err := c.setLockTimeout(ctx, tx); err != nil {
 			return err

@@ -10,8 +10,8 @@ import (
 
 	"cmp"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -133,7 +133,7 @@ func outcomeName(o outcome) (name, code string, failed bool) {
 }
 
 // claimOutcome names what a claim found.
-func claimOutcome(res inbox.ClaimResult) string {
+func claimOutcome(res inboxdb.ClaimResult) string {
 	if res.Claimed {
 		return "claimed"
 	}

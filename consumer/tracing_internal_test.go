@@ -6,7 +6,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -47,7 +47,7 @@ func traceOneMessage(tb testing.TB, c *engine, msg *message.Message, req *reques
 	if req.span.IsRecording() {
 		tb.Fatal("the default provider records")
 	}
-	claimOutcome(inbox.ClaimResult{Claimed: true})
+	claimOutcome(inboxdb.ClaimResult{Claimed: true})
 	endSpan(claim, nil)
 	_, handler := c.child(req.ctx, spanHandler)
 	endSpan(handler, nil)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/internal/cpustat"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -67,7 +68,7 @@ func BenchmarkEnqueueToSendLatency(b *testing.B) {
 	for i := range b.N {
 		tx, err := pool.Begin(ctx)
 		require.NoError(b, err)
-		_, err = effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "lat", Key: fmt.Sprint(i)})
+		_, err = effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx, effects.Effect{Kind: "lat", Key: fmt.Sprint(i)})
 		require.NoError(b, err)
 		t0 := time.Now()
 		require.NoError(b, tx.Commit(ctx))
@@ -125,7 +126,7 @@ func BenchmarkEnqueueToSendLatencySteady(b *testing.B) {
 		var keys []string
 		for j := i; j < min(i+10, b.N); j++ {
 			key := fmt.Sprint(j)
-			_, err = effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "lat", Key: key})
+			_, err = effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx, effects.Effect{Kind: "lat", Key: key})
 			require.NoError(b, err)
 			keys = append(keys, key)
 		}
@@ -422,19 +423,19 @@ func BenchmarkEnqueueItems(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: 2})
 			ctx := context.Background()
-			scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "bench", Tenant: "t", Key: "m"}}
-			items := make([]effects.Item, 100)
+			scope := effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "bench", Tenant: "t", Key: "m"}}
+			items := make([]effectsdb.Item, 100)
 			for i := range items {
-				items[i] = effects.Item{Scope: scope, Effect: effects.Effect{Kind: "mail", Key: fmt.Sprintf("receipt:%d", i), Payload: []byte(`{"to":"a@example.com"}`)}}
+				items[i] = effectsdb.Item{Scope: scope, Effect: effectsdb.Effect{Kind: "mail", Key: fmt.Sprintf("receipt:%d", i), Payload: []byte(`{"to":"a@example.com"}`)}}
 			}
 			if stored {
-				var half []effects.Item
+				var half []effectsdb.Item
 				for i := 0; i < len(items); i += 2 {
 					half = append(half, items[i])
 				}
 				tx, err := pool.Begin(ctx)
 				require.NoError(b, err)
-				_, err = effects.EnqueueItems(ctx, tx, half)
+				_, err = effectsdb.EnqueueItems(ctx, tx, half)
 				require.NoError(b, err)
 				require.NoError(b, tx.Commit(ctx))
 			}
@@ -443,7 +444,7 @@ func BenchmarkEnqueueItems(b *testing.B) {
 			for range b.N {
 				tx, err := pool.Begin(ctx)
 				require.NoError(b, err)
-				res, err := effects.EnqueueItems(ctx, tx, items)
+				res, err := effectsdb.EnqueueItems(ctx, tx, items)
 				require.NoError(b, err)
 				require.Equal(b, stored, res[0].Duplicate)
 				require.NoError(b, tx.Rollback(ctx))

@@ -92,7 +92,7 @@ func runDispatcherChild(ctx context.Context, schema string, withSenders func(*pg
 }
 
 // receive is the receiving end of the "mail" effects: it counts each key.
-func receive(ctx context.Context, db effects.Execer, key string) error {
+func receive(ctx context.Context, db *pgxpool.Pool, key string) error {
 	_, err := db.Exec(ctx, `INSERT INTO received (key, n) VALUES ($1, 1)
 		ON CONFLICT (key) DO UPDATE SET n = received.n + 1`, key)
 	return err

@@ -14,11 +14,14 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/shard"
 )
 
-// Defaults of Config.
+// Limits and defaults.
 const (
 	// DefaultBatchSize is how many effects of one kind a claim takes at most.
 	DefaultBatchSize = 100
@@ -44,6 +47,27 @@ const (
 	// DefaultBackoffJitter spreads each delay by up to ±20%, so effects that failed
 	// together do not all come back together.
 	DefaultBackoffJitter = 0.2
+
+	// MaxKeyLen is the longest effect key and tenant, in bytes (512).
+	MaxKeyLen = effectsdb.MaxKeyLen
+	// MaxPayloadLen is the largest effect payload, in bytes (8 MiB).
+	MaxPayloadLen = effectsdb.MaxPayloadLen
+	// DefaultMaxAttempts is how many times a sender tries an effect before it is
+	// dead (25).
+	DefaultMaxAttempts = effectsdb.DefaultMaxAttempts
+	// DefaultSchema is the schema used when none is given.
+	DefaultSchema = pgschema.Default
+	// PublishKindPrefix starts the kind of an effect that publishes a Watermill
+	// message: "publish:<topic>" (see PublishEffect and PublishSenders).
+	PublishKindPrefix = effectsdb.PublishKindPrefix
+	// TenantMetadataKey is the metadata field in which PublishSender passes on the
+	// effect's tenant.
+	TenantMetadataKey = "idem_tenant"
+	// DefaultLedgerKeyColumn holds the effect key unless LedgerConfig says otherwise.
+	DefaultLedgerKeyColumn = "effect_key"
+	// DefaultLedgerPayloadColumn receives the payload unless LedgerConfig says
+	// otherwise.
+	DefaultLedgerPayloadColumn = "payload"
 )
 
 // Config configures a Dispatcher.
@@ -191,9 +215,7 @@ func (b Backoff) Delay(n int) time.Duration {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, DefaultSchema)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.Lease = cmp.Or(c.Lease, DefaultLease)
 	c.Backoff = c.Backoff.WithDefaults()
@@ -209,7 +231,7 @@ func (c Config) WithDefaults() Config {
 // c.WithDefaults(), so a config with a Pool and Senders passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	if err := shard.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
+	if err := fanout.ValidateDB(c.Shards, c.Pool, c.Schema); err != nil {
 		return err
 	}
 	if c.Shards != nil && c.ListenConnConfig != nil {
@@ -219,7 +241,7 @@ func (c Config) Validate() error {
 		return errcode.InvalidConfig("no Senders registered")
 	}
 	for kind, s := range c.Senders {
-		if !kindRe.MatchString(kind) {
+		if !effectsdb.ValidKind(kind) {
 			return fmt.Errorf("sender for %q: %w", kind, ErrInvalidKind)
 		}
 		if s == nil {
@@ -234,7 +256,7 @@ func (c Config) Validate() error {
 			return errcode.InvalidConfig("concurrency for %q must be positive, got %d", kind, n)
 		}
 	}
-	if err := validateTenant(c.Tenant); err != nil {
+	if err := effectsdb.ValidateTenant(c.Tenant); err != nil {
 		return fmt.Errorf("tenant: %w", err)
 	}
 	if c.BatchSize <= 0 {

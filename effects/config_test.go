@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 )
 
 // TestConfigConvention: WithDefaults fills every default, Validate passes on a
@@ -41,7 +42,7 @@ func TestConfigConvention(t *testing.T) {
 		_, err := effects.NewDispatcher(bad)
 		require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())
 		require.ErrorIs(t, err, effects.ErrInvalidConfig)
-		require.Equal(t, "invalid_config", effects.Code(err))
+		require.Equal(t, "invalid_config", inbox.Code(err))
 	}
 
 	tenant := fresh

@@ -17,16 +17,12 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/shard"
 )
-
-// ErrDispatcherRunning is returned by Run when the Dispatcher is already running.
-var ErrDispatcherRunning = errcode.Transient("dispatcher_running", "dispatcher is already running")
 
 // maxErrorLen caps the last_error stored for an effect.
 const maxErrorLen = 2000
@@ -395,7 +391,7 @@ func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 		c := &claimed{claimedAt: start}
 		var lag float64
 		err := rows.Scan(&c.Tenant, &c.Kind, &c.Key, &c.Payload, &c.Attempt, &c.maxAttempts, &c.fence,
-			&c.prevInFlight, &c.CreatedAt, &lag, &c.Source.Consumer, &c.Source.Tenant, &c.Source.Key, &c.trace)
+			&c.prevInFlight, &c.CreatedAt, &lag, &c.SourceConsumer, &c.SourceTenant, &c.SourceKey, &c.trace)
 		if err != nil {
 			rows.Close()
 			return nil, err

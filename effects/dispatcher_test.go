@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -210,7 +211,7 @@ func TestDispatcherPermanentThenRequeue(t *testing.T) {
 	pgtest.WaitFor(t, 30*time.Second, "dead metric", func() bool { return metricValue(t, reg, "idem_effects_dead_total", "mail") == 1 })
 
 	fail.Store(false)
-	n, err := effects.RequeueDead(context.Background(), pool, schema, effects.RequeueFilter{Kind: "mail", Key: "m:1"})
+	n, err := effectsdb.RequeueDead(context.Background(), pool, schema, effectsdb.RequeueFilter{Kind: "mail", Key: "m:1"})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 	r = waitState(t, pool, "mail", "m:1", "done", 30*time.Second)
@@ -257,22 +258,22 @@ func TestRequeueDeadFilters(t *testing.T) {
 	_, err := pool.Exec(ctx, `UPDATE effects SET state = 'dead', attempts = 25, last_error = 'x'`)
 	require.NoError(t, err)
 
-	_, err = effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{})
+	_, err = effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{})
 	require.Error(t, err, "an empty filter is refused")
 
-	n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Key: "b1"})
+	n, err := effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{Key: "b1"})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
-	n, err = effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "a"})
+	n, err = effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{Kind: "a"})
 	require.NoError(t, err)
 	require.EqualValues(t, 3, n)
 	require.Equal(t, 2, countState(t, pool, "dead"))
-	n, err = effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{All: true})
+	n, err = effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{All: true})
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n)
 	require.Equal(t, 6, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'pending' AND attempts = 0 AND next_attempt_at <= now()`))
 
-	_, err = effects.RequeueDead(ctx, pool, "no_such_schema", effects.RequeueFilter{All: true})
+	_, err = effectsdb.RequeueDead(ctx, pool, "no_such_schema", effectsdb.RequeueFilter{All: true})
 	require.ErrorIs(t, err, effects.ErrSchemaMissing)
 }
 

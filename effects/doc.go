@@ -14,8 +14,8 @@
 //     unscoped), so two tenants' "receipt:123" are two effects.
 //   - No effect is lost. Each one ends done or dead, never silently gone. A dead
 //     effect keeps its last_error (and its error's code, masked text and failure
-//     group, for the operator API) and comes back with RequeueDead; an operator may
-//     instead discard it (state discarded: never sent, deleted after the
+//     group, for the operator API) and comes back when an operator requeues it
+//     (admin, `idem effects requeue`); an operator may instead discard it (state discarded: never sent, deleted after the
 //     retention).
 //   - One attempt at a time. A claim holds an effect for a lease; a Send's context
 //     ends before the lease does, and a claim that waited too long in the queue is
@@ -56,11 +56,19 @@
 // flight finish (up to ShutdownTimeout) and claims not yet started are handed back
 // at once.
 //
-// EnqueueMany and EnqueueItems write many effects with one statement, each with the
-// answer Enqueue would give it. A Scope with a Buffer makes Enqueue check the effect
-// at once and keep it for such a write (Result.Deferred): the consumer's group-commit
-// batches write all their effects that way, and a mismatch found then fails the
-// message that enqueued it.
+// # Enqueueing
+//
+// There is one function for one effect, Enqueue, and one for many, EnqueueMany,
+// which writes them with one statement, each with the answer Enqueue would give
+// it. Both take the scope from ctx. In a consumer or httpidem handler the
+// middleware has put it there: the schema, the message or request the effects come
+// from (its tenant is theirs), and the kinds allowed. In a consumer's group-commit
+// batch an effect is checked at once and written with the rest of the batch in one
+// statement (Result.Deferred), and a mismatch found then fails the message that
+// enqueued it. Elsewhere, give the schema and tenant with WithScope:
+//
+//	ctx = effects.WithScope(ctx, effects.Scope{Schema: "idem", Tenant: "acme"})
+//	_, err := effects.Enqueue(ctx, tx, effects.Effect{Kind: "email", Key: "receipt:1"})
 //
 // Effect.Delay holds an effect back: it is due Delay after the Enqueue call (the
 // database's clock_timestamp() at the INSERT), not after the start of the

@@ -13,6 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -20,10 +22,10 @@ func TestEnqueue(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
-	scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "payments", Key: "pay_789"}}
+	scope := effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "payments", Key: "pay_789"}}
 	enqueue := func(e effects.Effect) (res effects.Result, err error) {
 		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			res, err = effects.Enqueue(effects.WithScope(ctx, scope), tx, e)
+			res, err = effects.Enqueue(effectsdb.WithScope(ctx, scope), tx, e)
 			return err
 		})
 		return res, err
@@ -41,7 +43,7 @@ func TestEnqueue(t *testing.T) {
 	e2.Payload = []byte(`{"to":"x@y.z"}`)
 	_, err = enqueue(e2)
 	require.ErrorIs(t, err, effects.ErrFingerprintMismatch)
-	require.Equal(t, "effect_fingerprint_mismatch", effects.Code(err))
+	require.Equal(t, "effect_fingerprint_mismatch", inbox.Code(err))
 
 	var state, src string
 	var maxAttempts int
@@ -58,15 +60,15 @@ func TestEnqueueDuplicateKeepsTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
-	scope := effects.Scope{Schema: schema}
+	scope := effectsdb.Scope{Schema: schema}
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		e := effects.Effect{Kind: "ledger", Key: "k", Payload: []byte("1")}
 		for range 3 {
-			if _, err := effects.EnqueueScoped(ctx, tx, scope, e); err != nil {
+			if _, err := effects.Enqueue(effectsdb.WithScope(ctx, scope), tx, e); err != nil {
 				return err
 			}
 		}
-		_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "ledger", Key: "k2", Payload: []byte("2")})
+		_, err := effectsdb.Enqueue(ctx, tx, scope, effectsdb.Effect{Kind: "ledger", Key: "k2", Payload: []byte("2")})
 		return err
 	})
 	require.NoError(t, err)
@@ -79,25 +81,25 @@ func TestEnqueueValidation(t *testing.T) {
 	pool, schema := pgtest.Setup(t)
 	cases := []struct {
 		e     effects.Effect
-		scope effects.Scope
+		scope effectsdb.Scope
 		want  error
 	}{
-		{effects.Effect{Kind: "", Key: "k"}, effects.Scope{}, effects.ErrInvalidKind},
-		{effects.Effect{Kind: "has space", Key: "k"}, effects.Scope{}, effects.ErrInvalidKind},
-		{effects.Effect{Kind: "email", Key: ""}, effects.Scope{}, effects.ErrInvalidKey},
-		{effects.Effect{Kind: "email", Key: strings.Repeat("k", 10*1024)}, effects.Scope{}, effects.ErrInvalidKey},
-		{effects.Effect{Kind: "email", Key: "bad\xff"}, effects.Scope{}, effects.ErrInvalidKey},
-		{effects.Effect{Kind: "email", Key: "k", Payload: make([]byte, effects.MaxPayloadLen+1)}, effects.Scope{}, effects.ErrPayloadTooLarge},
-		{effects.Effect{Kind: "sms", Key: "k"}, effects.Scope{Kinds: []string{"email"}}, effects.ErrUnknownKind},
+		{effects.Effect{Kind: "", Key: "k"}, effectsdb.Scope{}, effects.ErrInvalidKind},
+		{effects.Effect{Kind: "has space", Key: "k"}, effectsdb.Scope{}, effects.ErrInvalidKind},
+		{effects.Effect{Kind: "email", Key: ""}, effectsdb.Scope{}, effects.ErrInvalidKey},
+		{effects.Effect{Kind: "email", Key: strings.Repeat("k", 10*1024)}, effectsdb.Scope{}, effects.ErrInvalidKey},
+		{effects.Effect{Kind: "email", Key: "bad\xff"}, effectsdb.Scope{}, effects.ErrInvalidKey},
+		{effects.Effect{Kind: "email", Key: "k", Payload: make([]byte, effects.MaxPayloadLen+1)}, effectsdb.Scope{}, effects.ErrPayloadTooLarge},
+		{effects.Effect{Kind: "sms", Key: "k"}, effectsdb.Scope{Kinds: []string{"email"}}, effects.ErrUnknownKind},
 	}
 	for _, tc := range cases {
 		tc.scope.Schema = schema
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			_, err := effects.EnqueueScoped(ctx, tx, tc.scope, tc.e)
+			_, err := effects.Enqueue(effectsdb.WithScope(ctx, tc.scope), tx, tc.e)
 			return err
 		})
 		require.ErrorIs(t, err, tc.want)
-		require.NotEmpty(t, effects.Code(err))
+		require.NotEmpty(t, inbox.Code(err))
 	}
 	_, err := effects.Enqueue(ctx, nil, effects.Effect{Kind: "email", Key: "k"})
 	require.ErrorIs(t, err, effects.ErrNoTx)
@@ -109,7 +111,7 @@ func TestEnqueueMissingSchema(t *testing.T) {
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "email", Key: "k"})
+		_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx, effects.Effect{Kind: "email", Key: "k"})
 		return err
 	})
 	require.ErrorIs(t, err, effects.ErrSchemaMissing)
@@ -120,10 +122,10 @@ func TestStoredMessageRoundTrip(t *testing.T) {
 	e, err := effects.PublishEffect("orders", newMsg())
 	require.NoError(t, err)
 	require.Equal(t, "publish:orders", e.Kind)
-	topic, ok := effects.TopicOf(e.Kind)
+	topic, ok := effectsdb.TopicOf(e.Kind)
 	require.True(t, ok)
 	require.Equal(t, "orders", topic)
-	m, err := effects.DecodeMessage(e.Payload)
+	m, err := effectsdb.DecodeMessage(e.Payload)
 	require.NoError(t, err)
 	require.Equal(t, e.Key, m.UUID)
 	require.Equal(t, "v", m.Metadata.Get("k"))
@@ -158,18 +160,18 @@ func TestSchemaBehindANewerMigration(t *testing.T) {
 	pool, schema := setup(t)
 	_, err := pool.Exec(ctx, `ALTER TABLE effects DROP COLUMN trace_context`) // what 005's down does
 	require.NoError(t, err)
-	scope := effects.Scope{Schema: schema}
+	scope := effectsdb.Scope{Schema: schema}
 
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "email", Key: "k"})
+		_, err := effectsdb.Enqueue(ctx, tx, scope, effectsdb.Effect{Kind: "email", Key: "k"})
 		return err
 	})
 	require.ErrorIs(t, err, effects.ErrSchemaMissing)
-	require.Equal(t, "schema_missing", effects.Code(err))
+	require.Equal(t, "schema_missing", inbox.Code(err))
 	require.ErrorContains(t, err, "idem migrate up")
 
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		_, err := effects.EnqueueManyScoped(ctx, tx, scope, []effects.Effect{{Kind: "email", Key: "a"}, {Kind: "email", Key: "b"}})
+		_, err := effects.EnqueueMany(effectsdb.WithScope(ctx, scope), tx, []effects.Effect{{Kind: "email", Key: "a"}, {Kind: "email", Key: "b"}})
 		return err
 	})
 	require.ErrorIs(t, err, effects.ErrSchemaMissing)

@@ -72,7 +72,7 @@ func ExampleDispatcher() {
 	if err != nil {
 		panic(err)
 	}
-	_, err = effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema},
+	_, err = effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx,
 		effects.Effect{Kind: "email", Key: "receipt:pay_789", Payload: []byte(`{"to":"ann@example.com"}`)})
 	if err != nil {
 		panic(err)

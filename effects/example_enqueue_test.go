@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 )
 
 // Enqueue writes an effect in the caller's transaction. The same kind, key and
@@ -32,7 +33,7 @@ func ExampleEnqueue() {
 			Kind: "email", Key: "receipt:pay_789", Payload: []byte(payload),
 		})
 		if err != nil {
-			fmt.Println("error:", effects.Code(err), errors.Is(err, effects.ErrFingerprintMismatch))
+			fmt.Println("error:", inbox.Code(err), errors.Is(err, effects.ErrFingerprintMismatch))
 			return
 		}
 		fmt.Println("duplicate:", res.Duplicate)
@@ -109,7 +110,7 @@ func ExampleSender() {
 	if err != nil {
 		panic(err)
 	}
-	_, err = effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema},
+	_, err = effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx,
 		effects.Effect{Kind: "webhook", Key: "order-shipped:ord_1", Payload: []byte(`{"order":"ord_1"}`)})
 	if err != nil {
 		panic(err)

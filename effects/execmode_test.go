@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -44,18 +45,18 @@ func TestQueryExecModes(t *testing.T) {
 
 			tx, err := pool.Begin(ctx)
 			require.NoError(t, err)
-			scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "orders", Key: "o-1"}}
-			res, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "mail", Key: "receipt", Payload: binary})
+			scope := effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "orders", Key: "o-1"}}
+			res, err := effectsdb.Enqueue(ctx, tx, scope, effectsdb.Effect{Kind: "mail", Key: "receipt", Payload: binary})
 			require.NoError(t, err)
 			require.False(t, res.Duplicate)
 			// The same effect again is a no-op; another payload under its key is loud
 			// and leaves the transaction usable.
-			res, err = effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "mail", Key: "receipt", Payload: binary})
+			res, err = effectsdb.Enqueue(ctx, tx, scope, effectsdb.Effect{Kind: "mail", Key: "receipt", Payload: binary})
 			require.NoError(t, err)
 			require.True(t, res.Duplicate)
-			_, err = effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "mail", Key: "receipt", Payload: doc})
+			_, err = effectsdb.Enqueue(ctx, tx, scope, effectsdb.Effect{Kind: "mail", Key: "receipt", Payload: doc})
 			require.ErrorIs(t, err, effects.ErrFingerprintMismatch)
-			_, err = effects.EnqueueManyScoped(ctx, tx, scope, []effects.Effect{
+			_, err = effects.EnqueueMany(effectsdb.WithScope(ctx, scope), tx, []effects.Effect{
 				{Kind: "ledger-bytea", Key: "l", Payload: binary},
 				{Kind: "ledger-json", Key: "l", Payload: doc},
 				{Kind: "ledger-jsonb", Key: "l", Payload: doc},
@@ -87,7 +88,7 @@ func TestQueryExecModes(t *testing.T) {
 			require.Equal(t, string(doc), jsonText, "json keeps the text as sent")
 			require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM ledger_jsonb WHERE payload = $1::text::jsonb`, string(doc)))
 
-			n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail"})
+			n, err := effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{Kind: "mail"})
 			require.NoError(t, err)
 			require.EqualValues(t, 1, n)
 			waitState(t, pool, "mail", "refused", "dead", 30*time.Second)

@@ -16,25 +16,16 @@ import (
 	"github.com/idemkit/idem/internal/pgschema"
 )
 
-// Execer runs a statement: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
-type Execer interface {
+// execer runs a statement: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+type execer interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
-
-// Defaults of LedgerConfig.
-const (
-	// DefaultLedgerKeyColumn holds the effect key unless LedgerConfig says otherwise.
-	DefaultLedgerKeyColumn = "effect_key"
-	// DefaultLedgerPayloadColumn receives the payload unless LedgerConfig says
-	// otherwise.
-	DefaultLedgerPayloadColumn = "payload"
-)
 
 // LedgerConfig configures a ledger sender: the database and the user table it
 // writes to.
 type LedgerConfig struct {
 	// Pool runs the inserts: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx. Required.
-	Pool Execer
+	Pool execer
 	// Table is "table" or "schema.table", in lower-case identifiers. Required.
 	Table string
 	// KeyColumn holds the effect key and must be unique (a primary key or a unique
@@ -165,7 +156,7 @@ func isPermanentPgError(err error) bool {
 // the parameter's type only in the modes that describe statements), so a json,
 // jsonb or text column must be given a string instead.
 type columnType struct {
-	db            Execer
+	db            execer
 	table, column string
 
 	mu     sync.Mutex
@@ -189,7 +180,7 @@ func (c *columnType) isBytea(ctx context.Context) (bool, error) {
 		QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	})
 	if !ok {
-		return true, nil // an Execer that cannot query: bytes, as before
+		return true, nil // an execer that cannot query: bytes, as before
 	}
 	err := q.QueryRow(ctx, columnTypeSQL, c.table, c.column).Scan(&c.binary)
 	switch {

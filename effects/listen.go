@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/internal/effectsdb"
 )
 
 // listen wakes the claim loop on each notification for this schema. It holds one
@@ -58,7 +60,7 @@ func (d *dispatcher) listenOnce(ctx context.Context) (listened bool, err error) 
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+effectsdb.NotifyChannel); err != nil {
 		return false, err
 	}
 	d.signalWake()

@@ -78,7 +78,7 @@ func enqueue(t testing.TB, pool *pgxpool.Pool, schema string, es ...effects.Effe
 	require.NoError(t, err)
 	defer tx.Rollback(ctx)
 	for _, e := range es {
-		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, e)
+		_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx, e)
 		require.NoError(t, err)
 	}
 	require.NoError(t, tx.Commit(ctx))

@@ -15,6 +15,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -41,11 +43,11 @@ func TestEnqueueMany(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
-	scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "payments", Tenant: "acme", Key: "pay-1"}}
+	scope := effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "payments", Tenant: "acme", Key: "pay-1"}}
 	many := func(effs []effects.Effect) (res []effects.Result, statements int, err error) {
 		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			ct := &countingTx{Tx: tx}
-			res, err = effects.EnqueueMany(effects.WithScope(ctx, scope), ct, effs)
+			res, err = effects.EnqueueMany(effectsdb.WithScope(ctx, scope), ct, effs)
 			statements = ct.n
 			return err
 		})
@@ -70,7 +72,7 @@ func TestEnqueueMany(t *testing.T) {
 	require.True(t, later, "the delay is kept")
 
 	res, n, err = many([]effects.Effect{e("c", "3"), e("a", "2"), e("b", "other"), e("c", "changed")})
-	var ie *effects.ItemErrors
+	var ie *effectsdb.ItemErrors
 	require.ErrorAs(t, err, &ie)
 	require.Equal(t, 2, n, "a second statement reads the rows the insert met")
 	require.NoError(t, ie.Errs[0])
@@ -98,9 +100,9 @@ func TestBufferedEnqueue(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
-	buf := effects.NewBuffer()
-	scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "c", Key: "m"}, Kinds: []string{"email"}, Buffer: buf}
-	sctx := effects.WithScope(ctx, scope)
+	buf := effectsdb.NewBuffer()
+	scope := effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "c", Key: "m"}, Kinds: []string{"email"}, Buffer: buf}
+	sctx := effectsdb.WithScope(ctx, scope)
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		ct := &countingTx{Tx: tx}
 		res, err := effects.Enqueue(sctx, ct, effects.Effect{Kind: "email", Key: "a", Payload: []byte("1")})
@@ -119,9 +121,9 @@ func TestBufferedEnqueue(t *testing.T) {
 		require.Nil(t, items[0].Scope.Buffer)
 		_, err = effects.Enqueue(sctx, ct, effects.Effect{Kind: "email", Key: "late"})
 		require.ErrorIs(t, err, effects.ErrBufferClosed)
-		require.Equal(t, "effect_buffer_closed", effects.Code(err))
+		require.Equal(t, "effect_buffer_closed", inbox.Code(err))
 
-		_, err = effects.EnqueueItems(ctx, ct, items)
+		_, err = effectsdb.EnqueueItems(ctx, ct, items)
 		require.Equal(t, 1, ct.n)
 		return err
 	})
@@ -136,11 +138,11 @@ func TestEnqueueManySortsSoWritersCannotDeadlock(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
-	scope := effects.Scope{Schema: schema}
+	scope := effectsdb.Scope{Schema: schema}
 	holder, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer holder.Rollback(ctx)
-	_, err = effects.EnqueueScoped(ctx, holder, scope, effects.Effect{Kind: "k", Key: "m"})
+	_, err = effectsdb.Enqueue(ctx, holder, scope, effectsdb.Effect{Kind: "k", Key: "m"})
 	require.NoError(t, err)
 
 	var wg sync.WaitGroup
@@ -153,7 +155,7 @@ func TestEnqueueManySortsSoWritersCannotDeadlock(t *testing.T) {
 				effs[i] = effects.Effect{Kind: "k", Key: k}
 			}
 			errs[w] = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
-				results[w], err = effects.EnqueueManyScoped(ctx, tx, scope, effs)
+				results[w], err = effects.EnqueueMany(effectsdb.WithScope(ctx, scope), tx, effs)
 				return err
 			})
 		})
@@ -191,24 +193,24 @@ func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
 	traced := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{1}, SpanID: trace.SpanID{2}, TraceFlags: trace.FlagsSampled})
-	src := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "c", Tenant: "acme", Key: "m1"}}
-	plain := effects.Scope{Schema: schema}
-	items := []effects.Item{
-		{Scope: src, Effect: effects.Effect{Kind: "k", Key: "1-default"}},
-		{Scope: src, Effect: effects.Effect{Kind: "k", Key: "2-attempts", MaxAttempts: 3}},
-		{Scope: plain, Effect: effects.Effect{Kind: "k", Key: "3-delay", Delay: time.Hour}},
-		{Scope: src, Effect: effects.Effect{Kind: "k", Key: "4-traced"}, Trace: traced},
-		{Scope: plain, Effect: effects.Effect{Kind: "k", Key: "5-default"}},
+	src := effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "c", Tenant: "acme", Key: "m1"}}
+	plain := effectsdb.Scope{Schema: schema}
+	items := []effectsdb.Item{
+		{Scope: src, Effect: effectsdb.Effect{Kind: "k", Key: "1-default"}},
+		{Scope: src, Effect: effectsdb.Effect{Kind: "k", Key: "2-attempts", MaxAttempts: 3}},
+		{Scope: plain, Effect: effectsdb.Effect{Kind: "k", Key: "3-delay", Delay: time.Hour}},
+		{Scope: src, Effect: effectsdb.Effect{Kind: "k", Key: "4-traced"}, Trace: traced},
+		{Scope: plain, Effect: effectsdb.Effect{Kind: "k", Key: "5-default"}},
 	}
 	for _, order := range [][]int{{0, 1, 2, 3, 4}, {4, 3, 2, 1, 0}} {
 		_, err := pool.Exec(ctx, `TRUNCATE effects`)
 		require.NoError(t, err)
-		var batch []effects.Item
+		var batch []effectsdb.Item
 		for _, i := range order {
 			batch = append(batch, items[i])
 		}
 		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			_, err := effects.EnqueueItems(ctx, tx, batch)
+			_, err := effectsdb.EnqueueItems(ctx, tx, batch)
 			return err
 		}))
 		rows, err := pool.Query(ctx, `SELECT key, tenant, max_attempts, next_attempt_at > now() + interval '50 minutes',
@@ -238,14 +240,14 @@ func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
 		// The same effects again, of two tenants, one with another payload: the
 		// conflict read for several tenants finds each stored row.
 		again := slices.Clone(batch)
-		changed := slices.IndexFunc(again, func(it effects.Item) bool { return it.Effect.Key == "3-delay" })
+		changed := slices.IndexFunc(again, func(it effectsdb.Item) bool { return it.Effect.Key == "3-delay" })
 		again[changed].Effect.Payload = []byte("other")
-		var res []effects.Result
+		var res []effectsdb.Result
 		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
-			res, err = effects.EnqueueItems(ctx, tx, again)
+			res, err = effectsdb.EnqueueItems(ctx, tx, again)
 			return err
 		})
-		var ie *effects.ItemErrors
+		var ie *effectsdb.ItemErrors
 		require.ErrorAs(t, err, &ie, "order %v", order)
 		for i := range again {
 			if i == changed {
@@ -253,7 +255,7 @@ func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
 				continue
 			}
 			require.NoError(t, ie.Errs[i])
-			require.Equal(t, effects.Result{Duplicate: true}, res[i], "order %v: %s", order, again[i].Effect.Key)
+			require.Equal(t, effectsdb.Result{Duplicate: true}, res[i], "order %v: %s", order, again[i].Effect.Key)
 		}
 	}
 }

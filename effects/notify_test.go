@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -43,12 +43,12 @@ func TestEnqueueNotifiesItself(t *testing.T) {
 			}
 		}
 	}
-	scope := effects.Scope{Schema: schema}
+	scope := effectsdb.Scope{Schema: schema}
 	enqueue := func(rollback bool, keys ...string) {
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
 		for _, k := range keys {
-			_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "email", Key: k, Payload: []byte(`{}`)})
+			_, err := effectsdb.Enqueue(ctx, tx, scope, effectsdb.Effect{Kind: "email", Key: k, Payload: []byte(`{}`)})
 			require.NoError(t, err)
 		}
 		if rollback {
@@ -66,16 +66,16 @@ func TestEnqueueNotifiesItself(t *testing.T) {
 
 	// The set-based write of a group-commit batch.
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		_, err := effects.EnqueueItems(ctx, tx, []effects.Item{
-			{Scope: scope, Effect: effects.Effect{Kind: "email", Key: "m1", Payload: []byte(`{}`)}},
-			{Scope: scope, Effect: effects.Effect{Kind: "email", Key: "m2", Payload: []byte(`{}`)}},
+		_, err := effectsdb.EnqueueItems(ctx, tx, []effectsdb.Item{
+			{Scope: scope, Effect: effectsdb.Effect{Kind: "email", Key: "m1", Payload: []byte(`{}`)}},
+			{Scope: scope, Effect: effectsdb.Effect{Kind: "email", Key: "m2", Payload: []byte(`{}`)}},
 		})
 		return err
 	})
 	require.NoError(t, err)
 	require.Equal(t, []string{schema}, notified(time.Second))
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		_, err := effects.EnqueueItems(ctx, tx, []effects.Item{{Scope: scope, Effect: effects.Effect{Kind: "email", Key: "m1", Payload: []byte(`{}`)}}})
+		_, err := effectsdb.EnqueueItems(ctx, tx, []effectsdb.Item{{Scope: scope, Effect: effectsdb.Effect{Kind: "email", Key: "m1", Payload: []byte(`{}`)}}})
 		return err
 	})
 	require.NoError(t, err)

@@ -8,6 +8,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -26,11 +27,6 @@ func propagatorFrom(ctx context.Context) propagation.TextMapPropagator {
 	}
 	return tracing.Propagator(nil)
 }
-
-// TenantMetadataKey is the metadata field in which PublishSender passes on the
-// tenant of a tenant-scoped publish effect. A consumer downstream scopes its inbox by
-// it with consumer.MetadataKey(effects.TenantMetadataKey).
-const TenantMetadataKey = "idem_tenant"
 
 // PublishSender forwards stored Watermill messages to pub. It serves kinds
 // "publish:<topic>" and publishes to <topic>; the message keeps the UUID and
@@ -51,11 +47,11 @@ const TenantMetadataKey = "idem_tenant"
 // for the others the next consumer's inbox does.
 func PublishSender(pub message.Publisher) Sender {
 	return SenderFunc(func(ctx context.Context, d Delivery) error {
-		topic, ok := TopicOf(d.Kind)
+		topic, ok := effectsdb.TopicOf(d.Kind)
 		if !ok || topic == "" {
 			return Permanent(fmt.Errorf("kind %q is not %s<topic>", d.Kind, PublishKindPrefix))
 		}
-		msg, err := DecodeMessage(d.Payload)
+		msg, err := effectsdb.DecodeMessage(d.Payload)
 		if err != nil {
 			return Permanent(err)
 		}
@@ -85,7 +81,16 @@ func PublishSenders(pub message.Publisher, topics ...string) map[string]Sender {
 	s := PublishSender(pub)
 	m := make(map[string]Sender, len(topics))
 	for _, t := range topics {
-		m[PublishKind(t)] = s
+		m[effectsdb.PublishKind(t)] = s
 	}
 	return m
+}
+
+// PublishEffect makes the effect that publishes msg to topic (its UUID, metadata
+// and payload) once the transaction commits, for a PublishSender of that topic
+// (see PublishSenders). Its key is the message's UUID, so a message is enqueued
+// once however often the handler runs: make the UUID once per command.
+func PublishEffect(topic string, msg *message.Message) (Effect, error) {
+	e, err := effectsdb.PublishEffect(topic, msg)
+	return Effect(e), err
 }

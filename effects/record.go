@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/text"
 )
 
@@ -139,7 +140,7 @@ func (d *dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 	status := make([]outcomeStatus, n)
 	args := []any{tenants, kinds, keys, fences, states, delays, inFlight, undo, errs, codes, masked}
 	record, recordAgain := d.q.record, d.q.recordAgain
-	if oneTenant(tenants) {
+	if effectsdb.OneTenant(tenants) {
 		// One tenant's outcomes: the forms that filter on it, for a router.
 		record, recordAgain = d.q.recordOne, d.q.recordAgainOne
 		args = append(args, batch[0].c.Tenant)

@@ -29,7 +29,7 @@ func TestRecordFormsAgree(t *testing.T) {
 		require.NoError(t, err)
 		keys := []string{"k1", "k2", "k3"}
 		for i := range keys {
-			_, err := EnqueueScoped(ctx, pool, Scope{Schema: schema, Source: Source{Tenant: tc.tenants[i]}}, Effect{Kind: "mail", Key: keys[i]})
+			_, err := Enqueue(WithScope(ctx, Scope{Schema: schema, Tenant: tc.tenants[i]}), pool, Effect{Kind: "mail", Key: keys[i]})
 			require.NoError(t, err)
 		}
 		// As a claim leaves them: fence 1, one attempt, in flight.

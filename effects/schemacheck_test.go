@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/migrate"
 )
@@ -18,7 +19,7 @@ import (
 func requireRefused(t *testing.T, err error, schema, want string) {
 	t.Helper()
 	require.ErrorIs(t, err, effects.ErrSchemaMissing)
-	require.Equal(t, "schema_missing", effects.Code(err))
+	require.Equal(t, "schema_missing", inbox.Code(err))
 	require.Contains(t, err.Error(), fmt.Sprintf("schema %q", schema))
 	require.Contains(t, err.Error(), "`idem migrate up --schema "+schema+"`")
 	require.Contains(t, err.Error(), want)

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/failgroup"
 	"github.com/idemkit/idem/internal/text"
@@ -49,7 +50,7 @@ func (d *dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
 	}
 	opts := sendSpanOptions
 	if c.trace != "" {
-		if sc := decodeTrace(c.trace); sc.IsValid() {
+		if sc := effectsdb.DecodeTrace(c.trace); sc.IsValid() {
 			opts = append(slices.Clip(opts), trace.WithLinks(trace.Link{SpanContext: sc}))
 		}
 	}
@@ -57,8 +58,8 @@ func (d *dispatcher) startSend(c *claimed) (context.Context, trace.Span) {
 	if span.IsRecording() {
 		span.SetAttributes(tracing.Kind.String(c.Kind), tracing.EffectKey.String(c.Key),
 			tracing.Tenant.String(c.Tenant), tracing.Attempt.Int(c.Attempt))
-		if c.Source.Consumer != "" {
-			span.SetAttributes(tracing.Consumer.String(c.Source.Consumer), tracing.Key.String(c.Source.Key))
+		if c.SourceConsumer != "" {
+			span.SetAttributes(tracing.Consumer.String(c.SourceConsumer), tracing.Key.String(c.SourceKey))
 		}
 	}
 	return ctx, span
@@ -128,7 +129,7 @@ func (d *dispatcher) attemptIn(ctx context.Context, c *claimed) outcome {
 		return outcome{c: c, state: "done", label: "done"}
 	}
 	log := d.log.With(c.logAttrs()...)
-	if ctx.Err() != nil && !IsPermanent(err) {
+	if ctx.Err() != nil && !errcode.IsPermanent(err) {
 		// Cut off by the lease deadline or a forced shutdown: the receiver may have
 		// the effect already.
 		err = Indefinite(err)
@@ -145,8 +146,8 @@ func (d *dispatcher) attemptIn(ctx context.Context, c *claimed) outcome {
 
 // failed decides between a retry and dead for a failed attempt.
 func (d *dispatcher) failed(c *claimed, err error, log *slog.Logger) outcome {
-	indefinite := IsIndefinite(err)
-	if IsPermanent(err) {
+	indefinite := isIndefinite(err)
+	if errcode.IsPermanent(err) {
 		return d.dead(c, err, indefinite, log)
 	}
 	if c.Attempt >= c.maxAttempts {

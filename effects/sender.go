@@ -28,8 +28,10 @@ type Delivery struct {
 	Attempt int
 	// CreatedAt is when the effect was enqueued (the database's clock).
 	CreatedAt time.Time
-	// Source names the message that made the effect; empty outside a consumer.
-	Source Source
+	// SourceConsumer, SourceTenant and SourceKey name the message (or HTTP
+	// request) that made the effect: its consumer, tenant and inbox key. They are
+	// empty when the effect was enqueued outside a consumer or httpidem handler.
+	SourceConsumer, SourceTenant, SourceKey string
 }
 
 // Sender carries out effects of one kind.
@@ -83,15 +85,8 @@ func Indefinite(err error) error {
 	return &indefiniteError{err}
 }
 
-// IsPermanent reports whether err is marked Permanent, or is an error whose
-// Permanent() method says so (such as ErrFingerprintMismatch).
-func IsPermanent(err error) bool {
-	var p interface{ Permanent() bool }
-	return errors.As(err, &p) && p.Permanent()
-}
-
-// IsIndefinite reports whether err is marked Indefinite.
-func IsIndefinite(err error) bool {
+// isIndefinite reports whether err is marked Indefinite.
+func isIndefinite(err error) bool {
 	var i *indefiniteError
 	return errors.As(err, &i)
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -28,7 +29,7 @@ func TestPublishSenderKeepsUUIDAndMetadata(t *testing.T) {
 	out.Metadata.Set("trace_id", "abc")
 	e, err := effects.PublishEffect("orders", out)
 	require.NoError(t, err)
-	enqueue(t, pool, schema, e, effects.Effect{Kind: effects.PublishKind("orders"), Key: "garbage", Payload: []byte("not json")})
+	enqueue(t, pool, schema, e, effects.Effect{Kind: effects.PublishKindPrefix + "orders", Key: "garbage", Payload: []byte("not json")})
 
 	start(t, fastConfig(pool, schema, effects.PublishSenders(pubsub, "orders")))
 	select {
@@ -64,7 +65,7 @@ func TestLedgerSender(t *testing.T) {
 
 	// A payload the column cannot take is permanent.
 	err = ledger.Send(ctx, effects.Delivery{Kind: "ledger", Key: "bad", Payload: []byte(`not json`)})
-	require.True(t, effects.IsPermanent(err), "%v", err)
+	require.True(t, inbox.IsPermanent(err), "%v", err)
 
 	for _, bad := range []string{"", "Ledger", "a.b.c", `x"; DROP TABLE ledger; --`} {
 		_, err := effects.NewLedgerSender(effects.LedgerConfig{Pool: pool, Table: bad})

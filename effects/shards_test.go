@@ -23,7 +23,7 @@ func enqueueOn(t *testing.T, s shard.Shard, tenant, key string) {
 	t.Helper()
 	ctx := context.Background()
 	err := pgx.BeginFunc(ctx, s.Pool, func(tx pgx.Tx) error {
-		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: s.SchemaName(), Source: effects.Source{Tenant: tenant}},
+		_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: s.SchemaName(), Tenant: tenant}), tx,
 			effects.Effect{Kind: "email", Key: key, Payload: []byte(`{}`)})
 		return err
 	})
@@ -102,7 +102,7 @@ func TestDispatcherPicksUpARestartedShard(t *testing.T) {
 	// The pool's connections to the old server are gone; a fresh one commits.
 	require.Eventually(t, func() bool {
 		err := pgx.BeginFunc(context.Background(), m.Shards[1].Pool, func(tx pgx.Tx) error {
-			_, err := effects.EnqueueScoped(context.Background(), tx, effects.Scope{Schema: m.Shards[1].SchemaName()},
+			_, err := effects.Enqueue(effects.WithScope(context.Background(), effects.Scope{Schema: m.Shards[1].SchemaName()}), tx,
 				effects.Effect{Kind: "email", Key: "after-restart", Payload: []byte(`{}`)})
 			return err
 		})
@@ -136,7 +136,7 @@ func TestShardedDispatcherMetricsCarryTheShard(t *testing.T) {
 				batch = append(batch, effects.Effect{Kind: "sms", Key: fmt.Sprintf("sms-%s-%d", s.Name, j), Payload: []byte(`{}`)})
 			}
 			for _, e := range batch {
-				if _, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: s.SchemaName(), Source: effects.Source{Tenant: "t"}}, e); err != nil {
+				if _, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: s.SchemaName(), Tenant: "t"}), tx, e); err != nil {
 					return err
 				}
 			}

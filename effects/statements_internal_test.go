@@ -9,7 +9,8 @@ import (
 )
 
 // TestStatementsNameOneTenant is the static audit of the package's statements
-// (every string field of queries and enqueueQueries, including ones added later):
+// (every string field of queries, including ones added later; internal/effectsdb
+// audits the enqueue and requeue statements):
 // each names one tenant (tenant = $n, or a tenant inserted from one bind
 // parameter) unless listed here with why. The statement audit in internal/sqlaudit
 // checks what is actually sent.
@@ -21,8 +22,6 @@ func TestStatementsNameOneTenant(t *testing.T) {
 		"recordAgain": "an outcome batch of several tenants, retried (recordAgainOne names one)",
 		"notify":      "NOTIFY names a channel",
 		"pending":     "the pending gauge counts every tenant's effects",
-
-		"requeue": "an operator's requeue, across tenants unless it names one",
 	}
 	require.Empty(t, sqlaudit.CheckFields(newQueries("idem", 100, false), mixed))
 	filtered := map[string]string{}
@@ -32,8 +31,4 @@ func TestStatementsNameOneTenant(t *testing.T) {
 		}
 	}
 	require.Empty(t, sqlaudit.CheckFields(newQueries("idem", 100, true), filtered), "a Dispatcher with a Tenant claims with tenant = $4")
-	require.Empty(t, sqlaudit.CheckFields(newEnqueueQueries("idem"), map[string]string{
-		"insertMany":    "a write of several tenants' effects (insertManyOne names one)",
-		"fingerprintOf": "a read of several tenants' effects (fingerprintOfOne names one)",
-	}))
 }

@@ -15,16 +15,18 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-func enqueueIn(t testing.TB, pool *pgxpool.Pool, scope effects.Scope, e effects.Effect) (effects.Result, error) {
+func enqueueIn(t testing.TB, pool *pgxpool.Pool, scope effectsdb.Scope, e effects.Effect) (effects.Result, error) {
 	t.Helper()
 	ctx := context.Background()
 	var res effects.Result
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		var err error
-		res, err = effects.EnqueueScoped(ctx, tx, scope, e)
+		res, err = effects.Enqueue(effectsdb.WithScope(ctx, scope), tx, e)
 		return err
 	})
 	return res, err
@@ -37,8 +39,8 @@ func enqueueIn(t testing.TB, pool *pgxpool.Pool, scope effects.Scope, e effects.
 func TestEnqueueTenantScope(t *testing.T) {
 	t.Parallel()
 	pool, schema := setup(t)
-	scope := func(tenant string) effects.Scope {
-		return effects.Scope{Schema: schema, Source: effects.Source{Consumer: "payments", Tenant: tenant, Key: "pay_123"}}
+	scope := func(tenant string) effectsdb.Scope {
+		return effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "payments", Tenant: tenant, Key: "pay_123"}}
 	}
 	e := func(payload string) effects.Effect {
 		return effects.Effect{Kind: "mail", Key: "receipt:123", Payload: []byte(payload)}
@@ -55,13 +57,13 @@ func TestEnqueueTenantScope(t *testing.T) {
 	require.ErrorIs(t, err, effects.ErrFingerprintMismatch)
 	require.ErrorContains(t, err, `tenant "globex"`)
 	// A tenant without a source (enqueued outside a consumer) scopes the effect too.
-	res, err = enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: "initech"}}, e(`{"to":"i"}`))
+	res, err = enqueueIn(t, pool, effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Tenant: "initech"}}, e(`{"to":"i"}`))
 	require.NoError(t, err)
 	require.False(t, res.Duplicate)
 	require.Equal(t, 4, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE kind = 'mail' AND key = 'receipt:123'`))
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'initech' AND source_consumer IS NULL`))
 
-	_, err = enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: "bad\x00"}}, e(`{}`))
+	_, err = enqueueIn(t, pool, effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Tenant: "bad\x00"}}, e(`{}`))
 	require.ErrorIs(t, err, effects.ErrInvalidTenant)
 
 	rec := newRecorder(nil)
@@ -74,8 +76,8 @@ func TestEnqueueTenantScope(t *testing.T) {
 	for _, d := range sends {
 		require.Equal(t, 1, d.Attempt)
 		got[d.Tenant] = string(d.Payload)
-		if d.Source.Consumer != "" {
-			require.Equal(t, d.Tenant, d.Source.Tenant, "a consumer's effect has its message's tenant")
+		if d.SourceConsumer != "" {
+			require.Equal(t, d.Tenant, d.SourceTenant, "a consumer's effect has its message's tenant")
 		}
 	}
 	require.Equal(t, map[string]string{"acme": `{"to":"a"}`, "globex": `{"to":"g"}`, "": `{"to":"u"}`, "initech": `{"to":"i"}`}, got)
@@ -88,17 +90,17 @@ func TestRequeueDeadByTenant(t *testing.T) {
 	pool, schema := setup(t)
 	ctx := context.Background()
 	for _, tenant := range []string{"acme", "globex", ""} {
-		_, err := enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: tenant}}, effects.Effect{Kind: "mail", Key: "k"})
+		_, err := enqueueIn(t, pool, effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Tenant: tenant}}, effects.Effect{Kind: "mail", Key: "k"})
 		require.NoError(t, err)
 	}
 	_, err := pool.Exec(ctx, `UPDATE effects SET state = 'dead'`)
 	require.NoError(t, err)
-	n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail", Key: "k", Tenant: "acme"})
+	n, err := effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{Kind: "mail", Key: "k", Tenant: "acme"})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 	require.Equal(t, "pending", stateOf(t, pool, "acme", "mail", "k"))
 	require.Equal(t, "dead", stateOf(t, pool, "globex", "mail", "k"))
-	n, err = effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Key: "k"})
+	n, err = effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{Key: "k"})
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n, "no tenant: every tenant's k")
 }
@@ -111,17 +113,17 @@ func TestRequeueDeadTenantExact(t *testing.T) {
 	pool, schema := setup(t)
 	ctx := context.Background()
 	for _, tenant := range []string{"acme", ""} {
-		_, err := enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: tenant}}, effects.Effect{Kind: "mail", Key: "k"})
+		_, err := enqueueIn(t, pool, effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Tenant: tenant}}, effects.Effect{Kind: "mail", Key: "k"})
 		require.NoError(t, err)
 	}
 	_, err := pool.Exec(ctx, `UPDATE effects SET state = 'dead'`)
 	require.NoError(t, err)
-	n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail", Key: "k", TenantExact: true})
+	n, err := effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{Kind: "mail", Key: "k", TenantExact: true})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 	require.Equal(t, "pending", stateOf(t, pool, "", "mail", "k"))
 	require.Equal(t, "dead", stateOf(t, pool, "acme", "mail", "k"), "another tenant's effect stays dead")
-	n, err = effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{TenantExact: true})
+	n, err = effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{TenantExact: true})
 	require.NoError(t, err)
 	require.Zero(t, n, "TenantExact alone takes the unscoped dead effects: none left")
 }
@@ -157,7 +159,7 @@ func TestLedgerSenderTenantScope(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, plain.Send(ctx, effects.Delivery{Kind: "ledger", Key: "credit:1", Payload: []byte(`{}`)}))
 	err = plain.Send(ctx, effects.Delivery{Tenant: "acme", Kind: "ledger", Key: "credit:2", Payload: []byte(`{}`)})
-	require.True(t, effects.IsPermanent(err), "%v", err)
+	require.True(t, inbox.IsPermanent(err), "%v", err)
 	require.ErrorContains(t, err, "TenantColumn")
 }
 
@@ -199,7 +201,7 @@ func TestEnqueueDelayCountsFromTheCall(t *testing.T) {
 		if err := tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&called); err != nil {
 			return err
 		}
-		if _, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "mail", Key: "later", Delay: delay}); err != nil {
+		if _, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx, effects.Effect{Kind: "mail", Key: "later", Delay: delay}); err != nil {
 			return err
 		}
 		return tx.QueryRow(ctx, `SELECT next_attempt_at FROM effects WHERE key = 'later'`).Scan(&due)
@@ -218,7 +220,7 @@ func TestDispatcherTenantFilter(t *testing.T) {
 	pool, schema := setup(t)
 	for _, tenant := range []string{"a", "b"} {
 		for _, key := range []string{"k1", "k2", "k3", "flaky", "doomed"} {
-			_, err := enqueueIn(t, pool, effects.Scope{Schema: schema, Source: effects.Source{Tenant: tenant}},
+			_, err := enqueueIn(t, pool, effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Tenant: tenant}},
 				effects.Effect{Kind: "mail", Key: key, Payload: []byte(tenant + key)})
 			require.NoError(t, err)
 		}

@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -63,30 +64,30 @@ func TestTracingEnqueueKeepsTraceContext(t *testing.T) {
 	ctx, sc := cause(t, tp)
 	other, _ := cause(t, tp)
 	want := map[string]string{"traceparent": traceparentOf(sc), "tracestate": "idem=1"}
-	scope := effects.Scope{Schema: schema}
+	scope := effectsdb.Scope{Schema: schema}
 	bg := context.Background()
 
 	tx, err := pool.Begin(bg)
 	require.NoError(t, err)
 	defer tx.Rollback(bg)
-	_, err = effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "mail", Key: "one"})
+	_, err = effectsdb.Enqueue(ctx, tx, scope, effectsdb.Effect{Kind: "mail", Key: "one"})
 	require.NoError(t, err)
-	_, err = effects.EnqueueScoped(bg, tx, scope, effects.Effect{Kind: "mail", Key: "untraced"})
+	_, err = effectsdb.Enqueue(bg, tx, scope, effectsdb.Effect{Kind: "mail", Key: "untraced"})
 	require.NoError(t, err)
-	res, err := effects.EnqueueScoped(other, tx, scope, effects.Effect{Kind: "mail", Key: "one"})
+	res, err := effectsdb.Enqueue(other, tx, scope, effectsdb.Effect{Kind: "mail", Key: "one"})
 	require.NoError(t, err)
 	require.True(t, res.Duplicate)
-	_, err = effects.EnqueueManyScoped(ctx, tx, scope, []effects.Effect{{Kind: "mail", Key: "many-1"}, {Kind: "mail", Key: "many-2"}})
+	_, err = effects.EnqueueMany(effectsdb.WithScope(ctx, scope), tx, []effects.Effect{{Kind: "mail", Key: "many-1"}, {Kind: "mail", Key: "many-2"}})
 	require.NoError(t, err)
 
 	// The buffer path: the trace is the one Enqueue saw, not the one of the write.
 	buffered := scope
-	buffered.Buffer = effects.NewBuffer()
-	_, err = effects.EnqueueScoped(ctx, tx, buffered, effects.Effect{Kind: "mail", Key: "buffered"})
+	buffered.Buffer = effectsdb.NewBuffer()
+	_, err = effectsdb.Enqueue(ctx, tx, buffered, effectsdb.Effect{Kind: "mail", Key: "buffered"})
 	require.NoError(t, err)
-	_, err = effects.EnqueueManyScoped(ctx, tx, buffered, []effects.Effect{{Kind: "mail", Key: "buffered-many"}})
+	_, err = effects.EnqueueMany(effectsdb.WithScope(ctx, buffered), tx, []effects.Effect{{Kind: "mail", Key: "buffered-many"}})
 	require.NoError(t, err)
-	_, err = effects.EnqueueItems(other, tx, buffered.Buffer.Close())
+	_, err = effectsdb.EnqueueItems(other, tx, buffered.Buffer.Close())
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(bg))
 
@@ -157,8 +158,8 @@ func TestTracingSendSpans(t *testing.T) {
 	require.NoError(t, err)
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
-	scope := effects.Scope{Schema: schema, Source: effects.Source{Consumer: "payments", Tenant: "acme", Key: "pay-1"}}
-	_, err = effects.EnqueueManyScoped(ctx, tx, scope, []effects.Effect{{Kind: "mail", Key: "receipt"}, {Kind: "mail", Key: "flaky"}, pe})
+	scope := effectsdb.Scope{Schema: schema, Source: effectsdb.Source{Consumer: "payments", Tenant: "acme", Key: "pay-1"}}
+	_, err = effects.EnqueueMany(effectsdb.WithScope(ctx, scope), tx, []effects.Effect{{Kind: "mail", Key: "receipt"}, {Kind: "mail", Key: "flaky"}, pe})
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
 	waitState(t, pool, "mail", "receipt", "done", 30*time.Second)
@@ -238,7 +239,7 @@ func enqueueCtx(t *testing.T, ctx context.Context, pool *pgxpool.Pool, schema st
 	require.NoError(t, err)
 	defer tx.Rollback(ctx)
 	for _, e := range es {
-		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, e)
+		_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx, e)
 		require.NoError(t, err)
 	}
 	require.NoError(t, tx.Commit(ctx))

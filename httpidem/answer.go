@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 )
 
 // mode is how a request runs: read chooses it, and claim, run and settle follow it.
@@ -31,7 +32,7 @@ type request struct {
 	e     *engine
 	mode  mode
 	body  []byte
-	claim inbox.Claim
+	claim inboxdb.Claim
 
 	// What claim found: the claimed row (transactional mode), the lease's fence
 	// (lease mode), and the transaction the handler runs in.
@@ -184,7 +185,7 @@ func (e *engine) answerExisting(q *request, res responseClaim) {
 	case res.Mismatch:
 		e.log.Warn("idem: key reused with a different request", q.attrs()...)
 		q.fail(OutcomeMismatch, CodeFingerprintMismatch, "this key was first used with a different request (method, path, query or body); use a new key for a new request", 0)
-	case rec.State == inbox.StateProcessing:
+	case rec.State == inboxdb.StateProcessing:
 		e.inProgress(q)
 	case res.Response == nil:
 		e.log.Error("idem: the key has an inbox row without a stored response; does a message consumer use this operation's name?", q.attrs()...)
@@ -195,7 +196,7 @@ func (e *engine) answerExisting(q *request, res responseClaim) {
 }
 
 // replay answers with the key's stored response.
-func (e *engine) replay(q *request, rec *inbox.Record, stored *storedResponse) {
+func (e *engine) replay(q *request, rec *inboxdb.Record, stored *storedResponse) {
 	body := stored.Body
 	if stored.BodyRef != "" {
 		var err error

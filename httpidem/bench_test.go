@@ -20,9 +20,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/internal/cpustat"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -208,15 +208,15 @@ func newBenchServer(b testing.TB, nEffects int, rtt time.Duration) *benchServer 
 		amount := strings.TrimSuffix(strings.TrimPrefix(string(body), `{"amount":`), `}`)
 		var id int64
 		err := tx.QueryRow(ctx, `INSERT INTO payments (tenant, amount) VALUES ('', $1::numeric) RETURNING id`, amount).Scan(&id)
-		scope := effects.Scope{Schema: schema} // the middleware's scope, when there is one
-		if s, ok := effects.ScopeFrom(ctx); ok {
+		scope := effectsdb.Scope{Schema: schema} // the middleware's scope, when there is one
+		if s, ok := effectsdb.ScopeFrom(ctx); ok {
 			scope = s
 		}
 		for i := range nEffects {
 			if err != nil {
 				break
 			}
-			_, err = effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:%d:%d", id, i), Payload: body})
+			_, err = effectsdb.Enqueue(ctx, tx, scope, effectsdb.Effect{Kind: "email", Key: fmt.Sprintf("receipt:%d:%d", id, i), Payload: body})
 		}
 		return id, amount, err
 	}

@@ -6,7 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/txmark"
 )
 
@@ -79,7 +79,7 @@ func (e *engine) claim(q *request) bool {
 // has passed since start.
 func (e *engine) lease(ctx context.Context, q *request, start time.Time) (responseClaim, error) {
 	res, err := e.store.LeaseResponse(ctx, e.cfg.Pool, q.claim, e.cfg.Lease.Duration)
-	if err != nil || res.Claimed || res.Mismatch || res.Existing.State != inbox.StateProcessing {
+	if err != nil || res.Claimed || res.Mismatch || res.Existing.State != inboxdb.StateProcessing {
 		return res, err
 	}
 	if e.onLeaseWait != nil {
@@ -89,7 +89,7 @@ func (e *engine) lease(ctx context.Context, q *request, start time.Time) (respon
 	for {
 		left := e.cfg.LockTimeout - time.Since(start)
 		if left <= 0 {
-			return responseClaim{ClaimResult: inbox.ClaimResult{Existing: &inbox.Record{State: inbox.StateProcessing}}}, nil
+			return responseClaim{ClaimResult: inboxdb.ClaimResult{Existing: &inboxdb.Record{State: inboxdb.StateProcessing}}}, nil
 		}
 		select {
 		case <-q.r.Context().Done():
@@ -98,7 +98,7 @@ func (e *engine) lease(ctx context.Context, q *request, start time.Time) (respon
 		}
 		pause = min(2*pause, 200*time.Millisecond)
 		res, err := e.store.LeaseResponse(q.r.Context(), e.cfg.Pool, q.claim, e.cfg.Lease.Duration)
-		if err != nil || res.Claimed || res.Mismatch || res.Existing.State != inbox.StateProcessing {
+		if err != nil || res.Claimed || res.Mismatch || res.Existing.State != inboxdb.StateProcessing {
 			return res, err
 		}
 	}

@@ -180,7 +180,7 @@ type Config struct {
 	//
 	// The default is sha256 over the method, the escaped path, the query (its
 	// parameters sorted by name) and the body. A body that is JSON counts by its
-	// canonical form with exact numbers (inbox.Canonicalize, with the fields that
+	// canonical form with exact numbers (canonjson.Canonicalize, with the fields that
 	// Fields chooses), whatever its Content-Type says; a body that declares a JSON
 	// media type and is not JSON is answered 400 (body_not_json); a form counts by
 	// its fields sorted by name; any other body counts byte for byte, with its
@@ -249,9 +249,7 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, DefaultSchema)
 	c.KeyHeader = http.CanonicalHeaderKey(cmp.Or(c.KeyHeader, DefaultKeyHeader))
 	if c.Operation == nil {
 		c.Operation = defaultOperation

@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -147,7 +148,7 @@ func TestOneConnectionPerRequest(t *testing.T) {
 		}
 		return false
 	})
-	store, err := inbox.NewStore(b.schema)
+	store, err := inboxdb.NewStore(b.schema)
 	require.NoError(t, err)
 
 	// rows counts the tenant's inbox rows that match cond.
@@ -269,14 +270,14 @@ func TestOneConnectionPerRequest(t *testing.T) {
 
 // staleKey leaves what a server killed in a lease-mode handler leaves: a
 // processing row past its lease, with the fingerprint of the request it ran.
-func staleKey(t *testing.T, b *bundle, store *inbox.Store, tenant, key, body string) {
+func staleKey(t *testing.T, b *bundle, store *inboxdb.Store, tenant, key, body string) {
 	t.Helper()
 	ctx := context.Background()
 	r, _ := http.NewRequest(http.MethodPost, "/leased/payments", nil)
 	r.Header.Set("Content-Type", "application/json")
 	fp, err := httpidem.DefaultFingerprint(inbox.JSONOptions{})(r, []byte(body))
 	require.NoError(t, err)
-	res, err := store.Lease(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: tenant, Key: key}, Fingerprint: fp}, time.Minute)
+	res, err := store.Lease(ctx, b.pool, inboxdb.Claim{ID: inboxdb.ID{Consumer: "POST /leased/payments", Tenant: tenant, Key: key}, Fingerprint: fp}, time.Minute)
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
 	_, err = b.pool.Exec(ctx, `UPDATE inbox SET lease_until = now() - interval '1 millisecond' WHERE tenant = $1 AND key = $2`, tenant, key)

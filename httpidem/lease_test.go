@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 )
 
 // TestLeaseMode: the key commits as processing before the handler runs; a
@@ -145,7 +146,7 @@ func TestLeaseStaleKey(t *testing.T) {
 
 	// 2. A stale key that Recover settles: the handler never runs.
 	ctx := context.Background()
-	store, err := inbox.NewStore(b.schema)
+	store, err := inboxdb.NewStore(b.schema)
 	require.NoError(t, err)
 	crashed := func(key, body string) {
 		// What a server killed mid-handler leaves: a processing row past its lease,
@@ -154,7 +155,7 @@ func TestLeaseStaleKey(t *testing.T) {
 		r.Header.Set("Content-Type", "application/json")
 		fp, err := httpidem.DefaultFingerprint(inbox.JSONOptions{})(r, []byte(body))
 		require.NoError(t, err)
-		res, err := store.Lease(ctx, b.pool, inbox.Claim{ID: inbox.ID{Consumer: "POST /leased/payments", Tenant: defaultTenant, Key: key}, Fingerprint: fp}, time.Minute)
+		res, err := store.Lease(ctx, b.pool, inboxdb.Claim{ID: inboxdb.ID{Consumer: "POST /leased/payments", Tenant: defaultTenant, Key: key}, Fingerprint: fp}, time.Minute)
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
 		runOut(key)
@@ -224,7 +225,7 @@ func TestRecoverRunsInTheRequestsTransaction(t *testing.T) {
 			return nil, nil
 		}
 	})
-	store, err := inbox.NewStore(b.schema)
+	store, err := inboxdb.NewStore(b.schema)
 	require.NoError(t, err)
 	const body = `{"amount": 5}`
 

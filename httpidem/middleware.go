@@ -8,8 +8,8 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/fanout"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/schemacheck"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/shard"
@@ -114,7 +114,7 @@ func (m *Middleware) Middleware(next http.Handler) http.Handler { return m.Route
 // pattern: it is a programming error, found at start-up.
 func (m *Middleware) Route(rt Route) func(http.Handler) http.Handler {
 	if rt.Operation != "" {
-		if err := inbox.ValidateConsumer(rt.Operation); err != nil {
+		if err := inboxdb.ValidateConsumer(rt.Operation); err != nil {
 			panic(fmt.Sprintf("httpidem: Route.Operation %q: %v", rt.Operation, err))
 		}
 		for _, e := range m.parts.Parts() {
@@ -165,7 +165,7 @@ func (m *Middleware) read(rt Route, q *request) *engine {
 			terr = errEmptyTenant
 		}
 		if terr == nil {
-			terr = inbox.ValidateTenant(tenant)
+			terr = inboxdb.ValidateTenant(tenant)
 		}
 	}
 	i := 0
@@ -184,7 +184,7 @@ func (m *Middleware) read(rt Route, q *request) *engine {
 	if op == "" {
 		var err error
 		if op, err = m.cfg.Operation(r); err == nil {
-			err = inbox.ValidateConsumer(op)
+			err = inboxdb.ValidateConsumer(op)
 		}
 		if err != nil {
 			m.log.Error("idem: request without an operation; set Route.Operation or Config.Operation", "err", err, "method", r.Method, "path", r.URL.Path)

@@ -14,6 +14,7 @@ import (
 	"github.com/dunglas/httpsfv"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/canonjson"
 )
 
 // errKeyAbsent: the request has no key header.
@@ -84,7 +85,7 @@ func readBody(r *http.Request, limit int64) ([]byte, error) {
 
 // defaultFingerprint returns the default fingerprint: sha256 over the method, the
 // escaped path, the query (its parameters sorted by name) and the body. A body that
-// is JSON counts by its canonical form with exact numbers (inbox.Canonicalize, with
+// is JSON counts by its canonical form with exact numbers (canonjson.Canonicalize, with
 // the fields chosen by opts), whatever its Content-Type says (curl -d sends JSON as
 // a form); a body that declares a JSON media type and is not JSON is an error
 // (inbox.ErrNotJSON); a form (application/x-www-form-urlencoded) counts by its fields
@@ -109,11 +110,11 @@ func defaultFingerprint(opts inbox.JSONOptions) func(r *http.Request, body []byt
 			buf = appendField(buf, "empty")
 			return sum(buf), nil
 		}
-		if !selects && inbox.IsCanonical(body) { // already canonical: no parse tree
+		if !selects && canonjson.IsCanonical(body) { // already canonical: no parse tree
 			buf = appendField(buf, "json")
 			return sum(appendField(buf, body)), nil
 		}
-		canon, err := inbox.Canonicalize(body, opts)
+		canon, err := canonjson.Canonicalize(body, canonjson.Options(opts))
 		if err == nil {
 			buf = appendField(buf, "json")
 			return sum(appendField(buf, canon)), nil

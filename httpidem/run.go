@@ -10,8 +10,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 )
 
 type txKey struct{}
@@ -212,12 +212,12 @@ func (e *engine) abandon(q *request) {
 // handlerContext is the context the handler (and Recover) runs with: the
 // transaction (Tx), the key (KeyFrom) and the effects scope.
 func (e *engine) handlerContext(ctx context.Context, q *request) context.Context {
-	scope := effects.Scope{Schema: e.cfg.Schema, Kinds: e.cfg.EffectKinds}
+	scope := effectsdb.Scope{Schema: e.cfg.Schema, Kinds: e.cfg.EffectKinds}
 	if q.claim.Key != "" {
-		scope.Source = effects.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
+		scope.Source = effectsdb.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
 	}
 	q.owned = ownedTx{q.tx}
-	return &handlerCtx{Context: effects.WithScope(ctx, scope), q: q}
+	return &handlerCtx{Context: effectsdb.WithScope(ctx, scope), q: q}
 }
 
 // handlerCtx answers Tx and KeyFrom from the request itself, so that they cost no
@@ -233,7 +233,7 @@ func (c *handlerCtx) Value(key any) any {
 		return &c.q.owned
 	case keyKey:
 		if c.q.claim.Key != "" {
-			return c.q.claim.ID
+			return inbox.ID(c.q.claim.ID)
 		}
 	}
 	return c.Context.Value(key)

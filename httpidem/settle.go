@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/txmark"
 )
 
@@ -167,7 +168,7 @@ func (e *engine) storeFailure(q *request) {
 	stored := toStoredResponse(resp, e.storedNames)
 	code, msg := "http_"+strconv.Itoa(resp.Status), http.StatusText(resp.Status)
 	conn, err := e.acquire(ctx, q)
-	res := responseClaim{ClaimResult: inbox.ClaimResult{Claimed: true}}
+	res := responseClaim{ClaimResult: inboxdb.ClaimResult{Claimed: true}}
 	if err == nil {
 		if q.mode == modeLease {
 			err = e.store.FailLeaseResponse(ctx, conn.conn, q.claim.ID, q.fence, e.cfg.Retention, code, msg, stored)
@@ -199,7 +200,7 @@ func lockTimeoutSQL(wait time.Duration) string {
 // recordFailure records c as failed with code, msg and stored, in a transaction of
 // its own on conn (outside any transaction), waiting up to LockTimeout for a concurrent
 // request with the key; if the key has a row, it returns that instead.
-func (e *engine) recordFailure(ctx context.Context, conn *connTx, c inbox.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
+func (e *engine) recordFailure(ctx context.Context, conn *connTx, c inboxdb.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
 	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, lockTimeoutSQL(e.cfg.LockTimeout)); err != nil {
 			return err

@@ -30,11 +30,13 @@ func TestShardedRequestsRunOnTheirTenantsShard(t *testing.T) {
 		require.NoError(t, err)
 		ports[int(s.Pool.Config().ConnConfig.Port)] = s.Name
 	}
+	hash := &shard.Map{Shards: m.Shards}
 	m.Route = func(tenant string) (string, error) {
 		if tenant == "nowhere" {
 			return "", errors.New("no directory entry")
 		}
-		return m.Shards[shard.Rendezvous(tenant, m.Shards)].Name, nil
+		s, err := hash.Pick(tenant)
+		return s.Name, err
 	}
 	reg := prometheus.NewRegistry()
 	var tenantCalls atomic.Int64

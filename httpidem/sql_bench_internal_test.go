@@ -17,8 +17,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/cpustat"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/pgtest"
 )
@@ -41,8 +41,8 @@ func BenchmarkRequestSQL(b *testing.B) {
 	require.NoError(b, err)
 	prepared := newPreparedStmts(store)
 	var seq atomic.Int64
-	claim := func() inbox.Claim {
-		return inbox.Claim{ID: inbox.ID{Consumer: "POST /payments", Key: "k-" + strconv.FormatInt(seq.Add(1), 10)},
+	claim := func() inboxdb.Claim {
+		return inboxdb.Claim{ID: inboxdb.ID{Consumer: "POST /payments", Key: "k-" + strconv.FormatInt(seq.Add(1), 10)},
 			Fingerprint: make([]byte, 32)}
 	}
 	insert := func(conn *pgx.Conn) error {
@@ -97,7 +97,7 @@ func BenchmarkRequestSQL(b *testing.B) {
 		}
 	}
 	// steps runs BEGIN, the statements and COMMIT, one round trip each.
-	steps := func(stmts ...func(conn *pgx.Conn, c inbox.Claim, tid *pgtype.TID) error) func(conn *pgx.Conn) error {
+	steps := func(stmts ...func(conn *pgx.Conn, c inboxdb.Claim, tid *pgtype.TID) error) func(conn *pgx.Conn) error {
 		return func(conn *pgx.Conn) error {
 			c := claim()
 			var tid pgtype.TID
@@ -113,16 +113,16 @@ func BenchmarkRequestSQL(b *testing.B) {
 			return err
 		}
 	}
-	pay := func(conn *pgx.Conn, _ inbox.Claim, _ *pgtype.TID) error { return insert(conn) }
-	plainClaim := func(conn *pgx.Conn, c inbox.Claim, _ *pgtype.TID) error {
+	pay := func(conn *pgx.Conn, _ inboxdb.Claim, _ *pgtype.TID) error { return insert(conn) }
+	plainClaim := func(conn *pgx.Conn, c inboxdb.Claim, _ *pgtype.TID) error {
 		_, err := conn.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
 			VALUES ($1, $2, $3, $4, 'completed', now(), now() + $5::interval)`, c.Consumer, c.Tenant, c.Key, c.Fingerprint, 24*time.Hour)
 		return err
 	}
-	conflictClaim := func(conn *pgx.Conn, c inbox.Claim, tid *pgtype.TID) error {
+	conflictClaim := func(conn *pgx.Conn, c inboxdb.Claim, tid *pgtype.TID) error {
 		return conn.QueryRow(ctx, store.q.ClaimReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, 24*time.Hour).Scan(tid)
 	}
-	plainUpdate := func(conn *pgx.Conn, c inbox.Claim, tid *pgtype.TID) error {
+	plainUpdate := func(conn *pgx.Conn, c inboxdb.Claim, tid *pgtype.TID) error {
 		_, err := conn.Exec(ctx, `UPDATE inbox SET response_status = $5, response_headers = $6, response_body = $7, response_ref = $8
 			WHERE ctid = $4 AND consumer = $1 AND tenant = $2 AND key = $3 AND state = 'completed'`,
 			append([]any{c.Consumer, c.Tenant, c.Key, *tid}, responseArgs(answer)...)...)

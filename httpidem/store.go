@@ -41,7 +41,7 @@ type storedResponse struct {
 
 // responseClaim is what a claim that knows about stored responses found.
 type responseClaim struct {
-	inbox.ClaimResult
+	inboxdb.ClaimResult
 	// Response is the existing row's stored response, if it has one.
 	Response *storedResponse
 	// ReplacedExpired: the key had a settled row past its expires_at; the claim
@@ -88,7 +88,7 @@ var claimPrelude = []string{beginSQL}
 // round trip, waiting up to wait for a concurrent claim of the key: through the
 // prepared statements if the store has them (it returns them as prepared on the
 // connection, for saveCommit), otherwise through pgx (ClaimResponseTx).
-func (s *responseStore) claimTx(ctx context.Context, tx *connTx, c inbox.Claim, wait time.Duration) (responseClaim, described, error) {
+func (s *responseStore) claimTx(ctx context.Context, tx *connTx, c inboxdb.Claim, wait time.Duration) (responseClaim, described, error) {
 	if s.prepared != nil {
 		return s.ClaimResponsePrepared(ctx, tx.conn, s.prepared, c, wait)
 	}
@@ -98,7 +98,7 @@ func (s *responseStore) claimTx(ctx context.Context, tx *connTx, c inbox.Claim, 
 
 // saveCommit stores resp on the row claimTx claimed (row) and commits, in one
 // round trip, through the statements claimTx prepared (d) if it did.
-func (s *responseStore) saveCommit(ctx context.Context, conn *pgx.Conn, d described, id inbox.ID, row rowRef, resp *storedResponse) error {
+func (s *responseStore) saveCommit(ctx context.Context, conn *pgx.Conn, d described, id inboxdb.ID, row rowRef, resp *storedResponse) error {
 	if d.save != nil {
 		return s.saveCommitPrepared(ctx, conn, d, id, row, resp)
 	}
@@ -107,7 +107,7 @@ func (s *responseStore) saveCommit(ctx context.Context, conn *pgx.Conn, d descri
 
 // releaseLease gives a leased key back at once (lease_until = now()), if fence
 // still holds it.
-func (s *responseStore) releaseLease(ctx context.Context, db inbox.DBTX, id inbox.ID, fence int64) error {
+func (s *responseStore) releaseLease(ctx context.Context, db inboxdb.DBTX, id inboxdb.ID, fence int64) error {
 	_, err := db.Exec(ctx, s.q.ReleaseLease, id.Consumer, id.Tenant, id.Key, fence)
 	return s.wrap(err)
 }
@@ -116,8 +116,8 @@ func (s *responseStore) releaseLease(ctx context.Context, db inbox.DBTX, id inbo
 func retentionOf(d time.Duration) time.Duration { return cmp.Or(d, inbox.DefaultRetention) }
 
 // existing is what a claim that met rec says, for a claim of fingerprint fp.
-func existing(rec *inbox.Record, fp []byte) inbox.ClaimResult {
-	return inbox.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)}
+func existing(rec *inboxdb.Record, fp []byte) inboxdb.ClaimResult {
+	return inboxdb.ClaimResult{Existing: rec, Mismatch: !bytes.Equal(rec.Fingerprint, fp)}
 }
 
 // responseArgs are a response's column values, in column order.
@@ -172,9 +172,9 @@ func validateStored(r *storedResponse) error {
 // response. A settled row past its expires_at is deleted in tx and the key claimed
 // as new (ReplacedExpired). A claim returns Row, for SaveResponseCommit.
 func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
-	inbox.DBTX
-	inbox.BatchSender
-}, prelude []string, c inbox.Claim, wait time.Duration) (responseClaim, error) {
+	inboxdb.DBTX
+	inboxdb.BatchSender
+}, prelude []string, c inboxdb.Claim, wait time.Duration) (responseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, err
 	}
@@ -212,7 +212,7 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 // ClaimResponsePrepared is ClaimResponseTx with BEGIN for its prelude, on conn
 // outside any transaction, through the prepared statements p (see
 // preparedStmts). It returns them as prepared on conn, for saveCommitPrepared.
-func (s *responseStore) ClaimResponsePrepared(ctx context.Context, conn *pgx.Conn, p *preparedStmts, c inbox.Claim, wait time.Duration) (responseClaim, described, error) {
+func (s *responseStore) ClaimResponsePrepared(ctx context.Context, conn *pgx.Conn, p *preparedStmts, c inboxdb.Claim, wait time.Duration) (responseClaim, described, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, described{}, err
 	}
@@ -249,7 +249,7 @@ type rowRef struct{ tid pgtype.TID }
 // ran out (fence + 1, Attempts + 1). On a conflict it returns the existing row and
 // its stored response; a settled row past its expires_at is deleted and the key
 // leased as new.
-func (s *responseStore) LeaseResponse(ctx context.Context, db inbox.DBTX, c inbox.Claim, lease time.Duration) (responseClaim, error) {
+func (s *responseStore) LeaseResponse(ctx context.Context, db inboxdb.DBTX, c inboxdb.Claim, lease time.Duration) (responseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, err
 	}
@@ -262,12 +262,12 @@ func (s *responseStore) LeaseResponse(ctx context.Context, db inbox.DBTX, c inbo
 
 // insertOrResponse is insertOr that reads the existing row with its response, and
 // replaces an expired settled row.
-func (s *responseStore) insertOrResponse(ctx context.Context, db inbox.DBTX, c inbox.Claim, insert func() (int64, error)) (responseClaim, error) {
+func (s *responseStore) insertOrResponse(ctx context.Context, db inboxdb.DBTX, c inboxdb.Claim, insert func() (int64, error)) (responseClaim, error) {
 	var out responseClaim
 	for {
 		fence, err := insert()
 		if err == nil {
-			out.ClaimResult = inbox.ClaimResult{Claimed: true, Fence: fence}
+			out.ClaimResult = inboxdb.ClaimResult{Claimed: true, Fence: fence}
 			return out, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
@@ -296,7 +296,7 @@ func (s *responseStore) insertOrResponse(ctx context.Context, db inbox.DBTX, c i
 // SaveResponseTx stores resp on id's row, in the transaction that claimed it with
 // ClaimResponseTx and holds the handler's work, so the response commits with the
 // work or not at all.
-func (s *responseStore) SaveResponseTx(ctx context.Context, tx inbox.DBTX, id inbox.ID, resp *storedResponse) error {
+func (s *responseStore) SaveResponseTx(ctx context.Context, tx inboxdb.DBTX, id inboxdb.ID, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -319,7 +319,7 @@ func (s *responseStore) SaveResponseTx(ctx context.Context, tx inbox.DBTX, id in
 // response, nothing commits: the COMMIT behind the failed statement is never
 // executed and the transaction is left failed, for the caller to roll back. A
 // failed COMMIT returns ErrCommitUnknown.
-func (s *responseStore) SaveResponseCommit(ctx context.Context, conn inbox.BatchSender, id inbox.ID, row rowRef, resp *storedResponse) error {
+func (s *responseStore) SaveResponseCommit(ctx context.Context, conn inboxdb.BatchSender, id inboxdb.ID, row rowRef, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -332,7 +332,7 @@ func (s *responseStore) SaveResponseCommit(ctx context.Context, conn inbox.Batch
 // CompleteLeaseResponseCommit is CompleteLeaseResponseTx and COMMIT in one round
 // trip, in a transaction marked with TxMark; a fence that no longer matches returns
 // inbox.ErrLeaseLost and a missing mark ErrTxReplaced, and neither commits anything.
-func (s *responseStore) CompleteLeaseResponseCommit(ctx context.Context, conn inbox.BatchSender, id inbox.ID, fence int64, retention time.Duration, resp *storedResponse) error {
+func (s *responseStore) CompleteLeaseResponseCommit(ctx context.Context, conn inboxdb.BatchSender, id inboxdb.ID, fence int64, retention time.Duration, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -343,7 +343,7 @@ func (s *responseStore) CompleteLeaseResponseCommit(ctx context.Context, conn in
 // commitAfter sends an "OrFail" statement and COMMIT in one batch. A missing mark
 // is ErrTxReplaced; a division by zero is noRow. Either way nothing commits: the
 // COMMIT behind a failed statement is never executed.
-func (s *responseStore) commitAfter(ctx context.Context, conn inbox.BatchSender, sql string, args []any, noRow func() error) error {
+func (s *responseStore) commitAfter(ctx context.Context, conn inboxdb.BatchSender, sql string, args []any, noRow func() error) error {
 	b := &pgx.Batch{}
 	b.Queue(sql, args...)
 	b.Queue("commit")
@@ -372,7 +372,7 @@ func (s *responseStore) commitAfter(ctx context.Context, conn inbox.BatchSender,
 // reports whether it found such a row: false means the claim never committed (tx
 // mode) or the lease was lost (lease mode). Run it outside the request's
 // transaction, after that has ended.
-func (s *responseStore) AnswerCommitted(ctx context.Context, db inbox.DBTX, c inbox.Claim, fence int64, code, msg string, resp *storedResponse) (bool, error) {
+func (s *responseStore) AnswerCommitted(ctx context.Context, db inboxdb.DBTX, c inboxdb.Claim, fence int64, code, msg string, resp *storedResponse) (bool, error) {
 	if err := c.Validate(); err != nil {
 		return false, err
 	}
@@ -393,7 +393,7 @@ func (s *responseStore) AnswerCommitted(ctx context.Context, db inbox.DBTX, c in
 // FailResponseTx records c as failed with its response (a final client error),
 // unless the key already has a row, whose outcome and response it then returns.
 // Call it in a transaction of its own, after the handler's transaction rolled back.
-func (s *responseStore) FailResponseTx(ctx context.Context, tx inbox.DBTX, c inbox.Claim, code, msg string, resp *storedResponse) (responseClaim, error) {
+func (s *responseStore) FailResponseTx(ctx context.Context, tx inboxdb.DBTX, c inboxdb.Claim, code, msg string, resp *storedResponse) (responseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, err
 	}
@@ -409,7 +409,7 @@ func (s *responseStore) FailResponseTx(ctx context.Context, tx inbox.DBTX, c inb
 }
 
 // CompleteLeaseResponseTx is CompleteLeaseTx that stores resp on the row too.
-func (s *responseStore) CompleteLeaseResponseTx(ctx context.Context, tx inbox.DBTX, id inbox.ID, fence int64, retention time.Duration, resp *storedResponse) error {
+func (s *responseStore) CompleteLeaseResponseTx(ctx context.Context, tx inboxdb.DBTX, id inboxdb.ID, fence int64, retention time.Duration, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -425,7 +425,7 @@ func (s *responseStore) CompleteLeaseResponseTx(ctx context.Context, tx inbox.DB
 }
 
 // FailLeaseResponse is FailLease that stores resp on the row too.
-func (s *responseStore) FailLeaseResponse(ctx context.Context, db inbox.DBTX, id inbox.ID, fence int64, retention time.Duration, code, msg string, resp *storedResponse) error {
+func (s *responseStore) FailLeaseResponse(ctx context.Context, db inboxdb.DBTX, id inboxdb.ID, fence int64, retention time.Duration, code, msg string, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}
@@ -443,8 +443,8 @@ func (s *responseStore) FailLeaseResponse(ctx context.Context, db inbox.DBTX, id
 
 // GetResponse reads one inbox row and its stored response (nil when it has none),
 // or returns inbox.ErrNotFound.
-func (s *responseStore) GetResponse(ctx context.Context, db inbox.DBTX, id inbox.ID) (*inbox.Record, *storedResponse, error) {
-	var r inbox.Record
+func (s *responseStore) GetResponse(ctx context.Context, db inboxdb.DBTX, id inboxdb.ID) (*inboxdb.Record, *storedResponse, error) {
+	var r inboxdb.Record
 	var code, msg, ref *string
 	var status *int16
 	var header, body []byte

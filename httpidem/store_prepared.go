@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/txmark"
 )
 
@@ -180,7 +180,7 @@ func runBatch(ctx context.Context, pc *pgconn.PgConn, b *pgconn.Batch, row func(
 // ClaimResponseTx's first round trip does, and fills row with the claimed row's
 // ctid. A key that has
 // a row already is pgx.ErrNoRows, for insertOrResponse.
-func (s *responseStore) claimPrepared(ctx context.Context, conn *pgx.Conn, d described, c inbox.Claim, wait time.Duration, row *rowRef) error {
+func (s *responseStore) claimPrepared(ctx context.Context, conn *pgx.Conn, d described, c inboxdb.Claim, wait time.Duration, row *rowRef) error {
 	p := newParams(40 + len(c.Consumer) + len(c.Tenant) + len(c.Key) + len(c.Fingerprint))
 	p.text(c.Consumer)
 	p.text(c.Tenant)
@@ -219,7 +219,7 @@ func (s *responseStore) claimPrepared(ctx context.Context, conn *pgx.Conn, d des
 
 // saveCommitPrepared is SaveResponseCommit through the prepared statements: the
 // answer's guarded UPDATE and COMMIT in one round trip, with the same outcomes.
-func (s *responseStore) saveCommitPrepared(ctx context.Context, conn *pgx.Conn, d described, id inbox.ID, row rowRef, resp *storedResponse) error {
+func (s *responseStore) saveCommitPrepared(ctx context.Context, conn *pgx.Conn, d described, id inboxdb.ID, row rowRef, resp *storedResponse) error {
 	if err := validateStored(resp); err != nil {
 		return err
 	}

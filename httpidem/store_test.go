@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/internal/txmark"
 	"github.com/idemkit/idem/janitor"
@@ -25,8 +26,8 @@ func setupResponses(t *testing.T) (*responseStore, *pgxpool.Pool) {
 	return store, pool
 }
 
-func httpClaim(key, fp string) inbox.Claim {
-	return inbox.Claim{ID: inbox.ID{Consumer: "POST /payments", Tenant: "acme", Key: key}, Fingerprint: []byte(fp)}
+func httpClaim(key, fp string) inboxdb.Claim {
+	return inboxdb.Claim{ID: inboxdb.ID{Consumer: "POST /payments", Tenant: "acme", Key: key}, Fingerprint: []byte(fp)}
 }
 
 // TestStoredResponseRoundTrip: a response saved in the claiming transaction comes
@@ -70,7 +71,7 @@ func TestStoredResponseRoundTrip(t *testing.T) {
 
 	// A row without a response (a message consumer's) reads as nil.
 	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		consumerStore, err := inbox.NewStore(store.Schema())
+		consumerStore, err := inboxdb.NewStore(store.Schema())
 		if err != nil {
 			return err
 		}
@@ -80,7 +81,7 @@ func TestStoredResponseRoundTrip(t *testing.T) {
 	rec, got, err := store.GetResponse(ctx, pool, httpClaim("k3", "").ID)
 	require.NoError(t, err)
 	require.Nil(t, got)
-	require.Equal(t, inbox.StateCompleted, rec.State)
+	require.Equal(t, inboxdb.StateCompleted, rec.State)
 
 	// Saving on a key this transaction did not claim is an error, not a silent no-op.
 	require.Error(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -146,7 +147,7 @@ func TestExpiredKeyIsClaimedAsNew(t *testing.T) {
 	lres, err = store.LeaseResponse(ctx, pool, httpClaim("k", "fp3"), time.Minute)
 	require.NoError(t, err)
 	require.False(t, lres.Claimed, "a fresh lease is held, whatever expires_at says")
-	require.Equal(t, inbox.StateProcessing, lres.Existing.State)
+	require.Equal(t, inboxdb.StateProcessing, lres.Existing.State)
 }
 
 // TestLeaseWithResponse: complete and fail store the response under the fence; a
@@ -176,7 +177,7 @@ func TestLeaseWithResponse(t *testing.T) {
 	}))
 	rec, resp, err := store.GetResponse(ctx, pool, c.ID)
 	require.NoError(t, err)
-	require.Equal(t, inbox.StateCompleted, rec.State)
+	require.Equal(t, inboxdb.StateCompleted, rec.State)
 	require.Equal(t, "ok", string(resp.Body))
 
 	c2 := httpClaim("k2", "fp")
@@ -186,7 +187,7 @@ func TestLeaseWithResponse(t *testing.T) {
 	require.NoError(t, store.FailLeaseResponse(ctx, pool, c2.ID, res.Fence, 0, "http_422", "Unprocessable Entity", &storedResponse{Status: 422, Body: []byte("no")}))
 	rec, resp, err = store.GetResponse(ctx, pool, c2.ID)
 	require.NoError(t, err)
-	require.Equal(t, inbox.StateFailed, rec.State)
+	require.Equal(t, inboxdb.StateFailed, rec.State)
 	require.Equal(t, "http_422", rec.ErrorCode)
 	require.Equal(t, 422, resp.Status)
 }
@@ -207,7 +208,7 @@ func TestFailResponseTx(t *testing.T) {
 		return err
 	}))
 	require.False(t, res.Claimed)
-	require.Equal(t, inbox.StateFailed, res.Existing.State)
+	require.Equal(t, inboxdb.StateFailed, res.Existing.State)
 	require.Equal(t, 400, res.Response.Status)
 	require.Equal(t, "bad", string(res.Response.Body))
 }
@@ -350,7 +351,7 @@ func TestCommitChecksTheMark(t *testing.T) {
 	require.False(t, answered, "only a key without a response")
 	rec, resp, err := store.GetResponse(ctx, pool, httpClaim("k", "").ID)
 	require.NoError(t, err)
-	require.Equal(t, inbox.StateCompleted, rec.State)
+	require.Equal(t, inboxdb.StateCompleted, rec.State)
 	require.Equal(t, "handler_committed", rec.ErrorCode)
 	require.Equal(t, "p", string(resp.Body))
 
@@ -428,7 +429,7 @@ func TestPreparedRoundTrips(t *testing.T) {
 	require.Equal(t, byte('I'), c.PgConn().TxStatus())
 	rec, resp, err := store.GetResponse(ctx, pool, httpClaim("k", "").ID)
 	require.NoError(t, err)
-	require.Equal(t, inbox.StateCompleted, rec.State)
+	require.Equal(t, inboxdb.StateCompleted, rec.State)
 	require.Equal(t, []byte("fp"), rec.Fingerprint)
 	require.Equal(t, answer.Body, resp.Body)
 	require.Equal(t, map[string][]string{"Content-Type": {"application/json"}, "X-Bin": {"\xff\x00"}}, resp.Header)

@@ -6,7 +6,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 )
 
@@ -45,14 +45,14 @@ func (e *engine) startClaim(q *request) (context.Context, trace.Span) {
 }
 
 // endClaim ends a claim's span with what the claim found.
-func endClaim(span trace.Span, res inbox.ClaimResult, err error) {
+func endClaim(span trace.Span, res inboxdb.ClaimResult, err error) {
 	if err == nil && span.IsRecording() {
 		span.SetAttributes(tracing.Outcome.String(claimOutcome(res)))
 	}
 	endSpan(span, err)
 }
 
-func claimOutcome(res inbox.ClaimResult) string {
+func claimOutcome(res inboxdb.ClaimResult) string {
 	switch {
 	case res.Claimed:
 		return "claimed"
@@ -60,9 +60,9 @@ func claimOutcome(res inbox.ClaimResult) string {
 		return "mismatch"
 	case res.Existing == nil:
 		return "unknown"
-	case res.Existing.State == inbox.StateCompleted:
+	case res.Existing.State == inboxdb.StateCompleted:
 		return "replayed"
-	case res.Existing.State == inbox.StateFailed:
+	case res.Existing.State == inboxdb.StateFailed:
 		return "replayed_failure"
 	default:
 		return "busy"

@@ -14,12 +14,13 @@
 // in lease mode; the consumer package does that. Rows live for their retention, and
 // a duplicate that arrives after its row expired is not recognised.
 //
-// The package holds what a user of the inbox calls: the Store and its claims, the
-// key, tenant and consumer rules, the fingerprints, and the coded errors. What only
-// idem's own packages use lives with them: the set-based batch claim in consumer,
-// the stored HTTP responses in httpidem, and the statements they share with the
-// Store in internal/inboxdb. The schema and its migrator are package migrate, the
-// janitor package janitor.
+// The package holds what a user of the inbox types: the key rule (ValidateKey),
+// the fingerprints (SHA256, CanonicalJSON), a row's ID and State (which admin and
+// httpidem hand back), the coded errors and the constants. The Store that claims
+// and settles keys is idem's own wiring: it lives in internal/inboxdb with the
+// statements it shares with the consumer's set-based batch claim, httpidem's stored
+// responses and the janitor, and the canonical JSON form in internal/canonjson. The
+// schema and its migrator are package migrate, the janitor package janitor.
 //
-// inbox imports pgx and idem's internal leaf packages, nothing public of idem.
+// inbox imports idem's internal leaf packages, nothing public of idem.
 package inbox

@@ -68,9 +68,7 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, DefaultSchema)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.Pause = cmp.Or(c.Pause, DefaultPause)
 	c.EffectsRetention = cmp.Or(c.EffectsRetention, DefaultEffectsRetention)
@@ -139,14 +137,16 @@ type part struct {
 	lastOK          *prometheus.GaugeVec
 }
 
-// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
-// (code "invalid_config"), unless a more specific sentinel says what is wrong
-// (inbox.ErrInvalidSchema). Every idem package has the same value.
-var ErrInvalidConfig = errcode.ErrInvalidConfig
+var (
+	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+	// (code "invalid_config"), unless a more specific sentinel says what is wrong
+	// (inbox.ErrInvalidSchema). Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
 
-// ErrBusy is returned when another janitor holds the schema's advisory lock and is
-// running a pass. It is not a failure: that janitor does the work.
-var ErrBusy = errcode.Transient("janitor_busy", "another janitor is running a pass on this schema (it holds the advisory lock)")
+	// ErrBusy is returned when another janitor holds the schema's advisory lock and
+	// is running a pass. It is not a failure: that janitor does the work.
+	ErrBusy = errcode.Transient("janitor_busy", "another janitor is running a pass on this schema (it holds the advisory lock)")
+)
 
 // New returns a Janitor, or an error that wraps "invalid config".
 func New(cfg Config) (*Janitor, error) {

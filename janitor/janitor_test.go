@@ -20,6 +20,7 @@ import (
 	"strings"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/janitor"
 )
@@ -148,7 +149,7 @@ func counterOf(t *testing.T, reg *prometheus.Registry, name, table string) float
 
 func TestDeleteExpiredRespectsLimit(t *testing.T) {
 	pool, schema := pgtest.Setup(t)
-	store, err := inbox.NewStore(schema)
+	store, err := inboxdb.NewStore(schema)
 	require.NoError(t, err)
 	seedJanitor(t, pool, 30)
 	n, err := store.DeleteExpired(context.Background(), pool, 7)
@@ -297,7 +298,7 @@ func TestConfigConvention(t *testing.T) {
 func BenchmarkJanitor(b *testing.B) {
 	const rows = 1_000_000
 	pool, schema := pgtest.Setup(b, pgtest.Options{MaxConns: 4})
-	store, err := inbox.NewStore(schema)
+	store, err := inboxdb.NewStore(schema)
 	require.NoError(b, err)
 	ctx := context.Background()
 	cfg := janitor.Config{Pool: pool, Schema: schema}
@@ -326,8 +327,8 @@ func BenchmarkJanitor(b *testing.B) {
 				}
 				t0 := time.Now()
 				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-					_, err := store.ClaimTx(ctx, tx, inbox.Claim{
-						ID:          inbox.ID{Consumer: "bench", Key: fmt.Sprintf("new-%d", seq.Add(1))},
+					_, err := store.ClaimTx(ctx, tx, inboxdb.Claim{
+						ID:          inboxdb.ID{Consumer: "bench", Key: fmt.Sprintf("new-%d", seq.Add(1))},
 						Fingerprint: []byte{1},
 					})
 					return err

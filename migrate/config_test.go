@@ -18,10 +18,10 @@ func TestConfigConvention(t *testing.T) {
 	t.Parallel()
 	fresh := migrate.Config{Pool: &pgxpool.Pool{}}
 	require.NoError(t, fresh.Validate())
-	require.Equal(t, migrate.DefaultSchema, fresh.WithDefaults().Schema)
+	require.Equal(t, inbox.DefaultSchema, fresh.WithDefaults().Schema)
 	m, err := migrate.New(fresh)
 	require.NoError(t, err)
-	require.Equal(t, migrate.DefaultSchema, m.Schema())
+	require.Equal(t, inbox.DefaultSchema, m.Schema())
 
 	_, err = migrate.New(migrate.Config{})
 	require.True(t, strings.HasPrefix(err.Error(), "invalid config: "), err.Error())

@@ -3,21 +3,18 @@ package migrate
 import (
 	"context"
 	"embed"
-	"errors"
 	"fmt"
 	"io/fs"
 	"path"
 	"regexp"
 	"slices"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
-	"cmp"
-
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/shard"
 )
@@ -58,12 +55,18 @@ func GooseMigrationsFS() fs.FS {
 // schemaMarker is replaced by the quoted schema name and a dot.
 const schemaMarker = "/* schema */"
 
-// A Migration is one numbered step of the schema.
+// A Migration is one numbered step of the schema. Migrations returns the steps;
+// List returns them with where and since when each is applied.
 type Migration struct {
 	Version int
 	Name    string
 	Up      string
 	Down    string
+	// Shard is the shard List read the step's state on ("" for one database).
+	Shard string
+	// Applied says whether List found the step applied; AppliedAt is when.
+	Applied   bool
+	AppliedAt time.Time
 }
 
 var migrationName = regexp.MustCompile(`^(\d+)_([a-z0-9_]+)\.(up|down)\.sql$`)
@@ -122,22 +125,15 @@ func loadMigrations(fsys fs.FS) ([]Migration, error) {
 	return out, nil
 }
 
-// Beginner starts a transaction; *pgxpool.Pool, *pgx.Conn and pgx.Tx all do.
-type Beginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}
-
-// DefaultSchema is the schema the Migrator migrates unless Config.Schema says
-// otherwise.
-const DefaultSchema = pgschema.Default
-
 // Config configures a Migrator.
 type Config struct {
 	// Pool runs the migrations. Required. A *pgxpool.Pool or *pgx.Conn gets a
 	// transaction of its own per call; a pgx.Tx gets a savepoint in the caller's
 	// transaction.
-	Pool Beginner
-	// Schema is the schema to migrate (DefaultSchema when empty). Up creates it.
+	Pool interface {
+		Begin(ctx context.Context) (pgx.Tx, error)
+	}
+	// Schema is the schema to migrate ("idem" when empty). Up creates it.
 	Schema string
 	// Shards, in place of Pool and Schema, migrates every shard of the map (see
 	// package shard, and New); Pool and Schema must then be unset.
@@ -146,9 +142,7 @@ type Config struct {
 
 // WithDefaults returns c with every unset field at its default.
 func (c Config) WithDefaults() Config {
-	if c.Shards == nil {
-		c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	}
+	c.Schema = fanout.Schema(c.Shards, c.Schema, pgschema.Default)
 	return c
 }
 
@@ -157,484 +151,226 @@ func (c Config) WithDefaults() Config {
 // with a Pool passes.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
-	return shard.ValidateDB(c.Shards, c.Pool, c.Schema)
+	return fanout.ValidateDB(c.Shards, c.Pool, c.Schema)
 }
 
-// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
-// (code "invalid_config"), unless a more specific sentinel says what is wrong
-// (inbox.ErrInvalidSchema). Every idem package has the same value.
-var ErrInvalidConfig = errcode.ErrInvalidConfig
+// forShard is the config of shard s's part: c with s's pool and schema in place of
+// the map.
+func (c Config) forShard(s shard.Shard) Config {
+	c.Pool, c.Schema, c.Shards = s.Pool, s.SchemaName(), nil
+	return c
+}
 
-// Migrator applies the embedded migrations to one schema. It records applied
-// versions in <schema>.idem_migrations, refuses a database with a gap or with a
-// version it does not know, and holds an advisory lock while it works, so two
-// processes migrating at once apply each step once.
+var (
+	// ErrInvalidConfig is wrapped by the error New returns for a config it refuses
+	// (code "invalid_config"), unless a more specific sentinel says what is wrong
+	// (inbox.ErrInvalidSchema). Every idem package has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
+
+	// ErrManagedElsewhere is returned by Up, List, PlanDown, Down and Revert when
+	// the schema holds idem's tables but idem's migrator has no record of them (its
+	// <schema>.idem_migrations is missing or empty): another tool applied them. The
+	// message names the tool when its version table is found (goose's
+	// goose_db_version, golang-migrate's schema_migrations, in the schema or in the
+	// first schema of search_path that has one), with its version, and says what to
+	// run instead. Nothing is changed: run that tool, keeping one tool per schema.
+	ErrManagedElsewhere = errcode.Permanent("schema_managed_elsewhere",
+		"another migration tool manages the schema")
+)
+
+// errShardsDiffer is returned by PlanDown and Revert over a shard map whose shards
+// are at different migrations: there is no one step to show or revert.
+var errShardsDiffer = errcode.Permanent("migrate_shards_differ", "the shards are at different migrations")
+
+// Migrator applies the embedded migrations to one schema, or to the schema of
+// every shard of a map. It records applied versions in <schema>.idem_migrations,
+// refuses a database with a gap or with a version it does not know, and holds an
+// advisory lock while it works, so two processes migrating at once apply each
+// step once.
+//
+// With a shard map every method works on every shard, one after another in map
+// order, each shard in its own transaction: a shard that fails does not stop the
+// others, and the error names each shard that failed. Shard(name) is the Migrator
+// of one shard.
 type Migrator struct {
-	db         Beginner
-	schema     string
-	migrations []Migration
-	// shards, with a shard map, are one Migrator a shard, in map order (db is
-	// nil then).
-	shards []*Migrator
-	names  []string
+	parts  *fanout.Set[*part]
+	schema string
 }
 
-// New returns a Migrator for cfg.Schema, or an error that wraps "invalid config".
-// With cfg.Shards it migrates every shard: Up applies to each in map order; the
-// other methods work on one shard (Shard).
+// New returns a Migrator for cfg.Schema, or for every shard of cfg.Shards, or an
+// error that wraps "invalid config".
 func New(cfg Config) (*Migrator, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("invalid config: %w", err)
 	}
-	if cfg.Shards != nil {
-		m := &Migrator{migrations: Migrations(), names: cfg.Shards.Names()}
-		for _, s := range cfg.Shards.Shards {
-			m.shards = append(m.shards, &Migrator{db: s.Pool, schema: s.SchemaName(), migrations: m.migrations})
-		}
-		return m, nil
+	migrations := Migrations()
+	parts, err := fanout.Build(cfg.Shards, cfg, cfg.forShard, func(c Config) (*part, error) {
+		return &part{cfg: c, migrations: migrations}, nil
+	})
+	if err != nil {
+		return nil, err
 	}
-	return &Migrator{db: cfg.Pool, schema: cfg.Schema, migrations: Migrations()}, nil
+	for i, p := range parts.Parts() {
+		p.name = parts.Name(i)
+	}
+	return &Migrator{parts: parts, schema: cfg.Schema}, nil
 }
-
-// ErrManagedElsewhere is returned by Up, List, PlanDown, Down and Revert when the
-// schema holds idem's tables but idem's migrator has no record of them (its
-// <schema>.idem_migrations is missing or empty): another tool applied them. The
-// message names the tool when its version table is found (goose's
-// goose_db_version, golang-migrate's schema_migrations, in the schema or in the
-// first schema of search_path that has one), with its version, and says what to
-// run instead. Nothing is changed: run that tool, keeping one tool per schema.
-var ErrManagedElsewhere = errcode.Permanent("schema_managed_elsewhere",
-	"another migration tool manages the schema")
-
-// ErrOneShard is returned by a method that works on one database when the Migrator
-// has a shard map: call it on Shard(name).
-var ErrOneShard = errcode.Permanent("one_shard", "this migrator has a shard map; call the method on Shard(name)")
 
 // Shard returns the Migrator of the named shard, or nil if the map has no such
 // shard (or the Migrator has no map).
 func (m *Migrator) Shard(name string) *Migrator {
-	for i, n := range m.names {
-		if n == name {
-			return m.shards[i]
-		}
+	i := m.parts.IndexOf(name)
+	if i < 0 || name == "" {
+		return nil
 	}
-	return nil
+	p := m.parts.Part(i)
+	one, err := fanout.Build[*part, *part](nil, p, nil, func(p *part) (*part, error) { return p, nil })
+	if err != nil {
+		return nil // build returns no error
+	}
+	return &Migrator{parts: one, schema: p.cfg.Schema}
 }
 
-// Schema is the schema the Migrator migrates.
+// Schema is the schema the Migrator migrates ("" with a shard map: each shard
+// names its own).
 func (m *Migrator) Schema() string { return m.schema }
-
-// MigrationStatus is one known migration and whether the database has it.
-type MigrationStatus struct {
-	Version   int
-	Name      string
-	Applied   bool
-	AppliedAt time.Time
-}
 
 // Up applies every pending migration, in order, in one transaction. It returns the
 // versions it applied; none when the schema is current, so calling it twice is safe.
-// With a shard map it migrates every shard, each in its own transaction, and
-// returns the versions applied on any of them; a shard that fails does not stop the
-// others, and the error names every shard that failed (run Up again once they are
-// back: the shards already current apply nothing).
+// With a shard map it returns the versions applied on any shard (run Up again once
+// the shards that failed are back: the shards already current apply nothing).
 func (m *Migrator) Up(ctx context.Context) ([]int, error) {
-	if m.shards != nil {
-		var all []int
-		var errs []error
-		for i, sm := range m.shards {
-			v, err := sm.Up(ctx)
-			if err != nil {
-				errs = append(errs, fmt.Errorf("shard %q: %w", m.names[i], err))
-			}
-			for _, x := range v {
-				if !slices.Contains(all, x) {
-					all = append(all, x)
-				}
+	var all []int
+	err := m.parts.Each(func(_ int, p *part) error {
+		applied, err := p.up(ctx)
+		for _, v := range applied {
+			if !slices.Contains(all, v) {
+				all = append(all, v)
 			}
 		}
-		slices.Sort(all)
-		return all, errors.Join(errs...)
-	}
-	var applied []int
-	err := m.locked(ctx, true, func(tx pgx.Tx, have []int) error {
-		for _, mig := range m.migrations[len(have):] {
-			if _, err := tx.Exec(ctx, m.render(mig.Up)); err != nil {
-				return fmt.Errorf("apply migration %03d_%s: %w", mig.Version, mig.Name, err)
-			}
-			if _, err := tx.Exec(ctx, `INSERT INTO `+pgschema.Quote(m.schema)+`.idem_migrations (version, name) VALUES ($1, $2)`, mig.Version, mig.Name); err != nil {
-				return err
-			}
-			applied = append(applied, mig.Version)
-		}
-		return nil
+		return err
 	})
-	return applied, err
+	slices.Sort(all)
+	return all, err
 }
 
-// Down reverts the newest applied migration, one step, without asking. It returns
-// its version, or 0 when nothing was applied. A schema that does not exist (or has
-// no migrations table) has nothing to revert, and Down creates nothing in it.
-// PlanDown and Revert are the careful pair: look first, then revert exactly the
-// step that was looked at.
-func (m *Migrator) Down(ctx context.Context) (int, error) {
-	if m.shards != nil {
-		return 0, ErrOneShard
-	}
-	plan, err := m.revert(ctx, 0)
-	return plan.Version, err
+// List returns every known migration and whether it is applied, with a shard map
+// every migration of each shard in map order (Migration.Shard says which). It only
+// reads: it runs in a READ ONLY transaction, takes no lock, and creates nothing, so
+// it works for a read-only role or on a standby, and a schema that does not exist
+// lists every migration as not applied.
+func (m *Migrator) List(ctx context.Context) ([]Migration, error) {
+	var out []Migration
+	err := m.parts.Each(func(_ int, p *part) error {
+		list, err := p.list(ctx)
+		out = append(out, list...)
+		return err
+	})
+	return out, err
 }
 
 // DownPlan is what reverting one migration does: the step, its SQL, and the
-// tables its down file drops that exist now, with their rows.
+// tables its down file drops that exist now, with their rows. Over a shard map it
+// holds every shard's tables and columns, each row naming its shard.
 type DownPlan struct {
 	// Version is 0 when no migration is applied: there is nothing to revert.
 	Version int
 	Name    string
-	// SQL is the down migration, rendered for the schema.
+	// SQL is the down migration, rendered for the schema (the first shard's, with
+	// a shard map).
 	SQL string
-	// Tables are the tables it drops that exist, in the order it drops them.
-	Tables []TableRows
+	// Tables are the tables it drops that exist, in the order it drops them, and
+	// how many rows each holds (Shard: "" for one database).
+	Tables []struct {
+		Shard, Table string
+		Rows         int64
+	}
 	// Columns are the columns it drops from tables it keeps (for example the stored
-	// HTTP responses of migration 003), with how many rows hold a value in each.
-	Columns []ColumnValues
+	// HTTP responses of migration 003), with how many rows hold a non-NULL value in
+	// each: the data that goes with it.
+	Columns []struct {
+		Shard, Table, Column string
+		Rows                 int64
+	}
 }
 
-// ColumnValues is a column a down migration drops, and how many rows hold a
-// non-NULL value in it: the data that goes with it.
-type ColumnValues struct {
-	Table  string
-	Column string
-	Rows   int64
-}
-
-// TableRows is a table and how many rows it holds.
-type TableRows struct {
-	Table string
-	Rows  int64
-}
+// tableRows and columnValues are the rows of DownPlan.Tables and DownPlan.Columns.
+type (
+	tableRows = struct {
+		Shard, Table string
+		Rows         int64
+	}
+	columnValues = struct {
+		Shard, Table, Column string
+		Rows                 int64
+	}
+)
 
 // PlanDown says what Down would revert now, and what that would drop, counting
 // the rows of each table. It only reads (in a READ ONLY transaction) and creates
-// nothing, not even a missing schema.
+// nothing, not even a missing schema. Over a shard map the shards must be at the
+// same migration (code migrate_shards_differ otherwise).
 func (m *Migrator) PlanDown(ctx context.Context) (DownPlan, error) {
-	if m.shards != nil {
-		return DownPlan{}, ErrOneShard
-	}
-	var plan DownPlan
-	err := m.readOnly(ctx, func(tx pgx.Tx, have []int, _ map[int]time.Time) error {
-		if len(have) == 0 {
-			return nil
-		}
-		var err error
-		plan, err = m.plan(ctx, tx, m.migrations[len(have)-1], false)
+	plans := make([]DownPlan, m.parts.Len())
+	err := m.parts.Each(func(i int, p *part) (err error) {
+		plans[i], err = p.planDown(ctx)
 		return err
 	})
-	return plan, err
+	if err != nil {
+		return DownPlan{}, err
+	}
+	return m.merge(plans)
 }
 
 // Revert reverts migration version, which must be the newest applied one (the
 // Version of a PlanDown), and returns what it dropped, with the rows each table
 // held when it was dropped (counted under an exclusive lock, so exactly). If
 // the schema's newest migration is another one now, it reverts nothing and says
-// so: a plan is never applied to a schema that changed after it was made.
+// so: a plan is never applied to a schema that changed after it was made. Over a
+// shard map each shard at version reverts it; a shard at another migration
+// reverts nothing, and the error names it.
 func (m *Migrator) Revert(ctx context.Context, version int) (DownPlan, error) {
-	if m.shards != nil {
-		return DownPlan{}, ErrOneShard
-	}
 	if version < 1 {
 		return DownPlan{}, fmt.Errorf("revert: version %d: a migration version starts at 1", version)
 	}
-	return m.revert(ctx, version)
-}
-
-// revert reverts the newest migration, which must be version unless version is 0.
-func (m *Migrator) revert(ctx context.Context, version int) (DownPlan, error) {
-	var plan DownPlan
-	err := m.locked(ctx, false, func(tx pgx.Tx, have []int) error {
-		newest := len(have)
-		if version != 0 && newest != version {
-			return fmt.Errorf("schema %s is at migration %d now, not %d: another process migrated it; look again (idem migrate list) before reverting", m.schema, newest, version)
-		}
-		if newest == 0 {
-			return nil
-		}
-		mig := m.migrations[newest-1]
-		var err error
-		if plan, err = m.plan(ctx, tx, mig, true); err != nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, plan.SQL); err != nil {
-			return fmt.Errorf("revert migration %03d_%s: %w", mig.Version, mig.Name, err)
-		}
-		if _, err := tx.Exec(ctx, `DELETE FROM `+pgschema.Quote(m.schema)+`.idem_migrations WHERE version = $1`, mig.Version); err != nil {
-			return err
-		}
-		return nil
+	plans := make([]DownPlan, m.parts.Len())
+	err := m.parts.Each(func(i int, p *part) (err error) {
+		plans[i], err = p.revert(ctx, version)
+		return err
 	})
 	if err != nil {
 		return DownPlan{}, err
 	}
-	return plan, nil
+	return m.merge(plans)
 }
 
-// plan counts the rows of the tables mig's down file drops, and the values in the
-// columns it drops. With lock, it first locks each table as DROP would, so that the
-// counts are what is dropped.
-func (m *Migrator) plan(ctx context.Context, tx pgx.Tx, mig Migration, lock bool) (DownPlan, error) {
-	plan := DownPlan{Version: mig.Version, Name: mig.Name, SQL: m.render(mig.Down)}
-	for _, table := range droppedTables(mig.Down) {
-		rows, found, err := m.count(ctx, tx, lock, table, "", `SELECT to_regclass($1) IS NOT NULL`, pgschema.Table(m.schema, table))
-		if err != nil {
-			return plan, err
-		}
-		if found {
-			plan.Tables = append(plan.Tables, TableRows{Table: table, Rows: rows})
-		}
-	}
-	for _, c := range droppedColumns(mig.Down) {
-		rows, found, err := m.count(ctx, tx, lock, c.Table, c.Column, `SELECT EXISTS (SELECT 1 FROM information_schema.columns
-			WHERE table_schema = $1 AND table_name = $2 AND column_name = $3)`, m.schema, c.Table, c.Column)
-		if err != nil {
-			return plan, err
-		}
-		if found {
-			c.Rows = rows
-			plan.Columns = append(plan.Columns, c)
-		}
-	}
-	return plan, nil
-}
-
-// count counts the rows of table, or its rows with a value in column when column is
-// set, if exists (a statement that answers one bool, with its args) says the table
-// or column is there; found is false otherwise. With lock, it takes the lock DROP
-// would take first.
-func (m *Migrator) count(ctx context.Context, tx pgx.Tx, lock bool, table, column, exists string, args ...any) (rows int64, found bool, err error) {
-	if err := tx.QueryRow(ctx, exists, args...).Scan(&found); err != nil || !found {
-		return 0, false, err
-	}
-	name := pgschema.Table(m.schema, table)
-	if lock {
-		if _, err := tx.Exec(ctx, `LOCK TABLE `+name+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-			return 0, false, err
-		}
-	}
-	sql, what := `SELECT count(*) FROM `+name, "the rows of "+name
-	if column != "" {
-		col := pgschema.Quote(column)
-		sql, what = sql+` WHERE `+col+` IS NOT NULL`, "the values of "+name+"."+col
-	}
-	if err := tx.QueryRow(ctx, sql).Scan(&rows); err != nil {
-		return 0, false, fmt.Errorf("count %s: %w", what, err)
-	}
-	return rows, true, nil
-}
-
-var (
-	dropTableStmt  = regexp.MustCompile(`(?is)\bDROP\s+TABLE\s+(?:IF\s+EXISTS\s+)?([^;]+)`)
-	alterTableStmt = regexp.MustCompile(`(?is)\bALTER\s+TABLE\s+/\* schema \*/([a-z0-9_]+)([^;]+)`)
-	dropColumn     = regexp.MustCompile(`(?is)\bDROP\s+COLUMN\s+(?:IF\s+EXISTS\s+)?([a-z0-9_]+)`)
-	markedName     = regexp.MustCompile(`/\* schema \*/([a-z0-9_]+)`)
-)
-
-// droppedTables are the tables a down migration's DROP TABLE statements name, in
-// order. The files are our own, embedded, and name every table with the schema
-// marker, which a test checks.
-func droppedTables(downSQL string) []string {
-	var out []string
-	for _, stmt := range dropTableStmt.FindAllStringSubmatch(downSQL, -1) {
-		for _, n := range markedName.FindAllStringSubmatch(stmt[1], -1) {
-			out = append(out, n[1])
-		}
-	}
-	return out
-}
-
-// droppedColumns are the columns a down migration's ALTER TABLE … DROP COLUMN
-// clauses name, in order, with their tables.
-func droppedColumns(downSQL string) []ColumnValues {
-	var out []ColumnValues
-	for _, stmt := range alterTableStmt.FindAllStringSubmatch(downSQL, -1) {
-		for _, c := range dropColumn.FindAllStringSubmatch(stmt[2], -1) {
-			out = append(out, ColumnValues{Table: stmt[1], Column: c[1]})
-		}
-	}
-	return out
-}
-
-// List returns every known migration and whether it is applied. It only reads:
-// it runs in a READ ONLY transaction, takes no lock, and creates nothing, so it
-// works for a read-only role or on a standby, and a schema that does not exist
-// lists every migration as not applied.
-func (m *Migrator) List(ctx context.Context) ([]MigrationStatus, error) {
-	if m.shards != nil {
-		return nil, ErrOneShard
-	}
-	var out []MigrationStatus
-	err := m.readOnly(ctx, func(_ pgx.Tx, _ []int, times map[int]time.Time) error {
-		for _, mig := range m.migrations {
-			at, ok := times[mig.Version]
-			out = append(out, MigrationStatus{Version: mig.Version, Name: mig.Name, Applied: ok, AppliedAt: at})
-		}
-		return nil
-	})
-	return out, err
-}
-
-// readCommitted runs fn in a transaction at READ COMMITTED, whatever the session's
-// default_transaction_isolation says. Under REPEATABLE READ or SERIALIZABLE the
-// snapshot is taken by the transaction's first statement, the lock, before it
-// waits: a migrator that waited for another would not see the versions that one
-// applied, and would apply them again. (A db that can only Begin, such as a pgx.Tx,
-// gets a savepoint in the caller's transaction, at the caller's isolation.)
-func (m *Migrator) readCommitted(ctx context.Context, fn func(tx pgx.Tx) error) error {
-	if b, ok := m.db.(interface {
-		BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-	}); ok {
-		return pgx.BeginTxFunc(ctx, b, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, fn)
-	}
-	return pgx.BeginFunc(ctx, m.db, fn)
-}
-
-// readOnly runs fn in a READ ONLY transaction with the applied versions.
-func (m *Migrator) readOnly(ctx context.Context, fn func(tx pgx.Tx, have []int, times map[int]time.Time) error) error {
-	return pgx.BeginFunc(ctx, m.db, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SET TRANSACTION READ ONLY`); err != nil {
-			return err
-		}
-		have, times, err := m.applied(ctx, tx)
-		if err != nil {
-			return err
-		}
-		return fn(tx, have, times)
-	})
-}
-
-// locked runs fn in a transaction that holds the schema's migration lock, with the
-// applied versions, after checking they are a gap-free prefix of the known ones.
-// With create, it first creates the schema and its migrations table if missing;
-// without, a missing one means no version is applied, and nothing is created.
-func (m *Migrator) locked(ctx context.Context, create bool, fn func(tx pgx.Tx, have []int) error) error {
-	return m.readCommitted(ctx, func(tx pgx.Tx) error {
-		// The lock is taken before CREATE SCHEMA: two processes creating one schema
-		// at once would otherwise collide on the catalog's unique index.
-		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('idem.migrate:' || $1, 0))`, m.schema); err != nil {
-			return err
-		}
-		if create {
-			q := pgschema.Quote(m.schema)
-			if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+q); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+q+`.idem_migrations (
-				version    integer PRIMARY KEY,
-				name       text NOT NULL,
-				applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
-				return err
-			}
-		}
-		have, _, err := m.applied(ctx, tx)
-		if err != nil {
-			return err
-		}
-		return fn(tx, have)
-	})
-}
-
-// applied reads the applied versions and when each was applied: none when the
-// schema or its migrations table does not exist. It refuses versions this build
-// does not know and gaps.
-func (m *Migrator) applied(ctx context.Context, tx pgx.Tx) ([]int, map[int]time.Time, error) {
-	table := pgschema.Quote(m.schema) + ".idem_migrations"
-	var exists bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
-		return nil, nil, err
-	}
-	times := map[int]time.Time{}
-	if !exists {
-		return nil, times, m.otherTool(ctx, tx)
-	}
-	rows, err := tx.Query(ctx, `SELECT version, applied_at FROM `+table+` ORDER BY version`)
-	if err != nil {
-		return nil, nil, err
-	}
-	var have []int
-	for rows.Next() {
-		var v int
-		var at time.Time
-		if err := rows.Scan(&v, &at); err != nil {
-			return nil, nil, err
-		}
-		have = append(have, v)
-		times[v] = at
-	}
-	if err := rows.Err(); err != nil {
-		return nil, nil, err
-	}
-	if len(have) == 0 {
-		if err := m.otherTool(ctx, tx); err != nil {
-			return nil, nil, err
-		}
-	}
-	for i, v := range have {
-		if v > len(m.migrations) {
-			return nil, nil, fmt.Errorf("schema %s is at migration %d, newer than this build knows (%d): upgrade idem", m.schema, slices.Max(have), len(m.migrations))
-		}
-		if v != i+1 {
-			return nil, nil, fmt.Errorf("schema %s has a gap in its applied migrations: %v; refusing to migrate", m.schema, have)
-		}
-	}
-	return have, times, nil
-}
-
-// otherTools are the migration tools whose version tables otherTool looks for,
-// with how to read the version and what to run instead.
-var otherTools = []struct {
-	name, table, version, instead string
-}{
-	{"goose", "goose_db_version", `SELECT coalesce(max(version_id), 0) FROM %s WHERE is_applied`,
-		"run goose with idem's goose files instead (migrate.GooseMigrationsFS, or migrate/migrations/goose in idem's module): " +
-			`goose -dir "$IDEM/migrate/migrations/goose" postgres "$DATABASE_URL&search_path=%s" up`},
-	{"golang-migrate", "schema_migrations", `SELECT coalesce(max(version), 0) FROM %s`,
-		"run golang-migrate with idem's files instead (migrate.MigrationsFS, or migrate/migrations in idem's module): " +
-			`migrate -path "$IDEM/migrate/migrations" -database "pgx5://USER@HOST:PORT/DB?sslmode=…&search_path=%s" up`},
-}
-
-// otherTool returns ErrManagedElsewhere when the schema holds idem's tables (its
-// inbox) while idem's migrator recorded none of its migrations; it is called only
-// then. It names the tool whose version table it finds, in the schema first, then
-// in search_path.
-func (m *Migrator) otherTool(ctx context.Context, tx pgx.Tx) error {
-	var has bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgschema.Table(m.schema, "inbox")).Scan(&has); err != nil || !has {
+// Down reverts the newest applied migration, one step, without asking. It returns
+// its version, or 0 when nothing was applied. A schema that does not exist (or has
+// no migrations table) has nothing to revert, and Down creates nothing in it.
+// PlanDown and Revert are the careful pair: look first, then revert exactly the
+// step that was looked at. Over a shard map it reverts each shard's newest step
+// and returns the newest version it reverted.
+func (m *Migrator) Down(ctx context.Context) (int, error) {
+	reverted := 0
+	err := m.parts.Each(func(_ int, p *part) error {
+		plan, err := p.revert(ctx, 0)
+		reverted = max(reverted, plan.Version)
 		return err
-	}
-	for _, t := range otherTools {
-		for _, name := range []string{pgschema.Table(m.schema, t.table), pgschema.Quote(t.table)} {
-			var where *string
-			if err := tx.QueryRow(ctx, `SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-				WHERE c.oid = to_regclass($1)`, name).Scan(&where); err != nil && !errors.Is(err, pgx.ErrNoRows) {
-				return err
-			}
-			if where == nil {
-				continue
-			}
-			table := *where + "." + t.table // plain identifiers (pgschema.Valid, and the tools' names)
-			var version int64
-			if err := tx.QueryRow(ctx, fmt.Sprintf(t.version, pgschema.Table(*where, t.table))).Scan(&version); err != nil {
-				return fmt.Errorf("%w: schema %s holds idem's tables and %s, %s's version table, which could not be read: %v",
-					ErrManagedElsewhere, m.schema, table, t.name, err)
-			}
-			return fmt.Errorf("%w: schema %s is managed by %s: its table %s is at version %d, and idem's migrator has no record of its own (%s.idem_migrations), so it would apply every migration again; %s (docs/migrations.md)",
-				ErrManagedElsewhere, m.schema, t.name, table, version, m.schema, fmt.Sprintf(t.instead, m.schema))
-		}
-	}
-	return fmt.Errorf("%w: schema %s holds idem's tables, but idem's migrator has no record of its own (%s.idem_migrations) and no goose_db_version or schema_migrations table is found, in the schema or in search_path: another tool or a person applied them; migrate it with that tool, keeping one tool per schema (docs/migrations.md)",
-		ErrManagedElsewhere, m.schema, m.schema)
+	})
+	return reverted, err
 }
 
-func (m *Migrator) render(sql string) string {
-	return strings.ReplaceAll(sql, schemaMarker, pgschema.Quote(m.schema)+".")
+// merge is the parts' plans, in map order, as one: they must be of one version.
+func (m *Migrator) merge(plans []DownPlan) (DownPlan, error) {
+	out := plans[0]
+	for i, pl := range plans[1:] {
+		if pl.Version != out.Version {
+			return DownPlan{}, fmt.Errorf("%w: shard %q is at migration %d and shard %q at %d: bring them level (Up), or plan and revert each on its own (Shard(name))",
+				errShardsDiffer, m.parts.Name(0), out.Version, m.parts.Name(i+1), pl.Version)
+		}
+		out.Tables = append(out.Tables, pl.Tables...)
+		out.Columns = append(out.Columns, pl.Columns...)
+	}
+	return out, nil
 }

@@ -152,6 +152,19 @@ func readOnlyPool(t *testing.T) *pgxpool.Pool {
 	return pool
 }
 
+// tableRows and columnValues are the rows of migrate.DownPlan's Tables and
+// Columns.
+type (
+	tableRows = struct {
+		Shard, Table string
+		Rows         int64
+	}
+	columnValues = struct {
+		Shard, Table, Column string
+		Rows                 int64
+	}
+)
+
 func schemaExists(t *testing.T, pool *pgxpool.Pool, schema string) bool {
 	t.Helper()
 	return pgtest.Count(t, pool, `SELECT count(*) FROM pg_namespace WHERE nspname = $1`, schema) == 1
@@ -261,8 +274,8 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 	plan, err = m.PlanDown(ctx)
 	require.NoError(t, err)
 	require.Equal(t, newest, plan.Version)
-	require.Equal(t, []migrate.TableRows{{Table: "failure_actions", Rows: 1}}, plan.Tables, "006's down drops the audit of repair actions")
-	require.Equal(t, []migrate.ColumnValues{
+	require.Equal(t, []tableRows{{Table: "failure_actions", Rows: 1}}, plan.Tables, "006's down drops the audit of repair actions")
+	require.Equal(t, []columnValues{
 		{Table: "effects", Column: "dead_at", Rows: 1},
 		{Table: "effects", Column: "error_group", Rows: 1},
 		{Table: "effects", Column: "error_masked", Rows: 1},
@@ -287,7 +300,7 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 5, plan.Version)
 	require.Empty(t, plan.Tables, "005's down drops no table")
-	require.Equal(t, []migrate.ColumnValues{{Table: "effects", Column: "trace_context", Rows: 1}}, plan.Columns,
+	require.Equal(t, []columnValues{{Table: "effects", Column: "trace_context", Rows: 1}}, plan.Columns,
 		"005's down drops the effects' trace context, and says so")
 	_, err = m.Revert(ctx, 5)
 	require.NoError(t, err)
@@ -295,7 +308,7 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 	plan, err = m.PlanDown(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 4, plan.Version)
-	require.Equal(t, []migrate.TableRows{{Table: "commit_guard", Rows: 0}}, plan.Tables, "004's down drops the commit guard, which never holds a committed row")
+	require.Equal(t, []tableRows{{Table: "commit_guard", Rows: 0}}, plan.Tables, "004's down drops the commit guard, which never holds a committed row")
 	require.Empty(t, plan.Columns)
 	_, err = m.Revert(ctx, 4)
 	require.NoError(t, err)
@@ -304,7 +317,7 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 3, plan.Version)
 	require.Empty(t, plan.Tables, "003's down drops no table")
-	require.Equal(t, []migrate.ColumnValues{
+	require.Equal(t, []columnValues{
 		{Table: "inbox", Column: "response_ref", Rows: 0},
 		{Table: "inbox", Column: "response_body", Rows: 1},
 		{Table: "inbox", Column: "response_headers", Rows: 0},
@@ -321,7 +334,7 @@ func TestMigratorPlanDownAndRevert(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, v, done.Version)
 		if v == 1 {
-			require.Equal(t, []migrate.TableRows{{Table: "effects", Rows: 2}, {Table: "inbox", Rows: 3}}, done.Tables)
+			require.Equal(t, []tableRows{{Table: "effects", Rows: 2}, {Table: "inbox", Rows: 3}}, done.Tables)
 			require.Contains(t, done.SQL, `DROP TABLE IF EXISTS "`+schema+`".inbox`)
 		}
 	}

@@ -25,15 +25,12 @@ package shard
 
 import (
 	"fmt"
-	"log/slog"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/pgschema"
-	"github.com/idemkit/idem/internal/promreg"
 )
 
 // ErrRoute is returned when the route gives no shard for a tenant: the Route
@@ -144,7 +141,7 @@ func (m *Map) Index(tenant string) (int, error) {
 		}
 		return m.index(tenant, name)
 	}
-	return Rendezvous(tenant, m.Shards), nil
+	return rendezvous(tenant, m.Shards), nil
 }
 
 // Pick returns the tenant's shard (see Index).
@@ -174,13 +171,13 @@ func (m *Map) Names() []string {
 	return out
 }
 
-// Rendezvous returns the index of the shard whose name scores highest for the
+// rendezvous returns the index of the shard whose name scores highest for the
 // tenant (rendezvous, or highest-random-weight, hashing). Ties, which need a 64-bit
 // collision, go to the smaller name, so the order of shards never matters.
-func Rendezvous(tenant string, shards []Shard) int {
+func rendezvous(tenant string, shards []Shard) int {
 	best, bestScore := -1, uint64(0)
 	for i := range shards {
-		sc := Score(shards[i].Name, tenant)
+		sc := score(shards[i].Name, tenant)
 		if best < 0 || sc > bestScore || (sc == bestScore && shards[i].Name < shards[best].Name) {
 			best, bestScore = i, sc
 		}
@@ -188,11 +185,11 @@ func Rendezvous(tenant string, shards []Shard) int {
 	return best
 }
 
-// Score is the rendezvous weight of the shard name for the tenant: FNV-1a (64-bit)
+// score is the rendezvous weight of the shard name for the tenant: FNV-1a (64-bit)
 // over the name, a zero byte and the tenant, then the splitmix64 finaliser so that
 // near names spread well. It is part of the on-disk contract (it decides where a
 // tenant's rows live) and never changes.
-func Score(name, tenant string) uint64 {
+func score(name, tenant string) uint64 {
 	const (
 		offset = 14695981039346656037
 		prime  = 1099511628211
@@ -213,43 +210,4 @@ func Score(name, tenant string) uint64 {
 	h *= 0x94d049bb133111eb
 	h ^= h >> 31
 	return h
-}
-
-// ValidateDB checks the database an idem config with a Shards field hands over,
-// the same way in every package: one database (pool and schema) or a Map (m), not
-// both. With m nil, pool is required (its zero value, a nil pointer or interface,
-// is refused) and schema must be a valid name; with m set, a pool or schema too is
-// refused (invalid_config) and m must be valid (see Map.Validate).
-func ValidateDB[P comparable](m *Map, pool P, schema string) error {
-	if m == nil {
-		return pgschema.ValidateDB(pool, schema)
-	}
-	var none P
-	if pool != none || schema != "" {
-		return errcode.InvalidConfig("Pool and Schema name one database, Shards several: set one or the other (each shard has its own pool and schema)")
-	}
-	return m.Validate()
-}
-
-// Each builds one value for each shard of m, in map order: config gives the
-// shard's config and build makes the value from it. An error says which shard it
-// came from. idem's packages build their single-database parts of a shard map
-// with it.
-func Each[C, T any](m *Map, config func(Shard) C, build func(C) (T, error)) ([]T, error) {
-	out := make([]T, 0, len(m.Shards))
-	for _, sh := range m.Shards {
-		v, err := build(config(sh))
-		if err != nil {
-			return nil, fmt.Errorf("shard %q: %w", sh.Name, err)
-		}
-		out = append(out, v)
-	}
-	return out, nil
-}
-
-// Label returns log and reg for the shard's part of a sharded component: log with
-// the attribute shard=name, reg with the constant label shard=name on every series
-// (see promreg.Shard; nil for a nil reg).
-func (s Shard) Label(log *slog.Logger, reg prometheus.Registerer) (*slog.Logger, prometheus.Registerer) {
-	return log.With("shard", s.Name), promreg.Shard(reg, s.Name)
 }

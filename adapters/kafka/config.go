@@ -16,10 +16,12 @@ import (
 	"github.com/idemkit/idem/internal/tracing"
 )
 
-// Publisher defaults. kafka-go's own defaults are tuned for throughput of
-// fire-and-forget producers; these are tuned for a synchronous Publish that
-// returns once the broker has the message.
+// Defaults of PublisherConfig and SubscriberConfig.
 const (
+	// Publisher defaults. kafka-go's own defaults are tuned for throughput of
+	// fire-and-forget producers; these are tuned for a synchronous Publish that
+	// returns once the broker has the message.
+
 	// DefaultBatchTimeout bounds how long the Writer waits to fill a batch.
 	// kafka-go's default of 1 s would dominate every single-message Publish.
 	DefaultBatchTimeout = 2 * time.Millisecond
@@ -36,12 +38,11 @@ const (
 	DefaultRequiredAcks = kafka.RequireAll
 	// DefaultMaxAttempts is how many times a write is tried before Publish fails.
 	DefaultMaxAttempts = 10
-)
 
-// Subscriber defaults. They favour correctness (commit only what was acked)
-// and fast rebalances: kafka-go's MaxWait of 10 s and HeartbeatInterval of
-// 3 s make a rebalance and a Close take about 9 s.
-const (
+	// Subscriber defaults. They favour correctness (commit only what was acked)
+	// and fast rebalances: kafka-go's MaxWait of 10 s and HeartbeatInterval of
+	// 3 s make a rebalance and a Close take about 9 s.
+
 	// DefaultMaxWait is the longest a fetch waits for new data. It also bounds
 	// how long stopping a partition reader takes.
 	DefaultMaxWait = 250 * time.Millisecond
@@ -244,7 +245,7 @@ type SubscriberConfig struct {
 	// succeed (one without its business key, say, and no PoisonQueue) is
 	// redelivered every NackBackoffMax instead of NackBackoff, and the
 	// records of other partitions are not slowed. Each new pause is logged
-	// once, with the code a handler or middleware put in MetadataErrorCode.
+	// once, with the code a handler or middleware put in consumer.MetadataErrorCode.
 	// Defaults: DefaultNackBackoff and DefaultNackBackoffMax (at least
 	// NackBackoff). Set both to the same value for a fixed pause.
 	NackBackoff    time.Duration

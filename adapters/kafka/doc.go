@@ -29,11 +29,11 @@
 //   - A nack delivers the same record again after a pause: NackBackoff after
 //     its first nack, doubling with each nack of that record in a row, up to
 //     NackBackoffMax; an ack or a revoke starts the count again. Each new
-//     pause is logged once, with the code in MetadataErrorCode when the
+//     pause is logged once, with the code in consumer.MetadataErrorCode when the
 //     handler side set one. Nothing past the record is committed until it is
 //     acked; with N = 1 the partition does not advance meanwhile either, with
 //     N > 1 records of other keys go on. Other partitions never wait for it.
-//     A nack with MetadataErrorPermanent (a permanent error: the record can
+//     A nack with consumer.MetadataErrorPermanent (a permanent error: the record can
 //     never succeed) makes the record held: that first nack is logged at
 //     error level with what to configure (a PoisonQueue, or a key function
 //     for a record without a key), and the metrics on

@@ -12,17 +12,21 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 )
 
-// ErrGroupRefused matches, through errors.Is, every GroupRefusedError.
-var ErrGroupRefused = errors.New("kafka: the consumer group refused this member")
+var (
+	// ErrGroupRefused matches, through errors.Is, every GroupRefusedError.
+	ErrGroupRefused = errors.New("kafka: the consumer group refused this member")
 
-// ErrInvalidConfig is wrapped by the error NewPublisher or NewSubscriber returns
-// for a config it refuses (code "invalid_config"). Every idem package has the same
-// value.
-var ErrInvalidConfig = errcode.ErrInvalidConfig
+	// ErrInvalidConfig is wrapped by the error NewPublisher or NewSubscriber
+	// returns for a config it refuses (code "invalid_config"). Every idem package
+	// has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
 
-// CodeGroupRefused is the stable code of a GroupRefusedError, for logs and
-// metrics.
-const CodeGroupRefused = "kafka_group_refused"
+	// ErrPublisherClosed is returned by Publish after Close.
+	ErrPublisherClosed = errors.New("kafka: publisher closed")
+
+	// ErrSubscriberClosed is returned by Subscribe after Close.
+	ErrSubscriberClosed = errors.New("kafka: subscriber closed")
+)
 
 // GroupRefusedError is a consumer group's refusal that retrying cannot fix:
 // a session timeout outside the broker's bounds, a missing ACL, members that

@@ -11,44 +11,62 @@ import (
 	"github.com/idemkit/idem/internal/tracing"
 )
 
-// UUIDHeader is the record header that carries the Watermill message UUID.
-// It is the header Watermill's own Kafka adapter uses, so the two interoperate.
-const UUIDHeader = "_watermill_message_uuid"
-
-// Metadata keys set on every received message. They describe where this
-// delivery came from; they are overwritten on receipt, so a header with the
-// same name sent by a producer does not survive. MetadataDeliveryCount counts
-// the deliveries of the record by one Subscribe call (so, by one process),
-// starting at 1; it survives a revoke and reassignment within that call, up
-// to the record's commit.
+// The names the adapter writes: a record header, message metadata keys, metric
+// names and an error code.
 const (
+	// UUIDHeader is the record header that carries the Watermill message UUID.
+	// It is the header Watermill's own Kafka adapter uses, so the two
+	// interoperate.
+	UUIDHeader = "_watermill_message_uuid"
+
+	// Metadata keys set on every received message. They describe where this
+	// delivery came from; they are overwritten on receipt, so a header with the
+	// same name sent by a producer does not survive. MetadataDeliveryCount counts
+	// the deliveries of the record by one Subscribe call (so, by one process),
+	// starting at 1; it survives a revoke and reassignment within that call, up
+	// to the record's commit.
+
 	MetadataTopic         = "kafka_topic"
 	MetadataPartition     = "kafka_partition"
 	MetadataOffset        = "kafka_offset"
 	MetadataKey           = "kafka_key"
 	MetadataTimestamp     = "kafka_timestamp" // RFC 3339 with nanoseconds, UTC
 	MetadataDeliveryCount = "kafka_delivery_count"
+
+	// Metric names of the Subscriber (SubscriberConfig.Registerer).
+
+	// MetricPartitionHeld is a gauge per group, topic and partition: 1 while a
+	// record of the partition, nacked with a permanent error (see
+	// consumer.MetadataErrorPermanent), holds it, 0 otherwise. Its series exists
+	// at 0 from the moment this process is assigned the partition.
+	MetricPartitionHeld = "idem_kafka_partition_held"
+	// MetricPartitionHeldOffset is a gauge per group, topic, partition and code:
+	// the offset of the record that holds the partition (the lowest, when
+	// several do), with the code the handler side left in
+	// consumer.MetadataErrorCode. Its one series per held partition goes when the
+	// record is acked, or when the partition is revoked or the Subscriber closed.
+	MetricPartitionHeldOffset = "idem_kafka_partition_held_offset"
+
+	// CodeGroupRefused is the stable code of a GroupRefusedError, for logs and
+	// metrics.
+	CodeGroupRefused = "kafka_group_refused"
 )
 
-// MetadataErrorCode is the metadata key the Subscriber reads on a message
-// after it is nacked: the stable code of the error that made the handler
-// side nack it, which the Subscriber logs with the redelivery pause. idem's
-// consumer middleware sets it (to "business_key", "busy",
-// "database_unavailable", ...) on every message it returns an error for;
-// any other handler or middleware may set it too. The Subscriber only reads
-// it, and sees only that a message was nacked: without the key, the pause
-// is logged without a code.
-const MetadataErrorCode = "idem_error_code"
-
-// MetadataErrorPermanent is the metadata key the Subscriber reads, with
-// MetadataErrorCode, on a message after it is nacked: "true" says the error
-// was permanent, so the record can never succeed and holds its partition until
-// it is acked (by a PoisonQueue, say). The Subscriber then logs, at its first
-// such nack, an error line that says what to configure, and shows the
-// partition as held in its metrics (SubscriberConfig.Registerer). idem's
-// consumer middleware sets it on every message it returns a permanent error
-// for; any other handler or middleware may set it too.
-const MetadataErrorPermanent = "idem_error_permanent"
+// The metadata keys the Subscriber reads on a message after it is nacked, the
+// keys under which idem's consumer middleware leaves them (see
+// consumer.MetadataErrorCode and consumer.MetadataErrorPermanent); any other
+// handler or middleware may set them too. metadataErrorCode holds the stable
+// code of the error that made the handler side nack the message, which the
+// Subscriber logs with the redelivery pause (without it, the pause is logged
+// without a code). metadataErrorPermanent "true" says the error was permanent,
+// so the record can never succeed and holds its partition until it is acked (by
+// a PoisonQueue, say): the Subscriber then logs, at its first such nack, an
+// error line that says what to configure, and shows the partition as held in
+// its metrics (SubscriberConfig.Registerer).
+const (
+	metadataErrorCode      = "idem_error_code"
+	metadataErrorPermanent = "idem_error_permanent"
+)
 
 // PartitionOffsetKey returns "topic/partition/offset" for a message received
 // by a Subscriber, or "" if the metadata is missing. It names one record of

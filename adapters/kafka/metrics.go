@@ -8,21 +8,6 @@ import (
 	"github.com/idemkit/idem/internal/promreg"
 )
 
-// Metric names of the Subscriber (SubscriberConfig.Registerer).
-const (
-	// MetricPartitionHeld is a gauge per group, topic and partition: 1 while a
-	// record of the partition, nacked with a permanent error (see
-	// MetadataErrorPermanent), holds it, 0 otherwise. Its series exists at 0 from
-	// the moment this process is assigned the partition.
-	MetricPartitionHeld = "idem_kafka_partition_held"
-	// MetricPartitionHeldOffset is a gauge per group, topic, partition and code:
-	// the offset of the record that holds the partition (the lowest, when
-	// several do), with the code the handler side left in MetadataErrorCode. Its
-	// one series per held partition goes when the record is acked, or when the
-	// partition is revoked or the Subscriber closed.
-	MetricPartitionHeldOffset = "idem_kafka_partition_held_offset"
-)
-
 // metrics are a Subscriber's collectors. Their labels are bounded: the group,
 // the topics subscribed, their partitions, and the codes of the handler side.
 type metrics struct {

@@ -16,9 +16,6 @@ import (
 
 var _ message.Publisher = (*Publisher)(nil)
 
-// ErrPublisherClosed is returned by Publish after Close.
-var ErrPublisherClosed = errors.New("kafka: publisher closed")
-
 // Publisher publishes Watermill messages as Kafka records through a
 // kafka.Writer. The message UUID goes in the UUIDHeader header and each
 // metadata entry in a header of its own.

@@ -18,9 +18,6 @@ var (
 	_ message.SubscribeInitializer = (*Subscriber)(nil)
 )
 
-// ErrSubscriberClosed is returned by Subscribe after Close.
-var ErrSubscriberClosed = errors.New("kafka: subscriber closed")
-
 // Subscriber delivers Kafka records as Watermill messages. See the package
 // documentation for what it guarantees.
 type Subscriber struct {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/adapters/kafka"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 )
 
 // The trace context of a message's context travels in its headers: published
@@ -35,9 +36,9 @@ func TestTraceContextTravels(t *testing.T) {
 		ctx, send := tp.Tracer("test").Start(context.Background(), "idem.send")
 		defer send.End()
 		viaSender := message.NewMessage(watermill.NewUUID(), []byte("via sender"))
-		payload, err := effects.EncodeMessage(viaSender)
+		payload, err := effectsdb.EncodeMessage(viaSender)
 		require.NoError(t, err)
-		require.NoError(t, effects.PublishSender(pub).Send(ctx, effects.Delivery{Kind: effects.PublishKind(b.topic), Key: viaSender.UUID, Payload: payload, Attempt: 1}))
+		require.NoError(t, effects.PublishSender(pub).Send(ctx, effects.Delivery{Kind: effects.PublishKindPrefix + b.topic, Key: viaSender.UUID, Payload: payload, Attempt: 1}))
 
 		own := message.NewMessage(watermill.NewUUID(), []byte("own traceparent"))
 		own.Metadata.Set("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")

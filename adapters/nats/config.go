@@ -79,7 +79,7 @@ const (
 // Publisher and Subscriber share it, and must agree on it.
 type Topology struct {
 	// StreamName maps a topic to the stream that stores it.
-	// Default: DefaultStreamName, one stream per topic.
+	// Default: one stream per topic, named after it (see StreamOf).
 	StreamName func(topic string) string
 
 	// Subject maps a topic to the subject its messages are published on.
@@ -101,7 +101,7 @@ type Topology struct {
 // WithDefaults returns t with every unset field at its default.
 func (t Topology) WithDefaults() Topology {
 	if t.StreamName == nil {
-		t.StreamName = DefaultStreamName
+		t.StreamName = defaultStreamName
 	}
 	if t.Subject == nil {
 		t.Subject = func(topic string) string { return topic }
@@ -120,11 +120,20 @@ func (t *Topology) streamConfig(topic string) jetstream.StreamConfig {
 
 var invalidNameChars = regexp.MustCompile(`[^A-Za-z0-9_-]`)
 
-// DefaultStreamName makes a stream name from a topic: every character that a
-// stream name may not hold (".", "*", ">", whitespace, path separators and the
-// like) becomes "_". Topics that differ only in such characters share a stream
-// name; give Topology.StreamName to keep them apart.
-func DefaultStreamName(topic string) string {
+// StreamOf is the name of the stream that stores topic under t: t.StreamName's,
+// or by default the topic with every character that a stream name may not hold
+// (".", "*", ">", whitespace, path separators and the like) made "_". Topics that
+// differ only in such characters share a default stream name; give
+// Topology.StreamName to keep them apart.
+func (t Topology) StreamOf(topic string) string {
+	if t.StreamName != nil {
+		return t.StreamName(topic)
+	}
+	return defaultStreamName(topic)
+}
+
+// defaultStreamName is the default of Topology.StreamName (see StreamOf).
+func defaultStreamName(topic string) string {
 	return invalidNameChars.ReplaceAllString(topic, "_")
 }
 
@@ -247,7 +256,8 @@ type SubscriberConfig struct {
 
 	// NakDelay gives the redelivery delay for a nacked message from its
 	// delivery count (1 on the first delivery).
-	// Default: ExponentialBackoff(DefaultNakDelayMin, DefaultNakDelayMax).
+	// Default: DefaultNakDelayMin on the first delivery, doubling with each
+	// further one up to DefaultNakDelayMax.
 	NakDelay func(numDelivered uint64) time.Duration
 
 	// AckSync makes an ack a double ack: the subscriber waits until the server
@@ -298,7 +308,7 @@ func (c SubscriberConfig) WithDefaults() SubscriberConfig {
 	c.Consumer.MaxDeliver = cmp.Or(c.Consumer.MaxDeliver, DefaultMaxDeliver)
 	c.Consumer.MaxAckPending = cmp.Or(c.Consumer.MaxAckPending, max(DefaultMaxAckPending, 4*c.Concurrency))
 	if c.NakDelay == nil {
-		c.NakDelay = ExponentialBackoff(DefaultNakDelayMin, DefaultNakDelayMax)
+		c.NakDelay = exponentialBackoff(DefaultNakDelayMin, DefaultNakDelayMax)
 	}
 	c.PullExpiry = cmp.Or(c.PullExpiry, DefaultPullExpiry)
 	c.AckTimeout = cmp.Or(c.AckTimeout, DefaultAckTimeout)
@@ -345,9 +355,9 @@ func (c SubscriberConfig) Validate() error {
 	return errors.Join(errs...)
 }
 
-// ExponentialBackoff returns a NakDelay that starts at first on the first
+// exponentialBackoff returns a NakDelay that starts at first on the first
 // delivery and doubles with each further delivery, up to limit.
-func ExponentialBackoff(first, limit time.Duration) func(numDelivered uint64) time.Duration {
+func exponentialBackoff(first, limit time.Duration) func(numDelivered uint64) time.Duration {
 	return func(n uint64) time.Duration {
 		d := first
 		for i := uint64(1); i < n && d < limit; i++ {

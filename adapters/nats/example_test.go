@@ -91,7 +91,7 @@ func exampleServer(topic string) (nc *natsgo.Conn, name string, cleanup func()) 
 		name = fmt.Sprintf("%s_%d", topic, time.Now().UnixNano())
 		return nc, name, func() {
 			if js, err := nc.JetStream(); err == nil {
-				_ = js.DeleteStream(idemnats.DefaultStreamName(name))
+				_ = js.DeleteStream(idemnats.Topology{}.StreamOf(name))
 			}
 			nc.Close()
 		}

@@ -13,17 +13,6 @@ import (
 	natsgo "github.com/nats-io/nats.go"
 )
 
-// How a MaxDelivered was found.
-const (
-	// MaxDeliveredByNack: the handler nacked the delivery that reached
-	// MaxDeliver, in this process.
-	MaxDeliveredByNack = "nack"
-	// MaxDeliveredByAdvisory: the server raised a MAX_DELIVERIES advisory. The
-	// last delivery was never settled: its handler crashed, or the message was
-	// lost on the way, and its AckWait ran out.
-	MaxDeliveredByAdvisory = "advisory"
-)
-
 // maxDeliverHookTimeout bounds one OnMaxDeliver call.
 const maxDeliverHookTimeout = 30 * time.Second
 

@@ -14,11 +14,14 @@ import (
 	"github.com/idemkit/idem/internal/tracing"
 )
 
-// Metadata keys that the Subscriber sets on every message it delivers. They
-// describe this delivery, so they are not part of the message's intent: idem
-// never fingerprints them. Values are decimal numbers, except the names and
-// MetadataTimestamp (RFC 3339, nanoseconds, UTC).
+// The names the adapter writes: message metadata keys, a header, and the values
+// of MaxDelivered.By.
 const (
+	// Metadata keys that the Subscriber sets on every message it delivers. They
+	// describe this delivery, so they are not part of the message's intent: idem
+	// never fingerprints them. Values are decimal numbers, except the names and
+	// MetadataTimestamp (RFC 3339, nanoseconds, UTC).
+
 	MetadataStream       = "nats_stream"        // the stream that stores the message
 	MetadataConsumer     = "nats_consumer"      // the consumer that delivered it
 	MetadataSubject      = "nats_subject"       // the subject it was published on
@@ -26,6 +29,23 @@ const (
 	MetadataConsumerSeq  = "nats_consumer_seq"  // this delivery's sequence in the consumer
 	MetadataNumDelivered = "nats_num_delivered" // 1 on the first delivery, 2 on the first redelivery, ...
 	MetadataTimestamp    = "nats_timestamp"     // when the stream stored it
+
+	// WatermillUUIDHeader is the header in which Watermill's own NATS adapter
+	// (watermill-nats, its NATSMarshaler) carries the message UUID. The publisher
+	// writes it besides Nats-Msg-Id, and the subscriber reads it when Nats-Msg-Id
+	// is missing, so messages keep their UUID between idem and watermill-nats in
+	// both directions.
+	WatermillUUIDHeader = "_watermill_message_uuid"
+
+	// How a MaxDelivered was found (MaxDelivered.By).
+
+	// MaxDeliveredByNack: the handler nacked the delivery that reached
+	// MaxDeliver, in this process.
+	MaxDeliveredByNack = "nack"
+	// MaxDeliveredByAdvisory: the server raised a MAX_DELIVERIES advisory. The
+	// last delivery was never settled: its handler crashed, or the message was
+	// lost on the way, and its AckWait ran out.
+	MaxDeliveredByAdvisory = "advisory"
 )
 
 // deliveryKeys are the keys above; the publisher does not send them on, so a
@@ -34,13 +54,6 @@ var deliveryKeys = map[string]bool{
 	MetadataStream: true, MetadataConsumer: true, MetadataSubject: true, MetadataStreamSeq: true,
 	MetadataConsumerSeq: true, MetadataNumDelivered: true, MetadataTimestamp: true,
 }
-
-// WatermillUUIDHeader is the header in which Watermill's own NATS adapter
-// (watermill-nats, its NATSMarshaler) carries the message UUID. The publisher
-// writes it besides Nats-Msg-Id, and the subscriber reads it when Nats-Msg-Id
-// is missing, so messages keep their UUID between idem and watermill-nats in
-// both directions.
-const WatermillUUIDHeader = "_watermill_message_uuid"
 
 // publishDirective reports whether a header is an instruction to JetStream
 // for the publish that carried it, rather than part of the message: the

@@ -16,13 +16,15 @@ import (
 	"github.com/idemkit/idem/internal/errcode"
 )
 
-// ErrClosed is returned by Publish and Subscribe after Close.
-var ErrClosed = errors.New("nats: closed")
+var (
+	// ErrClosed is returned by Publish and Subscribe after Close.
+	ErrClosed = errors.New("nats: closed")
 
-// ErrInvalidConfig is wrapped by the error NewPublisher or NewSubscriber returns
-// for a config it refuses (code "invalid_config"). Every idem package has the same
-// value.
-var ErrInvalidConfig = errcode.ErrInvalidConfig
+	// ErrInvalidConfig is wrapped by the error NewPublisher or NewSubscriber
+	// returns for a config it refuses (code "invalid_config"). Every idem package
+	// has the same value.
+	ErrInvalidConfig = errcode.ErrInvalidConfig
+)
 
 var _ message.Publisher = (*Publisher)(nil)
 

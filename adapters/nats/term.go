@@ -22,12 +22,7 @@ type termKey struct{}
 // It works through msg.Context(), so a middleware that derives a new context
 // from the message's own keeps it working.
 func Term(msg *message.Message) bool {
-	return TermContext(msg.Context())
-}
-
-// TermContext is Term for code that holds only the message's context.
-func TermContext(ctx context.Context) bool {
-	f, ok := ctx.Value(termKey{}).(*atomic.Bool)
+	f, ok := msg.Context().Value(termKey{}).(*atomic.Bool)
 	if ok {
 		f.Store(true)
 	}

@@ -12,7 +12,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgschema"
 )
 
 // benchSchema is the benchmark's own schema by default.
@@ -126,7 +126,7 @@ func runBench(ctx context.Context, e *env, o benchkit.Options, setupList, schema
 	if slices.Contains(o.KafkaBrokers, "") {
 		return usagef("--kafka-brokers %q names an empty broker", strings.Join(o.KafkaBrokers, ","))
 	}
-	if err := inbox.ValidateSchema(schema); err != nil {
+	if err := pgschema.Validate(schema); err != nil {
 		return usagef("--bench-schema: %v", err)
 	}
 	var setups []benchkit.Setup

@@ -12,7 +12,7 @@ import (
 
 	"github.com/idemkit/idem/cmd/idem/internal/benchkit"
 	"github.com/idemkit/idem/cmd/idem/internal/scratch"
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/redact"
 	"github.com/idemkit/idem/migrate"
 )
@@ -53,7 +53,7 @@ func runShardBench(ctx context.Context, e *env, o benchkit.Options, f shardBench
 	case o.N < 1 || o.Concurrency < 1 || o.PayloadSize < 0 || o.DupRate < 0 || o.DupRate > 1:
 		return usagef("-n and --concurrency must be at least 1, --payload not negative, --dup-rate within [0, 1]")
 	}
-	if err := inbox.ValidateSchema(schema); err != nil {
+	if err := pgschema.Validate(schema); err != nil {
 		return usagef("--bench-schema: %v", err)
 	}
 	for _, s := range e.specs {

@@ -22,6 +22,7 @@ import (
 
 	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/text"
 	"github.com/idemkit/idem/shard"
 )
@@ -180,7 +181,7 @@ func (e *env) execute(ctx context.Context, c *command, fs *pflag.FlagSet, runIt 
 	if err := e.resolveShards(); err != nil {
 		return e.report(c.name, err)
 	}
-	if err := inbox.ValidateSchema(e.schema); err != nil {
+	if err := pgschema.Validate(e.schema); err != nil {
 		return e.report(c.name, usagef("--schema %q is not a plain lower-case identifier (letters, digits, _; at most 63)", e.schema))
 	}
 	defer func() {

@@ -114,13 +114,13 @@ func TestConsoleFailuresInBrowser(t *testing.T) {
 
 	tx, err := b.pool.Begin(ctx)
 	require.NoError(t, err)
-	scope := effects.Scope{Schema: b.schema, Source: effects.Source{Tenant: "acme"}}
+	scope := effects.Scope{Schema: b.schema, Tenant: "acme"}
 	for i := 1; i <= 3; i++ {
-		_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:pay_%d", i), Payload: []byte(`{"amount":"12.00"}`)})
+		_, err := effects.Enqueue(effects.WithScope(ctx, scope), tx, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:pay_%d", i), Payload: []byte(`{"amount":"12.00"}`)})
 		require.NoError(t, err)
 	}
 	for i := 1; i <= 2; i++ {
-		_, err := effects.EnqueueScoped(ctx, tx, scope, effects.Effect{Kind: "sms", Key: fmt.Sprintf("text:+4470000000%d", i), Payload: []byte(`{}`)})
+		_, err := effects.Enqueue(effects.WithScope(ctx, scope), tx, effects.Effect{Kind: "sms", Key: fmt.Sprintf("text:+4470000000%d", i), Payload: []byte(`{}`)})
 		require.NoError(t, err)
 	}
 	require.NoError(t, tx.Commit(ctx))

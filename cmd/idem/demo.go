@@ -289,7 +289,7 @@ const demoInstances = 3
 // the restarter and the backend cuts running, waits until the audit settles,
 // stops everything, and returns the audit of the stopped system.
 func (d *demoRun) run(ctx context.Context) (chaos.Report, time.Duration, error) {
-	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: d.db, Schema: d.schema})
+	a, err := chaos.NewAuditor(chaos.AuditorConfig{Pool: d.db, Schema: d.schema, SettlePoll: 250 * time.Millisecond, SettleQuiet: 10 * time.Second})
 	if err != nil {
 		return chaos.Report{}, 0, err
 	}
@@ -326,7 +326,7 @@ func (d *demoRun) run(ctx context.Context) (chaos.Report, time.Duration, error) 
 
 	q := payments.AuditQuery(d.schema, keys, d.box.Counts, false)
 	settleCtx, cancelSettle := context.WithTimeout(runCtx, time.Duration(max(60, d.o.n/20))*time.Second)
-	_, settleErr := a.Settled(settleCtx, q, chaos.SettleOptions{Poll: 250 * time.Millisecond, Quiet: 10 * time.Second})
+	_, settleErr := a.Settled(settleCtx, q)
 	cancelSettle()
 	stopRun()
 	wg.Wait()
@@ -490,7 +490,9 @@ func (d *demoRun) report(rep chaos.Report, elapsed time.Duration) error {
 	} else {
 		fmt.Fprintf(d.e.stdout, "%d payments through %s in %s: producer duplicates %d, consumer restarts %d, backend cuts %d\n\n",
 			d.o.n, d.brokerDesc, elapsed.Round(100*time.Millisecond), d.producerDups.Load(), d.restarts.Load(), d.cuts.Load())
-		fmt.Fprint(d.e.stdout, chaos.FormatReports([]string{"idem on " + d.o.broker}, rep))
+		titled := rep
+		titled.Consumer = "idem on " + d.o.broker
+		fmt.Fprint(d.e.stdout, titled.String())
 	}
 	if !rep.OK() {
 		return rep.Err()

@@ -8,7 +8,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/idemkit/idem/admin"
-	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 )
 
 var effectsRequeueCmd = &command{
@@ -47,14 +47,14 @@ func runEffectsRequeue(ctx context.Context, e *env, args []string, o requeueOpti
 	if (o.key == "") == !o.all {
 		return usagef("give exactly one of --key K or --all-dead")
 	}
-	if err := effects.ValidateEffect(effects.Effect{Kind: o.kind, Key: "x"}); err != nil {
+	if err := effectsdb.ValidateEffect(effectsdb.Effect{Kind: o.kind, Key: "x"}); err != nil {
 		return usagef("%v", err)
 	}
 	a, err := e.admin(ctx)
 	if err != nil {
 		return err
 	}
-	n, err := a.RequeueDead(ctx, effects.RequeueFilter{Kind: o.kind, Key: o.key, All: o.all,
+	n, err := a.RequeueDead(ctx, effectsdb.RequeueFilter{Kind: o.kind, Key: o.key, All: o.all,
 		Tenant: o.tenant.v, TenantExact: o.tenant.set})
 	if err != nil {
 		return err

@@ -78,7 +78,7 @@ func (b *bundle) seedFailures() {
 	tx, err := b.pool.Begin(ctx)
 	require.NoError(b.t, err)
 	for i := range 3 {
-		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: b.schema}, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:%d", i), Payload: []byte(`{}`)})
+		_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: b.schema}), tx, effects.Effect{Kind: "email", Key: fmt.Sprintf("receipt:%d", i), Payload: []byte(`{}`)})
 		require.NoError(b.t, err)
 	}
 	require.NoError(b.t, tx.Commit(ctx))

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -40,7 +41,7 @@ type migrationJSON struct {
 	AppliedAt *time.Time `json:"applied_at,omitempty"`
 }
 
-func migrationsJSON(list []migrate.MigrationStatus) []migrationJSON {
+func migrationsJSON(list []migrate.Migration) []migrationJSON {
 	out := make([]migrationJSON, 0, len(list))
 	for _, s := range list {
 		j := migrationJSON{Version: s.Version, Name: s.Name, Applied: s.Applied}
@@ -277,13 +278,14 @@ func migrateShards(ctx context.Context, e *env, action string) error {
 		Schema     string          `json:"schema"`
 		Migrations []migrationJSON `json:"migrations"`
 	}
+	list, err := m.List(ctx)
+	if err != nil {
+		return err
+	}
 	var out []shardList
 	for _, s := range sm.Shards {
-		list, err := m.Shard(s.Name).List(ctx)
-		if err != nil {
-			return fmt.Errorf("shard %q: %w", s.Name, err)
-		}
-		out = append(out, shardList{Shard: s.Name, Schema: s.SchemaName(), Migrations: migrationsJSON(list)})
+		mine := slices.DeleteFunc(slices.Clone(list), func(mig migrate.Migration) bool { return mig.Shard != s.Name })
+		out = append(out, shardList{Shard: s.Name, Schema: s.SchemaName(), Migrations: migrationsJSON(mine)})
 	}
 	if e.json {
 		return e.writeJSON(out)

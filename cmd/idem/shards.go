@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/redact"
 	"github.com/idemkit/idem/shard"
 )
@@ -107,7 +108,7 @@ func (e *env) resolveShards() error {
 		if s.Schema == "" {
 			s.Schema = inbox.DefaultSchema
 		}
-		if err := inbox.ValidateSchema(s.Schema); err != nil {
+		if err := pgschema.Validate(s.Schema); err != nil {
 			return usagef("shard %q: schema %q is not a plain lower-case identifier (letters, digits, _; at most 63)", s.Name, s.Schema)
 		}
 	}

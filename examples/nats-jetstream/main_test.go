@@ -72,7 +72,7 @@ func pending(ctx context.Context, url, durable string) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	c, err := js.Consumer(ctx, nats.DefaultStreamName(Topic), durable)
+	c, err := js.Consumer(ctx, nats.Topology{}.StreamOf(Topic), durable)
 	if err != nil {
 		return 0, err
 	}

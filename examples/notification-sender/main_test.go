@@ -91,7 +91,7 @@ func TestNotificationSender(t *testing.T) {
 	require.NoError(t, err)
 	for key, to := range map[string]string{"receipt:pay_1": "a@example.com", "receipt:pay_2": "b@example.com", "receipt:pay_3": "nobody@example.com"} {
 		payload, _ := json.Marshal(Email{To: to, Subject: "Your receipt – ✓", Body: "Thanks for paying."})
-		_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: EmailKind, Key: key, Payload: payload})
+		_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx, effects.Effect{Kind: EmailKind, Key: key, Payload: payload})
 		require.NoError(t, err)
 	}
 	require.NoError(t, tx.Commit(ctx))

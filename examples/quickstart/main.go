@@ -122,7 +122,7 @@ func run(ctx context.Context, databaseURL, schema string) error {
 				fmt.Println("sending", d.Key) // an SMTP client in a service, d.Key its Message-ID
 				return nil
 			}),
-			effects.PublishKind("receipts"): effects.PublishSender(bus),
+			effects.PublishKindPrefix + "receipts": effects.PublishSender(bus),
 		},
 	})
 	if err != nil {

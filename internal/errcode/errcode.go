@@ -2,7 +2,7 @@
 // errors are *Error values: a message, a stable code that logs, metrics and RFC 9457
 // problem details carry, and whether the failure is permanent (the same input can
 // never succeed, so retrying it is pointless). The public packages re-export the type
-// under their own name (inbox.Error, effects.Error, consumer.Error, …), so callers
+// under their own name (inbox.Error, inbox.Error, consumer.Error, …), so callers
 // compare with errors.Is against the sentinels and read the code with errors.As or
 // Code.
 //

@@ -6,7 +6,7 @@
 // masked text. The code that records a failed inbox key or a dead effect stores
 // both, once, so that listing the groups is a GROUP BY that an index serves.
 //
-// One masking function serves every writer (inbox.Store, the consumer's batch
+// One masking function serves every writer (inboxdb.Store, the consumer's batch
 // claim, httpidem, the effects Dispatcher) and the operator API's backfill of rows
 // written before the columns existed, so a failure lands in the same group
 // whichever path wrote it. It imports only internal/text of idem.

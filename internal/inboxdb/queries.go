@@ -1,10 +1,11 @@
-// Package inboxdb holds every statement idem runs on the inbox table to claim and
-// settle keys, and the encoding of the table's stored-response columns, in one
-// place: inbox.Store, the consumer's set-based batch claim, httpidem's stored
-// responses and the janitor all take their SQL from here, so that a key is claimed,
-// forgotten and expired by the same statements whoever asks. Every value is a bind
-// parameter; the schema is validated by the caller and quoted here. It imports
-// nothing public of idem.
+// Package inboxdb is the inbox's engine: every statement idem runs on the inbox
+// table to claim and settle keys, the Store that runs them, the key, tenant and
+// consumer rules and their coded errors (package inbox re-exports what a user
+// types), and the encoding of the table's stored-response columns. The Store, the
+// consumer's set-based batch claim, httpidem's stored responses and the janitor all
+// take their SQL from here, so that a key is claimed, forgotten and expired by the
+// same statements whoever asks. Every value is a bind parameter; the schema is
+// validated by the caller and quoted here. It imports nothing public of idem.
 package inboxdb
 
 import (
@@ -160,8 +161,8 @@ func New(schema string) Queries {
 		ReleaseLease: `UPDATE ` + t + ` SET lease_until = now()
 			WHERE consumer = $1 AND tenant = $2 AND key = $3 AND fence = $4 AND state = 'processing'`,
 		// A claim that meets a settled row past its expiry deletes it and claims the
-		// key again (inbox.Store, the consumer's batch claim, httpidem): a key past its retention is forgotten
-		// whether or not the janitor has come by. Only such a row goes; a processing
+		// key again (the Store, the consumer's batch claim, httpidem): a key past its
+		// retention is forgotten whether or not the janitor has come by. Only such a row goes; a processing
 		// row never does. A row that a concurrent claimer deletes first makes this
 		// delete wait for it, then find nothing: the claim that follows meets that
 		// claimer's row.

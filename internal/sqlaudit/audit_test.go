@@ -348,7 +348,7 @@ func runDispatchers(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, sch
 		for _, tenant := range []string{"a", "b"} {
 			for _, key := range keys {
 				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-					_, err := effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema, Source: effects.Source{Tenant: tenant}},
+					_, err := effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema, Tenant: tenant}), tx,
 						effects.Effect{Kind: "email", Key: key, Payload: []byte(`{}`)})
 					return err
 				})

@@ -32,6 +32,7 @@ import (
 
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/redact"
 )
 
@@ -444,13 +445,13 @@ func openPool(ctx context.Context, o Options, tracer pgx.QueryTracer) (*pgxpool.
 
 // build returns the handler (with any middleware) for a setup.
 func build(setup Setup, o Options) (message.NoPublishHandlerFunc, func(), error) {
-	scope := effects.Scope{Schema: o.Schema}
+	scope := effectsdb.Scope{Schema: o.Schema}
 	biz := pgx.Identifier{o.Schema, "bench_biz"}.Sanitize()
-	work := func(ctx context.Context, tx pgx.Tx, msg *message.Message, sc effects.Scope) error {
+	work := func(ctx context.Context, tx pgx.Tx, msg *message.Message, sc effectsdb.Scope) error {
 		if _, err := tx.Exec(ctx, `INSERT INTO `+biz+` (key, payload) VALUES ($1, $2)`, msg.UUID, msg.Payload); err != nil {
 			return err
 		}
-		_, err := effects.EnqueueScoped(ctx, tx, sc, effects.Effect{Kind: "bench", Key: "fx:" + msg.UUID, Payload: msg.Payload})
+		_, err := effectsdb.Enqueue(ctx, tx, sc, effectsdb.Effect{Kind: "bench", Key: "fx:" + msg.UUID, Payload: msg.Payload})
 		return err
 	}
 	bare := func(msg *message.Message) error {
@@ -483,7 +484,7 @@ func build(setup Setup, o Options) (message.NoPublishHandlerFunc, func(), error)
 		}
 		h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 			ctx := msg.Context()
-			sc, _ := effects.ScopeFrom(ctx)
+			sc, _ := effectsdb.ScopeFrom(ctx)
 			return nil, work(ctx, consumer.Tx(ctx), msg, sc)
 		})
 		return func(msg *message.Message) error { _, err := h(msg); return err }, func() { _ = c.Close() }, nil

@@ -16,8 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/consumer"
-	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/internal/cpustat"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/redact"
 	"github.com/idemkit/idem/shard"
 )
@@ -148,8 +148,8 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 		if _, err := tx.Exec(ctx, `INSERT INTO `+biz+` (key, payload) VALUES ($1, $2)`, msg.UUID, msg.Payload); err != nil {
 			return nil, err
 		}
-		sc, _ := effects.ScopeFrom(ctx)
-		_, err := effects.EnqueueScoped(ctx, tx, sc, effects.Effect{Kind: "bench", Key: "fx:" + msg.UUID, Payload: msg.Payload})
+		sc, _ := effectsdb.ScopeFrom(ctx)
+		_, err := effectsdb.Enqueue(ctx, tx, sc, effectsdb.Effect{Kind: "bench", Key: "fx:" + msg.UUID, Payload: msg.Payload})
 		return nil, err
 	})
 

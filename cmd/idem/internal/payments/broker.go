@@ -122,7 +122,7 @@ func DeleteTopic(ctx context.Context, e Endpoint, topic string) error {
 		if err != nil {
 			return err
 		}
-		if err := js.DeleteStream(ctx, nats.DefaultStreamName(topic)); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		if err := js.DeleteStream(ctx, nats.Topology{}.StreamOf(topic)); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return err
 		}
 		return nil
@@ -237,7 +237,8 @@ func connect(e Endpoint, logger watermill.LoggerAdapter, batched bool) (*Conn, e
 			Topology: topo, Durable: e.Group, Concurrency: 8,
 			// A killed member's messages come back after AckWait.
 			Consumer: jetstream.ConsumerConfig{AckWait: 2 * time.Second, MaxDeliver: -1},
-			NakDelay: nats.ExponentialBackoff(nackBackoffChaos, time.Second),
+			// nackBackoffChaos, doubling with each delivery up to a second.
+			NakDelay: func(n uint64) time.Duration { return min(nackBackoffChaos<<min(n-1, 6), time.Second) },
 			Logger:   logger,
 		}
 		if batched {
@@ -346,7 +347,7 @@ func Backlog(ctx context.Context, e Endpoint, topic string) (int64, error) {
 		if err != nil {
 			return 0, err
 		}
-		c, err := js.Consumer(ctx, nats.DefaultStreamName(topic), e.Group)
+		c, err := js.Consumer(ctx, nats.Topology{}.StreamOf(topic), e.Group)
 		if err != nil {
 			return 0, err
 		}

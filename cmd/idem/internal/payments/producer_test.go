@@ -69,7 +69,7 @@ func TestNATSProducerSendsHalfTheRetriesPastTheWindow(t *testing.T) {
 		backlog, err := Backlog(ctx, Endpoint{Broker: NATS, Addr: srv.ClientURL(), Group: "producer-test"}, Topic)
 		return err == nil && backlog == 0
 	})
-	info, err := conn.producer.js.Stream(ctx, nats.DefaultStreamName(Topic))
+	info, err := conn.producer.js.Stream(ctx, nats.Topology{}.StreamOf(Topic))
 	require.NoError(t, err)
 	st, err := info.Info(ctx)
 	require.NoError(t, err)

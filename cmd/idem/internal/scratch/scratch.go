@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/redact"
 )
 
@@ -98,7 +99,7 @@ LIMIT 10`
 // it. tool names the caller in the marker ("idem demo"). Release the schema when
 // the run ends; its tables stay for inspection until the next Claim.
 func Claim(ctx context.Context, databaseURL, schema, tool string) (*Schema, error) {
-	if err := inbox.ValidateSchema(schema); err != nil {
+	if err := pgschema.Validate(schema); err != nil {
 		return nil, err
 	}
 	switch {

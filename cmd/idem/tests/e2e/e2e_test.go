@@ -711,9 +711,18 @@ func auditPlaces(ctx context.Context, places []*place, schema string, box *payme
 			}
 			tenants = append(tenants, rep)
 		}
-		each = append(each, chaos.Sum(payments.Consumer, tenants...))
+		each = append(each, chaos.Report{Consumer: payments.Consumer}.Add(tenants...))
 	}
-	return chaos.Sum(payments.Consumer, each...), each, nil
+	return chaos.Report{Consumer: payments.Consumer}.Add(each...), each, nil
+}
+
+// beside prints reports side by side, each column under its title.
+func beside(titles []string, reps ...chaos.Report) string {
+	reps = slices.Clone(reps)
+	for i := range reps {
+		reps[i].Consumer = titles[i]
+	}
+	return reps[0].Beside(reps[1:]...)
 }
 
 // A sharded run's own cluster stays down outageMin at least, and then until the
@@ -795,7 +804,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 			})
 			if idem.report.Messages > 0 && peer.report.Messages > 0 {
 				t.Logf("SIGKILL end-to-end run on %s, N=%d, seed %d:\n%s", tg, n, seed,
-					chaos.FormatReports([]string{"idem", "watermill-deduplicator"}, idem.report, peer.report))
+					beside([]string{"idem", "watermill-deduplicator"}, idem.report, peer.report))
 			}
 			t.Run("idem-"+string(tg.batched), func(t *testing.T) {
 				r := runE2E(t, tg, false, tg.batched, n, seed, false)
@@ -820,7 +829,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		r := runE2E(t, tg, false, mode, n, seed, true)
 		t.Logf("idem (%s) over %d shards on %s: %s", mode, len(r.shards), tg, r.summary())
 		t.Logf("SIGKILL end-to-end run over %d shards on %s, N=%d, seed %d, %d tenants:\n%s", len(r.shards), tg, n, seed, shardTenants,
-			chaos.FormatReports(append(slices.Clone(r.shardNames), "all shards"), append(slices.Clone(r.shards), r.report)...))
+			beside(append(slices.Clone(r.shardNames), "all shards"), append(slices.Clone(r.shards), r.report)...))
 		requireExactlyOnce(t, r, n)
 		for i, rep := range r.shards {
 			require.Positive(t, rep.Messages, "shard %s got no payments", r.shardNames[i])

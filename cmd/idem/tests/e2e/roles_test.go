@@ -23,6 +23,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/janitor"
 )
@@ -135,13 +136,13 @@ func TestLeastPrivilegeRole(t *testing.T) {
 	go func() { done <- d.Run(runCtx) }()
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
-	_, err = effects.EnqueueScoped(ctx, tx, effects.Scope{Schema: schema}, effects.Effect{Kind: "mail", Key: "receipt:dead"})
+	_, err = effects.Enqueue(effects.WithScope(ctx, effects.Scope{Schema: schema}), tx, effects.Effect{Kind: "mail", Key: "receipt:dead"})
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
 	pgtest.WaitFor(t, 20*time.Second, "no effect pending", func() bool {
 		return pgtest.Count(t, owner, `SELECT count(*) FROM effects WHERE state = 'pending'`) == 0
 	})
-	n, err := effects.RequeueDead(ctx, pool, schema, effects.RequeueFilter{Kind: "mail"})
+	n, err := effectsdb.RequeueDead(ctx, pool, schema, effectsdb.RequeueFilter{Kind: "mail"})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 	pgtest.WaitFor(t, 20*time.Second, "the requeued effect dead again", func() bool {

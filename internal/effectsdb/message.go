@@ -1,4 +1,4 @@
-package effects
+package effectsdb
 
 import (
 	"encoding/json"

@@ -1,4 +1,4 @@
-package inbox
+package canonjson
 
 import (
 	"bytes"
@@ -42,7 +42,7 @@ func FuzzIsCanonical(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, in []byte) {
 		checkCanonical(t, in)
-		if out, err := canonicalize(in, JSONOptions{}); err == nil {
+		if out, err := canonicalize(in, Options{}); err == nil {
 			checkCanonical(t, out)
 		}
 	})
@@ -53,7 +53,7 @@ func checkCanonical(t *testing.T, in []byte) {
 	if !IsCanonical(in) {
 		return
 	}
-	out, err := canonicalize(in, JSONOptions{})
+	out, err := canonicalize(in, Options{})
 	if err != nil {
 		t.Fatalf("IsCanonical accepts %q, which is not JSON: %v", in, err)
 	}

@@ -1,4 +1,4 @@
-package inbox_test
+package inboxdb_test
 
 import (
 	"context"
@@ -10,15 +10,16 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
-func setup(t *testing.T) (*inbox.Store, *pgtestBundle) {
+func setup(t *testing.T) (*inboxdb.Store, *pgtestBundle) {
 	t.Helper()
 	t.Parallel()
 	pool, schema := pgtest.Setup(t)
-	store, err := inbox.NewStore(schema)
+	store, err := inboxdb.NewStore(schema)
 	require.NoError(t, err)
 	return store, &pgtestBundle{pool: pool, schema: schema}
 }
@@ -31,15 +32,15 @@ type pgtestBundle struct {
 	schema string
 }
 
-func claimOf(key string, fp string) inbox.Claim {
-	return inbox.Claim{ID: inbox.ID{Consumer: "c", Key: key}, Fingerprint: []byte(fp)}
+func claimOf(key string, fp string) inboxdb.Claim {
+	return inboxdb.Claim{ID: inboxdb.ID{Consumer: "c", Key: key}, Fingerprint: []byte(fp)}
 }
 
 func TestClaimTx(t *testing.T) {
 	ctx := context.Background()
 	store, b := setup(t)
 
-	var res inbox.ClaimResult
+	var res inboxdb.ClaimResult
 	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) (err error) {
 		res, err = store.ClaimTx(ctx, tx, claimOf("k1", "fp"))
 		return err
@@ -52,8 +53,8 @@ func TestClaimTx(t *testing.T) {
 	}))
 	require.False(t, res.Claimed)
 	require.False(t, res.Mismatch)
-	require.Equal(t, inbox.StateCompleted, res.Existing.State)
-	require.WithinDuration(t, res.Existing.Now.Add(inbox.DefaultRetention), res.Existing.ExpiresAt, time.Minute)
+	require.Equal(t, inboxdb.StateCompleted, res.Existing.State)
+	require.WithinDuration(t, res.Existing.Now.Add(inboxdb.DefaultRetention), res.Existing.ExpiresAt, time.Minute)
 
 	require.NoError(t, pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) (err error) {
 		res, err = store.ClaimTx(ctx, tx, claimOf("k1", "other"))
@@ -88,7 +89,7 @@ func TestClaimConcurrentWaitsForWinner(t *testing.T) {
 		require.True(t, res.Claimed)
 
 		var wg sync.WaitGroup
-		var res2 inbox.ClaimResult
+		var res2 inboxdb.ClaimResult
 		var err2 error
 		wg.Add(1)
 		go func() {
@@ -118,14 +119,14 @@ func TestFailAndLease(t *testing.T) {
 	ctx := context.Background()
 	store, b := setup(t)
 	pool := b.pool.(interface {
-		inbox.DBTX
+		inboxdb.DBTX
 	})
 	res, err := store.FailTx(ctx, pool, claimOf("f", "fp"), "bad", "it broke")
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
-	rec, err := store.Get(ctx, pool, inbox.ID{Consumer: "c", Key: "f"})
+	rec, err := store.Get(ctx, pool, inboxdb.ID{Consumer: "c", Key: "f"})
 	require.NoError(t, err)
-	require.Equal(t, inbox.StateFailed, rec.State)
+	require.Equal(t, inboxdb.StateFailed, rec.State)
 	require.Equal(t, "bad", rec.ErrorCode)
 
 	// Lease: the first holder gets fence 1; a second sees a fresh lease.
@@ -136,7 +137,7 @@ func TestFailAndLease(t *testing.T) {
 	res2, err := store.Lease(ctx, pool, claimOf("l", "fp"), time.Minute)
 	require.NoError(t, err)
 	require.False(t, res2.Claimed)
-	require.Equal(t, inbox.StateProcessing, res2.Existing.State)
+	require.Equal(t, inboxdb.StateProcessing, res2.Existing.State)
 
 	// After the lease runs out, a takeover bumps the fence and the old holder loses.
 	time.Sleep(300 * time.Millisecond)
@@ -144,50 +145,29 @@ func TestFailAndLease(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, res3.Claimed)
 	require.EqualValues(t, 2, res3.Fence)
-	id := inbox.ID{Consumer: "c", Key: "l"}
-	require.ErrorIs(t, store.CompleteLeaseTx(ctx, pool, id, 1, 0), inbox.ErrLeaseLost)
+	id := inboxdb.ID{Consumer: "c", Key: "l"}
+	require.ErrorIs(t, store.CompleteLeaseTx(ctx, pool, id, 1, 0), inboxdb.ErrLeaseLost)
 	require.NoError(t, store.CompleteLeaseTx(ctx, pool, id, 2, 0))
-}
-
-func TestKeyValidation(t *testing.T) {
-	t.Parallel()
-	cases := map[string]error{
-		"":                                   inbox.ErrEmptyKey,
-		strings.Repeat("x", 10*1024):         inbox.ErrKeyTooLong,
-		"bad\xff":                            inbox.ErrKeyInvalid,
-		"nul\x00":                            inbox.ErrKeyInvalid,
-		strings.Repeat("x", inbox.MaxKeyLen): nil,
-	}
-	for key, want := range cases {
-		err := inbox.ValidateKey(key)
-		if want == nil {
-			require.NoError(t, err)
-			continue
-		}
-		require.ErrorIs(t, err, want)
-		require.True(t, inbox.IsPermanent(err))
-		require.NotEmpty(t, inbox.Code(err))
-	}
 }
 
 func TestMissingSchemaIsTypedError(t *testing.T) {
 	ctx := context.Background()
 	t.Parallel()
 	pool, schema := pgtest.Setup(t, pgtest.Options{NoMigrate: true})
-	store, err := inbox.NewStore(schema)
+	store, err := inboxdb.NewStore(schema)
 	require.NoError(t, err)
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		_, err := store.ClaimTx(ctx, tx, claimOf("k", "fp"))
 		return err
 	})
-	require.ErrorIs(t, err, inbox.ErrSchemaMissing)
+	require.ErrorIs(t, err, pgschema.ErrMissing)
 	require.Contains(t, err.Error(), "idem migrate up")
 }
 
 func TestInvalidSchema(t *testing.T) {
 	t.Parallel()
 	for _, s := range []string{"Bad", "a;drop", "1x", strings.Repeat("a", 64)} {
-		_, err := inbox.NewStore(s)
-		require.ErrorIs(t, err, inbox.ErrInvalidSchema, s)
+		_, err := inboxdb.NewStore(s)
+		require.ErrorIs(t, err, pgschema.ErrInvalid, s)
 	}
 }

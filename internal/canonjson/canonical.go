@@ -1,4 +1,4 @@
-package inbox
+package canonjson
 
 import (
 	"bytes"
@@ -58,7 +58,7 @@ func (c *canonChecker) literal(lit string) bool {
 }
 
 func (c *canonChecker) array(depth int) bool {
-	if depth > MaxJSONDepth {
+	if depth > MaxDepth {
 		return false
 	}
 	c.i++ // '['
@@ -86,7 +86,7 @@ func (c *canonChecker) array(depth int) bool {
 // in strictly increasing order: byte order is UTF-16 code unit order for them,
 // and strictly increasing means no duplicates.
 func (c *canonChecker) object(depth int) bool {
-	if depth > MaxJSONDepth {
+	if depth > MaxDepth {
 		return false
 	}
 	c.i++ // '{'

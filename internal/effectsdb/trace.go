@@ -1,4 +1,4 @@
-package effects
+package effectsdb
 
 import (
 	"context"
@@ -13,9 +13,9 @@ import (
 // understood by every tracing backend.
 var w3c = propagation.TraceContext{}
 
-// encodeTrace returns sc as the JSON an effect row keeps ({"traceparent": …,
+// EncodeTrace returns sc as the JSON an effect row keeps ({"traceparent": …,
 // "tracestate": …}), or "" when sc is not valid (the row keeps NULL then).
-func encodeTrace(sc trace.SpanContext) string {
+func EncodeTrace(sc trace.SpanContext) string {
 	if !sc.IsValid() {
 		return ""
 	}
@@ -28,9 +28,9 @@ func encodeTrace(sc trace.SpanContext) string {
 	return string(b)
 }
 
-// decodeTrace reads what encodeTrace wrote back into a remote span context; an
+// DecodeTrace reads what EncodeTrace wrote back into a remote span context; an
 // empty or unreadable value gives an invalid one.
-func decodeTrace(s string) trace.SpanContext {
+func DecodeTrace(s string) trace.SpanContext {
 	if s == "" {
 		return trace.SpanContext{}
 	}

@@ -1,4 +1,4 @@
-package inbox_test
+package inboxdb_test
 
 import (
 	"context"
@@ -8,7 +8,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
@@ -27,7 +27,7 @@ func benchClaimAt(b *testing.B, rows int) {
 	ctx := context.Background()
 	{
 		pool, schema := pgtest.Setup(b)
-		store, err := inbox.NewStore(schema)
+		store, err := inboxdb.NewStore(schema)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -53,7 +53,7 @@ func benchClaimAt(b *testing.B, rows int) {
 						key = uuid.NewString()
 					}
 					err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-						_, err := store.ClaimTx(ctx, tx, inbox.Claim{ID: inbox.ID{Consumer: "bench", Key: key}, Fingerprint: fp})
+						_, err := store.ClaimTx(ctx, tx, inboxdb.Claim{ID: inboxdb.ID{Consumer: "bench", Key: key}, Fingerprint: fp})
 						return err
 					})
 					if err != nil {

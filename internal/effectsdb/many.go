@@ -1,4 +1,4 @@
-package effects
+package effectsdb
 
 import (
 	"bytes"
@@ -68,17 +68,11 @@ func (b *Buffer) Close() []Item {
 	return b.items
 }
 
-// EnqueueMany is Enqueue for many effects: with a Buffer in the context's scope it
-// adds them all to it (each Result Deferred); otherwise it writes them with one
-// statement, as EnqueueItems does. results[i] is effs[i]'s. On error, roll back:
-// some of the effects may have been written.
-func EnqueueMany(ctx context.Context, tx Tx, effs []Effect) ([]Result, error) {
-	scope, _ := ScopeFrom(ctx)
-	return EnqueueManyScoped(ctx, tx, scope, effs)
-}
-
-// EnqueueManyScoped is EnqueueMany with the scope given explicitly.
-func EnqueueManyScoped(ctx context.Context, tx Tx, scope Scope, effs []Effect) ([]Result, error) {
+// EnqueueMany is Enqueue for many effects under one scope: with a Buffer in the
+// scope it adds them all to it (each Result Deferred); otherwise it writes them
+// with one statement, as EnqueueItems does. results[i] is effs[i]'s. On error, roll
+// back: some of the effects may have been written.
+func EnqueueMany(ctx context.Context, tx Tx, scope Scope, effs []Effect) ([]Result, error) {
 	if tx == nil {
 		return nil, ErrNoTx
 	}
@@ -161,7 +155,7 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 	}
 	var w itemsWrite // on the stack: EnqueueItems is a group-commit batch's hot path
 	w.plan(items, trace.SpanContextFromContext(ctx))
-	if err := w.write(ctx, tx, enqueueQueriesFor(schema)); err != nil {
+	if err := w.write(ctx, tx, queriesFor(schema)); err != nil {
 		return nil, pgschema.Wrap(err, schema)
 	}
 	return w.results()
@@ -174,7 +168,7 @@ func checkItems(items []Item) (string, error) {
 	for i, it := range items {
 		s, err := checkItem(it.Scope, it.Effect)
 		if err == nil && i > 0 && s != schema {
-			err = fmt.Errorf("%w: items name schemas %q and %q; write each schema's effects apart", ErrInvalidSchema, schema, s)
+			err = fmt.Errorf("%w: items name schemas %q and %q; write each schema's effects apart", pgschema.ErrInvalid, schema, s)
 		}
 		if err != nil {
 			return "", &ItemErrors{Errs: itemErr(len(items), i, err)}
@@ -245,14 +239,14 @@ func (w *itemsWrite) id(i int) identity {
 // write inserts the writers' rows, and reads the fingerprints of the rows that some
 // met instead. A row deleted between the two statements (the janitor) is inserted
 // again in the next round.
-func (w *itemsWrite) write(ctx context.Context, tx Tx, q *enqueueQueries) error {
+func (w *itemsWrite) write(ctx context.Context, tx Tx, q *queries) error {
 	todo := w.writers
 	for len(todo) > 0 {
 		w.cols.fill(w, todo)
 		var count int
 		var gotT, gotK, gotY []string
 		sql, args := q.insertMany, w.cols.args()
-		if oneTenant(w.cols.tenants) {
+		if OneTenant(w.cols.tenants) {
 			sql, args = q.insertManyOne, append(args, w.cols.tenants[0])
 		}
 		if err := tx.QueryRow(ctx, sql, args...).Scan(&count, &gotT, &gotK, &gotY); err != nil {
@@ -289,7 +283,7 @@ func (w *itemsWrite) write(ctx context.Context, tx Tx, q *enqueueQueries) error 
 
 // readConflicts reads what the rows that todo's writers met hold (a new statement,
 // a new snapshot, which sees rows a concurrent writer committed meanwhile).
-func (w *itemsWrite) readConflicts(ctx context.Context, tx Tx, q *enqueueQueries, todo []int, byID map[identity]int) error {
+func (w *itemsWrite) readConflicts(ctx context.Context, tx Tx, q *queries, todo []int, byID map[identity]int) error {
 	var conflictT, conflictK, conflictY []string
 	for _, i := range todo {
 		if !w.inserted[i] {
@@ -300,7 +294,7 @@ func (w *itemsWrite) readConflicts(ctx context.Context, tx Tx, q *enqueueQueries
 	var haveT, haveK, haveY []string
 	var haveFP [][]byte
 	sql, args := q.fingerprintOf, []any{conflictT, conflictK, conflictY}
-	if oneTenant(conflictT) {
+	if OneTenant(conflictT) {
 		sql, args = q.fingerprintOfOne, append(args, conflictT[0])
 	}
 	if err := tx.QueryRow(ctx, sql, args...).Scan(&haveT, &haveK, &haveY, &haveFP); err != nil {
@@ -402,17 +396,17 @@ func setAt[T any](s []T, n, j int, v, def T) []T {
 // (encoded once).
 func (c *enqueueColumns) traceOf(it *Item, ctxTrace trace.SpanContext) string {
 	if it.Trace.IsValid() {
-		return encodeTrace(it.Trace)
+		return EncodeTrace(it.Trace)
 	}
 	if !c.ctxTraceDone {
-		c.ctxTrace, c.ctxTraceDone = encodeTrace(ctxTrace), true
+		c.ctxTrace, c.ctxTraceDone = EncodeTrace(ctxTrace), true
 	}
 	return c.ctxTrace
 }
 
-// oneTenant says whether every row's tenant is tenants[0]: then the statements'
+// OneTenant says whether every row's tenant is tenants[0]: then the statements'
 // one-tenant forms apply (insertManyOne, fingerprintOfOne, recordOne).
-func oneTenant(tenants []string) bool {
+func OneTenant(tenants []string) bool {
 	return !slices.ContainsFunc(tenants, func(t string) bool { return t != tenants[0] })
 }
 

@@ -1,4 +1,4 @@
-package inbox_test
+package inboxdb_test
 
 import (
 	"context"
@@ -7,7 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/inboxdb"
 )
 
 // TestFailStoresAnyBytes: the store records a permanent failure whatever bytes its
@@ -17,22 +17,22 @@ import (
 func TestFailStoresAnyBytes(t *testing.T) {
 	ctx := context.Background()
 	store, b := setup(t)
-	pool := b.pool.(inbox.DBTX)
+	pool := b.pool.(inboxdb.DBTX)
 	const junk = "upstream said \x00\xff\xfe"
 	res, err := store.FailTx(ctx, pool, claimOf("f", "fp"), "code\x00", junk)
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
-	rec, err := store.Get(ctx, pool, inbox.ID{Consumer: "c", Key: "f"})
+	rec, err := store.Get(ctx, pool, inboxdb.ID{Consumer: "c", Key: "f"})
 	require.NoError(t, err)
 	require.Equal(t, `code\x00`, rec.ErrorCode)
 	require.Equal(t, `upstream said \x00\xff\xfe`, rec.Error)
 
 	lease, err := store.Lease(ctx, pool, claimOf("l", "fp"), time.Minute)
 	require.NoError(t, err)
-	id := inbox.ID{Consumer: "c", Key: "l"}
+	id := inboxdb.ID{Consumer: "c", Key: "l"}
 	require.NoError(t, store.FailLease(ctx, pool, id, lease.Fence, time.Hour, "permanent", junk))
 	rec, err = store.Get(ctx, pool, id)
 	require.NoError(t, err)
-	require.Equal(t, inbox.StateFailed, rec.State)
+	require.Equal(t, inboxdb.StateFailed, rec.State)
 	require.Equal(t, `upstream said \x00\xff\xfe`, rec.Error)
 }

@@ -1,4 +1,4 @@
-package inbox
+package inboxdb
 
 import (
 	"context"
@@ -13,7 +13,6 @@ import (
 	"cmp"
 
 	"github.com/idemkit/idem/internal/failgroup"
-	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/text"
 )
@@ -84,9 +83,6 @@ type Claim struct {
 	Retention time.Duration
 }
 
-// DefaultRetention is how long inbox rows live unless a consumer says otherwise.
-const DefaultRetention = 7 * 24 * time.Hour
-
 // ClaimResult is what a claim found.
 type ClaimResult struct {
 	// Claimed: this caller owns the key now.
@@ -107,16 +103,16 @@ type ClaimResult struct {
 // Store runs the inbox's statements against the tables in one schema.
 type Store struct {
 	schema string
-	q      inboxdb.Queries
+	q      Queries
 }
 
-// NewStore returns a Store for schema (DefaultSchema when empty).
+// NewStore returns a Store for schema (pgschema.Default when empty).
 func NewStore(schema string) (*Store, error) {
-	schema = cmp.Or(schema, DefaultSchema)
-	if err := ValidateSchema(schema); err != nil {
+	schema = cmp.Or(schema, pgschema.Default)
+	if err := pgschema.Validate(schema); err != nil {
 		return nil, err
 	}
-	return &Store{schema: schema, q: inboxdb.New(schema)}, nil
+	return &Store{schema: schema, q: New(schema)}, nil
 }
 
 // Schema is the store's schema name.

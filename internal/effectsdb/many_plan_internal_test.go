@@ -1,4 +1,4 @@
-package effects
+package effectsdb
 
 import (
 	"context"
@@ -30,7 +30,7 @@ func TestEnqueueManyPlanNeedsNoStatistics(t *testing.T) {
 					ANALYZE effects`)
 				require.NoError(t, err)
 			}
-			q := newEnqueueQueries(schema)
+			q := newQueries(schema)
 			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 				if _, err := tx.Exec(ctx, `SET LOCAL plan_cache_mode = force_generic_plan`); err != nil {
 					return err
@@ -58,7 +58,7 @@ func TestEnqueueManyPlanNeedsNoStatistics(t *testing.T) {
 	}
 }
 
-// validKind and validSchema accept exactly what the documented patterns do.
+// ValidKind and pgschema.Valid accept exactly what the documented patterns do.
 func TestValidatorsMatchTheirPatterns(t *testing.T) {
 	t.Parallel()
 	alphabet := []byte("aZ09_.:/@+-x \x00é$A")
@@ -75,9 +75,10 @@ func TestValidatorsMatchTheirPatterns(t *testing.T) {
 	}
 	gen(nil, 3)
 	cases = append(cases, strings.Repeat("a", 63), strings.Repeat("a", 64), strings.Repeat("k", 255), strings.Repeat("k", 256), "publish:orders", "_x9")
+	kindRe := regexp.MustCompile(kindPattern)
 	schemaRe := regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 	for _, s := range cases {
-		require.Equal(t, kindRe.MatchString(s), validKind(s), "kind %q", s)
+		require.Equal(t, kindRe.MatchString(s), ValidKind(s), "kind %q", s)
 		require.Equal(t, schemaRe.MatchString(s), pgschema.Valid(s), "schema %q", s)
 	}
 }

@@ -1,4 +1,4 @@
-package effects
+package effectsdb
 
 import (
 	"context"
@@ -38,7 +38,7 @@ type RequeueFilter struct {
 // transaction of your own (the notification is delivered when it commits).
 func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter) (int64, error) {
 	if schema == "" {
-		schema = DefaultSchema
+		schema = pgschema.Default
 	}
 	if err := pgschema.Validate(schema); err != nil {
 		return 0, err
@@ -47,7 +47,7 @@ func RequeueDead(ctx context.Context, db Querier, schema string, f RequeueFilter
 		return 0, errors.New("idem: requeue needs a kind, a key, a tenant, or All")
 	}
 	var n int64
-	err := db.QueryRow(ctx, newQueries(schema, 0, false).requeue, f.Kind, f.Key, schema, f.Tenant, f.TenantExact).Scan(&n, nil)
+	err := db.QueryRow(ctx, queriesFor(schema).requeue, f.Kind, f.Key, schema, f.Tenant, f.TenantExact).Scan(&n, nil)
 	if err != nil {
 		return 0, pgschema.Wrap(err, schema)
 	}
