@@ -80,7 +80,8 @@ func openings(t *testing.T) []opening {
 // The modules come from the usual GOMODCACHE and the builds share GOCACHE, so a
 // page costs one tidy, one build and one run; pages run in parallel (as many as
 // -parallel, GOMAXPROCS by default). Measured on a shared 2-core machine with
-// warm caches: about 60 s for the fourteen pages.
+// warm caches and a load average of 10: 66 s for the fourteen pages (README.md
+// and thirteen pages of docs/).
 func TestOpeningProgramsRunInABlankModule(t *testing.T) {
 	var missing []string
 	for _, v := range []string{"DATABASE_URL", "KAFKA_BROKERS", "NATS_URL", "PGBOUNCER_URL"} {
