@@ -25,15 +25,11 @@ import (
 func main() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	check(err)
+	pool := must(pgxpool.New(ctx, os.Getenv("DATABASE_URL")))
 	defer pool.Close()
-	m, err := migrate.New(migrate.Config{Pool: pool, Schema: "docs_http"}) // idem's tables
-	check(err)
-	_, err = m.Up(ctx)
-	check(err)
-	_, err = pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS docs_http.payments (id bigserial, amount int)`)
-	check(err)
+	m := must(migrate.New(migrate.Config{Pool: pool, Schema: "docs_http"})) // idem's tables
+	must(m.Up(ctx))
+	must(pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS docs_http.payments (id bigserial, amount int)`))
 	idem, err := httpidem.New(httpidem.Config{
 		Pool: pool, Schema: "docs_http",
 		// Whose key it is: the tenant your authentication found, never a header a client sets.
@@ -53,29 +49,31 @@ func main() {
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, `{"id":%d}`, id)
 	})))
-	ln, err := net.Listen("tcp", "127.0.0.1:0") // any free port; ":8080" in a service
-	check(err)
+	ln := must(net.Listen("tcp", "127.0.0.1:0")) // any free port; ":8080" in a service
 	go func() { _ = http.Serve(ln, mux) }()
 
 	key := rand.Text() // the client's Idempotency-Key: a new one each run
 	var bodies []string
 	for range 2 { // a client that retries
-		req, err := http.NewRequest(http.MethodPost, "http://"+ln.Addr().String()+"/docs-http/payments", strings.NewReader(`{"amount":42}`))
-		check(err)
+		req := must(http.NewRequest(http.MethodPost, "http://"+ln.Addr().String()+"/docs-http/payments", strings.NewReader(`{"amount":42}`)))
 		req.Header.Set("Idempotency-Key", key)
 		resp, err := http.DefaultClient.Do(req)
 		check(err)
-		body, err := io.ReadAll(resp.Body)
-		check(err)
+		body := must(io.ReadAll(resp.Body))
 		_ = resp.Body.Close()
 		bodies = append(bodies, string(body))
 		fmt.Println(resp.StatusCode, "replayed:", resp.Header.Get(httpidem.ReplayedHeader) == "true")
 	}
 	var id, rows int64
-	_, err = fmt.Sscanf(bodies[0], `{"id":%d}`, &id)
-	check(err)
+	must(fmt.Sscanf(bodies[0], `{"id":%d}`, &id))
 	check(pool.QueryRow(ctx, `SELECT count(*) FROM docs_http.payments WHERE id = $1`, id).Scan(&rows))
 	fmt.Println("same body:", bodies[0] == bodies[1], "payment rows:", rows)
+}
+
+// must and check stop the program on an error; a service would return it.
+func must[T any](v T, err error) T {
+	check(err)
+	return v
 }
 
 func check(err error) {

@@ -25,35 +25,27 @@ import (
 func main() {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	check(err)
+	pool := must(pgxpool.New(ctx, os.Getenv("DATABASE_URL")))
 	defer pool.Close()
-	m, err := migrate.New(migrate.Config{Pool: pool, Schema: "docs_kafka"}) // idem's tables
-	check(err)
-	_, err = m.Up(ctx)
-	check(err)
-	_, err = pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS docs_kafka.orders (id text, total int)`)
-	check(err)
-	idem, err := consumer.New(consumer.Config{Pool: pool, Schema: "docs_kafka"})
-	check(err)
+	m := must(migrate.New(migrate.Config{Pool: pool, Schema: "docs_kafka"})) // idem's tables
+	must(m.Up(ctx))
+	must(pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS docs_kafka.orders (id text, total int)`))
+	idem := must(consumer.New(consumer.Config{Pool: pool, Schema: "docs_kafka"}))
 
 	brokers := strings.Split(os.Getenv("KAFKA_BROKERS"), ",")
 	cfg := kafka.SubscriberConfig{}
 	cfg.Brokers = brokers
 	cfg.GroupID = "docs-kafka" // a group of this page's own
-	sub, err := kafka.NewSubscriber(cfg)
-	check(err)
+	sub := must(kafka.NewSubscriber(cfg))
 	check(sub.SubscribeInitialize("docs-kafka-orders")) // creates the topic if missing
 	pcfg := kafka.PublisherConfig{}
 	pcfg.Brokers = brokers
-	pub, err := kafka.NewPublisher(pcfg)
-	check(err)
+	pub := must(kafka.NewPublisher(pcfg))
 	defer func() { _ = pub.Close() }()
 
 	id := watermill.NewUUID() // the idempotency key: a new order each run
 	var deliveries, runs atomic.Int64
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	check(err)
+	router := must(message.NewRouter(message.RouterConfig{}, watermill.NopLogger{}))
 	router.AddConsumerHandler("docs-kafka", "docs-kafka-orders", sub, func(msg *message.Message) error {
 		runs.Add(1) // duplicates never get here
 		_, err := consumer.Tx(msg.Context()).Exec(msg.Context(),
@@ -80,6 +72,12 @@ func main() {
 	var rows int
 	check(pool.QueryRow(ctx, `SELECT count(*) FROM docs_kafka.orders WHERE id = $1`, id).Scan(&rows))
 	fmt.Printf("deliveries %d, handler runs %d, order rows %d\n", deliveries.Load(), runs.Load(), rows)
+}
+
+// must and check stop the program on an error; a service would return it.
+func must[T any](v T, err error) T {
+	check(err)
+	return v
 }
 
 func check(err error) {

@@ -26,24 +26,17 @@ import (
 func main() {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	check(err)
+	pool := must(pgxpool.New(ctx, os.Getenv("DATABASE_URL")))
 	defer pool.Close()
-	m, err := migrate.New(migrate.Config{Pool: pool, Schema: "docs_nats"}) // idem's tables
-	check(err)
-	_, err = m.Up(ctx)
-	check(err)
-	_, err = pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS docs_nats.orders (id text, total int)`)
-	check(err)
-	idem, err := consumer.New(consumer.Config{Pool: pool, Schema: "docs_nats"})
-	check(err)
+	m := must(migrate.New(migrate.Config{Pool: pool, Schema: "docs_nats"})) // idem's tables
+	must(m.Up(ctx))
+	must(pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS docs_nats.orders (id text, total int)`))
+	idem := must(consumer.New(consumer.Config{Pool: pool, Schema: "docs_nats"}))
 
-	nc, err := natsgo.Connect(os.Getenv("NATS_URL")) // yours: the adapters leave it open
-	check(err)
+	nc := must(natsgo.Connect(os.Getenv("NATS_URL"))) // yours: the adapters leave it open
 	defer nc.Close()
 	topo := idemnats.Topology{AutoProvision: true} // one stream per topic, subject = topic
-	pub, err := idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo})
-	check(err)
+	pub := must(idemnats.NewPublisher(nc, idemnats.PublisherConfig{Topology: topo}))
 	defer func() { _ = pub.Close() }()
 	sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
 		Topology: topo,
@@ -54,8 +47,7 @@ func main() {
 
 	id := watermill.NewUUID() // the idempotency key: a new order each run
 	var deliveries, runs atomic.Int64
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	check(err)
+	router := must(message.NewRouter(message.RouterConfig{}, watermill.NopLogger{}))
 	router.AddConsumerHandler("docs-nats", "docs-nats-orders", sub, func(msg *message.Message) error {
 		runs.Add(1) // duplicates never get here
 		_, err := consumer.Tx(msg.Context()).Exec(msg.Context(),
@@ -82,6 +74,12 @@ func main() {
 	var rows int
 	check(pool.QueryRow(ctx, `SELECT count(*) FROM docs_nats.orders WHERE id = $1`, id).Scan(&rows))
 	fmt.Printf("deliveries %d, handler runs %d, order rows %d\n", deliveries.Load(), runs.Load(), rows)
+}
+
+// must and check stop the program on an error; a service would return it.
+func must[T any](v T, err error) T {
+	check(err)
+	return v
 }
 
 func check(err error) {
