@@ -142,6 +142,12 @@ type Config struct {
 	// Shards, in place of Pool and Schema, migrates every shard of the map (see
 	// package shard, and New); Pool and Schema must then be unset.
 	Shards *shard.Map
+	// Citus: Pool is a Citus coordinator, and Up distributes idem's tables by
+	// tenant after the migrations (inbox and effects colocated, failure_actions a
+	// reference table), in the same transaction; see docs/citus.md. A schema whose
+	// inbox is distributed already is treated so whatever Citus says. Up fails
+	// with ErrNoCitus on a database without the citus extension.
+	Citus bool
 }
 
 // WithDefaults returns c with every unset field at its default.
@@ -177,6 +183,8 @@ type Migrator struct {
 	// nil then).
 	shards []*Migrator
 	names  []string
+	// citus: Config.Citus.
+	citus bool
 }
 
 // New returns a Migrator for cfg.Schema, or an error that wraps "invalid config".
@@ -190,11 +198,11 @@ func New(cfg Config) (*Migrator, error) {
 	if cfg.Shards != nil {
 		m := &Migrator{migrations: Migrations(), names: cfg.Shards.Names()}
 		for _, s := range cfg.Shards.Shards {
-			m.shards = append(m.shards, &Migrator{db: s.Pool, schema: s.SchemaName(), migrations: m.migrations})
+			m.shards = append(m.shards, &Migrator{db: s.Pool, schema: s.SchemaName(), migrations: m.migrations, citus: cfg.Citus})
 		}
 		return m, nil
 	}
-	return &Migrator{db: cfg.Pool, schema: cfg.Schema, migrations: Migrations()}, nil
+	return &Migrator{db: cfg.Pool, schema: cfg.Schema, migrations: Migrations(), citus: cfg.Citus}, nil
 }
 
 // ErrOneShard is returned by a method that works on one database when the Migrator
@@ -225,6 +233,8 @@ type MigrationStatus struct {
 
 // Up applies every pending migration, in order, in one transaction. It returns the
 // versions it applied; none when the schema is current, so calling it twice is safe.
+// In Citus mode (Config.Citus, or a schema whose inbox is distributed) it then
+// distributes the tables not yet distributed, in the same transaction.
 // With a shard map it migrates every shard, each in its own transaction, and
 // returns the versions applied on any of them; a shard that fails does not stop the
 // others, and the error names every shard that failed (run Up again once they are
@@ -258,7 +268,7 @@ func (m *Migrator) Up(ctx context.Context) ([]int, error) {
 			}
 			applied = append(applied, mig.Version)
 		}
-		return nil
+		return m.distribute(ctx, tx)
 	})
 	return applied, err
 }

@@ -1,0 +1,72 @@
+// Package citusmode tells whether idem's tables in a schema are distributed by
+// Citus, and holds what idem sends differently then.
+//
+// The rule: idem runs in Citus mode on a schema whose inbox table is a Citus
+// distributed table (the citus extension is installed and pg_dist_partition lists
+// the table), as `idem migrate up --citus` leaves it. Nothing else switches it:
+// there is no knob on the consumer's, httpidem's or the janitor's config. Each of
+// them asks once, on its first transaction, and keeps the answer (Detector).
+//
+// It imports nothing of idem.
+package citusmode
+
+import (
+	"context"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// PropagateSet makes the SET LOCAL statements that follow it in the transaction
+// reach the Citus workers too (lock_timeout, idem's marks): Citus applies them on
+// the coordinator only by default. It is the first statement of a transaction in
+// Citus mode, sent in the round trip of the transaction's other settings.
+const PropagateSet = "SET LOCAL citus.propagate_set_commands = 'local'"
+
+// hasCitusSQL answers whether the citus extension is installed, and so whether
+// distributedSQL can run (pg_dist_partition exists only with it).
+const hasCitusSQL = `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')`
+
+// distributedSQL answers whether the table $1 (a qualified name) is a Citus
+// distributed or reference table.
+const distributedSQL = `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition WHERE logicalrelid = to_regclass($1))`
+
+// Querier runs one query; *pgxpool.Pool, *pgx.Conn and pgx.Tx all do.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Distributed reports whether table (a qualified, quoted name such as
+// "idem".inbox) is distributed by Citus.
+func Distributed(ctx context.Context, q Querier, table string) (bool, error) {
+	var on bool
+	if err := q.QueryRow(ctx, hasCitusSQL).Scan(&on); err != nil || !on {
+		return false, err
+	}
+	err := q.QueryRow(ctx, distributedSQL, table).Scan(&on)
+	return on, err
+}
+
+// Detector asks Distributed once and keeps the answer; an error is not kept, so
+// the next call asks again. Its zero value is ready to use; it is safe for
+// concurrent use.
+type Detector struct {
+	mu    sync.Mutex
+	known bool
+	on    bool
+}
+
+// On reports whether table is distributed, asking q the first time only.
+func (d *Detector) On(ctx context.Context, q Querier, table string) (bool, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.known {
+		return d.on, nil
+	}
+	on, err := Distributed(ctx, q, table)
+	if err != nil {
+		return false, err
+	}
+	d.known, d.on = true, on
+	return on, nil
+}
