@@ -23,6 +23,7 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/text"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
@@ -59,6 +60,9 @@ type Consumer struct {
 	stop     sync.Once
 	// orderOnce logs the first message refused for a PoisonQueue inside idem.
 	orderOnce sync.Once
+
+	// citus: whether the schema is distributed by Citus, asked once (txOptions).
+	citus citusmode.Detector
 
 	// sharded: this is one shard's Consumer of a sharded one, so a message without
 	// a tenant is refused (ErrTenantMissing), never routed by the empty tenant.
@@ -577,7 +581,7 @@ func (c *Consumer) recordFailureCtx(ctx context.Context, req *request, cause err
 		return outcome{kind: outRejected, err: cause}
 	}
 	var res inbox.ClaimResult
-	err := pgx.BeginTxFunc(ctx, c.cfg.Pool, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel}, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, c.cfg.Pool, c.txOptions(ctx, ""), func(tx pgx.Tx) error {
 		if err := c.setLockTimeout(ctx, tx); err != nil {
 			return err
 		}

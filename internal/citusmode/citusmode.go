@@ -23,6 +23,10 @@ import (
 // Citus mode, sent in the round trip of the transaction's other settings.
 const PropagateSet = "SET LOCAL citus.propagate_set_commands = 'local'"
 
+// StopPropagating ends PropagateSet for the SET LOCAL statements that follow it,
+// for a setting that only the coordinator reads.
+const StopPropagating = "SET LOCAL citus.propagate_set_commands = 'none'"
+
 // hasCitusSQL answers whether the citus extension is installed, and so whether
 // distributedSQL can run (pg_dist_partition exists only with it).
 const hasCitusSQL = `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')`
@@ -69,4 +73,39 @@ func (d *Detector) On(ctx context.Context, q Querier, table string) (bool, error
 	}
 	d.known, d.on = true, on
 	return on, nil
+}
+
+// Begin is the BEGIN of a transaction in Citus mode (pgx's TxOptions.BeginQuery):
+// BEGIN at iso (the server's default when empty), and PropagateSet in the same
+// simple query, so that it costs no round trip.
+func Begin(iso pgx.TxIsoLevel) string {
+	begin := "BEGIN"
+	if iso != "" {
+		begin += " ISOLATION LEVEL " + string(iso)
+	}
+	return begin + "; " + PropagateSet
+}
+
+// Beginner begins transactions; *pgxpool.Pool and *pgx.Conn do.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// RowIn is QueryRow run in a transaction of its own on db, for a caller that can
+// only begin transactions: the query runs when the row is scanned.
+func RowIn(ctx context.Context, db Beginner, sql string, args ...any) pgx.Row {
+	return rowIn{ctx: ctx, db: db, sql: sql, args: args}
+}
+
+type rowIn struct {
+	ctx  context.Context
+	db   Beginner
+	sql  string
+	args []any
+}
+
+func (r rowIn) Scan(dest ...any) error {
+	return pgx.BeginFunc(r.ctx, r.db, func(tx pgx.Tx) error {
+		return tx.QueryRow(r.ctx, r.sql, r.args...).Scan(dest...)
+	})
 }

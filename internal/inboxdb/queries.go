@@ -144,11 +144,15 @@ func New(schema string) Queries {
 		// A processing row whose lease ran out is taken over in the same statement,
 		// fence + 1, so two deliveries can never both believe they hold the key. The
 		// fingerprint must match: a different command never takes over a key.
+		// The lease ran out when it ends before the transaction's now(), which the
+		// proposed row carries as received_at (its default): Citus refuses a
+		// function that is not IMMUTABLE in ON CONFLICT's WHERE, and this reads the
+		// same value without one.
 		Lease: `INSERT INTO ` + t + ` AS i (consumer, tenant, key, fingerprint, state, lease_until, fence, expires_at)
 			VALUES ($1, $2, $3, $4, 'processing', now() + $6::interval, 1, now() + $5::interval)
 			ON CONFLICT (consumer, tenant, key) DO UPDATE
 				SET fence = i.fence + 1, lease_until = EXCLUDED.lease_until, attempts = i.attempts + 1
-				WHERE i.state = 'processing' AND i.lease_until < now() AND i.fingerprint = EXCLUDED.fingerprint
+				WHERE i.state = 'processing' AND i.lease_until < EXCLUDED.received_at AND i.fingerprint = EXCLUDED.fingerprint
 			RETURNING fence`,
 		CompleteLease: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
 				expires_at = now() + $5::interval

@@ -50,6 +50,11 @@ func allowList(schema string) []allowed {
 		{why: "commit guard", re: `^INSERT INTO ` + t + `"?commit_guard"? DEFAULT VALUES$`},
 		{why: "commit check of the transaction's mark", re: `^` + regexp.QuoteMeta(sqlaudit.Normalize(txmark.Check)) + `; (SET LOCAL idem\.commit = 'on'; )?COMMIT$`},
 		{why: "rollback's check of the transaction's mark", re: `^SELECT ` + regexp.QuoteMeta(txmark.Marked) + `$`},
+		// Whether the schema is distributed by Citus (internal/citusmode), asked once
+		// by each consumer, httpidem middleware and janitor: catalogs, no table of
+		// idem's. The second question is asked only where Citus is installed.
+		{why: "Citus mode: is the extension installed", re: `^SELECT EXISTS \(SELECT 1 FROM pg_catalog\.pg_extension WHERE extname = 'citus'\)$`},
+		{why: "Citus mode: is the inbox distributed", rare: true, re: `^SELECT EXISTS \(SELECT 1 FROM pg_catalog\.pg_dist_partition WHERE logicalrelid = to_regclass\(\$1\)\)$`},
 		// httpidem's transaction id, read at BEGIN and after a cut connection: no table.
 		{why: "httpidem: the transaction's id", re: `^SELECT pg_current_xact_id\(\)::text$`},
 		{why: "httpidem: the transaction's status after a cut", rare: true, re: `^SELECT pg_xact_status\(\$1::xid8\)$`},
