@@ -90,12 +90,19 @@ func (c *Consumer) txOptions(ctx context.Context, commitQuery string) pgx.TxOpti
 // onCitus reports whether the consumer's schema is distributed by Citus
 // (citusmode), asking the database the first time; false when it cannot ask.
 func (c *Consumer) onCitus(ctx context.Context) bool {
-	on, err := c.citus.On(ctx, beginnerQuerier{c.cfg.Pool}, pgx.Identifier{c.cfg.Schema, "inbox"}.Sanitize())
+	if on, known := c.citus.Known(); known {
+		return on
+	}
+	q, ok := c.cfg.Pool.(citusmode.Querier) // *pgxpool.Pool and *pgx.Conn are
+	if !ok {
+		q = beginnerQuerier{c.cfg.Pool}
+	}
+	on, err := c.citus.On(ctx, q, pgx.Identifier{c.cfg.Schema, "inbox"}.Sanitize())
 	return err == nil && on
 }
 
 // beginnerQuerier runs each query of citusmode's question in a transaction of its
-// own: Config.Pool can only begin transactions.
+// own, for a Config.Pool that can only begin transactions.
 type beginnerQuerier struct{ db Beginner }
 
 func (b beginnerQuerier) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {

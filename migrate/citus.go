@@ -67,8 +67,8 @@ func (m *Migrator) distribute(ctx context.Context, tx pgx.Tx) error {
 	if !m.citus && !on {
 		return nil
 	}
-	var has bool
-	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')`).Scan(&has); err != nil {
+	has, err := citusmode.Installed(ctx, tx)
+	if err != nil {
 		return err
 	}
 	if !has {

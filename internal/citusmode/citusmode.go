@@ -27,9 +27,10 @@ const PropagateSet = "SET LOCAL citus.propagate_set_commands = 'local'"
 // for a setting that only the coordinator reads.
 const StopPropagating = "SET LOCAL citus.propagate_set_commands = 'none'"
 
-// hasCitusSQL answers whether the citus extension is installed, and so whether
-// distributedSQL can run (pg_dist_partition exists only with it).
-const hasCitusSQL = `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')`
+// hasCitusSQL answers whether Citus's catalog is there (the citus extension is
+// installed), and so whether distributedSQL can run: one statement, and the only
+// one, on a plain Postgres.
+const hasCitusSQL = `SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL`
 
 // distributedSQL answers whether the table $1 (a qualified name) is a Citus
 // distributed or reference table.
@@ -40,14 +41,21 @@ type Querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
+// Installed reports whether the citus extension is installed in the database.
+func Installed(ctx context.Context, q Querier) (bool, error) {
+	var on bool
+	err := q.QueryRow(ctx, hasCitusSQL).Scan(&on)
+	return on, err
+}
+
 // Distributed reports whether table (a qualified, quoted name such as
 // "idem".inbox) is distributed by Citus.
 func Distributed(ctx context.Context, q Querier, table string) (bool, error) {
-	var on bool
-	if err := q.QueryRow(ctx, hasCitusSQL).Scan(&on); err != nil || !on {
+	on, err := Installed(ctx, q)
+	if err != nil || !on {
 		return false, err
 	}
-	err := q.QueryRow(ctx, distributedSQL, table).Scan(&on)
+	err = q.QueryRow(ctx, distributedSQL, table).Scan(&on)
 	return on, err
 }
 
@@ -58,6 +66,13 @@ type Detector struct {
 	mu    sync.Mutex
 	known bool
 	on    bool
+}
+
+// Known returns the kept answer, if there is one (known).
+func (d *Detector) Known() (on, known bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.on, d.known
 }
 
 // On reports whether table is distributed, asking q the first time only.

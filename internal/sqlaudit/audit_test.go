@@ -53,7 +53,7 @@ func allowList(schema string) []allowed {
 		// Whether the schema is distributed by Citus (internal/citusmode), asked once
 		// by each consumer, httpidem middleware and janitor: catalogs, no table of
 		// idem's. The second question is asked only where Citus is installed.
-		{why: "Citus mode: is the extension installed", re: `^SELECT EXISTS \(SELECT 1 FROM pg_catalog\.pg_extension WHERE extname = 'citus'\)$`},
+		{why: "Citus mode: is the extension installed", re: `^SELECT to_regclass\('pg_catalog\.pg_dist_partition'\) IS NOT NULL$`},
 		{why: "Citus mode: is the inbox distributed", rare: true, re: `^SELECT EXISTS \(SELECT 1 FROM pg_catalog\.pg_dist_partition WHERE logicalrelid = to_regclass\(\$1\)\)$`},
 		// httpidem's transaction id, read at BEGIN and after a cut connection: no table.
 		{why: "httpidem: the transaction's id", re: `^SELECT pg_current_xact_id\(\)::text$`},
