@@ -25,6 +25,9 @@ type Queries struct {
 	Lease, CompleteLease, FailLease, ReleaseLease                      string
 	DeleteExpiredKey, DeleteExpiredKeys                                string
 	DeleteExpired                                                      string
+	// DeleteExpiredByKey is DeleteExpired on Citus (citusmode), which refuses
+	// FOR UPDATE across shards: see New.
+	DeleteExpiredByKey string
 
 	// The stored HTTP responses (httpidem).
 	ClaimReturningRow, ClaimMarkedReturningRow            string
@@ -187,6 +190,17 @@ func New(schema string) Queries {
 				LIMIT $1
 				FOR UPDATE SKIP LOCKED))
 			AND state IN ('completed', 'failed')`,
+		// DeleteExpired on Citus, where the inbox is spread over shards: a row
+		// lock across shards (FOR UPDATE) and the ctid of another shard's row mean
+		// nothing there. The batch is picked the same way, and deleted by primary
+		// key; Citus runs the pick first, on every shard, then the delete of what
+		// it found. A row someone holds is waited for, not skipped.
+		DeleteExpiredByKey: `DELETE FROM ` + t + ` WHERE (consumer, tenant, key) IN (
+				SELECT consumer, tenant, key FROM ` + t + `
+				WHERE state IN ('completed', 'failed') AND expires_at < now()
+				ORDER BY expires_at
+				LIMIT $1)
+			AND state IN ('completed', 'failed') AND expires_at < now()`,
 		// The stored HTTP responses (httpidem). The claim returns where its row
 		// went (the ctid), for SaveResponseOrFail to find it without an index lookup.
 		ClaimReturningRow: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)

@@ -52,13 +52,14 @@ func TestRoutable(t *testing.T) {
 func TestInboxStatementsNameOneTenant(t *testing.T) {
 	t.Parallel()
 	require.Empty(t, sqlaudit.CheckFields(inboxdb.New("idem"), map[string]string{
-		"DeleteExpired":     "the janitor's retention delete, across tenants",
-		"ClaimBatch":        "a batch of several tenants (ClaimBatchOneTenant names one)",
-		"GetBatch":          "a batch of several tenants (GetBatchOneTenant names one)",
-		"DeleteExpiredKeys": "a batch of several tenants (DeleteExpiredKeysOneTenant names one)",
+		"DeleteExpired":      "the janitor's retention delete, across tenants",
+		"DeleteExpiredByKey": "the janitor's retention delete on Citus, across tenants",
+		"ClaimBatch":         "a batch of several tenants (ClaimBatchOneTenant names one)",
+		"GetBatch":           "a batch of several tenants (GetBatchOneTenant names one)",
+		"DeleteExpiredKeys":  "a batch of several tenants (DeleteExpiredKeysOneTenant names one)",
 	}))
 	// It catches a statement that names no tenant.
 	q := inboxdb.New("idem")
 	q.Get = `SELECT * FROM inbox WHERE consumer = $1 AND key = $3`
-	require.Len(t, sqlaudit.CheckFields(q, map[string]string{"DeleteExpired": "", "ClaimBatch": "", "GetBatch": "", "DeleteExpiredKeys": ""}), 1)
+	require.Len(t, sqlaudit.CheckFields(q, map[string]string{"DeleteExpired": "", "DeleteExpiredByKey": "", "ClaimBatch": "", "GetBatch": "", "DeleteExpiredKeys": ""}), 1)
 }
