@@ -18,7 +18,9 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/errcode"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
 )
@@ -50,6 +52,31 @@ type Middleware struct {
 
 	// shards, with a shard map, routes each request to its shard's Middleware.
 	shards *shardSet
+
+	// citus: whether the schema is distributed by Citus, asked on the first
+	// request (onCitus).
+	citus citusmode.Detector
+}
+
+// onCitus reports whether the schema is distributed by Citus (internal/citusmode),
+// asking the database through conn (the request's connection, outside any
+// transaction) on the first call; false while it cannot ask. On Citus every
+// transaction sends citusmode.PropagateSet right after BEGIN, so that its SET
+// LOCAL statements (lock_timeout, txmark.Mark) reach the workers, and the claim
+// goes without the prepared statements, whose claim sets them with set_config,
+// which Citus applies on the coordinator only.
+func (m *Middleware) onCitus(ctx context.Context, conn *pgx.Conn) bool {
+	if on, known := m.citus.Known(); known {
+		return on
+	}
+	on, err := m.citus.On(ctx, conn, pgschema.Table(m.cfg.Schema, "inbox"))
+	return err == nil && on
+}
+
+// citusClaimPrelude is the claim's prelude on Citus: BEGIN, then the settings as
+// SET LOCAL statements that reach the workers.
+func citusClaimPrelude(wait time.Duration) []string {
+	return []string{beginSQL, citusmode.PropagateSet, lockTimeoutSQL(wait), txmark.Mark}
 }
 
 // New validates cfg and returns a Middleware.
@@ -339,10 +366,13 @@ func (m *Middleware) serveTx(q *request) {
 	start := time.Now()
 	var res responseClaim
 	wait := max(m.cfg.LockTimeout, time.Millisecond)
-	if m.prepared != nil {
+	switch citus := m.onCitus(cctx, tx.conn); {
+	case citus:
+		res, err = m.store.ClaimResponseTx(cctx, tx, citusClaimPrelude(wait), q.claim, wait)
+	case m.prepared != nil:
 		res, q.stmts, err = m.store.ClaimResponsePrepared(cctx, tx.conn, m.prepared, q.claim, wait)
 		q.prepared = true
-	} else {
+	default:
 		res, err = m.store.ClaimResponseTx(cctx, tx, m.claimPrelude, q.claim, wait)
 	}
 	m.metrics.op(q.claim.Consumer).lockWait.Observe(time.Since(start).Seconds())
@@ -737,7 +767,11 @@ func (m *Middleware) storeFailure(q *request, resp *Response) {
 // its own on conn (outside any transaction), waiting up to LockTimeout for a concurrent
 // request with the key; if the key has a row, it returns that instead.
 func (m *Middleware) recordFailure(ctx context.Context, conn *connTx, c inbox.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
-	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+	opts := pgx.TxOptions{IsoLevel: pgx.ReadCommitted}
+	if m.onCitus(ctx, conn.conn) {
+		opts.BeginQuery = citusmode.Begin(opts.IsoLevel)
+	}
+	err = pgx.BeginTxFunc(ctx, conn.conn, opts, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, lockTimeoutSQL(m.cfg.LockTimeout)); err != nil {
 			return err
 		}
@@ -879,12 +913,19 @@ func (m *Middleware) begin(ctx context.Context, q *request, withXID bool) (*conn
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
+	citus := m.onCitus(ctx, tx.conn)
+	if citus {
+		b.Queue(citusmode.PropagateSet)
+	}
 	b.Queue(txmark.Mark)
 	if withXID {
 		b.Queue(xidSQL)
 	}
 	br := tx.conn.SendBatch(ctx, b)
 	_, err = br.Exec()
+	if err == nil && citus {
+		_, err = br.Exec()
+	}
 	if err == nil {
 		_, err = br.Exec()
 	}
