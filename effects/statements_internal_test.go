@@ -37,3 +37,16 @@ func TestStatementsNameOneTenant(t *testing.T) {
 		"fingerprintOf": "a read of several tenants' effects (fingerprintOfOne names one)",
 	}))
 }
+
+// The statements of one tenant's effects break none of Citus's rules
+// (sqlaudit.CitusRefusals), so they run on a Citus worker as they are.
+func TestOneTenantStatementsTakeCitusRules(t *testing.T) {
+	t.Parallel()
+	q, e := newQueries("idem", 100, true), newEnqueueQueries("idem")
+	for name, sql := range map[string]string{
+		"claim": q.claim, "recordOne": q.recordOne, "recordAgainOne": q.recordAgainOne,
+		"insert": e.insert, "insertManyOne": e.insertManyOne, "fingerprintOfOne": e.fingerprintOfOne,
+	} {
+		require.Empty(t, sqlaudit.CitusRefusals(sql), name)
+	}
+}

@@ -215,7 +215,8 @@ var (
 //     be carried between nodes ("column "pg_notify" has pseudo-type void").
 //   - A function that is not IMMUTABLE (now(), current_setting…) in the WHERE of
 //     ON CONFLICT … DO UPDATE, in a RETURNING clause, or inside CASE or COALESCE
-//     in the part of the statement that writes a table.
+//     at the level of the statement that writes a table (its SET, its WHERE, an
+//     INSERT's select list; not in a subquery, which Citus plans apart).
 //   - FOR UPDATE or FOR SHARE in a statement that does not name one tenant: row
 //     locks across shards.
 //   - plan_cache_mode = force_generic_plan: Citus cannot plan a parameterized
@@ -245,6 +246,9 @@ func CitusRefusals(sql string) []string {
 			inReturning = inReturning || notImmutable.MatchString(write[r[1]:])
 		}
 		for _, c := range caseOrCoalesce.FindAllStringIndex(body, -1) {
+			if depth(body, c[0]) > 0 {
+				continue // in a subquery (OFFSET 0), which Citus plans apart
+			}
 			var inner string
 			if strings.HasSuffix(body[c[0]:c[1]], "(") {
 				inner = body[c[1]:closing(body, c[1])]

@@ -1,0 +1,78 @@
+package effects
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// On Citus, the one-tenant claim (without the plan settings, which stay the
+// Dispatcher's on Citus to decide) and the one-tenant outcome writes run on the
+// tenant's worker: the claim returns each due effect with its lag, and the
+// outcome writes record done, retried and dead effects (with their times and
+// failure group) once, a retry reporting what the first run recorded.
+func TestCitusClaimAndOutcomeWritesOfOneTenant(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 4})
+	keys := []string{"k1", "k2", "k3"}
+	for _, tenant := range []string{"a", "b"} {
+		for _, key := range keys {
+			_, err := EnqueueScoped(ctx, pool, Scope{Schema: schema, Source: Source{Tenant: tenant}}, Effect{Kind: "mail", Key: key})
+			require.NoError(t, err)
+		}
+	}
+	one := newQueries(schema, 100, true)
+	var claimed []string
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, one.claim, []string{"mail"}, []int32{10}, time.Minute, "a")
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			vals, err := rows.Values()
+			if err != nil {
+				return err
+			}
+			require.Equal(t, "a", vals[0])
+			require.GreaterOrEqual(t, vals[9].(float64), 0.0, "the lag")
+			claimed = append(claimed, vals[2].(string))
+		}
+		return rows.Err()
+	})
+	require.NoError(t, err)
+	slices.Sort(claimed)
+	require.Equal(t, keys, claimed)
+
+	n := len(keys)
+	code, masked := "boom", "boom"
+	args := []any{slices.Repeat([]string{"a"}, n), slices.Repeat([]string{"mail"}, n), keys, slices.Repeat([]int64{1}, n),
+		[]string{"done", "pending", "dead"}, []int64{0, 60_000, 0}, make([]bool, n), make([]int32, n),
+		[]*string{nil, &code, &code}, []*string{nil, nil, &code}, []*string{nil, nil, &masked}, "a"}
+	recorded := func(sql string) []int64 {
+		t.Helper()
+		rows, err := pool.Query(ctx, sql, args...)
+		require.NoError(t, err)
+		got, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		require.NoError(t, err)
+		slices.Sort(got)
+		return got
+	}
+	require.Equal(t, []int64{1, 2, 3}, recorded(one.recordOne))
+	require.Equal(t, []int64{1, 2, 3}, recorded(one.recordAgainOne), "a retry reports what the first run recorded")
+	require.Empty(t, recorded(one.recordOne), "record applies once")
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND key = 'k1'
+		AND state = 'done' AND done_at IS NOT NULL AND recorded_fence = 1`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND key = 'k2'
+		AND state = 'pending' AND next_attempt_at > now() + interval '50 seconds' AND last_error = 'boom'`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND key = 'k3'
+		AND state = 'dead' AND dead_at IS NOT NULL AND error_code = 'boom' AND length(error_group) = 8`))
+	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'b' AND state = 'pending' AND fence = 0`),
+		"tenant b's effects untouched")
+}
