@@ -214,7 +214,8 @@ type Config struct {
 	// statements, and a mixed batch commits its tenants in one transaction, which
 	// is cheaper on one database. With many tenants in flight at once it makes
 	// more, smaller transactions. Without Tenant every message's tenant is "", and
-	// nothing is split.
+	// nothing is split. On a schema distributed by Citus (docs/citus.md) every
+	// batch is split, whatever this says.
 	BatchPerTenant bool
 	// Lease is the lease length in Lease mode (default 30 s).
 	Lease time.Duration
