@@ -2,11 +2,13 @@ package effects
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/internal/pgtest"
@@ -75,4 +77,47 @@ func TestCitusClaimAndOutcomeWritesOfOneTenant(t *testing.T) {
 		AND state = 'dead' AND dead_at IS NOT NULL AND error_code = 'boom' AND length(error_group) = 8`))
 	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'b' AND state = 'pending' AND fence = 0`),
 		"tenant b's effects untouched")
+}
+
+// On Citus, a Dispatcher for one tenant (Config.Tenant) sends that tenant's
+// effects from the worker that holds them: a success is done, a transient
+// failure is retried and then done, a permanent one is dead; another tenant's
+// effects stay pending. Its claims and outcome writes go without the generic
+// plan setting, which Citus cannot plan with.
+func TestCitusDispatcherForOneTenant(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 6})
+	for _, tenant := range []string{"a", "b"} {
+		for _, key := range []string{"ok", "flaky", "doomed"} {
+			_, err := EnqueueScoped(ctx, pool, Scope{Schema: schema, Source: Source{Tenant: tenant}}, Effect{Kind: "mail", Key: key})
+			require.NoError(t, err)
+		}
+	}
+	send := SenderFunc(func(_ context.Context, d Delivery) error {
+		require.Equal(t, "a", d.Tenant)
+		switch {
+		case d.Key == "flaky" && d.Attempt == 1:
+			return errors.New("again")
+		case d.Key == "doomed":
+			return Permanent(errors.New("never"))
+		}
+		return nil
+	})
+	d, err := NewDispatcher(Config{Pool: pool, Schema: schema, Tenant: "a", Senders: map[string]Sender{"mail": send},
+		PollInterval: 20 * time.Millisecond, Backoff: Backoff{Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond},
+		Registerer: prometheus.NewRegistry()})
+	require.NoError(t, err)
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- d.Run(runCtx) }()
+	pgtest.WaitFor(t, 30*time.Second, "tenant a's effects settled", func() bool {
+		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND state = 'pending'`) == 0
+	})
+	cancel()
+	require.NoError(t, <-done)
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND key = 'ok' AND state = 'done' AND attempts = 1`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND key = 'flaky' AND state = 'done' AND attempts = 2`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND key = 'doomed' AND state = 'dead' AND dead_at IS NOT NULL`))
+	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'b' AND state = 'pending' AND attempts = 0`))
 }

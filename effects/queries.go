@@ -2,9 +2,11 @@ package effects
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/failgroup"
 )
 
@@ -106,6 +108,20 @@ var (
 	// The outcome commits without waiting for its WAL flush: see writeOutcomes.
 	recordSettings = append([]string{"SET LOCAL synchronous_commit = off"}, claimSettings...)
 )
+
+// citusSettings are settings (claimSettings or recordSettings) on Citus:
+// citusmode.PropagateSet first, so that they apply on the workers, where the
+// statements are planned and run, and without force_generic_plan, with which
+// Citus cannot plan the parameterized claim ("could not create distributed plan").
+func citusSettings(settings []string) []string {
+	out := []string{citusmode.PropagateSet}
+	for _, s := range settings {
+		if !strings.Contains(s, "plan_cache_mode") {
+			out = append(out, s)
+		}
+	}
+	return out
+}
 
 // enqueueQueries are Enqueue's statements for one schema.
 //
