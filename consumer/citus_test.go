@@ -134,9 +134,9 @@ func TestCitusEveryMode(t *testing.T) {
 }
 
 // On Citus, LockTimeout bounds the claim's wait for a key another transaction
-// holds on a worker (the wait is on the worker, which Citus's citus_lock_waits
-// shows), and the delivery is nacked as busy; once the holder rolls back, the
-// redelivery commits.
+// holds on a worker (citus_lock_waits shows the wait, then shows it gone), and
+// the delivery is nacked as busy; once the holder rolls back, the redelivery
+// commits.
 func TestCitusLockTimeoutReachesTheWorker(t *testing.T) {
 	t.Parallel()
 	pool, schema := citusLedger(t)
@@ -145,7 +145,7 @@ func TestCitusLockTimeoutReachesTheWorker(t *testing.T) {
 		t.Run(mode.String(), func(t *testing.T) {
 			name := "lock-" + mode.String()
 			c, err := consumer.New(consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: mode,
-				Tenant: consumer.MetadataTenant("tenant"), LockTimeout: 300 * time.Millisecond,
+				Tenant: consumer.MetadataTenant("tenant"), LockTimeout: 3 * time.Second,
 				Registerer: prometheus.NewRegistry()})
 			require.NoError(t, err)
 			defer func() { require.NoError(t, c.Close()) }()
@@ -171,6 +171,12 @@ func TestCitusLockTimeoutReachesTheWorker(t *testing.T) {
 			m.SetContext(mctx)
 			done := make(chan error, 1)
 			go func() { _, err := h(m); done <- err }()
+			// citus_lock_waits shows the claim waiting (on the worker that holds the
+			// key: the coordinator's pg_stat_activity does not show it).
+			lockWaits := `SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE '%' || $1 || '%inbox%'`
+			pgtest.WaitFor(t, 3*time.Second, "the claim waiting for the held key", func() bool {
+				return pgtest.Count(t, pool, lockWaits, schema) == 1
+			})
 			var err2 error
 			select {
 			case err2 = <-done:
@@ -179,6 +185,7 @@ func TestCitusLockTimeoutReachesTheWorker(t *testing.T) {
 			}
 			require.ErrorIs(t, err2, consumer.ErrBusy)
 			require.Contains(t, err2.Error(), "lock timeout")
+			require.Zero(t, pgtest.Count(t, pool, lockWaits, schema), "the wait ended on the worker")
 			require.NoError(t, holder.Rollback(ctx))
 			_, err = h(citusMsg("a", "1"))
 			require.NoError(t, err)

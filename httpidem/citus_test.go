@@ -19,6 +19,11 @@ import (
 	"github.com/idemkit/idem/internal/pgtest"
 )
 
+// lockWaits counts the statements on schema's inbox that wait for a lock, as
+// Citus's citus_lock_waits shows them from the coordinator (the wait is on a
+// worker, which the coordinator's pg_stat_activity does not show).
+const lockWaits = `SELECT count(*) FROM citus_lock_waits WHERE blocked_statement LIKE '%' || $1 || '%inbox%'`
+
 // citusLedger is a schema on the Citus coordinator migrated in Citus mode, with a
 // business table distributed by tenant and colocated with idem's tables.
 func citusLedger(t *testing.T, opts pgtest.Options) (*pgxpool.Pool, string) {
@@ -112,12 +117,13 @@ func TestCitusBothModes(t *testing.T) {
 }
 
 // On Citus, LockTimeout bounds the wait for a concurrent request's key on the
-// worker that holds it (citus_lock_waits shows the wait there): the request is
-// answered 409 while the holder still holds the key.
+// worker that holds it: citus_lock_waits shows the request's claim waiting, and
+// then the request is answered 409, its wait gone, while the holder still holds
+// the key.
 func TestCitusLockTimeoutReachesTheWorker(t *testing.T) {
 	t.Parallel()
 	pool, schema := citusLedger(t, pgtest.Options{MaxConns: 6})
-	do := citusServer(t, pool, schema, func(c *httpidem.Config) { c.LockTimeout = 300 * time.Millisecond })
+	do := citusServer(t, pool, schema, func(c *httpidem.Config) { c.LockTimeout = 3 * time.Second })
 	ctx := context.Background()
 	store, err := inbox.NewStore(schema)
 	require.NoError(t, err)
@@ -129,6 +135,9 @@ func TestCitusLockTimeoutReachesTheWorker(t *testing.T) {
 	require.True(t, res.Claimed)
 	done := make(chan *httptest.ResponseRecorder, 1)
 	go func() { done <- do(false, "a", "/pay", "held", `{}`) }()
+	pgtest.WaitFor(t, 3*time.Second, "the claim waiting for the held key", func() bool {
+		return pgtest.Count(t, pool, lockWaits, schema) == 1
+	})
 	var w *httptest.ResponseRecorder
 	select {
 	case w = <-done:
@@ -140,6 +149,7 @@ func TestCitusLockTimeoutReachesTheWorker(t *testing.T) {
 		t.Fatalf("the request still waited for the held key after 20 s (%d lock waits on the workers)", waits)
 	}
 	require.Equal(t, http.StatusConflict, w.Code, w.Body.String())
+	require.Zero(t, pgtest.Count(t, pool, lockWaits, schema), "the wait ended on the worker")
 	require.NoError(t, holder.Rollback(ctx))
 	require.Equal(t, http.StatusCreated, do(false, "a", "/pay", "held", `{}`).Code)
 }
