@@ -233,3 +233,36 @@ func TestCitusCommitGuardCatchesAHandlersCommit(t *testing.T) {
 	}
 	require.Equal(t, 2, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE consumer = 'guard' AND state = 'completed'`))
 }
+
+// On Citus, in Transactional mode, a handler that ends idem's transaction and
+// begins another (COMMIT; BEGIN) is caught by the mark's check in idem's COMMIT:
+// what it wrote in its second transaction is rolled back, and the key is
+// reported as handler_ended_transaction.
+func TestCitusTransactionalCatchesAHandlersCommit(t *testing.T) {
+	t.Parallel()
+	pool, schema := citusLedger(t)
+	var codes []string
+	var mu sync.Mutex
+	c, err := consumer.New(consumer.Config{Name: "ended", Pool: pool, Schema: schema, Mode: consumer.Transactional,
+		Tenant: consumer.MetadataTenant("tenant"), Registerer: prometheus.NewRegistry(),
+		OnFailure: func(_ context.Context, f consumer.Failure) {
+			mu.Lock()
+			codes = append(codes, f.Code)
+			mu.Unlock()
+		}})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, c.Close()) }()
+	h := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		ctx := m.Context()
+		tx := consumer.Tx(ctx)
+		_, _ = tx.Exec(ctx, "COMMIT; BEGIN")
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (tenant, key) VALUES ('a', 'after')`)
+		return nil, err
+	})
+	_, err = h(citusMsg("a", "k"))
+	require.NoError(t, err, "recorded, and acked")
+	require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM ledger WHERE tenant = 'a' AND key = 'after'`))
+	mu.Lock()
+	require.Equal(t, []string{"handler_ended_transaction"}, codes)
+	mu.Unlock()
+}
