@@ -73,9 +73,9 @@ func (c *Consumer) beginGroup(ctx context.Context) (pgx.Tx, error) {
 // distributed, asked once) its BEGIN also sends citusmode.PropagateSet in the same
 // round trip, so that the SET LOCAL statements that follow (lock_timeout, the
 // marks) reach the workers too, and a group-commit batch commits with
-// groupCommitCitusSQL. A failed question is asked again at the next
-// transaction, which then begins as on plain Postgres: its statements fail on
-// Citus rather than run unbounded there.
+// groupCommitCitusSQL. A question that fails (most likely the database is
+// unreachable, and the transaction fails too) is asked again at the next
+// transaction; the transaction begins meanwhile as on plain Postgres.
 func (c *Consumer) txOptions(ctx context.Context, commitQuery string) pgx.TxOptions {
 	opts := pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: commitQuery}
 	if c.onCitus(ctx) {
