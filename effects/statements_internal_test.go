@@ -32,3 +32,15 @@ func TestStatementsNameOneTenant(t *testing.T) {
 	}
 	require.Empty(t, sqlaudit.CheckFields(newQueries("idem", 100, true), filtered), "a Dispatcher with a Tenant claims with tenant = $4")
 }
+
+// The Dispatcher's statements of one tenant's effects break none of Citus's rules
+// (sqlaudit.CitusRefusals), so they run on a Citus worker as they are.
+func TestOneTenantStatementsTakeCitusRules(t *testing.T) {
+	t.Parallel()
+	q := newQueries("idem", 100, true)
+	for name, sql := range map[string]string{
+		"claim": q.claim, "recordOne": q.recordOne, "recordAgainOne": q.recordAgainOne,
+	} {
+		require.Empty(t, sqlaudit.CitusRefusals(sql), name)
+	}
+}
