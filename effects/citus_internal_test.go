@@ -34,7 +34,7 @@ func TestCitusClaimAndOutcomeWritesOfOneTenant(t *testing.T) {
 	one := newQueries(schema, 100, true)
 	var claimed []string
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		rows, err := tx.Query(ctx, one.claim, []string{"mail"}, []int32{10}, time.Minute, "a")
+		rows, err := tx.Query(ctx, one.claimCitus, []string{"mail"}, []int32{10}, time.Minute, "a")
 		if err != nil {
 			return err
 		}

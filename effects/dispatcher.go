@@ -61,18 +61,22 @@ type dispatcher struct {
 	citus citusmode.Detector
 }
 
+// onCitus reports whether the schema is distributed by Citus
+// (internal/citusmode), asking the database the first time; false while it
+// cannot ask.
+func (d *dispatcher) onCitus(ctx context.Context) bool {
+	if on, known := d.citus.Known(); known {
+		return on
+	}
+	on, err := d.citus.On(ctx, d.pool, pgschema.Table(d.cfg.Schema, "inbox"))
+	return err == nil && on
+}
+
 // settings are the SET LOCAL statements of a claim's or an outcome write's
 // transaction (claimSettings, recordSettings, or their Citus forms, citusSettings,
-// on a schema distributed by Citus: internal/citusmode).
+// on a schema distributed by Citus).
 func (d *dispatcher) settings(ctx context.Context, plain []string) []string {
-	on, known := d.citus.Known()
-	if !known {
-		var err error
-		if on, err = d.citus.On(ctx, d.pool, pgschema.Table(d.cfg.Schema, "inbox")); err != nil {
-			on = false
-		}
-	}
-	if on {
+	if d.onCitus(ctx) {
 		return citusSettings(plain)
 	}
 	return plain
@@ -388,7 +392,10 @@ func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	settings := d.settings(qctx, claimSettings)
+	settings, claimSQL := claimSettings, d.q.claim
+	if d.onCitus(qctx) {
+		settings, claimSQL = citusSettings(claimSettings), d.q.claimCitus
+	}
 	for _, s := range settings {
 		b.Queue(s)
 	}
@@ -396,7 +403,7 @@ func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	if d.cfg.Tenant != "" {
 		args = append(args, d.cfg.Tenant)
 	}
-	b.Queue(d.q.claim, args...)
+	b.Queue(claimSQL, args...)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
 	defer func() { _ = br.Close() }() // every result is read below; Close releases the connection

@@ -15,13 +15,13 @@ import (
 // schema. Every value is a bind parameter; the schema is validated and quoted.
 //
 // claim filters on one tenant (tenant = $4) when the Dispatcher has one
-// (Config.Tenant). recordOne and recordAgainOne are record and recordAgain for a
+// (Config.Tenant); claimCitus is claim on a schema distributed by Citus. recordOne and recordAgainOne are record and recordAgain for a
 // batch of outcomes that all belong to one tenant, $12, which they match instead
 // of each row's tenant: every outcome batch of such a Dispatcher, and any other
 // of one tenant's effects.
 type queries struct {
-	claim, record, recordAgain, notify, pending string
-	recordOne, recordAgainOne                   string
+	claim, claimCitus, record, recordAgain, notify, pending string
+	recordOne, recordAgainOne                               string
 }
 
 // recordSet and recordWhere are the outcome update's SET and WHERE, shared by
@@ -138,11 +138,12 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 	// onlyTenant filters the claim's scan on the Dispatcher's tenant; the scan
 	// returns each claimed row's tenant (claimedTenant), and the update keeps to
 	// rows of that tenant (sameTenant).
-	var onlyTenant, claimedTenant, sameTenant string
+	var onlyTenant, claimedTenant, sameTenant, citusTenant string
 	if oneTenant {
 		onlyTenant = " AND e.tenant = $4"
 		claimedTenant = ", e.tenant"
 		sameTenant = " AND e.tenant = due.tenant"
+		citusTenant = sameTenant + onlyTenant
 	}
 	record := func(tenant string) string {
 		return `UPDATE ` + t + ` e
@@ -166,6 +167,30 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 			SELECT d.i FROM ` + t + ` e JOIN d
 				ON e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
 			WHERE e.recorded_fence = d.fence`
+	}
+	claim := func(tenantOfRow string) string {
+		return `WITH want AS (
+				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
+			), due AS (
+				SELECT c.* FROM want CROSS JOIN LATERAL (
+					SELECT e.ctid AS row, e.in_flight, extract(epoch FROM now() - e.next_attempt_at)::float8 AS lag` + claimedTenant + `
+					FROM ` + t + ` e
+					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + onlyTenant + `
+					ORDER BY e.next_attempt_at
+					LIMIT want.n
+					FOR UPDATE SKIP LOCKED
+				) c
+				LIMIT ` + strconv.Itoa(max(claimLimit, 1)) + `
+			)
+			UPDATE ` + t + ` e
+			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
+				attempts = e.attempts + 1, in_flight = true
+			FROM due
+			WHERE e.ctid = due.row` + tenantOfRow + `
+			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
+				due.in_flight, e.created_at, due.lag,
+				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
+				coalesce(e.trace_context::text, '')`
 	}
 	return queries{
 		// One statement claims up to n[i] due effects of each kind[i]. SKIP LOCKED
@@ -194,28 +219,12 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 		// and match each against every claimed ctid. The lag (how long the effect has
 		// been due) is computed where the row is read, not in RETURNING, where Citus
 		// refuses now().
-		claim: `WITH want AS (
-				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
-			), due AS (
-				SELECT c.* FROM want CROSS JOIN LATERAL (
-					SELECT e.ctid AS row, e.in_flight, extract(epoch FROM now() - e.next_attempt_at)::float8 AS lag` + claimedTenant + `
-					FROM ` + t + ` e
-					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + onlyTenant + `
-					ORDER BY e.next_attempt_at
-					LIMIT want.n
-					FOR UPDATE SKIP LOCKED
-				) c
-				LIMIT ` + strconv.Itoa(max(claimLimit, 1)) + `
-			)
-			UPDATE ` + t + ` e
-			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
-				attempts = e.attempts + 1, in_flight = true
-			FROM due
-			WHERE e.ctid = due.row` + sameTenant + `
-			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
-				due.in_flight, e.created_at, due.lag,
-				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
-				coalesce(e.trace_context::text, '')`,
+		claim: claim(sameTenant),
+		// claimCitus is claim on Citus: the update names the tenant, $4, too, for
+		// Citus to route the whole statement to the tenant's shard, which it
+		// cannot tell from due.tenant ("cannot perform distributed planning for
+		// the given modification").
+		claimCitus: claim(citusTenant),
 		// Records a batch of outcomes in one statement. Each row applies only if the
 		// fence still matches: an attempt whose lease ran out and was claimed again
 		// cannot overwrite the newer attempt. undo is 1 for a claim released without
