@@ -243,7 +243,8 @@ type BatchConfig struct {
 	// already uses those statements, and a mixed batch commits its tenants in one
 	// transaction, which is cheaper on one database. With many tenants in flight
 	// at once it makes more, smaller transactions. Without Tenant every message's
-	// tenant is "", and nothing is split.
+	// tenant is "", and nothing is split. On a schema distributed by Citus
+	// (docs/citus.md) every batch is split, whatever this says.
 	PerTenant bool
 }
 

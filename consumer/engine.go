@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/tracing"
 	"github.com/idemkit/idem/internal/txmark"
@@ -58,6 +59,9 @@ type engine struct {
 	// without a tenant is refused (ErrTenantMissing), never routed by the empty
 	// tenant.
 	requireTenant bool
+
+	// citus: whether the schema is distributed by Citus, asked once (txOptions).
+	citus citusmode.Detector
 }
 
 // newEngine returns the engine of one database; pc.Config has its defaults, is

@@ -119,12 +119,21 @@ func (g *groupCommitter) work() {
 			}
 		}
 		timer.Stop()
-		if g.c.cfg.Batch.PerTenant {
+		// On Citus a batch's statements must each name one tenant, so every batch
+		// is split by tenant, whatever Batch.PerTenant says.
+		if g.c.cfg.Batch.PerTenant || g.onCitus() {
 			g.runPerTenant(batch)
 			continue
 		}
 		g.run(batch)
 	}
+}
+
+// onCitus is engine.onCitus, bounded by CommitTimeout.
+func (g *groupCommitter) onCitus() bool {
+	ctx, cancel := context.WithTimeout(context.Background(), g.c.cfg.CommitTimeout)
+	defer cancel()
+	return g.c.onCitus(ctx)
 }
 
 // runPerTenant runs batch as one batch per tenant, one after another

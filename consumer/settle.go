@@ -71,7 +71,7 @@ func (c *engine) recordFailureCtx(ctx context.Context, req *request, cause error
 		return outcome{kind: outRejected, err: cause}
 	}
 	var res inboxdb.ClaimResult
-	err := pgx.BeginTxFunc(ctx, c.cfg.Pool, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel}, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, c.cfg.Pool, c.txOptions(ctx, ""), func(tx pgx.Tx) error {
 		if err := c.setLockTimeout(ctx, tx); err != nil {
 			return err
 		}

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/txmark"
 )
 
@@ -41,6 +42,13 @@ const (
 	// itself must fail rather than commit the claims of messages whose handlers have
 	// not run. The guard row goes in with the batch's first statements (guardSQL).
 	groupCommitSQL = txmark.Check + "; SET LOCAL idem.commit = 'on'; COMMIT"
+	// groupCommitCitusSQL is groupCommitSQL on Citus. The commit guard runs on the
+	// coordinator (its table stays there), so idem.commit need not reach the
+	// workers, and propagating a SET LOCAL sent in COMMIT's own query fails that
+	// COMMIT in Citus 13.2 once the transaction has made savepoints ("RELEASE
+	// SAVEPOINT can only be used in transaction blocks"): propagation is turned
+	// off first.
+	groupCommitCitusSQL = txmark.Check + "; " + citusmode.StopPropagating + "; SET LOCAL idem.commit = 'on'; COMMIT"
 )
 
 // guardSQL is the statement that arms the commit guard of a batch's transaction.
@@ -51,13 +59,54 @@ func guardSQL(schema string) string {
 // begin starts a transaction whose COMMIT checks the mark. The caller sets the mark
 // (txmark.Mark) before anything else.
 func (c *engine) begin(ctx context.Context) (pgx.Tx, error) {
-	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: commitSQL})
+	return c.cfg.Pool.BeginTx(ctx, c.txOptions(ctx, commitSQL))
 }
 
 // beginGroup starts a group-commit batch's transaction: its COMMIT checks the mark
 // and lets the commit guard pass.
 func (c *engine) beginGroup(ctx context.Context) (pgx.Tx, error) {
-	return c.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: groupCommitSQL})
+	return c.cfg.Pool.BeginTx(ctx, c.txOptions(ctx, groupCommitSQL))
+}
+
+// txOptions are the options of a transaction of c that commits with commitQuery
+// (pgx's default COMMIT when empty). On Citus (citusmode: the schema's inbox is
+// distributed, asked once) its BEGIN also sends citusmode.PropagateSet in the same
+// round trip, so that the SET LOCAL statements that follow (lock_timeout, the
+// marks) reach the workers too, and a group-commit batch commits with
+// groupCommitCitusSQL. A question that fails (most likely the database is
+// unreachable, and the transaction fails too) is asked again at the next
+// transaction; the transaction begins meanwhile as on plain Postgres.
+func (c *engine) txOptions(ctx context.Context, commitQuery string) pgx.TxOptions {
+	opts := pgx.TxOptions{IsoLevel: c.cfg.IsoLevel, CommitQuery: commitQuery}
+	if c.onCitus(ctx) {
+		opts.BeginQuery = citusmode.Begin(opts.IsoLevel)
+		if commitQuery == groupCommitSQL {
+			opts.CommitQuery = groupCommitCitusSQL
+		}
+	}
+	return opts
+}
+
+// onCitus reports whether the consumer's schema is distributed by Citus
+// (citusmode), asking the database the first time; false when it cannot ask.
+func (c *engine) onCitus(ctx context.Context) bool {
+	if on, known := c.citus.Known(); known {
+		return on
+	}
+	q, ok := c.cfg.Pool.(citusmode.Querier) // *pgxpool.Pool and *pgx.Conn are
+	if !ok {
+		q = beginnerQuerier{c.cfg.Pool}
+	}
+	on, err := c.citus.On(ctx, q, pgx.Identifier{c.cfg.Schema, "inbox"}.Sanitize())
+	return err == nil && on
+}
+
+// beginnerQuerier runs each query of citusmode's question in a transaction of its
+// own, for a Config.Pool that can only begin transactions.
+type beginnerQuerier struct{ db txmark.Beginner }
+
+func (b beginnerQuerier) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return citusmode.RowIn(ctx, b.db, sql, args...)
 }
 
 // txState reports whether tx is still open and usable, from the status of the last

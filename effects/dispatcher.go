@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/schemacheck"
@@ -54,6 +55,31 @@ type dispatcher struct {
 	outcomes chan outcome  // made by each Run, closed when it ends
 	sendCtx  context.Context
 	released atomic.Int64 // claims handed back unsent at shutdown, in this Run
+
+	// citus: whether the schema is distributed by Citus, asked on the first
+	// claim (settings).
+	citus citusmode.Detector
+}
+
+// onCitus reports whether the schema is distributed by Citus
+// (internal/citusmode), asking the database the first time; false while it
+// cannot ask.
+func (d *dispatcher) onCitus(ctx context.Context) bool {
+	if on, known := d.citus.Known(); known {
+		return on
+	}
+	on, err := d.citus.On(ctx, d.pool, pgschema.Table(d.cfg.Schema, "inbox"))
+	return err == nil && on
+}
+
+// settings are the SET LOCAL statements of a claim's or an outcome write's
+// transaction (claimSettings, recordSettings, or their Citus forms, citusSettings,
+// on a schema distributed by Citus).
+func (d *dispatcher) settings(ctx context.Context, plain []string) []string {
+	if d.onCitus(ctx) {
+		return citusSettings(plain)
+	}
+	return plain
 }
 
 // lane is one kind's sender, its workers' queue and its count of claims held.
@@ -366,18 +392,22 @@ func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	for _, s := range claimSettings {
+	settings, claimSQL := claimSettings, d.q.claim
+	if d.onCitus(qctx) {
+		settings, claimSQL = citusSettings(claimSettings), d.q.claimCitus
+	}
+	for _, s := range settings {
 		b.Queue(s)
 	}
 	args := []any{kinds, limits, d.cfg.Lease}
 	if d.cfg.Tenant != "" {
 		args = append(args, d.cfg.Tenant)
 	}
-	b.Queue(d.q.claim, args...)
+	b.Queue(claimSQL, args...)
 	b.Queue("COMMIT")
 	br := d.pool.SendBatch(qctx, b)
 	defer func() { _ = br.Close() }() // every result is read below; Close releases the connection
-	for range 1 + len(claimSettings) {
+	for range 1 + len(settings) {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
 		}

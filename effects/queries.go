@@ -2,9 +2,11 @@ package effects
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/failgroup"
 )
@@ -13,18 +15,19 @@ import (
 // schema. Every value is a bind parameter; the schema is validated and quoted.
 //
 // claim filters on one tenant (tenant = $4) when the Dispatcher has one
-// (Config.Tenant). recordOne and recordAgainOne are record and recordAgain for a
+// (Config.Tenant); claimCitus is claim on a schema distributed by Citus. recordOne and recordAgainOne are record and recordAgain for a
 // batch of outcomes that all belong to one tenant, $12, which they match instead
 // of each row's tenant: every outcome batch of such a Dispatcher, and any other
 // of one tenant's effects.
 type queries struct {
-	claim, record, recordAgain, notify, pending string
-	recordOne, recordAgainOne                   string
+	claim, claimCitus, record, recordAgain, notify, pending string
+	recordOne, recordAgainOne                               string
 }
 
 // recordSet and recordWhere are the outcome update's SET and WHERE, shared by
-// record and recordAgain; d is the outcome row. A dead effect keeps its error's
-// code, its masked text and its failure group (package failgroup), and when it died.
+// record and recordAgain; d is the outcome row (outcomes). A dead effect keeps its
+// error's code, its masked text and its failure group (package failgroup), and
+// when it died.
 //
 // recordWhere tests the state as "not finished" rather than state = 'pending', the
 // same thing under the table's CHECK: that form would let the planner use
@@ -34,17 +37,33 @@ type queries struct {
 // 200 effects/s instead of 15,000 with 100,000 pending.
 var (
 	recordSet = `state = d.state,
-				done_at = CASE WHEN d.state = 'done' THEN now() END,
-				next_attempt_at = CASE WHEN d.state = 'pending'
-					THEN now() + d.delay_ms * interval '1 millisecond' ELSE e.next_attempt_at END,
+				done_at = d.done_at,
+				next_attempt_at = coalesce(d.next_at, e.next_attempt_at),
 				in_flight = d.in_flight,
 				attempts = e.attempts - d.undo,
 				last_error = coalesce(d.err, e.last_error),
 				recorded_fence = d.fence,
 				error_code = CASE WHEN d.state = 'dead' THEN d.code END,
 				error_masked = CASE WHEN d.state = 'dead' THEN d.masked END,
-				error_group = CASE WHEN d.state = 'dead' THEN ` + failgroup.GroupSQL("e.kind", "e.tenant", "d.code", "d.masked") + ` END,
-				dead_at = CASE WHEN d.state = 'dead' THEN now() END`
+				error_group = d.dead_group,
+				dead_at = d.dead_at`
+	// outcomes is the outcome rows of $1..$11, with the times and the failure
+	// group each sets, computed here rather than in recordSet: Citus refuses a
+	// function that is not IMMUTABLE (now(), and convert_to in the group) inside
+	// CASE in a write, and OFFSET 0 keeps this subquery from being pulled up
+	// into the UPDATE. tenant is what the group is computed with ($12 in the
+	// one-tenant forms, which every row holds).
+	outcomes = func(tenant string) string {
+		return `SELECT u.*,
+					CASE WHEN u.state = 'done' THEN now() END AS done_at,
+					CASE WHEN u.state = 'pending' THEN now() + u.delay_ms * interval '1 millisecond' END AS next_at,
+					CASE WHEN u.state = 'dead' THEN now() END AS dead_at,
+					CASE WHEN u.state = 'dead' THEN ` + failgroup.GroupSQL("u.kind", tenant, "u.code", "u.masked") + ` END AS dead_group
+				FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
+						$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+					AS u(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
+				OFFSET 0`
+	}
 	recordWhere = func(tenant string) string {
 		return `e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
 				AND e.fence = d.fence AND e.state NOT IN ('done', 'dead', 'discarded') AND e.recorded_fence <> d.fence`
@@ -87,6 +106,29 @@ var (
 	recordSettings = append([]string{"SET LOCAL synchronous_commit = off"}, claimSettings...)
 )
 
+// citusSettings are settings (claimSettings or recordSettings) on Citus:
+// citusmode.PropagateSet first, so that they apply on the workers, where the
+// statements are planned and run, and without force_generic_plan, with which
+// Citus cannot plan the parameterized claim ("could not create distributed plan").
+func citusSettings(settings []string) []string {
+	out := []string{citusmode.PropagateSet}
+	for _, s := range settings {
+		if !strings.Contains(s, "plan_cache_mode") {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// groupTenant is the tenant an outcome's failure group is computed with, for the
+// tenant the outcome write matches (d.tenant, or the one tenant's parameter).
+func groupTenant(tenant string) string {
+	if tenant == "d.tenant" {
+		return "u.tenant"
+	}
+	return tenant
+}
+
 // newQueries renders the statements for schema. claimLimit is the most one claim can
 // return (the batch size times the number of kinds); it is written into the SQL as
 // a literal on purpose, see claim. oneTenant: the Dispatcher serves one tenant
@@ -96,26 +138,23 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 	// onlyTenant filters the claim's scan on the Dispatcher's tenant; the scan
 	// returns each claimed row's tenant (claimedTenant), and the update keeps to
 	// rows of that tenant (sameTenant).
-	var onlyTenant, claimedTenant, sameTenant string
+	var onlyTenant, claimedTenant, sameTenant, citusTenant string
 	if oneTenant {
 		onlyTenant = " AND e.tenant = $4"
 		claimedTenant = ", e.tenant"
 		sameTenant = " AND e.tenant = due.tenant"
+		citusTenant = sameTenant + onlyTenant
 	}
 	record := func(tenant string) string {
 		return `UPDATE ` + t + ` e
 			SET ` + recordSet + `
-			FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-					$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
-				AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
+			FROM (` + outcomes(groupTenant(tenant)) + `) d
 			WHERE ` + recordWhere(tenant) + `
 			RETURNING d.i`
 	}
 	recordAgain := func(tenant string) string {
 		return `WITH d AS (
-				SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[],
-						$6::bigint[], $7::bool[], $8::int[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
-					AS d(tenant, kind, key, fence, state, delay_ms, in_flight, undo, err, code, masked, i)
+				` + outcomes(groupTenant(tenant)) + `
 			), applied AS (
 				UPDATE ` + t + ` e
 				SET ` + recordSet + `
@@ -128,6 +167,30 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 			SELECT d.i FROM ` + t + ` e JOIN d
 				ON e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
 			WHERE e.recorded_fence = d.fence`
+	}
+	claim := func(tenantOfRow string) string {
+		return `WITH want AS (
+				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
+			), due AS (
+				SELECT c.* FROM want CROSS JOIN LATERAL (
+					SELECT e.ctid AS row, e.in_flight, extract(epoch FROM now() - e.next_attempt_at)::float8 AS lag` + claimedTenant + `
+					FROM ` + t + ` e
+					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + onlyTenant + `
+					ORDER BY e.next_attempt_at
+					LIMIT want.n
+					FOR UPDATE SKIP LOCKED
+				) c
+				LIMIT ` + strconv.Itoa(max(claimLimit, 1)) + `
+			)
+			UPDATE ` + t + ` e
+			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
+				attempts = e.attempts + 1, in_flight = true
+			FROM due
+			WHERE e.ctid = due.row` + tenantOfRow + `
+			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
+				due.in_flight, e.created_at, due.lag,
+				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
+				coalesce(e.trace_context::text, '')`
 	}
 	return queries{
 		// One statement claims up to n[i] due effects of each kind[i]. SKIP LOCKED
@@ -153,29 +216,15 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 		// given the constant, a custom plan (simple protocol, exec mode) whose
 		// statistics say the tenant has no effects (a new tenant's first burst)
 		// found it cheaper to read all the tenant's rows through the primary key
-		// and match each against every claimed ctid.
-		claim: `WITH want AS (
-				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
-			), due AS (
-				SELECT c.* FROM want CROSS JOIN LATERAL (
-					SELECT e.ctid AS row, e.in_flight, e.next_attempt_at` + claimedTenant + `
-					FROM ` + t + ` e
-					WHERE e.state = 'pending' AND e.kind = want.kind AND e.next_attempt_at <= now()` + onlyTenant + `
-					ORDER BY e.next_attempt_at
-					LIMIT want.n
-					FOR UPDATE SKIP LOCKED
-				) c
-				LIMIT ` + strconv.Itoa(max(claimLimit, 1)) + `
-			)
-			UPDATE ` + t + ` e
-			SET next_attempt_at = now() + $3::interval, fence = e.fence + 1,
-				attempts = e.attempts + 1, in_flight = true
-			FROM due
-			WHERE e.ctid = due.row` + sameTenant + `
-			RETURNING e.tenant, e.kind, e.key, e.payload, e.attempts, e.max_attempts, e.fence,
-				due.in_flight, e.created_at, extract(epoch FROM now() - due.next_attempt_at)::float8,
-				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
-				coalesce(e.trace_context::text, '')`,
+		// and match each against every claimed ctid. The lag (how long the effect has
+		// been due) is computed where the row is read, not in RETURNING, where Citus
+		// refuses now().
+		claim: claim(sameTenant),
+		// claimCitus is claim on Citus: the update names the tenant, $4, too, for
+		// Citus to route the whole statement to the tenant's shard, which it
+		// cannot tell from due.tenant ("cannot perform distributed planning for
+		// the given modification").
+		claimCitus: claim(citusTenant),
 		// Records a batch of outcomes in one statement. Each row applies only if the
 		// fence still matches: an attempt whose lease ran out and was claimed again
 		// cannot overwrite the newer attempt. undo is 1 for a claim released without

@@ -157,7 +157,7 @@ func (d *dispatcher) writeOutcomes(batch []outcome) ([]outcomeStatus, error) {
 		// plan, as for the claim.
 		b := &pgx.Batch{}
 		b.Queue(beginSQL)
-		for _, s := range recordSettings {
+		for _, s := range d.settings(ctx, recordSettings) {
 			b.Queue(s)
 		}
 		q := record

@@ -18,6 +18,7 @@ func TestStatementsNameOneTenant(t *testing.T) {
 	t.Parallel()
 	mixed := map[string]string{
 		"claim":       "the Dispatcher without Config.Tenant claims every tenant's effects",
+		"claimCitus":  "claim on Citus, which names no tenant without Config.Tenant either",
 		"record":      "an outcome batch of several tenants (recordOne names one)",
 		"recordAgain": "an outcome batch of several tenants, retried (recordAgainOne names one)",
 		"notify":      "NOTIFY names a channel",
@@ -26,9 +27,21 @@ func TestStatementsNameOneTenant(t *testing.T) {
 	require.Empty(t, sqlaudit.CheckFields(newQueries("idem", 100, false), mixed))
 	filtered := map[string]string{}
 	for name, why := range mixed {
-		if name != "claim" {
+		if name != "claim" && name != "claimCitus" {
 			filtered[name] = why
 		}
 	}
 	require.Empty(t, sqlaudit.CheckFields(newQueries("idem", 100, true), filtered), "a Dispatcher with a Tenant claims with tenant = $4")
+}
+
+// The Dispatcher's statements of one tenant's effects break none of Citus's rules
+// (sqlaudit.CitusRefusals), so they run on a Citus worker as they are.
+func TestOneTenantStatementsTakeCitusRules(t *testing.T) {
+	t.Parallel()
+	q := newQueries("idem", 100, true)
+	for name, sql := range map[string]string{
+		"claim": q.claim, "claimCitus": q.claimCitus, "recordOne": q.recordOne, "recordAgainOne": q.recordAgainOne,
+	} {
+		require.Empty(t, sqlaudit.CitusRefusals(sql), name)
+	}
 }

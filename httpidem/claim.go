@@ -6,7 +6,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/inboxdb"
+	"github.com/idemkit/idem/internal/pgschema"
 	"github.com/idemkit/idem/internal/txmark"
 )
 
@@ -44,9 +46,13 @@ func (e *engine) claim(q *request) bool {
 	start := time.Now()
 	var res responseClaim
 	var err error
-	if q.mode == modeTx {
-		res, q.stmts, err = e.store.claimTx(cctx, q.tx, q.claim, max(e.cfg.LockTimeout, time.Millisecond))
-	} else {
+	wait := max(e.cfg.LockTimeout, time.Millisecond)
+	switch {
+	case q.mode == modeTx && e.onCitus(cctx, q.tx.conn):
+		res, err = e.store.ClaimResponseTx(cctx, q.tx, citusClaimPrelude(wait), q.claim, wait)
+	case q.mode == modeTx:
+		res, q.stmts, err = e.store.claimTx(cctx, q.tx, q.claim, wait)
+	default:
 		res, err = e.lease(cctx, q, start)
 	}
 	e.metrics.op(q.claim.Consumer).lockWait.Observe(time.Since(start).Seconds())
@@ -121,12 +127,19 @@ func (e *engine) begin(ctx context.Context, q *request, withXID bool) (*connTx, 
 	}
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
+	citus := e.onCitus(ctx, tx.conn)
+	if citus {
+		b.Queue(citusmode.PropagateSet)
+	}
 	b.Queue(txmark.Mark)
 	if withXID {
 		b.Queue(xidSQL)
 	}
 	br := tx.conn.SendBatch(ctx, b)
 	_, err = br.Exec()
+	if err == nil && citus {
+		_, err = br.Exec()
+	}
 	if err == nil {
 		_, err = br.Exec()
 	}
@@ -141,4 +154,25 @@ func (e *engine) begin(ctx context.Context, q *request, withXID bool) (*connTx, 
 		return nil, err
 	}
 	return tx, nil
+}
+
+// onCitus reports whether the schema is distributed by Citus (internal/citusmode),
+// asking the database through conn (the request's connection, outside any
+// transaction) on the first call; false while it cannot ask. On Citus every
+// transaction sends citusmode.PropagateSet right after BEGIN, so that its SET
+// LOCAL statements (lock_timeout, txmark.Mark) reach the workers, and the claim
+// goes without the prepared statements, whose claim sets them with set_config,
+// which Citus applies on the coordinator only.
+func (e *engine) onCitus(ctx context.Context, conn *pgx.Conn) bool {
+	if on, known := e.citus.Known(); known {
+		return on
+	}
+	on, err := e.citus.On(ctx, conn, pgschema.Table(e.cfg.Schema, "inbox"))
+	return err == nil && on
+}
+
+// citusClaimPrelude is the claim's prelude on Citus: BEGIN, then the settings as
+// SET LOCAL statements that reach the workers.
+func citusClaimPrelude(wait time.Duration) []string {
+	return []string{beginSQL, citusmode.PropagateSet, lockTimeoutSQL(wait), txmark.Mark}
 }

@@ -8,6 +8,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/schemacheck"
@@ -47,6 +48,10 @@ type engine struct {
 	// onLeaseWait, if set, runs when a lease-mode request starts to wait for a held
 	// key (tests).
 	onLeaseWait func(r *http.Request)
+
+	// citus: whether the schema is distributed by Citus, asked on the first
+	// request (onCitus).
+	citus citusmode.Detector
 }
 
 // New validates cfg, checks the schema once, and returns a Middleware.

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/txmark"
 )
@@ -201,7 +202,11 @@ func lockTimeoutSQL(wait time.Duration) string {
 // its own on conn (outside any transaction), waiting up to LockTimeout for a concurrent
 // request with the key; if the key has a row, it returns that instead.
 func (e *engine) recordFailure(ctx context.Context, conn *connTx, c inboxdb.Claim, code, msg string, stored *storedResponse) (res responseClaim, err error) {
-	err = pgx.BeginTxFunc(ctx, conn.conn, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+	opts := pgx.TxOptions{IsoLevel: pgx.ReadCommitted}
+	if e.onCitus(ctx, conn.conn) {
+		opts.BeginQuery = citusmode.Begin(opts.IsoLevel)
+	}
+	err = pgx.BeginTxFunc(ctx, conn.conn, opts, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, lockTimeoutSQL(e.cfg.LockTimeout)); err != nil {
 			return err
 		}

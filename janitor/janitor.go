@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/inboxdb"
@@ -121,7 +122,10 @@ func (s Stats) Deleted() int64 { return s.InboxDeleted + s.EffectsDeleted }
 // It deletes in batches of BatchSize, each its own short transaction, with Pause
 // between them. The rows are picked in expiry order through the partial indexes
 // that the migrations create for this, and locked with SKIP LOCKED, so the janitor
-// never waits on a row that someone else holds.
+// never waits on a row that someone else holds. On Citus (a schema migrated with
+// migrate.Config.Citus, asked on the first pass) the rows are picked the same way
+// and deleted by primary key, without the row locks Citus refuses across shards;
+// a row someone holds is then waited for.
 //
 // A Postgres advisory lock (per schema) keeps it to one running pass at a time
 // across all processes, so every consumer and dispatcher process may run one.
@@ -135,6 +139,8 @@ type part struct {
 	q               queries
 	deleted, passes *prometheus.CounterVec
 	lastOK          *prometheus.GaugeVec
+	// citus: whether the schema is distributed by Citus, asked on the first pass.
+	citus citusmode.Detector
 }
 
 var (
@@ -287,11 +293,16 @@ func (j *part) runOnce(ctx context.Context) (st Stats, err error) {
 		conn.Release()
 	}()
 
+	citus, err := j.citus.On(ctx, conn, pgschema.Table(j.cfg.Schema, "inbox"))
+	if err != nil {
+		return st, pgschema.Wrap(err, j.cfg.Schema)
+	}
+	deleteInbox, deleteDone, deleteDiscarded := j.q.deletes(citus)
 	inboxDone, effectsDone, discardedDone := false, false, false
 	limit := j.cfg.BatchSize
 	for !inboxDone || !effectsDone || !discardedDone {
 		if !inboxDone {
-			tag, err := conn.Exec(ctx, j.q.inbox.DeleteExpired, limit)
+			tag, err := conn.Exec(ctx, deleteInbox, limit)
 			if err != nil {
 				return st, pgschema.Wrap(err, j.cfg.Schema)
 			}
@@ -300,7 +311,7 @@ func (j *part) runOnce(ctx context.Context) (st Stats, err error) {
 			j.count(&st, "inbox", n, &st.InboxDeleted)
 		}
 		if !effectsDone {
-			tag, err := conn.Exec(ctx, j.q.deleteDoneEffects, limit, j.cfg.EffectsRetention)
+			tag, err := conn.Exec(ctx, deleteDone, limit, j.cfg.EffectsRetention)
 			if err != nil {
 				return st, pgschema.Wrap(err, j.cfg.Schema)
 			}
@@ -309,7 +320,7 @@ func (j *part) runOnce(ctx context.Context) (st Stats, err error) {
 			j.count(&st, "effects", n, &st.EffectsDeleted)
 		}
 		if !discardedDone {
-			tag, err := conn.Exec(ctx, j.q.deleteDiscardedEffects, limit, j.cfg.EffectsRetention)
+			tag, err := conn.Exec(ctx, deleteDiscarded, limit, j.cfg.EffectsRetention)
 			if err != nil {
 				return st, pgschema.Wrap(err, j.cfg.Schema)
 			}
@@ -346,11 +357,31 @@ func (j *part) count(st *Stats, table string, n int64, total *int64) {
 type queries struct {
 	inbox                                     inboxdb.Queries
 	deleteDoneEffects, deleteDiscardedEffects string
-	tryLock, unlock                           string
+	// The deletes of a schema on Citus (citusmode): by primary key, without row
+	// locks across shards (see inboxdb's DeleteExpiredByKey).
+	deleteDoneEffectsByKey, deleteDiscardedEffectsByKey string
+	tryLock, unlock                                     string
+}
+
+// deletes are the statements of one pass: the expired inbox keys, the old done
+// effects and the old discarded ones.
+func (q queries) deletes(citus bool) (inbox, done, discarded string) {
+	if citus {
+		return q.inbox.DeleteExpiredByKey, q.deleteDoneEffectsByKey, q.deleteDiscardedEffectsByKey
+	}
+	return q.inbox.DeleteExpired, q.deleteDoneEffects, q.deleteDiscardedEffects
 }
 
 func newQueries(schema string) queries {
 	e := pgschema.Table(schema, "effects")
+	byKey := func(state string) string {
+		return `DELETE FROM ` + e + ` WHERE (tenant, kind, key) IN (
+				SELECT tenant, kind, key FROM ` + e + `
+				WHERE state = '` + state + `' AND done_at < now() - $2::interval
+				ORDER BY done_at
+				LIMIT $1)
+			AND state = '` + state + `' AND done_at < now() - $2::interval`
+	}
 	return queries{
 		inbox: inboxdb.New(schema),
 		// As the inbox's delete: a batch in done_at order through the partial
@@ -372,6 +403,8 @@ func newQueries(schema string) queries {
 				LIMIT $1
 				FOR UPDATE SKIP LOCKED))
 			AND state = 'discarded'`,
+		deleteDoneEffectsByKey:      byKey("done"),
+		deleteDiscardedEffectsByKey: byKey("discarded"),
 		// One lock per schema, in the same key space as the migrator's lock.
 		tryLock: `SELECT pg_try_advisory_lock(hashtextextended('idem.janitor:' || $1, 0))`,
 		unlock:  `SELECT pg_advisory_unlock(hashtextextended('idem.janitor:' || $1, 0))`,

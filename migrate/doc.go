@@ -12,6 +12,10 @@
 // not know, is refused. PlanDown and Revert show, then revert, exactly one step,
 // with the rows it would drop counted first. List and PlanDown only read.
 //
+// On a Citus coordinator, Config.Citus makes Up distribute the tables by tenant
+// after the migrations, in the same transaction (see docs/citus.md); a schema
+// whose inbox is distributed already gets that step on every Up.
+//
 // What it does not do: it never reverts more than one step at a time, and it does
 // not touch the business tables of your application. Schema names are a template:
 // the files name no schema (a "/* schema */" comment marks each table), so your own

@@ -138,6 +138,12 @@ type Config struct {
 	// Shards, in place of Pool and Schema, migrates every shard of the map (see
 	// package shard, and New); Pool and Schema must then be unset.
 	Shards *shard.Map
+	// Citus: Pool is a Citus coordinator, and Up distributes idem's tables by
+	// tenant after the migrations (inbox and effects colocated, failure_actions a
+	// reference table), in the same transaction; see docs/citus.md. A schema whose
+	// inbox is distributed already is treated so whatever Citus says. Up fails
+	// with ErrNoCitus on a database without the citus extension.
+	Citus bool
 }
 
 // WithDefaults returns c with every unset field at its default.
@@ -176,6 +182,11 @@ var (
 	// run instead. Nothing is changed: run that tool, keeping one tool per schema.
 	ErrManagedElsewhere = errcode.Permanent("schema_managed_elsewhere",
 		"another migration tool manages the schema")
+
+	// ErrNoCitus is returned by Up in Citus mode (Config.Citus) on a database without
+	// the citus extension: install it (CREATE EXTENSION citus) on the coordinator, or
+	// migrate without Citus mode.
+	ErrNoCitus = errcode.Permanent("no_citus", "Citus mode needs the citus extension, which this database lacks: run CREATE EXTENSION citus on the coordinator, or migrate without Citus mode")
 )
 
 // errShardsDiffer is returned by PlanDown and Revert over a shard map whose shards
@@ -238,6 +249,8 @@ func (m *Migrator) Schema() string { return m.schema }
 
 // Up applies every pending migration, in order, in one transaction. It returns the
 // versions it applied; none when the schema is current, so calling it twice is safe.
+// In Citus mode (Config.Citus, or a schema whose inbox is distributed) it then
+// distributes the tables not yet distributed, in the same transaction.
 // With a shard map it returns the versions applied on any shard (run Up again once
 // the shards that failed are back: the shards already current apply nothing).
 func (m *Migrator) Up(ctx context.Context) ([]int, error) {

@@ -23,7 +23,7 @@ type part struct {
 }
 
 // up applies every pending migration, in order, in one transaction, and returns
-// the versions it applied.
+// the versions it applied; in Citus mode it then distributes the tables (distribute).
 func (p *part) up(ctx context.Context) ([]int, error) {
 	var applied []int
 	err := p.locked(ctx, true, func(tx pgx.Tx, have []int) error {
@@ -36,7 +36,7 @@ func (p *part) up(ctx context.Context) ([]int, error) {
 			}
 			applied = append(applied, mig.Version)
 		}
-		return nil
+		return p.distribute(ctx, tx)
 	})
 	return applied, err
 }

@@ -14,12 +14,16 @@ import (
 
 var migrateCmd = &command{
 	name:    "migrate",
-	args:    "[up|down|list] [--yes] [flags]",
+	args:    "[up|down|list] [--yes] [--citus] [flags]",
 	summary: "Apply (up, the default), revert one step of (down), or list the schema migrations",
 	example: `idem migrate up --database-url postgres://postgres@127.0.0.1:5432/app?sslmode=disable
 idem migrate list --schema idem --json
 idem migrate down --schema idem            # shows what it would drop, asks on a terminal
 idem migrate down --schema idem --yes      # no question: for scripts
+idem migrate up --citus --database-url postgres://postgres@coordinator:5432/app
+
+up --citus, on a Citus coordinator, also distributes the tables by tenant
+(inbox and effects colocated); see docs/citus.md.
 
 list only reads: it creates nothing and works for a read-only role.
 down drops the newest migration's tables and every row in them. It first shows
@@ -28,9 +32,10 @@ or needs --yes; without either it changes nothing and exits 2. With --json it
 never asks: without --yes the error (code confirmation_required) holds the plan.`,
 	words: []string{"up", "down", "list"},
 	setup: func(fs *pflag.FlagSet) runFunc {
-		var yes bool
-		fs.BoolVar(&yes, "yes", false, "down: revert without asking (it drops the tables shown and their rows)")
-		return runWith(&yes, runMigrate)
+		var o migrateOpts
+		fs.BoolVar(&o.yes, "yes", false, "down: revert without asking (it drops the tables shown and their rows)")
+		fs.BoolVar(&o.citus, "citus", false, "up: the database is a Citus coordinator; distribute the tables by tenant")
+		return runWith(&o, runMigrate)
 	},
 }
 
@@ -54,7 +59,13 @@ func migrationsJSON(list []migrate.Migration) []migrationJSON {
 	return out
 }
 
-func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
+// migrateOpts are migrate's own flags.
+type migrateOpts struct {
+	yes, citus bool
+}
+
+func runMigrate(ctx context.Context, e *env, args []string, o migrateOpts) error {
+	yes := o.yes
 	action := "up"
 	switch len(args) {
 	case 0:
@@ -69,6 +80,12 @@ func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 	if yes && action != "down" {
 		return usagef("--yes is for migrate down only")
 	}
+	if o.citus && action != "up" {
+		return usagef("--citus is for migrate up only")
+	}
+	if o.citus && e.shardsGiven() {
+		return usagef("--citus is for one Citus coordinator, not a shard map")
+	}
 	if e.shardsGiven() {
 		return migrateShards(ctx, e, action)
 	}
@@ -76,7 +93,7 @@ func runMigrate(ctx context.Context, e *env, args []string, yes bool) error {
 	if err != nil {
 		return err
 	}
-	m, err := migrate.New(migrate.Config{Pool: pool, Schema: e.schema})
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: e.schema, Citus: o.citus})
 	if err != nil {
 		return err
 	}

@@ -179,3 +179,28 @@ func TestMigrateDownShowsDroppedColumns(t *testing.T) {
 	require.EqualValues(t, 3, down["reverted"])
 	require.Contains(t, down["dropped_columns"], map[string]any{"table": "inbox", "column": "response_status", "rows_with_value": float64(1)})
 }
+
+// migrate up --citus, on the Citus coordinator, applies the migrations and
+// distributes the inbox by tenant; on plain Postgres it fails with no_citus and
+// applies nothing; with down or list it is a usage error.
+func TestMigrateUpCitus(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.Citus(t, pgtest.Options{MaxConns: 2})
+	coord := pgtest.CitusURL(t)
+	r := runCLI(t, "migrate", "up", "--citus", "--json", "--schema", schema, "--database-url", coord).ok(t)
+	var up struct{ Applied []int }
+	r.decode(t, &up)
+	require.Len(t, up.Applied, len(migrate.Migrations()))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM pg_dist_partition
+		WHERE logicalrelid = to_regclass($1) AND column_to_column_name(logicalrelid, partkey) = 'tenant'`, schema+".inbox"))
+
+	missing := pgtest.NewSchemaName()
+	t.Cleanup(func() { pgtest.DropSchema(t, missing) })
+	r = runCLI(t, "migrate", "up", "--citus", "--json", "--schema", missing, "--database-url", pgtest.URL())
+	require.Equal(t, exitFailure, r.code, r.stderr)
+	require.Contains(t, r.stdout+r.stderr, "no_citus")
+	for _, action := range []string{"down", "list"} {
+		r = runCLI(t, "migrate", action, "--citus", "--schema", missing, "--database-url", pgtest.URL())
+		require.Equal(t, exitUsage, r.code, r.stderr)
+	}
+}

@@ -28,7 +28,11 @@ func newQueries(schema string) queries {
 	// condition that always holds (an InitPlan, run once per statement, rather
 	// than a join, which would cost a step per inserted row). The schema is a
 	// plain lower-case identifier (pgschema.Valid), so it is safe as a literal.
-	wake := `wake AS (SELECT pg_notify('` + NotifyChannel + `', '` + schema + `') FROM (SELECT FROM ins LIMIT 1) one)`
+	// pg_notify returns void, which Citus cannot carry out of a CTE (column
+	// "pg_notify" has pseudo-type void): the cast to text lets it plan the CTE on
+	// the coordinator, which sends the notification its listeners hear, and costs
+	// plain Postgres nothing.
+	wake := `wake AS (SELECT pg_notify('` + NotifyChannel + `', '` + schema + `')::text FROM (SELECT FROM ins LIMIT 1) one)`
 	insertMany := func(where string) string {
 		return `WITH ins AS (
 				INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,

@@ -21,3 +21,15 @@ func TestStatementsNameOneTenant(t *testing.T) {
 		"requeue":       "an operator's requeue, across tenants unless it names one",
 	}))
 }
+
+// The enqueue statements of one tenant's effects break none of Citus's rules
+// (sqlaudit.CitusRefusals), so they run on a Citus worker as they are.
+func TestOneTenantStatementsTakeCitusRules(t *testing.T) {
+	t.Parallel()
+	q := newQueries("idem")
+	for name, sql := range map[string]string{
+		"insert": q.insert, "insertManyOne": q.insertManyOne, "fingerprintOfOne": q.fingerprintOfOne,
+	} {
+		require.Empty(t, sqlaudit.CitusRefusals(sql), name)
+	}
+}

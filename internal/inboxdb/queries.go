@@ -26,6 +26,9 @@ type Queries struct {
 	Lease, CompleteLease, FailLease, ReleaseLease                      string
 	DeleteExpiredKey, DeleteExpiredKeys                                string
 	DeleteExpired                                                      string
+	// DeleteExpiredByKey is DeleteExpired on Citus (citusmode), which refuses
+	// FOR UPDATE across shards: see New.
+	DeleteExpiredByKey string
 
 	// The stored HTTP responses (httpidem).
 	ClaimReturningRow, ClaimMarkedReturningRow            string
@@ -145,11 +148,15 @@ func New(schema string) Queries {
 		// A processing row whose lease ran out is taken over in the same statement,
 		// fence + 1, so two deliveries can never both believe they hold the key. The
 		// fingerprint must match: a different command never takes over a key.
+		// The lease ran out when it ends before the transaction's now(), which the
+		// proposed row carries as received_at (its default): Citus refuses a
+		// function that is not IMMUTABLE in ON CONFLICT's WHERE, and this reads the
+		// same value without one.
 		Lease: `INSERT INTO ` + t + ` AS i (consumer, tenant, key, fingerprint, state, lease_until, fence, expires_at)
 			VALUES ($1, $2, $3, $4, 'processing', now() + $6::interval, 1, now() + $5::interval)
 			ON CONFLICT (consumer, tenant, key) DO UPDATE
 				SET fence = i.fence + 1, lease_until = EXCLUDED.lease_until, attempts = i.attempts + 1
-				WHERE i.state = 'processing' AND i.lease_until < now() AND i.fingerprint = EXCLUDED.fingerprint
+				WHERE i.state = 'processing' AND i.lease_until < EXCLUDED.received_at AND i.fingerprint = EXCLUDED.fingerprint
 			RETURNING fence`,
 		CompleteLease: `UPDATE ` + t + ` SET state = 'completed', completed_at = now(), lease_until = NULL,
 				expires_at = now() + $5::interval
@@ -184,6 +191,17 @@ func New(schema string) Queries {
 				LIMIT $1
 				FOR UPDATE SKIP LOCKED))
 			AND state IN ('completed', 'failed')`,
+		// DeleteExpired on Citus, where the inbox is spread over shards: a row
+		// lock across shards (FOR UPDATE) and the ctid of another shard's row mean
+		// nothing there. The batch is picked the same way, and deleted by primary
+		// key; Citus runs the pick first, on every shard, then the delete of what
+		// it found. A row someone holds is waited for, not skipped.
+		DeleteExpiredByKey: `DELETE FROM ` + t + ` WHERE (consumer, tenant, key) IN (
+				SELECT consumer, tenant, key FROM ` + t + `
+				WHERE state IN ('completed', 'failed') AND expires_at < now()
+				ORDER BY expires_at
+				LIMIT $1)
+			AND state IN ('completed', 'failed') AND expires_at < now()`,
 		// The stored HTTP responses (httpidem). The claim returns where its row
 		// went (the ctid), for SaveResponseOrFail to find it without an index lookup.
 		ClaimReturningRow: `INSERT INTO ` + t + ` (consumer, tenant, key, fingerprint, state, completed_at, expires_at)

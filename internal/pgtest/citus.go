@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/redact"
+	"github.com/idemkit/idem/migrate"
 )
 
 // CitusURLVar names the environment variable with the Citus coordinator's URL, as
@@ -164,4 +165,32 @@ func citusSchema(tb testing.TB, opts []Options) (*pgxpool.Pool, string) {
 	}
 	tb.Cleanup(func() { dropOn(tb, coord, schema) })
 	return pool, schema
+}
+
+// CitusSetup is Setup on the Citus coordinator: Citus, then the idem tables
+// migrated in Citus mode (migrate.Config.Citus), so inbox and effects are
+// distributed by tenant and colocated.
+func CitusSetup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
+	tb.Helper()
+	pool, schema := Citus(tb, opts...)
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema, Citus: true})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if _, err := m.Up(context.Background()); err != nil {
+		tb.Fatalf("migrate the Citus test schema %s in Citus mode: %v", schema, err)
+	}
+	return pool, schema
+}
+
+// Distribute makes the test's table (created in the schema of pool's search_path)
+// a distributed table by tenant, colocated with idem's inbox, as a user's business
+// table on Citus is.
+func Distribute(tb testing.TB, pool *pgxpool.Pool, schema, table string) {
+	tb.Helper()
+	_, err := pool.Exec(context.Background(), `SELECT create_distributed_table($1, 'tenant', colocate_with => $2)`,
+		pgx.Identifier{schema, table}.Sanitize(), pgx.Identifier{schema, "inbox"}.Sanitize())
+	if err != nil {
+		tb.Fatalf("distribute %s.%s by tenant: %v", schema, table, err)
+	}
 }

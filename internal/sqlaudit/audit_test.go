@@ -23,6 +23,7 @@ import (
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/internal/sqlaudit"
 	"github.com/idemkit/idem/internal/txmark"
@@ -50,6 +51,11 @@ func allowList(schema string) []allowed {
 		{why: "commit guard", re: `^INSERT INTO ` + t + `"?commit_guard"? DEFAULT VALUES$`},
 		{why: "commit check of the transaction's mark", re: `^` + regexp.QuoteMeta(sqlaudit.Normalize(txmark.Check)) + `; (SET LOCAL idem\.commit = 'on'; )?COMMIT$`},
 		{why: "rollback's check of the transaction's mark", re: `^SELECT ` + regexp.QuoteMeta(txmark.Marked) + `$`},
+		// Whether the schema is distributed by Citus (internal/citusmode), asked once
+		// by each consumer, httpidem middleware and janitor: catalogs, no table of
+		// idem's. The second question is asked only where Citus is installed.
+		{why: "Citus mode: is the extension installed", re: `^SELECT to_regclass\('pg_catalog\.pg_dist_partition'\) IS NOT NULL$`},
+		{why: "Citus mode: is the inbox distributed", rare: true, re: `^SELECT EXISTS \(SELECT 1 FROM pg_catalog\.pg_dist_partition WHERE logicalrelid = to_regclass\(\$1\)\)$`},
 		// httpidem's transaction id, read at BEGIN and after a cut connection: no table.
 		{why: "httpidem: the transaction's id", re: `^SELECT pg_current_xact_id\(\)::text$`},
 		{why: "httpidem: the transaction's status after a cut", rare: true, re: `^SELECT pg_xact_status\(\$1::xid8\)$`},
@@ -193,6 +199,82 @@ func TestEveryStatementNamesOneTenant(t *testing.T) {
 	flagged, unused := check(stmts, allowList(schema))
 	require.Empty(t, flagged, "statements that name no tenant and are not on the allow-list:\n%s", strings.Join(flagged, "\n\n"))
 	require.Empty(t, unused, "allow-list entries that matched no statement: remove them, or drive what sends them")
+
+	// Citus's rules (sqlaudit.CitusRefusals): no statement sent here may be one
+	// that Citus refuses, unless it is on citusPending, with why.
+	refused, unusedCitus := checkCitus(stmts, citusPending(schema))
+	require.Empty(t, refused, "statements that Citus refuses:\n%s", strings.Join(refused, "\n\n"))
+	require.Empty(t, unusedCitus, "citusPending entries that matched no refused statement: remove them")
+}
+
+// citusPending are the statements idem sends on plain Postgres that Citus
+// refuses (sqlaudit.CitusRefusals), each with why it may: a statement that has
+// a Citus form of its own, sent in Citus mode instead, or work not yet done.
+func citusPending(schema string) []allowed {
+	t := regexp.QuoteMeta(pgx.Identifier{schema}.Sanitize()) + `\.`
+	inbox, effectsT := t+`"?inbox"?`, t+`"?effects"?`
+	return []allowed{
+		// The janitor's deletes lock rows across tenants (SKIP LOCKED); on Citus it
+		// deletes by primary key instead (TestCitusJanitorDeletesOnlyWhatRetentionLetsGo,
+		// and TestCitusFormsAreTaken below).
+		{why: "janitor: plain Postgres's inbox delete", re: `^DELETE FROM ` + inbox + ` WHERE ctid = ANY .*FOR UPDATE SKIP LOCKED.*$`},
+		{why: "janitor: plain Postgres's effects deletes", re: `^DELETE FROM ` + effectsT + ` WHERE ctid = ANY .*FOR UPDATE SKIP LOCKED.*$`},
+		// The Dispatcher's plan settings ask for generic plans, which Citus cannot
+		// make of a parameterized statement; on Citus it sends its settings
+		// without it (citusSettings, TestCitusDispatcherForOneTenant). The claim of
+		// a Dispatcher without a Tenant locks rows across tenants: the Dispatcher
+		// on Citus without a Tenant is the next step (issue "Runs on Citus",
+		// item 3).
+		{why: "Dispatcher: plain Postgres's plan settings", re: `^SET LOCAL plan_cache_mode = force_generic_plan$`},
+		{why: "Dispatcher without a Tenant: claim", re: `^WITH want AS \( .* RETURNING .*$`},
+	}
+}
+
+// checkCitus returns each statement of stmts that Citus refuses and no entry of
+// list matches (with Citus's errors), and the entries that matched no refused
+// statement (rare ones excepted).
+func checkCitus(stmts []string, list []allowed) (refused, unused []string) {
+	used := make([]bool, len(list))
+	seen := map[string]bool{}
+	for _, sql := range stmts {
+		s := sqlaudit.Normalize(sql)
+		errs := sqlaudit.CitusRefusals(s)
+		if seen[s] || len(errs) == 0 {
+			continue
+		}
+		seen[s] = true
+		ok := false
+		for i, a := range list {
+			if regexp.MustCompile(a.re).MatchString(s) {
+				used[i], ok = true, true
+			}
+		}
+		if !ok {
+			refused = append(refused, strings.Join(errs, "; ")+":\n"+s)
+		}
+	}
+	for i, a := range list {
+		if !used[i] && !a.rare {
+			unused = append(unused, a.why)
+		}
+	}
+	return refused, unused
+}
+
+// The statements idem sends in Citus mode in place of ones Citus refuses break
+// none of Citus's rules.
+func TestCitusFormsAreTaken(t *testing.T) {
+	t.Parallel()
+	q := inboxdb.New("idem")
+	for name, sql := range map[string]string{
+		"inboxdb.DeleteExpiredByKey":          q.DeleteExpiredByKey,
+		"inboxdb.Lease":                       q.Lease,
+		"inboxdb.SaveResponseOrFail":          q.SaveResponseOrFail,
+		"inboxdb.CompleteLeaseResponseOrFail": q.CompleteLeaseResponseOrFail,
+		"inboxdb.ClaimBatchOneTenant":         q.ClaimBatchOneTenant,
+	} {
+		require.Empty(t, sqlaudit.CitusRefusals(sql), name)
+	}
 }
 
 // check is sqlaudit.Check with the test's allow-list; rare entries may go unused.

@@ -1,12 +1,14 @@
 package sqlaudit_test
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/sqlaudit"
+	"github.com/idemkit/idem/internal/txmark"
 )
 
 // TestRoutable: what names one tenant, and what does not.
@@ -52,13 +54,54 @@ func TestRoutable(t *testing.T) {
 func TestInboxStatementsNameOneTenant(t *testing.T) {
 	t.Parallel()
 	require.Empty(t, sqlaudit.CheckFields(inboxdb.New("idem"), map[string]string{
-		"DeleteExpired":     "the janitor's retention delete, across tenants",
-		"ClaimBatch":        "a batch of several tenants (ClaimBatchOneTenant names one)",
-		"GetBatch":          "a batch of several tenants (GetBatchOneTenant names one)",
-		"DeleteExpiredKeys": "a batch of several tenants (DeleteExpiredKeysOneTenant names one)",
+		"DeleteExpired":      "the janitor's retention delete, across tenants",
+		"DeleteExpiredByKey": "the janitor's retention delete on Citus, across tenants",
+		"ClaimBatch":         "a batch of several tenants (ClaimBatchOneTenant names one)",
+		"GetBatch":           "a batch of several tenants (GetBatchOneTenant names one)",
+		"DeleteExpiredKeys":  "a batch of several tenants (DeleteExpiredKeysOneTenant names one)",
 	}))
 	// It catches a statement that names no tenant.
 	q := inboxdb.New("idem")
 	q.Get = `SELECT * FROM inbox WHERE consumer = $1 AND key = $3`
-	require.Len(t, sqlaudit.CheckFields(q, map[string]string{"DeleteExpired": "", "ClaimBatch": "", "GetBatch": "", "DeleteExpiredKeys": ""}), 1)
+	require.Len(t, sqlaudit.CheckFields(q, map[string]string{"DeleteExpired": "", "DeleteExpiredByKey": "", "ClaimBatch": "", "GetBatch": "", "DeleteExpiredKeys": ""}), 1)
+}
+
+// CitusRefusals knows each refusal idem's statements met on Citus 13.2, in the
+// forms idem sent before it was rewritten, and takes the rewrites.
+func TestCitusRefusals(t *testing.T) {
+	t.Parallel()
+	q := inboxdb.New("idem")
+	oldMarked := "coalesce(current_setting('idem.tx', true), '') = 'on'"
+	for sql, want := range map[string]string{
+		// enqueue's wake-up
+		`WITH ins AS (INSERT INTO e (tenant, k) VALUES ($1, $2) RETURNING true AS ok),
+			wake AS (SELECT pg_notify('idem_effects', 's') FROM (SELECT FROM ins LIMIT 1) one)
+			SELECT ok FROM ins WHERE (SELECT true FROM wake) IS NOT FALSE`: `column "pg_notify" has pseudo-type void`,
+		// the lease's takeover
+		strings.Replace(q.Lease, "EXCLUDED.received_at", "now()", 1): "functions used in the WHERE clause of the ON CONFLICT clause of INSERTs on distributed tables must be marked IMMUTABLE",
+		// the stored response's guarded write
+		strings.Replace(q.SaveResponseOrFail, txmark.Marked, oldMarked, 1): "non-IMMUTABLE functions are not allowed in CASE or COALESCE statements",
+		// an outcome write
+		`UPDATE e SET done_at = CASE WHEN d.state = 'done' THEN now() END FROM unnest($1::text[]) AS d(state) WHERE e.tenant = $2`: "non-IMMUTABLE functions are not allowed in CASE or COALESCE statements",
+		// a claim's lag
+		`UPDATE e SET fence = fence + 1 WHERE tenant = $1 RETURNING extract(epoch FROM now() - e.due)`: "non-IMMUTABLE functions are not allowed in the RETURNING clause",
+		// the janitor's plain delete
+		q.DeleteExpired: "could not run distributed query with FOR UPDATE/SHARE commands",
+		// the claim's plan setting
+		"SET LOCAL plan_cache_mode = force_generic_plan": "could not create distributed plan: generic plans of parameterized statements",
+	} {
+		require.Equal(t, []string{want}, sqlaudit.CitusRefusals(sql), sql)
+	}
+	for _, sql := range []string{
+		q.Lease, q.SaveResponseOrFail, q.CompleteLeaseResponseOrFail, q.DeleteExpiredByKey, q.Claim, q.Fail,
+		// pg_notify of its own, and cast in a CTE
+		`SELECT pg_notify('idem_effects', $1)`,
+		`WITH ins AS (INSERT INTO e (tenant) VALUES ($1) RETURNING 1), wake AS (SELECT pg_notify('c', 's')::text FROM ins) SELECT 1`,
+		// a row lock of one tenant's rows
+		`SELECT * FROM e WHERE tenant = $1 FOR UPDATE SKIP LOCKED`,
+		// now() outside CASE in a write, CASE without a clock
+		`UPDATE e SET at = now(), s = CASE WHEN x THEN 'a' END WHERE tenant = $1`,
+	} {
+		require.Empty(t, sqlaudit.CitusRefusals(sql), sql)
+	}
 }

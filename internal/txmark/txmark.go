@@ -38,8 +38,11 @@ type Beginner interface {
 // transaction's first round trip, after BEGIN.
 const Mark = "SET LOCAL idem.tx = 'on'"
 
-// Marked is an SQL expression, true in a transaction that carries the mark.
-const Marked = "coalesce(current_setting('idem.tx', true), '') = 'on'"
+// Marked is an SQL expression, true in a transaction that carries the mark (and
+// false, never NULL, in one without). It is written without coalesce: Citus
+// refuses a function that is not IMMUTABLE inside COALESCE or CASE in a statement
+// that writes a distributed table, and Marked is in such statements' WHERE.
+const Marked = "current_setting('idem.tx', true) IS NOT DISTINCT FROM 'on'"
 
 // missing is the text of Check's error, which Missing looks for.
 const missing = "idem: the transaction idem began has ended"
