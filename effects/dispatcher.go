@@ -384,24 +384,96 @@ const beginSQL = "BEGIN ISOLATION LEVEL READ COMMITTED"
 // claim runs the claim statement. It runs on a context that ctx's end does not
 // cancel: a claim cut off after its commit would leave rows leased that nobody
 // sends until the lease runs out.
+//
+// On Citus a Dispatcher without a Tenant cannot lock rows across shards, so it
+// claims tenant by tenant: see claimEachTenant.
 func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) ([]*claimed, error) {
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
+	if d.cfg.Tenant == "" && d.onCitus(qctx) {
+		return d.claimEachTenant(qctx, kinds, limits)
+	}
+	return d.claimTenant(qctx, kinds, limits, d.cfg.Tenant)
+}
+
+// claimEachTenant is the claim on Citus of a Dispatcher without a Tenant. One
+// read without locks (dueTenants, run on every shard) names the tenants of the
+// oldest due effects; then each of those tenants is claimed with the one-tenant
+// claim, which Citus routes to the tenant's shard, while the kinds have room.
+// Each round costs one read plus one claim per tenant with due work, and a
+// claim per tenant takes at least one effect unless another Dispatcher took
+// them first: tenants with nothing due cost nothing.
+func (d *dispatcher) claimEachTenant(ctx context.Context, kinds []string, limits []int32) ([]*claimed, error) {
+	var total int32
+	for _, n := range limits {
+		total += n
+	}
+	rows, err := d.pool.Query(ctx, d.q.dueTenants, kinds, total)
+	if err != nil {
+		return nil, err
+	}
+	tenants, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, err
+	}
+	left := slices.Clone(limits)
+	index := make(map[string]int, len(kinds))
+	for i, k := range kinds {
+		index[k] = i
+	}
+	var out []*claimed
+	seen := map[string]bool{}
+	for _, tenant := range tenants {
+		if seen[tenant] {
+			continue
+		}
+		seen[tenant] = true
+		var ks []string
+		var ns []int32
+		for i, k := range kinds {
+			if left[i] > 0 {
+				ks, ns = append(ks, k), append(ns, left[i])
+			}
+		}
+		if len(ks) == 0 {
+			break
+		}
+		got, err := d.claimTenant(ctx, ks, ns, tenant)
+		if err != nil {
+			if len(out) > 0 {
+				// What was claimed is held: send it, and claim the rest next round.
+				d.log.Error("effects dispatcher: claim failed", "tenant", tenant, "error", err)
+				return out, nil
+			}
+			return nil, err
+		}
+		for _, c := range got {
+			left[index[c.Kind]]--
+		}
+		out = append(out, got...)
+	}
+	return out, nil
+}
+
+// claimTenant runs the claim statement: of tenant's effects with a Dispatcher's
+// Tenant, or on Citus (a tenant claimEachTenant found, "" the unscoped one); of
+// every tenant's otherwise.
+func (d *dispatcher) claimTenant(qctx context.Context, kinds []string, limits []int32, tenant string) ([]*claimed, error) {
 	start := time.Now()
 	// The claim runs in a transaction of its own, with the settings that fix its
 	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	settings, claimSQL := claimSettings, d.q.claim
+	settings, claimSQL, oneTenant := claimSettings, d.q.claim, d.cfg.Tenant != ""
 	if d.onCitus(qctx) {
-		settings, claimSQL = citusSettings(claimSettings), d.q.claimCitus
+		settings, claimSQL, oneTenant = citusSettings(claimSettings), d.q.claimCitus, true
 	}
 	for _, s := range settings {
 		b.Queue(s)
 	}
 	args := []any{kinds, limits, d.cfg.Lease}
-	if d.cfg.Tenant != "" {
-		args = append(args, d.cfg.Tenant)
+	if oneTenant {
+		args = append(args, tenant)
 	}
 	b.Queue(claimSQL, args...)
 	b.Queue("COMMIT")

@@ -15,13 +15,15 @@ import (
 // schema. Every value is a bind parameter; the schema is validated and quoted.
 //
 // claim filters on one tenant (tenant = $4) when the Dispatcher has one
-// (Config.Tenant); claimCitus is claim on a schema distributed by Citus. recordOne and recordAgainOne are record and recordAgain for a
+// (Config.Tenant); claimCitus is the one-tenant claim on a schema distributed by
+// Citus, which a Dispatcher without a Tenant runs for each tenant that
+// dueTenants finds. recordOne and recordAgainOne are record and recordAgain for a
 // batch of outcomes that all belong to one tenant, $12, which they match instead
 // of each row's tenant: every outcome batch of such a Dispatcher, and any other
 // of one tenant's effects.
 type queries struct {
-	claim, claimCitus, record, recordAgain, notify, pending string
-	recordOne, recordAgainOne                               string
+	claim, claimCitus, dueTenants, record, recordAgain, notify, pending string
+	recordOne, recordAgainOne                                           string
 }
 
 // recordSet and recordWhere are the outcome update's SET and WHERE, shared by
@@ -138,13 +140,7 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 	// onlyTenant filters the claim's scan on the Dispatcher's tenant; the scan
 	// returns each claimed row's tenant (claimedTenant), and the update keeps to
 	// rows of that tenant (sameTenant).
-	var onlyTenant, claimedTenant, sameTenant, citusTenant string
-	if oneTenant {
-		onlyTenant = " AND e.tenant = $4"
-		claimedTenant = ", e.tenant"
-		sameTenant = " AND e.tenant = due.tenant"
-		citusTenant = sameTenant + onlyTenant
-	}
+	const onlyTenant, claimedTenant, sameTenant = " AND e.tenant = $4", ", e.tenant", " AND e.tenant = due.tenant"
 	record := func(tenant string) string {
 		return `UPDATE ` + t + ` e
 			SET ` + recordSet + `
@@ -168,7 +164,11 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 				ON e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
 			WHERE e.recorded_fence = d.fence`
 	}
-	claim := func(tenantOfRow string) string {
+	claim := func(oneTenant bool, tenantOfRow string) string {
+		onlyTenant, claimedTenant := onlyTenant, claimedTenant
+		if !oneTenant {
+			onlyTenant, claimedTenant = "", ""
+		}
 		return `WITH want AS (
 				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
 			), due AS (
@@ -191,6 +191,12 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 				due.in_flight, e.created_at, due.lag,
 				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
 				coalesce(e.trace_context::text, '')`
+	}
+	claimPlain := func() string {
+		if oneTenant {
+			return claim(true, sameTenant)
+		}
+		return claim(false, "")
 	}
 	return queries{
 		// One statement claims up to n[i] due effects of each kind[i]. SKIP LOCKED
@@ -219,12 +225,23 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 		// and match each against every claimed ctid. The lag (how long the effect has
 		// been due) is computed where the row is read, not in RETURNING, where Citus
 		// refuses now().
-		claim: claim(sameTenant),
+		claim: claimPlain(),
 		// claimCitus is claim on Citus: the update names the tenant, $4, too, for
 		// Citus to route the whole statement to the tenant's shard, which it
 		// cannot tell from due.tenant ("cannot perform distributed planning for
 		// the given modification").
-		claimCitus: claim(citusTenant),
+		claimCitus: claim(true, sameTenant+onlyTenant),
+		// dueTenants finds, on Citus, tenants with due effects of the kinds $1:
+		// the tenants of at most $2 due rows of each shard, read without a lock
+		// (Citus refuses FOR UPDATE across shards) through effects_due_idx, in
+		// (kind, next_attempt_at) order, so the oldest due first, and stopping
+		// after $2 rows. One statement that Citus runs on every shard; the caller
+		// claims each tenant it names with claimCitus, routed to that tenant's
+		// shard. A tenant with nothing due costs nothing. The caller drops
+		// repeated tenants (no DISTINCT here: it would read every due row).
+		dueTenants: `SELECT e.tenant FROM ` + t + ` e
+			WHERE e.state = 'pending' AND e.kind = ANY($1::text[]) AND e.next_attempt_at <= now()
+			LIMIT $2`,
 		// Records a batch of outcomes in one statement. Each row applies only if the
 		// fence still matches: an attempt whose lease ran out and was claimed again
 		// cannot overwrite the newer attempt. undo is 1 for a claim released without
