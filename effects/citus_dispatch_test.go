@@ -170,3 +170,74 @@ func TestCitusDispatcherDrainsEveryTenant(t *testing.T) {
 	require.LessOrEqual(t, tr.claims, len(busy)*2, "claims: one per busy tenant and round")
 	require.Less(t, tr.n, 2*len(want), "statements on effects per effect drained")
 }
+
+// On Citus, an effect enqueued for a tenant of either worker wakes a Dispatcher
+// without a Tenant through its LISTEN on the coordinator: polling is an hour
+// apart, and the effect is sent within seconds.
+func TestCitusDispatcherWakesOnEnqueueForEitherWorker(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 6})
+	w1, w2 := citusTenants(t, pool, schema, 1)
+	var s sends
+	runDispatcher(t, effects.Config{Pool: pool, Schema: schema, PollInterval: time.Hour,
+		Senders: map[string]effects.Sender{"mail": s.sender()}, Registerer: prometheus.NewRegistry()})
+	pgtest.WaitFor(t, 30*time.Second, "LISTEN connection up", func() bool { return listenerUp(t, pool, schema) })
+	for _, tenant := range []string{w1[0], w2[0]} {
+		enqueueFor(t, pool, schema, tenant, "mail", 0, "woken")
+		pgtest.WaitFor(t, 20*time.Second, "the effect of "+tenant+" sent", func() bool {
+			return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = $1 AND state = 'done'`, tenant) == 1
+		})
+	}
+	require.Equal(t, map[string]int{w1[0] + "/mail/woken": 1, w2[0] + "/mail/woken": 1}, s.get())
+}
+
+// On Citus two Dispatchers without a Tenant drain the same tenants side by side:
+// every effect is sent once, by one of them, and recorded with its only fence.
+func TestCitusTwoDispatchersSendEachEffectOnce(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 10})
+	w1, w2 := citusTenants(t, pool, schema, 3)
+	want := map[string]int{}
+	for _, tenant := range append(w1, w2...) {
+		for i := range 20 {
+			key := fmt.Sprint("k", i)
+			enqueueFor(t, pool, schema, tenant, "mail", 0, key)
+			want[tenant+"/mail/"+key] = 1
+		}
+	}
+	var s sends
+	for range 2 {
+		runDispatcher(t, effects.Config{Pool: pool, Schema: schema, PollInterval: 20 * time.Millisecond, BatchSize: 7,
+			Senders: map[string]effects.Sender{"mail": s.sender()}, Registerer: prometheus.NewRegistry()})
+	}
+	pgtest.WaitFor(t, 60*time.Second, "every effect done", func() bool {
+		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(want)
+	})
+	require.Equal(t, want, s.get(), "each effect sent once")
+	require.Equal(t, len(want), pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE attempts = 1 AND fence = 1 AND recorded_fence = 1`))
+}
+
+// On Citus a Dispatcher without a Tenant takes over an effect whose lease ran
+// out (its claimer died before recording): it sends it again as attempt 2 with
+// the next fence, and records it done under that fence.
+func TestCitusDispatcherTakesOverAStaleLease(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 6})
+	_, w2 := citusTenants(t, pool, schema, 1)
+	enqueueFor(t, pool, schema, w2[0], "mail", 0, "stale")
+	// A claim whose Dispatcher died: fenced, in flight, its lease ending soon.
+	_, err := pool.Exec(context.Background(), `UPDATE effects SET fence = 1, attempts = 1, in_flight = true,
+		next_attempt_at = now() + interval '1 second' WHERE tenant = $1`, w2[0])
+	require.NoError(t, err)
+	attempts := make(chan int, 4)
+	runDispatcher(t, effects.Config{Pool: pool, Schema: schema, PollInterval: 50 * time.Millisecond,
+		Senders: map[string]effects.Sender{"mail": effects.SenderFunc(func(_ context.Context, d effects.Delivery) error {
+			attempts <- d.Attempt
+			return nil
+		})}, Registerer: prometheus.NewRegistry()})
+	pgtest.WaitFor(t, 30*time.Second, "the stale effect done", func() bool {
+		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'done' AND fence = 2 AND recorded_fence = 2 AND attempts = 2`) == 1
+	})
+	require.Equal(t, 2, <-attempts)
+	require.Empty(t, attempts, "sent once")
+}
