@@ -3,6 +3,7 @@ package effects_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -137,7 +138,7 @@ func TestCitusDispatcherDrainsEveryTenant(t *testing.T) {
 		enqueueFor(t, pool, schema, fmt.Sprintf("idle-%d", i), "mail", time.Hour, "later")
 	}
 	w1, w2 := citusTenants(t, pool, schema, 3)
-	busy := append(w1, w2...)
+	busy := slices.Concat(w1, w2)
 	const perTenant = 10
 	want := map[string]int{}
 	for _, tenant := range busy {
@@ -198,7 +199,7 @@ func TestCitusTwoDispatchersSendEachEffectOnce(t *testing.T) {
 	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 10})
 	w1, w2 := citusTenants(t, pool, schema, 3)
 	want := map[string]int{}
-	for _, tenant := range append(w1, w2...) {
+	for _, tenant := range slices.Concat(w1, w2) {
 		for i := range 20 {
 			key := fmt.Sprint("k", i)
 			enqueueFor(t, pool, schema, tenant, "mail", 0, key)
