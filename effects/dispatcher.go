@@ -49,6 +49,8 @@ type dispatcher struct {
 	prop   propagation.TextMapPropagator
 	lanes  []*lane // sorted by kind
 	byKind map[string]*lane
+	// dueTenants is dueTenantsSQL for the lanes' kinds.
+	dueTenants string
 
 	wake     chan struct{} // a notification or a requeue: look for work now
 	freed    chan struct{} // outcomes were recorded: capacity is free again
@@ -194,16 +196,17 @@ func newDispatcher(cfg Config) (*dispatcher, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	d := &dispatcher{
-		cfg:    cfg,
-		pool:   cfg.Pool,
-		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders), cfg.Tenant != ""),
-		log:    cfg.Logger,
-		m:      m,
-		tracer: tracing.Tracer(cfg.TracerProvider),
-		prop:   tracing.Propagator(cfg.Propagator),
-		byKind: map[string]*lane{},
-		wake:   make(chan struct{}, 1),
-		freed:  make(chan struct{}, 1),
+		cfg:        cfg,
+		pool:       cfg.Pool,
+		q:          newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders), cfg.Tenant != ""),
+		log:        cfg.Logger,
+		m:          m,
+		tracer:     tracing.Tracer(cfg.TracerProvider),
+		prop:       tracing.Propagator(cfg.Propagator),
+		byKind:     map[string]*lane{},
+		wake:       make(chan struct{}, 1),
+		freed:      make(chan struct{}, 1),
+		dueTenants: dueTenantsSQL(cfg.Schema, len(cfg.Senders)),
 	}
 	for kind, s := range cfg.Senders {
 		n := cmp.Or(cfg.Concurrency[kind], DefaultConcurrency)
@@ -397,29 +400,34 @@ func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) 
 }
 
 // claimEachTenant is the claim on Citus of a Dispatcher without a Tenant. One
-// read without locks (dueTenants, run on every shard) names the tenants of the
-// oldest due effects; then each of those tenants is claimed with the one-tenant
+// read without locks (dueTenantsSQL, run on every shard) names the tenants of
+// the oldest due effects of each kind; then each of those tenants is claimed with the one-tenant
 // claim, which Citus routes to the tenant's shard, while the kinds have room.
 // Each round costs one read plus one claim per tenant with due work, and a
 // claim per tenant takes at least one effect unless another Dispatcher took
 // them first: tenants with nothing due cost nothing.
 func (d *dispatcher) claimEachTenant(ctx context.Context, kinds []string, limits []int32) ([]*claimed, error) {
-	var total int32
-	for _, n := range limits {
-		total += n
+	left := slices.Clone(limits)
+	index := make(map[string]int, len(kinds))
+	for i, k := range kinds {
+		index[k] = i
 	}
-	rows, err := d.pool.Query(ctx, d.q.dueTenants, kinds, total)
+	// dueTenants takes every lane's kind, in order, with no room for a kind not
+	// claimed now.
+	allKinds, room := make([]string, len(d.lanes)), make([]int32, len(d.lanes))
+	for i, l := range d.lanes {
+		allKinds[i] = l.kind
+		if j, ok := index[l.kind]; ok {
+			room[i] = limits[j]
+		}
+	}
+	rows, err := d.pool.Query(ctx, d.dueTenants, allKinds, room)
 	if err != nil {
 		return nil, err
 	}
 	tenants, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
 		return nil, err
-	}
-	left := slices.Clone(limits)
-	index := make(map[string]int, len(kinds))
-	for i, k := range kinds {
-		index[k] = i
 	}
 	var out []*claimed
 	seen := map[string]bool{}

@@ -17,13 +17,13 @@ import (
 // claim filters on one tenant (tenant = $4) when the Dispatcher has one
 // (Config.Tenant); claimCitus is the one-tenant claim on a schema distributed by
 // Citus, which a Dispatcher without a Tenant runs for each tenant that
-// dueTenants finds. recordOne and recordAgainOne are record and recordAgain for a
+// dueTenantsSQL finds. recordOne and recordAgainOne are record and recordAgain for a
 // batch of outcomes that all belong to one tenant, $12, which they match instead
 // of each row's tenant: every outcome batch of such a Dispatcher, and any other
 // of one tenant's effects.
 type queries struct {
-	claim, claimCitus, dueTenants, record, recordAgain, notify, pending string
-	recordOne, recordAgainOne                                           string
+	claim, claimCitus, record, recordAgain, notify, pending string
+	recordOne, recordAgainOne                               string
 }
 
 // recordSet and recordWhere are the outcome update's SET and WHERE, shared by
@@ -231,17 +231,6 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 		// cannot tell from due.tenant ("cannot perform distributed planning for
 		// the given modification").
 		claimCitus: claim(true, sameTenant+onlyTenant),
-		// dueTenants finds, on Citus, tenants with due effects of the kinds $1:
-		// the tenants of at most $2 due rows of each shard, read without a lock
-		// (Citus refuses FOR UPDATE across shards) through effects_due_idx, in
-		// (kind, next_attempt_at) order, so the oldest due first, and stopping
-		// after $2 rows. One statement that Citus runs on every shard; the caller
-		// claims each tenant it names with claimCitus, routed to that tenant's
-		// shard. A tenant with nothing due costs nothing. The caller drops
-		// repeated tenants (no DISTINCT here: it would read every due row).
-		dueTenants: `SELECT e.tenant FROM ` + t + ` e
-			WHERE e.state = 'pending' AND e.kind = ANY($1::text[]) AND e.next_attempt_at <= now()
-			LIMIT $2`,
 		// Records a batch of outcomes in one statement. Each row applies only if the
 		// fence still matches: an attempt whose lease ran out and was claimed again
 		// cannot overwrite the newer attempt. undo is 1 for a claim released without
@@ -272,4 +261,27 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 		notify:         `SELECT pg_notify('` + effectsdb.NotifyChannel + `', $1)`,
 		pending:        `SELECT kind, count(*) FROM ` + t + ` WHERE state = 'pending' GROUP BY kind`,
 	}
+}
+
+// dueTenantsSQL renders, for a Dispatcher of kinds kinds, the read that finds on
+// Citus the tenants with due effects: for each kind i, the tenants of its $2[i]
+// oldest due effects of kind $1[i] ($2[i] = 0 for a kind without room). Each
+// part is an ordered range scan of effects_due_idx (kind, next_attempt_at) that
+// Citus runs on every shard, stopping after $2[i] rows, and merges on the
+// coordinator, so the oldest due effects of all tenants come first and a tenant
+// with a backlog cannot starve the others. No lock (Citus refuses FOR UPDATE
+// across shards) and no DISTINCT (it would read every due row): the caller drops
+// repeated tenants and claims each with claimCitus, routed to the tenant's shard.
+// A tenant with nothing due costs nothing.
+func dueTenantsSQL(schema string, kinds int) string {
+	t := pgx.Identifier{schema, "effects"}.Sanitize()
+	parts := make([]string, max(kinds, 1))
+	for i := range parts {
+		n := strconv.Itoa(i + 1)
+		parts[i] = `(SELECT e.tenant FROM ` + t + ` e
+			WHERE e.state = 'pending' AND e.kind = ($1::text[])[` + n + `] AND e.next_attempt_at <= now()
+			ORDER BY e.next_attempt_at
+			LIMIT ($2::int[])[` + n + `])`
+	}
+	return strings.Join(parts, "\n\t\tUNION ALL ")
 }
