@@ -430,6 +430,7 @@ func (d *dispatcher) claimEachTenant(ctx context.Context, kinds []string, limits
 		return nil, err
 	}
 	var out []*claimed
+	var lastErr error
 	seen := map[string]bool{}
 	for _, tenant := range tenants {
 		if seen[tenant] {
@@ -448,17 +449,20 @@ func (d *dispatcher) claimEachTenant(ctx context.Context, kinds []string, limits
 		}
 		got, err := d.claimTenant(ctx, ks, ns, tenant)
 		if err != nil {
-			if len(out) > 0 {
-				// What was claimed is held: send it, and claim the rest next round.
-				d.log.Error("effects dispatcher: claim failed", "tenant", tenant, "error", err)
-				return out, nil
-			}
-			return nil, err
+			// One tenant's shard failing (its worker down) does not hold back the
+			// others' claims; the loop retries it with backoff if nothing was
+			// claimed.
+			lastErr = err
+			d.log.Error("effects dispatcher: claim failed", "tenant", tenant, "error", err)
+			continue
 		}
 		for _, c := range got {
 			left[index[c.Kind]]--
 		}
 		out = append(out, got...)
+	}
+	if len(out) == 0 && lastErr != nil {
+		return nil, lastErr
 	}
 	return out, nil
 }
