@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 // effectStmts counts the statements on the effects table that a pool sends,
@@ -241,4 +242,42 @@ func TestCitusDispatcherTakesOverAStaleLease(t *testing.T) {
 	})
 	require.Equal(t, 2, <-attempts)
 	require.Empty(t, attempts, "sent once")
+}
+
+// On Citus a Dispatcher without a Tenant resumes after a worker restarted with
+// pg_ctl stop -m immediate: effects enqueued for both workers' tenants before,
+// during and after the restart are each sent once and recorded done.
+func TestCitusDispatcherResumesAfterAWorkerRestart(t *testing.T) {
+	ctx := context.Background()
+	pool, schema, ctl := pgtest.CrashableCitus(t, pgtest.Options{MaxConns: 6})
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema, Citus: true})
+	require.NoError(t, err)
+	_, err = m.Up(ctx)
+	require.NoError(t, err)
+	w1, w2 := citusTenants(t, pool, schema, 1)
+	want := map[string]int{}
+	enqueue := func(tenant, prefix string) {
+		for i := range 10 {
+			key := fmt.Sprint(prefix, i)
+			enqueueFor(t, pool, schema, tenant, "mail", 0, key)
+			want[tenant+"/mail/"+key] = 1
+		}
+	}
+	done := func() bool {
+		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(want)
+	}
+	var s sends
+	runDispatcher(t, effects.Config{Pool: pool, Schema: schema, PollInterval: 100 * time.Millisecond,
+		Senders: map[string]effects.Sender{"mail": s.sender()}, Registerer: prometheus.NewRegistry()})
+	enqueue(w1[0], "before")
+	enqueue(w2[0], "before")
+	pgtest.WaitFor(t, 30*time.Second, "effects before the crash done", done)
+
+	ctl.CrashWorker(1)
+	enqueue(w2[0], "during")
+	time.Sleep(time.Second)
+	ctl.StartWorker(1)
+	enqueue(w1[0], "after")
+	pgtest.WaitFor(t, 60*time.Second, "every effect done", done)
+	require.Equal(t, want, s.get(), "each effect sent once")
 }
