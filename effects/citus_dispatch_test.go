@@ -246,7 +246,11 @@ func TestCitusDispatcherTakesOverAStaleLease(t *testing.T) {
 
 // On Citus a Dispatcher without a Tenant resumes after a worker restarted with
 // pg_ctl stop -m immediate: effects enqueued for both workers' tenants before,
-// during and after the restart are each sent once and recorded done.
+// during and after the restart are all sent and recorded done. Only an effect of
+// the crashed worker's tenant sent before the crash may be sent again: its
+// outcome commits without waiting for its WAL flush, and a crash that loses it
+// leaves the effect in flight, to be sent again after its lease (see
+// writeOutcomes). The other worker's effects are each sent once.
 func TestCitusDispatcherResumesAfterAWorkerRestart(t *testing.T) {
 	ctx := context.Background()
 	pool, schema, ctl := pgtest.CrashableCitus(t, pgtest.Options{MaxConns: 6})
@@ -267,7 +271,7 @@ func TestCitusDispatcherResumesAfterAWorkerRestart(t *testing.T) {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE state = 'done'`) == len(want)
 	}
 	var s sends
-	runDispatcher(t, effects.Config{Pool: pool, Schema: schema, PollInterval: 100 * time.Millisecond,
+	runDispatcher(t, effects.Config{Pool: pool, Schema: schema, PollInterval: 100 * time.Millisecond, Lease: 3 * time.Second,
 		Senders: map[string]effects.Sender{"mail": s.sender()}, Registerer: prometheus.NewRegistry()})
 	enqueue(w1[0], "before")
 	enqueue(w2[0], "before")
@@ -279,5 +283,14 @@ func TestCitusDispatcherResumesAfterAWorkerRestart(t *testing.T) {
 	ctl.StartWorker(1)
 	enqueue(w1[0], "after")
 	pgtest.WaitFor(t, 60*time.Second, "every effect done", done)
-	require.Equal(t, want, s.get(), "each effect sent once")
+	got := s.get()
+	for key := range want {
+		n := got[key]
+		if strings.HasPrefix(key, w1[0]+"/mail/before") {
+			require.Contains(t, []int{1, 2}, n, "%s sent %d times", key, n)
+			continue
+		}
+		require.Equal(t, 1, n, "%s sent %d times", key, n)
+	}
+	require.Len(t, got, len(want))
 }
