@@ -49,6 +49,8 @@ type dispatcher struct {
 	prop   propagation.TextMapPropagator
 	lanes  []*lane // sorted by kind
 	byKind map[string]*lane
+	// dueTenants is dueTenantsSQL for the lanes' kinds.
+	dueTenants string
 
 	wake     chan struct{} // a notification or a requeue: look for work now
 	freed    chan struct{} // outcomes were recorded: capacity is free again
@@ -194,16 +196,17 @@ func newDispatcher(cfg Config) (*dispatcher, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	d := &dispatcher{
-		cfg:    cfg,
-		pool:   cfg.Pool,
-		q:      newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders), cfg.Tenant != ""),
-		log:    cfg.Logger,
-		m:      m,
-		tracer: tracing.Tracer(cfg.TracerProvider),
-		prop:   tracing.Propagator(cfg.Propagator),
-		byKind: map[string]*lane{},
-		wake:   make(chan struct{}, 1),
-		freed:  make(chan struct{}, 1),
+		cfg:        cfg,
+		pool:       cfg.Pool,
+		q:          newQueries(cfg.Schema, cfg.BatchSize*len(cfg.Senders), cfg.Tenant != ""),
+		log:        cfg.Logger,
+		m:          m,
+		tracer:     tracing.Tracer(cfg.TracerProvider),
+		prop:       tracing.Propagator(cfg.Propagator),
+		byKind:     map[string]*lane{},
+		wake:       make(chan struct{}, 1),
+		freed:      make(chan struct{}, 1),
+		dueTenants: dueTenantsSQL(cfg.Schema, len(cfg.Senders)),
 	}
 	for kind, s := range cfg.Senders {
 		n := cmp.Or(cfg.Concurrency[kind], DefaultConcurrency)
@@ -384,24 +387,105 @@ const beginSQL = "BEGIN ISOLATION LEVEL READ COMMITTED"
 // claim runs the claim statement. It runs on a context that ctx's end does not
 // cancel: a claim cut off after its commit would leave rows leased that nobody
 // sends until the lease runs out.
+//
+// On Citus a Dispatcher without a Tenant cannot lock rows across shards, so it
+// claims tenant by tenant: see claimEachTenant.
 func (d *dispatcher) claim(ctx context.Context, kinds []string, limits []int32) ([]*claimed, error) {
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
+	if d.cfg.Tenant == "" && d.onCitus(qctx) {
+		return d.claimEachTenant(qctx, kinds, limits)
+	}
+	return d.claimTenant(qctx, kinds, limits, d.cfg.Tenant)
+}
+
+// claimEachTenant is the claim on Citus of a Dispatcher without a Tenant. One
+// read without locks (dueTenantsSQL, run on every shard) names the tenants of
+// the oldest due effects of each kind; then each of those tenants is claimed with the one-tenant
+// claim, which Citus routes to the tenant's shard, while the kinds have room.
+// Each round costs one read plus one claim per tenant with due work, and a
+// claim per tenant takes at least one effect unless another Dispatcher took
+// them first: tenants with nothing due cost nothing.
+func (d *dispatcher) claimEachTenant(ctx context.Context, kinds []string, limits []int32) ([]*claimed, error) {
+	left := slices.Clone(limits)
+	index := make(map[string]int, len(kinds))
+	for i, k := range kinds {
+		index[k] = i
+	}
+	// dueTenants takes every lane's kind, in order, with no room for a kind not
+	// claimed now.
+	allKinds, room := make([]string, len(d.lanes)), make([]int32, len(d.lanes))
+	for i, l := range d.lanes {
+		allKinds[i] = l.kind
+		if j, ok := index[l.kind]; ok {
+			room[i] = limits[j]
+		}
+	}
+	rows, err := d.pool.Query(ctx, d.dueTenants, allKinds, room)
+	if err != nil {
+		return nil, err
+	}
+	tenants, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, err
+	}
+	var out []*claimed
+	var lastErr error
+	seen := map[string]bool{}
+	for _, tenant := range tenants {
+		if seen[tenant] {
+			continue
+		}
+		seen[tenant] = true
+		var ks []string
+		var ns []int32
+		for i, k := range kinds {
+			if left[i] > 0 {
+				ks, ns = append(ks, k), append(ns, left[i])
+			}
+		}
+		if len(ks) == 0 {
+			break
+		}
+		got, err := d.claimTenant(ctx, ks, ns, tenant)
+		if err != nil {
+			// One tenant's shard failing (its worker down) does not hold back the
+			// others' claims; the loop retries it with backoff if nothing was
+			// claimed.
+			lastErr = err
+			d.log.Error("effects dispatcher: claim failed", "tenant", tenant, "error", err)
+			continue
+		}
+		for _, c := range got {
+			left[index[c.Kind]]--
+		}
+		out = append(out, got...)
+	}
+	if len(out) == 0 && lastErr != nil {
+		return nil, lastErr
+	}
+	return out, nil
+}
+
+// claimTenant runs the claim statement: of tenant's effects with a Dispatcher's
+// Tenant, or on Citus (a tenant claimEachTenant found, "" the unscoped one); of
+// every tenant's otherwise.
+func (d *dispatcher) claimTenant(qctx context.Context, kinds []string, limits []int32, tenant string) ([]*claimed, error) {
 	start := time.Now()
 	// The claim runs in a transaction of its own, with the settings that fix its
 	// plan (see claimSettings), sent as one pipelined round trip.
 	b := &pgx.Batch{}
 	b.Queue(beginSQL)
-	settings, claimSQL := claimSettings, d.q.claim
+	settings, claimSQL, oneTenant := claimSettings, d.q.claim, d.cfg.Tenant != ""
 	if d.onCitus(qctx) {
-		settings, claimSQL = citusSettings(claimSettings), d.q.claimCitus
+		settings, claimSQL, oneTenant = citusSettings(claimSettings), d.q.claimCitus, true
 	}
 	for _, s := range settings {
 		b.Queue(s)
 	}
 	args := []any{kinds, limits, d.cfg.Lease}
-	if d.cfg.Tenant != "" {
-		args = append(args, d.cfg.Tenant)
+	if oneTenant {
+		args = append(args, tenant)
 	}
 	b.Queue(claimSQL, args...)
 	b.Queue("COMMIT")

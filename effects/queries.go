@@ -15,7 +15,9 @@ import (
 // schema. Every value is a bind parameter; the schema is validated and quoted.
 //
 // claim filters on one tenant (tenant = $4) when the Dispatcher has one
-// (Config.Tenant); claimCitus is claim on a schema distributed by Citus. recordOne and recordAgainOne are record and recordAgain for a
+// (Config.Tenant); claimCitus is the one-tenant claim on a schema distributed by
+// Citus, which a Dispatcher without a Tenant runs for each tenant that
+// dueTenantsSQL finds. recordOne and recordAgainOne are record and recordAgain for a
 // batch of outcomes that all belong to one tenant, $12, which they match instead
 // of each row's tenant: every outcome batch of such a Dispatcher, and any other
 // of one tenant's effects.
@@ -138,13 +140,7 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 	// onlyTenant filters the claim's scan on the Dispatcher's tenant; the scan
 	// returns each claimed row's tenant (claimedTenant), and the update keeps to
 	// rows of that tenant (sameTenant).
-	var onlyTenant, claimedTenant, sameTenant, citusTenant string
-	if oneTenant {
-		onlyTenant = " AND e.tenant = $4"
-		claimedTenant = ", e.tenant"
-		sameTenant = " AND e.tenant = due.tenant"
-		citusTenant = sameTenant + onlyTenant
-	}
+	const onlyTenant, claimedTenant, sameTenant = " AND e.tenant = $4", ", e.tenant", " AND e.tenant = due.tenant"
 	record := func(tenant string) string {
 		return `UPDATE ` + t + ` e
 			SET ` + recordSet + `
@@ -168,7 +164,11 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 				ON e.tenant = ` + tenant + ` AND e.kind = d.kind AND e.key = d.key
 			WHERE e.recorded_fence = d.fence`
 	}
-	claim := func(tenantOfRow string) string {
+	claim := func(oneTenant bool, tenantOfRow string) string {
+		onlyTenant, claimedTenant := onlyTenant, claimedTenant
+		if !oneTenant {
+			onlyTenant, claimedTenant = "", ""
+		}
 		return `WITH want AS (
 				SELECT * FROM unnest($1::text[], $2::int[]) AS w(kind, n)
 			), due AS (
@@ -191,6 +191,12 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 				due.in_flight, e.created_at, due.lag,
 				coalesce(e.source_consumer, ''), coalesce(e.source_tenant, ''), coalesce(e.source_key, ''),
 				coalesce(e.trace_context::text, '')`
+	}
+	claimPlain := func() string {
+		if oneTenant {
+			return claim(true, sameTenant)
+		}
+		return claim(false, "")
 	}
 	return queries{
 		// One statement claims up to n[i] due effects of each kind[i]. SKIP LOCKED
@@ -219,12 +225,12 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 		// and match each against every claimed ctid. The lag (how long the effect has
 		// been due) is computed where the row is read, not in RETURNING, where Citus
 		// refuses now().
-		claim: claim(sameTenant),
+		claim: claimPlain(),
 		// claimCitus is claim on Citus: the update names the tenant, $4, too, for
 		// Citus to route the whole statement to the tenant's shard, which it
 		// cannot tell from due.tenant ("cannot perform distributed planning for
 		// the given modification").
-		claimCitus: claim(citusTenant),
+		claimCitus: claim(true, sameTenant+onlyTenant),
 		// Records a batch of outcomes in one statement. Each row applies only if the
 		// fence still matches: an attempt whose lease ran out and was claimed again
 		// cannot overwrite the newer attempt. undo is 1 for a claim released without
@@ -255,4 +261,27 @@ func newQueries(schema string, claimLimit int, oneTenant bool) queries {
 		notify:         `SELECT pg_notify('` + effectsdb.NotifyChannel + `', $1)`,
 		pending:        `SELECT kind, count(*) FROM ` + t + ` WHERE state = 'pending' GROUP BY kind`,
 	}
+}
+
+// dueTenantsSQL renders, for a Dispatcher of kinds kinds, the read that finds on
+// Citus the tenants with due effects: for each kind i, the tenants of its $2[i]
+// oldest due effects of kind $1[i] ($2[i] = 0 for a kind without room). Each
+// part is an ordered range scan of effects_due_idx (kind, next_attempt_at) that
+// Citus runs on every shard, stopping after $2[i] rows, and merges on the
+// coordinator, so the oldest due effects of all tenants come first and a tenant
+// with a backlog cannot starve the others. No lock (Citus refuses FOR UPDATE
+// across shards) and no DISTINCT (it would read every due row): the caller drops
+// repeated tenants and claims each with claimCitus, routed to the tenant's shard.
+// A tenant with nothing due costs nothing.
+func dueTenantsSQL(schema string, kinds int) string {
+	t := pgx.Identifier{schema, "effects"}.Sanitize()
+	parts := make([]string, max(kinds, 1))
+	for i := range parts {
+		n := strconv.Itoa(i + 1)
+		parts[i] = `(SELECT e.tenant FROM ` + t + ` e
+			WHERE e.state = 'pending' AND e.kind = ($1::text[])[` + n + `] AND e.next_attempt_at <= now()
+			ORDER BY e.next_attempt_at
+			LIMIT ($2::int[])[` + n + `])`
+	}
+	return strings.Join(parts, "\n\t\tUNION ALL ")
 }

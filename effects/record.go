@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"iter"
 	"slices"
 	"strings"
 	"time"
@@ -62,19 +63,12 @@ func (d *dispatcher) recordBatch(batch []outcome) {
 			}
 		}
 	}
-	status, err := d.writeOutcomes(batch)
-	if err != nil && isDataError(err) {
-		// One row's data broke the statement (a constraint of the user's, an
-		// encoding the server cannot take). The batch is all or nothing, so write
-		// each outcome on its own: one bad outcome must not cost the others theirs.
-		d.log.Warn("effects dispatcher: an outcome batch was rejected for its data; writing each outcome on its own", "error", err, "outcomes", len(batch))
-		status, err = d.writeOneByOne(batch), nil
-	}
-	if err != nil {
-		// The leases will run out and the effects will be claimed again: nothing is
-		// lost, though a sent effect will be sent once more.
-		d.log.Error("effects dispatcher: recording outcomes failed; the effects will be retried after their lease", "error", err, "outcomes", len(batch))
-		return
+	// On Citus an outcome write must stay on one tenant's shard: the batch (sorted
+	// by tenant) is written one tenant's run at a time, with the one-tenant forms.
+	status := make([]outcomeStatus, 0, len(batch))
+	perTenant := d.cfg.Tenant == "" && !effectsdb.OneTenant(tenantsOf(batch)) && d.onCitus(context.Background())
+	for run := range tenantRuns(batch, perTenant) {
+		status = append(status, d.writeRun(run)...)
 	}
 	for i, o := range batch {
 		switch status[i] {
@@ -100,6 +94,55 @@ func (d *dispatcher) recordBatch(batch []outcome) {
 	}
 	if soonest >= 0 && soonest < d.cfg.PollInterval {
 		time.AfterFunc(soonest, d.signalWake)
+	}
+}
+
+// writeRun writes a run of outcomes in one statement, or each on its own when
+// one row's data breaks the statement. Outcomes it could not write are
+// notWritten: their leases run out and the effects are claimed again (nothing is
+// lost, though a sent effect is sent once more).
+func (d *dispatcher) writeRun(run []outcome) []outcomeStatus {
+	status, err := d.writeOutcomes(run)
+	if err != nil && isDataError(err) {
+		// One row's data broke the statement (a constraint of the user's, an
+		// encoding the server cannot take). The batch is all or nothing, so write
+		// each outcome on its own: one bad outcome must not cost the others theirs.
+		d.log.Warn("effects dispatcher: an outcome batch was rejected for its data; writing each outcome on its own", "error", err, "outcomes", len(run))
+		return d.writeOneByOne(run)
+	}
+	if err != nil {
+		d.log.Error("effects dispatcher: recording outcomes failed; the effects will be retried after their lease", "error", err, "outcomes", len(run))
+		return make([]outcomeStatus, len(run))
+	}
+	return status
+}
+
+// tenantsOf returns the tenant of each outcome of batch.
+func tenantsOf(batch []outcome) []string {
+	ts := make([]string, len(batch))
+	for i, o := range batch {
+		ts[i] = o.c.Tenant
+	}
+	return ts
+}
+
+// tenantRuns yields batch whole, or with split its runs of one tenant (batch is
+// sorted by tenant), in order.
+func tenantRuns(batch []outcome, split bool) iter.Seq[[]outcome] {
+	return func(yield func([]outcome) bool) {
+		for len(batch) > 0 {
+			n := len(batch)
+			if split {
+				n = 1
+				for n < len(batch) && batch[n].c.Tenant == batch[0].c.Tenant {
+					n++
+				}
+			}
+			if !yield(batch[:n]) {
+				return
+			}
+			batch = batch[n:]
+		}
 	}
 }
 

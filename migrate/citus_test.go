@@ -43,7 +43,9 @@ func TestUpCitusDistributesByTenant(t *testing.T) {
 	pool, schema := pgtest.Citus(t, pgtest.Options{MaxConns: 2})
 	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema, Citus: true})
 	require.NoError(t, err)
+	release := pgtest.CitusDDL(t)
 	applied, err := m.Up(ctx)
+	release()
 	require.NoError(t, err)
 	require.Equal(t, allVersions(), applied)
 	want := map[string]string{
@@ -75,7 +77,9 @@ func TestUpCitusConvertsAPlainSchema(t *testing.T) {
 
 	citus, err := migrate.New(migrate.Config{Pool: pool, Schema: schema, Citus: true})
 	require.NoError(t, err)
+	release := pgtest.CitusDDL(t)
 	applied, err := citus.Up(ctx)
+	release()
 	require.NoError(t, err)
 	require.Empty(t, applied)
 	require.Equal(t, "h tenant with-inbox", distribution(t, pool, schema)["inbox"])

@@ -187,7 +187,9 @@ func TestMigrateUpCitus(t *testing.T) {
 	t.Parallel()
 	pool, schema := pgtest.Citus(t, pgtest.Options{MaxConns: 2})
 	coord := pgtest.CitusURL(t)
+	release := pgtest.CitusDDL(t)
 	r := runCLI(t, "migrate", "up", "--citus", "--json", "--schema", schema, "--database-url", coord).ok(t)
+	release()
 	var up struct{ Applied []int }
 	r.decode(t, &up)
 	require.Len(t, up.Applied, len(migrate.Migrations()))

@@ -7,8 +7,10 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -177,10 +179,37 @@ func CitusSetup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	if _, err := m.Up(context.Background()); err != nil {
+	release := CitusDDL(tb)
+	_, err = m.Up(context.Background())
+	release()
+	if err != nil {
 		tb.Fatalf("migrate the Citus test schema %s in Citus mode: %v", schema, err)
 	}
 	return pool, schema
+}
+
+// citusDDLLock is the lock file that CitusDDL takes.
+const citusDDLLock = "idem-citus-ddl.lock"
+
+// CitusDDL takes the lock on the Citus cluster's DDL, for every test of every
+// package on the machine, and returns its release: Citus can answer two schemas'
+// distribution at once (create_distributed_table, migrate up --citus) with a
+// distributed deadlock on its own metadata, so the tests distribute one schema at
+// a time. It is released at the test's end if not before.
+func CitusDDL(tb testing.TB) (release func()) {
+	tb.Helper()
+	f, err := os.OpenFile(filepath.Join(os.TempDir(), citusDDLLock), os.O_CREATE|os.O_RDWR, 0o666)
+	if err != nil {
+		tb.Fatalf("lock %s: %v", citusDDLLock, err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+		_ = f.Close()
+		tb.Fatalf("lock %s: %v", citusDDLLock, err)
+	}
+	var once sync.Once
+	release = func() { once.Do(func() { _ = f.Close() }) } // closing the file releases the lock
+	tb.Cleanup(release)
+	return release
 }
 
 // Distribute makes the test's table (created in the schema of pool's search_path)
@@ -188,6 +217,8 @@ func CitusSetup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 // table on Citus is.
 func Distribute(tb testing.TB, pool *pgxpool.Pool, schema, table string) {
 	tb.Helper()
+	release := CitusDDL(tb)
+	defer release()
 	_, err := pool.Exec(context.Background(), `SELECT create_distributed_table($1, 'tenant', colocate_with => $2)`,
 		pgx.Identifier{schema, table}.Sanitize(), pgx.Identifier{schema, "inbox"}.Sanitize())
 	if err != nil {

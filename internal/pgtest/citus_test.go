@@ -37,6 +37,8 @@ const citusTenants = 24
 func createCitusLedger(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
 	ctx := context.Background()
+	release := CitusDDL(t)
+	defer release()
 	for _, sql := range []string{
 		`CREATE TABLE accounts (tenant text NOT NULL, id bigint NOT NULL, owner text NOT NULL, PRIMARY KEY (tenant, id))`,
 		`SELECT create_distributed_table('accounts', 'tenant')`,

@@ -222,11 +222,11 @@ func citusPending(schema string) []allowed {
 		// The Dispatcher's plan settings ask for generic plans, which Citus cannot
 		// make of a parameterized statement; on Citus it sends its settings
 		// without it (citusSettings, TestCitusDispatcherForOneTenant). The claim of
-		// a Dispatcher without a Tenant locks rows across tenants: the Dispatcher
-		// on Citus without a Tenant is the next step (issue "Runs on Citus",
-		// item 3).
+		// a Dispatcher without a Tenant locks rows across tenants; on Citus it
+		// finds the tenants with due effects first and claims each with the
+		// one-tenant claim (claimEachTenant, TestCitusDispatcherDrainsEveryTenant).
 		{why: "Dispatcher: plain Postgres's plan settings", re: `^SET LOCAL plan_cache_mode = force_generic_plan$`},
-		{why: "Dispatcher without a Tenant: claim", re: `^WITH want AS \( .* RETURNING .*$`},
+		{why: "Dispatcher without a Tenant: plain Postgres's claim", re: `^WITH want AS \( .* RETURNING .*$`},
 	}
 }
 
