@@ -23,7 +23,7 @@ func Example() {
 
 	cfg := kafka.SubscriberConfig{}
 	cfg.Brokers = brokers
-	cfg.GroupID = "billing" // omit to read partitions without a group (tools, tests)
+	cfg.GroupID = "docs-kafka-use" // omit to read partitions without a group (tools, tests)
 	sub, err := kafka.NewSubscriber(cfg)
 	if err != nil {
 		panic(err)
@@ -68,7 +68,7 @@ func Example() {
 }
 
 // Read how far a consumer group is behind on a topic, in all and per
-// partition: here group billing, which has committed nothing yet on a topic
+// partition: here group docs-kafka-lag, which has committed nothing yet on a topic
 // of three records, so it counts from the partition's first offset.
 func ExampleLag() {
 	brokers, topic, cleanup := exampleTopic("invoices", 3)
@@ -81,17 +81,17 @@ func ExampleLag() {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	lag, err := kafka.Lag(ctx, client, "billing", topic)
+	lag, err := kafka.Lag(ctx, client, "docs-kafka-lag", topic)
 	if err != nil {
 		panic(err)
 	}
-	fmt.Println("billing is", lag.Total, "records behind")
+	fmt.Println("docs-kafka-lag is", lag.Total, "records behind")
 	for _, p := range lag.Partitions {
 		fmt.Printf("partition %d: offsets %d to %d, committed %d, lag %d\n",
 			p.Partition, p.FirstOffset, p.EndOffset, p.CommittedOffset, p.Lag)
 	}
 	// Output:
-	// billing is 3 records behind
+	// docs-kafka-lag is 3 records behind
 	// partition 0: offsets 0 to 3, committed -1, lag 3
 }
 

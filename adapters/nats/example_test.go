@@ -30,8 +30,8 @@ func Example() {
 	defer func() { _ = pub.Close() }()
 	sub, err := idemnats.NewSubscriber(nc, idemnats.SubscriberConfig{
 		Topology:     topo,
-		Durable:      "billing-" + topic, // the consumer group; required
-		Concurrency:  16,                 // messages held at once; MaxAckPending follows
+		Durable:      "docs-nats-use-" + topic, // the consumer group; required
+		Concurrency:  16,                       // messages held at once; MaxAckPending follows
 		Consumer:     jetstream.ConsumerConfig{AckWait: 30 * time.Second, MaxDeliver: 20},
 		OnMaxDeliver: idemnats.PublishDeadLetter(pub, topic+".dead"),
 		NakDelay:     func(uint64) time.Duration { return 100 * time.Millisecond },
