@@ -239,6 +239,11 @@ func TestJanitorRunUntilCancelled(t *testing.T) {
 	pgtest.WaitFor(t, 30*time.Second, "the late row deleted by a later pass", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE key = 'late'`) == 0
 	})
+	// The row is gone once its DELETE commits, a moment before the pass reads the
+	// answer and counts it: a cancel in between would cut the pass off uncounted.
+	pgtest.WaitFor(t, 30*time.Second, "the late row counted", func() bool {
+		return counterOf(t, reg, "idem_janitor_deleted_total", "inbox") == 11
+	})
 	cancel()
 	select {
 	case err := <-done:

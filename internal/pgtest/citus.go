@@ -162,10 +162,20 @@ func citusSchema(tb testing.TB, opts []Options) (*pgxpool.Pool, string) {
 		tb.Fatal(redact.Text(fmt.Sprintf("parse %s: %v", CitusURLVar, err), coord))
 	}
 	pool := OpenPool(tb, cfg)
-	if _, err := pool.Exec(context.Background(), `CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize()); err != nil {
+	release := CitusDDL(tb)
+	_, err = pool.Exec(context.Background(), `CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize())
+	release()
+	if err != nil {
 		tb.Fatal(redact.Text(fmt.Sprintf("create schema %s on the Citus coordinator %s: %v", schema, coord, err), coord))
 	}
-	tb.Cleanup(func() { dropOn(tb, coord, schema) })
+	tb.Cleanup(func() {
+		f, err := lockCitusDDL()
+		if err != nil {
+			tb.Error(err)
+		}
+		defer func() { _ = f.Close() }()
+		dropOn(tb, coord, schema)
+	})
 	return pool, schema
 }
 
@@ -179,9 +189,18 @@ func CitusSetup(tb testing.TB, opts ...Options) (*pgxpool.Pool, string) {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	release := CitusDDL(tb)
-	_, err = m.Up(context.Background())
-	release()
+	// Citus can still answer with a distributed deadlock (40P01) when the DDL
+	// meets another test's traffic on its metadata; the migration rolled back, so
+	// it is run again.
+	for try := 1; ; try++ {
+		release := CitusDDL(tb)
+		_, err = m.Up(context.Background())
+		release()
+		if err == nil || try == 5 || !strings.Contains(err.Error(), "40P01") {
+			break
+		}
+		tb.Logf("migrate the Citus test schema %s, try %d: %v", schema, try, err)
+	}
 	if err != nil {
 		tb.Fatalf("migrate the Citus test schema %s in Citus mode: %v", schema, err)
 	}
@@ -198,18 +217,27 @@ const citusDDLLock = "idem-citus-ddl.lock"
 // a time. It is released at the test's end if not before.
 func CitusDDL(tb testing.TB) (release func()) {
 	tb.Helper()
-	f, err := os.OpenFile(filepath.Join(os.TempDir(), citusDDLLock), os.O_CREATE|os.O_RDWR, 0o666)
+	f, err := lockCitusDDL()
 	if err != nil {
-		tb.Fatalf("lock %s: %v", citusDDLLock, err)
-	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
-		_ = f.Close()
-		tb.Fatalf("lock %s: %v", citusDDLLock, err)
+		tb.Fatal(err)
 	}
 	var once sync.Once
 	release = func() { once.Do(func() { _ = f.Close() }) } // closing the file releases the lock
 	tb.Cleanup(release)
 	return release
+}
+
+// lockCitusDDL takes the lock of CitusDDL; closing the file releases it.
+func lockCitusDDL() (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(os.TempDir(), citusDDLLock), os.O_CREATE|os.O_RDWR, 0o666)
+	if err != nil {
+		return nil, fmt.Errorf("lock %s: %w", citusDDLLock, err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+		_ = f.Close()
+		return nil, fmt.Errorf("lock %s: %w", citusDDLLock, err)
+	}
+	return f, nil
 }
 
 // Distribute makes the test's table (created in the schema of pool's search_path)
