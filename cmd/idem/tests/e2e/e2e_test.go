@@ -562,7 +562,7 @@ loop:
 				}
 				r.cuts++
 			}
-			if own != nil && outageStart.IsZero() && r.cuts == 1 && fig.ledger >= n/2 {
+			if own != nil && outageStart.IsZero() && r.cuts >= 1 && fig.ledger >= n/2 {
 				for i, pl := range places {
 					before := ledgerOf(ctx, t, pl)
 					keys := 0
