@@ -32,7 +32,7 @@ var benchCmd = &command{
 		"makes again; it refuses a schema it did not make. On a Kafka broker it creates one topic and one consumer " +
 		"group per Kafka setup, named idem-bench-<random run id>-<setup>, and deletes those two at the end; it " +
 		"touches no other topic or group. Given a shard map (--shard, --shards), it compares the map's first shard " +
-		"alone with all of its shards instead (below).",
+		"alone with all of its shards instead; given --citus, plain Postgres with Citus (below).",
 	example: `idem bench
 idem bench -n 1000000 --concurrency 32 --dup-rate 0.1 --payload 256
 idem bench --setups bare,idem,idem-group --json
@@ -45,7 +45,14 @@ all of them instead: idem per message and idem group commit on the map's first
 shard alone, then spread by tenant (--tenants, the hash route) over every shard,
 side by side, with each shard's deliveries and Postgres CPU. It uses only the
 map's names and URLs: on each database it works in --bench-schema, never in the
-map's schema, and its tenants follow the hash, not the map's table.`,
+map's schema, and its tenants follow the hash, not the map's table.
+
+With --citus URL it compares plain Postgres (--database-url) with the Citus
+coordinator at URL: idem per message and idem group commit, the messages spread
+over --tenants tenants, each handler inserting a row of its tenant. On the
+coordinator it migrates --bench-schema in Citus mode and distributes its business
+table by tenant; its Postgres CPU counts the workers' backends that serve the run.
+  idem bench --citus postgres://coordinator:5432/app -n 20000`,
 	files: []string{"profile-dir"},
 	setup: func(fs *pflag.FlagSet) runFunc {
 		var o benchkit.Options
@@ -79,6 +86,15 @@ map's schema, and its tenants follow the hash, not the map's table.`,
 			}
 			if err := noArgs(args); err != nil {
 				return err
+			}
+			if sh.citus != "" {
+				switch {
+				case e.shardsGiven():
+					return usagef("--citus compares plain Postgres (--database-url) with Citus: leave out the shard map (--shard, --shards, $IDEM_SHARDS)")
+				case setups != "":
+					return usagef("with --citus the bench runs its own setups (idem, idem-group on plain Postgres and on Citus): leave out --setups")
+				}
+				return runCitusBench(ctx, e, o, sh, schema)
 			}
 			if e.shardsGiven() {
 				if setups != "" {

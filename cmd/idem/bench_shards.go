@@ -21,10 +21,13 @@ import (
 // when given a shard map (--shard, --shards, $IDEM_SHARDS).
 type shardBenchFlags struct {
 	tenants int
+	// citus is the Citus coordinator of the Citus comparison (--citus).
+	citus string
 }
 
 func (f *shardBenchFlags) register(fs *pflag.FlagSet) {
-	fs.IntVar(&f.tenants, "tenants", 64, "with a shard map: tenants the messages are spread over")
+	fs.IntVar(&f.tenants, "tenants", 64, "with a shard map or --citus: tenants the messages are spread over")
+	fs.StringVar(&f.citus, "citus", "", "a Citus coordinator's URL: compare plain Postgres (--database-url) with Citus, the messages spread over --tenants tenants (below)")
 }
 
 type shardBenchJSON struct {
@@ -65,7 +68,7 @@ func runShardBench(ctx context.Context, e *env, o benchkit.Options, f shardBench
 		return usagef("the shard map names one database twice: the comparison needs a database a shard")
 	}
 	for _, u := range urls {
-		claimed, err := claimShardScratch(ctx, u, schema)
+		claimed, err := claimShardScratch(ctx, u, schema, false)
 		if err != nil {
 			return err
 		}
@@ -118,23 +121,28 @@ func runShardBench(ctx context.Context, e *env, o benchkit.Options, f shardBench
 }
 
 // claimShardScratch claims the bench's scratch schema on one shard cluster, made
-// afresh, and migrates it, as claimScratch does on the one database.
-func claimShardScratch(ctx context.Context, url, schema string) (*scratch.Schema, error) {
+// afresh, and migrates it (in Citus mode on a Citus coordinator), as claimScratch
+// does on the one database.
+func claimShardScratch(ctx context.Context, url, schema string, citus bool) (*scratch.Schema, error) {
+	where := "shard"
+	if citus {
+		where = "Citus coordinator"
+	}
 	claimed, err := scratch.Claim(ctx, url, schema, benchScratch.tool)
 	if err != nil {
-		return nil, redact.Error(fmt.Errorf("shard %s: %w", url, scratchError(benchScratch.flag, benchScratch.tool, benchScratch.defaultSchema, err)), url)
+		return nil, redact.Error(fmt.Errorf("%s %s: %w", where, url, scratchError(benchScratch.flag, benchScratch.tool, benchScratch.defaultSchema, err)), url)
 	}
 	pool, err := pgxpool.New(ctx, url)
 	if err == nil {
 		var m *migrate.Migrator
-		if m, err = migrate.New(migrate.Config{Pool: pool, Schema: schema}); err == nil {
+		if m, err = migrate.New(migrate.Config{Pool: pool, Schema: schema, Citus: citus}); err == nil {
 			_, err = m.Up(ctx)
 		}
 		pool.Close()
 	}
 	if err != nil {
 		claimed.Release()
-		return nil, redact.Error(errors.Join(fmt.Errorf("migrate schema %s on shard %s", schema, url), err), url)
+		return nil, redact.Error(errors.Join(fmt.Errorf("migrate schema %s on %s %s", schema, where, url), err), url)
 	}
 	return claimed, nil
 }

@@ -3,8 +3,9 @@
 // Postgres runs on the same host. It is the one measuring helper of `idem bench`
 // and the package benchmarks, so that each reports the same figures the same way.
 //
-// A backend is found by its application_name (pg_stat_activity), and its time on
-// CPU read from /proc/<pid>/schedstat. Where there is no /proc (not Linux) or
+// A backend is found by its application_name (pg_stat_activity; on a Citus
+// coordinator, citus_stat_activity adds the workers' backends that serve it), and
+// its time on CPU read from /proc/<pid>/schedstat. Where there is no /proc (not Linux) or
 // Postgres runs elsewhere, the backends' share is reported as unknown, never as 0.
 // It imports nothing of idem.
 package cpustat
@@ -44,6 +45,24 @@ type Sample struct {
 // Take samples this process and the backends whose application_name is appName
 // ("" for none). A failed lookup of the backends leaves Backends empty.
 func Take(ctx context.Context, q Querier, appName string) Sample {
+	return take(ctx, q, appName, backendsSQL)
+}
+
+// TakeCitus is Take on a Citus coordinator: it samples the backends whose
+// application_name is appName and the backends on the workers that serve them
+// (citus_stat_activity, by their global pid). The workers' time is read from
+// /proc too, so it is seen only when they run on this host.
+func TakeCitus(ctx context.Context, q Querier, appName string) Sample {
+	return take(ctx, q, appName, citusBackendsSQL)
+}
+
+const (
+	backendsSQL      = `SELECT pid FROM pg_stat_activity WHERE application_name = $1`
+	citusBackendsSQL = `SELECT pid FROM citus_stat_activity WHERE global_pid IN (
+		SELECT global_pid FROM citus_stat_activity WHERE application_name = $1)`
+)
+
+func take(ctx context.Context, q Querier, appName, pidsSQL string) Sample {
 	s := Sample{Self: Process(), Backends: map[int]time.Duration{}}
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
@@ -52,7 +71,7 @@ func Take(ctx context.Context, q Querier, appName string) Sample {
 	if q == nil || appName == "" {
 		return s
 	}
-	for _, pid := range Backends(ctx, q, appName) {
+	for _, pid := range pids(ctx, q, pidsSQL, appName) {
 		if t, ok := Schedstat("/proc/" + strconv.Itoa(pid) + "/schedstat"); ok {
 			s.Backends[pid] = t
 		}
@@ -91,7 +110,11 @@ func (a Sample) Since(b Sample) Delta {
 
 // Backends lists the pids of the backends whose application_name is appName.
 func Backends(ctx context.Context, q Querier, appName string) []int {
-	rows, err := q.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, appName)
+	return pids(ctx, q, backendsSQL, appName)
+}
+
+func pids(ctx context.Context, q Querier, query, appName string) []int {
+	rows, err := q.Query(ctx, query, appName)
 	if err != nil {
 		return nil
 	}

@@ -77,3 +77,39 @@ func TestGCShare(t *testing.T) {
 	require.Greater(t, d.GCShare, 0.0)
 	require.LessOrEqual(t, d.GCShare, 1.0)
 }
+
+// TestTakeCitusCountsTheWorkers: on a Citus coordinator, TakeCitus counts the
+// time of the backends on the workers that serve the pool's sessions, which Take,
+// reading the coordinator's backends only, leaves out.
+func TestTakeCitusCountsTheWorkers(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.Citus(t, pgtest.Options{MaxConns: 2})
+	ctx := context.Background()
+	app := "idem-test:" + schema // pgtest's application_name for the pool
+	release := pgtest.CitusDDL(t)
+	_, err := pool.Exec(ctx, `CREATE TABLE rows (tenant text NOT NULL, n int NOT NULL)`)
+	if err == nil {
+		_, err = pool.Exec(ctx, `SELECT create_distributed_table('rows', 'tenant')`)
+	}
+	release()
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO rows SELECT 't' || (i % 32), i FROM generate_series(1, 400000) i`)
+	require.NoError(t, err)
+
+	before, beforeCitus := cpustat.Take(ctx, pool, app), cpustat.TakeCitus(ctx, pool, app)
+	// The work runs on the workers, in a transaction that keeps their connections
+	// open until both samples are taken.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	var sum int64
+	require.NoError(t, tx.QueryRow(ctx, `SELECT sum(length(repeat(tenant, 200))) FROM rows`).Scan(&sum))
+	require.Positive(t, sum)
+	coordinator := cpustat.Take(ctx, pool, app).Since(before)
+	all := cpustat.TakeCitus(ctx, pool, app).Since(beforeCitus)
+	require.True(t, all.BackendsSeen, "the Citus cluster runs on this host")
+	require.Greater(t, len(cpustat.TakeCitus(ctx, pool, app).Backends), len(cpustat.Take(ctx, pool, app).Backends),
+		"TakeCitus lists the workers' backends too")
+	require.Greater(t, all.Backends-coordinator.Backends, 20*time.Millisecond,
+		"the workers' backends repeated 400,000 strings 200 times, and TakeCitus counted it")
+}

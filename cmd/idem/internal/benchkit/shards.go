@@ -86,7 +86,7 @@ func RunShards(ctx context.Context, o ShardOptions) ([]ShardResult, error) {
 	o.Tenants = cmp.Or(o.Tenants, 64)
 	var out []ShardResult
 	for _, k := range []int{1, len(o.URLs)} {
-		r, err := runShards(ctx, o, o.URLs[:k])
+		r, err := runShards(ctx, o, o.URLs[:k], false)
 		if err != nil {
 			for _, u := range o.URLs {
 				err = redact.Error(err, u)
@@ -98,7 +98,38 @@ func RunShards(ctx context.Context, o ShardOptions) ([]ShardResult, error) {
 	return out, nil
 }
 
-func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult, error) {
+// RunCitus runs the workload on plain Postgres, o.URLs[0], then on the Citus
+// coordinator o.URLs[1], whose scratch schema is migrated in Citus mode, and
+// returns both runs. On each the messages are spread over o.Tenants tenants, and
+// on Citus the business table is distributed by tenant, colocated with idem's
+// inbox. Errors never show a database password.
+func RunCitus(ctx context.Context, o ShardOptions) ([]ShardResult, error) {
+	if len(o.URLs) != 2 {
+		return nil, errors.New("benchkit: the Citus comparison needs two URLs: plain Postgres, then the Citus coordinator")
+	}
+	if o.Setup != PerMessage && o.Setup != GroupCommit {
+		return nil, fmt.Errorf("benchkit: the Citus comparison runs %s or %s, not %s", PerMessage, GroupCommit, o.Setup)
+	}
+	o.Concurrency = cmp.Or(o.Concurrency, 16)
+	o.Tenants = cmp.Or(o.Tenants, 64)
+	var out []ShardResult
+	for i, name := range []string{"postgres", "citus"} {
+		o.Names = []string{name}
+		r, err := runShards(ctx, o, o.URLs[i:i+1], i == 1)
+		if err != nil {
+			for _, u := range o.URLs {
+				err = redact.Error(err, u)
+			}
+			return out, fmt.Errorf("%s: %w", name, err)
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// runShards runs the workload spread by tenant over urls, a shard map of them;
+// citus says urls is one Citus coordinator.
+func runShards(ctx context.Context, o ShardOptions, urls []string, citus bool) (ShardResult, error) {
 	m := &shard.Map{}
 	apps := make([]string, len(urls))
 	defer func() {
@@ -125,10 +156,7 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 			name = o.Names[i]
 		}
 		m.Shards = append(m.Shards, shard.Shard{Name: name, Pool: pool, Schema: o.Schema})
-		if err := reset(ctx, pool, o.Schema); err != nil {
-			return ShardResult{}, err
-		}
-		if _, err := pool.Exec(ctx, `TRUNCATE `+pgx.Identifier{o.Schema, "effects"}.Sanitize()); err != nil {
+		if err := resetTenants(ctx, pool, o.Schema, citus); err != nil {
 			return ShardResult{}, err
 		}
 	}
@@ -141,11 +169,12 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 		return ShardResult{}, err
 	}
 	defer func() { _ = c.Close() }()
-	biz := pgx.Identifier{o.Schema, "bench_biz"}.Sanitize()
+	biz := pgx.Identifier{o.Schema, tenantBiz}.Sanitize()
 	h := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx := consumer.Tx(ctx)
-		if _, err := tx.Exec(ctx, `INSERT INTO `+biz+` (key, payload) VALUES ($1, $2)`, msg.UUID, msg.Payload); err != nil {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+biz+` (tenant, key, payload) VALUES ($1, $2, $3)`,
+			msg.Metadata.Get("tenant"), msg.UUID, msg.Payload); err != nil {
 			return nil, err
 		}
 		sc, _ := effectsdb.ScopeFrom(ctx)
@@ -171,9 +200,13 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 			return ShardResult{}, err
 		}
 	}
+	take := cpustat.Take
+	if citus {
+		take = cpustat.TakeCitus
+	}
 	before := make([]cpustat.Sample, len(m.Shards))
 	for i, s := range m.Shards {
-		before[i] = cpustat.Take(ctx, s.Pool, apps[i])
+		before[i] = take(ctx, s.Pool, apps[i])
 	}
 	start := time.Now()
 	var workers sync.WaitGroup
@@ -232,7 +265,7 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 	var self, pg time.Duration
 	pgSeen := true
 	for i, s := range m.Shards {
-		d := cpustat.Take(ctx, s.Pool, apps[i]).Since(before[i])
+		d := take(ctx, s.Pool, apps[i]).Since(before[i])
 		if i == 0 {
 			self = d.Self
 		}
@@ -262,4 +295,33 @@ func runShards(ctx context.Context, o ShardOptions, urls []string) (ShardResult,
 	}
 	res.Lost = o.N - distinct
 	return res, nil
+}
+
+// tenantBiz is the business table of the runs spread by tenant: the tenant is in
+// its key, as Citus requires of a table distributed by tenant.
+const tenantBiz = "bench_tenant_biz"
+
+// resetTenants makes the business table of a run spread by tenant, distributed by
+// tenant and colocated with idem's inbox on Citus, and empties it, the inbox and
+// the effects.
+func resetTenants(ctx context.Context, pool *pgxpool.Pool, schema string, citus bool) error {
+	t := pgx.Identifier{schema, tenantBiz}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+t+` (tenant text NOT NULL, id bigserial, key text NOT NULL, payload bytea,
+		PRIMARY KEY (tenant, id))`); err != nil {
+		return err
+	}
+	if citus {
+		var distributed bool
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = $1::regclass)`, t).Scan(&distributed); err != nil {
+			return err
+		}
+		if !distributed {
+			if _, err := pool.Exec(ctx, `SELECT create_distributed_table($1, 'tenant', colocate_with => $2)`,
+				t, pgx.Identifier{schema, "inbox"}.Sanitize()); err != nil {
+				return fmt.Errorf("distribute %s by tenant: %w", t, err)
+			}
+		}
+	}
+	_, err := pool.Exec(ctx, `TRUNCATE `+t+`, `+pgx.Identifier{schema, "inbox"}.Sanitize()+`, `+pgx.Identifier{schema, "effects"}.Sanitize())
+	return err
 }
