@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	mdast "github.com/yuin/goldmark/ast"
+
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // openingDir holds every page's opening program, one package main a page:
@@ -72,8 +74,8 @@ func openings(t *testing.T) []opening {
 // block, as the page shows it) into a fresh module outside the repository, whose
 // go.mod has nothing but a replace to this checkout for idem and its adapter
 // modules; runs go mod tidy and go build there; runs the program against the
-// services of scripts/services (DATABASE_URL, KAFKA_BROKERS, NATS_URL, PGBOUNCER_URL) with a
-// timeout; and checks that it prints what the page's text block after the
+// services of scripts/services (DATABASE_URL, KAFKA_BROKERS, NATS_URL, PGBOUNCER_URL, and
+// IDEM_CITUS_URL of start citus) with a timeout; and checks that it prints what the page's text block after the
 // program says. It never skips: without the services it fails saying how to
 // start them.
 //
@@ -86,13 +88,13 @@ func openings(t *testing.T) []opening {
 // ran their own copy.
 func TestOpeningProgramsRunInABlankModule(t *testing.T) {
 	var missing []string
-	for _, v := range []string{"DATABASE_URL", "KAFKA_BROKERS", "NATS_URL", "PGBOUNCER_URL"} {
+	for _, v := range []string{"DATABASE_URL", "KAFKA_BROKERS", "NATS_URL", "PGBOUNCER_URL", pgtest.CitusURLVar} {
 		if os.Getenv(v) == "" {
 			missing = append(missing, v)
 		}
 	}
 	if len(missing) > 0 {
-		t.Fatalf("%s unset: the opening programs run against the services; start them with eval \"$(scripts/services start)\" from the repository's root and run the test again", strings.Join(missing, ", "))
+		t.Fatalf("%s unset: the opening programs run against the services; start them with eval \"$(scripts/services start)\" and eval \"$(scripts/services start citus)\" from the repository's root and run the test again", strings.Join(missing, ", "))
 	}
 	root, err := filepath.Abs(repoRoot)
 	require.NoError(t, err)
@@ -139,6 +141,13 @@ func TestOpeningProgramsRunInABlankModule(t *testing.T) {
 			}
 			run(3*time.Minute, goBin, "mod", "tidy")
 			run(3*time.Minute, goBin, "build", "-o", "program", ".")
+			if strings.Contains(o.program, pgtest.CitusURLVar) {
+				// A program on the Citus cluster distributes its tables: it runs
+				// under the locks the Citus tests of every package take, so that no
+				// worker crashes and no other DDL meets its own meanwhile.
+				pgtest.Citus(t)
+				defer pgtest.CitusDDL(t)()
+			}
 			got := run(2*time.Minute, filepath.Join(dir, "program"))
 			for _, same := range bySource[o.source] {
 				require.Equal(t, same.prints, got, "%s: what its opening program (%s) prints, run in a blank module", same.page, o.source)
