@@ -244,8 +244,9 @@ func TestCitusDispatcherTakesOverAStaleLease(t *testing.T) {
 	require.Empty(t, attempts, "sent once")
 }
 
-// On Citus a Dispatcher without a Tenant resumes after a worker restarted with
-// pg_ctl stop -m immediate: effects enqueued for both workers' tenants before,
+// On Citus a Dispatcher without a Tenant goes on sending the tenants of the other
+// worker while one is down (pg_ctl stop -m immediate), and resumes the crashed
+// worker's once it is back: effects enqueued for both workers' tenants before,
 // during and after the restart are all sent and recorded done. Only an effect of
 // the crashed worker's tenant sent before the crash may be sent again: its
 // outcome commits without waiting for its WAL flush, and a crash that loses it
@@ -279,7 +280,10 @@ func TestCitusDispatcherResumesAfterAWorkerRestart(t *testing.T) {
 
 	ctl.CrashWorker(1)
 	enqueue(w2[0], "during")
-	time.Sleep(time.Second)
+	// While worker 1 is down, worker 2's tenant is still found and sent.
+	pgtest.WaitFor(t, 30*time.Second, "worker 2's effects sent while worker 1 is down", func() bool {
+		return pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = $1 AND key LIKE 'during%' AND state = 'done'`, w2[0]) == 10
+	})
 	ctl.StartWorker(1)
 	enqueue(w1[0], "after")
 	pgtest.WaitFor(t, 60*time.Second, "every effect done", done)

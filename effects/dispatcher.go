@@ -3,6 +3,7 @@ package effects
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -49,8 +50,9 @@ type dispatcher struct {
 	prop   propagation.TextMapPropagator
 	lanes  []*lane // sorted by kind
 	byKind map[string]*lane
-	// dueTenants is dueTenantsSQL for the lanes' kinds.
-	dueTenants string
+	// dueTenants is dueTenantsSQL for the lanes' kinds; dueTenantsEachShard its
+	// stand-in while a Citus worker is down.
+	dueTenants, dueTenantsEachShard string
 
 	wake     chan struct{} // a notification or a requeue: look for work now
 	freed    chan struct{} // outcomes were recorded: capacity is free again
@@ -207,6 +209,8 @@ func newDispatcher(cfg Config) (*dispatcher, error) {
 		wake:       make(chan struct{}, 1),
 		freed:      make(chan struct{}, 1),
 		dueTenants: dueTenantsSQL(cfg.Schema, len(cfg.Senders)),
+
+		dueTenantsEachShard: dueTenantsEachShardSQL(cfg.Schema),
 	}
 	for kind, s := range cfg.Senders {
 		n := cmp.Or(cfg.Concurrency[kind], DefaultConcurrency)
@@ -421,11 +425,7 @@ func (d *dispatcher) claimEachTenant(ctx context.Context, kinds []string, limits
 			room[i] = limits[j]
 		}
 	}
-	rows, err := d.pool.Query(ctx, d.dueTenants, allKinds, room)
-	if err != nil {
-		return nil, err
-	}
-	tenants, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	tenants, err := d.findDueTenants(ctx, allKinds, room)
 	if err != nil {
 		return nil, err
 	}
@@ -465,6 +465,45 @@ func (d *dispatcher) claimEachTenant(ctx context.Context, kinds []string, limits
 		return nil, lastErr
 	}
 	return out, nil
+}
+
+// findDueTenants names the tenants with due effects for claimEachTenant: the read
+// of every shard (dueTenants), or, when it fails, the read of each shard apart
+// (dueTenantsEachShard), so that while a worker is down the tenants of the others
+// are still found and sent. It fails only when both reads fail.
+func (d *dispatcher) findDueTenants(ctx context.Context, kinds []string, room []int32) ([]string, error) {
+	rows, err := d.pool.Query(ctx, d.dueTenants, kinds, room)
+	if err == nil {
+		var tenants []string
+		if tenants, err = pgx.CollectRows(rows, pgx.RowTo[string]); err == nil {
+			return tenants, nil
+		}
+	}
+	var ks []string
+	var n int32
+	for i, k := range kinds {
+		if room[i] > 0 {
+			ks, n = append(ks, k), max(n, room[i])
+		}
+	}
+	rows, err2 := d.pool.Query(ctx, d.dueTenantsEachShard, pgschema.Table(d.cfg.Schema, "effects"), ks, n)
+	if err2 != nil {
+		return nil, err
+	}
+	results, err2 := pgx.CollectRows(rows, pgx.RowTo[[]byte])
+	if err2 != nil {
+		return nil, err
+	}
+	var tenants []string
+	for _, r := range results {
+		var ts []string
+		if json.Unmarshal(r, &ts) == nil {
+			tenants = append(tenants, ts...)
+		}
+	}
+	d.log.Warn("effects dispatcher: the read of due tenants on every shard failed (a Citus worker down?); read the shards that answer instead",
+		"tenants", len(tenants), "error", err)
+	return tenants, nil
 }
 
 // claimTenant runs the claim statement: of tenant's effects with a Dispatcher's

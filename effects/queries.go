@@ -285,3 +285,19 @@ func dueTenantsSQL(schema string, kinds int) string {
 	}
 	return strings.Join(parts, "\n\t\tUNION ALL ")
 }
+
+// dueTenantsEachShardSQL is the Citus Dispatcher's read of due tenants when
+// dueTenantsSQL fails, as it does while a worker is down: it runs on each shard
+// of effects apart (Citus's run_command_on_shards, which answers a shard it
+// cannot reach with success false instead of failing the read), and names, per
+// shard, the tenants of its $3 oldest due effects of the kinds $2, as a JSON
+// array. The shards of the workers that answer are read; the others are left for
+// the next round. The command is one text, so the kinds are quoted into it
+// (format's %L) on the server.
+func dueTenantsEachShardSQL(schema string) string {
+	return `SELECT result FROM run_command_on_shards($1::regclass, format(
+		'SELECT coalesce(json_agg(DISTINCT tenant), ''[]'') FROM (SELECT tenant FROM %%s
+			WHERE state = ''pending'' AND kind = ANY(%L::text[]) AND next_attempt_at <= now()
+			ORDER BY next_attempt_at LIMIT %s) due', $2::text[], $3::int))
+	WHERE success`
+}
