@@ -235,9 +235,10 @@ type run struct {
 	outage    []shardOutage
 	outageFor time.Duration
 	// A Citus run's worker outage: the tenants of the run on each worker and
-	// their payments, the worker that crashed, how long it was down, and the
-	// ledger rows of each worker's tenants when it crashed, when it was started
-	// again (-1: the worker did not answer), and at the end.
+	// their payments, the worker that crashed, how long it was down (until it
+	// answered again), and the ledger rows of each worker's tenants when it
+	// crashed, just before it was started again (-1: the worker did not answer),
+	// and at the end.
 	workerTenants                     map[int][]string
 	workerKeys                        map[int]int
 	crashedWorker                     int
@@ -463,7 +464,7 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	}
 	r := run{pubDup: int(pub.Duplicates()), kills: map[string]int{}, selfKills: map[string]int{}}
 	if db == onCitus {
-		r.workerTenants = citusWorkers(ctx, t, places[0].pool, schema, slices.Collect(maps.Keys(places[0].tenants)))
+		r.workerTenants = citusWorkers(t, places[0].pool, schema, slices.Collect(maps.Keys(places[0].tenants)))
 		require.NotEmpty(t, r.workerTenants[1], "no tenant on Citus worker 1: spread the tenants wider")
 		require.NotEmpty(t, r.workerTenants[2], "no tenant on Citus worker 2: spread the tenants wider")
 		r.workerKeys = map[int]int{}
@@ -584,13 +585,13 @@ loop:
 					continue
 				}
 				r.workerAt = workerLedgers(ctx, t, places[0].pool, r.workerTenants)
-				r.workerDownFor = time.Since(outageStart)
 				citusCtl.StartWorker(r.crashedWorker)
+				r.workerDownFor = time.Since(outageStart)
 				// The coordinator's backends still hold their connections to the
 				// worker's old server.
 				places[0].pool.Reset()
 				down = false
-				t.Logf("Citus worker %d started again after %s", r.crashedWorker, time.Since(outageStart).Round(100*time.Millisecond))
+				t.Logf("Citus worker %d answers again after %s", r.crashedWorker, r.workerDownFor.Round(100*time.Millisecond))
 				continue
 			}
 			if down {
@@ -826,20 +827,12 @@ const workerOutage = 3 * time.Second
 
 // citusWorkers says which of tenants each Citus worker (1 or 2) holds, by the
 // placement of the ledger's shard for the tenant.
-func citusWorkers(ctx context.Context, t *testing.T, pool *pgxpool.Pool, schema string, tenants []string) map[int][]string {
+func citusWorkers(t *testing.T, pool *pgxpool.Pool, schema string, tenants []string) map[int][]string {
 	t.Helper()
 	out := map[int][]string{}
 	for _, tenant := range slices.Sorted(slices.Values(tenants)) {
-		var port int
-		require.NoError(t, pool.QueryRow(ctx, `
-			SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
-			WHERE p.shardid = get_shard_id_for_distribution_column($1::regclass, $2::text)`,
-			pgx.Identifier{schema, "ledger"}.Sanitize(), tenant).Scan(&port))
-		for w := 1; w <= 2; w++ {
-			if port == pgtest.CitusWorkerPort(t, w) {
-				out[w] = append(out[w], tenant)
-			}
-		}
+		w := pgtest.CitusWorkerOf(t, pool, pgx.Identifier{schema, "ledger"}.Sanitize(), tenant)
+		out[w] = append(out[w], tenant)
 	}
 	return out
 }
@@ -1006,9 +999,10 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		t.Logf("idem (%s) on Citus on %s: %s", mode, tg, r.summary())
 		t.Logf("SIGKILL end-to-end run on Citus (a coordinator, two workers) on %s, N=%d, seed %d, %d tenants:\n%s", tg, n, seed, shardTenants, r.report)
 		for w := 1; w <= 2; w++ {
-			t.Logf("Citus worker %d: %d tenants, %d payments; ledger rows %d when worker %d crashed, %d when it was started again %s later, %d at the end",
-				w, len(r.workerTenants[w]), r.workerKeys[w], r.workerBefore[w], r.crashedWorker, r.workerAt[w], r.workerDownFor.Round(100*time.Millisecond), r.workerEnd[w])
+			t.Logf("Citus worker %d: %d tenants, %d payments; their ledger rows: %d when worker %d crashed, %d (-1: down) %s after, as it was started again, %d at the end",
+				w, len(r.workerTenants[w]), r.workerKeys[w], r.workerBefore[w], r.crashedWorker, r.workerAt[w], workerOutage, r.workerEnd[w])
 		}
+		t.Logf("Citus worker %d was down %s, until it answered again", r.crashedWorker, r.workerDownFor.Round(100*time.Millisecond))
 		requireExactlyOnce(t, r, n)
 		require.Positive(t, r.workerDownFor, "the worker outage did not happen")
 		for w := 1; w <= 2; w++ {
