@@ -902,7 +902,8 @@ type figures struct{ ledger, pending, sends int }
 // that holds many messages in flight: MaxInFlightPerPartition 16 on Kafka, a
 // batched fetch on NATS. The subtests name the broker: kafka-kfake (in-process),
 // kafka-external (KAFKA_BROKERS, when set), nats-embedded and nats-external
-// (NATS_URL, when set).
+// (NATS_URL, when set). Then shards (IDEM_SHARD_URLS) and citus (IDEM_CITUS_URL),
+// through kfake, each with an outage of its own.
 func TestSIGKILLEndToEnd(t *testing.T) {
 	n := *flagN
 	seed := *flagSeed
