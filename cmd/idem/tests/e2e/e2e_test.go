@@ -342,15 +342,21 @@ func targets() []target {
 func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed int64, db database) run {
 	t.Helper()
 	broker := tg.broker
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(150+n/20)*time.Second)
-	defer cancel()
 	var places []*place
 	var schema string
 	var shardMap *shard.Map
 	var own *pgtest.OwnCluster
 	var shardURLs []string
+	var citusPool *pgxpool.Pool
 	var citusCtl *pgtest.CitusCtl
 	var dbURL string // the workers' database: "" for DATABASE_URL
+	if db == onCitus {
+		// Before the run's deadline: it waits until no other package's Citus
+		// test uses the cluster.
+		citusPool, schema, citusCtl = pgtest.CrashableCitus(t, pgtest.Options{MaxConns: 3})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(150+n/20)*time.Second)
+	defer cancel()
 	sharded, tenanted := db == onShards, db != onePostgres
 	require.False(t, peer && tenanted, "the peer runs on one database, without tenants")
 	switch db {
@@ -366,8 +372,7 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 			places = append(places, &place{name: s.Name, pool: s.Pool, tenants: map[string][]string{}})
 		}
 	case onCitus:
-		var pool *pgxpool.Pool
-		pool, schema, citusCtl = pgtest.CrashableCitus(t, pgtest.Options{MaxConns: 3})
+		pool := citusPool
 		dbURL = pgtest.CitusURL(t)
 		m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema, Citus: true})
 		require.NoError(t, err)
@@ -1000,7 +1005,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		t.Logf("idem (%s) on Citus on %s: %s", mode, tg, r.summary())
 		t.Logf("SIGKILL end-to-end run on Citus (a coordinator, two workers) on %s, N=%d, seed %d, %d tenants:\n%s", tg, n, seed, shardTenants, r.report)
 		for w := 1; w <= 2; w++ {
-			t.Logf("Citus worker %d: %d tenants, %d payments; their ledger rows: %d when worker %d crashed, %d (-1: down) %s after, as it was started again, %d at the end",
+			t.Logf("Citus worker %d: %d tenants, %d payments; their ledger rows: %d when worker %d crashed, %d %s after, as it was started again (-1: down), %d at the end",
 				w, len(r.workerTenants[w]), r.workerKeys[w], r.workerBefore[w], r.crashedWorker, r.workerAt[w], workerOutage, r.workerEnd[w])
 		}
 		t.Logf("Citus worker %d was down %s, until it answered again", r.crashedWorker, r.workerDownFor.Round(100*time.Millisecond))
