@@ -161,6 +161,15 @@ type AuditQuery struct {
 // (ErrNotOneSnapshot if that is READ COMMITTED). BusinessCount is called before
 // the snapshot and Sends after it. Keys whose parts disagree make the report not
 // OK (Report.Inconsistent).
+//
+// On Citus (the Pool on the coordinator) there is no snapshot across workers:
+// Citus begins the transaction on each worker when a read first reaches it. The
+// inbox read names the tenant (AuditQuery.Tenant), so it fixes the snapshot of
+// the tenant's shards, and Citus reads them, and the shards colocated with them,
+// over the same connection for the rest of the transaction: the report reads the
+// tenant's inbox, effect and business rows in one snapshot when BusinessSQL reads
+// a table distributed by tenant and colocated with the inbox. The rows it reads on
+// other workers are in those workers' own snapshots.
 func (a *Auditor) Report(ctx context.Context, q AuditQuery) (Report, error) {
 	if q.BusinessCount != nil && q.BusinessSQL != "" {
 		return Report{}, errors.New("chaos: set BusinessCount or BusinessSQL, not both")

@@ -39,15 +39,8 @@ func TestCitusWorkerRestartedMidStream(t *testing.T) {
 	byWorker := map[int][]string{}
 	for i := 0; len(byWorker[1]) < 2 || len(byWorker[2]) < 2; i++ {
 		tenant := fmt.Sprint("t", i)
-		var port int
-		require.NoError(t, pool.QueryRow(ctx, `
-			SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
-			WHERE p.shardid = get_shard_id_for_distribution_column($1::regclass, $2::text)`,
-			pgx.Identifier{schema, "ledger"}.Sanitize(), tenant).Scan(&port))
-		for w := 1; w <= 2; w++ {
-			if port == pgtest.CitusWorkerPort(t, w) && len(byWorker[w]) < 2 {
-				byWorker[w] = append(byWorker[w], tenant)
-			}
+		if w := pgtest.CitusWorkerOf(t, pool, pgx.Identifier{schema, "ledger"}.Sanitize(), tenant); len(byWorker[w]) < 2 {
+			byWorker[w] = append(byWorker[w], tenant)
 		}
 	}
 

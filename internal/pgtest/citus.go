@@ -253,3 +253,23 @@ func Distribute(tb testing.TB, pool *pgxpool.Pool, schema, table string) {
 		tb.Fatalf("distribute %s.%s by tenant: %v", schema, table, err)
 	}
 }
+
+// CitusWorkerOf is the worker (1 or 2) that holds tenant's shard of table, a
+// distributed table named as regclass reads it (schema-qualified and quoted).
+func CitusWorkerOf(tb testing.TB, pool *pgxpool.Pool, table, tenant string) int {
+	tb.Helper()
+	var port int
+	err := pool.QueryRow(context.Background(), `
+		SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
+		WHERE p.shardid = get_shard_id_for_distribution_column($1::regclass, $2::text)`, table, tenant).Scan(&port)
+	if err != nil {
+		tb.Fatalf("the Citus worker of tenant %q of %s: %v", tenant, table, err)
+	}
+	for n := 1; n <= 2; n++ {
+		if port == CitusWorkerPort(tb, n) {
+			return n
+		}
+	}
+	tb.Fatalf("tenant %q of %s is on port %d, neither Citus worker's", tenant, table, port)
+	return 0
+}

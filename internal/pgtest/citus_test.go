@@ -61,24 +61,6 @@ func createCitusLedger(t *testing.T, pool *pgxpool.Pool) {
 	}
 }
 
-// citusWorkerOf returns the worker (1 or 2) whose port holds tenant's shard of
-// table, from the coordinator's metadata.
-func citusWorkerOf(t *testing.T, pool *pgxpool.Pool, schema, table, tenant string) int {
-	t.Helper()
-	var port int
-	require.NoError(t, pool.QueryRow(context.Background(), `
-		SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
-		WHERE p.shardid = get_shard_id_for_distribution_column($1::regclass, $2::text)`,
-		pgx.Identifier{schema, table}.Sanitize(), tenant).Scan(&port))
-	for n := 1; n <= 2; n++ {
-		if CitusWorkerPort(t, n) == port {
-			return n
-		}
-	}
-	t.Fatalf("tenant %s's shard of %s is on port %d, which is neither worker's", tenant, table, port)
-	return 0
-}
-
 // A table distributed by tenant and a colocated second table hold their rows on
 // both workers: each worker holds shards of both, each tenant's rows of both tables
 // sit on one worker, and the coordinator reads them all back.
@@ -105,8 +87,8 @@ func TestCitusDistributesByTenantOverBothWorkers(t *testing.T) {
 	perWorker := map[int]int{}
 	for i := range citusTenants {
 		tenant := fmt.Sprintf("tenant-%02d", i)
-		w := citusWorkerOf(t, pool, schema, "accounts", tenant)
-		require.Equal(t, w, citusWorkerOf(t, pool, schema, "entries", tenant), "tenant %s's tables are colocated", tenant)
+		w := CitusWorkerOf(t, pool, pgx.Identifier{schema, "accounts"}.Sanitize(), tenant)
+		require.Equal(t, w, CitusWorkerOf(t, pool, pgx.Identifier{schema, "entries"}.Sanitize(), tenant), "tenant %s's tables are colocated", tenant)
 		perWorker[w]++
 	}
 	require.Len(t, perWorker, 2, "tenants per worker: %v", perWorker)
@@ -157,7 +139,7 @@ func TestCitusWorkerCrashAndRestart(t *testing.T) {
 	tenantOn := map[int]string{}
 	for i := range citusTenants {
 		tenant := fmt.Sprintf("tenant-%02d", i)
-		tenantOn[citusWorkerOf(t, pool, schema, "accounts", tenant)] = tenant
+		tenantOn[CitusWorkerOf(t, pool, pgx.Identifier{schema, "accounts"}.Sanitize(), tenant)] = tenant
 	}
 	require.Len(t, tenantOn, 2, "tenants on both workers")
 	readOwner := func(tenant string) (string, error) {

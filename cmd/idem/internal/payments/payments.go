@@ -3,8 +3,11 @@
 // business write) and one receipt email (an effect), which a Dispatcher sends
 // through SMTP to a receiver that counts every Message-ID it gets.
 //
-// The ledger has no unique constraint on purpose: a payment committed twice shows
-// up as two rows, so the audit can see it.
+// The ledger has no unique constraint on the payment on purpose: a payment
+// committed twice shows up as two rows, so the audit can see it. Each row carries
+// its payment's tenant (TenantMetadata; "" without one), and its key includes it,
+// so that on Citus the ledger can be distributed by tenant, colocated with idem's
+// inbox.
 package payments
 
 import (
@@ -68,11 +71,12 @@ func NewTenantMessage(amount int64, tenant string) *message.Message {
 }
 
 // CreateTables creates the ledger table in schema (the idem tables must be
-// migrated separately).
+// migrated separately). On Citus, distribute it by tenant, colocated with the
+// inbox, once it is created.
 func CreateTables(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 	_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+pgx.Identifier{schema, "ledger"}.Sanitize()+` (
-		id bigserial PRIMARY KEY, payment_key text NOT NULL, amount bigint NOT NULL,
-		created_at timestamptz NOT NULL DEFAULT now())`)
+		tenant text NOT NULL DEFAULT '', id bigserial, payment_key text NOT NULL, amount bigint NOT NULL,
+		created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (tenant, id))`)
 	return err
 }
 
@@ -103,11 +107,12 @@ func receipt(p Payment) []byte {
 	return b
 }
 
-// Handler is the idem handler: the ledger row and the email effect, both in the
-// transaction idem opened for the message. chaos.Crash(chaos.BeforeCommit) is the
+// Handler is the idem handler: the ledger row, under the payment's tenant
+// (TenantMetadata), and the email effect, both in the transaction idem opened for
+// the message. chaos.Crash(chaos.BeforeCommit) is the
 // last statement, so a process armed with it can die with the work uncommitted.
 func Handler(schema string) message.HandlerFunc {
-	insert := `INSERT INTO ` + pgx.Identifier{schema, "ledger"}.Sanitize() + ` (payment_key, amount) VALUES ($1, $2)`
+	insert := `INSERT INTO ` + pgx.Identifier{schema, "ledger"}.Sanitize() + ` (tenant, payment_key, amount) VALUES ($1, $2, $3)`
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		p, err := decode(msg)
@@ -115,7 +120,7 @@ func Handler(schema string) message.HandlerFunc {
 			return nil, consumer.Permanent(err)
 		}
 		tx := consumer.Tx(ctx)
-		if _, err := tx.Exec(ctx, insert, msg.UUID, p.Amount); err != nil {
+		if _, err := tx.Exec(ctx, insert, msg.Metadata.Get(TenantMetadata), msg.UUID, p.Amount); err != nil {
 			return nil, err
 		}
 		if _, err := effects.Enqueue(ctx, tx, effects.Effect{Kind: EmailKind, Key: EmailKey(msg.UUID), Payload: receipt(p)}); err != nil {
@@ -134,8 +139,9 @@ func Handler(schema string) message.HandlerFunc {
 // committed.
 func BatchHandler(schema string) consumer.BatchHandler {
 	insert := `INSERT INTO ` + pgx.Identifier{schema, "ledger"}.Sanitize() +
-		` (payment_key, amount) SELECT * FROM unnest($1::text[], $2::bigint[])`
+		` (tenant, payment_key, amount) SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])`
 	return func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
+		tenants := make([]string, 0, len(msgs))
 		keys := make([]string, 0, len(msgs))
 		amounts := make([]int64, 0, len(msgs))
 		var failed []error
@@ -148,7 +154,7 @@ func BatchHandler(schema string) consumer.BatchHandler {
 			if ran, ok := m.Context().Value(ranKey{}).(*bool); ok {
 				*ran = true
 			}
-			keys, amounts = append(keys, m.UUID), append(amounts, p.Amount)
+			tenants, keys, amounts = append(tenants, m.Metadata.Get(TenantMetadata)), append(keys, m.UUID), append(amounts, p.Amount)
 			if _, err := effects.Enqueue(m.Context(), tx, effects.Effect{Kind: EmailKind, Key: EmailKey(m.UUID), Payload: receipt(p)}); err != nil {
 				failed = append(failed, consumer.ForMessage(m, err))
 			}
@@ -156,7 +162,7 @@ func BatchHandler(schema string) consumer.BatchHandler {
 		if len(failed) > 0 {
 			return errors.Join(failed...)
 		}
-		if _, err := tx.Exec(ctx, insert, keys, amounts); err != nil {
+		if _, err := tx.Exec(ctx, insert, tenants, keys, amounts); err != nil {
 			return err
 		}
 		chaos.Crash(chaos.BeforeCommit)
@@ -168,7 +174,7 @@ func BatchHandler(schema string) consumer.BatchHandler {
 // Deduplicator: the ledger row in a transaction of its own, then the email sent
 // straight away (there are no effect rows to send later).
 func PeerHandler(pool *pgxpool.Pool, schema string, sender effects.Sender) message.HandlerFunc {
-	insert := `INSERT INTO ` + pgx.Identifier{schema, "ledger"}.Sanitize() + ` (payment_key, amount) VALUES ($1, $2)`
+	insert := `INSERT INTO ` + pgx.Identifier{schema, "ledger"}.Sanitize() + ` (tenant, payment_key, amount) VALUES ($1, $2, $3)`
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		p, err := decode(msg)
@@ -176,7 +182,7 @@ func PeerHandler(pool *pgxpool.Pool, schema string, sender effects.Sender) messa
 			return nil, err
 		}
 		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, insert, msg.UUID, p.Amount)
+			_, err := tx.Exec(ctx, insert, msg.Metadata.Get(TenantMetadata), msg.UUID, p.Amount)
 			if err == nil {
 				chaos.Crash(chaos.BeforeCommit)
 			}

@@ -29,7 +29,12 @@ type ConsumerConfig struct {
 	// Shards, in place of Pool, spreads the payments over several databases by
 	// their tenant (the TenantMetadata field): each payment's ledger row, inbox
 	// row and effect commit on its tenant's shard. Not with Peer.
-	Shards     *shard.Map
+	Shards *shard.Map
+	// ByTenant, with Pool, gives each payment its tenant (the TenantMetadata
+	// field) on the one database: on Citus, its inbox row, ledger row and effect
+	// commit on the worker that holds the tenant. Shards implies it. Not with
+	// Peer.
+	ByTenant   bool
 	Subscriber message.Subscriber
 	// Topic to consume (default Topic).
 	Topic string
@@ -97,8 +102,8 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 	}
 	var h message.HandlerFunc
 	if cfg.Peer {
-		if cfg.Shards != nil {
-			return errors.New("payments: the peer runs on one database, not on Shards")
+		if cfg.Shards != nil || cfg.ByTenant {
+			return errors.New("payments: the peer runs on one database without tenants, not on Shards or ByTenant")
 		}
 		repo, err := middleware.NewMapExpiringKeyRepository(time.Hour)
 		if err != nil {
@@ -115,9 +120,11 @@ func RunConsumer(ctx context.Context, cfg ConsumerConfig) error {
 			LockTimeout: 2 * time.Second, BusyDelay: 20 * time.Millisecond,
 			Registerer: cfg.Registerer, Logger: cfg.Logger,
 		}
+		if cfg.Shards != nil || cfg.ByTenant {
+			ccfg.Tenant = consumer.MetadataKey(TenantMetadata)
+		}
 		if cfg.Shards != nil {
-			ccfg.Pool, ccfg.Schema = nil, ""
-			ccfg.Shards, ccfg.Tenant = cfg.Shards, consumer.MetadataKey(TenantMetadata)
+			ccfg.Pool, ccfg.Schema, ccfg.Shards = nil, "", cfg.Shards
 		}
 		switch cfg.Mode {
 		case Transactional:

@@ -8,7 +8,9 @@
 // more run (TestSIGKILLEndToEnd/shards) spreads 12 tenants over three shards (two
 // shard clusters of IDEM_SHARD_URLS and a cluster of its own, which it crashes
 // halfway through and starts again), every worker serving every shard, and audits
-// each shard.
+// each shard. Another (TestSIGKILLEndToEnd/citus) runs on the Citus coordinator of
+// IDEM_CITUS_URL, idem and the ledger distributed by tenant over both workers, and
+// crashes worker 1 halfway through and starts it again.
 //
 // What it shows for idem, on every target: every payment committed exactly once
 // (lost 0, committed twice 0) and every receipt emailed, repeated only after a

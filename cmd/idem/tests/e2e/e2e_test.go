@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -26,6 +27,7 @@ import (
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/internal/childproc"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 	"github.com/idemkit/idem/shard"
 )
 
@@ -65,7 +67,9 @@ func TestMain(m *testing.M) {
 // "1", and counts its deliveries in the directory p["counts"]; both send their
 // emails to the SMTP server p["smtp"]. With p["shards"] (the shards' names,
 // comma-separated) and p["shard_urls"] (their clusters' URLs, in the same order) a
-// worker serves every shard; without, the database of DATABASE_URL.
+// worker serves every shard; without, the database of p["url"] (the Citus
+// coordinator), else of DATABASE_URL. A consumer gives each payment its tenant
+// when p["tenants"] is "1" (on Citus; on shards always).
 func runWorker(ctx context.Context, p childproc.Params) error {
 	schema := p["schema"]
 	var pool *pgxpool.Pool
@@ -82,7 +86,7 @@ func runWorker(ctx context.Context, p childproc.Params) error {
 		}()
 	} else {
 		var err error
-		if pool, err = payments.NewPool(ctx, pgtest.URL(), payments.ApplicationName(schema), 4); err != nil {
+		if pool, err = payments.NewPool(ctx, cmp.Or(p["url"], pgtest.URL()), payments.ApplicationName(schema), 4); err != nil {
 			return err
 		}
 		defer pool.Close()
@@ -121,7 +125,7 @@ func runWorker(ctx context.Context, p childproc.Params) error {
 			}
 			defer c.Close()
 			return payments.RunConsumer(ctx, payments.ConsumerConfig{
-				Pool: pool, Schema: schema, Shards: shards, Subscriber: c.Subscriber, Topic: ep.TopicName(),
+				Pool: pool, Schema: schema, Shards: shards, ByTenant: p["tenants"] == "1", Subscriber: c.Subscriber, Topic: ep.TopicName(),
 				Peer: p["peer"] == "1", PeerSender: &payments.SMTPSender{Addr: p["smtp"]},
 				Mode: mode, OnDelivery: onDelivery, OnReceive: func() { _, _ = counts.Write([]byte{'r'}) },
 			})
@@ -230,6 +234,16 @@ type run struct {
 	// its cluster crashed and when it was started again, outageFor later.
 	outage    []shardOutage
 	outageFor time.Duration
+	// A Citus run's worker outage: the tenants of the run on each worker and
+	// their payments, the worker that crashed, how long it was down (until it
+	// answered again), and the ledger rows of each worker's tenants when it
+	// crashed, just before it was started again (-1: the worker did not answer),
+	// and at the end.
+	workerTenants                     map[int][]string
+	workerKeys                        map[int]int
+	crashedWorker                     int
+	workerDownFor                     time.Duration
+	workerBefore, workerAt, workerEnd map[int]int
 }
 
 // shardOutage is one shard's figures over a run's shard outage.
@@ -255,13 +269,27 @@ func (r run) summary() string {
 		r.inBatches, r.largestCommit, strings.Join(per, ", "))
 }
 
-// place is a database a run's keys commit in: the one of DATABASE_URL, or a shard,
-// with the tenants whose payments it holds.
+// place is a database a run's keys commit in: the one of DATABASE_URL, a shard, or
+// the Citus coordinator, with the tenants whose payments it holds.
 type place struct {
 	name    string // the shard's name; "" for DATABASE_URL
 	pool    *pgxpool.Pool
-	tenants map[string][]string // tenant ("" when unsharded) -> its payment keys
+	tenants map[string][]string // tenant ("" on one Postgres) -> its payment keys
 }
+
+// database is where a run's keys commit.
+type database int
+
+const (
+	// onePostgres is the database of DATABASE_URL, without tenants.
+	onePostgres database = iota
+	// onShards is three shards (see runE2E), the payments spread over
+	// shardTenants tenants.
+	onShards
+	// onCitus is the Citus coordinator of IDEM_CITUS_URL (see runE2E), the
+	// payments spread over shardTenants tenants.
+	onCitus
+)
 
 // target is a broker a run goes through.
 type target struct {
@@ -302,23 +330,37 @@ func targets() []target {
 }
 
 // runE2E runs one chaos run through tg, through idem in mode or (peer) the
-// Deduplicator. sharded spreads the payments over shardTenants tenants, and the
-// tenants over three shards (idem only): the first two shard clusters of
-// IDEM_SHARD_URLS and a cluster of the run's own, which it crashes (pg_ctl stop -m
-// immediate) halfway through and starts again once the other shards have
-// committed some (outageMin to outageMax later).
-func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed int64, sharded bool) run {
+// Deduplicator, on db. onShards (idem only): the payments' tenants are spread
+// over three shards: the first two shard clusters of IDEM_SHARD_URLS and a cluster
+// of the run's own, which it crashes (pg_ctl stop -m immediate) halfway through and
+// starts again once the other shards have committed some (outageMin to outageMax
+// later). onCitus (idem only): idem's tables are migrated in Citus mode and the
+// ledger is distributed by tenant, colocated with the inbox; the tenants are on
+// both workers, and worker 1 crashes (pg_ctl stop -m immediate) halfway through and
+// starts again workerOutage later. The run holds the Citus cluster alone
+// (pgtest.CrashableCitus) meanwhile.
+func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed int64, db database) run {
 	t.Helper()
 	broker := tg.broker
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(150+n/20)*time.Second)
-	defer cancel()
 	var places []*place
 	var schema string
 	var shardMap *shard.Map
 	var own *pgtest.OwnCluster
 	var shardURLs []string
-	if sharded {
-		require.False(t, peer, "the peer runs on one database")
+	var citusPool *pgxpool.Pool
+	var citusCtl *pgtest.CitusCtl
+	var dbURL string // the workers' database: "" for DATABASE_URL
+	if db == onCitus {
+		// Before the run's deadline: it waits until no other package's Citus
+		// test uses the cluster.
+		citusPool, schema, citusCtl = pgtest.CrashableCitus(t, pgtest.Options{MaxConns: 3})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(150+n/20)*time.Second)
+	defer cancel()
+	sharded, tenanted := db == onShards, db != onePostgres
+	require.False(t, peer && tenanted, "the peer runs on one database, without tenants")
+	switch db {
+	case onShards:
 		// The shared clusters are used by every package's tests at once: the
 		// shard that goes down is a cluster of this run's own.
 		own = pgtest.StartOwnCluster(t)
@@ -329,7 +371,19 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 			require.NoError(t, payments.CreateTables(ctx, s.Pool, schema))
 			places = append(places, &place{name: s.Name, pool: s.Pool, tenants: map[string][]string{}})
 		}
-	} else {
+	case onCitus:
+		pool := citusPool
+		dbURL = pgtest.CitusURL(t)
+		m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema, Citus: true})
+		require.NoError(t, err)
+		release := pgtest.CitusDDL(t)
+		_, err = m.Up(ctx)
+		release()
+		require.NoError(t, err)
+		require.NoError(t, payments.CreateTables(ctx, pool, schema))
+		pgtest.Distribute(t, pool, schema, "ledger")
+		places = []*place{{pool: pool, tenants: map[string][]string{}}}
+	default:
 		var pool *pgxpool.Pool
 		pool, schema = pgtest.Setup(t, pgtest.Options{MaxConns: 3})
 		require.NoError(t, payments.CreateTables(ctx, pool, schema))
@@ -392,7 +446,7 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		batch := make([]*message.Message, 0, 100)
 		for len(batch) < cap(batch) && len(keys)+len(batch) < n {
 			i := len(keys) + len(batch)
-			if sharded {
+			if tenanted {
 				batch = append(batch, payments.NewTenantMessage(int64(100+i), fmt.Sprintf("tenant-%02d", i%shardTenants)))
 			} else {
 				batch = append(batch, payments.NewMessage(int64(100+i)))
@@ -414,6 +468,18 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		require.NotEmpty(t, pl.tenants, "shard %s got no tenant: spread the tenants wider", pl.name)
 	}
 	r := run{pubDup: int(pub.Duplicates()), kills: map[string]int{}, selfKills: map[string]int{}}
+	if db == onCitus {
+		r.workerTenants = citusWorkers(t, places[0].pool, schema, slices.Collect(maps.Keys(places[0].tenants)))
+		require.NotEmpty(t, r.workerTenants[1], "no tenant on Citus worker 1: spread the tenants wider")
+		require.NotEmpty(t, r.workerTenants[2], "no tenant on Citus worker 2: spread the tenants wider")
+		r.workerKeys = map[int]int{}
+		for w, ts := range r.workerTenants {
+			for _, tenant := range ts {
+				r.workerKeys[w] += len(places[0].tenants[tenant])
+			}
+		}
+		r.crashedWorker = 1
+	}
 	r.pastBroker = r.pubDup
 	if broker == payments.NATS {
 		r.pastBroker = int(conn.PastWindow())
@@ -443,6 +509,9 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 		if sharded {
 			params["shards"] = strings.Join(shardMap.Names(), ",")
 			params["shard_urls"] = strings.Join(shardURLs, ",")
+		}
+		if db == onCitus {
+			params["url"], params["tenants"] = dbURL, "1"
 		}
 		return params
 	}
@@ -476,6 +545,8 @@ func runE2E(t *testing.T, tg target, peer bool, mode payments.Mode, n int, seed 
 	// first cut is done and half of the payments are committed, and starts again
 	// once the other shards have committed some while it was down.
 	ownAt := len(places) - 1
+	// The Citus worker outage: worker 1 crashes at the same point, and starts
+	// again workerOutage later.
 	var outageStart time.Time
 	down := false
 loop:
@@ -514,6 +585,20 @@ loop:
 			}
 			killer.Reset(time.Duration(350+rng.IntN(300)) * time.Millisecond)
 		case <-auditTick.C:
+			if down && citusCtl != nil {
+				if time.Since(outageStart) < workerOutage {
+					continue
+				}
+				r.workerAt = workerLedgers(ctx, t, places[0].pool, r.workerTenants)
+				citusCtl.StartWorker(r.crashedWorker)
+				r.workerDownFor = time.Since(outageStart)
+				// The coordinator's backends still hold their connections to the
+				// worker's old server.
+				places[0].pool.Reset()
+				down = false
+				t.Logf("Citus worker %d answers again after %s", r.crashedWorker, r.workerDownFor.Round(100*time.Millisecond))
+				continue
+			}
 			if down {
 				if time.Since(outageStart) < outageMin {
 					continue
@@ -576,6 +661,13 @@ loop:
 				t.Logf("shard %s crashed (pg_ctl stop -m immediate) at %d/%d ledger rows", places[ownAt].name, fig.ledger, n)
 				continue
 			}
+			if citusCtl != nil && outageStart.IsZero() && r.cuts >= 1 && fig.ledger >= n/2 {
+				r.workerBefore = workerLedgers(ctx, t, places[0].pool, r.workerTenants)
+				citusCtl.CrashWorker(r.crashedWorker)
+				outageStart, down = time.Now(), true
+				t.Logf("Citus worker %d crashed (pg_ctl stop -m immediate) at %d/%d ledger rows", r.crashedWorker, fig.ledger, n)
+				continue
+			}
 			if time.Since(lastLog) > 5*time.Second {
 				lastLog = time.Now()
 				t.Logf("%s: ledger rows %d/%d, effects pending %d, emails %d, kills %v/%v", time.Since(start).Round(time.Second), fig.ledger, n, fig.pending, fig.sends, r.kills, r.selfKills)
@@ -627,6 +719,9 @@ loop:
 	require.NoError(t, err)
 	if sharded {
 		r.shardNames = shardMap.Names()
+	}
+	if db == onCitus {
+		r.workerEnd = workerLedgers(ctx, t, places[0].pool, r.workerTenants)
 	}
 	r.report.Deliveries, r.report.DuplicatesSuppressed = countDeliveries(t, countsDir)
 	for _, pl := range places {
@@ -732,6 +827,39 @@ const (
 	outageMax = 30 * time.Second
 )
 
+// workerOutage is how long a Citus run's worker stays down.
+const workerOutage = 3 * time.Second
+
+// citusWorkers says which of tenants each Citus worker (1 or 2) holds, by the
+// placement of the ledger's shard for the tenant.
+func citusWorkers(t *testing.T, pool *pgxpool.Pool, schema string, tenants []string) map[int][]string {
+	t.Helper()
+	out := map[int][]string{}
+	for _, tenant := range slices.Sorted(slices.Values(tenants)) {
+		w := pgtest.CitusWorkerOf(t, pool, pgx.Identifier{schema, "ledger"}.Sanitize(), tenant)
+		out[w] = append(out[w], tenant)
+	}
+	return out
+}
+
+// workerLedgers counts the ledger rows of each Citus worker's tenants; a worker
+// that does not answer counts -1.
+func workerLedgers(ctx context.Context, t *testing.T, pool *pgxpool.Pool, tenants map[int][]string) map[int]int {
+	t.Helper()
+	out := map[int]int{}
+	for w, ts := range tenants {
+		for _, tenant := range ts {
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM ledger WHERE tenant = $1`, tenant).Scan(&n); err != nil {
+				out[w] = -1
+				break
+			}
+			out[w] += n
+		}
+	}
+	return out
+}
+
 // ledgerOf counts a database's ledger rows.
 func ledgerOf(ctx context.Context, t *testing.T, pl *place) int {
 	t.Helper()
@@ -779,7 +907,8 @@ type figures struct{ ledger, pending, sends int }
 // that holds many messages in flight: MaxInFlightPerPartition 16 on Kafka, a
 // batched fetch on NATS. The subtests name the broker: kafka-kfake (in-process),
 // kafka-external (KAFKA_BROKERS, when set), nats-embedded and nats-external
-// (NATS_URL, when set).
+// (NATS_URL, when set). Then shards (IDEM_SHARD_URLS) and citus (IDEM_CITUS_URL),
+// through kfake, each with an outage of its own.
 func TestSIGKILLEndToEnd(t *testing.T) {
 	n := *flagN
 	seed := *flagSeed
@@ -794,12 +923,12 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		t.Run(tg.name, func(t *testing.T) {
 			var idem, peer run
 			t.Run("idem", func(t *testing.T) {
-				idem = runE2E(t, tg, false, payments.Transactional, n, seed, false)
+				idem = runE2E(t, tg, false, payments.Transactional, n, seed, onePostgres)
 				t.Logf("idem on %s: %s\n%s", tg, idem.summary(), idem.report)
 				requireExactlyOnce(t, idem, n)
 			})
 			t.Run("deduplicator", func(t *testing.T) {
-				peer = runE2E(t, tg, true, payments.Transactional, n, seed, false)
+				peer = runE2E(t, tg, true, payments.Transactional, n, seed, onePostgres)
 				t.Logf("Watermill Deduplicator on %s: %s\n%s", tg, peer.summary(), peer.report)
 			})
 			if idem.report.Messages > 0 && peer.report.Messages > 0 {
@@ -807,7 +936,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 					beside([]string{"idem", "watermill-deduplicator"}, idem.report, peer.report))
 			}
 			t.Run("idem-"+string(tg.batched), func(t *testing.T) {
-				r := runE2E(t, tg, false, tg.batched, n, seed, false)
+				r := runE2E(t, tg, false, tg.batched, n, seed, onePostgres)
 				t.Logf("idem (%s, batches fed by the subscriber) on %s: %s\n%s", tg.batched, tg, r.summary(), r.report)
 				requireExactlyOnce(t, r, n)
 				// Otherwise the run proved nothing about batches.
@@ -826,7 +955,7 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		if *flagBatched != "" {
 			mode = payments.Mode(*flagBatched)
 		}
-		r := runE2E(t, tg, false, mode, n, seed, true)
+		r := runE2E(t, tg, false, mode, n, seed, onShards)
 		t.Logf("idem (%s) over %d shards on %s: %s", mode, len(r.shards), tg, r.summary())
 		t.Logf("SIGKILL end-to-end run over %d shards on %s, N=%d, seed %d, %d tenants:\n%s", len(r.shards), tg, n, seed, shardTenants,
 			beside(append(slices.Clone(r.shardNames), "all shards"), append(slices.Clone(r.shards), r.report)...))
@@ -858,6 +987,33 @@ func TestSIGKILLEndToEnd(t *testing.T) {
 		}
 		require.Positive(t, working, "no other shard had payments left when the shard crashed")
 		require.Positive(t, committed, "the other shards, with payments left, committed none while the crashed shard was down")
+		require.Greater(t, r.largestCommit, 1, "no transaction committed more than one key")
+	})
+	// Once more on Citus: idem's tables migrated in Citus mode on the coordinator
+	// of IDEM_CITUS_URL, the ledger distributed by tenant and colocated with the
+	// inbox, the payments of shardTenants tenants on both workers, through kfake in
+	// group-commit mode (batches split by tenant); the dispatchers have no Tenant
+	// and drain every tenant, each cut cuts the coordinator's backends, and worker
+	// 1 crashes halfway through and starts again.
+	t.Run("citus", func(t *testing.T) {
+		tg := target{name: "kafka-kfake", broker: payments.Kafka}
+		mode := payments.GroupCommit
+		if *flagBatched != "" {
+			mode = payments.Mode(*flagBatched)
+		}
+		r := runE2E(t, tg, false, mode, n, seed, onCitus)
+		t.Logf("idem (%s) on Citus on %s: %s", mode, tg, r.summary())
+		t.Logf("SIGKILL end-to-end run on Citus (a coordinator, two workers) on %s, N=%d, seed %d, %d tenants:\n%s", tg, n, seed, shardTenants, r.report)
+		for w := 1; w <= 2; w++ {
+			t.Logf("Citus worker %d: %d tenants, %d payments; their ledger rows: %d when worker %d crashed, %d %s after, as it was started again (-1: down), %d at the end",
+				w, len(r.workerTenants[w]), r.workerKeys[w], r.workerBefore[w], r.crashedWorker, r.workerAt[w], workerOutage, r.workerEnd[w])
+		}
+		t.Logf("Citus worker %d was down %s, until it answered again", r.crashedWorker, r.workerDownFor.Round(100*time.Millisecond))
+		requireExactlyOnce(t, r, n)
+		require.Positive(t, r.workerDownFor, "the worker outage did not happen")
+		for w := 1; w <= 2; w++ {
+			require.Equal(t, r.workerKeys[w], r.workerEnd[w], "ledger rows of Citus worker %d's tenants", w)
+		}
 		require.Greater(t, r.largestCommit, 1, "no transaction committed more than one key")
 	})
 }
