@@ -305,3 +305,22 @@ func (b *testBundle) effectState(t *testing.T, tenant, key string) string {
 	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT state FROM effects WHERE tenant = $1 AND kind = 'email' AND key = $2`, tenant, key).Scan(&s))
 	return s
 }
+
+// On Citus a tenant move is refused with citus_moves_tenants, naming Citus's own
+// shard move, and changes nothing: Citus places tenants itself.
+func TestCitusMoveTenantIsRefused(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 2})
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})
+	require.NoError(t, err)
+	b := &testBundle{pool: pool, schema: schema}
+	b.exec(t, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+		VALUES ('orders', 'acme', 'k', '\x01', 'completed', now(), now() + interval '1 day')`)
+	for _, mv := range []admin.MoveTenant{{Tenant: "acme", To: "s2"}, {Tenant: "acme", From: "s1", To: "s2", DryRun: true}} {
+		_, err = a.MoveTenant(context.Background(), mv)
+		require.ErrorIs(t, err, admin.ErrCitusMovesTenants)
+		require.Equal(t, "citus_moves_tenants", inbox.Code(err))
+		require.ErrorContains(t, err, "citus_move_shard_placement")
+	}
+	require.EqualValues(t, 1, b.countOf(t, `SELECT count(*) FROM inbox WHERE tenant = 'acme'`))
+}
