@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/admin"
@@ -18,27 +17,6 @@ import (
 	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 )
-
-// citusTenants returns n tenants of each Citus worker (1 and 2) for schema's
-// inbox (and so effects, colocated), from the coordinator's shard placements.
-func citusTenants(t *testing.T, pool *pgxpool.Pool, schema string, n int) (w1, w2 []string) {
-	t.Helper()
-	for i := 0; len(w1) < n || len(w2) < n; i++ {
-		tenant := fmt.Sprintf("t%d", i)
-		var port int
-		require.NoError(t, pool.QueryRow(context.Background(), `
-			SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
-			WHERE p.shardid = get_shard_id_for_distribution_column($1::regclass, $2::text)`,
-			pgx.Identifier{schema, "inbox"}.Sanitize(), tenant).Scan(&port))
-		switch {
-		case port == pgtest.CitusWorkerPort(t, 1) && len(w1) < n:
-			w1 = append(w1, tenant)
-		case port == pgtest.CitusWorkerPort(t, 2) && len(w2) < n:
-			w2 = append(w2, tenant)
-		}
-	}
-	return w1, w2
-}
 
 // citusSetup is setup on a schema migrated in Citus mode, with failures of two
 // tenants of each worker written by the real writers: for each tenant, 2 failed
@@ -52,7 +30,7 @@ func citusSetup(t *testing.T) (*admin.Admin, *testBundle, []string) {
 	a, err := admin.New(admin.Config{Pool: pool, Schema: schema, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
 	require.NoError(t, err)
 	b := &testBundle{pool: pool, schema: schema, logs: logs}
-	w1, w2 := citusTenants(t, pool, schema, 2)
+	w1, w2 := pgtest.CitusTenants(t, pool, schema, "t", 2)
 	tenants := append(w1, w2...)
 	slices.Sort(tenants)
 	ctx := context.Background()
