@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -301,4 +302,33 @@ func TestCitusMoveTenantIsRefused(t *testing.T) {
 		require.ErrorContains(t, err, "citus_move_shard_placement")
 	}
 	require.EqualValues(t, 1, b.countOf(t, `SELECT count(*) FROM inbox WHERE tenant = 'acme'`))
+}
+
+// On Citus operators who retry and discard the same group at once change each
+// of its effects once: each ends pending or discarded, and the stored actions
+// count each change once.
+func TestCitusOperatorsRaceOnAGroup(t *testing.T) {
+	a, b, tenants := citusSetup(t)
+	ctx := context.Background()
+	// 100 more dead effects of tenants[1]'s group: copies of its d0 with other keys.
+	b.exec(t, `INSERT INTO effects (tenant, kind, key, fingerprint, state, attempts, error_code, last_error, error_masked, error_group, dead_at, payload)
+		SELECT e.tenant, e.kind, 'x' || i, e.fingerprint, 'dead', e.attempts, e.error_code, e.last_error, e.error_masked, e.error_group, e.dead_at, e.payload
+		FROM effects e, generate_series(1, 100) i WHERE e.tenant = $1 AND e.kind = 'email' AND e.key = 'd0'`, tenants[1])
+	g := groupOf(t, a, admin.SourceEffects, tenants[1])
+	require.EqualValues(t, 102, g.Count)
+	var retried, discarded atomic.Int64
+	act := func(f func(context.Context, admin.GroupAction) (*admin.ActionResult, error), into *atomic.Int64) func() {
+		return func() {
+			res, err := f(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, Note: admin.Audit{Who: "ops", Why: "race"}})
+			require.NoError(t, err)
+			into.Add(res.Rows)
+		}
+	}
+	together(act(a.RetryGroup, &retried), act(a.DiscardGroup, &discarded), act(a.RetryGroup, &retried), act(a.DiscardGroup, &discarded))
+	require.EqualValues(t, 102, retried.Load()+discarded.Load())
+	others := `tenant = '` + tenants[1] + `' AND key <> 'p0' AND key <> 'ok0'`
+	require.EqualValues(t, retried.Load(), b.countOf(t, `SELECT count(*) FROM effects WHERE state = 'pending' AND `+others))
+	require.EqualValues(t, discarded.Load(), b.countOf(t, `SELECT count(*) FROM effects WHERE state = 'discarded' AND `+others))
+	require.EqualValues(t, 102, b.countOf(t, `SELECT sum(affected) FROM failure_actions`))
+	require.EqualValues(t, 6, b.countOf(t, `SELECT count(*) FROM effects WHERE state = 'dead'`), "the other tenants' dead effects")
 }
