@@ -17,6 +17,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/migrate"
 )
 
 // citusSetup is setup on a schema migrated in Citus mode, with failures of two
@@ -331,4 +332,47 @@ func TestCitusOperatorsRaceOnAGroup(t *testing.T) {
 	require.EqualValues(t, discarded.Load(), b.countOf(t, `SELECT count(*) FROM effects WHERE state = 'discarded' AND `+others))
 	require.EqualValues(t, 102, b.countOf(t, `SELECT sum(affected) FROM failure_actions`))
 	require.EqualValues(t, 6, b.countOf(t, `SELECT count(*) FROM effects WHERE state = 'dead'`), "the other tenants' dead effects")
+}
+
+// On Citus a failure group's action and its stored row commit together or not
+// at all: with the worker that does not hold the group's tenant down, the retry
+// fails (its update reads every shard, and the stored row is written on every
+// node), and neither the effects nor failure_actions changed; once the worker is back the same retry
+// changes the group and records it once.
+func TestCitusGroupActionIsAllOrNothing(t *testing.T) {
+	pool, schema, ctl := pgtest.CrashableCitus(t, pgtest.Options{MaxConns: 4})
+	release := pgtest.CitusDDL(t)
+	m, err := migrate.New(migrate.Config{Pool: pool, Schema: schema, Citus: true})
+	require.NoError(t, err)
+	_, err = m.Up(context.Background())
+	release()
+	require.NoError(t, err)
+	ctx := context.Background()
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})
+	require.NoError(t, err)
+	b := &testBundle{pool: pool, schema: schema}
+	w1, _ := pgtest.CitusTenants(t, pool, schema, "t", 1)
+	sctx := effects.WithScope(ctx, effects.Scope{Schema: schema, Tenant: w1[0]})
+	for i := range 3 {
+		_, err := effects.Enqueue(sctx, pool, effects.Effect{Kind: "email", Key: fmt.Sprintf("d%d", i), Payload: []byte(`{}`)})
+		require.NoError(t, err)
+	}
+	b.dispatchUntil(t, map[string]effects.Sender{"email": effects.SenderFunc(func(context.Context, effects.Delivery) error {
+		return effects.Permanent(&codedErr{code: "rejected", msg: "provider rejected"})
+	})}, `SELECT count(*) = 3 FROM effects WHERE state = 'dead'`)
+	g := groupOf(t, a, admin.SourceEffects, w1[0])
+	act := admin.GroupAction{ID: g.ID, Through: g.LastSeen, Note: admin.Audit{Who: "ops", Why: "fixed"}}
+
+	ctl.CrashWorker(2)
+	_, err = a.RetryGroup(ctx, act)
+	require.Error(t, err)
+	ctl.StartWorker(2)
+	require.EqualValues(t, 3, b.countOf(t, `SELECT count(*) FROM effects WHERE state = 'dead'`))
+	require.Zero(t, b.countOf(t, `SELECT count(*) FROM failure_actions`))
+
+	res, err := a.RetryGroup(ctx, act)
+	require.NoError(t, err)
+	require.EqualValues(t, 3, res.Rows)
+	require.EqualValues(t, 3, b.countOf(t, `SELECT count(*) FROM effects WHERE state = 'pending' AND attempts = 0`))
+	require.EqualValues(t, 1, b.countOf(t, `SELECT count(*) FROM failure_actions WHERE action = 'retry' AND affected = 3`))
 }
