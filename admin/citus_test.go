@@ -33,8 +33,7 @@ func citusSetup(t *testing.T) (*admin.Admin, *testBundle, []string) {
 	require.NoError(t, err)
 	b := &testBundle{pool: pool, schema: schema, logs: logs}
 	w1, w2 := pgtest.CitusTenants(t, pool, schema, "t", 2)
-	tenants := append(w1, w2...)
-	slices.Sort(tenants)
+	tenants := slices.Sorted(slices.Values(slices.Concat(w1, w2)))
 	ctx := context.Background()
 	for _, tenant := range tenants {
 		b.failKeys(t, "orders", tenant, "f", "bad_payload", 2, func(i int) string { return fmt.Sprintf("order %d of %s: bad amount", i, tenant) })

@@ -32,7 +32,7 @@ func TestCitusCLI(t *testing.T) {
 	b := citusBundle(t)
 	ctx := context.Background()
 	w1, w2 := pgtest.CitusTenants(t, b.pool, b.schema, "t", 2)
-	tenants := slices.Sorted(slices.Values(append(w1, w2...)))
+	tenants := slices.Sorted(slices.Values(slices.Concat(w1, w2)))
 	for _, tenant := range tenants {
 		for i := range 2 {
 			b.process(tenant, fmt.Sprintf("pay_%d", i), "bad")
