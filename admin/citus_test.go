@@ -148,6 +148,13 @@ func TestCitusAdminReads(t *testing.T) {
 	page, err = a.ListGroups(ctx, admin.GroupFilter{Source: admin.SourceEffects}, admin.Page{Limit: 3, After: page.Next})
 	require.NoError(t, err)
 	require.Len(t, page.Rows, 1)
+	for code, source := range map[string]string{"bad_payload": admin.SourceInbox, "rejected": admin.SourceEffects} {
+		byCode := groupsOf(t, a, admin.GroupFilter{Code: code})
+		require.Len(t, byCode, 4, code)
+		for _, g := range byCode {
+			require.Equal(t, source, g.Source)
+		}
+	}
 	g, err := a.Group(ctx, groups[0].ID, admin.TimeRange{})
 	require.NoError(t, err)
 	require.EqualValues(t, 2, g.Count)
@@ -374,4 +381,30 @@ func TestCitusGroupActionIsAllOrNothing(t *testing.T) {
 	require.EqualValues(t, 3, res.Rows)
 	require.EqualValues(t, 3, b.countOf(t, `SELECT count(*) FROM effects WHERE state = 'pending' AND attempts = 0`))
 	require.EqualValues(t, 1, b.countOf(t, `SELECT count(*) FROM failure_actions WHERE action = 'retry' AND affected = 3`))
+}
+
+// On Citus failures recorded without their group (before migration 006) are
+// grouped by the first list, on both workers.
+func TestCitusBackfillGroupsOldFailures(t *testing.T) {
+	t.Parallel()
+	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 2})
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema})
+	require.NoError(t, err)
+	b := &testBundle{pool: pool, schema: schema}
+	w1, w2 := pgtest.CitusTenants(t, pool, schema, "t", 1)
+	for _, tenant := range []string{w1[0], w2[0]} {
+		b.exec(t, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, error_code, error, completed_at, expires_at)
+			SELECT 'orders', $1, 'f' || i, '\x01', 'failed', 'bad', 'order ' || i || ' is bad', now(), now() + interval '1 day'
+			FROM generate_series(1, 3) i`, tenant)
+		b.exec(t, `INSERT INTO effects (tenant, kind, key, fingerprint, state, error_code, last_error, next_attempt_at, payload)
+			SELECT $1, 'email', 'd' || i, '\x01', 'dead', 'rejected', 'mail ' || i || ' rejected', now(), '{}'
+			FROM generate_series(1, 2) i`, tenant)
+	}
+	groups := groupsOf(t, a, admin.GroupFilter{})
+	require.Len(t, groups, 4)
+	for _, g := range groups {
+		require.EqualValues(t, map[string]int64{admin.SourceInbox: 3, admin.SourceEffects: 2}[g.Source], g.Count)
+	}
+	require.Zero(t, b.countOf(t, `SELECT count(*) FROM inbox WHERE error_group IS NULL`))
+	require.Zero(t, b.countOf(t, `SELECT count(*) FROM effects WHERE error_group IS NULL OR dead_at IS NULL`))
 }
