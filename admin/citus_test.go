@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/admin"
@@ -68,7 +69,7 @@ func (b *testBundle) countOf(t *testing.T, sql string, args ...any) int64 {
 // On Citus every read of the operator API answers with the rows of every tenant
 // of both workers.
 func TestCitusAdminReads(t *testing.T) {
-	a, _, tenants := citusSetup(t)
+	a, b, tenants := citusSetup(t)
 	ctx := context.Background()
 
 	st, err := a.Stats(ctx)
@@ -78,6 +79,20 @@ func TestCitusAdminReads(t *testing.T) {
 		admin.ConsumerStats{Consumer: st.Consumers[0].Consumer, Rows: st.Consumers[0].Rows, Completed: st.Consumers[0].Completed, Failed: st.Consumers[0].Failed})
 	require.Len(t, st.Effects, 1)
 	require.Equal(t, []int64{4, 0, 8, 4, 0}, []int64{st.Effects[0].Pending, st.Effects[0].Due, st.Effects[0].Dead, st.Effects[0].Done, st.Effects[0].Discarded})
+
+	reg := prometheus.NewRegistry()
+	_, err = admin.New(admin.Config{Pool: b.pool, Schema: b.schema, Registerer: reg})
+	require.NoError(t, err)
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	metrics := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			metrics[mf.GetName()+"{"+m.GetLabel()[0].GetValue()+"}"] = m.GetGauge().GetValue()
+		}
+	}
+	require.Equal(t, 8.0, metrics["idem_inbox_failed_keys{orders}"])
+	require.Equal(t, 8.0, metrics["idem_effects_dead_rows{email}"])
 
 	act, err := a.Activity(ctx, time.Hour)
 	require.NoError(t, err)
