@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/migrate"
+	"github.com/idemkit/idem/shard"
 )
 
 // citusSetup is setup on a schema migrated in Citus mode, with failures of two
@@ -322,6 +323,16 @@ func TestCitusMoveTenantIsRefused(t *testing.T) {
 		require.ErrorIs(t, err, admin.ErrCitusMovesTenants)
 		require.Equal(t, "citus_moves_tenants", inbox.Code(err))
 		require.ErrorContains(t, err, "citus_move_shard_placement")
+	}
+	// A shard map with a Citus shard: a move to or from it is refused, naming it.
+	plain, plainSchema := pgtest.Setup(t, pgtest.Options{MaxConns: 2})
+	m := &shard.Map{Shards: []shard.Shard{{Name: "plain", Pool: plain, Schema: plainSchema}, {Name: "citus", Pool: pool, Schema: schema}}}
+	am, err := admin.New(admin.Config{Shards: m})
+	require.NoError(t, err)
+	for _, mv := range []admin.MoveTenant{{Tenant: "acme", From: "citus", To: "plain"}, {Tenant: "acme", From: "plain", To: "citus"}} {
+		_, err = am.MoveTenant(context.Background(), mv)
+		require.ErrorIs(t, err, admin.ErrCitusMovesTenants)
+		require.ErrorContains(t, err, `shard "citus" is Citus`)
 	}
 	require.EqualValues(t, 1, b.countOf(t, `SELECT count(*) FROM inbox WHERE tenant = 'acme'`))
 }

@@ -112,8 +112,12 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 		// Postgres text never holds it, so no shard has rows of it.
 		return nil, errorf(ErrBadFilter, "tenant %q: not valid UTF-8 text without NUL bytes, so no shard has rows of it", clip(mv.Tenant))
 	}
-	if err := a.refuseCitusMove(ctx, mv.Tenant); err != nil {
-		return nil, err
+	if a.Shards() == nil {
+		// One database: there is no shard to move to; on Citus, say what moves
+		// tenants there.
+		if err := a.refuseCitusMove(ctx, mv.Tenant, 0); err != nil {
+			return nil, err
+		}
 	}
 	if mv.From == "" {
 		i, err := a.parts.Index(mv.Tenant)
@@ -132,6 +136,9 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 	from, to := a.parts.Part(f), a.parts.Part(t)
 	if from == to {
 		return nil, errorf(ErrBadFilter, "tenant %q: from and to are the same shard %q", mv.Tenant, mv.From)
+	}
+	if err := a.refuseCitusMove(ctx, mv.Tenant, f, t); err != nil {
+		return nil, err
 	}
 	retention := cmp.Or(mv.EffectsRetention, DefaultMoveRetention)
 	if err := sameColumns(ctx, from, to); err != nil {
@@ -355,11 +362,12 @@ func sameColumns(ctx context.Context, from, to *part) error {
 	return nil
 }
 
-// refuseCitusMove returns ErrCitusMovesTenants when one of the Admin's databases
+// refuseCitusMove returns ErrCitusMovesTenants when one of the parts at indexes
 // is Citus (idem's tables distributed there): Citus places tenants on its workers
 // itself, and a move of rows within or out of it would fight its placement.
-func (a *Admin) refuseCitusMove(ctx context.Context, tenant string) error {
-	for i, p := range a.parts.Parts() {
+func (a *Admin) refuseCitusMove(ctx context.Context, tenant string, indexes ...int) error {
+	for _, i := range indexes {
+		p := a.parts.Part(i)
 		citus, err := p.onCitus(ctx)
 		if err != nil {
 			return a.partErr(i, err)
