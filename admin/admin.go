@@ -2,6 +2,7 @@ package admin
 
 import (
 	"cmp"
+	"context"
 	"fmt"
 	"log/slog"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/citusmode"
 	"github.com/idemkit/idem/internal/errcode"
 	"github.com/idemkit/idem/internal/fanout"
 	"github.com/idemkit/idem/internal/inboxdb"
@@ -126,6 +128,16 @@ type part struct {
 	q   queries
 	// name is its shard's name, "" for one database: rows read on it carry it.
 	name string
+	// citus knows whether the part's schema is distributed by Citus (onCitus).
+	citus citusmode.Detector
+}
+
+// onCitus reports whether the part's schema is distributed by Citus
+// (citusmode), asking the database the first time: the few statements Citus
+// refuses have a Citus form.
+func (a *part) onCitus(ctx context.Context) (bool, error) {
+	on, err := a.citus.On(ctx, a.db, a.table("inbox"))
+	return on, a.wrap(err)
 }
 
 // New returns an Admin that runs on cfg.Pool (or on every shard of cfg.Shards),

@@ -34,6 +34,11 @@
 // MoveTenant moves a tenant's rows, in every state, to its new shard. See
 // merge.go and move.go.
 //
+// On Citus (a schema migrated with migrate.Config.Citus, found by itself, once,
+// as the consumer finds it) the reads and actions run on the coordinator: Find
+// and the failure group list use forms of their statements that Citus takes
+// (see docs/citus.md), and MoveTenant is refused (ErrCitusMovesTenants).
+//
 // What it guarantees: every statement is SQL of this package with bind parameters,
 // on a validated and quoted schema; reads take no locks that a consumer or a
 // dispatcher waits on; times (ages, leases, "stuck") are the database's clock. An

@@ -64,6 +64,14 @@ var (
 	// (MoveTenant, run again) and switch the route to the shard that holds the rows;
 	// then act again.
 	ErrOffRoute = errcode.Transient("off_route", "a tenant has rows on a shard its route does not name: finish its move first")
+
+	// ErrCitusMovesTenants is returned by MoveTenant, and nothing was changed,
+	// when a database it would move from or to is Citus (its idem tables are
+	// distributed): Citus places a tenant's rows itself. Move the shard that holds
+	// the tenant with Citus (citus_move_shard_placement, after
+	// isolate_tenant_to_new_shard for one tenant alone) or rebalance
+	// (citus_rebalance_start).
+	ErrCitusMovesTenants = errcode.Permanent("citus_moves_tenants", "Citus places tenants itself: move the tenant's shard with citus_move_shard_placement or rebalance with citus_rebalance_start")
 )
 
 // keyError is a sentinel with a message that names the key it is about.

@@ -25,23 +25,28 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 	between := func(col, since, until string) string {
 		return `(` + since + `::timestamptz IS NULL OR ` + col + ` >= ` + since + `) AND (` + until + `::timestamptz IS NULL OR ` + col + ` < ` + until + `)`
 	}
-	// samples is a LATERAL over g, one group: its code, masked text, newest full
-	// error and newest n keys, by one backward range scan of the group's index.
-	samples := func(g, since, until, n string) string {
-		one := func(source, table, alias, place, at, state, errCol string) string {
+	// sampled is the samples of one group, named by the SQL expressions source,
+	// grp, place and tenant: its code, masked text, newest full error and newest n
+	// keys, by one backward range scan of the group's index.
+	sampled := func(source, grp, place, tenant, since, until, n string) string {
+		one := func(src, table, alias, col, at, state, errCol string) string {
 			return `(SELECT ` + alias + `.error_code AS code, ` + alias + `.error_masked AS masked, ` + alias + `.` + errCol + ` AS err,
 					` + alias + `.key, ` + alias + `.` + at + ` AS at
 				FROM ` + table + ` ` + alias + `
-				WHERE ` + g + `.source = '` + source + `' AND ` + alias + `.error_group = ` + g + `.grp
-					AND ` + alias + `.` + place + ` = ` + g + `.place AND ` + alias + `.tenant = ` + g + `.tenant
+				WHERE ` + source + ` = '` + src + `' AND ` + alias + `.error_group = ` + grp + `
+					AND ` + alias + `.` + col + ` = ` + place + ` AND ` + alias + `.tenant = ` + tenant + `
 					AND ` + alias + `.state = '` + state + `' AND ` + between(alias+"."+at, since, until) + `
 				ORDER BY ` + alias + `.` + at + ` DESC LIMIT ` + n + `)`
 		}
-		return `CROSS JOIN LATERAL (
-				SELECT (array_agg(x.code ORDER BY x.at DESC))[1] AS code, (array_agg(x.masked ORDER BY x.at DESC))[1] AS masked,
+		return `SELECT (array_agg(x.code ORDER BY x.at DESC))[1] AS code, (array_agg(x.masked ORDER BY x.at DESC))[1] AS masked,
 					(array_agg(x.err ORDER BY x.at DESC))[1] AS example, array_agg(x.key ORDER BY x.at DESC) AS keys
 				FROM (` + one(SourceInbox, inbox, "i", "consumer", "completed_at", "failed", "error") + `
-					UNION ALL ` + one(SourceEffects, effects, "e", "kind", "dead_at", "dead", "last_error") + `) x
+					UNION ALL ` + one(SourceEffects, effects, "e", "kind", "dead_at", "dead", "last_error") + `) x`
+	}
+	// samples is sampled as a LATERAL over g, one group.
+	samples := func(g, since, until, n string) string {
+		return `CROSS JOIN LATERAL (
+				` + sampled(g+".source", g+".grp", g+".place", g+".tenant", since, until, n) + `
 			) s`
 	}
 	cols := func(g string) string {
@@ -98,6 +103,12 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 			FROM unnest($1::text[], $2::bytea[], $3::text[], $4::text[]) WITH ORDINALITY AS p(source, grp, place, tenant, i)
 			` + samples("p", "$5", "$6", "$7") + `
 			ORDER BY p.i`
+	// The samples of one group, on Citus, which refuses groupSamples' join of the
+	// groups with the tables: $1 source, $2 hash, $3 consumer or kind, $4 tenant;
+	// $5 and $6 the time range, $7 samples. The group's tenant routes it to one
+	// shard.
+	q.groupSampleCitus = `SELECT coalesce(s.code, ''), coalesce(s.masked, ''), coalesce(s.example, ''), s.keys
+			FROM (` + sampled("$1::text", "$2::bytea", "$3::text", "$4::text", "$5", "$6", "$7") + `) s`
 	// $1 an inbox group (else effects), $2 its hash, $3 and $4 the time range, $5
 	// samples.
 	q.getGroup = `WITH g AS (
@@ -152,7 +163,10 @@ func failureQueries(q *queries, inbox, effects, actions string) {
 		wake, wakeFrom := "", ""
 		if action == ActionRetry {
 			// Dispatchers wake when the retry commits.
-			wake, wakeFrom = `, wake AS (SELECT pg_notify('idem_effects', $7))`, `, wake`
+			// pg_notify returns void, which Citus cannot carry out of a CTE: the
+			// cast to text lets it run the CTE on the coordinator, where the
+			// dispatchers listen.
+			wake, wakeFrom = `, wake AS (SELECT pg_notify('idem_effects', $7)::text)`, `, wake`
 		}
 		q.act[action] = `WITH moved AS (` + change[action](where) + `
 				RETURNING ` + a + `.key, ` + a + `.` + tg.place + ` AS place, ` + a + `.tenant

@@ -190,8 +190,19 @@ func (a *Admin) ListGroups(ctx context.Context, f GroupFilter, p Page) (*List[Fa
 	if err != nil {
 		return nil, err
 	}
-	return fanout.Whole(a.parts, func(one *part) (*List[FailureGroup], error) { return one.listGroups(ctx, f, gp, p.After != "") },
-		func() (*List[FailureGroup], error) { return a.mergeGroups(ctx, f, p, gp) })
+	return fanout.Whole(a.parts, func(one *part) (*List[FailureGroup], error) {
+		// Citus refuses the one statement's join of the groups with their
+		// samples: the groups are read and paged as over a shard map, and each
+		// group of the page reads its samples on its tenant's shard.
+		citus, err := one.onCitus(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if citus {
+			return a.mergeGroups(ctx, f, p, gp)
+		}
+		return one.listGroups(ctx, f, gp, p.After != "")
+	}, func() (*List[FailureGroup], error) { return a.mergeGroups(ctx, f, p, gp) })
 }
 
 // listGroups is ListGroups on one database: one statement, that reads a page of
@@ -260,9 +271,9 @@ func (a *part) groupCounts(ctx context.Context, f GroupFilter, gp groupPaging) (
 	return groups, nil
 }
 
-// sampleGroups reads, on one database and with one statement, the code, texts
-// and newest n sample keys (of the failures in seen) of each of groups, as
-// groupCounts read them there.
+// sampleGroups reads, on one database and with one statement (on Citus, one a
+// group), the code, texts and newest n sample keys (of the failures in seen) of
+// each of groups, as groupCounts read them there.
 func (a *part) sampleGroups(ctx context.Context, groups []*FailureGroup, seen TimeRange, n int) error {
 	sources, hashes, places, tenants := make([]string, len(groups)), make([][]byte, len(groups)), make([]string, len(groups)), make([]string, len(groups))
 	for i, g := range groups {
@@ -273,6 +284,22 @@ func (a *part) sampleGroups(ctx context.Context, groups []*FailureGroup, seen Ti
 		sources[i], hashes[i], places[i], tenants[i] = g.Source, id.hash, g.Place(), g.Tenant
 	}
 	since, until := seen.args()
+	citus, err := a.onCitus(ctx)
+	if err != nil {
+		return err
+	}
+	if citus {
+		// One statement a group, routed to its tenant's shard.
+		for i, g := range groups {
+			err := a.db.QueryRow(ctx, a.q.groupSampleCitus, sources[i], hashes[i], places[i], tenants[i], since, until, n).
+				Scan(&g.Code, &g.Masked, &g.Example, &g.SampleKeys)
+			if err != nil {
+				return a.wrap(err)
+			}
+			g.SampleKeys = nonNil(g.SampleKeys)
+		}
+		return nil
+	}
 	rows, err := a.db.Query(ctx, a.q.groupSamples, sources, hashes, places, tenants, since, until, n)
 	if err != nil {
 		return a.wrap(err)

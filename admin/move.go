@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -84,7 +85,8 @@ const moveBatch = 500
 // shard, so that after the route is switched its redeliveries are recognised as
 // duplicates, its pending effects are sent once, from the new shard, and its
 // failed keys and dead effects are repaired once, from the new shard. It needs an
-// Admin over a shard map.
+// Admin over a shard map of plain Postgres databases: on Citus it is refused
+// (ErrCitusMovesTenants), since Citus moves tenants itself.
 //
 // The move goes batch by batch, and a crash anywhere leaves no effect live on
 // two shards:
@@ -110,6 +112,13 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 		// Postgres text never holds it, so no shard has rows of it.
 		return nil, errorf(ErrBadFilter, "tenant %q: not valid UTF-8 text without NUL bytes, so no shard has rows of it", clip(mv.Tenant))
 	}
+	if a.Shards() == nil {
+		// One database: there is no shard to move to; on Citus, say what moves
+		// tenants there.
+		if err := a.refuseCitusMove(ctx, mv.Tenant, 0); err != nil {
+			return nil, err
+		}
+	}
 	if mv.From == "" {
 		i, err := a.parts.Index(mv.Tenant)
 		if err != nil {
@@ -127,6 +136,9 @@ func (a *Admin) MoveTenant(ctx context.Context, mv MoveTenant) (*MoveResult, err
 	from, to := a.parts.Part(f), a.parts.Part(t)
 	if from == to {
 		return nil, errorf(ErrBadFilter, "tenant %q: from and to are the same shard %q", mv.Tenant, mv.From)
+	}
+	if err := a.refuseCitusMove(ctx, mv.Tenant, f, t); err != nil {
+		return nil, err
 	}
 	retention := cmp.Or(mv.EffectsRetention, DefaultMoveRetention)
 	if err := sameColumns(ctx, from, to); err != nil {
@@ -346,6 +358,31 @@ func sameColumns(ctx context.Context, from, to *part) error {
 	}
 	if f == "" || f != t {
 		return errorf(ErrSchemaDiffers, "shards %q and %q: the inbox and effects tables of schemas %q and %q differ (or are missing): run idem migrate up on both", from.name, to.name, from.cfg.Schema, to.cfg.Schema)
+	}
+	return nil
+}
+
+// refuseCitusMove returns ErrCitusMovesTenants when one of the parts at indexes
+// is Citus (idem's tables distributed there): Citus places tenants on its workers
+// itself, and a move of rows within or out of it would fight its placement.
+func (a *Admin) refuseCitusMove(ctx context.Context, tenant string, indexes ...int) error {
+	for _, i := range indexes {
+		p := a.parts.Part(i)
+		citus, err := p.onCitus(ctx)
+		if err != nil {
+			return a.partErr(i, err)
+		}
+		if !citus {
+			continue
+		}
+		where := "the database"
+		if name := a.parts.Name(i); name != "" {
+			where = fmt.Sprintf("shard %q", name)
+		}
+		return errorf(ErrCitusMovesTenants, "move of tenant %q: %s is Citus (schema %s is distributed), which places tenants on its workers itself; nothing was changed. "+
+			"Move the shard that holds the tenant with SELECT citus_move_shard_placement(get_shard_id_for_distribution_column('%s', '%s'), …) "+
+			"(isolate_tenant_to_new_shard first to move it alone), or rebalance with SELECT citus_rebalance_start()",
+			tenant, where, p.cfg.Schema, p.table("inbox"), strings.ReplaceAll(tenant, "'", "''"))
 	}
 	return nil
 }

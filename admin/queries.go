@@ -17,11 +17,15 @@ type queries struct {
 	getInbox                   string
 	getEffect, effectsBySource string
 	findInbox, findEffects     string
-	forget, inboxState         string
+	// Find on Citus, which refuses the loose index scan's recursive CTE across
+	// shards.
+	findInboxCitus, findEffectsCitus string
+	forget, inboxState               string
 
 	// Failure groups (failures.go).
 	listGroups, getGroup, groupAttempts string
 	groupCounts, groupSamples           string
+	groupSampleCitus                    string
 	plan, act                           map[string]string
 	listActions, failureMetrics         string
 	ungroupedInbox, groupInbox          string
@@ -137,13 +141,29 @@ func newQueries(schema string) queries {
 			WHERE ($2::text IS NULL OR pairs.tenant = $2) AND ($3 = '' OR pairs.kind = $3)
 			ORDER BY e.tenant, e.kind
 			LIMIT $4`,
+		// Citus runs every shard's part of Find in parallel on the workers: each
+		// reads its shard's rows for the key (the key alone is not a prefix of any
+		// index), one scan of each shard.
+		findInboxCitus: `SELECT ` + icols + ` FROM ` + inbox + ` i
+			WHERE i.key = $1 AND ($2::text IS NULL OR i.tenant = $2)
+			ORDER BY i.consumer, i.tenant
+			LIMIT $3`,
+		findEffectsCitus: `SELECT ` + effectColumns + ` FROM ` + effects + ` e
+			WHERE e.key = $1 AND ($2::text IS NULL OR e.tenant = $2) AND ($3 = '' OR e.kind = $3)
+			ORDER BY e.tenant, e.kind
+			LIMIT $4`,
 		// A processing key whose lease is still running is held by a delivery right
 		// now: deleting it would let a second delivery claim the key while the first
-		// one works. It is left alone (ErrLeaseHeld); a stale lease may go.
-		forget: `DELETE FROM ` + inbox + ` i
-			WHERE i.consumer = $1 AND i.tenant = $2 AND i.key = $3
-				AND NOT (i.state = 'processing' AND i.lease_until > now())
-			RETURNING ` + icols,
+		// one works. It is left alone (ErrLeaseHeld); a stale lease may go. The
+		// columns (now() among them) are read from the deleted row outside the
+		// DELETE: Citus refuses now() in RETURNING.
+		forget: `WITH gone AS (
+				DELETE FROM ` + inbox + ` i
+				WHERE i.consumer = $1 AND i.tenant = $2 AND i.key = $3
+					AND NOT (i.state = 'processing' AND i.lease_until > now())
+				RETURNING i.*
+			)
+			SELECT ` + icols + ` FROM gone i`,
 		inboxState: `SELECT state, lease_until FROM ` + inbox + `
 			WHERE consumer = $1 AND tenant = $2 AND key = $3`,
 	}

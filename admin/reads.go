@@ -344,13 +344,20 @@ func (a *Admin) Find(ctx context.Context, key string, f FindFilter) (*Found, err
 
 func (a *part) find(ctx context.Context, key string, f FindFilter) (*Found, error) {
 	out := &Found{Key: key}
-	var err error
-	out.Inbox, err = collectInboxKeys(a.db.Query(ctx, a.q.findInbox, key, f.Tenant, FindLimit))
+	citus, err := a.onCitus(ctx)
+	if err != nil {
+		return nil, err
+	}
+	findInbox, findEffects := a.q.findInbox, a.q.findEffects
+	if citus {
+		findInbox, findEffects = a.q.findInboxCitus, a.q.findEffectsCitus
+	}
+	out.Inbox, err = collectInboxKeys(a.db.Query(ctx, findInbox, key, f.Tenant, FindLimit))
 	err = a.wrap(err)
 	if err != nil {
 		return nil, err
 	}
-	out.Effects, err = a.collectEffects(a.db.Query(ctx, a.q.findEffects, key, f.Tenant, f.Kind, FindLimit))
+	out.Effects, err = a.collectEffects(a.db.Query(ctx, findEffects, key, f.Tenant, f.Kind, FindLimit))
 	if err != nil {
 		return nil, err
 	}

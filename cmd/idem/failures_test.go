@@ -53,7 +53,7 @@ func (b *bundle) bin(args ...string) result {
 	bin := builtIdem(b.t) // the first call builds it: the command's minute starts after
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, bin, append(args, "--database-url", pgtest.URL(), "--schema", b.schema)...)
+	cmd := exec.CommandContext(ctx, bin, append(args, "--database-url", b.dbURL(), "--schema", b.schema)...)
 	var out, errOut bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errOut
 	err := cmd.Run()

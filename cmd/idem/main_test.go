@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -25,7 +26,12 @@ type bundle struct {
 	t      *testing.T
 	pool   *pgxpool.Pool
 	schema string
+	// url is the database the CLI is pointed at (pgtest.URL() when empty).
+	url string
 }
+
+// dbURL is the database the CLI is pointed at.
+func (b *bundle) dbURL() string { return cmp.Or(b.url, pgtest.URL()) }
 
 func setup(t *testing.T, opts ...pgtest.Options) *bundle {
 	t.Helper()
@@ -42,7 +48,7 @@ type result struct {
 // idem runs the CLI with the test database and schema appended to args.
 func (b *bundle) idem(args ...string) result {
 	b.t.Helper()
-	args = append(args, "--database-url", pgtest.URL(), "--schema", b.schema)
+	args = append(args, "--database-url", b.dbURL(), "--schema", b.schema)
 	return runCLI(b.t, args...)
 }
 

@@ -20,9 +20,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/admin"
 	"github.com/idemkit/idem/consumer"
 	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/effectsdb"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/internal/sqlaudit"
@@ -490,4 +493,107 @@ func runDispatchers(t *testing.T, db, pool *pgxpool.Pool, log *statementLog, sch
 		}
 	}
 	require.Equal(t, 2, pgtest.Count(t, db, `SELECT count(*) FROM effects WHERE key = 'doomed' AND state = 'dead'`))
+}
+
+// TestAdminStatementsCitusTakes is the audit of the operator API against Citus's
+// rules: every statement admin sends for each of its reads and actions (stats,
+// activity, lists, inspections, find, failure groups with their backfill,
+// retry, discard and release, the audit trail, requeues, forget, the failure
+// metrics), captured on plain Postgres, breaks none of the rules
+// sqlaudit.CitusRefusals knows, unless it is on adminCitusPending, with why. It
+// does not ask for one tenant: an operator's reads and actions span tenants.
+func TestAdminStatementsCitusTakes(t *testing.T) {
+	t.Parallel()
+	db, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2})
+	ctx := context.Background()
+	log := &statementLog{}
+	cfg := pgtest.PoolConfig(t, schema, pgtest.Options{MaxConns: 2})
+	cfg.ConnConfig.Tracer = log
+	pool := pgtest.OpenPool(t, cfg)
+	// Failures without their groups (as before migration 006): the lists group
+	// them first.
+	for _, q := range []string{
+		`INSERT INTO inbox (consumer, tenant, key, fingerprint, state, error_code, error, completed_at, expires_at)
+			SELECT 'orders', 't' || i % 2, 'f' || i, '\x01', 'failed', 'bad', 'order ' || i || ' is bad', now(), now() + interval '1 day'
+			FROM generate_series(1, 4) i`,
+		`INSERT INTO effects (tenant, kind, key, fingerprint, state, error_code, last_error, next_attempt_at, payload)
+			SELECT 't' || i % 2, 'email', 'd' || i, '\x01', 'dead', 'rejected', 'mail ' || i || ' rejected', now(), '{}'
+			FROM generate_series(1, 6) i`,
+	} {
+		_, err := db.Exec(ctx, q)
+		require.NoError(t, err)
+	}
+	reg := prometheus.NewRegistry()
+	a, err := admin.New(admin.Config{Pool: pool, Schema: schema, Registerer: reg})
+	require.NoError(t, err)
+	_, err = reg.Gather()
+	require.NoError(t, err)
+	_, err = a.Stats(ctx)
+	require.NoError(t, err)
+	_, err = a.Activity(ctx, time.Hour)
+	require.NoError(t, err)
+	_, err = a.ListInbox(ctx, admin.InboxFilter{State: "failed"}, admin.Page{Limit: 1})
+	require.NoError(t, err)
+	_, err = a.ListEffects(ctx, admin.EffectFilter{Stuck: true}, admin.Page{})
+	require.NoError(t, err)
+	_, err = a.InspectInbox(ctx, inbox.ID{Consumer: "orders", Tenant: "t1", Key: "f1"}, admin.InspectOptions{Body: true})
+	require.NoError(t, err)
+	_, err = a.InspectEffect(ctx, admin.EffectID{Tenant: "t1", Kind: "email", Key: "d1"})
+	require.NoError(t, err)
+	_, err = a.Find(ctx, "d1", admin.FindFilter{})
+	require.NoError(t, err)
+	groups, err := a.ListGroups(ctx, admin.GroupFilter{}, admin.Page{})
+	require.NoError(t, err)
+	require.Len(t, groups.Rows, 4)
+	_, err = a.ListGroups(ctx, admin.GroupFilter{Code: "bad"}, admin.Page{Limit: 1})
+	require.NoError(t, err)
+	note := admin.Audit{Who: "ops", Why: "audit"}
+	acted := map[string]bool{}
+	for _, g := range groups.Rows {
+		act := admin.GroupAction{ID: g.ID, Through: g.LastSeen, Note: note}
+		_, err = a.Group(ctx, g.ID, admin.TimeRange{})
+		require.NoError(t, err)
+		switch {
+		case g.Source == admin.SourceInbox:
+			_, err = a.ReleaseGroup(ctx, act)
+		case !acted["retry"]:
+			acted["retry"] = true
+			_, err = a.RetryGroup(ctx, admin.GroupAction{ID: g.ID, Through: g.LastSeen, DryRun: true})
+			require.NoError(t, err)
+			_, err = a.RetryGroup(ctx, act)
+		default:
+			_, err = a.DiscardGroup(ctx, act)
+		}
+		require.NoError(t, err)
+	}
+	_, err = a.ListActions(ctx, admin.ActionFilter{Group: groups.Rows[0].ID}, admin.Page{})
+	require.NoError(t, err)
+	_, err = db.Exec(ctx, `UPDATE effects SET state = 'dead'`)
+	require.NoError(t, err)
+	require.NoError(t, a.Requeue(ctx, admin.EffectID{Tenant: "t1", Kind: "email", Key: "d1"}))
+	_, err = a.RequeueDead(ctx, effectsdb.RequeueFilter{Kind: "email"})
+	require.NoError(t, err)
+	_, err = db.Exec(ctx, `INSERT INTO inbox (consumer, tenant, key, fingerprint, state, completed_at, expires_at)
+		VALUES ('orders', 't1', 'k', '\x01', 'completed', now(), now() + interval '1 day')`)
+	require.NoError(t, err)
+	_, err = a.Forget(ctx, inbox.ID{Consumer: "orders", Tenant: "t1", Key: "k"}, note)
+	require.NoError(t, err)
+
+	stmts := log.all()
+	require.Greater(t, len(stmts), 20)
+	refused, unused := checkCitus(stmts, adminCitusPending(schema))
+	require.Empty(t, refused, "admin statements that Citus refuses:\n%s", strings.Join(refused, "\n\n"))
+	require.Empty(t, unused, "adminCitusPending entries that matched no refused statement: remove them")
+}
+
+// adminCitusPending are the statements admin sends on plain Postgres that Citus
+// refuses, each with why it may.
+func adminCitusPending(schema string) []allowed {
+	t := regexp.QuoteMeta(pgx.Identifier{schema}.Sanitize()) + `\.`
+	return []allowed{
+		// Find walks the distinct (consumer, tenant) and (tenant, kind) pairs with a
+		// loose index scan; on Citus it reads each shard's rows for the key instead
+		// (TestCitusAdminReads).
+		{why: "Find: plain Postgres's loose index scan", re: `^WITH RECURSIVE pairs AS \( \(SELECT (consumer, tenant|tenant, kind) FROM ` + t + `"?(inbox|effects)"? .*$`},
+	}
 }

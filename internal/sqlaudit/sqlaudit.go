@@ -202,6 +202,8 @@ var (
 	returning = regexp.MustCompile(`(?i)\bRETURNING\b`)
 	// caseOrCoalesce starts a CASE expression or a COALESCE call.
 	caseOrCoalesce = regexp.MustCompile(`(?i)\bCASE\b|\bcoalesce\(`)
+	// withRecursive starts a recursive CTE.
+	withRecursive = regexp.MustCompile(`(?i)\bWITH RECURSIVE\b`)
 	// genericPlans asks Postgres for generic plans.
 	genericPlans = regexp.MustCompile(`(?i)\bplan_cache_mode\s*(=|TO)\s*'?force_generic_plan`)
 )
@@ -219,8 +221,15 @@ var (
 //     INSERT's select list; not in a subquery, which Citus plans apart).
 //   - FOR UPDATE or FOR SHARE in a statement that does not name one tenant: row
 //     locks across shards.
+//   - A recursive CTE in a statement that does not name one tenant (a loose
+//     index scan across shards).
 //   - plan_cache_mode = force_generic_plan: Citus cannot plan a parameterized
 //     statement on distributed tables without its parameters.
+//
+// It does not know Citus's refusal of a join it cannot push down to the shards
+// ("complex joins are only supported when all distributed tables are co-located
+// and joined on their distribution columns"), which depends on the plan: the
+// tests on a Citus cluster find those.
 func CitusRefusals(sql string) []string {
 	s := Normalize(sql)
 	var out []string
@@ -266,6 +275,9 @@ func CitusRefusals(sql string) []string {
 	}
 	if forUpdate.MatchString(s) && !Routable(s) {
 		out = append(out, "could not run distributed query with FOR UPDATE/SHARE commands")
+	}
+	if withRecursive.MatchString(s) && !Routable(s) {
+		out = append(out, "recursive CTEs are only supported when they contain a filter on the distribution column")
 	}
 	if genericPlans.MatchString(s) {
 		out = append(out, "could not create distributed plan: generic plans of parameterized statements")

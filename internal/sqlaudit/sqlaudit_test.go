@@ -89,6 +89,11 @@ func TestCitusRefusals(t *testing.T) {
 		q.DeleteExpired: "could not run distributed query with FOR UPDATE/SHARE commands",
 		// the claim's plan setting
 		"SET LOCAL plan_cache_mode = force_generic_plan": "could not create distributed plan: generic plans of parameterized statements",
+		// a loose index scan of every tenant (admin's Find on plain Postgres)
+		`WITH RECURSIVE pairs AS ((SELECT a, tenant FROM e ORDER BY 1, 2 LIMIT 1) UNION ALL SELECT n.a, n.tenant FROM pairs p CROSS JOIN LATERAL (SELECT a, tenant FROM e WHERE (a, tenant) > (p.a, p.tenant) ORDER BY 1, 2 LIMIT 1) n)
+			SELECT * FROM pairs JOIN e ON e.a = pairs.a AND e.tenant = pairs.tenant WHERE ($1::text IS NULL OR pairs.tenant = $1)`: "recursive CTEs are only supported when they contain a filter on the distribution column",
+		// now() in a DELETE's RETURNING (admin's Forget read it there)
+		`DELETE FROM i WHERE tenant = $1 AND key = $2 RETURNING i.key, now()`: "non-IMMUTABLE functions are not allowed in the RETURNING clause",
 	} {
 		require.Equal(t, []string{want}, sqlaudit.CitusRefusals(sql), sql)
 	}
@@ -99,6 +104,10 @@ func TestCitusRefusals(t *testing.T) {
 		`WITH ins AS (INSERT INTO e (tenant) VALUES ($1) RETURNING 1), wake AS (SELECT pg_notify('c', 's')::text FROM ins) SELECT 1`,
 		// a row lock of one tenant's rows
 		`SELECT * FROM e WHERE tenant = $1 FOR UPDATE SKIP LOCKED`,
+		// a recursive CTE of one tenant's rows
+		`WITH RECURSIVE r AS (SELECT 1 AS n UNION ALL SELECT n + 1 FROM r WHERE n < 3) SELECT * FROM e, r WHERE tenant = $1`,
+		// now() read from a deleted row outside the DELETE
+		`WITH gone AS (DELETE FROM i WHERE tenant = $1 RETURNING i.*) SELECT gone.key, now() FROM gone`,
 		// now() outside CASE in a write, CASE without a clock
 		`UPDATE e SET at = now(), s = CASE WHEN x THEN 'a' END WHERE tenant = $1`,
 	} {
