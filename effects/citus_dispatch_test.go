@@ -55,27 +55,6 @@ func (tr *effectStmts) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.Tra
 }
 func (tr *effectStmts) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
-// citusTenants returns n tenants of each Citus worker (1 and 2) for schema's
-// effects table, from the coordinator's shard placements.
-func citusTenants(t *testing.T, pool *pgxpool.Pool, schema string, n int) (w1, w2 []string) {
-	t.Helper()
-	for i := 0; len(w1) < n || len(w2) < n; i++ {
-		tenant := fmt.Sprintf("busy-%d", i)
-		var port int
-		require.NoError(t, pool.QueryRow(context.Background(), `
-			SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
-			WHERE p.shardid = get_shard_id_for_distribution_column($1::regclass, $2::text)`,
-			pgx.Identifier{schema, "effects"}.Sanitize(), tenant).Scan(&port))
-		switch {
-		case port == pgtest.CitusWorkerPort(t, 1) && len(w1) < n:
-			w1 = append(w1, tenant)
-		case port == pgtest.CitusWorkerPort(t, 2) && len(w2) < n:
-			w2 = append(w2, tenant)
-		}
-	}
-	return w1, w2
-}
-
 // enqueueFor enqueues effects of kind with keys for tenant, each in a transaction
 // of its own.
 func enqueueFor(t *testing.T, pool *pgxpool.Pool, schema, tenant, kind string, delay time.Duration, keys ...string) {
@@ -138,7 +117,7 @@ func TestCitusDispatcherDrainsEveryTenant(t *testing.T) {
 	for i := range 150 {
 		enqueueFor(t, pool, schema, fmt.Sprintf("idle-%d", i), "mail", time.Hour, "later")
 	}
-	w1, w2 := citusTenants(t, pool, schema, 3)
+	w1, w2 := pgtest.CitusTenants(t, pool, schema, "busy-", 3)
 	busy := slices.Concat(w1, w2)
 	const perTenant = 10
 	want := map[string]int{}
@@ -179,7 +158,7 @@ func TestCitusDispatcherDrainsEveryTenant(t *testing.T) {
 func TestCitusDispatcherWakesOnEnqueueForEitherWorker(t *testing.T) {
 	t.Parallel()
 	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 6})
-	w1, w2 := citusTenants(t, pool, schema, 1)
+	w1, w2 := pgtest.CitusTenants(t, pool, schema, "busy-", 1)
 	var s sends
 	runDispatcher(t, effects.Config{Pool: pool, Schema: schema, PollInterval: time.Hour,
 		Senders: map[string]effects.Sender{"mail": s.sender()}, Registerer: prometheus.NewRegistry()})
@@ -198,7 +177,7 @@ func TestCitusDispatcherWakesOnEnqueueForEitherWorker(t *testing.T) {
 func TestCitusTwoDispatchersSendEachEffectOnce(t *testing.T) {
 	t.Parallel()
 	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 10})
-	w1, w2 := citusTenants(t, pool, schema, 3)
+	w1, w2 := pgtest.CitusTenants(t, pool, schema, "busy-", 3)
 	want := map[string]int{}
 	for _, tenant := range slices.Concat(w1, w2) {
 		for i := range 20 {
@@ -225,7 +204,7 @@ func TestCitusTwoDispatchersSendEachEffectOnce(t *testing.T) {
 func TestCitusDispatcherTakesOverAStaleLease(t *testing.T) {
 	t.Parallel()
 	pool, schema := pgtest.CitusSetup(t, pgtest.Options{MaxConns: 6})
-	_, w2 := citusTenants(t, pool, schema, 1)
+	_, w2 := pgtest.CitusTenants(t, pool, schema, "busy-", 1)
 	enqueueFor(t, pool, schema, w2[0], "mail", 0, "stale")
 	// A claim whose Dispatcher died: fenced, in flight, its lease ending soon.
 	_, err := pool.Exec(context.Background(), `UPDATE effects SET fence = 1, attempts = 1, in_flight = true,
@@ -259,7 +238,7 @@ func TestCitusDispatcherResumesAfterAWorkerRestart(t *testing.T) {
 	require.NoError(t, err)
 	_, err = m.Up(ctx)
 	require.NoError(t, err)
-	w1, w2 := citusTenants(t, pool, schema, 1)
+	w1, w2 := pgtest.CitusTenants(t, pool, schema, "busy-", 1)
 	want := map[string]int{}
 	enqueue := func(tenant, prefix string) {
 		for i := range 10 {

@@ -184,24 +184,16 @@ func citusSchema(tb testing.TB, opts []Options) (*pgxpool.Pool, string) {
 // 2, from the coordinator's shard placements.
 func CitusTenants(tb testing.TB, pool *pgxpool.Pool, schema, prefix string, n int) (w1, w2 []string) {
 	tb.Helper()
-	p1, p2 := CitusWorkerPort(tb, 1), CitusWorkerPort(tb, 2)
+	table := pgx.Identifier{schema, "inbox"}.Sanitize()
 	for i := 0; len(w1) < n || len(w2) < n; i++ {
 		if i == 1000 {
 			tb.Fatalf("%s's inbox has no %d tenants of each worker among 1000: are its shards on both workers?", schema, n)
 		}
 		tenant := prefix + strconv.Itoa(i)
-		var port int
-		err := pool.QueryRow(context.Background(), `
-			SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
-			WHERE p.shardid = get_shard_id_for_distribution_column($1::regclass, $2::text)`,
-			pgx.Identifier{schema, "inbox"}.Sanitize(), tenant).Scan(&port)
-		if err != nil {
-			tb.Fatalf("the worker of tenant %s: %v", tenant, err)
-		}
-		switch {
-		case port == p1 && len(w1) < n:
+		switch w := CitusWorkerOf(tb, pool, table, tenant); {
+		case w == 1 && len(w1) < n:
 			w1 = append(w1, tenant)
-		case port == p2 && len(w2) < n:
+		case w == 2 && len(w2) < n:
 			w2 = append(w2, tenant)
 		}
 	}
