@@ -3,12 +3,15 @@ package consumer_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -264,4 +267,91 @@ func TestCitusTransactionalCatchesAHandlersCommit(t *testing.T) {
 	mu.Lock()
 	require.Equal(t, []string{"handler_ended_transaction"}, codes)
 	mu.Unlock()
+}
+
+// On Citus a group-commit batch, and a batch handler's, commit with one phase:
+// its claims, failures and effects are single-row statements that Citus routes to
+// the tenant's worker, where INSERT … SELECT FROM unnest(…) would run through the
+// coordinator and commit with two-phase commit (PREPARE TRANSACTION on the worker)
+// whatever the batch. The pool logs the commands Citus sends to the workers
+// (citus.log_remote_commands, as notices), and none is a PREPARE TRANSACTION,
+// while each message's ledger row, inbox key and effect commit once and a
+// permanent failure is recorded.
+func TestCitusBatchesCommitInOnePhase(t *testing.T) {
+	t.Parallel()
+	base, schema := citusLedger(t)
+	var issued, prepared atomic.Int64
+	cfg := base.Config().Copy()
+	cfg.ConnConfig.RuntimeParams["citus.log_remote_commands"] = "on"
+	cfg.ConnConfig.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		if strings.HasPrefix(n.Message, "issuing ") {
+			issued.Add(1)
+		}
+		if strings.Contains(n.Message, "PREPARE TRANSACTION") {
+			prepared.Add(1)
+		}
+	}
+	pool := pgtest.OpenPool(t, cfg)
+	for _, batchHandler := range []bool{false, true} {
+		name := "group-commit"
+		if batchHandler {
+			name = "batch-handler"
+		}
+		t.Run(name, func(t *testing.T) {
+			c, err := consumer.New(consumer.Config{Name: name, Pool: pool, Schema: schema, Mode: consumer.GroupCommit,
+				Tenant:     consumer.MetadataKey("tenant"),
+				Batch:      consumer.BatchConfig{MaxBatch: 8, MaxWait: 300 * time.Millisecond, Workers: 1},
+				Registerer: prometheus.NewRegistry()})
+			require.NoError(t, err)
+			defer func() { require.NoError(t, c.Close()) }()
+			write := func(ctx context.Context, tx pgx.Tx, m *message.Message) error {
+				if m.UUID == "a-bad" {
+					return consumer.Permanent(errors.New("bad"))
+				}
+				if _, err := tx.Exec(ctx, `INSERT INTO ledger (tenant, key) VALUES ('a', $1)`, name+":"+m.UUID); err != nil {
+					return err
+				}
+				_, err := effects.Enqueue(ctx, tx, effects.Effect{Kind: "email", Key: name + ":" + m.UUID, Payload: m.Payload})
+				return err
+			}
+			h := func(m *message.Message) error {
+				_, err := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
+					return nil, write(m.Context(), consumer.Tx(m.Context()), m)
+				})(m)
+				return err
+			}
+			if batchHandler {
+				bh := c.HandleBatch(func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) error {
+					var errs []error
+					for _, m := range msgs {
+						if err := write(ctx, tx, m); err != nil {
+							errs = append(errs, consumer.ForMessage(m, err))
+						}
+					}
+					return errors.Join(errs...)
+				})
+				h = func(m *message.Message) error { return bh(m) }
+			}
+			ids := []string{"1", "2", "3", "4", "5", "bad"}
+			before := prepared.Load()
+			for round := range 2 { // the second round is all duplicates
+				var wg sync.WaitGroup
+				errs := make([]error, len(ids))
+				for i, id := range ids {
+					wg.Go(func() { errs[i] = h(citusMsg("a", id)) })
+				}
+				wg.Wait()
+				for i, id := range ids {
+					// A permanent failure is recorded, and its message acknowledged.
+					require.NoError(t, errs[i], "round %d: %s", round, id)
+				}
+			}
+			require.Equal(t, 5, pgtest.Count(t, pool, `SELECT count(*) FROM ledger WHERE key LIKE $1`, name+":%"))
+			require.Equal(t, 5, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE key LIKE $1`, name+":%"))
+			require.Equal(t, 5, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE consumer = $1 AND state = 'completed'`, name))
+			require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE consumer = $1 AND state = 'failed'`, name))
+			require.Positive(t, issued.Load(), "the pool logs what Citus sends to the workers")
+			require.Equal(t, before, prepared.Load(), "a batch committed with two-phase commit")
+		})
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -68,13 +69,20 @@ type batchClaim struct {
 // by tenant can send them to its shard; a batch of several tenants, with the
 // others.
 //
+// each claims the keys with the per-message statements instead (inboxdb's Claim,
+// or Fail for a recorded failure), one a key, pipelined in the same round trip:
+// the form for Citus, which runs the one INSERT … SELECT through the coordinator
+// and commits it with two-phase commit even when one worker holds every key,
+// while single-row inserts on one worker commit with one phase. Each key it does
+// not insert is read by the one more statement above.
+//
 // prelude statements go ahead of the claim in the same round trip, as in
 // ClaimAfterTx; with no claims, only the prelude is sent. claims must name
 // distinct keys.
 func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 	inboxdb.DBTX
 	inboxdb.BatchSender
-}, prelude []string, claims []batchClaim) ([]inboxdb.ClaimResult, error) {
+}, prelude []string, claims []batchClaim, each bool) ([]inboxdb.ClaimResult, error) {
 	results := make([]inboxdb.ClaimResult, len(claims))
 	for i := range claims {
 		if err := claims[i].Validate(); err != nil {
@@ -123,7 +131,11 @@ func (s *batchStore) ClaimBatchTx(ctx context.Context, tx interface {
 		if !first {
 			p = nil
 		}
-		unread, err := s.claimBatch(ctx, tx, p, claims, todo, found)
+		claim := s.claimBatch
+		if each {
+			claim = s.claimEach
+		}
+		unread, err := claim(ctx, tx, p, claims, todo, found)
 		if err != nil {
 			return nil, err
 		}
@@ -260,6 +272,50 @@ func (s *batchStore) claimBatch(ctx context.Context, tx interface {
 		err = pgschema.Wrap(cerr, s.schema)
 	}
 	return unread, err
+}
+
+// claimEach is claimBatch with one single-row claim a key (ClaimBatchTx's each),
+// in one batch after prelude. It reads no row: every key it did not insert is
+// unread.
+func (s *batchStore) claimEach(ctx context.Context, tx interface {
+	inboxdb.DBTX
+	inboxdb.BatchSender
+}, prelude []string, claims []batchClaim, idx []int, _ func(int, *inboxdb.Record)) (unread []int, err error) {
+	b := &pgx.Batch{}
+	for _, sql := range prelude {
+		b.Queue(sql)
+	}
+	for _, i := range idx {
+		c := &claims[i]
+		retention := cmp.Or(c.Retention, inbox.DefaultRetention)
+		if c.Failed {
+			code, msg := text.Sanitize(c.Code, 0), text.Sanitize(c.Error, 0)
+			b.Queue(s.q.Fail, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retention, code, msg, failgroup.Mask(msg))
+			continue
+		}
+		b.Queue(s.q.Claim, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retention)
+	}
+	br := tx.SendBatch(ctx, b)
+	defer func() {
+		if cerr := br.Close(); err == nil && cerr != nil {
+			err = pgschema.Wrap(cerr, s.schema)
+		}
+	}()
+	for range prelude {
+		if _, err := br.Exec(); err != nil {
+			return nil, pgschema.Wrap(err, s.schema)
+		}
+	}
+	for _, i := range idx {
+		var inserted bool
+		switch err := br.QueryRow().Scan(&inserted); {
+		case errors.Is(err, pgx.ErrNoRows):
+			unread = append(unread, i)
+		case err != nil:
+			return nil, pgschema.Wrap(err, s.schema)
+		}
+	}
+	return unread, nil
 }
 
 // getBatch reads the rows of claims[idx] and hands each to found.

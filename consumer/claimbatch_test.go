@@ -114,7 +114,7 @@ func testClaimBatchTx(t *testing.T, mixed bool) {
 		}
 		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
 			ct := &countingTx{Tx: tx}
-			res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 2000"}, claims)
+			res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 2000"}, claims, false)
 			statements = ct.sent.Load()
 			return err
 		}))
@@ -162,10 +162,69 @@ func testClaimBatchTx(t *testing.T, mixed bool) {
 	require.Empty(t, res)
 	require.EqualValues(t, 1, n)
 
-	_, err = store.ClaimBatchTx(ctx, &countingTx{}, nil, batchOf("a", "b", "a"))
+	_, err = store.ClaimBatchTx(ctx, &countingTx{}, nil, batchOf("a", "b", "a"), false)
 	require.ErrorContains(t, err, "twice")
-	_, err = store.ClaimBatchTx(ctx, &countingTx{}, nil, batchOf("a", ""))
+	_, err = store.ClaimBatchTx(ctx, &countingTx{}, nil, batchOf("a", ""), false)
 	require.ErrorIs(t, err, inbox.ErrEmptyKey)
+}
+
+// ClaimBatchTx's form for Citus (each): one single-row claim a key, pipelined
+// with the prelude in one round trip, gives what the set form gives: new keys
+// claimed, a recorded failure written as failed, duplicates and mismatches
+// answered with the stored row, which one more statement reads.
+func TestClaimBatchTxEach(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := pgtest.Setup(t)
+	store, err := newTestStores(schema)
+	require.NoError(t, err)
+	claim := func(claims []batchClaim) (res []inboxdb.ClaimResult, statements int64) {
+		t.Helper()
+		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
+			ct := &countingTx{Tx: tx}
+			res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 2000"}, claims, true)
+			statements = ct.sent.Load()
+			return err
+		}))
+		return res, statements
+	}
+
+	res, n := claim(batchOf("k3", "k1", "k2"))
+	require.EqualValues(t, 1, n, "the prelude and the claims travel in one round trip")
+	for _, r := range res {
+		require.True(t, r.Claimed)
+	}
+	require.Equal(t, 3, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE state = 'completed' AND tenant = ''`))
+
+	claims := batchOf("k4", "k2", "k1", "k5")
+	claims[1].Fingerprint = []byte("other")
+	claims[3].Failed, claims[3].Code, claims[3].Error = true, "card_declined", "declined\x00\xff"
+	res, n = claim(claims)
+	require.EqualValues(t, 2, n, "the rows the claims met are read by one more statement")
+	require.True(t, res[0].Claimed, "k4 is new")
+	require.False(t, res[1].Claimed)
+	require.True(t, res[1].Mismatch, "k2 came with another payload")
+	require.Equal(t, inboxdb.StateCompleted, res[1].Existing.State)
+	require.False(t, res[2].Claimed)
+	require.False(t, res[2].Mismatch, "k1 is a duplicate")
+	require.Equal(t, "k1", res[2].Existing.Key)
+	require.True(t, res[3].Claimed, "k5's failure is recorded")
+	var state, code, msg string
+	var group []byte
+	require.NoError(t, pool.QueryRow(ctx, `SELECT state, error_code, error, error_group FROM inbox WHERE key = 'k5'`).Scan(&state, &code, &msg, &group))
+	require.Equal(t, "failed", state)
+	require.Equal(t, "card_declined", code)
+	require.Equal(t, text.Sanitize("declined\x00\xff", 0), msg)
+	require.NotEmpty(t, group, "a failure keeps its group")
+
+	res, _ = claim(batchOf("k5"))
+	require.False(t, res[0].Claimed)
+	require.Equal(t, inboxdb.StateFailed, res[0].Existing.State)
+	require.Equal(t, "card_declined", res[0].Existing.ErrorCode)
+
+	res, n = claim(nil)
+	require.Empty(t, res)
+	require.EqualValues(t, 1, n, "only the prelude")
 }
 
 // A key that another transaction holds uncommitted makes the claim wait. If that
@@ -176,9 +235,10 @@ func testClaimBatchTx(t *testing.T, mixed bool) {
 // several tenants the others (mixed): both are run.
 func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 	t.Parallel()
-	for _, c := range []struct{ commit, mixed bool }{{true, false}, {false, false}, {true, true}, {false, true}} {
+	for _, c := range []struct{ commit, mixed, each bool }{{true, false, false}, {false, false, false}, {true, true, false}, {false, true, false},
+		{true, false, true}, {false, false, true}} {
 		commit := c.commit
-		t.Run(fmt.Sprintf("other commits %v, mixed tenants %v", commit, c.mixed), func(t *testing.T) {
+		t.Run(fmt.Sprintf("other commits %v, mixed tenants %v, each %v", commit, c.mixed, c.each), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			pool, schema := pgtest.Setup(t)
@@ -207,7 +267,7 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 					if c.mixed {
 						claims = append(claims, batchClaim{Claim: inboxdb.Claim{ID: inboxdb.ID{Consumer: "c", Tenant: "t2", Key: "k1"}, Fingerprint: []byte("fp")}})
 					}
-					a.res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 30000"}, claims)
+					a.res, err = store.ClaimBatchTx(ctx, ct, []string{"SET LOCAL lock_timeout = 30000"}, claims, c.each)
 					a.n = ct.sent.Load()
 					return err
 				})
@@ -216,7 +276,7 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 			// The batch waits for the other transaction's key.
 			pgtest.WaitFor(t, 30*time.Second, "the batch claim to wait on the lock", func() bool {
 				return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
-					WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND application_name = $1`, "idem-test:"+schema) > 0
+					WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%inbox%' AND application_name = $1`, "idem-test:"+schema) > 0
 			})
 			select {
 			case a := <-done:
@@ -265,6 +325,13 @@ func TestClaimBatchTxWaitsForConcurrentClaimers(t *testing.T) {
 // "z" and the other "a" by then, and each would next wait for the other's key.
 func TestClaimBatchTxSortsKeysSoBatchesCannotDeadlock(t *testing.T) {
 	t.Parallel()
+	for _, each := range []bool{false, true} {
+		t.Run(fmt.Sprintf("each %v", each), func(t *testing.T) { testClaimBatchTxSortsKeys(t, each) })
+	}
+}
+
+func testClaimBatchTxSortsKeys(t *testing.T, each bool) {
+	t.Parallel()
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
 	store, err := newTestStores(schema)
@@ -281,7 +348,7 @@ func TestClaimBatchTxSortsKeysSoBatchesCannotDeadlock(t *testing.T) {
 	for w, order := range [][]string{{"z", "m", "a"}, {"a", "m", "z"}} {
 		wg.Go(func() {
 			errs[w] = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-				res, err := store.ClaimBatchTx(ctx, tx, []string{"SET LOCAL lock_timeout = 60000"}, batchOf(order...))
+				res, err := store.ClaimBatchTx(ctx, tx, []string{"SET LOCAL lock_timeout = 60000"}, batchOf(order...), each)
 				for _, r := range res {
 					if r.Claimed {
 						claimed.Add(1)
@@ -293,7 +360,7 @@ func TestClaimBatchTxSortsKeysSoBatchesCannotDeadlock(t *testing.T) {
 	}
 	pgtest.WaitFor(t, 30*time.Second, "both batches wait", func() bool {
 		return pgtest.Count(t, pool, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%' AND application_name = $1`, "idem-test:"+schema) >= 2
+			WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%inbox%' AND application_name = $1`, "idem-test:"+schema) >= 2
 	})
 	require.NoError(t, holder.Rollback(ctx))
 	wg.Wait()

@@ -46,7 +46,18 @@ func TestClaimsForgetExpiredRows(t *testing.T) {
 		"Lease": func(c inboxdb.Claim) (inboxdb.ClaimResult, error) { return store.Lease(ctx, pool, c, time.Minute) },
 		"ClaimBatchTx": func(c inboxdb.Claim) (res inboxdb.ClaimResult, err error) {
 			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-				results, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: c}, {Claim: claimOf(c.Key+"-other", "fp")}})
+				results, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: c}, {Claim: claimOf(c.Key+"-other", "fp")}}, false)
+				if err == nil {
+					res = results[0]
+				}
+				return err
+			})
+			return
+		},
+		// The form for Citus: one single-row claim a key.
+		"ClaimBatchTx, each": func(c inboxdb.Claim) (res inboxdb.ClaimResult, err error) {
+			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				results, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: c}, {Claim: claimOf(c.Key+"-other", "fp")}}, true)
 				if err == nil {
 					res = results[0]
 				}
@@ -59,7 +70,7 @@ func TestClaimsForgetExpiredRows(t *testing.T) {
 			other := claimOf(c.Key, "fp")
 			other.Tenant = "t2"
 			err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-				results, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: c}, {Claim: other}})
+				results, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: c}, {Claim: other}}, false)
 				if err == nil {
 					res = results[0]
 				}
@@ -141,7 +152,7 @@ func TestConcurrentClaimsOfAnExpiredKey(t *testing.T) {
 						results[w] = res
 						return err
 					}
-					rs, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: key}})
+					rs, err := store.ClaimBatchTx(ctx, tx, nil, []batchClaim{{Claim: key}}, false)
 					if err == nil {
 						results[w] = rs[0]
 					}

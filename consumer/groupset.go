@@ -190,7 +190,7 @@ func (r *setRun) round(n int) roundEnd {
 		span.SetAttributes(tracing.BatchSize.Int(len(claims)), attribute.Int("idem.batch.round", n))
 	}
 	start := time.Now()
-	results, err := c.batchStore.ClaimBatchTx(cctx, r.tx, prelude, claims)
+	results, err := c.batchStore.ClaimBatchTx(cctx, r.tx, prelude, claims, r.g.onCitus())
 	endSpan(span, err)
 	if err != nil {
 		if n > 0 && savepointGone(err) && r.lastCall != nil {
@@ -251,7 +251,14 @@ func (r *setRun) round(n int) roundEnd {
 		}
 	}
 	if len(items) > 0 {
-		if _, err := effectsdb.EnqueueItems(r.ctx, r.tx, items); err != nil {
+		enqueue := effectsdb.EnqueueItems
+		if r.g.onCitus() {
+			// One single-row insert an effect, pipelined: see EnqueueItemsEach.
+			enqueue = func(ctx context.Context, tx effectsdb.Tx, items []effectsdb.Item) ([]effectsdb.Result, error) {
+				return effectsdb.EnqueueItemsEach(ctx, r.tx, items)
+			}
+		}
+		if _, err := enqueue(r.ctx, r.tx, items); err != nil {
 			var ie *effectsdb.ItemErrors
 			if !errors.As(err, &ie) {
 				return roundFallback

@@ -64,7 +64,7 @@ func BenchmarkSetBatch(b *testing.B) {
 		require.NoError(b, err)
 		defer func() { _ = tx.Rollback(ctx) }()
 		t0, _ := cpustat.Schedstat(stat)
-		res, err := c.batchStore.ClaimBatchTx(ctx, tx, c.setPrelude, claims)
+		res, err := c.batchStore.ClaimBatchTx(ctx, tx, c.setPrelude, claims, false)
 		require.NoError(b, err)
 		t0 = step(0, t0)
 		items := make([]effectsdb.Item, 0, len(claims))

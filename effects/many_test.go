@@ -187,8 +187,24 @@ func TestEnqueueManySortsSoWritersCannotDeadlock(t *testing.T) {
 // EnqueueItems sends the columns in which every effect has the default as NULL
 // arrays: each row still gets its own max_attempts, delay and trace context
 // whether the others have the default or not, in whichever order they come, and
-// an effect with a source keeps its tenant as the source's.
+// an effect with a source keeps its tenant as the source's. EnqueueItemsEach, the
+// form for Citus (one single-row insert an effect), writes the same rows and
+// gives the same results.
 func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
+	t.Parallel()
+	for name, enqueue := range map[string]func(context.Context, pgx.Tx, []effectsdb.Item) ([]effectsdb.Result, error){
+		"EnqueueItems": func(ctx context.Context, tx pgx.Tx, items []effectsdb.Item) ([]effectsdb.Result, error) {
+			return effectsdb.EnqueueItems(ctx, tx, items)
+		},
+		"EnqueueItemsEach": func(ctx context.Context, tx pgx.Tx, items []effectsdb.Item) ([]effectsdb.Result, error) {
+			return effectsdb.EnqueueItemsEach(ctx, tx, items)
+		},
+	} {
+		t.Run(name, func(t *testing.T) { testEnqueueItemsDefaultsAndOverrides(t, enqueue) })
+	}
+}
+
+func testEnqueueItemsDefaultsAndOverrides(t *testing.T, enqueue func(context.Context, pgx.Tx, []effectsdb.Item) ([]effectsdb.Result, error)) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, schema := pgtest.Setup(t)
@@ -210,7 +226,7 @@ func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
 			batch = append(batch, items[i])
 		}
 		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			_, err := effectsdb.EnqueueItems(ctx, tx, batch)
+			_, err := enqueue(ctx, tx, batch)
 			return err
 		}))
 		rows, err := pool.Query(ctx, `SELECT key, tenant, max_attempts, next_attempt_at > now() + interval '50 minutes',
@@ -244,7 +260,7 @@ func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
 		again[changed].Effect.Payload = []byte("other")
 		var res []effectsdb.Result
 		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
-			res, err = effectsdb.EnqueueItems(ctx, tx, again)
+			res, err = enqueue(ctx, tx, again)
 			return err
 		})
 		var ie *effectsdb.ItemErrors

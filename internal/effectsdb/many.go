@@ -5,11 +5,13 @@ import (
 	"cmp"
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
 	"sync"
 
+	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/idem/internal/pgarray"
@@ -161,6 +163,38 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 	return w.results()
 }
 
+// BatchTx is a transaction that can pipeline statements: what EnqueueItemsEach
+// needs (a pgx.Tx is one).
+type BatchTx interface {
+	Tx
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// EnqueueItemsEach is EnqueueItems for Citus: the same checks, order and results,
+// but each effect is written by Enqueue's single-row insert, all of them
+// pipelined in one round trip, and Citus routes each to its tenant's shard. Citus
+// runs EnqueueItems's INSERT … SELECT FROM unnest(…) through the coordinator and
+// commits every such write with two-phase commit, even when one worker holds
+// every row; single-row inserts on one worker commit with one phase.
+func EnqueueItemsEach(ctx context.Context, tx BatchTx, items []Item) ([]Result, error) {
+	if tx == nil {
+		return nil, ErrNoTx
+	}
+	if len(items) == 0 {
+		return []Result{}, nil
+	}
+	schema, err := checkItems(items)
+	if err != nil {
+		return nil, err
+	}
+	var w itemsWrite
+	w.plan(items, trace.SpanContextFromContext(ctx))
+	if err := w.writeEach(ctx, tx, queriesFor(schema)); err != nil {
+		return nil, pgschema.Wrap(err, schema)
+	}
+	return w.results()
+}
+
 // checkItems validates every item in its scope and returns the one schema they all
 // name.
 func checkItems(items []Item) (string, error) {
@@ -266,6 +300,64 @@ func (w *itemsWrite) write(ctx context.Context, tx Tx, q *queries) error {
 			if i, ok := byID[identity{gotT[j], gotK[j], gotY[j]}]; ok {
 				w.inserted[i], w.stored[i] = true, w.fps[i]
 			}
+		}
+		if err := w.readConflicts(ctx, tx, q, todo, byID); err != nil {
+			return err
+		}
+		var again []int
+		for _, i := range todo {
+			if w.stored[i] == nil {
+				again = append(again, i) // deleted in between by the janitor: insert again
+			}
+		}
+		todo = again
+	}
+	return nil
+}
+
+// writeEach is write with one single-row insert a writer (EnqueueItemsEach), in
+// one batch: the same rounds, and the same read of the rows some met instead.
+func (w *itemsWrite) writeEach(ctx context.Context, tx BatchTx, q *queries) error {
+	todo := w.writers
+	for len(todo) > 0 {
+		b := &pgx.Batch{}
+		for _, i := range todo {
+			it := &w.items[i]
+			var src [3]*string
+			if it.Scope.Source.Consumer != "" {
+				src = [3]*string{&it.Scope.Source.Consumer, &it.Scope.Source.Tenant, &it.Scope.Source.Key}
+			}
+			tc := EncodeTrace(it.Trace)
+			if !it.Trace.IsValid() {
+				tc = EncodeTrace(w.ctxTrace)
+			}
+			b.Queue(q.insert, it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key, it.Effect.Payload, w.fps[i],
+				maxAttemptsOf(it.Effect), it.Effect.Delay, src[0], src[1], src[2], tc)
+		}
+		br := tx.SendBatch(ctx, b)
+		all := true
+		for _, i := range todo {
+			var ok bool
+			err := br.QueryRow().Scan(&ok)
+			switch {
+			case err == nil:
+				w.inserted[i], w.stored[i] = true, w.fps[i]
+			case errors.Is(err, pgx.ErrNoRows):
+				all = false
+			default:
+				_ = br.Close()
+				return err
+			}
+		}
+		if err := br.Close(); err != nil {
+			return err
+		}
+		if all {
+			return nil
+		}
+		byID := make(map[identity]int, len(todo))
+		for _, i := range todo {
+			byID[w.id(i)] = i
 		}
 		if err := w.readConflicts(ctx, tx, q, todo, byID); err != nil {
 			return err
