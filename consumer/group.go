@@ -129,8 +129,12 @@ func (g *groupCommitter) work() {
 	}
 }
 
-// onCitus is engine.onCitus, bounded by CommitTimeout.
+// onCitus is engine.onCitus, bounded by CommitTimeout; once the answer is known
+// it costs no context.
 func (g *groupCommitter) onCitus() bool {
+	if on, known := g.c.citus.Known(); known {
+		return on
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), g.c.cfg.CommitTimeout)
 	defer cancel()
 	return g.c.onCitus(ctx)
