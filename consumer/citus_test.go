@@ -3,15 +3,12 @@ package consumer_test
 import (
 	"context"
 	"errors"
-	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -280,18 +277,9 @@ func TestCitusTransactionalCatchesAHandlersCommit(t *testing.T) {
 func TestCitusBatchesCommitInOnePhase(t *testing.T) {
 	t.Parallel()
 	base, schema := citusLedger(t)
-	var issued, prepared atomic.Int64
-	cfg := base.Config().Copy()
-	cfg.ConnConfig.RuntimeParams["citus.log_remote_commands"] = "on"
-	cfg.ConnConfig.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
-		if strings.HasPrefix(n.Message, "issuing ") {
-			issued.Add(1)
-		}
-		if strings.Contains(n.Message, "PREPARE TRANSACTION") {
-			prepared.Add(1)
-		}
-	}
-	pool := pgtest.OpenPool(t, cfg)
+	pool, remote := pgtest.CitusRemoteLog(t, base)
+	issued := func() int64 { return remote.Count("issuing ") }
+	prepared := func() int64 { return remote.Count("PREPARE TRANSACTION") }
 	for _, batchHandler := range []bool{false, true} {
 		name := "group-commit"
 		if batchHandler {
@@ -333,7 +321,7 @@ func TestCitusBatchesCommitInOnePhase(t *testing.T) {
 				h = func(m *message.Message) error { return bh(m) }
 			}
 			ids := []string{"1", "2", "3", "4", "5", "bad"}
-			before := prepared.Load()
+			before := prepared()
 			for round := range 2 { // the second round is all duplicates
 				var wg sync.WaitGroup
 				errs := make([]error, len(ids))
@@ -350,8 +338,59 @@ func TestCitusBatchesCommitInOnePhase(t *testing.T) {
 			require.Equal(t, 5, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE key LIKE $1`, name+":%"))
 			require.Equal(t, 5, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE consumer = $1 AND state = 'completed'`, name))
 			require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM inbox WHERE consumer = $1 AND state = 'failed'`, name))
-			require.Positive(t, issued.Load(), "the pool logs what Citus sends to the workers")
-			require.Equal(t, before, prepared.Load(), "a batch committed with two-phase commit")
+			require.Positive(t, issued(), "the pool logs what Citus sends to the workers")
+			require.Equal(t, before, prepared(), "a batch committed with two-phase commit")
 		})
 	}
+}
+
+// On Citus, a handler's Enqueue (Transactional mode) writes its row with one
+// insert that Citus routes to the tenant's worker as it is, and raises the
+// dispatchers' notification on the coordinator: no intermediate result is
+// copied to or from a worker, and a LISTEN on the coordinator hears it. A
+// duplicate writes nothing and notifies nothing.
+func TestCitusEnqueueIsRoutedAsItIs(t *testing.T) {
+	t.Parallel()
+	base, schema := citusLedger(t)
+	pool, remote := pgtest.CitusRemoteLog(t, base)
+	ctx := context.Background()
+	listener, err := base.Acquire(ctx)
+	require.NoError(t, err)
+	defer listener.Release()
+	_, err = listener.Exec(ctx, "LISTEN idem_effects")
+	require.NoError(t, err)
+
+	c, err := consumer.New(consumer.Config{Name: "routed", Pool: pool, Schema: schema,
+		Tenant: consumer.MetadataKey("tenant"), Registerer: prometheus.NewRegistry()})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, c.Close()) }()
+	h := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		ctx := m.Context()
+		_, err := effects.Enqueue(ctx, consumer.Tx(ctx), effects.Effect{Kind: "email", Key: "receipt:" + m.UUID, Payload: m.Payload})
+		return nil, err
+	})
+	_, err = h(citusMsg("a", "1"))
+	require.NoError(t, err)
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND key = 'receipt:a-1'`))
+	require.Positive(t, remote.Count("issuing "), "the pool logs what Citus sends to the workers")
+	require.Zero(t, remote.Count("read_intermediate_result"), "the enqueue went through the coordinator's recursive planning")
+	require.Zero(t, remote.Count("format result"), "the enqueue went through the coordinator's recursive planning")
+	// ours waits for a notification of this schema (other tests' notifications
+	// on the channel name theirs).
+	ours := func(within time.Duration) error {
+		wctx, cancel := context.WithTimeout(ctx, within)
+		defer cancel()
+		for {
+			n, err := listener.Conn().WaitForNotification(wctx)
+			if err != nil || n.Payload == schema {
+				return err
+			}
+		}
+	}
+	require.NoError(t, ours(10*time.Second), "the enqueue's notification")
+
+	// A duplicate delivery enqueues nothing, and raises nothing.
+	_, err = h(citusMsg("a", "1"))
+	require.NoError(t, err)
+	require.ErrorIs(t, ours(time.Second), context.DeadlineExceeded, "a duplicate raised a notification")
 }

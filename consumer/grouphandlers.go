@@ -72,8 +72,9 @@ func (r *setRun) call(idx []int) callResult {
 	if span.IsRecording() {
 		span.SetAttributes(tracing.BatchSize.Int(len(msgs)))
 	}
+	citus, _ := c.citus.Known()
 	bctx := effectsdb.WithScope(context.WithValue(sctx, txKey{}, r.owned),
-		effectsdb.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds})
+		effectsdb.Scope{Schema: c.cfg.Schema, Kinds: c.cfg.EffectKinds, Citus: citus})
 	var cr callResult
 	func() {
 		defer func() {

@@ -98,11 +98,13 @@ func (c *engine) runHandler(req *request, tx pgx.Tx, h message.HandlerFunc) outc
 // scope is the effects scope of req's handler. With buf, Enqueue adds effects to
 // it, for the batch to write them all at once.
 func (c *engine) scope(req *request, buf *effectsdb.Buffer) effectsdb.Scope {
+	citus, _ := c.citus.Known() // asked before the transaction began
 	return effectsdb.Scope{
 		Schema: c.cfg.Schema,
 		Source: effectsdb.Source{Consumer: req.claim.Consumer, Tenant: req.claim.Tenant, Key: req.claim.Key},
 		Kinds:  c.cfg.EffectKinds,
 		Buffer: buf,
+		Citus:  citus,
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/effects"
 	"github.com/idemkit/idem/httpidem"
 	"github.com/idemkit/idem/internal/inboxdb"
 	"github.com/idemkit/idem/internal/pgtest"
@@ -152,4 +153,41 @@ func TestCitusLockTimeoutReachesTheWorker(t *testing.T) {
 	require.Zero(t, pgtest.Count(t, pool, lockWaits, schema), "the wait ended on the worker")
 	require.NoError(t, holder.Rollback(ctx))
 	require.Equal(t, http.StatusCreated, do(false, "a", "/pay", "held", `{}`).Code)
+}
+
+// On Citus, a request's claim and its Enqueue (both modes) are statements that
+// Citus routes to the tenant's worker as they are: no intermediate result goes to
+// or from a worker, no transaction commits with two-phase commit, and the effect
+// is stored once across a replay.
+func TestCitusRequestsAreRoutedAsTheyAre(t *testing.T) {
+	t.Parallel()
+	base, schema := citusLedger(t, pgtest.Options{MaxConns: 6})
+	pool, remote := pgtest.CitusRemoteLog(t, base)
+	m, err := httpidem.New(httpidem.Config{Pool: pool, Schema: schema, Registerer: prometheus.NewRegistry(),
+		Tenant: func(r *http.Request) (string, error) { return r.Header.Get("X-Tenant"), nil }})
+	require.NoError(t, err)
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
+		if _, err := effects.Enqueue(ctx, httpidem.Tx(ctx), effects.Effect{Kind: "email", Key: "receipt:" + r.Header.Get("Idempotency-Key")}); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	for _, lease := range []bool{false, true} {
+		h := m.Route(httpidem.Route{Operation: fmt.Sprintf("pay-%v", lease), Lease: lease})(handler)
+		key := fmt.Sprintf("k-%v", lease)
+		for range 2 { // the second is a replay
+			r := httptest.NewRequest(http.MethodPost, "/pay", strings.NewReader(`{}`))
+			r.Header.Set("X-Tenant", "a")
+			r.Header.Set("Idempotency-Key", key)
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, r)
+			require.Equal(t, http.StatusCreated, w.Code, "lease %v: %s", lease, w.Body)
+		}
+		require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM effects WHERE tenant = 'a' AND key = $1`, "receipt:"+key))
+	}
+	require.Positive(t, remote.Count("issuing "), "the pool logs what Citus sends to the workers")
+	require.Empty(t, remote.Matching("read_intermediate_result"), "a statement went through the coordinator's recursive planning")
+	require.Empty(t, remote.Matching("PREPARE TRANSACTION"), "a request committed with two-phase commit")
 }

@@ -49,7 +49,7 @@ func (e *engine) claim(q *request) bool {
 	wait := max(e.cfg.LockTimeout, time.Millisecond)
 	switch {
 	case q.mode == modeTx && e.onCitus(cctx, q.tx.conn):
-		res, err = e.store.ClaimResponseTx(cctx, q.tx, citusClaimPrelude(wait), q.claim, wait)
+		res, err = e.store.claimResponseRouted(cctx, q.tx, citusClaimPrelude(wait), q.claim)
 	case q.mode == modeTx:
 		res, q.stmts, err = e.store.claimTx(cctx, q.tx, q.claim, wait)
 	default:

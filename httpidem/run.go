@@ -212,7 +212,8 @@ func (e *engine) abandon(q *request) {
 // handlerContext is the context the handler (and Recover) runs with: the
 // transaction (Tx), the key (KeyFrom) and the effects scope.
 func (e *engine) handlerContext(ctx context.Context, q *request) context.Context {
-	scope := effectsdb.Scope{Schema: e.cfg.Schema, Kinds: e.cfg.EffectKinds}
+	citus, _ := e.citus.Known() // asked at the request's claim
+	scope := effectsdb.Scope{Schema: e.cfg.Schema, Kinds: e.cfg.EffectKinds, Citus: citus}
 	if q.claim.Key != "" {
 		scope.Source = effectsdb.Source{Consumer: q.claim.Consumer, Tenant: q.claim.Tenant, Key: q.claim.Key}
 	}

@@ -175,6 +175,27 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 	inboxdb.DBTX
 	inboxdb.BatchSender
 }, prelude []string, c inboxdb.Claim, wait time.Duration) (responseClaim, error) {
+	return s.claimResponse(ctx, tx, prelude, c, s.q.ClaimMarkedReturningRow, formatMillis(wait))
+}
+
+// claimResponseRouted is ClaimResponseTx on Citus, whose prelude sets the
+// lock_timeout and the mark itself (SET LOCAL, which Citus propagates to the
+// worker): the claim is ClaimReturningRow, which Citus routes to the tenant's
+// worker as it is. ClaimMarkedReturningRow is an INSERT … SELECT, which Citus
+// runs through the coordinator and commits with two-phase commit.
+func (s *responseStore) claimResponseRouted(ctx context.Context, tx interface {
+	inboxdb.DBTX
+	inboxdb.BatchSender
+}, prelude []string, c inboxdb.Claim) (responseClaim, error) {
+	return s.claimResponse(ctx, tx, prelude, c, s.q.ClaimReturningRow)
+}
+
+// claimResponse is ClaimResponseTx with first, the claim statement of the
+// pipelined round trip, and its arguments after the claim's own.
+func (s *responseStore) claimResponse(ctx context.Context, tx interface {
+	inboxdb.DBTX
+	inboxdb.BatchSender
+}, prelude []string, c inboxdb.Claim, first string, more ...any) (responseClaim, error) {
 	if err := c.Validate(); err != nil {
 		return responseClaim{}, err
 	}
@@ -189,7 +210,7 @@ func (s *responseStore) ClaimResponseTx(ctx context.Context, tx interface {
 		for _, sql := range prelude {
 			b.Queue(sql)
 		}
-		b.Queue(s.q.ClaimMarkedReturningRow, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention), formatMillis(wait))
+		b.Queue(first, append([]any{c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)}, more...)...)
 		br := tx.SendBatch(ctx, b)
 		for range prelude {
 			if _, err := br.Exec(); err != nil {

@@ -102,6 +102,11 @@ type Scope struct {
 	// statement (EnqueueItems). To write at once and learn Duplicate or a mismatch
 	// now, pass a copy of the scope with Buffer nil to Enqueue.
 	Buffer *Buffer
+	// Citus says the schema is distributed by Citus (the consumer and httpidem
+	// set it from the mode they found): Enqueue then writes the row and raises
+	// the dispatchers' notification with two statements that Citus routes as
+	// they are, rather than one whose CTE it plans through the coordinator.
+	Citus bool
 }
 
 type scopeKey struct{}
@@ -153,11 +158,20 @@ func Enqueue(ctx context.Context, tx Tx, scope Scope, e Effect) (Result, error) 
 		consumer, srcTenant, key := scope.Source.Consumer, scope.Source.Tenant, scope.Source.Key
 		src = [3]*string{&consumer, &srcTenant, &key}
 	}
+	insert := q.insert
+	if scope.Citus {
+		insert = q.insertRouted
+	}
 	for {
 		var inserted bool
-		err := tx.QueryRow(ctx, q.insert, tenant, e.Kind, e.Key, e.Payload, fp[:], maxAttempts, e.Delay,
+		err := tx.QueryRow(ctx, insert, tenant, e.Kind, e.Key, e.Payload, fp[:], maxAttempts, e.Delay,
 			src[0], src[1], src[2], tc).Scan(&inserted)
 		if err == nil {
+			if scope.Citus {
+				if _, err := tx.Exec(ctx, q.notify); err != nil {
+					return Result{}, pgschema.Wrap(err, schema)
+				}
+			}
 			return Result{}, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {

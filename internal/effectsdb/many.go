@@ -171,8 +171,9 @@ type BatchTx interface {
 }
 
 // EnqueueItemsEach is EnqueueItems for Citus: the same checks, order and results,
-// but each effect is written by Enqueue's single-row insert, all of them
-// pipelined in one round trip, and Citus routes each to its tenant's shard. Citus
+// but each effect is written by a single-row insert (Enqueue's on Citus), all of
+// them and the dispatchers' notification pipelined in one round trip, and Citus
+// routes each to its tenant's shard. Citus
 // runs EnqueueItems's INSERT … SELECT FROM unnest(…) through the coordinator and
 // commits every such write with two-phase commit, even when one worker holds
 // every row; single-row inserts on one worker commit with one phase.
@@ -331,9 +332,13 @@ func (w *itemsWrite) writeEach(ctx context.Context, tx BatchTx, q *queries) erro
 			if !it.Trace.IsValid() {
 				tc = EncodeTrace(w.ctxTrace)
 			}
-			b.Queue(q.insert, it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key, it.Effect.Payload, w.fps[i],
+			b.Queue(q.insertRouted, it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key, it.Effect.Payload, w.fps[i],
 				maxAttemptsOf(it.Effect), it.Effect.Delay, src[0], src[1], src[2], tc)
 		}
+		// The dispatchers' wake-up, in the same round trip; when every row met
+		// one already, it wakes them for nothing, which costs a claim that finds
+		// nothing new.
+		b.Queue(q.notify)
 		br := tx.SendBatch(ctx, b)
 		all := true
 		for _, i := range todo {
@@ -348,6 +353,10 @@ func (w *itemsWrite) writeEach(ctx context.Context, tx BatchTx, q *queries) erro
 				_ = br.Close()
 				return err
 			}
+		}
+		if _, err := br.Exec(); err != nil {
+			_ = br.Close()
+			return err
 		}
 		if err := br.Close(); err != nil {
 			return err

@@ -15,8 +15,15 @@ const NotifyChannel = "idem_effects"
 // insertManyOne and fingerprintOfOne are insertMany and fingerprintOf for rows
 // that all belong to one tenant, which they take as one more argument ($12, $4)
 // and filter on (tenant = $n, for a router by tenant).
+//
+// insertRouted and notify are insert in two statements, for Citus (Scope.Citus):
+// the row alone, which Citus routes to the tenant's worker as it is, then the
+// notification, on the coordinator, when the row went in. Citus runs insert's
+// CTE through its recursive planner, pulling the insert's result to the
+// coordinator for the notification: about a third of the speed of the two.
 type queries struct {
 	insert, fingerprint             string
+	insertRouted, notify            string
 	insertMany, fingerprintOf       string
 	insertManyOne, fingerprintOfOne string
 	requeue                         string
@@ -86,6 +93,13 @@ func newQueries(schema string) queries {
 			), ` + wake + `
 			SELECT ok FROM ins WHERE (SELECT true FROM wake) IS NOT FALSE`,
 		fingerprint: `SELECT fingerprint FROM ` + t + ` WHERE tenant = $1 AND kind = $2 AND key = $3`,
+		insertRouted: `INSERT INTO ` + t + ` (tenant, kind, key, payload, fingerprint, max_attempts,
+				next_attempt_at, source_consumer, source_tenant, source_key, trace_context)
+			VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::interval, $8, $9, $10,
+				nullif($11::text, '')::jsonb)
+			ON CONFLICT (tenant, kind, key) DO NOTHING
+			RETURNING true`,
+		notify: `SELECT pg_notify('` + NotifyChannel + `', '` + schema + `')`,
 		// EnqueueItems: many effects in one statement, in the order given (the caller
 		// sorts them by identity, so that two batches wait for each other's keys in
 		// the same order and cannot deadlock). It answers with how many it inserted

@@ -19,6 +19,7 @@ func TestStatementsNameOneTenant(t *testing.T) {
 		"insertMany":    "a write of several tenants' effects (insertManyOne names one)",
 		"fingerprintOf": "a read of several tenants' effects (fingerprintOfOne names one)",
 		"requeue":       "an operator's requeue, across tenants unless it names one",
+		"notify":        "NOTIFY names a channel, and runs on the coordinator",
 	}))
 }
 
@@ -28,7 +29,7 @@ func TestOneTenantStatementsTakeCitusRules(t *testing.T) {
 	t.Parallel()
 	q := newQueries("idem")
 	for name, sql := range map[string]string{
-		"insert": q.insert, "insertManyOne": q.insertManyOne, "fingerprintOfOne": q.fingerprintOfOne,
+		"insert": q.insert, "insertRouted": q.insertRouted, "insertManyOne": q.insertManyOne, "fingerprintOfOne": q.fingerprintOfOne,
 	} {
 		require.Empty(t, sqlaudit.CitusRefusals(sql), name)
 	}

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/redact"
@@ -293,4 +294,53 @@ func CitusWorkerOf(tb testing.TB, pool *pgxpool.Pool, table, tenant string) int 
 	}
 	tb.Fatalf("tenant %q of %s is on port %d, neither Citus worker's", tenant, table, port)
 	return 0
+}
+
+// RemoteLog holds the commands that a pool's sessions had Citus send to the
+// workers (citus.log_remote_commands), as Citus's notices said them.
+type RemoteLog struct {
+	mu   sync.Mutex
+	msgs []string
+}
+
+// Matching is the commands so far that contain s.
+func (l *RemoteLog) Matching(s string) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, m := range l.msgs {
+		if strings.Contains(m, s) {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// Count is how many of the commands so far contain s.
+func (l *RemoteLog) Count(s string) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var n int64
+	for _, m := range l.msgs {
+		if strings.Contains(m, s) {
+			n++
+		}
+	}
+	return n
+}
+
+// CitusRemoteLog is a pool like base (a Citus pool of this package) whose
+// sessions log, as notices kept in the returned RemoteLog, the commands Citus
+// sends the workers for them. It is closed when the test ends.
+func CitusRemoteLog(tb testing.TB, base *pgxpool.Pool) (*pgxpool.Pool, *RemoteLog) {
+	tb.Helper()
+	l := &RemoteLog{}
+	cfg := base.Config().Copy()
+	cfg.ConnConfig.RuntimeParams["citus.log_remote_commands"] = "on"
+	cfg.ConnConfig.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		l.mu.Lock()
+		l.msgs = append(l.msgs, n.Message)
+		l.mu.Unlock()
+	}
+	return OpenPool(tb, cfg), l
 }
