@@ -210,7 +210,9 @@ func (s *responseStore) claimResponse(ctx context.Context, tx interface {
 		for _, sql := range prelude {
 			b.Queue(sql)
 		}
-		b.Queue(first, append([]any{c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention)}, more...)...)
+		args := make([]any, 0, 5+len(more)) // one allocation, as a call's own variadic list
+		args = append(args, c.Consumer, c.Tenant, c.Key, c.Fingerprint, retentionOf(c.Retention))
+		b.Queue(first, append(args, more...)...)
 		br := tx.SendBatch(ctx, b)
 		for range prelude {
 			if _, err := br.Exec(); err != nil {
