@@ -251,14 +251,7 @@ func (r *setRun) round(n int) roundEnd {
 		}
 	}
 	if len(items) > 0 {
-		enqueue := effectsdb.EnqueueItems
-		if r.g.onCitus() {
-			// One single-row insert an effect, pipelined: see EnqueueItemsEach.
-			enqueue = func(ctx context.Context, tx effectsdb.Tx, items []effectsdb.Item) ([]effectsdb.Result, error) {
-				return effectsdb.EnqueueItemsEach(ctx, r.tx, items)
-			}
-		}
-		if _, err := enqueue(r.ctx, r.tx, items); err != nil {
+		if _, err := effectsdb.EnqueueItems(r.ctx, r.tx, items); err != nil {
 			var ie *effectsdb.ItemErrors
 			if !errors.As(err, &ie) {
 				return roundFallback

@@ -187,17 +187,22 @@ func TestEnqueueManySortsSoWritersCannotDeadlock(t *testing.T) {
 // EnqueueItems sends the columns in which every effect has the default as NULL
 // arrays: each row still gets its own max_attempts, delay and trace context
 // whether the others have the default or not, in whichever order they come, and
-// an effect with a source keeps its tenant as the source's. EnqueueItemsEach, the
-// form for Citus (one single-row insert an effect), writes the same rows and
-// gives the same results.
+// an effect with a source keeps its tenant as the source's. Its form for Citus
+// (Scope.Citus: one single-row insert an effect) writes the same rows and gives
+// the same results.
 func TestEnqueueItemsDefaultsAndOverrides(t *testing.T) {
 	t.Parallel()
 	for name, enqueue := range map[string]func(context.Context, pgx.Tx, []effectsdb.Item) ([]effectsdb.Result, error){
 		"EnqueueItems": func(ctx context.Context, tx pgx.Tx, items []effectsdb.Item) ([]effectsdb.Result, error) {
 			return effectsdb.EnqueueItems(ctx, tx, items)
 		},
-		"EnqueueItemsEach": func(ctx context.Context, tx pgx.Tx, items []effectsdb.Item) ([]effectsdb.Result, error) {
-			return effectsdb.EnqueueItemsEach(ctx, tx, items)
+		// The form for Citus: one single-row insert an effect.
+		"EnqueueItems on Citus": func(ctx context.Context, tx pgx.Tx, items []effectsdb.Item) ([]effectsdb.Result, error) {
+			items = slices.Clone(items)
+			for i := range items {
+				items[i].Scope.Citus = true
+			}
+			return effectsdb.EnqueueItems(ctx, tx, items)
 		},
 	} {
 		t.Run(name, func(t *testing.T) { testEnqueueItemsDefaultsAndOverrides(t, enqueue) })

@@ -144,6 +144,14 @@ func (e *ItemErrors) Unwrap() []error {
 // or ErrFingerprintMismatch. Validation errors come back before anything is written.
 // Per-effect errors come back together as an *ItemErrors; the effects without one
 // were written (roll back to undo them). All items must name the same schema.
+//
+// On Citus (the items' Scope.Citus) with a tx that pipelines statements (a
+// pgx.Tx does), each effect is written by a single-row insert instead, all of
+// them and the dispatchers' notification in one round trip, and Citus routes
+// each to its tenant's shard (writeEach): Citus runs the INSERT … SELECT through
+// the coordinator and commits every such write with two-phase commit, even when
+// one worker holds every row; single-row inserts on one worker commit with one
+// phase.
 func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 	if tx == nil {
 		return nil, ErrNoTx
@@ -157,43 +165,23 @@ func EnqueueItems(ctx context.Context, tx Tx, items []Item) ([]Result, error) {
 	}
 	var w itemsWrite // on the stack: EnqueueItems is a group-commit batch's hot path
 	w.plan(items, trace.SpanContextFromContext(ctx))
-	if err := w.write(ctx, tx, queriesFor(schema)); err != nil {
+	q := queriesFor(schema)
+	if bt, ok := tx.(batchTx); ok && items[0].Scope.Citus {
+		err = w.writeEach(ctx, bt, q)
+	} else {
+		err = w.write(ctx, tx, q)
+	}
+	if err != nil {
 		return nil, pgschema.Wrap(err, schema)
 	}
 	return w.results()
 }
 
-// BatchTx is a transaction that can pipeline statements: what EnqueueItemsEach
-// needs (a pgx.Tx is one).
-type BatchTx interface {
+// batchTx is a Tx that can pipeline statements, as writeEach needs (a pgx.Tx is
+// one).
+type batchTx interface {
 	Tx
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-}
-
-// EnqueueItemsEach is EnqueueItems for Citus: the same checks, order and results,
-// but each effect is written by a single-row insert (Enqueue's on Citus), all of
-// them and the dispatchers' notification pipelined in one round trip, and Citus
-// routes each to its tenant's shard. Citus
-// runs EnqueueItems's INSERT … SELECT FROM unnest(…) through the coordinator and
-// commits every such write with two-phase commit, even when one worker holds
-// every row; single-row inserts on one worker commit with one phase.
-func EnqueueItemsEach(ctx context.Context, tx BatchTx, items []Item) ([]Result, error) {
-	if tx == nil {
-		return nil, ErrNoTx
-	}
-	if len(items) == 0 {
-		return []Result{}, nil
-	}
-	schema, err := checkItems(items)
-	if err != nil {
-		return nil, err
-	}
-	var w itemsWrite
-	w.plan(items, trace.SpanContextFromContext(ctx))
-	if err := w.writeEach(ctx, tx, queriesFor(schema)); err != nil {
-		return nil, pgschema.Wrap(err, schema)
-	}
-	return w.results()
 }
 
 // checkItems validates every item in its scope and returns the one schema they all
@@ -316,9 +304,10 @@ func (w *itemsWrite) write(ctx context.Context, tx Tx, q *queries) error {
 	return nil
 }
 
-// writeEach is write with one single-row insert a writer (EnqueueItemsEach), in
-// one batch: the same rounds, and the same read of the rows some met instead.
-func (w *itemsWrite) writeEach(ctx context.Context, tx BatchTx, q *queries) error {
+// writeEach is write with one single-row insert a writer, in one batch (see
+// EnqueueItems, on Citus): the same rounds, and the same read of the rows some
+// met instead.
+func (w *itemsWrite) writeEach(ctx context.Context, tx batchTx, q *queries) error {
 	todo := w.writers
 	for len(todo) > 0 {
 		b := &pgx.Batch{}
@@ -328,10 +317,7 @@ func (w *itemsWrite) writeEach(ctx context.Context, tx BatchTx, q *queries) erro
 			if it.Scope.Source.Consumer != "" {
 				src = [3]*string{&it.Scope.Source.Consumer, &it.Scope.Source.Tenant, &it.Scope.Source.Key}
 			}
-			tc := EncodeTrace(it.Trace)
-			if !it.Trace.IsValid() {
-				tc = EncodeTrace(w.ctxTrace)
-			}
+			tc := w.cols.traceOf(it, w.ctxTrace)
 			b.Queue(q.insertRouted, it.Scope.Source.Tenant, it.Effect.Kind, it.Effect.Key, it.Effect.Payload, w.fps[i],
 				maxAttemptsOf(it.Effect), it.Effect.Delay, src[0], src[1], src[2], tc)
 		}
