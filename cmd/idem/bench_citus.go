@@ -9,15 +9,6 @@ import (
 	"github.com/idemkit/idem/internal/redact"
 )
 
-type citusBenchJSON struct {
-	N           int                    `json:"n"`
-	Concurrency int                    `json:"concurrency"`
-	PayloadSize int                    `json:"payload_bytes"`
-	DupRate     float64                `json:"dup_rate"`
-	Tenants     int                    `json:"tenants"`
-	Results     []benchkit.ShardResult `json:"results"`
-}
-
 // runCitusBench compares plain Postgres (--database-url) with a Citus coordinator
 // (--citus): idem per message and idem group commit, the messages spread over
 // --tenants tenants, in the bench's scratch schema on each (migrated in Citus
@@ -57,7 +48,7 @@ func runCitusBench(ctx context.Context, e *env, o benchkit.Options, f shardBench
 		results = append(results, rs...)
 	}
 	if e.json {
-		return e.writeJSON(citusBenchJSON{N: o.N, Concurrency: o.Concurrency, PayloadSize: o.PayloadSize, DupRate: o.DupRate,
+		return e.writeJSON(shardBenchJSON{N: o.N, Concurrency: o.Concurrency, PayloadSize: o.PayloadSize, DupRate: o.DupRate,
 			Tenants: f.tenants, Results: results})
 	}
 	tw := e.table("SETUP", "DATABASE", "MSGS/S", "× POSTGRES", "P50", "P99", "GO µs/MSG", "PG µs/MSG", "COMMITTED TWICE", "LOST")

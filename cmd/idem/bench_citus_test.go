@@ -37,7 +37,7 @@ func TestBenchCompareCitus(t *testing.T) {
 	r := runBenchCLI(t, "bench", "--citus", citus, "-n", "200", "--concurrency", "4", "--dup-rate", "0.2",
 		"--tenants", "8", "--json", "--bench-schema", schema).ok(t)
 	release()
-	var out citusBenchJSON
+	var out shardBenchJSON
 	r.decode(t, &out)
 	require.Len(t, out.Results, 4)
 	for i, res := range out.Results {

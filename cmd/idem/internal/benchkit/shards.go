@@ -79,23 +79,10 @@ func RunShards(ctx context.Context, o ShardOptions) ([]ShardResult, error) {
 	if len(o.URLs) < 2 {
 		return nil, errors.New("benchkit: the shard comparison needs at least two shard URLs")
 	}
-	if o.Setup != PerMessage && o.Setup != GroupCommit {
-		return nil, fmt.Errorf("benchkit: the shard comparison runs %s or %s, not %s", PerMessage, GroupCommit, o.Setup)
-	}
-	o.Concurrency = cmp.Or(o.Concurrency, 16)
-	o.Tenants = cmp.Or(o.Tenants, 64)
-	var out []ShardResult
-	for _, k := range []int{1, len(o.URLs)} {
-		r, err := runShards(ctx, o, o.URLs[:k], false)
-		if err != nil {
-			for _, u := range o.URLs {
-				err = redact.Error(err, u)
-			}
-			return out, fmt.Errorf("%d shard(s): %w", k, err)
-		}
-		out = append(out, r)
-	}
-	return out, nil
+	return runEach(ctx, o, "shard", []spread{
+		{label: "1 shard(s)", urls: o.URLs[:1], names: o.Names},
+		{label: fmt.Sprintf("%d shard(s)", len(o.URLs)), urls: o.URLs, names: o.Names},
+	})
 }
 
 // RunCitus runs the workload on plain Postgres, o.URLs[0], then on the Citus
@@ -107,20 +94,37 @@ func RunCitus(ctx context.Context, o ShardOptions) ([]ShardResult, error) {
 	if len(o.URLs) != 2 {
 		return nil, errors.New("benchkit: the Citus comparison needs two URLs: plain Postgres, then the Citus coordinator")
 	}
+	return runEach(ctx, o, "Citus", []spread{
+		{label: "postgres", urls: o.URLs[:1], names: []string{"postgres"}},
+		{label: "citus", urls: o.URLs[1:], names: []string{"citus"}, citus: true},
+	})
+}
+
+// spread is one run of a comparison: the workload spread by tenant over urls,
+// named names (s1, s2, ... when nil), a Citus coordinator when citus.
+type spread struct {
+	label       string
+	urls, names []string
+	citus       bool
+}
+
+// runEach runs o's workload as each of runs, in turn, for the comparison named
+// what.
+func runEach(ctx context.Context, o ShardOptions, what string, runs []spread) ([]ShardResult, error) {
 	if o.Setup != PerMessage && o.Setup != GroupCommit {
-		return nil, fmt.Errorf("benchkit: the Citus comparison runs %s or %s, not %s", PerMessage, GroupCommit, o.Setup)
+		return nil, fmt.Errorf("benchkit: the %s comparison runs %s or %s, not %s", what, PerMessage, GroupCommit, o.Setup)
 	}
 	o.Concurrency = cmp.Or(o.Concurrency, 16)
 	o.Tenants = cmp.Or(o.Tenants, 64)
 	var out []ShardResult
-	for i, name := range []string{"postgres", "citus"} {
-		o.Names = []string{name}
-		r, err := runShards(ctx, o, o.URLs[i:i+1], i == 1)
+	for _, run := range runs {
+		o.Names = run.names
+		r, err := runShards(ctx, o, run.urls, run.citus)
 		if err != nil {
 			for _, u := range o.URLs {
 				err = redact.Error(err, u)
 			}
-			return out, fmt.Errorf("%s: %w", name, err)
+			return out, fmt.Errorf("%s: %w", run.label, err)
 		}
 		out = append(out, r)
 	}
