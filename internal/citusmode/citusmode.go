@@ -13,6 +13,7 @@ package citusmode
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -61,32 +62,44 @@ func Distributed(ctx context.Context, q Querier, table string) (bool, error) {
 
 // Detector asks Distributed once and keeps the answer; an error is not kept, so
 // the next call asks again. Its zero value is ready to use; it is safe for
-// concurrent use.
+// concurrent use. The kept answer is read without a lock (Known is on the
+// consumer's and httpidem's path of every message and request); one question at
+// a time is asked.
 type Detector struct {
-	mu    sync.Mutex
-	known bool
-	on    bool
+	mu    sync.Mutex    // held while asking
+	state atomic.Uint32 // 0 unknown, then stateOff or stateOn
 }
+
+const (
+	stateOff = 1
+	stateOn  = 2
+)
 
 // Known returns the kept answer, if there is one (known).
 func (d *Detector) Known() (on, known bool) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.on, d.known
+	st := d.state.Load()
+	return st == stateOn, st != 0
 }
 
 // On reports whether table is distributed, asking q the first time only.
 func (d *Detector) On(ctx context.Context, q Querier, table string) (bool, error) {
+	if on, known := d.Known(); known {
+		return on, nil
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.known {
-		return d.on, nil
+	if on, known := d.Known(); known { // asked while this call waited
+		return on, nil
 	}
 	on, err := Distributed(ctx, q, table)
 	if err != nil {
 		return false, err
 	}
-	d.known, d.on = true, on
+	st := uint32(stateOff)
+	if on {
+		st = stateOn
+	}
+	d.state.Store(st)
 	return on, nil
 }
 
