@@ -2,6 +2,8 @@ package citusmode_test
 
 import (
 	"context"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -14,11 +16,11 @@ import (
 // counting is a Querier that counts the queries it passes on.
 type counting struct {
 	q citusmode.Querier
-	n int
+	n atomic.Int64
 }
 
 func (c *counting) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	c.n++
+	c.n.Add(1)
 	return c.q.QueryRow(ctx, sql, args...)
 }
 
@@ -41,7 +43,7 @@ func TestDistributed(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, on)
 	}
-	require.Equal(t, 2, q.n, "asked once: is Citus installed, is the table distributed")
+	require.EqualValues(t, 2, q.n.Load(), "asked once: is Citus installed, is the table distributed")
 	on, known := d.Known()
 	require.True(t, on && known)
 
@@ -52,5 +54,35 @@ func TestDistributed(t *testing.T) {
 	on, err = citusmode.Distributed(ctx, pq, pgx.Identifier{plainPG, "inbox"}.Sanitize())
 	require.NoError(t, err)
 	require.False(t, on)
-	require.Equal(t, 1, pq.n, "one query on plain Postgres")
+	require.EqualValues(t, 1, pq.n.Load(), "one query on plain Postgres")
+}
+
+// A Detector keeps no error: a question that fails is asked again by the next
+// call. Callers at once ask one question between them, and read the answer kept.
+func TestDetectorAsksOnceAndKeepsNoError(t *testing.T) {
+	t.Parallel()
+	plain, schema := pgtest.Setup(t, pgtest.Options{MaxConns: 2})
+	table := pgx.Identifier{schema, "inbox"}.Sanitize()
+	var d citusmode.Detector
+	q := &counting{q: plain}
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := d.On(cancelled, q, table)
+	require.Error(t, err)
+	_, known := d.Known()
+	require.False(t, known, "an error is not an answer")
+
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			on, err := d.On(context.Background(), q, table)
+			require.NoError(t, err)
+			require.False(t, on)
+		})
+	}
+	wg.Wait()
+	require.EqualValues(t, 2, q.n.Load(), "the failed question, then one for the eight callers")
+	on, known := d.Known()
+	require.True(t, known)
+	require.False(t, on)
 }
