@@ -53,6 +53,8 @@ type dispatcher struct {
 	// dueTenants is dueTenantsSQL for the lanes' kinds; dueTenantsEachShard its
 	// stand-in while a Citus worker is down.
 	dueTenants, dueTenantsEachShard string
+	// eachShard says the last round read the shards apart (findDueTenants).
+	eachShard atomic.Bool
 
 	wake     chan struct{} // a notification or a requeue: look for work now
 	freed    chan struct{} // outcomes were recorded: capacity is free again
@@ -476,6 +478,9 @@ func (d *dispatcher) findDueTenants(ctx context.Context, kinds []string, room []
 	if err == nil {
 		var tenants []string
 		if tenants, err = pgx.CollectRows(rows, pgx.RowTo[string]); err == nil {
+			if d.eachShard.CompareAndSwap(true, false) {
+				d.log.Info("effects dispatcher: the read of due tenants on every shard answers again")
+			}
 			return tenants, nil
 		}
 	}
@@ -501,8 +506,10 @@ func (d *dispatcher) findDueTenants(ctx context.Context, kinds []string, room []
 			tenants = append(tenants, ts...)
 		}
 	}
-	d.log.Warn("effects dispatcher: the read of due tenants on every shard failed (a Citus worker down?); read the shards that answer instead",
-		"tenants", len(tenants), "error", err)
+	if d.eachShard.CompareAndSwap(false, true) { // once an outage, not every round
+		d.log.Warn("effects dispatcher: the read of due tenants on every shard failed (a Citus worker down?); reading the shards that answer instead until it works again",
+			"tenants", len(tenants), "error", err)
+	}
 	return tenants, nil
 }
 
